@@ -1,0 +1,303 @@
+"""The custom resources of memops, as pydantic models: the single source of truth.
+
+The CRD schemas in ``crds/`` are generated from these models (``memops crds``), the
+controllers parse spec and status with them, and the printer columns live next to the
+fields they show. Field descriptions become the CRD's ``description``s, which is what
+``kubectl explain retirementrequest.spec.count`` prints.
+
+Field names are the Kubernetes camelCase names; pydantic validates what the API server
+cannot (cross-field rules beyond ``oneOf``), and those errors name the field too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import re
+from typing import Annotated, Any, Literal
+
+import pydantic
+
+GROUP = "memops.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Go's time.ParseDuration syntax, which is what Kubernetes users write ("10m", "1h30m", "90s").
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> datetime.timedelta:
+    """Parse a Go-style duration ("10m", "1h30m", "1.5s") into a timedelta."""
+    if not re.fullmatch(DURATION_PATTERN, text):
+        raise ValueError(f"{text!r} is not a duration such as 90s, 10m or 1h30m")
+    seconds = sum(float(num) * _DURATION_UNITS[unit] for num, unit in _DURATION_PART.findall(text))
+    return datetime.timedelta(seconds=seconds)
+
+
+Duration = Annotated[
+    str,
+    pydantic.Field(pattern=DURATION_PATTERN, json_schema_extra={"example": "10m"}),
+]
+
+
+class Model(pydantic.BaseModel):
+    """Base of every spec model: Kubernetes field names, unknown fields refused."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", use_enum_values=False, populate_by_name=True)
+
+
+class OnTimeout(enum.StrEnum):
+    ABORT = "Abort"
+    FORCE = "Force"
+
+
+class WorkloadKind(enum.StrEnum):
+    DEPLOYMENT = "Deployment"
+
+
+class TLSRef(Model):
+    """Where the operator finds its client certificate for a tls:// scheduler."""
+
+    secretName: str = pydantic.Field(
+        min_length=1,
+        description=(
+            "A Secret in the request's namespace with keys ca.crt, tls.crt and tls.key (PEM),"
+            " used as the client's certificate authority, certificate and key."
+        ),
+    )
+
+
+class SchedulerRef(Model):
+    """How the operator reaches the Dask scheduler."""
+
+    address: str = pydantic.Field(
+        pattern=r"^(tcp|tls)://[^\s]+$",
+        description=(
+            "The scheduler's Dask comm address, e.g. tcp://dask-scheduler:8786 or tls://dask-scheduler:8786."
+            " The operator speaks the Dask protocol to it, never the scheduler's HTTP API."
+        ),
+    )
+    tls: TLSRef | None = pydantic.Field(
+        default=None, description="Client certificates for a tls:// address (required for tls://)."
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _tls_needs_certificates(self) -> SchedulerRef:
+        if self.address.startswith("tls://") and self.tls is None:
+            raise ValueError("scheduler.tls.secretName is required for a tls:// scheduler address")
+        return self
+
+
+class WorkloadRef(Model):
+    """The Kubernetes object whose pods run the Dask workers."""
+
+    kind: WorkloadKind = pydantic.Field(description="The kind of the workload. Supported: Deployment.")
+    name: str = pydantic.Field(min_length=1, description="The workload's name, in the same namespace.")
+
+
+class RetirementRequestSpec(Model):
+    """Retire some workers: drain their data through the scheduler's Active Memory Manager, then
+    remove their pods. Set exactly one of count and workers."""
+
+    scheduler: SchedulerRef = pydantic.Field(description="The Dask scheduler of these workers.")
+    workload: WorkloadRef = pydantic.Field(description="Whose pods these workers are.")
+    count: int | None = pydantic.Field(
+        default=None,
+        ge=1,
+        description=(
+            "Retire this many workers, chosen by memops: pods not yet running a connected worker first,"
+            " then the workers whose removal moves the fewest unique bytes. Exclusive with workers."
+        ),
+    )
+    workers: list[Annotated[str, pydantic.Field(min_length=1)]] | None = pydantic.Field(
+        default=None,
+        min_length=1,
+        description="Retire exactly these pods (pod names, which are the Dask worker names). Exclusive with count.",
+    )
+    timeout: Duration = pydantic.Field(
+        default="10m",
+        description="How long the drain may take, as a duration (90s, 10m, 1h). Counted from the drain's start.",
+    )
+    onTimeout: OnTimeout = pydantic.Field(
+        default=OnTimeout.ABORT,
+        description=(
+            "What to do with a worker whose unique data could not be moved in time or had nowhere to go."
+            " Abort: keep its pod. Force: remove it anyway, and record the bytes lost in the status."
+        ),
+    )
+
+    # The API server can check "exactly one of" structurally; pydantic checks it again below.
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["count"]}, {"required": ["workers"]}]}
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _exactly_one_selection(self) -> RetirementRequestSpec:
+        if (self.count is None) == (self.workers is None):
+            raise ValueError("set exactly one of spec.count and spec.workers")
+        return self
+
+
+class Phase(enum.StrEnum):
+    PENDING = "Pending"
+    DRAINING = "Draining"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class WorkerState(enum.StrEnum):
+    PENDING = "Pending"
+    DRAINING = "Draining"
+    RETIRED = "Retired"
+    KEPT = "Kept"
+    FORCED = "Forced"
+
+
+class Condition(Model):
+    """A Kubernetes status condition (metav1.Condition)."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = pydantic.Field(default="", description="CamelCase reason for the condition's last transition.")
+    message: str = pydantic.Field(default="", description="Human-readable details.")
+    lastTransitionTime: str = pydantic.Field(default="", description="When the status last changed (RFC 3339).")
+    observedGeneration: int = pydantic.Field(
+        default=0, description="The metadata.generation that the condition was set for."
+    )
+
+
+class WorkerStatus(Model):
+    """What happened to one chosen worker."""
+
+    pod: str = pydantic.Field(description="The pod's name, which is the Dask worker's name.")
+    address: str = pydantic.Field(default="", description="The worker's Dask address when it was chosen.")
+    state: WorkerState = pydantic.Field(
+        default=WorkerState.PENDING,
+        description=(
+            "Pending: chosen, not yet draining. Draining: its data is moving. Retired: drained and its pod"
+            " removed. Kept: its pod was kept because its unique data could not be moved. Forced: removed"
+            " although it still held unique data (onTimeout: Force); bytesLost says how much."
+        ),
+    )
+    uniqueBytes: int = pydantic.Field(default=0, description="Bytes held only by this worker when the drain began.")
+    bytesMoved: int = pydantic.Field(default=0, description="Of those, bytes now held by another worker.")
+    bytesLost: int = pydantic.Field(default=0, description="Bytes held by no worker after its removal (Forced).")
+    keysLost: int = pydantic.Field(default=0, description="Keys held by no worker after its removal (Forced).")
+    message: str = pydantic.Field(default="", description="Why the worker is in this state.")
+
+
+class RetirementRequestStatus(Model):
+    """Written by memops as the work goes."""
+
+    phase: Phase = pydantic.Field(default=Phase.PENDING, description="Pending, Draining, Succeeded or Failed.")
+    message: str = pydantic.Field(default="", description="A one-line summary of the outcome.")
+    observedGeneration: int = pydantic.Field(default=0, description="The generation the drain was started for.")
+    startTime: str = pydantic.Field(default="", description="When the drain began (RFC 3339).")
+    deadline: str = pydantic.Field(default="", description="startTime plus spec.timeout (RFC 3339).")
+    completionTime: str = pydantic.Field(default="", description="When the request reached Succeeded or Failed.")
+    onTimeout: OnTimeout | None = pydantic.Field(
+        default=None, description="The spec.onTimeout accepted at the start; later spec changes are refused."
+    )
+    retired: int = pydantic.Field(default=0, description="Workers retired and their pods removed.")
+    kept: int = pydantic.Field(default=0, description="Workers whose pods were kept.")
+    forced: int = pydantic.Field(default=0, description="Workers removed while still holding unique data.")
+    bytesMoved: int = pydantic.Field(default=0, description="Unique bytes moved to other workers, in total.")
+    bytesLost: int = pydantic.Field(default=0, description="Bytes lost by forced removals, in total.")
+    workers: list[WorkerStatus] = pydantic.Field(default_factory=list, description="One entry per chosen worker.")
+    conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
+
+
+class DrainSpec(Model):
+    """How a MemoryPolicy drains a worker before its pod is removed."""
+
+    timeout: Duration = pydantic.Field(default="10m", description="How long one drain may take.")
+    onTimeout: OnTimeout = pydantic.Field(
+        default=OnTimeout.ABORT, description="Abort: keep pods that still hold unique data. Force: remove them."
+    )
+
+
+class MemoryPolicySpec(Model):
+    """How one Dask cluster's memory is managed, for as long as the policy exists."""
+
+    scheduler: SchedulerRef = pydantic.Field(description="The Dask scheduler of these workers.")
+    workload: WorkloadRef = pydantic.Field(description="Whose pods the workers are.")
+    replicas: int | None = pydantic.Field(
+        default=None, ge=0, description="Desired number of workers. Every scale-down drains first."
+    )
+    drain: DrainSpec = pydantic.Field(default_factory=DrainSpec, description="How workers are drained.")
+
+
+class MemoryPolicyStatus(Model):
+    replicas: int = pydantic.Field(default=0, description="Workers that exist now.")
+    desiredReplicas: int = pydantic.Field(default=0, description="Workers that memops is steering towards.")
+    selector: str = pydantic.Field(default="", description="The workers' label selector, for the /scale subresource.")
+    observedGeneration: int = pydantic.Field(default=0, description="The generation last acted on.")
+    conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
+
+
+class ResourceKind(pydantic.BaseModel):
+    """Everything the CRD generator needs to know about one kind besides its models."""
+
+    model_config = pydantic.ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    kind: str
+    description: str
+    plural: str
+    singular: str
+    short_names: tuple[str, ...]
+    spec: type[Model]
+    status: type[Model]
+    printer_columns: tuple[dict[str, Any], ...]
+    scale: dict[str, str] | None = None
+
+
+RETIREMENT_REQUEST = ResourceKind(
+    kind="RetirementRequest",
+    description=(
+        "A one-shot request to retire Dask workers: memops drains their data through the scheduler's"
+        " Active Memory Manager, then removes their pods. The status tells what happened to each worker."
+    ),
+    plural="retirementrequests",
+    singular="retirementrequest",
+    short_names=("retire",),
+    spec=RetirementRequestSpec,
+    status=RetirementRequestStatus,
+    printer_columns=(
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Workload", "type": "string", "jsonPath": ".spec.workload.name"},
+        {"name": "Count", "type": "integer", "jsonPath": ".spec.count"},
+        {"name": "Retired", "type": "integer", "jsonPath": ".status.retired"},
+        {"name": "Kept", "type": "integer", "jsonPath": ".status.kept"},
+        {"name": "Moved", "type": "integer", "jsonPath": ".status.bytesMoved", "description": "Bytes moved"},
+        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ),
+)
+
+MEMORY_POLICY = ResourceKind(
+    kind="MemoryPolicy",
+    description=(
+        "How one Dask cluster's memory is managed for as long as the policy exists; every scale-down"
+        " that it governs drains the workers first."
+    ),
+    plural="memorypolicies",
+    singular="memorypolicy",
+    short_names=("mempol",),
+    spec=MemoryPolicySpec,
+    status=MemoryPolicyStatus,
+    printer_columns=(
+        {"name": "Workload", "type": "string", "jsonPath": ".spec.workload.name"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ),
+    scale={
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    },
+)
+
+KINDS: tuple[ResourceKind, ...] = (RETIREMENT_REQUEST, MEMORY_POLICY)
