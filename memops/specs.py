@@ -186,6 +186,19 @@ class WorkerStatus(Model):
     bytesLost: int = pydantic.Field(default=0, description="Bytes held by no worker after its removal (Forced).")
     keysLost: int = pydantic.Field(default=0, description="Keys held by no worker after its removal (Forced).")
     message: str = pydantic.Field(default="", description="Why the worker is in this state.")
+    removable: bool = pydantic.Field(
+        default=False, description="memops decided to remove this pod: it is drained, or forced."
+    )
+    podRemoved: bool = pydantic.Field(default=False, description="The pod is gone.")
+
+
+class ScaleDown(Model):
+    """The workload scale-down that memops ordered, recorded before it is ordered so that a
+    restarted operator never lowers the replicas twice."""
+
+    pods: list[str] = pydantic.Field(description="The pods whose removal was ordered.")
+    replicasFrom: int = pydantic.Field(description="The workload's replicas before the scale-down.")
+    replicasTo: int = pydantic.Field(description="The replicas that memops set.")
 
 
 class RetirementRequestStatus(Model):
@@ -206,6 +219,7 @@ class RetirementRequestStatus(Model):
     bytesMoved: int = pydantic.Field(default=0, description="Unique bytes moved to other workers, in total.")
     bytesLost: int = pydantic.Field(default=0, description="Bytes lost by forced removals, in total.")
     workers: list[WorkerStatus] = pydantic.Field(default_factory=list, description="One entry per chosen worker.")
+    scaleDown: ScaleDown | None = pydantic.Field(default=None, description="The scale-down memops ordered.")
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 

@@ -291,6 +291,13 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
                 status = {"conditions": [established], "acceptedNames": obj["spec"]["names"]}
                 await self.store.patch(kind.plural, None, obj["metadata"]["name"], {"status": status}, subresource="status")
 
+    async def create_crd(self, crd: Obj) -> Obj:
+        """Install a CRD as ``kubectl apply`` would: store it, then serve its kind."""
+        kind = self.store.kinds["customresourcedefinitions"]
+        created = await self.store.create(kind.plural, None, crd)
+        await self._after_write(kind, created)
+        return created
+
     def serve_crd(self, crd: Obj) -> Kind:
         """Serve the kind that a CustomResourceDefinition declares (its first served version)."""
         spec = crd["spec"]

@@ -1,0 +1,73 @@
+"""The operator: Kopf handlers, and the only code that talks to the Kubernetes API.
+
+``make_registry()`` builds a fresh Kopf registry with every memops handler (tests make one
+per test); ``run()`` runs the operator with memops' own Kopf settings: the ``memops.dev``
+persistence prefix, finalizer and peering, so that memops never collides with another Kopf
+operator (dask-kubernetes' is one) in the same cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import kopf
+
+from memops import kube
+from memops.controllers import retirement
+
+PREFIX = "memops.dev"
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    settings.persistence.finalizer = f"{PREFIX}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration"
+    )
+    settings.peering.name = "memops"
+    settings.peering.mandatory = False
+    # Kopf turns handler logs into Kubernetes events from INFO up; memops posts its own
+    # events, so only warnings and errors from the handlers become events.
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+
+
+def make_registry(kubeconfig: str | None = None) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kube.load_connection(kubeconfig)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure(settings)
+        memo.kube = kube.Kube(kube.load_connection(kubeconfig))
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        if getattr(memo, "kube", None) is not None:
+            await memo.kube.close()
+
+    retirement.register(registry)
+    return registry
+
+
+async def run(
+    *,
+    namespaces: Sequence[str] = (),
+    kubeconfig: str | None = None,
+    liveness_endpoint: str | None = None,
+    standalone: bool = False,
+) -> None:
+    """Run the operator until cancelled; cluster-wide unless namespaces are given."""
+    await kopf.operator(
+        registry=make_registry(kubeconfig),
+        clusterwide=not namespaces,
+        namespaces=list(namespaces),
+        liveness_endpoint=liveness_endpoint,
+        standalone=standalone,
+        memo=kopf.Memo(),
+    )

@@ -1,0 +1,70 @@
+"""The ``memops`` command: ``run`` the operator, start a ``sandbox``, write the ``crds``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memops", description="Memory-driven lifecycle of Dask clusters.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the operator against the current kubeconfig or in-cluster config")
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    run.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
+    run.add_argument("--liveness", metavar="URL", help="serve Kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument("--standalone", action="store_true", help="do not coordinate with other operator replicas")
+    run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+    sandbox = commands.add_parser("sandbox", help="a local cluster with real Dask workers and the operator")
+    sandbox.add_argument("--workers", type=int, default=4, help="number of dask-worker pods (default 4)")
+    sandbox.add_argument("--state-dir", help="where to write kubeconfig, scheduler-address and ready")
+    sandbox.add_argument("--port", type=int, help="the emulated API server's port (default: any free port)")
+    sandbox.add_argument("--no-operator", action="store_true", help="start everything but the operator")
+
+    crds = commands.add_parser("crds", help="write the CRD manifests generated from the spec models")
+    crds.add_argument("--output", default="crds", help="directory to write into (default: crds)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "crds":
+        from memops import crds as crd_module
+
+        for path in crd_module.write_crds(Path(args.output)):
+            print(path)
+        return 0
+    if args.command == "sandbox":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        from memops import sandbox
+
+        if args.workers < 1:
+            print("memops sandbox: --workers must be at least 1", file=sys.stderr)
+            return 2
+        return sandbox.main(args.workers, args.state_dir, operator=not args.no_operator, port=args.port)
+    from memops import controllers
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        asyncio.run(controllers.run(
+            namespaces=args.namespace, kubeconfig=args.kubeconfig,
+            liveness_endpoint=args.liveness, standalone=args.standalone,
+        ))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

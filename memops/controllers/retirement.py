@@ -1,0 +1,313 @@
+"""RetirementRequest: choose workers, drain them through the scheduler, then remove their pods.
+
+One Kopf daemon per request. Kopf starts it when the request appears and again for every
+request after an operator restart; the daemon reads the request's status and the scheduler
+and carries on from there, so nothing lives only in this process. It exits once the phase
+is Succeeded or Failed. The decisions are pure functions in :mod:`memops.planning` and
+:mod:`memops.retirement`; this module reads, calls them, and writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from typing import Any
+
+import kopf
+import pydantic
+
+from memops import conditions, daskrpc, kube, planning, retirement, specs
+from memops.controllers import workloads
+
+_RETRY_SECONDS = 2.0
+_TERMINAL = (specs.Phase.SUCCEEDED, specs.Phase.FAILED)
+
+
+def _parse_time(text: str) -> datetime.datetime:
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+
+
+def _format_time(moment: datetime.datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(tz=datetime.UTC)
+
+
+class Retirement:
+    """The work on one RetirementRequest; its only state is the request's status."""
+
+    def __init__(self, *, client: kube.Kube, body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any]):
+        self.client = client
+        self.body = body
+        self.logger = logger
+        self.namespace = str(body.metadata.namespace)
+        self.name = str(body.metadata.name)
+        self.path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace, self.name)
+        self.before: planning.SchedulerSnapshot | None = None
+        self._rejected_generation = 0
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def run(self, stopped: kopf.DaemonStopped) -> None:
+        # Read once: from here on this daemon is the status' only writer, so the copy it
+        # wrote last is the truth (Kopf's live body may lag behind by a watch event).
+        status = specs.RetirementRequestStatus.model_validate(_own_status(self.body.get("status")))
+        while not stopped:
+            if status.phase in _TERMINAL:
+                return
+            try:
+                status = await self.step(status)
+            except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
+                self.logger.warning("will retry: %s", exc)
+            if status.phase in _TERMINAL:
+                return
+            await stopped.wait(_RETRY_SECONDS)
+
+    async def step(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
+        generation = int(self.body.metadata.get("generation", 1))
+        try:
+            spec = specs.RetirementRequestSpec.model_validate(dict(self.body.spec))
+        except pydantic.ValidationError as exc:
+            if status.phase == specs.Phase.PENDING:
+                return await self.fail(status, "InvalidSpec", retirement.explain_invalid(exc), generation)
+            spec = None
+        if status.phase == specs.Phase.PENDING:
+            assert spec is not None
+            return await self.start(spec, status, generation)
+        await self.refuse_spec_changes(status, generation)
+        return await self.drain(spec, status)
+
+    # -- starting -----------------------------------------------------------------------------
+
+    async def start(
+        self, spec: specs.RetirementRequestSpec, status: specs.RetirementRequestStatus, generation: int
+    ) -> specs.RetirementRequestStatus:
+        created = _parse_time(str(self.body.metadata["creationTimestamp"]))
+        deadline = created + specs.parse_duration(spec.timeout)
+        workload = await workloads.get(self.client, self.namespace, spec.workload)
+        if workload is None:
+            return await self.fail(status, "WorkloadNotFound", f"spec.workload.name: {spec.workload.kind} "
+                                   f"{spec.workload.name!r} not found in namespace {self.namespace}", generation)
+        security = await self.security(spec)
+        try:
+            snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security)
+        except daskrpc.SchedulerUnreachable as exc:
+            if _now() >= deadline:
+                return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
+            status.conditions = conditions.set_condition(
+                status.conditions, "SchedulerReachable", False, reason="SchedulerUnreachable",
+                message=f"spec.scheduler.address: {exc}; retrying until {_format_time(deadline)}", generation=generation)
+            await self.write(status)
+            return status
+        pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
+        pod_names = [p["metadata"]["name"] for p in pods]
+        taken = retirement.claimed_by_others(pods, self.name)
+        if spec.workers is not None:
+            for index, pod in enumerate(spec.workers):
+                if pod not in pod_names:
+                    return await self.fail(status, "WorkerNotFound", f"spec.workers[{index}]: pod {pod!r} is not a running"
+                                           f" pod of {spec.workload.kind} {spec.workload.name!r}", generation)
+                if pod in taken:
+                    return await self.fail(status, "WorkerClaimed", f"spec.workers[{index}]: pod {pod!r} is already"
+                                           " being retired by another RetirementRequest", generation)
+            chosen = list(spec.workers)
+        else:
+            assert spec.count is not None
+            chosen = planning.choose_workers(pod_names, snapshot, spec.count, exclude=taken)
+        if not chosen:
+            return await self.fail(status, "NoWorkers", "no worker could be chosen: every pod is taken or none exists",
+                                   generation)
+        for pod in pods:
+            if pod["metadata"]["name"] in chosen:
+                await workloads.claim_pod(self.client, pod, self.name)  # 409/422: another request won; retry
+        self.before = snapshot
+        started = _now()
+        status = status.model_copy(update={
+            "phase": specs.Phase.DRAINING,
+            "observedGeneration": generation,
+            "startTime": _format_time(started),
+            "deadline": _format_time(started + specs.parse_duration(spec.timeout)),
+            "onTimeout": spec.onTimeout,
+            "workers": [self._entry(pod, snapshot) for pod in chosen],
+        })
+        status.conditions = conditions.set_condition(
+            status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation)
+        status.conditions = conditions.set_condition(
+            status.conditions, "Draining", True, reason="DrainStarted",
+            message=f"draining {len(chosen)} workers: {', '.join(chosen)}", generation=generation)
+        await self.write(status)
+        kopf.event(self.body, type="Normal", reason="DrainStarted",
+                   message=f"draining {len(chosen)} workers through the scheduler: {', '.join(chosen)}")
+        return status
+
+    @staticmethod
+    def _entry(pod: str, snapshot: planning.SchedulerSnapshot) -> specs.WorkerStatus:
+        worker = snapshot.by_name(pod)
+        if worker is None:
+            return specs.WorkerStatus(pod=pod, state=specs.WorkerState.DRAINING,
+                                      message="no connected worker: nothing to drain")
+        return specs.WorkerStatus(pod=pod, address=worker.address, state=specs.WorkerState.DRAINING,
+                                  uniqueBytes=worker.unique_bytes, message="draining")
+
+    # -- draining -------------------------------------------------------------------------------
+
+    async def drain(
+        self, spec: specs.RetirementRequestSpec | None, status: specs.RetirementRequestStatus
+    ) -> specs.RetirementRequestStatus:
+        address = spec.scheduler.address if spec is not None else str(self.body.spec["scheduler"]["address"])
+        security = await self.security(spec) if spec is not None else None
+        on_timeout = status.onTimeout or specs.OnTimeout.ABORT
+        deadline = _parse_time(status.deadline)
+        draining = [w for w in status.workers if w.state == specs.WorkerState.DRAINING and not w.removable]
+        if draining:
+            status = await self.retire(address, security, status, draining, deadline, on_timeout)
+        if retirement.to_remove(status.workers):
+            status = await self.remove(spec, status, deadline)
+        if any(w.state == specs.WorkerState.DRAINING for w in status.workers):
+            return status
+        return await self.finish(status)
+
+    async def retire(
+        self, address: str, security: Any, status: specs.RetirementRequestStatus,
+        draining: list[specs.WorkerStatus], deadline: datetime.datetime, on_timeout: specs.OnTimeout,
+    ) -> specs.RetirementRequestStatus:
+        try:
+            if self.before is None:
+                self.before = await daskrpc.fetch_snapshot(address, security=security)
+            addresses = [w.address for w in draining if w.address]
+            remaining = max((deadline - _now()).total_seconds(), 0.0)
+            outcome = await daskrpc.retire_workers(address, addresses, security=security, timeout=remaining)
+            after = await daskrpc.fetch_snapshot(address, security=security)
+        except daskrpc.SchedulerUnreachable as exc:
+            if _now() < deadline:
+                status.conditions = conditions.set_condition(
+                    status.conditions, "SchedulerReachable", False, reason="SchedulerUnreachable",
+                    message=f"{exc}; retrying until {status.deadline}", generation=status.observedGeneration)
+                await self.write(status)
+                return status
+            status.workers = retirement.judge_unreachable(status.workers, on_timeout=on_timeout, reason=str(exc))
+            await self.write(status)
+            return status
+        status.workers = retirement.judge_drain(
+            status.workers, before=self.before, after=after, retired=outcome.retired,
+            timed_out=outcome.timed_out, on_timeout=on_timeout)
+        status.conditions = conditions.set_condition(
+            status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration)
+        await self.write(status)
+        for worker in status.workers:
+            if worker.state == specs.WorkerState.KEPT:
+                kopf.event(self.body, type="Warning", reason="WorkerKept", message=f"{worker.pod}: {worker.message}")
+            elif worker.state == specs.WorkerState.FORCED:
+                kopf.event(self.body, type="Warning", reason="WorkerForced", message=f"{worker.pod}: {worker.message}")
+        return status
+
+    async def remove(
+        self, spec: specs.RetirementRequestSpec | None, status: specs.RetirementRequestStatus,
+        deadline: datetime.datetime,
+    ) -> specs.RetirementRequestStatus:
+        workload_ref = spec.workload if spec is not None else specs.WorkloadRef.model_validate(
+            dict(self.body.spec["workload"]))
+        pods = retirement.to_remove(status.workers)
+        if status.scaleDown is None or not set(pods) <= set(status.scaleDown.pods):
+            blockers = await workloads.outranking_pods(self.client, self.namespace, workload_ref, pods)
+            if blockers:
+                message = (f"waiting: pods {', '.join(blockers)} are not ready, and the ReplicaSet would remove"
+                           " them before the drained ones")
+                status.conditions = conditions.set_condition(
+                    status.conditions, "Draining", True, reason="WaitingForPods", message=message,
+                    generation=status.observedGeneration)
+                await self.write(status)
+                return status
+            await workloads.mark_for_deletion(self.client, self.namespace, pods)
+            replicas = await workloads.replicas(self.client, self.namespace, workload_ref)
+            # Recorded before the scale-down is ordered: a restarted operator must not lower it twice.
+            status.scaleDown = specs.ScaleDown(pods=pods, replicasFrom=replicas, replicasTo=max(replicas - len(pods), 0))
+            await self.write(status)
+        assert status.scaleDown is not None
+        await workloads.scale_down_to(self.client, self.namespace, workload_ref, status.scaleDown.replicasTo)
+        gone = await workloads.wait_pods_gone(self.client, self.namespace, pods, timeout=60)
+        status.workers = retirement.mark_removed(status.workers, gone)
+        await self.write(status)
+        for pod in gone:
+            kopf.event(self.body, type="Normal", reason="PodRemoved", message=f"{pod}: drained and removed")
+        return status
+
+    async def finish(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
+        requested = len(status.workers)
+        spec_count = self.body.spec.get("count")
+        if isinstance(spec_count, int):
+            requested = spec_count
+        status = retirement.conclude(status, requested=requested, at=_format_time(_now()))
+        succeeded = status.phase == specs.Phase.SUCCEEDED
+        status.conditions = conditions.set_condition(
+            status.conditions, "Draining", False, reason="Finished", message=status.message,
+            generation=status.observedGeneration)
+        status.conditions = conditions.set_condition(
+            status.conditions, "Complete" if succeeded else "Failed", True,
+            reason="Retired" if succeeded else "WorkersKept", message=status.message,
+            generation=status.observedGeneration)
+        if status.bytesLost:
+            status.conditions = conditions.set_condition(
+                status.conditions, "DataLost", True, reason="Forced", message=f"{status.bytesLost} bytes lost by"
+                " forced removal (onTimeout: Force)", generation=status.observedGeneration)
+        await workloads.release_claims(self.client, self.namespace, [w.pod for w in status.workers if not w.podRemoved],
+                                       self.name)
+        await self.write(status)
+        kopf.event(self.body, type="Normal" if succeeded else "Warning",
+                   reason="Succeeded" if succeeded else "Failed", message=status.message)
+        return status
+
+    async def fail(
+        self, status: specs.RetirementRequestStatus, reason: str, message: str, generation: int
+    ) -> specs.RetirementRequestStatus:
+        status = status.model_copy(update={
+            "phase": specs.Phase.FAILED, "message": message, "observedGeneration": generation,
+            "completionTime": _format_time(_now()),
+        })
+        status.conditions = conditions.set_condition(
+            status.conditions, "Failed", True, reason=reason, message=message, generation=generation)
+        await self.write(status)
+        kopf.event(self.body, type="Warning", reason=reason, message=message)
+        return status
+
+    async def refuse_spec_changes(self, status: specs.RetirementRequestStatus, generation: int) -> None:
+        if generation <= status.observedGeneration or generation == self._rejected_generation:
+            return
+        self._rejected_generation = generation
+        message = (f"spec changed at generation {generation} after the drain started at generation"
+                   f" {status.observedGeneration}; a RetirementRequest is one-shot, so the change is ignored:"
+                   " create a new request instead")
+        status.conditions = conditions.set_condition(
+            status.conditions, "SpecChangeRejected", True, reason="OneShot", message=message,
+            generation=generation)
+        await self.write(status)
+        kopf.event(self.body, type="Warning", reason="SpecChangeRejected", message=message)
+
+    # -- I/O helpers ----------------------------------------------------------------------------
+
+    async def security(self, spec: specs.RetirementRequestSpec) -> Any:
+        if spec.scheduler.tls is None:
+            return None
+        secret = await self.client.get(kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName))
+        return daskrpc.security_from_secret(secret.get("data", {}))
+
+    async def write(self, status: specs.RetirementRequestStatus) -> None:
+        body = status.model_dump(mode="json", exclude_none=True)
+        await self.client.merge_patch(self.path + "/status", {"status": body})
+
+
+def _own_status(raw: Any) -> dict[str, Any]:
+    """The status fields memops owns (Kopf may keep its own bookkeeping there too)."""
+    fields = specs.RetirementRequestStatus.model_fields
+    return {k: v for k, v in dict(raw or {}).items() if k in fields}
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    @kopf.daemon(specs.GROUP, specs.VERSION, "retirementrequests", registry=registry, id="retire",
+                 cancellation_timeout=5.0)
+    async def retire(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, stopped: kopf.DaemonStopped,
+                     **_: Any) -> None:
+        await Retirement(client=memo.kube, body=body, logger=logger).run(stopped)

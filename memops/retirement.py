@@ -1,0 +1,187 @@
+"""Pure decisions of a RetirementRequest: what each chosen worker's drain came to, and what
+the request as a whole came to. No I/O; :mod:`memops.controllers.retirement` calls these
+between reading the scheduler and writing the status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import pydantic
+
+from memops import planning, specs
+
+POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+LOWEST_DELETION_COST = str(-(2**31))  # the annotation is an int32; lower is deleted first
+CLAIM_ANNOTATION = "memops.dev/retirement-request"
+
+
+def explain_invalid(error: pydantic.ValidationError, prefix: str = "spec") -> str:
+    """One line per problem, each naming the field as a Kubernetes user writes it."""
+    lines = []
+    for problem in error.errors():
+        path = ".".join([prefix, *(str(p) for p in problem["loc"])]) if problem["loc"] else prefix
+        message = problem["msg"].removeprefix("Value error, ")
+        lines.append(f"{path}: {message}")
+    return "; ".join(lines)
+
+
+def claimed_by_others(pods: Iterable[Mapping[str, object]], me: str) -> set[str]:
+    """Names of pods that another RetirementRequest has claimed."""
+    result = set()
+    for pod in pods:
+        meta = pod.get("metadata", {})
+        assert isinstance(meta, dict)
+        owner = (meta.get("annotations") or {}).get(CLAIM_ANNOTATION)
+        if owner and owner != me:
+            result.add(str(meta["name"]))
+    return result
+
+
+def judge_drain(
+    workers: Sequence[specs.WorkerStatus],
+    *,
+    before: planning.SchedulerSnapshot | None,
+    after: planning.SchedulerSnapshot,
+    retired: Iterable[str],
+    timed_out: bool,
+    on_timeout: specs.OnTimeout,
+) -> list[specs.WorkerStatus]:
+    """Decide each draining worker's fate once the scheduler has answered.
+
+    A worker whose Dask address the scheduler confirmed retired, or that is gone from the
+    scheduler and whose pod now holds no unique data, may have its pod removed (it stays
+    ``Draining`` with a message until the pod is gone). A worker that still holds unique
+    data is ``Kept``, or with ``onTimeout: Force`` marked for removal as ``Forced`` with the
+    bytes that its removal will lose.
+    """
+    retired_set = set(retired)
+    result = []
+    for worker in workers:
+        if worker.state != specs.WorkerState.DRAINING:
+            result.append(worker)
+            continue
+        current = after.by_name(worker.pod)
+        still_there = current is not None and current.address == worker.address
+        holding = current.unique_bytes if current is not None else 0
+        moved = worker.uniqueBytes
+        if before is not None and before.by_address(worker.address) is not None:
+            moved, _ = planning.bytes_moved(before.who_has, after.who_has, before.nbytes, worker.address)
+        if worker.address in retired_set or not worker.address:
+            result.append(worker.model_copy(update={
+                "removable": True,
+                "bytesMoved": moved if worker.address else 0,
+                "message": "drained: the scheduler retired the worker; removing its pod"
+                if worker.address else "no connected worker, nothing to drain; removing its pod",
+            }))
+        elif not still_there and holding == 0:
+            # Gone from the scheduler without being retired by us: it died (or a restarted
+            # worker replaced it). What it held is lost already; its pod holds nothing now.
+            result.append(worker.model_copy(update={
+                "removable": True,
+                "bytesMoved": moved,
+                "message": "the worker left the scheduler during the drain (it died or restarted);"
+                " its pod holds no unique data now; removing it",
+            }))
+        elif on_timeout == specs.OnTimeout.FORCE:
+            lost_keys = current.unique_keys if current is not None else 0
+            result.append(worker.model_copy(update={
+                "state": specs.WorkerState.FORCED,
+                "removable": True,
+                "bytesMoved": max(moved, 0),
+                "bytesLost": holding,
+                "keysLost": lost_keys,
+                "message": f"{_why(timed_out)}; onTimeout is Force: removing the pod with {holding} bytes"
+                f" ({lost_keys} keys) that exist nowhere else",
+            }))
+        else:
+            result.append(worker.model_copy(update={
+                "state": specs.WorkerState.KEPT,
+                "bytesMoved": max(moved, 0),
+                "message": f"{_why(timed_out)}; kept its pod, which holds {holding} bytes that exist nowhere else",
+            }))
+    return result
+
+
+def judge_unreachable(
+    workers: Sequence[specs.WorkerStatus], *, on_timeout: specs.OnTimeout, reason: str
+) -> list[specs.WorkerStatus]:
+    """The deadline passed with the scheduler unreachable: nothing can be confirmed moved.
+
+    Abort keeps every draining pod. Force removes them and records their unique bytes at the
+    drain's start as lost: without a scheduler nobody can tell how much had moved.
+    """
+    result = []
+    for worker in workers:
+        if worker.state != specs.WorkerState.DRAINING or worker.removable:
+            result.append(worker)
+        elif on_timeout == specs.OnTimeout.FORCE:
+            result.append(worker.model_copy(update={
+                "state": specs.WorkerState.FORCED, "removable": True, "bytesLost": worker.uniqueBytes,
+                "message": f"the scheduler was unreachable until spec.timeout ({reason}); onTimeout is Force:"
+                f" removing the pod; up to {worker.uniqueBytes} bytes may be lost",
+            }))
+        else:
+            result.append(worker.model_copy(update={
+                "state": specs.WorkerState.KEPT,
+                "message": f"the scheduler was unreachable until spec.timeout ({reason}); kept the pod, since"
+                " nothing confirms that its data moved",
+            }))
+    return result
+
+
+def _why(timed_out: bool) -> str:
+    if timed_out:
+        return "the drain did not finish within spec.timeout"
+    return "the scheduler could not retire the worker: its unique data had nowhere to go"
+
+
+def to_remove(workers: Sequence[specs.WorkerStatus]) -> list[str]:
+    """Pods whose removal is decided but not yet done."""
+    return [w.pod for w in workers if w.removable and not w.podRemoved]
+
+
+def mark_removed(workers: Sequence[specs.WorkerStatus], gone: Iterable[str]) -> list[specs.WorkerStatus]:
+    """Record that these pods are gone: a drained worker is now Retired."""
+    gone_set = set(gone)
+    result = []
+    for w in workers:
+        if w.removable and not w.podRemoved and w.pod in gone_set:
+            w = w.model_copy(update={
+                "podRemoved": True,
+                "state": specs.WorkerState.RETIRED if w.state == specs.WorkerState.DRAINING else w.state,
+                "message": w.message.replace("; removing its pod", "; its pod was removed")
+                .replace("removing the pod", "removed the pod"),
+            })
+        result.append(w)
+    return result
+
+
+def conclude(status: specs.RetirementRequestStatus, *, requested: int, at: str) -> specs.RetirementRequestStatus:
+    """Final phase, counters and message, once no worker is Pending or Draining."""
+    states = [w.state for w in status.workers]
+    retired = states.count(specs.WorkerState.RETIRED)
+    kept = states.count(specs.WorkerState.KEPT)
+    forced = states.count(specs.WorkerState.FORCED)
+    moved = sum(w.bytesMoved for w in status.workers)
+    lost = sum(w.bytesLost for w in status.workers)
+    removed = retired + forced
+    succeeded = kept == 0 and removed >= requested
+    if succeeded:
+        message = f"retired {removed} of {requested} workers; {moved} bytes moved"
+        if forced:
+            message += f"; {forced} removed by force, losing {lost} bytes"
+    elif removed < requested and kept == 0:
+        message = f"only {removed} of {requested} workers could be chosen and retired"
+    else:
+        message = f"retired {removed} of {requested} workers; kept {kept} that still hold unique data"
+    return status.model_copy(update={
+        "phase": specs.Phase.SUCCEEDED if succeeded else specs.Phase.FAILED,
+        "retired": retired,
+        "kept": kept,
+        "forced": forced,
+        "bytesMoved": moved,
+        "bytesLost": lost,
+        "message": message,
+        "completionTime": at,
+    })

@@ -1,0 +1,186 @@
+"""``memops sandbox``: a whole cluster on a laptop, with real Dask workers and no Kubernetes.
+
+Starts, in this order: the emulated API server (with memops' CRDs), a real ``dask
+scheduler``, the local kubelet and Deployment controller, a Deployment ``dask-worker`` in
+namespace ``default`` whose pods are real ``dask worker`` processes, and the operator
+(``memops run``, as its own process). When all of it is up it writes, into the state
+directory, ``kubeconfig``, ``scheduler-address`` and, last, ``ready``. This contract is what
+the test suite and users rely on; keep it stable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+
+from memops import crds, daskrpc
+from memops.cluster import apiserver, kubelet, replicaset
+
+WORKLOAD = "dask-worker"
+NAMESPACE = "default"
+
+
+def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str = "1GiB") -> dict[str, Any]:
+    """The Deployment users would write for Dask workers: the pod name is the worker name."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": WORKLOAD, "namespace": NAMESPACE, "labels": {"app": WORKLOAD}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": WORKLOAD}},
+            "template": {
+                "metadata": {"labels": {"app": WORKLOAD}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [{
+                        "name": "worker",
+                        "image": "ghcr.io/dask/dask:2026.8.0",
+                        "command": ["dask", "worker"],
+                        "args": [
+                            "$(DASK_SCHEDULER_ADDRESS)", "--name", "$(POD_NAME)", "--nthreads", "1",
+                            "--memory-limit", memory_limit, "--no-dashboard", "--death-timeout", "60",
+                        ],
+                        "env": [
+                            {"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address},
+                            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        ],
+                    }],
+                },
+            },
+        },
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.asynccontextmanager
+async def dask_scheduler(state_dir: Path) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """A real ``dask scheduler`` process; yields its address."""
+    scheduler_file = state_dir / "scheduler.json"
+    scheduler_file.unlink(missing_ok=True)
+    log = (state_dir / "scheduler.log").open("wb")
+    process = await asyncio.create_subprocess_exec(
+        _executable("dask"), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+        "--scheduler-file", str(scheduler_file), stdout=log, stderr=log, start_new_session=True,
+    )
+    (state_dir / "scheduler.pid").write_text(str(process.pid))
+    try:
+        for _ in range(600):
+            if scheduler_file.exists() and scheduler_file.stat().st_size:
+                break
+            if process.returncode is not None:
+                raise RuntimeError(f"dask scheduler exited; see {state_dir / 'scheduler.log'}")
+            await asyncio.sleep(0.05)
+        address = json.loads(scheduler_file.read_text())["address"]
+        yield address, process
+    finally:
+        await _stop(process, grace=10)
+        log.close()
+
+
+def _executable(name: str) -> str:
+    """Console scripts of this environment, found next to the running interpreter first."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else (shutil.which(name) or name)
+
+
+async def _stop(process: asyncio.subprocess.Process, *, grace: float) -> None:
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), grace)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+
+
+async def _wait_for_workers(address: str, count: int, timeout: float = 120) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            with contextlib.suppress(daskrpc.SchedulerUnreachable):
+                snapshot = await daskrpc.fetch_snapshot(address, timeout=5)
+                if len(snapshot.workers) >= count:
+                    return
+            await asyncio.sleep(0.2)
+
+
+async def serve(workers: int, state_dir: Path, *, operator: bool = True, port: int | None = None) -> None:
+    """Run the sandbox until cancelled."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "ready").unlink(missing_ok=True)
+    api = apiserver.ApiServer()
+    async with api, kmock.Server(api, port=port or _free_port()) as server:
+        for crd in crds.all_crds():
+            await api.create_crd(crd)
+        kubeconfig = state_dir / "kubeconfig"
+        kubeconfig.write_text(apiserver.kubeconfig(str(server.url).rstrip("/")))
+        async with dask_scheduler(state_dir) as (address, _), asyncio.TaskGroup() as tasks:
+            node = kubelet.Kubelet(api.store, run_dir=state_dir)
+            controller = replicaset.DeploymentController(api.store)
+            kubelet_task = tasks.create_task(node.run())
+            controller_task = tasks.create_task(controller.run())
+            await api.store.create("deployments", NAMESPACE, worker_deployment(address, workers))
+            await _wait_for_workers(address, workers)
+            operator_process = None
+            if operator:
+                log = (state_dir / "operator.log").open("wb")
+                env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+                operator_process = await asyncio.create_subprocess_exec(
+                    _executable("memops"), "run", "--all-namespaces", "--standalone",
+                    stdout=log, stderr=log, env=env, start_new_session=True,
+                )
+                (state_dir / "operator.pid").write_text(str(operator_process.pid))
+            (state_dir / "scheduler-address").write_text(address + "\n")
+            (state_dir / "ready").write_text("ready\n")
+            try:
+                await asyncio.Event().wait()
+            finally:
+                if operator_process is not None:
+                    await _stop(operator_process, grace=10)
+                controller_task.cancel()
+                kubelet_task.cancel()
+
+
+def main(workers: int, state_dir: str | None, *, operator: bool = True, port: int | None = None) -> int:
+    directory = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
+    if not state_dir:
+        print(f"memops sandbox: state in {directory}; once {directory / 'ready'} exists:\n"
+              f"  export KUBECONFIG={directory / 'kubeconfig'}\n"
+              "  kubectl get pods,retire\n"
+              "  kubectl apply -f deploy/examples/retirementrequest.yaml\n"
+              "  kubectl get retire -w\n"
+              "Stop with Ctrl-C.", flush=True)
+
+    async def runner() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await serve(workers, directory, operator=operator, port=port)
+
+    asyncio.run(runner())
+    (directory / "ready").unlink(missing_ok=True)
+    return 0
