@@ -305,7 +305,27 @@ def _own_status(raw: Any) -> dict[str, Any]:
     return {k: v for k, v in dict(raw or {}).items() if k in fields}
 
 
+def refused_change(raw_status: Any, generation: int) -> list[dict[str, Any]] | None:
+    """Conditions to write when a finished request's spec changes (its daemon has exited)."""
+    status = specs.RetirementRequestStatus.model_validate(_own_status(raw_status))
+    if status.phase not in _TERMINAL or generation <= status.observedGeneration:
+        return None  # Pending: the daemon acts on the new spec; Draining: the daemon refuses it
+    message = (f"spec changed at generation {generation} after the request finished ({status.phase});"
+               " a RetirementRequest is one-shot, so the change is ignored: create a new request instead")
+    updated = conditions.set_condition(status.conditions, "SpecChangeRejected", True, reason="OneShot",
+                                       message=message, generation=generation)
+    return [c.model_dump(mode="json") for c in updated]
+
+
 def register(registry: kopf.OperatorRegistry) -> None:
+    @kopf.on.update(specs.GROUP, specs.VERSION, "retirementrequests", field="spec", registry=registry,
+                    id="refuse-spec-change")
+    async def refuse_spec_change(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        updated = refused_change(body.get("status"), int(body.metadata.get("generation", 1)))
+        if updated is not None:
+            patch.status["conditions"] = updated
+            kopf.event(body, type="Warning", reason="SpecChangeRejected", message=updated[-1]["message"])
+
     @kopf.daemon(specs.GROUP, specs.VERSION, "retirementrequests", registry=registry, id="retire",
                  cancellation_timeout=5.0)
     async def retire(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, stopped: kopf.DaemonStopped,

