@@ -57,10 +57,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        asyncio.run(controllers.run(
-            namespaces=args.namespace, kubeconfig=args.kubeconfig,
-            liveness_endpoint=args.liveness, standalone=args.standalone,
-        ))
+        asyncio.run(
+            controllers.run(
+                namespaces=args.namespace,
+                kubeconfig=args.kubeconfig,
+                liveness_endpoint=args.liveness,
+                standalone=args.standalone,
+            )
+        )
     except KeyboardInterrupt:
         pass
     return 0

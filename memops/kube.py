@@ -125,7 +125,11 @@ def _as_bytes(value: str | bytes) -> bytes:
 
 
 def resource_path(
-    group: str, version: str, plural: str, namespace: str | None = None, name: str | None = None,
+    group: str,
+    version: str,
+    plural: str,
+    namespace: str | None = None,
+    name: str | None = None,
     subresource: str | None = None,
 ) -> str:
     path = f"/apis/{group}/{version}" if group else f"/api/{version}"
@@ -160,7 +164,12 @@ class Kube:
         await self._session.close()
 
     async def request(
-        self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> Obj:
         kwargs: dict[str, Any] = {"params": dict(params or {})}
@@ -171,7 +180,9 @@ class Kube:
             payload = await response.json(content_type=None) if response.content_length != 0 else {}
             if response.status >= 400:
                 payload = payload if isinstance(payload, dict) else {}
-                raise ApiError(response.status, payload.get("reason", response.reason or ""), payload.get("message", ""))
+                raise ApiError(
+                    response.status, payload.get("reason", response.reason or ""), payload.get("message", "")
+                )
             return payload if isinstance(payload, dict) else {}
 
     async def get(self, path: str, **params: str) -> Obj:

@@ -68,38 +68,56 @@ def judge_drain(
         if before is not None and before.by_address(worker.address) is not None:
             moved, _ = planning.bytes_moved(before.who_has, after.who_has, before.nbytes, worker.address)
         if worker.address in retired_set or not worker.address:
-            result.append(worker.model_copy(update={
-                "removable": True,
-                "bytesMoved": moved if worker.address else 0,
-                "message": "drained: the scheduler retired the worker; removing its pod"
-                if worker.address else "no connected worker, nothing to drain; removing its pod",
-            }))
+            result.append(
+                worker.model_copy(
+                    update={
+                        "removable": True,
+                        "bytesMoved": moved if worker.address else 0,
+                        "message": "drained: the scheduler retired the worker; removing its pod"
+                        if worker.address
+                        else "no connected worker, nothing to drain; removing its pod",
+                    }
+                )
+            )
         elif not still_there and holding == 0:
             # Gone from the scheduler without being retired by us: it died (or a restarted
             # worker replaced it). What it held is lost already; its pod holds nothing now.
-            result.append(worker.model_copy(update={
-                "removable": True,
-                "bytesMoved": moved,
-                "message": "the worker left the scheduler during the drain (it died or restarted);"
-                " its pod holds no unique data now; removing it",
-            }))
+            result.append(
+                worker.model_copy(
+                    update={
+                        "removable": True,
+                        "bytesMoved": moved,
+                        "message": "the worker left the scheduler during the drain (it died or restarted);"
+                        " its pod holds no unique data now; removing it",
+                    }
+                )
+            )
         elif on_timeout == specs.OnTimeout.FORCE:
             lost_keys = current.unique_keys if current is not None else 0
-            result.append(worker.model_copy(update={
-                "state": specs.WorkerState.FORCED,
-                "removable": True,
-                "bytesMoved": max(moved, 0),
-                "bytesLost": holding,
-                "keysLost": lost_keys,
-                "message": f"{_why(timed_out)}; onTimeout is Force: removing the pod with {holding} bytes"
-                f" ({lost_keys} keys) that exist nowhere else",
-            }))
+            result.append(
+                worker.model_copy(
+                    update={
+                        "state": specs.WorkerState.FORCED,
+                        "removable": True,
+                        "bytesMoved": max(moved, 0),
+                        "bytesLost": holding,
+                        "keysLost": lost_keys,
+                        "message": f"{_why(timed_out)}; onTimeout is Force: removing the pod with {holding} bytes"
+                        f" ({lost_keys} keys) that exist nowhere else",
+                    }
+                )
+            )
         else:
-            result.append(worker.model_copy(update={
-                "state": specs.WorkerState.KEPT,
-                "bytesMoved": max(moved, 0),
-                "message": f"{_why(timed_out)}; kept its pod, which holds {holding} bytes that exist nowhere else",
-            }))
+            result.append(
+                worker.model_copy(
+                    update={
+                        "state": specs.WorkerState.KEPT,
+                        "bytesMoved": max(moved, 0),
+                        "message": f"{_why(timed_out)}; kept its pod, which holds {holding} bytes"
+                        " that exist nowhere else",
+                    }
+                )
+            )
     return result
 
 
@@ -116,17 +134,27 @@ def judge_unreachable(
         if worker.state != specs.WorkerState.DRAINING or worker.removable:
             result.append(worker)
         elif on_timeout == specs.OnTimeout.FORCE:
-            result.append(worker.model_copy(update={
-                "state": specs.WorkerState.FORCED, "removable": True, "bytesLost": worker.uniqueBytes,
-                "message": f"the scheduler was unreachable until spec.timeout ({reason}); onTimeout is Force:"
-                f" removing the pod; up to {worker.uniqueBytes} bytes may be lost",
-            }))
+            result.append(
+                worker.model_copy(
+                    update={
+                        "state": specs.WorkerState.FORCED,
+                        "removable": True,
+                        "bytesLost": worker.uniqueBytes,
+                        "message": f"the scheduler was unreachable until spec.timeout ({reason}); onTimeout is Force:"
+                        f" removing the pod; up to {worker.uniqueBytes} bytes may be lost",
+                    }
+                )
+            )
         else:
-            result.append(worker.model_copy(update={
-                "state": specs.WorkerState.KEPT,
-                "message": f"the scheduler was unreachable until spec.timeout ({reason}); kept the pod, since"
-                " nothing confirms that its data moved",
-            }))
+            result.append(
+                worker.model_copy(
+                    update={
+                        "state": specs.WorkerState.KEPT,
+                        "message": f"the scheduler was unreachable until spec.timeout ({reason}); kept the pod, since"
+                        " nothing confirms that its data moved",
+                    }
+                )
+            )
     return result
 
 
@@ -147,12 +175,15 @@ def mark_removed(workers: Sequence[specs.WorkerStatus], gone: Iterable[str]) -> 
     result = []
     for w in workers:
         if w.removable and not w.podRemoved and w.pod in gone_set:
-            w = w.model_copy(update={
-                "podRemoved": True,
-                "state": specs.WorkerState.RETIRED if w.state == specs.WorkerState.DRAINING else w.state,
-                "message": w.message.replace("; removing its pod", "; its pod was removed")
-                .replace("removing the pod", "removed the pod"),
-            })
+            w = w.model_copy(
+                update={
+                    "podRemoved": True,
+                    "state": specs.WorkerState.RETIRED if w.state == specs.WorkerState.DRAINING else w.state,
+                    "message": w.message.replace("; removing its pod", "; its pod was removed").replace(
+                        "removing the pod", "removed the pod"
+                    ),
+                }
+            )
         result.append(w)
     return result
 
@@ -175,13 +206,15 @@ def conclude(status: specs.RetirementRequestStatus, *, requested: int, at: str) 
         message = f"only {removed} of {requested} workers could be chosen and retired"
     else:
         message = f"retired {removed} of {requested} workers; kept {kept} that still hold unique data"
-    return status.model_copy(update={
-        "phase": specs.Phase.SUCCEEDED if succeeded else specs.Phase.FAILED,
-        "retired": retired,
-        "kept": kept,
-        "forced": forced,
-        "bytesMoved": moved,
-        "bytesLost": lost,
-        "message": message,
-        "completionTime": at,
-    })
+    return status.model_copy(
+        update={
+            "phase": specs.Phase.SUCCEEDED if succeeded else specs.Phase.FAILED,
+            "retired": retired,
+            "kept": kept,
+            "forced": forced,
+            "bytesMoved": moved,
+            "bytesLost": lost,
+            "message": message,
+            "completionTime": at,
+        }
+    )

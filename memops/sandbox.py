@@ -45,19 +45,29 @@ def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str =
                 "metadata": {"labels": {"app": WORKLOAD}},
                 "spec": {
                     "terminationGracePeriodSeconds": 30,
-                    "containers": [{
-                        "name": "worker",
-                        "image": "ghcr.io/dask/dask:2026.8.0",
-                        "command": ["dask", "worker"],
-                        "args": [
-                            "$(DASK_SCHEDULER_ADDRESS)", "--name", "$(POD_NAME)", "--nthreads", "1",
-                            "--memory-limit", memory_limit, "--no-dashboard", "--death-timeout", "60",
-                        ],
-                        "env": [
-                            {"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address},
-                            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                        ],
-                    }],
+                    "containers": [
+                        {
+                            "name": "worker",
+                            "image": "ghcr.io/dask/dask:2026.8.0",
+                            "command": ["dask", "worker"],
+                            "args": [
+                                "$(DASK_SCHEDULER_ADDRESS)",
+                                "--name",
+                                "$(POD_NAME)",
+                                "--nthreads",
+                                "1",
+                                "--memory-limit",
+                                memory_limit,
+                                "--no-dashboard",
+                                "--death-timeout",
+                                "60",
+                            ],
+                            "env": [
+                                {"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address},
+                                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            ],
+                        }
+                    ],
                 },
             },
         },
@@ -78,8 +88,18 @@ async def dask_scheduler(state_dir: Path) -> AsyncIterator[tuple[str, asyncio.su
     scheduler_file.unlink(missing_ok=True)
     log = (state_dir / "scheduler.log").open("wb")
     process = await asyncio.create_subprocess_exec(
-        _executable("dask"), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-        "--scheduler-file", str(scheduler_file), stdout=log, stderr=log, start_new_session=True,
+        _executable("dask"),
+        "scheduler",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--no-dashboard",
+        "--scheduler-file",
+        str(scheduler_file),
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
     )
     (state_dir / "scheduler.pid").write_text(str(process.pid))
     try:
@@ -147,8 +167,14 @@ async def serve(workers: int, state_dir: Path, *, operator: bool = True, port: i
                 log = (state_dir / "operator.log").open("wb")
                 env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
                 operator_process = await asyncio.create_subprocess_exec(
-                    _executable("memops"), "run", "--all-namespaces", "--standalone",
-                    stdout=log, stderr=log, env=env, start_new_session=True,
+                    _executable("memops"),
+                    "run",
+                    "--all-namespaces",
+                    "--standalone",
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,
                 )
                 (state_dir / "operator.pid").write_text(str(operator_process.pid))
             (state_dir / "scheduler-address").write_text(address + "\n")
@@ -165,12 +191,15 @@ async def serve(workers: int, state_dir: Path, *, operator: bool = True, port: i
 def main(workers: int, state_dir: str | None, *, operator: bool = True, port: int | None = None) -> int:
     directory = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
     if not state_dir:
-        print(f"memops sandbox: state in {directory}; once {directory / 'ready'} exists:\n"
-              f"  export KUBECONFIG={directory / 'kubeconfig'}\n"
-              "  kubectl get pods,retire\n"
-              "  kubectl apply -f deploy/examples/retirementrequest.yaml\n"
-              "  kubectl get retire -w\n"
-              "Stop with Ctrl-C.", flush=True)
+        print(
+            f"memops sandbox: state in {directory}; once {directory / 'ready'} exists:\n"
+            f"  export KUBECONFIG={directory / 'kubeconfig'}\n"
+            "  kubectl get pods,retire\n"
+            "  kubectl apply -f deploy/examples/retirementrequest.yaml\n"
+            "  kubectl get retire -w\n"
+            "Stop with Ctrl-C.",
+            flush=True,
+        )
 
     async def runner() -> None:
         task = asyncio.current_task()

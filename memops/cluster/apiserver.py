@@ -25,7 +25,7 @@ import datetime
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp.web
@@ -47,8 +47,12 @@ BUILTIN_KINDS = (
     Kind("", "v1", "Service", "services", subresources=("status",), short_names=("svc",)),
     Kind("", "v1", "ServiceAccount", "serviceaccounts", short_names=("sa",)),
     Kind(
-        "apps", "v1", "Deployment", "deployments",
-        subresources=("status", "scale"), short_names=("deploy",),
+        "apps",
+        "v1",
+        "Deployment",
+        "deployments",
+        subresources=("status", "scale"),
+        short_names=("deploy",),
         scale={
             "specReplicasPath": ".spec.replicas",
             "statusReplicasPath": ".status.replicas",
@@ -56,25 +60,45 @@ BUILTIN_KINDS = (
         },
     ),
     Kind("coordination.k8s.io", "v1", "Lease", "leases"),
-    Kind("apiextensions.k8s.io", "v1", "CustomResourceDefinition", "customresourcedefinitions",
-         namespaced=False, subresources=("status",), short_names=("crd",)),
+    Kind(
+        "apiextensions.k8s.io",
+        "v1",
+        "CustomResourceDefinition",
+        "customresourcedefinitions",
+        namespaced=False,
+        subresources=("status",),
+        short_names=("crd",),
+    ),
 )
 
 _BUILTIN_COLUMNS: dict[str, tuple[tuple[str, Callable[[Obj], Any]], ...]] = {
     "pods": (
-        ("Ready", lambda o: "{}/1".format(int(_pod_ready(o)))),
-        ("Status", lambda o: "Terminating" if o["metadata"].get("deletionTimestamp") else o.get("status", {}).get("phase", "Pending")),
+        ("Ready", lambda o: f"{int(_pod_ready(o))}/1"),
+        (
+            "Status",
+            lambda o: (
+                "Terminating" if o["metadata"].get("deletionTimestamp") else o.get("status", {}).get("phase", "Pending")
+            ),
+        ),
         ("Restarts", lambda o: sum(c.get("restartCount", 0) for c in o.get("status", {}).get("containerStatuses", []))),
     ),
     "deployments": (
-        ("Ready", lambda o: "{}/{}".format(o.get("status", {}).get("readyReplicas", 0), o.get("spec", {}).get("replicas", 1))),
+        (
+            "Ready",
+            lambda o: "{}/{}".format(o.get("status", {}).get("readyReplicas", 0), o.get("spec", {}).get("replicas", 1)),
+        ),
         ("Up-to-date", lambda o: o.get("status", {}).get("updatedReplicas", 0)),
         ("Available", lambda o: o.get("status", {}).get("availableReplicas", 0)),
     ),
     "events": (
         ("Type", lambda o: o.get("type", "")),
         ("Reason", lambda o: o.get("reason", "")),
-        ("Object", lambda o: "{}/{}".format(o.get("involvedObject", {}).get("kind", "").lower(), o.get("involvedObject", {}).get("name", ""))),
+        (
+            "Object",
+            lambda o: "{}/{}".format(
+                o.get("involvedObject", {}).get("kind", "").lower(), o.get("involvedObject", {}).get("name", "")
+            ),
+        ),
         ("Message", lambda o: o.get("message", "")),
     ),
 }
@@ -106,6 +130,14 @@ def _age(timestamp: str | None) -> str:
     return f"{max(seconds, 0)}s"
 
 
+def _column_getter(path: str, *, is_date: bool) -> Callable[[Obj], Any]:
+    def getter(obj: Obj) -> Any:
+        value = json_path(obj, path)
+        return _age(value) if is_date else value
+
+    return getter
+
+
 # -- selectors -------------------------------------------------------------------------------
 
 _SELECTOR_TERM = re.compile(r"^\s*(!)?([\w./-]+)\s*(?:(==|=|!=)\s*([\w./-]*))?\s*$")
@@ -119,7 +151,9 @@ def parse_selector(text: str | None) -> list[tuple[str, str, str]]:
             continue
         match = _SELECTOR_TERM.match(raw)
         if not match:
-            raise ApiError(400, "BadRequest", f"unable to parse requirement: {raw!r}: only equality-based selectors are served")
+            raise ApiError(
+                400, "BadRequest", f"unable to parse requirement: {raw!r}: only equality-based selectors are served"
+            )
         negate, key, op, value = match.groups()
         if op is None:
             terms.append((key, "!exists" if negate else "exists", ""))
@@ -163,9 +197,15 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
             self.serve_kind(kind)
         for namespace in ("default", "kube-system"):
             self.store.objects[("namespaces", None, namespace)] = {
-                "apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": namespace, "uid": namespace, "resourceVersion": "1",
-                             "creationTimestamp": memstore.now_rfc3339(), "generation": 1},
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {
+                    "name": namespace,
+                    "uid": namespace,
+                    "resourceVersion": "1",
+                    "creationTimestamp": memstore.now_rfc3339(),
+                    "generation": 1,
+                },
                 "status": {"phase": "Active"},
             }
 
@@ -196,20 +236,35 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
         verbs = ["create", "delete", "get", "list", "patch", "update", "watch"]
         resources: list[Obj] = []
         for kind in kinds:
-            resources.append({
-                "name": kind.plural, "singularName": kind.kind.lower(), "namespaced": kind.namespaced,
-                "kind": kind.kind, "verbs": verbs, "shortNames": list(kind.short_names),
-                **({"categories": ["all"]} if kind.plural in ("pods", "deployments", "services") else {}),
-            })
+            resources.append(
+                {
+                    "name": kind.plural,
+                    "singularName": kind.kind.lower(),
+                    "namespaced": kind.namespaced,
+                    "kind": kind.kind,
+                    "verbs": verbs,
+                    "shortNames": list(kind.short_names),
+                    **({"categories": ["all"]} if kind.plural in ("pods", "deployments", "services") else {}),
+                }
+            )
             for sub in kind.subresources:
                 sub_kind = "Scale" if sub == "scale" else kind.kind
-                resources.append({
-                    "name": f"{kind.plural}/{sub}", "singularName": "", "namespaced": kind.namespaced,
-                    "kind": sub_kind, "verbs": ["get", "patch", "update"],
-                    **({"group": "autoscaling", "version": "v1"} if sub == "scale" else {}),
-                })
-        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}".lstrip("/"),
-                "resources": resources}
+                resources.append(
+                    {
+                        "name": f"{kind.plural}/{sub}",
+                        "singularName": "",
+                        "namespaced": kind.namespaced,
+                        "kind": sub_kind,
+                        "verbs": ["get", "patch", "update"],
+                        **({"group": "autoscaling", "version": "v1"} if sub == "scale" else {}),
+                    }
+                )
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{group}/{version}".lstrip("/"),
+            "resources": resources,
+        }
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         path = request.url.path
@@ -260,12 +315,16 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
             patch_type = _patch_type(request.headers.get("Content-Type", ""))
             if patch_type != "json":
                 self._check_strict(request, kind, request.data)
-            obj = await self.store.patch(kind.plural, namespace, name, request.data, subresource=sub, patch_type=patch_type)
+            obj = await self.store.patch(
+                kind.plural, namespace, name, request.data, subresource=sub, patch_type=patch_type
+            )
         elif method == "DELETE":
             grace = request.params.get("gracePeriodSeconds")
             if grace is None and isinstance(request.data, dict):
                 grace = request.data.get("gracePeriodSeconds")
-            obj = await self.store.delete(kind.plural, namespace, name, grace_period_seconds=None if grace is None else int(grace))
+            obj = await self.store.delete(
+                kind.plural, namespace, name, grace_period_seconds=None if grace is None else int(grace)
+            )
         else:
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
         await self._after_write(kind, obj)
@@ -286,10 +345,17 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
         if kind.plural == "customresourcedefinitions" and not obj["metadata"].get("deletionTimestamp"):
             self.serve_crd(obj)
             if not obj.get("status", {}).get("conditions"):
-                established = {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
-                               "lastTransitionTime": memstore.now_rfc3339(), "message": "the initial names have been accepted"}
+                established = {
+                    "type": "Established",
+                    "status": "True",
+                    "reason": "InitialNamesAccepted",
+                    "lastTransitionTime": memstore.now_rfc3339(),
+                    "message": "the initial names have been accepted",
+                }
                 status = {"conditions": [established], "acceptedNames": obj["spec"]["names"]}
-                await self.store.patch(kind.plural, None, obj["metadata"]["name"], {"status": status}, subresource="status")
+                await self.store.patch(
+                    kind.plural, None, obj["metadata"]["name"], {"status": status}, subresource="status"
+                )
 
     async def create_crd(self, crd: Obj) -> Obj:
         """Install a CRD as ``kubectl apply`` would: store it, then serve its kind."""
@@ -302,14 +368,19 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
         """Serve the kind that a CustomResourceDefinition declares (its first served version)."""
         spec = crd["spec"]
         version = next(v for v in spec["versions"] if v.get("served", True))
-        schema = version.get("schema", {}).get("openAPIV3Schema", {"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+        schema = version.get("schema", {}).get(
+            "openAPIV3Schema", {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        )
         names = spec["names"]
 
         def validate(new: Obj, old: Obj | None) -> Obj:
             return schemas.validate(new, schema, kind=names["kind"], group=spec["group"])
 
         kind = Kind(
-            spec["group"], version["name"], names["kind"], names["plural"],
+            spec["group"],
+            version["name"],
+            names["kind"],
+            names["plural"],
             namespaced=spec.get("scope", "Namespaced") == "Namespaced",
             subresources=tuple(version.get("subresources", {})),
             short_names=tuple(names.get("shortNames", ())),
@@ -328,7 +399,9 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
         content = {k: v for k, v in body.items() if k != "metadata"}
         unknown = sorted(schemas.unknown_fields(content, schema))
         if unknown:
-            raise ApiError(400, "BadRequest", "strict decoding error: " + ", ".join(f'unknown field "{f}"' for f in unknown))
+            raise ApiError(
+                400, "BadRequest", "strict decoding error: " + ", ".join(f'unknown field "{f}"' for f in unknown)
+            )
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -336,30 +409,31 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
         label_terms = parse_selector(request.params.get("labelSelector"))
         field_terms = parse_selector(request.params.get("fieldSelector"))
         return [
-            obj for obj in self.store.list(kind.plural, request.namespace)
-            if selected(obj, label_terms, field_terms)
+            obj for obj in self.store.list(kind.plural, request.namespace) if selected(obj, label_terms, field_terms)
         ]
 
-    def _respond(self, request: kmock.Request, kind: Kind, objs: list[Obj], *, listing: bool) -> aiohttp.web.StreamResponse:
+    def _respond(
+        self, request: kmock.Request, kind: Kind, objs: list[Obj], *, listing: bool
+    ) -> aiohttp.web.StreamResponse:
         if "as=Table" in request.headers.get("Accept", ""):
             return aiohttp.web.json_response(self._table(kind, objs))
         if not listing:
             return aiohttp.web.json_response(objs[0])
-        return aiohttp.web.json_response({
-            "apiVersion": kind.api_version,
-            "kind": f"{kind.kind}List",
-            "metadata": {"resourceVersion": str(self.store.resource_version)},
-            "items": objs,
-        })
+        return aiohttp.web.json_response(
+            {
+                "apiVersion": kind.api_version,
+                "kind": f"{kind.kind}List",
+                "metadata": {"resourceVersion": str(self.store.resource_version)},
+                "items": objs,
+            }
+        )
 
     def _table(self, kind: Kind, objs: list[Obj]) -> Obj:
-        columns: list[tuple[str, str, Callable[[Obj], Any], int]] = [("Name", "string", lambda o: o["metadata"]["name"], 0)]
+        columns: list[tuple[str, str, Callable[[Obj], Any], int]] = [
+            ("Name", "string", lambda o: o["metadata"]["name"], 0)
+        ]
         for column in kind.printer_columns:
-            path = column["jsonPath"]
-            if column.get("type") == "date":
-                getter: Callable[[Obj], Any] = lambda o, p=path: _age(json_path(o, p))
-            else:
-                getter = lambda o, p=path: json_path(o, p)
+            getter = _column_getter(column["jsonPath"], is_date=column.get("type") == "date")
             columns.append((column["name"], column.get("type", "string"), getter, int(column.get("priority", 0))))
         for name, getter in _BUILTIN_COLUMNS.get(kind.plural, ()):
             columns.append((name, "string", getter, 0))
@@ -370,13 +444,23 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
             "apiVersion": "meta.k8s.io/v1",
             "metadata": {"resourceVersion": str(self.store.resource_version)},
             "columnDefinitions": [
-                {"name": name, "type": type_, "format": "name" if name == "Name" else "", "description": name, "priority": prio}
+                {
+                    "name": name,
+                    "type": type_,
+                    "format": "name" if name == "Name" else "",
+                    "description": name,
+                    "priority": prio,
+                }
                 for name, type_, _, prio in columns
             ],
             "rows": [
                 {
                     "cells": [getter(obj) for _, _, getter, _ in columns],
-                    "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"]},
+                    "object": {
+                        "kind": "PartialObjectMetadata",
+                        "apiVersion": "meta.k8s.io/v1",
+                        "metadata": obj["metadata"],
+                    },
                 }
                 for obj in objs
             ],
@@ -391,7 +475,9 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
         start = request.params.get("resourceVersion") or ""
         initial: list[Obj] = []
         if start in ("", "0"):
-            initial = [o for o in self.store.list(kind.plural, request.namespace) if selected(o, label_terms, field_terms)]
+            initial = [
+                o for o in self.store.list(kind.plural, request.namespace) if selected(o, label_terms, field_terms)
+            ]
             from_rv = self.store.resource_version
         else:
             from_rv = int(start)
@@ -433,10 +519,17 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
             if _patch_type(request.headers.get("Content-Type", "")) == "json":
                 import jsonpatch
 
-                body = jsonpatch.apply_patch(self._scale(kind, self.store.require(kind.plural, request.namespace, request.name)), request.data)
+                body = jsonpatch.apply_patch(
+                    self._scale(kind, self.store.require(kind.plural, request.namespace, request.name)), request.data
+                )
             replicas = (body.get("spec") or {}).get("replicas")
             if not isinstance(replicas, int) or replicas < 0:
-                raise ApiError(422, "Invalid", f'Scale.autoscaling "{request.name}" is invalid: spec.replicas: Invalid value: {replicas!r}: must be greater than or equal to 0')
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f'Scale.autoscaling "{request.name}" is invalid: spec.replicas: Invalid value: {replicas!r}:'
+                    " must be greater than or equal to 0",
+                )
             current = self.store.require(kind.plural, request.namespace, request.name)
             claimed = (body.get("metadata") or {}).get("resourceVersion")
             if claimed and claimed != current["metadata"]["resourceVersion"]:
@@ -459,7 +552,9 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
         return {
             "kind": "Scale",
             "apiVersion": "autoscaling/v1",
-            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
+            "metadata": {
+                k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta
+            },
             "spec": {"replicas": json_path(obj, kind.scale["specReplicasPath"]) or 0},
             "status": {"replicas": json_path(obj, kind.scale["statusReplicasPath"]) or 0, "selector": selector},
         }
@@ -482,14 +577,18 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
                     for key, kinds in groups.items()
                 }
             }
-        key = path[len("/openapi/v3/"):].strip("/")
+        key = path[len("/openapi/v3/") :].strip("/")
         if key not in groups:
             raise ApiError(404, "NotFound", f"no OpenAPI document for {key}")
         components: dict[str, Any] = {}
         paths: dict[str, Any] = {}
         for kind in groups[key]:
             gvk = [{"group": kind.group, "version": kind.version, "kind": kind.kind}]
-            schema_name = ".".join(reversed(kind.group.split("."))) + f".{kind.version}.{kind.kind}" if kind.group else f"io.k8s.api.core.{kind.version}.{kind.kind}"
+            schema_name = (
+                ".".join(reversed(kind.group.split("."))) + f".{kind.version}.{kind.kind}"
+                if kind.group
+                else f"io.k8s.api.core.{kind.version}.{kind.kind}"
+            )
             schema = kind.schema or {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
             components[schema_name] = {**schema, "x-kubernetes-group-version-kind": gvk}
             params = [{"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": True}}]
@@ -517,7 +616,11 @@ def _patch_type(content_type: str) -> str:
     if "json-patch" in content_type:
         return "json"
     if "apply-patch" in content_type:
-        raise ApiError(415, "UnsupportedMediaType", "server-side apply is not served by this emulator; use client-side kubectl apply")
+        raise ApiError(
+            415,
+            "UnsupportedMediaType",
+            "server-side apply is not served by this emulator; use client-side kubectl apply",
+        )
     return "merge"
 
 
@@ -531,12 +634,20 @@ def _nest(path: str, value: Any) -> Obj:
 
 def kubeconfig(url: str, namespace: str = "default") -> str:
     """A kubeconfig that points kubectl and the Python clients at the emulated server."""
-    return yaml.safe_dump({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "memops-sandbox", "cluster": {"server": url}}],
-        "users": [{"name": "memops-sandbox", "user": {"token": "sandbox"}}],
-        "contexts": [{"name": "memops-sandbox", "context": {"cluster": "memops-sandbox", "user": "memops-sandbox", "namespace": namespace}}],
-        "current-context": "memops-sandbox",
-        "preferences": {},
-    }, sort_keys=False)
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "memops-sandbox", "cluster": {"server": url}}],
+            "users": [{"name": "memops-sandbox", "user": {"token": "sandbox"}}],
+            "contexts": [
+                {
+                    "name": "memops-sandbox",
+                    "context": {"cluster": "memops-sandbox", "user": "memops-sandbox", "namespace": namespace},
+                }
+            ],
+            "current-context": "memops-sandbox",
+            "preferences": {},
+        },
+        sort_keys=False,
+    )

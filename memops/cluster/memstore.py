@@ -166,9 +166,7 @@ class MemoryStore:
             meta["name"] = meta["generateName"] + "".join(secrets.choice(_NAME_ALPHABET) for _ in range(5))
         key = (plural, namespace, meta["name"])
         if key in self.objects:
-            raise ApiError(
-                409, "AlreadyExists", f'{plural} "{meta["name"]}" already exists', {"name": meta["name"]}
-            )
+            raise ApiError(409, "AlreadyExists", f'{plural} "{meta["name"]}" already exists', {"name": meta["name"]})
         obj["apiVersion"], obj["kind"] = kind.api_version, kind.kind
         if kind.namespaced:
             meta["namespace"] = namespace
@@ -200,7 +198,9 @@ class MemoryStore:
             try:
                 new = jsonpatch.apply_patch(current, patch)
             except jsonpatch.JsonPatchTestFailed as exc:
-                raise ApiError(422, "Invalid", f"the server rejected our request: test operation failed: {exc}") from exc
+                raise ApiError(
+                    422, "Invalid", f"the server rejected our request: test operation failed: {exc}"
+                ) from exc
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
                 raise ApiError(422, "Invalid", f"the server rejected our request: {exc}") from exc
         else:
@@ -212,7 +212,9 @@ class MemoryStore:
                 raise self._conflict(plural, name)
         return await self._update(plural, current, new, subresource=subresource)
 
-    async def replace(self, plural: str, namespace: str | None, name: str, body: Obj, *, subresource: str | None = None) -> Obj:
+    async def replace(
+        self, plural: str, namespace: str | None, name: str, body: Obj, *, subresource: str | None = None
+    ) -> Obj:
         current = self.require(plural, namespace, name)
         claimed = body.get("metadata", {}).get("resourceVersion")
         if claimed and claimed != current["metadata"]["resourceVersion"]:
@@ -223,7 +225,15 @@ class MemoryStore:
         kind = self.kind(plural)
         meta, old_meta = new.setdefault("metadata", {}), current["metadata"]
         # Identity and server-owned fields cannot be changed by clients.
-        for key in ("name", "namespace", "uid", "creationTimestamp", "generation", "resourceVersion", "deletionTimestamp"):
+        for key in (
+            "name",
+            "namespace",
+            "uid",
+            "creationTimestamp",
+            "generation",
+            "resourceVersion",
+            "deletionTimestamp",
+        ):
             if key in old_meta:
                 meta[key] = old_meta[key]
             else:
@@ -239,7 +249,9 @@ class MemoryStore:
             else:
                 new.pop("status", None)
         elif subresource is not None:
-            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({plural}/{subresource})")
+            raise ApiError(
+                404, "NotFound", f"the server could not find the requested resource ({plural}/{subresource})"
+            )
         if new == current:
             return copy.deepcopy(current)  # a no-op write does not bump resourceVersion, as upstream
         if kind.validate is not None:

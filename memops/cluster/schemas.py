@@ -122,8 +122,7 @@ def validate(obj: Obj, schema: dict[str, Any], *, kind: str, group: str, strict:
                 "group": group,
                 "kind": kind,
                 "causes": [
-                    {"reason": "FieldValueInvalid", "message": detail, "field": field}
-                    for field, detail in described
+                    {"reason": "FieldValueInvalid", "message": detail, "field": field} for field, detail in described
                 ],
             },
         )

@@ -9,7 +9,6 @@ is Succeeded or Failed. The decisions are pure functions in :mod:`memops.plannin
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 from typing import Any
@@ -89,8 +88,13 @@ class Retirement:
         deadline = created + specs.parse_duration(spec.timeout)
         workload = await workloads.get(self.client, self.namespace, spec.workload)
         if workload is None:
-            return await self.fail(status, "WorkloadNotFound", f"spec.workload.name: {spec.workload.kind} "
-                                   f"{spec.workload.name!r} not found in namespace {self.namespace}", generation)
+            return await self.fail(
+                status,
+                "WorkloadNotFound",
+                f"spec.workload.name: {spec.workload.kind} "
+                f"{spec.workload.name!r} not found in namespace {self.namespace}",
+                generation,
+            )
         security = await self.security(spec)
         try:
             snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security)
@@ -98,8 +102,13 @@ class Retirement:
             if _now() >= deadline:
                 return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
             status.conditions = conditions.set_condition(
-                status.conditions, "SchedulerReachable", False, reason="SchedulerUnreachable",
-                message=f"spec.scheduler.address: {exc}; retrying until {_format_time(deadline)}", generation=generation)
+                status.conditions,
+                "SchedulerReachable",
+                False,
+                reason="SchedulerUnreachable",
+                message=f"spec.scheduler.address: {exc}; retrying until {_format_time(deadline)}",
+                generation=generation,
+            )
             await self.write(status)
             return status
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
@@ -108,49 +117,77 @@ class Retirement:
         if spec.workers is not None:
             for index, pod in enumerate(spec.workers):
                 if pod not in pod_names:
-                    return await self.fail(status, "WorkerNotFound", f"spec.workers[{index}]: pod {pod!r} is not a running"
-                                           f" pod of {spec.workload.kind} {spec.workload.name!r}", generation)
+                    return await self.fail(
+                        status,
+                        "WorkerNotFound",
+                        f"spec.workers[{index}]: pod {pod!r} is not a running"
+                        f" pod of {spec.workload.kind} {spec.workload.name!r}",
+                        generation,
+                    )
                 if pod in taken:
-                    return await self.fail(status, "WorkerClaimed", f"spec.workers[{index}]: pod {pod!r} is already"
-                                           " being retired by another RetirementRequest", generation)
+                    return await self.fail(
+                        status,
+                        "WorkerClaimed",
+                        f"spec.workers[{index}]: pod {pod!r} is already being retired by another RetirementRequest",
+                        generation,
+                    )
             chosen = list(spec.workers)
         else:
             assert spec.count is not None
             chosen = planning.choose_workers(pod_names, snapshot, spec.count, exclude=taken)
         if not chosen:
-            return await self.fail(status, "NoWorkers", "no worker could be chosen: every pod is taken or none exists",
-                                   generation)
+            return await self.fail(
+                status, "NoWorkers", "no worker could be chosen: every pod is taken or none exists", generation
+            )
         for pod in pods:
             if pod["metadata"]["name"] in chosen:
                 await workloads.claim_pod(self.client, pod, self.name)  # 409/422: another request won; retry
         self.before = snapshot
         started = _now()
-        status = status.model_copy(update={
-            "phase": specs.Phase.DRAINING,
-            "observedGeneration": generation,
-            "startTime": _format_time(started),
-            "deadline": _format_time(started + specs.parse_duration(spec.timeout)),
-            "onTimeout": spec.onTimeout,
-            "workers": [self._entry(pod, snapshot) for pod in chosen],
-        })
+        status = status.model_copy(
+            update={
+                "phase": specs.Phase.DRAINING,
+                "observedGeneration": generation,
+                "startTime": _format_time(started),
+                "deadline": _format_time(started + specs.parse_duration(spec.timeout)),
+                "onTimeout": spec.onTimeout,
+                "workers": [self._entry(pod, snapshot) for pod in chosen],
+            }
+        )
         status.conditions = conditions.set_condition(
-            status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation)
+            status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
+        )
         status.conditions = conditions.set_condition(
-            status.conditions, "Draining", True, reason="DrainStarted",
-            message=f"draining {len(chosen)} workers: {', '.join(chosen)}", generation=generation)
+            status.conditions,
+            "Draining",
+            True,
+            reason="DrainStarted",
+            message=f"draining {len(chosen)} workers: {', '.join(chosen)}",
+            generation=generation,
+        )
         await self.write(status)
-        kopf.event(self.body, type="Normal", reason="DrainStarted",
-                   message=f"draining {len(chosen)} workers through the scheduler: {', '.join(chosen)}")
+        kopf.event(
+            self.body,
+            type="Normal",
+            reason="DrainStarted",
+            message=f"draining {len(chosen)} workers through the scheduler: {', '.join(chosen)}",
+        )
         return status
 
     @staticmethod
     def _entry(pod: str, snapshot: planning.SchedulerSnapshot) -> specs.WorkerStatus:
         worker = snapshot.by_name(pod)
         if worker is None:
-            return specs.WorkerStatus(pod=pod, state=specs.WorkerState.DRAINING,
-                                      message="no connected worker: nothing to drain")
-        return specs.WorkerStatus(pod=pod, address=worker.address, state=specs.WorkerState.DRAINING,
-                                  uniqueBytes=worker.unique_bytes, message="draining")
+            return specs.WorkerStatus(
+                pod=pod, state=specs.WorkerState.DRAINING, message="no connected worker: nothing to drain"
+            )
+        return specs.WorkerStatus(
+            pod=pod,
+            address=worker.address,
+            state=specs.WorkerState.DRAINING,
+            uniqueBytes=worker.unique_bytes,
+            message="draining",
+        )
 
     # -- draining -------------------------------------------------------------------------------
 
@@ -171,8 +208,13 @@ class Retirement:
         return await self.finish(status)
 
     async def retire(
-        self, address: str, security: Any, status: specs.RetirementRequestStatus,
-        draining: list[specs.WorkerStatus], deadline: datetime.datetime, on_timeout: specs.OnTimeout,
+        self,
+        address: str,
+        security: Any,
+        status: specs.RetirementRequestStatus,
+        draining: list[specs.WorkerStatus],
+        deadline: datetime.datetime,
+        on_timeout: specs.OnTimeout,
     ) -> specs.RetirementRequestStatus:
         try:
             if self.before is None:
@@ -184,18 +226,29 @@ class Retirement:
         except daskrpc.SchedulerUnreachable as exc:
             if _now() < deadline:
                 status.conditions = conditions.set_condition(
-                    status.conditions, "SchedulerReachable", False, reason="SchedulerUnreachable",
-                    message=f"{exc}; retrying until {status.deadline}", generation=status.observedGeneration)
+                    status.conditions,
+                    "SchedulerReachable",
+                    False,
+                    reason="SchedulerUnreachable",
+                    message=f"{exc}; retrying until {status.deadline}",
+                    generation=status.observedGeneration,
+                )
                 await self.write(status)
                 return status
             status.workers = retirement.judge_unreachable(status.workers, on_timeout=on_timeout, reason=str(exc))
             await self.write(status)
             return status
         status.workers = retirement.judge_drain(
-            status.workers, before=self.before, after=after, retired=outcome.retired,
-            timed_out=outcome.timed_out, on_timeout=on_timeout)
+            status.workers,
+            before=self.before,
+            after=after,
+            retired=outcome.retired,
+            timed_out=outcome.timed_out,
+            on_timeout=on_timeout,
+        )
         status.conditions = conditions.set_condition(
-            status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration)
+            status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration
+        )
         await self.write(status)
         for worker in status.workers:
             if worker.state == specs.WorkerState.KEPT:
@@ -205,26 +258,38 @@ class Retirement:
         return status
 
     async def remove(
-        self, spec: specs.RetirementRequestSpec | None, status: specs.RetirementRequestStatus,
+        self,
+        spec: specs.RetirementRequestSpec | None,
+        status: specs.RetirementRequestStatus,
         deadline: datetime.datetime,
     ) -> specs.RetirementRequestStatus:
-        workload_ref = spec.workload if spec is not None else specs.WorkloadRef.model_validate(
-            dict(self.body.spec["workload"]))
+        workload_ref = (
+            spec.workload if spec is not None else specs.WorkloadRef.model_validate(dict(self.body.spec["workload"]))
+        )
         pods = retirement.to_remove(status.workers)
         if status.scaleDown is None or not set(pods) <= set(status.scaleDown.pods):
             blockers = await workloads.outranking_pods(self.client, self.namespace, workload_ref, pods)
             if blockers:
-                message = (f"waiting: pods {', '.join(blockers)} are not ready, and the ReplicaSet would remove"
-                           " them before the drained ones")
+                message = (
+                    f"waiting: pods {', '.join(blockers)} are not ready, and the ReplicaSet would remove"
+                    " them before the drained ones"
+                )
                 status.conditions = conditions.set_condition(
-                    status.conditions, "Draining", True, reason="WaitingForPods", message=message,
-                    generation=status.observedGeneration)
+                    status.conditions,
+                    "Draining",
+                    True,
+                    reason="WaitingForPods",
+                    message=message,
+                    generation=status.observedGeneration,
+                )
                 await self.write(status)
                 return status
             await workloads.mark_for_deletion(self.client, self.namespace, pods)
             replicas = await workloads.replicas(self.client, self.namespace, workload_ref)
             # Recorded before the scale-down is ordered: a restarted operator must not lower it twice.
-            status.scaleDown = specs.ScaleDown(pods=pods, replicasFrom=replicas, replicasTo=max(replicas - len(pods), 0))
+            status.scaleDown = specs.ScaleDown(
+                pods=pods, replicasFrom=replicas, replicasTo=max(replicas - len(pods), 0)
+            )
             await self.write(status)
         assert status.scaleDown is not None
         await workloads.scale_down_to(self.client, self.namespace, workload_ref, status.scaleDown.replicasTo)
@@ -243,32 +308,56 @@ class Retirement:
         status = retirement.conclude(status, requested=requested, at=_format_time(_now()))
         succeeded = status.phase == specs.Phase.SUCCEEDED
         status.conditions = conditions.set_condition(
-            status.conditions, "Draining", False, reason="Finished", message=status.message,
-            generation=status.observedGeneration)
+            status.conditions,
+            "Draining",
+            False,
+            reason="Finished",
+            message=status.message,
+            generation=status.observedGeneration,
+        )
         status.conditions = conditions.set_condition(
-            status.conditions, "Complete" if succeeded else "Failed", True,
-            reason="Retired" if succeeded else "WorkersKept", message=status.message,
-            generation=status.observedGeneration)
+            status.conditions,
+            "Complete" if succeeded else "Failed",
+            True,
+            reason="Retired" if succeeded else "WorkersKept",
+            message=status.message,
+            generation=status.observedGeneration,
+        )
         if status.bytesLost:
             status.conditions = conditions.set_condition(
-                status.conditions, "DataLost", True, reason="Forced", message=f"{status.bytesLost} bytes lost by"
-                " forced removal (onTimeout: Force)", generation=status.observedGeneration)
-        await workloads.release_claims(self.client, self.namespace, [w.pod for w in status.workers if not w.podRemoved],
-                                       self.name)
+                status.conditions,
+                "DataLost",
+                True,
+                reason="Forced",
+                message=f"{status.bytesLost} bytes lost by forced removal (onTimeout: Force)",
+                generation=status.observedGeneration,
+            )
+        await workloads.release_claims(
+            self.client, self.namespace, [w.pod for w in status.workers if not w.podRemoved], self.name
+        )
         await self.write(status)
-        kopf.event(self.body, type="Normal" if succeeded else "Warning",
-                   reason="Succeeded" if succeeded else "Failed", message=status.message)
+        kopf.event(
+            self.body,
+            type="Normal" if succeeded else "Warning",
+            reason="Succeeded" if succeeded else "Failed",
+            message=status.message,
+        )
         return status
 
     async def fail(
         self, status: specs.RetirementRequestStatus, reason: str, message: str, generation: int
     ) -> specs.RetirementRequestStatus:
-        status = status.model_copy(update={
-            "phase": specs.Phase.FAILED, "message": message, "observedGeneration": generation,
-            "completionTime": _format_time(_now()),
-        })
+        status = status.model_copy(
+            update={
+                "phase": specs.Phase.FAILED,
+                "message": message,
+                "observedGeneration": generation,
+                "completionTime": _format_time(_now()),
+            }
+        )
         status.conditions = conditions.set_condition(
-            status.conditions, "Failed", True, reason=reason, message=message, generation=generation)
+            status.conditions, "Failed", True, reason=reason, message=message, generation=generation
+        )
         await self.write(status)
         kopf.event(self.body, type="Warning", reason=reason, message=message)
         return status
@@ -277,12 +366,14 @@ class Retirement:
         if generation <= status.observedGeneration or generation == self._rejected_generation:
             return
         self._rejected_generation = generation
-        message = (f"spec changed at generation {generation} after the drain started at generation"
-                   f" {status.observedGeneration}; a RetirementRequest is one-shot, so the change is ignored:"
-                   " create a new request instead")
+        message = (
+            f"spec changed at generation {generation} after the drain started at generation"
+            f" {status.observedGeneration}; a RetirementRequest is one-shot, so the change is ignored:"
+            " create a new request instead"
+        )
         status.conditions = conditions.set_condition(
-            status.conditions, "SpecChangeRejected", True, reason="OneShot", message=message,
-            generation=generation)
+            status.conditions, "SpecChangeRejected", True, reason="OneShot", message=message, generation=generation
+        )
         await self.write(status)
         kopf.event(self.body, type="Warning", reason="SpecChangeRejected", message=message)
 
@@ -291,7 +382,9 @@ class Retirement:
     async def security(self, spec: specs.RetirementRequestSpec) -> Any:
         if spec.scheduler.tls is None:
             return None
-        secret = await self.client.get(kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName))
+        secret = await self.client.get(
+            kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
+        )
         return daskrpc.security_from_secret(secret.get("data", {}))
 
     async def write(self, status: specs.RetirementRequestStatus) -> None:
@@ -310,24 +403,30 @@ def refused_change(raw_status: Any, generation: int) -> list[dict[str, Any]] | N
     status = specs.RetirementRequestStatus.model_validate(_own_status(raw_status))
     if status.phase not in _TERMINAL or generation <= status.observedGeneration:
         return None  # Pending: the daemon acts on the new spec; Draining: the daemon refuses it
-    message = (f"spec changed at generation {generation} after the request finished ({status.phase});"
-               " a RetirementRequest is one-shot, so the change is ignored: create a new request instead")
-    updated = conditions.set_condition(status.conditions, "SpecChangeRejected", True, reason="OneShot",
-                                       message=message, generation=generation)
+    message = (
+        f"spec changed at generation {generation} after the request finished ({status.phase});"
+        " a RetirementRequest is one-shot, so the change is ignored: create a new request instead"
+    )
+    updated = conditions.set_condition(
+        status.conditions, "SpecChangeRejected", True, reason="OneShot", message=message, generation=generation
+    )
     return [c.model_dump(mode="json") for c in updated]
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
-    @kopf.on.update(specs.GROUP, specs.VERSION, "retirementrequests", field="spec", registry=registry,
-                    id="refuse-spec-change")
+    @kopf.on.update(
+        specs.GROUP, specs.VERSION, "retirementrequests", field="spec", registry=registry, id="refuse-spec-change"
+    )
     async def refuse_spec_change(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         updated = refused_change(body.get("status"), int(body.metadata.get("generation", 1)))
         if updated is not None:
             patch.status["conditions"] = updated
             kopf.event(body, type="Warning", reason="SpecChangeRejected", message=updated[-1]["message"])
 
-    @kopf.daemon(specs.GROUP, specs.VERSION, "retirementrequests", registry=registry, id="retire",
-                 cancellation_timeout=5.0)
-    async def retire(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, stopped: kopf.DaemonStopped,
-                     **_: Any) -> None:
+    @kopf.daemon(
+        specs.GROUP, specs.VERSION, "retirementrequests", registry=registry, id="retire", cancellation_timeout=5.0
+    )
+    async def retire(
+        body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, stopped: kopf.DaemonStopped, **_: Any
+    ) -> None:
         await Retirement(client=memo.kube, body=body, logger=logger).run(stopped)

@@ -54,7 +54,9 @@ async def claim_pod(client: kube.Kube, pod: Obj, request: str) -> None:
         key = retirement.CLAIM_ANNOTATION.replace("~", "~0").replace("/", "~1")
         operations.append({"op": "add", "path": f"/metadata/annotations/{key}", "value": request})
     else:
-        operations.append({"op": "add", "path": "/metadata/annotations", "value": {retirement.CLAIM_ANNOTATION: request}})
+        operations.append(
+            {"op": "add", "path": "/metadata/annotations", "value": {retirement.CLAIM_ANNOTATION: request}}
+        )
     await client.json_patch(_pod_path(meta["namespace"], meta["name"]), operations)
 
 
@@ -63,7 +65,9 @@ async def release_claims(client: kube.Kube, namespace: str, names: list[str], re
         pod = await client.get_or_none(_pod_path(namespace, name))
         annotations = (pod or {}).get("metadata", {}).get("annotations") or {}
         if annotations.get(retirement.CLAIM_ANNOTATION) == request:
-            await client.merge_patch(_pod_path(namespace, name), {"metadata": {"annotations": {retirement.CLAIM_ANNOTATION: None}}})
+            await client.merge_patch(
+                _pod_path(namespace, name), {"metadata": {"annotations": {retirement.CLAIM_ANNOTATION: None}}}
+            )
 
 
 def _ready(pod: Obj) -> bool:
@@ -76,7 +80,8 @@ async def outranking_pods(client: kube.Kube, namespace: str, ref: specs.Workload
     """Other pods that the ReplicaSet would delete before the chosen ones, whatever their cost."""
     others = [p for p in await pods(client, namespace, ref) if p["metadata"]["name"] not in chosen]
     return [
-        p["metadata"]["name"] for p in others
+        p["metadata"]["name"]
+        for p in others
         if not p.get("spec", {}).get("nodeName") or p.get("status", {}).get("phase") != "Running" or not _ready(p)
     ]
 
@@ -102,10 +107,13 @@ async def scale_down_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRe
     scale = await client.get(path)
     if int(scale.get("spec", {}).get("replicas", 0)) <= target:
         return
-    await client.merge_patch(path, {
-        "metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]},
-        "spec": {"replicas": target},
-    })
+    await client.merge_patch(
+        path,
+        {
+            "metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]},
+            "spec": {"replicas": target},
+        },
+    )
 
 
 async def wait_pods_gone(client: kube.Kube, namespace: str, names: list[str], *, timeout: float) -> list[str]:

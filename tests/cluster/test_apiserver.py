@@ -75,8 +75,10 @@ async def test_failed_json_patch_test_is_422(api: Any) -> None:
     _, http = api
     async with http.post(PODS, json=pod("a")) as response:
         created = await response.json()
-    ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": "0"},
-           {"op": "add", "path": "/metadata/annotations", "value": {"k": "v"}}]
+    ops = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": "0"},
+        {"op": "add", "path": "/metadata/annotations", "value": {"k": "v"}},
+    ]
     async with http.patch(f"{PODS}/a", json=ops, headers=JSONPATCH) as response:
         assert response.status == 422
     ops[0]["value"] = created["metadata"]["resourceVersion"]
@@ -125,7 +127,9 @@ async def test_defaults_generation_and_status_subresource(api: Any) -> None:
     assert created["metadata"]["generation"] == 1
     async with http.patch(f"{RR}/shrink/status", json={"status": {"phase": "Draining"}}, headers=MERGE) as response:
         assert (await response.json())["metadata"]["generation"] == 1
-    async with http.patch(f"{RR}/shrink", json={"spec": {"count": 3}, "status": {"phase": "Failed"}}, headers=MERGE) as response:
+    async with http.patch(
+        f"{RR}/shrink", json={"spec": {"count": 3}, "status": {"phase": "Failed"}}, headers=MERGE
+    ) as response:
         updated = await response.json()
     assert updated["metadata"]["generation"] == 2
     assert updated["status"]["phase"] == "Draining"
@@ -135,8 +139,12 @@ async def test_defaults_generation_and_status_subresource(api: Any) -> None:
 
 async def test_scale_subresource(api: Any) -> None:
     _, http = api
-    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "w"},
-                  "spec": {"replicas": 4, "selector": {"matchLabels": {"app": "w"}}, "template": {}}}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "w"},
+        "spec": {"replicas": 4, "selector": {"matchLabels": {"app": "w"}}, "template": {}},
+    }
     async with http.post(DEPLOYMENTS, json=deployment):
         pass
     async with http.get(f"{DEPLOYMENTS}/w/scale") as response:
@@ -202,5 +210,6 @@ async def test_openapi_v3_describes_custom_resources(api: Any) -> None:
         document = await response.json()
     schema = document["components"]["schemas"]["dev.memops.v1alpha1.RetirementRequest"]
     assert schema["x-kubernetes-group-version-kind"] == [
-        {"group": "memops.dev", "version": "v1alpha1", "kind": "RetirementRequest"}]
+        {"group": "memops.dev", "version": "v1alpha1", "kind": "RetirementRequest"}
+    ]
     assert "description" in schema["properties"]["spec"]["properties"]["count"]

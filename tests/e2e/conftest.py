@@ -40,7 +40,12 @@ class Sandbox:
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            [str(BIN / "kubectl"), *args], input=input, capture_output=True, text=True, env=self.env, timeout=60,
+            [str(BIN / "kubectl"), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=60,
         )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
@@ -96,7 +101,10 @@ class Sandbox:
         log = (self.state_dir / "operator.log").open("ab")
         self.operator = subprocess.Popen(
             [str(BIN / "memops"), "run", "--all-namespaces", "--standalone"],
-            stdout=log, stderr=log, env=self.env, start_new_session=True,
+            stdout=log,
+            stderr=log,
+            env=self.env,
+            start_new_session=True,
         )
         return self.operator
 

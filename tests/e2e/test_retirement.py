@@ -62,8 +62,9 @@ def test_nowhere_to_go_keeps_every_pod_then_force_records_the_loss(sandbox: Sand
     pods = sandbox.pods()
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         holdings = scatter_unique(client, dict.fromkeys(pods, 3))
-        sandbox.apply(retirement_request("all", scheduler={"address": sandbox.scheduler_address}, count=4,
-                                         timeout="30s"))
+        sandbox.apply(
+            retirement_request("all", scheduler={"address": sandbox.scheduler_address}, count=4, timeout="30s")
+        )
         failed = sandbox.wait_phase("all", "Succeeded", "Failed")
         assert failed["status"]["phase"] == "Failed"
         assert {w["state"] for w in failed["status"]["workers"]} == {"Kept"}
@@ -72,16 +73,30 @@ def test_nowhere_to_go_keeps_every_pod_then_force_records_the_loss(sandbox: Sand
         assert sandbox.pods() == pods and sandbox.replicas() == 4
         holdings.assert_all_correct()
 
-        sandbox.apply(retirement_request("force", scheduler={"address": sandbox.scheduler_address},
-                                         workers=pods[:2], timeout="30s", onTimeout="Force"))
+        sandbox.apply(
+            retirement_request(
+                "force",
+                scheduler={"address": sandbox.scheduler_address},
+                workers=pods[:2],
+                timeout="30s",
+                onTimeout="Force",
+            )
+        )
         forced = sandbox.wait_phase("force", "Succeeded", "Failed")
         # Two of four can be drained onto the other two: Force only matters when data has nowhere to go.
         assert forced["status"]["phase"] == "Succeeded"
         holdings.assert_all_correct()
 
         remaining = sandbox.pods()
-        sandbox.apply(retirement_request("force-all", scheduler={"address": sandbox.scheduler_address},
-                                         workers=remaining, timeout="30s", onTimeout="Force"))
+        sandbox.apply(
+            retirement_request(
+                "force-all",
+                scheduler={"address": sandbox.scheduler_address},
+                workers=remaining,
+                timeout="30s",
+                onTimeout="Force",
+            )
+        )
         lost = sandbox.wait_phase("force-all", "Succeeded", "Failed")
         status = lost["status"]
         assert {w["state"] for w in status["workers"]} == {"Forced"}
@@ -108,8 +123,11 @@ def test_invalid_specs_are_refused_and_the_operator_keeps_serving(sandbox: Sandb
         assert field in result.stderr, (name, result.stderr)
     assert sandbox.get("retirementrequests")["items"] == []
 
-    sandbox.apply(retirement_request("ghost", scheduler={"address": address}, count=1,
-                                     workload={"kind": "Deployment", "name": "no-such-workers"}))
+    sandbox.apply(
+        retirement_request(
+            "ghost", scheduler={"address": address}, count=1, workload={"kind": "Deployment", "name": "no-such-workers"}
+        )
+    )
     ghost = sandbox.wait_phase("ghost", "Failed", "Succeeded")
     assert ghost["status"]["phase"] == "Failed"
     assert ghost["status"]["message"].startswith("spec.workload.name:")
@@ -122,9 +140,13 @@ def test_unreachable_scheduler_fails_with_an_explanation_and_touches_nothing(san
     pods = sandbox.pods()
     sandbox.apply(retirement_request("lost", scheduler={"address": "tcp://127.0.0.1:9"}, count=1, timeout="6s"))
     pending = sandbox.wait_for(
-        lambda: [c for c in sandbox.get("retire", "lost").get("status", {}).get("conditions", [])
-                 if c["type"] == "SchedulerReachable" and c["status"] == "False"],
-        what="the SchedulerReachable=False condition")
+        lambda: [
+            c
+            for c in sandbox.get("retire", "lost").get("status", {}).get("conditions", [])
+            if c["type"] == "SchedulerReachable" and c["status"] == "False"
+        ],
+        what="the SchedulerReachable=False condition",
+    )
     assert "spec.scheduler.address" in pending[0]["message"]
     failed = sandbox.wait_phase("lost", "Failed", "Succeeded")
     assert failed["status"]["phase"] == "Failed"
@@ -152,8 +174,11 @@ def test_scheduler_stopped_mid_drain_keeps_the_pod(sandbox_factory: Callable[...
         scatter_unique(client, {pods[0]: 4})
     frozen = _freeze_recipients(sandbox, keep_running=[pods[0]])
     try:
-        sandbox.apply(retirement_request("orphan", scheduler={"address": sandbox.scheduler_address},
-                                         workers=[pods[0]], timeout="15s"))
+        sandbox.apply(
+            retirement_request(
+                "orphan", scheduler={"address": sandbox.scheduler_address}, workers=[pods[0]], timeout="15s"
+            )
+        )
         sandbox.wait_phase("orphan", "Draining")
         sandbox.signal_scheduler(signal.SIGKILL)
     finally:
@@ -173,8 +198,11 @@ def test_worker_killed_mid_drain(sandbox_factory: Callable[..., Sandbox]) -> Non
         holdings = scatter_unique(client, {pods[0]: 4, pods[1]: 2})
         frozen = _freeze_recipients(sandbox, keep_running=[pods[0], pods[1]])
         try:
-            sandbox.apply(retirement_request("crash", scheduler={"address": sandbox.scheduler_address},
-                                             workers=[pods[0]], timeout="60s"))
+            sandbox.apply(
+                retirement_request(
+                    "crash", scheduler={"address": sandbox.scheduler_address}, workers=[pods[0]], timeout="60s"
+                )
+            )
             sandbox.wait_phase("crash", "Draining")
             time.sleep(0.5)
             sandbox.signal_pod(pods[0], signal.SIGKILL)  # the kubelet restarts it, empty
@@ -198,14 +226,16 @@ def test_operator_restart_mid_drain_carries_on(sandbox_factory: Callable[..., Sa
         holdings = scatter_unique(client, {pods[0]: 1, pods[1]: 2, pods[2]: 3})
         frozen = _freeze_recipients(sandbox, keep_running=[pods[0]])
         try:
-            sandbox.apply(retirement_request("resume", scheduler={"address": sandbox.scheduler_address},
-                                             count=1, timeout="90s"))
+            sandbox.apply(
+                retirement_request("resume", scheduler={"address": sandbox.scheduler_address}, count=1, timeout="90s")
+            )
             draining = sandbox.wait_phase("resume", "Draining")
             sandbox.kill_operator()
         finally:
             _thaw(sandbox, frozen)
-        sandbox.apply(retirement_request("resume", scheduler={"address": sandbox.scheduler_address},
-                                         count=2, timeout="90s"))
+        sandbox.apply(
+            retirement_request("resume", scheduler={"address": sandbox.scheduler_address}, count=2, timeout="90s")
+        )
         sandbox.start_operator()
         done = sandbox.wait_phase("resume", "Succeeded", "Failed")
         assert done["status"]["phase"] == "Succeeded", done["status"]
@@ -237,8 +267,9 @@ def test_baseline_plain_scale_down_loses_the_data(sandbox: Sandbox) -> None:
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         holdings = scatter_unique(client, dict.fromkeys(pods, 10), size=64 * 1024)
         sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=2")
-        sandbox.wait_for(lambda: len(workers_by_name(client)) == 2 and len(sandbox.pods()) == 2,
-                         what="two workers to be removed")
+        sandbox.wait_for(
+            lambda: len(workers_by_name(client)) == 2 and len(sandbox.pods()) == 2, what="two workers to be removed"
+        )
         lost = holdings.lost()
         removed = [p for p in pods if p not in sandbox.pods()]
         print(f"baseline: kubectl scale 4->2 lost {len(lost)} of {len(holdings.futures)} scattered keys")
@@ -253,6 +284,7 @@ def test_spec_change_after_completion_is_refused(sandbox: Sandbox, phase: str) -
     sandbox.kubectl("patch", "retire", "done", "--type=merge", "-p", '{"spec":{"count":2}}')
     rejected = sandbox.wait_for(
         lambda: [c for c in sandbox.get("retire", "done")["status"]["conditions"] if c["type"] == "SpecChangeRejected"],
-        what="the SpecChangeRejected condition")
+        what="the SpecChangeRejected condition",
+    )
     assert rejected[0]["observedGeneration"] == 2
     assert sandbox.replicas() == 3, "the changed spec retired nothing more"
