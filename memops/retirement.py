@@ -49,75 +49,66 @@ def judge_drain(
 ) -> list[specs.WorkerStatus]:
     """Decide each draining worker's fate once the scheduler has answered.
 
-    A worker whose Dask address the scheduler confirmed retired, or that is gone from the
-    scheduler and whose pod now holds no unique data, may have its pod removed (it stays
-    ``Draining`` with a message until the pod is gone). A worker that still holds unique
-    data is ``Kept``, or with ``onTimeout: Force`` marked for removal as ``Forced`` with the
-    bytes that its removal will lose.
+    A pod may be removed once the worker it ran has left the scheduler and whatever runs in
+    the pod now holds no unique data: the scheduler retired the worker (its data moved), or
+    the worker died during the drain (what had not moved died with it, and the status says
+    how much). The pod then stays ``Draining`` until it is gone. A worker that still holds
+    unique data is ``Kept``, or with ``onTimeout: Force`` marked ``Forced`` with the bytes its
+    removal loses. ``before`` is the snapshot taken when this process began the drain; after
+    an operator restart it may not know the worker any more, and the status' own figures stand.
     """
     retired_set = set(retired)
     result = []
     for worker in workers:
-        if worker.state != specs.WorkerState.DRAINING:
+        if worker.state != specs.WorkerState.DRAINING or worker.removable:
             result.append(worker)
             continue
-        current = after.by_name(worker.pod)
-        still_there = current is not None and current.address == worker.address
+        current = after.by_name(worker.pod)  # the worker running in this pod now, if any
         holding = current.unique_bytes if current is not None else 0
-        moved = worker.uniqueBytes
-        if before is not None and before.by_address(worker.address) is not None:
+        holding_keys = current.unique_keys if current is not None else 0
+        gone = current is None or current.address != worker.address
+        moved, lost, lost_keys = worker.uniqueBytes, 0, 0
+        if worker.address and before is not None and before.by_address(worker.address) is not None:
             moved, _ = planning.bytes_moved(before.who_has, after.who_has, before.nbytes, worker.address)
-        if worker.address in retired_set or not worker.address:
-            result.append(
-                worker.model_copy(
-                    update={
-                        "removable": True,
-                        "bytesMoved": moved if worker.address else 0,
-                        "message": "drained: the scheduler retired the worker; removing its pod"
-                        if worker.address
-                        else "no connected worker, nothing to drain; removing its pod",
-                    }
-                )
-            )
-        elif not still_there and holding == 0:
-            # Gone from the scheduler without being retired by us: it died (or a restarted
-            # worker replaced it). What it held is lost already; its pod holds nothing now.
-            result.append(
-                worker.model_copy(
-                    update={
-                        "removable": True,
-                        "bytesMoved": moved,
-                        "message": "the worker left the scheduler during the drain (it died or restarted);"
-                        " its pod holds no unique data now; removing it",
-                    }
-                )
-            )
+            lost, lost_keys = planning.bytes_lost(before.who_has, after.who_has, before.nbytes, worker.address)
+        if not worker.address:
+            update: dict[str, object] = {
+                "removable": True,
+                "message": "no connected worker, nothing to drain; removing its pod",
+            }
+        elif gone and holding == 0 and (worker.address in retired_set and lost == 0):
+            update = {
+                "removable": True,
+                "bytesMoved": moved,
+                "message": "drained: the scheduler retired the worker; removing its pod",
+            }
+        elif gone and holding == 0:
+            update = {
+                "removable": True,
+                "bytesMoved": moved,
+                "bytesLost": lost,
+                "keysLost": lost_keys,
+                "message": f"the worker left the scheduler during the drain (it died): {lost} bytes ({lost_keys} keys)"
+                " that had not moved yet were lost with it; its pod holds no unique data now; removing its pod",
+            }
         elif on_timeout == specs.OnTimeout.FORCE:
-            lost_keys = current.unique_keys if current is not None else 0
-            result.append(
-                worker.model_copy(
-                    update={
-                        "state": specs.WorkerState.FORCED,
-                        "removable": True,
-                        "bytesMoved": max(moved, 0),
-                        "bytesLost": holding,
-                        "keysLost": lost_keys,
-                        "message": f"{_why(timed_out)}; onTimeout is Force: removing the pod with {holding} bytes"
-                        f" ({lost_keys} keys) that exist nowhere else",
-                    }
-                )
-            )
+            update = {
+                "state": specs.WorkerState.FORCED,
+                "removable": True,
+                "bytesMoved": max(moved, 0),
+                "bytesLost": holding,
+                "keysLost": holding_keys,
+                "message": f"{_why(timed_out)}; onTimeout is Force: removing the pod with {holding} bytes"
+                f" ({holding_keys} keys) that exist nowhere else",
+            }
         else:
-            result.append(
-                worker.model_copy(
-                    update={
-                        "state": specs.WorkerState.KEPT,
-                        "bytesMoved": max(moved, 0),
-                        "message": f"{_why(timed_out)}; kept its pod, which holds {holding} bytes"
-                        " that exist nowhere else",
-                    }
-                )
-            )
+            update = {
+                "state": specs.WorkerState.KEPT,
+                "bytesMoved": max(moved, 0),
+                "message": f"{_why(timed_out)}; kept its pod, which holds {holding} bytes ({holding_keys} keys)"
+                " that exist nowhere else",
+            }
+        result.append(worker.model_copy(update=update))
     return result
 
 
@@ -160,7 +151,7 @@ def judge_unreachable(
 
 def _why(timed_out: bool) -> str:
     if timed_out:
-        return "the drain did not finish within spec.timeout"
+        return "the drain did not finish within spec.timeout (the scheduler may still finish it)"
     return "the scheduler could not retire the worker: its unique data had nowhere to go"
 
 

@@ -183,8 +183,10 @@ class WorkerStatus(Model):
     )
     uniqueBytes: int = pydantic.Field(default=0, description="Bytes held only by this worker when the drain began.")
     bytesMoved: int = pydantic.Field(default=0, description="Of those, bytes now held by another worker.")
-    bytesLost: int = pydantic.Field(default=0, description="Bytes held by no worker after its removal (Forced).")
-    keysLost: int = pydantic.Field(default=0, description="Keys held by no worker after its removal (Forced).")
+    bytesLost: int = pydantic.Field(
+        default=0, description="Bytes that exist nowhere any more: removed by force, or died with the worker."
+    )
+    keysLost: int = pydantic.Field(default=0, description="Keys that exist nowhere any more (see bytesLost).")
     message: str = pydantic.Field(default="", description="Why the worker is in this state.")
     removable: bool = pydantic.Field(
         default=False, description="memops decided to remove this pod: it is drained, or forced."

@@ -1,0 +1,107 @@
+"""Pure deciding code over what the scheduler knows: which workers to retire, what moved, what was lost.
+
+No I/O and no Dask imports. :mod:`memops.daskrpc` builds a :class:`SchedulerSnapshot` from
+the scheduler's own handlers; the controllers and the benchmarks call the functions here.
+Keys are strings (Dask keys stringified), worker addresses are Dask comm addresses, and a
+worker's name is its pod's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One connected worker, as the scheduler sees it."""
+
+    name: str
+    address: str
+    memory_limit: int = 0
+    managed_bytes: int = 0
+    unique_bytes: int = 0
+    unique_keys: int = 0
+    nkeys: int = 0
+    status: str = "running"
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The workers and the key placement at one moment."""
+
+    workers: tuple[WorkerInfo, ...]
+    who_has: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    nbytes: Mapping[str, int] = field(default_factory=dict)
+
+    def by_name(self, name: str) -> WorkerInfo | None:
+        return next((w for w in self.workers if w.name == name), None)
+
+    def by_address(self, address: str) -> WorkerInfo | None:
+        return next((w for w in self.workers if w.address == address), None)
+
+
+def unique_holdings(who_has: Mapping[str, Sequence[str]], nbytes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """Address -> (bytes, keys) held by that worker and by no other. One pass over the keys."""
+    result: dict[str, tuple[int, int]] = {}
+    for key, holders in who_has.items():
+        if len(holders) == 1:
+            size, count = result.get(holders[0], (0, 0))
+            result[holders[0]] = (size + nbytes.get(key, 0), count + 1)
+    return result
+
+
+def choose_workers(
+    pod_names: Sequence[str], snapshot: SchedulerSnapshot, count: int, exclude: Collection[str] = ()
+) -> list[str]:
+    """The ``count`` pods whose retirement costs least.
+
+    Pods with no connected worker come first (they hold nothing); then connected workers by
+    fewest unique bytes, then fewest managed bytes, then name, so the choice is
+    deterministic. Pods in ``exclude`` (claimed by another request) are never chosen. When
+    fewer candidates than ``count`` exist, all of them are returned and the caller reports it.
+    """
+    if count <= 0:
+        return []
+    excluded = set(exclude)
+    connected = {w.name: w for w in snapshot.workers}
+
+    def cost(pod: str) -> tuple[int, int, int, str]:
+        worker = connected.get(pod)
+        if worker is None:
+            return (0, 0, 0, pod)
+        return (1, worker.unique_bytes, worker.managed_bytes, pod)
+
+    candidates = sorted((p for p in pod_names if p not in excluded), key=cost)
+    return candidates[:count]
+
+
+def _unique_keys_of(before: Mapping[str, Sequence[str]], address: str) -> list[str]:
+    return [key for key, holders in before.items() if len(holders) == 1 and holders[0] == address]
+
+
+def bytes_moved(
+    before: Mapping[str, Sequence[str]],
+    after: Mapping[str, Sequence[str]],
+    nbytes: Mapping[str, int],
+    address: str,
+) -> tuple[int, int]:
+    """Of the keys only ``address`` held before, (bytes, keys) now held by another worker."""
+    moved = [k for k in _unique_keys_of(before, address) if any(h != address for h in after.get(k, ()))]
+    return sum(nbytes.get(k, 0) for k in moved), len(moved)
+
+
+def bytes_lost(
+    before: Mapping[str, Sequence[str]],
+    after: Mapping[str, Sequence[str]],
+    nbytes: Mapping[str, int],
+    address: str,
+) -> tuple[int, int]:
+    """Of the keys only ``address`` held before, (bytes, keys) that no other worker holds now.
+
+    The complement of :func:`bytes_moved`. A key that its client released meanwhile counts
+    as lost too: the scheduler forgets lost and released keys alike, and overstating a loss
+    is the safe side of the report.
+    """
+    lost = [k for k in _unique_keys_of(before, address) if not any(h != address for h in after.get(k, ()))]
+    return sum(nbytes.get(k, 0) for k in lost), len(lost)
