@@ -298,8 +298,12 @@ class MemoryStore:
 
     # -- watching -----------------------------------------------------------------------------
 
-    async def watch(self) -> AsyncIterator[WatchEvent]:
-        async for _, event in self.watch_from(self.resource_version):
+    def watch(self) -> AsyncIterator[WatchEvent]:
+        """Every change from the moment of this call (not of the first iteration) on."""
+        return self._events_after(self.resource_version)
+
+    async def _events_after(self, resource_version: int) -> AsyncIterator[WatchEvent]:
+        async for _, event in self.watch_from(resource_version):
             yield event
 
     async def watch_from(self, resource_version: int) -> AsyncIterator[tuple[int, WatchEvent]]:

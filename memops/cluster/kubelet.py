@@ -1,0 +1,318 @@
+"""A local kubelet: every Pod of the emulated cluster runs as a real process on this machine.
+
+Used by the sandbox and the end-to-end tests. It does what the kubelet does for what memops
+relies on, and says where it differs:
+
+- a pod's single container runs its ``command`` + ``args`` (there are no images: the
+  command must be on PATH; this environment's own scripts come first), with ``env`` and
+  ``valueFrom.fieldRef`` (``metadata.name`` and friends) and ``$(VAR)`` expansion;
+- status: phase, ``Ready`` and the other pod conditions, ``containerStatuses`` with
+  ``restartCount``; ``Ready`` when the process runs, or when its exec readinessProbe passes;
+- ``restartPolicy: Always``: an exited container is restarted, after a back-off (upstream
+  starts at 10 s and doubles to 5 min; here 0.5 s to 5 s, so tests do not wait);
+- deletion, as ``killPod`` does it: the ``preStop`` exec hook, then SIGTERM to the
+  container's process group, then SIGKILL when ``deletionGracePeriodSeconds`` run out; then
+  the pod object is removed (the kubelet's final delete with grace period 0).
+
+Each container's output goes to ``RUN_DIR/pods/<namespace>_<name>.log`` and its process id to
+``…pid``, so that tests can signal a pod's processes the way a crash or an OOM kill would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from memops.cluster.store import Store
+
+Obj = dict[str, Any]
+logger = logging.getLogger(__name__)
+
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+_FIELD_PATHS = {
+    "metadata.name": lambda pod: pod["metadata"]["name"],
+    "metadata.namespace": lambda pod: pod["metadata"].get("namespace", ""),
+    "metadata.uid": lambda pod: pod["metadata"].get("uid", ""),
+    "spec.nodeName": lambda pod: pod.get("spec", {}).get("nodeName", ""),
+    "status.podIP": lambda pod: "127.0.0.1",
+}
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def expand(text: str, variables: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion: ``$$`` escapes, unknown references stay as written."""
+
+    def replace(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return variables.get(name, match.group(0))
+
+    return _REFERENCE.sub(replace, text)
+
+
+def container_env(pod: Obj, container: Obj) -> dict[str, str]:
+    """The container's environment, each value expanded against the ones defined before it."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            path = item["valueFrom"].get("fieldRef", {}).get("fieldPath", "")
+            if path not in _FIELD_PATHS:
+                raise ValueError(f"env {item['name']}: only fieldRef {sorted(_FIELD_PATHS)} are emulated")
+            env[item["name"]] = str(_FIELD_PATHS[path](pod))
+        else:
+            env[item["name"]] = expand(str(item.get("value", "")), env)
+    return env
+
+
+class PodRuntime:
+    """One pod's container process, restarts and termination."""
+
+    def __init__(self, kubelet: Kubelet, pod: Obj):
+        self.kubelet = kubelet
+        self.namespace = pod["metadata"].get("namespace")
+        self.name = pod["metadata"]["name"]
+        self.pod = pod
+        self.deleting = asyncio.Event()
+        self.process: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self.ready = False
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def files(self) -> Path:
+        return self.kubelet.run_dir / "pods" / f"{self.namespace}_{self.name}"
+
+    async def run(self) -> None:
+        try:
+            container = self.pod["spec"]["containers"][0]
+            env = container_env(self.pod, container)
+            argv = [expand(part, env) for part in [*container.get("command", []), *container.get("args", [])]]
+            if not container.get("command"):
+                raise ValueError("the local kubelet has no images: containers[0].command is required")
+        except (KeyError, IndexError, ValueError) as exc:
+            await self._patch_status({"phase": "Failed", "reason": "CreateContainerError", "message": str(exc)})
+            return
+        backoff = 0.5
+        while not self.deleting.is_set():
+            started = await self._start(argv, env)
+            if not started:
+                return
+            await self._report(running=True)
+            probe = asyncio.create_task(self._probe(container, env))
+            assert self.process is not None
+            exited = asyncio.create_task(self.process.wait())
+            deleting = asyncio.create_task(self.deleting.wait())
+            await asyncio.wait({exited, deleting}, return_when=asyncio.FIRST_COMPLETED)
+            probe.cancel()
+            deleting.cancel()
+            if self.deleting.is_set():
+                exited.cancel()
+                break
+            code = self.process.returncode
+            self.ready = False
+            logger.info(
+                "pod %s/%s: container exited with %s; restarting in %.1fs", self.namespace, self.name, code, backoff
+            )
+            await self._report(running=False, exit_code=code)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.deleting.wait(), backoff)
+            backoff = min(backoff * 2, 5.0)
+            self.restarts += 1
+        await self.terminate(container, env)
+
+    async def _start(self, argv: list[str], env: Mapping[str, str]) -> bool:
+        self.files.parent.mkdir(parents=True, exist_ok=True)
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        full_env = {**os.environ, **self.kubelet.env, "PATH": path, **env}
+        with self.files.with_suffix(".log").open("ab") as log:
+            try:
+                self.process = await asyncio.create_subprocess_exec(
+                    *argv, stdout=log, stderr=log, env=full_env, start_new_session=True
+                )
+            except OSError as exc:
+                await self._patch_status({"phase": "Failed", "reason": "StartError", "message": str(exc)})
+                return False
+        self.files.with_suffix(".pid").write_text(str(self.process.pid))
+        return True
+
+    async def _probe(self, container: Obj, env: Mapping[str, str]) -> None:
+        probe = container.get("readinessProbe", {}).get("exec")
+        if probe is None:
+            self.ready = True  # no readiness probe: ready once the container runs
+            await self._report(running=True)
+            return
+        period = float(container["readinessProbe"].get("periodSeconds", 1))
+        while True:
+            result = await asyncio.create_subprocess_exec(
+                *probe["command"],
+                env={**os.environ, **env},
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            ready = await result.wait() == 0
+            if ready != self.ready:
+                self.ready = ready
+                await self._report(running=True)
+            await asyncio.sleep(period)
+
+    async def terminate(self, container: Obj, env: Mapping[str, str]) -> None:
+        """preStop, SIGTERM, then SIGKILL at the end of the grace period; then remove the pod."""
+        current = self.kubelet.store.get("pods", self.namespace, self.name) or self.pod
+        grace = float(current["metadata"].get("deletionGracePeriodSeconds", 30))
+        deadline = asyncio.get_running_loop().time() + grace
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+        if pre_stop and self._alive():
+            with contextlib.suppress(TimeoutError, OSError):
+                hook = await asyncio.create_subprocess_exec(*pre_stop, env={**os.environ, **env})
+                try:
+                    await asyncio.wait_for(hook.wait(), max(grace, 0.1))
+                except TimeoutError:
+                    hook.kill()
+                    raise
+        self._signal(signal.SIGTERM)
+        if self.process is not None:
+            remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
+            try:
+                await asyncio.wait_for(self.process.wait(), remaining)
+            except TimeoutError:
+                self._signal(signal.SIGKILL)
+                await self.process.wait()
+        self._signal(signal.SIGKILL)  # whatever the container left behind in its group
+        self.files.with_suffix(".pid").unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            await self.kubelet.store.delete("pods", self.namespace, self.name, grace_period_seconds=0)
+
+    def _alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, sig)
+
+    async def _report(self, *, running: bool, exit_code: int | None = None) -> None:
+        now = _now()
+        ready = running and self.ready
+        state: Obj = (
+            {"running": {"startedAt": now}} if running else {"terminated": {"exitCode": exit_code, "finishedAt": now}}
+        )
+        status = {
+            "phase": "Running",
+            "hostIP": "127.0.0.1",
+            "podIP": "127.0.0.1",
+            "startTime": self.pod.get("status", {}).get("startTime") or now,
+            "conditions": self._conditions(ready),
+            "containerStatuses": [
+                {
+                    "name": self.pod["spec"]["containers"][0]["name"],
+                    "ready": ready,
+                    "started": running,
+                    "restartCount": self.restarts,
+                    "state": state,
+                    "image": self.pod["spec"]["containers"][0].get("image", ""),
+                }
+            ],
+        }
+        await self._patch_status(status)
+
+    def _conditions(self, ready: bool) -> list[Obj]:
+        current = self.kubelet.store.get("pods", self.namespace, self.name) or self.pod
+        previous = {c["type"]: c for c in current.get("status", {}).get("conditions", [])}
+        values = {"PodScheduled": True, "Initialized": True, "ContainersReady": ready, "Ready": ready}
+        result = []
+        for kind, value in values.items():
+            text = "True" if value else "False"
+            old = previous.get(kind)
+            since = old["lastTransitionTime"] if old and old.get("status") == text else _now()
+            result.append({"type": kind, "status": text, "lastTransitionTime": since})
+        return result
+
+    async def _patch_status(self, status: Obj) -> None:
+        with contextlib.suppress(Exception):  # the pod may be gone already
+            updated = await self.kubelet.store.patch(
+                "pods", self.namespace, self.name, {"status": status}, subresource="status"
+            )
+            self.pod = updated
+
+
+class Kubelet:
+    """Runs the pods of one node (``local``) until cancelled; then stops every process it started."""
+
+    def __init__(self, store: Store, *, run_dir: Path, node_name: str = "local", env: Mapping[str, str] | None = None):
+        self.store = store
+        self.run_dir = Path(run_dir)
+        self.node_name = node_name
+        self.env = dict(env or {})
+        self.pods: dict[tuple[str | None, str], PodRuntime] = {}
+
+    async def run(self) -> None:
+        events = self.store.watch()
+        try:
+            for pod in self.store.list("pods"):
+                await self.sync(pod)
+            async for event in events:
+                if event.plural == "pods":
+                    await self.sync(event.object, deleted=event.type == "DELETED")
+        finally:
+            await self.shutdown()
+
+    async def sync(self, pod: Obj, *, deleted: bool = False) -> None:
+        meta = pod["metadata"]
+        key = (meta.get("namespace"), meta["name"])
+        node = pod.get("spec", {}).get("nodeName")
+        runtime = self.pods.get(key)
+        if runtime is not None and runtime.pod["metadata"].get("uid") != meta.get("uid"):
+            runtime = None  # a new pod with an old pod's name
+        if deleted or meta.get("deletionTimestamp"):
+            if runtime is not None:
+                runtime.deleting.set()
+            return
+        if runtime is not None or (node and node != self.node_name):
+            return
+        if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            return
+        if not node:
+            # Binding a pod to a node is the scheduler's job; with one node there is no choice.
+            pod = await self.store.patch(
+                "pods", meta.get("namespace"), meta["name"], {"spec": {"nodeName": self.node_name}}
+            )
+        runtime = PodRuntime(self, pod)
+        self.pods[key] = runtime
+        runtime.task = asyncio.create_task(self._supervise(key, runtime))
+
+    async def _supervise(self, key: tuple[str | None, str], runtime: PodRuntime) -> None:
+        try:
+            await runtime.run()
+        except Exception:
+            logger.exception("pod %s/%s failed in the local kubelet", *key)
+        finally:
+            if self.pods.get(key) is runtime:
+                del self.pods[key]
+
+    async def shutdown(self) -> None:
+        """Stop every container as a node shutdown does: SIGTERM, then SIGKILL after a short grace."""
+        runtimes = list(self.pods.values())
+        for runtime in runtimes:
+            runtime._signal(signal.SIGTERM)
+        for runtime in runtimes:
+            if runtime.process is not None:
+                try:
+                    await asyncio.wait_for(runtime.process.wait(), 10)
+                except (TimeoutError, asyncio.CancelledError):
+                    runtime._signal(signal.SIGKILL)
+            runtime._signal(signal.SIGKILL)
+            if runtime.task is not None:
+                runtime.task.cancel()
