@@ -20,6 +20,7 @@ from memops import conditions, daskrpc, kube, planning, retirement, specs
 from memops.controllers import workloads
 
 _RETRY_SECONDS = 2.0
+_RPC_SECONDS = 10.0  # one call to the scheduler; a drain's own wait is bounded by spec.timeout
 _TERMINAL = (specs.Phase.SUCCEEDED, specs.Phase.FAILED)
 
 
@@ -97,10 +98,9 @@ class Retirement:
             )
         security = await self.security(spec)
         try:
-            snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security)
+            wait = min(_RPC_SECONDS, max((deadline - _now()).total_seconds(), 1.0))
+            snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security, timeout=wait)
         except daskrpc.SchedulerUnreachable as exc:
-            if _now() >= deadline:
-                return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "SchedulerReachable",
@@ -109,6 +109,8 @@ class Retirement:
                 message=f"spec.scheduler.address: {exc}; retrying until {_format_time(deadline)}",
                 generation=generation,
             )
+            if _now() >= deadline:
+                return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
             await self.write(status)
             return status
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)

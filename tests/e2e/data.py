@@ -23,7 +23,8 @@ class Holdings:
 
     def lost(self) -> list[str]:
         """Keys that no worker holds any more."""
-        who_has: dict[str, Any] = self.client.who_has(list(self.futures.values()))
+        # Ask the scheduler by key: futures of lost data may be cancelled client-side.
+        who_has: dict[str, Any] = self.client.sync(self.client.scheduler.who_has, keys=list(self.futures))
         return sorted(str(k) for k, holders in who_has.items() if not holders)
 
     def assert_all_correct(self) -> None:
