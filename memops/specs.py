@@ -215,6 +215,7 @@ class RetirementRequestStatus(Model):
     onTimeout: OnTimeout | None = pydantic.Field(
         default=None, description="The spec.onTimeout accepted at the start; later spec changes are refused."
     )
+    requested: int = pydantic.Field(default=0, description="Workers the accepted spec asked to retire.")
     retired: int = pydantic.Field(default=0, description="Workers retired and their pods removed.")
     kept: int = pydantic.Field(default=0, description="Workers whose pods were kept.")
     forced: int = pydantic.Field(default=0, description="Workers removed while still holding unique data.")

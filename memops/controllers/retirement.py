@@ -153,6 +153,7 @@ class Retirement:
                 "startTime": _format_time(started),
                 "deadline": _format_time(started + specs.parse_duration(spec.timeout)),
                 "onTimeout": spec.onTimeout,
+                "requested": spec.count if spec.count is not None else len(chosen),
                 "workers": [self._entry(pod, snapshot) for pod in chosen],
             }
         )
@@ -303,10 +304,7 @@ class Retirement:
         return status
 
     async def finish(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
-        requested = len(status.workers)
-        spec_count = self.body.spec.get("count")
-        if isinstance(spec_count, int):
-            requested = spec_count
+        requested = status.requested or len(status.workers)
         status = retirement.conclude(status, requested=requested, at=_format_time(_now()))
         succeeded = status.phase == specs.Phase.SUCCEEDED
         status.conditions = conditions.set_condition(
