@@ -20,7 +20,6 @@ import base64
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from distributed.comm.core import CommClosedError
 from distributed.core import rpc
@@ -65,25 +64,17 @@ def security_from_secret(data: Mapping[str, str]) -> Security:
     )
 
 
-def _connection_args(security: Security | None) -> dict[str, Any]:
-    return (security or Security()).get_connection_args("client")  # type: ignore[no-any-return]
-
-
-async def _call(address: str, security: Security | None, timeout: float, handler: str, **kwargs: Any) -> Any:
-    scheduler = rpc(address, timeout=timeout, connection_args=_connection_args(security))
-    try:
-        return await asyncio.wait_for(getattr(scheduler, handler)(**kwargs), timeout)
-    except _COMM_ERRORS as exc:
-        raise SchedulerUnreachable(address, exc) from exc
-    finally:
-        await scheduler.close_rpc()
+def _connect(address: str, security: Security | None, timeout: float) -> rpc:
+    if address.startswith("tls://") and security is None:
+        raise SchedulerUnreachable(address, "a tls:// scheduler needs client certificates (spec.scheduler.tls)")
+    return rpc(address, timeout=timeout, connection_args=(security or Security()).get_connection_args("client"))
 
 
 async def fetch_snapshot(
     address: str, *, security: Security | None = None, timeout: float = 10
 ) -> planning.SchedulerSnapshot:
     """The workers, who holds which key, and key sizes, from one connection."""
-    scheduler = rpc(address, timeout=timeout, connection_args=_connection_args(security))
+    scheduler = _connect(address, security, timeout)
     try:
         async with asyncio.timeout(timeout):
             identity = await scheduler.identity()
@@ -130,7 +121,7 @@ async def retire_workers(
     start = time.monotonic()
     if not worker_addresses:
         return RetireOutcome((), (), False, 0.0)
-    scheduler = rpc(address, timeout=min(timeout, 10) or 10, connection_args=_connection_args(security))
+    scheduler = _connect(address, security, min(timeout, 10) or 10)
     try:
         result = await asyncio.wait_for(
             scheduler.retire_workers(

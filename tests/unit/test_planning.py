@@ -1,0 +1,72 @@
+"""Which workers to retire, and what moved or was lost: pure functions over scheduler snapshots."""
+
+import pytest
+
+from memops import planning
+
+
+def snapshot(
+    *workers: tuple[str, int, int], who_has: dict[str, tuple[str, ...]] | None = None
+) -> planning.SchedulerSnapshot:
+    """Workers as (name, unique bytes, managed bytes); the address is tcp://<name>."""
+    return planning.SchedulerSnapshot(
+        workers=tuple(
+            planning.WorkerInfo(name=n, address=f"tcp://{n}", unique_bytes=u, managed_bytes=m) for n, u, m in workers
+        ),
+        who_has=who_has or {},
+    )
+
+
+@pytest.mark.parametrize(
+    ("pods", "workers", "count", "exclude", "expected"),
+    [
+        pytest.param(
+            ["a", "b", "c"], [("a", 30, 30), ("b", 10, 10), ("c", 20, 20)], 2, (), ["b", "c"], id="fewest-unique-bytes"
+        ),
+        pytest.param(["a", "b", "new"], [("a", 0, 0), ("b", 5, 5)], 1, (), ["new"], id="unconnected-pod-first"),
+        pytest.param(["a", "b"], [("a", 10, 900), ("b", 10, 100)], 1, (), ["b"], id="tie-broken-by-managed-bytes"),
+        pytest.param(["b", "a"], [("a", 10, 10), ("b", 10, 10)], 1, (), ["a"], id="tie-broken-by-name"),
+        pytest.param(
+            ["a", "b", "c"], [("a", 1, 1), ("b", 2, 2), ("c", 3, 3)], 2, ("a",), ["b", "c"], id="claimed-excluded"
+        ),
+        pytest.param(["a", "b"], [("a", 1, 1), ("b", 2, 2)], 5, (), ["a", "b"], id="fewer-candidates-than-count"),
+        pytest.param(["a"], [("a", 1, 1)], 0, (), [], id="count-zero"),
+    ],
+)
+def test_choose_workers(
+    pods: list[str], workers: list[tuple[str, int, int]], count: int, exclude: tuple[str, ...], expected: list[str]
+) -> None:
+    assert planning.choose_workers(pods, snapshot(*workers), count, exclude=exclude) == expected
+
+
+def test_unique_holdings_counts_only_single_copies() -> None:
+    who_has = {"x": ("tcp://a",), "y": ("tcp://a", "tcp://b"), "z": ("tcp://b",), "gone": ()}
+    nbytes = {"x": 10, "y": 100, "z": 7}
+    assert planning.unique_holdings(who_has, nbytes) == {"tcp://a": (10, 1), "tcp://b": (7, 1)}
+
+
+BEFORE = {"x": ("tcp://a",), "y": ("tcp://a",), "z": ("tcp://a", "tcp://b"), "w": ("tcp://b",)}
+NBYTES = {"x": 10, "y": 20, "z": 40, "w": 80}
+
+
+@pytest.mark.parametrize(
+    ("after", "moved", "lost"),
+    [
+        pytest.param(
+            {"x": ("tcp://b",), "y": ("tcp://c",), "z": ("tcp://b",), "w": ("tcp://b",)},
+            (30, 2),
+            (0, 0),
+            id="all-moved",
+        ),
+        pytest.param(
+            {"x": ("tcp://b",), "y": (), "z": ("tcp://b",), "w": ("tcp://b",)}, (10, 1), (20, 1), id="one-lost"
+        ),
+        pytest.param(
+            {"x": ("tcp://a",), "y": ("tcp://a",), "z": ("tcp://a", "tcp://b")}, (0, 0), (30, 2), id="still-only-there"
+        ),
+        pytest.param({"z": ("tcp://b",), "w": ("tcp://b",)}, (0, 0), (30, 2), id="forgotten-counts-as-lost"),
+    ],
+)
+def test_bytes_moved_and_lost(after: dict[str, tuple[str, ...]], moved: tuple[int, int], lost: tuple[int, int]) -> None:
+    assert planning.bytes_moved(BEFORE, after, NBYTES, "tcp://a") == moved
+    assert planning.bytes_lost(BEFORE, after, NBYTES, "tcp://a") == lost

@@ -1,0 +1,159 @@
+"""Pure decisions of a RetirementRequest: each worker's fate and the request's outcome."""
+
+import pytest
+
+from memops import planning, retirement, specs
+
+A, B = "tcp://a", "tcp://b"
+
+
+def draining(pod: str, address: str, unique: int = 0) -> specs.WorkerStatus:
+    return specs.WorkerStatus(pod=pod, address=address, state=specs.WorkerState.DRAINING, uniqueBytes=unique)
+
+
+def snap(
+    workers: list[tuple[str, str, int, int]], who_has: dict[str, tuple[str, ...]], nbytes: dict[str, int]
+) -> planning.SchedulerSnapshot:
+    return planning.SchedulerSnapshot(
+        workers=tuple(planning.WorkerInfo(name=n, address=a, unique_bytes=u, unique_keys=k) for n, a, u, k in workers),
+        who_has=who_has,
+        nbytes=nbytes,
+    )
+
+
+BEFORE = snap([("pa", A, 30, 2), ("pb", B, 0, 0)], {"x": (A,), "y": (A,)}, {"x": 10, "y": 20})
+
+
+def judge(
+    after: planning.SchedulerSnapshot,
+    retired: list[str],
+    on_timeout: specs.OnTimeout = specs.OnTimeout.ABORT,
+    timed_out: bool = False,
+) -> specs.WorkerStatus:
+    [worker] = retirement.judge_drain(
+        [draining("pa", A, 30)], before=BEFORE, after=after, retired=retired, timed_out=timed_out, on_timeout=on_timeout
+    )
+    return worker
+
+
+def test_retired_worker_is_removable_with_bytes_moved() -> None:
+    after = snap([("pb", B, 30, 2)], {"x": (B,), "y": (B,)}, {"x": 10, "y": 20})
+    worker = judge(after, [A])
+    assert worker.removable and worker.state == specs.WorkerState.DRAINING
+    assert (worker.bytesMoved, worker.bytesLost) == (30, 0)
+    assert "retired" in worker.message
+
+
+def test_worker_that_died_is_removable_and_its_loss_recorded() -> None:
+    after = snap([("pb", B, 10, 1), ("pa", "tcp://a-restarted", 0, 0)], {"x": (B,), "y": ()}, {"x": 10})
+    worker = judge(after, [A])  # the scheduler reports a dead worker as retired
+    assert worker.removable
+    assert (worker.bytesMoved, worker.bytesLost, worker.keysLost) == (10, 20, 1)
+    assert "died" in worker.message
+
+
+@pytest.mark.parametrize("timed_out", [False, True], ids=["no-recipients", "timed-out"])
+def test_abort_keeps_a_worker_that_still_holds_unique_data(timed_out: bool) -> None:
+    worker = judge(BEFORE, [], timed_out=timed_out)
+    assert worker.state == specs.WorkerState.KEPT and not worker.removable
+    assert ("spec.timeout" in worker.message) == timed_out
+    assert "30 bytes" in worker.message
+
+
+def test_force_removes_and_records_the_loss() -> None:
+    worker = judge(BEFORE, [], on_timeout=specs.OnTimeout.FORCE)
+    assert worker.state == specs.WorkerState.FORCED and worker.removable
+    assert (worker.bytesLost, worker.keysLost) == (30, 2)
+
+
+def test_a_restarted_worker_holding_new_data_keeps_the_pod() -> None:
+    after = snap([("pb", B, 30, 2), ("pa", "tcp://a2", 5, 1)], {"x": (B,), "y": (B,), "n": ("tcp://a2",)}, {"n": 5})
+    assert judge(after, [A]).state == specs.WorkerState.KEPT
+
+
+def test_unconnected_pod_is_removable_at_once() -> None:
+    [worker] = retirement.judge_drain(
+        [draining("fresh", "")],
+        before=BEFORE,
+        after=BEFORE,
+        retired=[],
+        timed_out=False,
+        on_timeout=specs.OnTimeout.ABORT,
+    )
+    assert worker.removable and worker.bytesMoved == 0
+
+
+@pytest.mark.parametrize(
+    ("on_timeout", "state", "lost"),
+    [(specs.OnTimeout.ABORT, specs.WorkerState.KEPT, 0), (specs.OnTimeout.FORCE, specs.WorkerState.FORCED, 30)],
+    ids=["abort", "force"],
+)
+def test_unreachable_scheduler_at_the_deadline(
+    on_timeout: specs.OnTimeout, state: specs.WorkerState, lost: int
+) -> None:
+    [worker] = retirement.judge_unreachable([draining("pa", A, 30)], on_timeout=on_timeout, reason="gone")
+    assert (worker.state, worker.bytesLost) == (state, lost)
+    assert "unreachable" in worker.message
+
+
+def test_removal_bookkeeping() -> None:
+    workers = [
+        draining("a", A).model_copy(update={"removable": True, "message": "drained; removing its pod"}),
+        specs.WorkerStatus(pod="b", state=specs.WorkerState.FORCED, removable=True, message="x: removing the pod"),
+        specs.WorkerStatus(pod="c", state=specs.WorkerState.KEPT),
+    ]
+    assert retirement.to_remove(workers) == ["a", "b"]
+    after = retirement.mark_removed(workers, ["a", "b"])
+    assert [(w.state, w.podRemoved) for w in after] == [
+        (specs.WorkerState.RETIRED, True),
+        (specs.WorkerState.FORCED, True),
+        (specs.WorkerState.KEPT, False),
+    ]
+    assert after[0].message == "drained; its pod was removed"
+    assert retirement.to_remove(after) == []
+
+
+@pytest.mark.parametrize(
+    ("states", "requested", "phase", "fragment"),
+    [
+        pytest.param(["Retired", "Retired"], 2, "Succeeded", "retired 2 of 2", id="all-retired"),
+        pytest.param(["Retired", "Kept"], 2, "Failed", "kept 1", id="one-kept"),
+        pytest.param(["Retired"], 2, "Failed", "only 1 of 2", id="too-few-candidates"),
+        pytest.param(["Retired", "Forced"], 2, "Succeeded", "removed by force", id="forced"),
+    ],
+)
+def test_conclude(states: list[str], requested: int, phase: str, fragment: str) -> None:
+    status = specs.RetirementRequestStatus(
+        workers=[
+            specs.WorkerStatus(pod=f"p{i}", state=specs.WorkerState(s), bytesLost=5 * (s == "Forced"))
+            for i, s in enumerate(states)
+        ]
+    )
+    concluded = retirement.conclude(status, requested=requested, at="2026-01-01T00:00:00Z")
+    assert concluded.phase == phase
+    assert fragment in concluded.message
+    assert concluded.completionTime == "2026-01-01T00:00:00Z"
+
+
+def test_claims_by_other_requests() -> None:
+    pods = [
+        {"metadata": {"name": "a", "annotations": {retirement.CLAIM_ANNOTATION: "mine"}}},
+        {"metadata": {"name": "b", "annotations": {retirement.CLAIM_ANNOTATION: "theirs"}}},
+        {"metadata": {"name": "c"}},
+    ]
+    assert retirement.claimed_by_others(pods, "mine") == {"b"}
+
+
+def test_spec_change_on_a_finished_request_is_refused() -> None:
+    from memops.controllers.retirement import refused_change
+
+    finished = {"phase": "Succeeded", "observedGeneration": 1, "conditions": []}
+    [condition] = refused_change(finished, generation=2) or []
+    assert (condition["type"], condition["status"], condition["observedGeneration"]) == (
+        "SpecChangeRejected",
+        "True",
+        2,
+    )
+    assert refused_change(finished, generation=1) is None
+    assert refused_change({"phase": "Draining", "observedGeneration": 1}, generation=2) is None
+    assert refused_change({"phase": "Pending"}, generation=2) is None
