@@ -10,6 +10,7 @@ from the kubeconfig or the in-cluster service account and are expressed as Kopf'
 from __future__ import annotations
 
 import base64
+import builtins
 import json
 import os
 import ssl
@@ -106,7 +107,7 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
         context.verify_mode = ssl.CERT_NONE
     else:
         cadata = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
-        context = ssl.create_default_context(cafile=info.ca_path, cadata=cadata)  # type: ignore[arg-type]
+        context = ssl.create_default_context(cafile=info.ca_path, cadata=cadata)
     cert, key = info.certificate_path, info.private_key_path
     if info.certificate_data and info.private_key_data:
         # ssl only loads client certificates from files.
@@ -116,7 +117,7 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
         key.write_bytes(_as_bytes(info.private_key_data))
         key.chmod(0o600)
     if cert:
-        context.load_cert_chain(cert, key)  # type: ignore[arg-type]
+        context.load_cert_chain(cert, key)
     return context
 
 
@@ -196,13 +197,13 @@ class Kube:
                 return None
             raise
 
-    async def list(self, path: str, *, label_selector: str | None = None) -> list[Obj]:
+    async def list(self, path: str, *, label_selector: str | None = None) -> builtins.list[Obj]:
         params = {"labelSelector": label_selector} if label_selector else {}
-        items: list[Obj] = (await self.request("GET", path, params=params)).get("items", [])
+        items: builtins.list[Obj] = (await self.request("GET", path, params=params)).get("items", [])
         return items
 
     async def merge_patch(self, path: str, patch: Obj) -> Obj:
         return await self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
 
-    async def json_patch(self, path: str, operations: list[Obj]) -> Obj:
+    async def json_patch(self, path: str, operations: builtins.list[Obj]) -> Obj:
         return await self.request("PATCH", path, body=operations, content_type="application/json-patch+json")

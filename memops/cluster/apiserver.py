@@ -185,7 +185,7 @@ def selected(obj: Obj, label_terms: list[tuple[str, str, str]], field_terms: lis
 
 
 @attrs.define(kw_only=True)
-class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
+class ApiServer(kmock.KubernetesEmulator):
     """A KubernetesEmulator whose resource requests are served from a :class:`MemoryStore`."""
 
     store: MemoryStore = attrs.field(factory=MemoryStore)
@@ -485,6 +485,7 @@ class ApiServer(kmock.KubernetesEmulator):  # type: ignore[misc]
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         raw = request._raw_request
+        assert raw is not None
         await response.prepare(raw)
 
         async def send(event_type: str, obj: Obj) -> None:

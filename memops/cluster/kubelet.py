@@ -28,7 +28,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ Obj = dict[str, Any]
 logger = logging.getLogger(__name__)
 
 _REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
-_FIELD_PATHS = {
+_FIELD_PATHS: dict[str, Callable[[Obj], str]] = {
     "metadata.name": lambda pod: pod["metadata"]["name"],
     "metadata.namespace": lambda pod: pod["metadata"].get("namespace", ""),
     "metadata.uid": lambda pod: pod["metadata"].get("uid", ""),

@@ -18,6 +18,7 @@ on, and nothing more:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import copy
 import datetime
@@ -133,10 +134,10 @@ class MemoryStore:
         plural: str,
         namespace: str | None = None,
         selector: Mapping[str, str] | None = None,
-    ) -> list[Obj]:
+    ) -> builtins.list[Obj]:
         return [copy.deepcopy(obj) for obj in self._select(plural, namespace, selector)]
 
-    def _select(self, plural: str, namespace: str | None, selector: Mapping[str, str] | None) -> list[Obj]:
+    def _select(self, plural: str, namespace: str | None, selector: Mapping[str, str] | None) -> builtins.list[Obj]:
         result = []
         for (res, ns, _), obj in self.objects.items():
             if res != plural or (namespace is not None and ns != namespace):
@@ -258,10 +259,10 @@ class MemoryStore:
             new = kind.validate(new, current)
         if _spec_of(new) != _spec_of(current):
             new["metadata"]["generation"] = old_meta.get("generation", 1) + 1
-        key = (plural, self._ns(plural, old_meta.get("namespace")), old_meta["name"])
-        self.objects[key] = new
+        object_key = (plural, self._ns(plural, old_meta.get("namespace")), str(old_meta["name"]))
+        self.objects[object_key] = new
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
-            del self.objects[key]
+            del self.objects[object_key]
             await self._emit("DELETED", plural, new)
         else:
             await self._emit("MODIFIED", plural, new)

@@ -10,7 +10,7 @@ kubectl sends by default, refused).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jsonschema
@@ -33,7 +33,7 @@ def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
     return value
 
 
-def unknown_fields(value: Any, schema: dict[str, Any], path: str = "") -> Iterator[str]:
+def unknown_fields(value: Any, schema: Mapping[str, Any], path: str = "") -> Iterator[str]:
     """Paths of fields that the schema does not declare (structural pruning's victims)."""
     if schema.get("x-kubernetes-preserve-unknown-fields"):
         return
@@ -69,7 +69,8 @@ def _field_path(error: jsonschema.ValidationError) -> str:
 def _describe(error: jsonschema.ValidationError) -> tuple[str, str]:
     """(field, detail) worded as the API server words its validation errors."""
     field = _field_path(error)
-    value, validator, expected = error.instance, error.validator, error.validator_value
+    value, validator = error.instance, error.validator
+    expected: Any = error.validator_value
     shown = f'"{value}"' if isinstance(value, str) else ("null" if value is None else value)
     if validator == "required":
         missing = error.message.split("'")[1]

@@ -141,9 +141,9 @@ class Retirement:
             return await self.fail(
                 status, "NoWorkers", "no worker could be chosen: every pod is taken or none exists", generation
             )
-        for pod in pods:
-            if pod["metadata"]["name"] in chosen:
-                await workloads.claim_pod(self.client, pod, self.name)  # 409/422: another request won; retry
+        for pod_object in pods:
+            if pod_object["metadata"]["name"] in chosen:
+                await workloads.claim_pod(self.client, pod_object, self.name)  # 409/422: another request won; retry
         self.before = snapshot
         started = _now()
         status = status.model_copy(
@@ -427,6 +427,10 @@ def register(registry: kopf.OperatorRegistry) -> None:
         specs.GROUP, specs.VERSION, "retirementrequests", registry=registry, id="retire", cancellation_timeout=5.0
     )
     async def retire(
-        body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, stopped: kopf.DaemonStopped, **_: Any
+        body: kopf.Body,
+        memo: kopf.Memo,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        stopped: kopf.DaemonStopped,
+        **_: Any,
     ) -> None:
         await Retirement(client=memo.kube, body=body, logger=logger).run(stopped)
