@@ -1,0 +1,115 @@
+"""The local kubelet runs pods as real processes: env, restarts, preStop, SIGTERM then SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memops.cluster import kubelet, memstore
+from memops.cluster.apiserver import BUILTIN_KINDS
+
+
+@pytest.mark.parametrize(
+    ("text", "variables", "expected"),
+    [
+        pytest.param("--name $(POD)", {"POD": "w-1"}, "--name w-1", id="expand"),
+        pytest.param("$$(POD)", {"POD": "w-1"}, "$(POD)", id="escape"),
+        pytest.param("$(MISSING)", {}, "$(MISSING)", id="unknown-stays"),
+    ],
+)
+def test_expand(text: str, variables: dict[str, str], expected: str) -> None:
+    assert kubelet.expand(text, variables) == expected
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[tuple[memstore.MemoryStore, kubelet.Kubelet]]:
+    store = memstore.MemoryStore()
+    for kind in BUILTIN_KINDS:
+        store.register(kind)
+    local = kubelet.Kubelet(store, run_dir=tmp_path)
+    task = asyncio.create_task(local.run())
+    yield store, local
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def python_pod(name: str, code: str, **spec: Any) -> dict[str, Any]:
+    container = {
+        "name": "c",
+        "command": [sys.executable, "-c", code],
+        "env": [
+            {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "GREETING", "value": "hello $(ME)"},
+        ],
+        **spec.pop("container", {}),
+    }
+    return {"metadata": {"name": name}, "spec": {"containers": [container], **spec}}
+
+
+async def wait_for(predicate: Any, timeout: float = 10) -> Any:
+    async with asyncio.timeout(timeout):
+        while not (value := predicate()):
+            await asyncio.sleep(0.02)
+        return value
+
+
+async def test_runs_the_container_with_its_env_and_reports_ready(node: Any, tmp_path: Path) -> None:
+    store, _ = node
+    await store.create(
+        "pods", "default", python_pod("p", "import os,time; print(os.environ['GREETING'], flush=True); time.sleep(60)")
+    )
+    log = tmp_path / "pods" / "default_p.log"
+    await wait_for(lambda: log.exists() and "hello p" in log.read_text())
+    pod = await wait_for(
+        lambda: (p := store.get("pods", "default", "p")) and p["status"].get("phase") == "Running" and p
+    )
+    await wait_for(
+        lambda: any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in store.get("pods", "default", "p")["status"]["conditions"]
+        )
+    )
+    assert pod["spec"]["nodeName"] == "local"
+
+
+async def test_restarts_an_exited_container(node: Any) -> None:
+    store, _ = node
+    await store.create("pods", "default", python_pod("p", "raise SystemExit(3)"))
+    def restarts() -> int:
+        statuses = store.get("pods", "default", "p").get("status", {}).get("containerStatuses", [{}])
+        return int(statuses[0].get("restartCount", 0))
+
+    await wait_for(lambda: restarts() >= 1)
+
+
+async def test_deletion_runs_prestop_then_sigterm_then_sigkill(node: Any, tmp_path: Path) -> None:
+    store, _ = node
+    marker = tmp_path / "prestop-ran"
+    code = "import signal,time; signal.signal(signal.SIGTERM, lambda *a: print('TERM', flush=True)); time.sleep(60)"
+    body = python_pod(
+        "p",
+        code,
+        terminationGracePeriodSeconds=1,
+        container={
+            "lifecycle": {"preStop": {"exec": {"command": [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]}}}
+        },
+    )
+    await store.create("pods", "default", body)
+    await wait_for(lambda: (tmp_path / "pods" / "default_p.pid").exists())
+    await asyncio.sleep(0.3)  # let the interpreter install its handler
+    started = time.monotonic()
+    await store.delete("pods", "default", "p")
+    assert store.get("pods", "default", "p")["metadata"]["deletionTimestamp"]
+    await wait_for(lambda: store.get("pods", "default", "p") is None, timeout=10)
+    elapsed = time.monotonic() - started
+    assert marker.exists(), "the preStop hook ran"
+    assert "TERM" in (tmp_path / "pods" / "default_p.log").read_text(), "SIGTERM came first"
+    assert 0.9 < elapsed < 5, "SIGKILL came when the grace period ran out"
