@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     sandbox.add_argument("--state-dir", help="where to write kubeconfig, scheduler-address and ready")
     sandbox.add_argument("--port", type=int, help="the emulated API server's port (default: any free port)")
     sandbox.add_argument("--no-operator", action="store_true", help="start everything but the operator")
+    sandbox.add_argument("--worker-memory", default="1GiB", help="each worker's --memory-limit (default 1GiB)")
 
     crds = commands.add_parser("crds", help="write the CRD manifests generated from the spec models")
     crds.add_argument("--output", default="crds", help="directory to write into (default: crds)")
@@ -49,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.workers < 1:
             print("memops sandbox: --workers must be at least 1", file=sys.stderr)
             return 2
-        return sandbox.main(args.workers, args.state_dir, operator=not args.no_operator, port=args.port)
+        return sandbox.main(
+            args.workers, args.state_dir, operator=not args.no_operator, port=args.port, memory_limit=args.worker_memory
+        )
     from memops import controllers
 
     logging.basicConfig(

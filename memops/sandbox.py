@@ -17,8 +17,10 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -145,7 +147,9 @@ async def _wait_for_workers(address: str, count: int, timeout: float = 120) -> N
             await asyncio.sleep(0.2)
 
 
-async def serve(workers: int, state_dir: Path, *, operator: bool = True, port: int | None = None) -> None:
+async def serve(
+    workers: int, state_dir: Path, *, operator: bool = True, port: int | None = None, memory_limit: str = "1GiB"
+) -> None:
     """Run the sandbox until cancelled."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
@@ -160,7 +164,7 @@ async def serve(workers: int, state_dir: Path, *, operator: bool = True, port: i
             controller = replicaset.DeploymentController(api.store)
             kubelet_task = tasks.create_task(node.run())
             controller_task = tasks.create_task(controller.run())
-            await api.store.create("deployments", NAMESPACE, worker_deployment(address, workers))
+            await api.store.create("deployments", NAMESPACE, worker_deployment(address, workers, memory_limit))
             await _wait_for_workers(address, workers)
             operator_process = None
             if operator:
@@ -188,7 +192,27 @@ async def serve(workers: int, state_dir: Path, *, operator: bool = True, port: i
                 kubelet_task.cancel()
 
 
-def main(workers: int, state_dir: str | None, *, operator: bool = True, port: int | None = None) -> int:
+def launch(state_dir: Path, workers: int, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start ``memops sandbox`` as its own process and wait until it has written ``ready``.
+
+    For the test suite and the benchmarks, which drive the sandbox as a user does.
+    """
+    command = [_executable("memops"), "sandbox", "--workers", str(workers), "--state-dir", str(state_dir), *args]
+    log = log or state_dir.parent / f"{state_dir.name}-sandbox.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (state_dir / "ready").exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError("the sandbox did not become ready:\n" + log.read_text()[-3000:])
+        time.sleep(0.1)
+    return process
+
+
+def main(
+    workers: int, state_dir: str | None, *, operator: bool = True, port: int | None = None, memory_limit: str = "1GiB"
+) -> int:
     directory = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
     if not state_dir:
         print(
@@ -208,7 +232,7 @@ def main(workers: int, state_dir: str | None, *, operator: bool = True, port: in
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await serve(workers, directory, operator=operator, port=port)
+            await serve(workers, directory, operator=operator, port=port, memory_limit=memory_limit)
 
     asyncio.run(runner())
     (directory / "ready").unlink(missing_ok=True)

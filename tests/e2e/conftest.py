@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
+from memops import sandbox as sandbox_cli
+
 BIN = Path(sys.executable).parent
 
 
@@ -131,17 +133,7 @@ class Sandbox:
 
 
 def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True) -> Sandbox:
-    args = [str(BIN / "memops"), "sandbox", "--workers", str(workers), "--state-dir", str(state_dir)]
-    if not operator:
-        args.append("--no-operator")
-    log = (state_dir.parent / f"{state_dir.name}-sandbox.log").open("wb")
-    process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not (state_dir / "ready").exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError("the sandbox did not become ready:\n" + Path(log.name).read_text()[-3000:])
-        time.sleep(0.2)
+    process = sandbox_cli.launch(state_dir, workers, *([] if operator else ["--no-operator"]))
     return Sandbox(state_dir, process)
 
 
