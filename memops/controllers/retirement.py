@@ -58,13 +58,15 @@ class Retirement:
         while not stopped:
             if status.phase in _TERMINAL:
                 return
+            before = status.model_copy(deep=True)
             try:
                 status = await self.step(status)
             except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
                 self.logger.warning("will retry: %s", exc)
             if status.phase in _TERMINAL:
                 return
-            await stopped.wait(_RETRY_SECONDS)
+            if status == before:  # no progress: wait before trying again; progress goes on at once
+                await stopped.wait(_RETRY_SECONDS)
 
     async def step(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
         generation = int(self.body.metadata.get("generation", 1))
