@@ -160,6 +160,22 @@ def to_remove(workers: Sequence[specs.WorkerStatus]) -> list[str]:
     return [w.pod for w in workers if w.removable and not w.podRemoved]
 
 
+def keep_blocked(workers: Sequence[specs.WorkerStatus], why: str) -> list[specs.WorkerStatus]:
+    """The deadline passed before the pods could be removed safely: keep them, and say why."""
+    return [
+        w.model_copy(
+            update={
+                "state": specs.WorkerState.KEPT,
+                "removable": False,
+                "message": f"{w.message.split(';')[0]}; pod kept at spec.timeout, {why.removeprefix('waiting: ')}",
+            }
+        )
+        if w.removable and not w.podRemoved
+        else w
+        for w in workers
+    ]
+
+
 def mark_removed(workers: Sequence[specs.WorkerStatus], gone: Iterable[str]) -> list[specs.WorkerStatus]:
     """Record that these pods are gone: a drained worker is now Retired."""
     gone_set = set(gone)

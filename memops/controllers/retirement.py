@@ -279,6 +279,10 @@ class Retirement:
                     f"waiting: pods {', '.join(blockers)} are not ready, and the ReplicaSet would remove"
                     " them before the drained ones"
                 )
+                if _now() >= deadline:
+                    status.workers = retirement.keep_blocked(status.workers, message)
+                    await self.write(status)
+                    return status
                 status.conditions = conditions.set_condition(
                     status.conditions,
                     "Draining",

@@ -83,6 +83,7 @@ async def test_runs_the_container_with_its_env_and_reports_ready(node: Any, tmp_
 async def test_restarts_an_exited_container(node: Any) -> None:
     store, _ = node
     await store.create("pods", "default", python_pod("p", "raise SystemExit(3)"))
+
     def restarts() -> int:
         statuses = store.get("pods", "default", "p").get("status", {}).get("containerStatuses", [{}])
         return int(statuses[0].get("restartCount", 0))

@@ -157,3 +157,10 @@ def test_spec_change_on_a_finished_request_is_refused() -> None:
     assert refused_change(finished, generation=1) is None
     assert refused_change({"phase": "Draining", "observedGeneration": 1}, generation=2) is None
     assert refused_change({"phase": "Pending"}, generation=2) is None
+
+
+def test_pods_blocked_until_the_deadline_are_kept_with_the_reason() -> None:
+    workers = [draining("a", A).model_copy(update={"removable": True, "message": "drained: retired; removing its pod"})]
+    [kept] = retirement.keep_blocked(workers, "waiting: pods x are not ready")
+    assert kept.state == specs.WorkerState.KEPT and not kept.removable
+    assert kept.message == "drained: retired; pod kept at spec.timeout, pods x are not ready"
