@@ -473,8 +473,11 @@ class ApiServer(kmock.KubernetesEmulator):
             field_terms.append(("metadata.name", "=", request.name))
         timeout = float(request.params.get("timeoutSeconds", 1800))
         start = request.params.get("resourceVersion") or ""
+        # WatchList (client-go's WatchListClient, on in kubectl): the current objects as ADDED
+        # events, then a BOOKMARK annotated k8s.io/initial-events-end, then the changes.
+        watch_list = request.params.get("sendInitialEvents") == "true"
         initial: list[Obj] = []
-        if start in ("", "0"):
+        if start in ("", "0") or watch_list:
             initial = [
                 o for o in self.store.list(kind.plural, request.namespace) if selected(o, label_terms, field_terms)
             ]
@@ -495,6 +498,18 @@ class ApiServer(kmock.KubernetesEmulator):
             async with asyncio.timeout(timeout):
                 for obj in initial:
                     await send("ADDED", obj)
+                if watch_list:
+                    await send(
+                        "BOOKMARK",
+                        {
+                            "kind": kind.kind,
+                            "apiVersion": kind.api_version,
+                            "metadata": {
+                                "resourceVersion": str(from_rv),
+                                "annotations": {"k8s.io/initial-events-end": "true"},
+                            },
+                        },
+                    )
                 try:
                     async for _, event in self.store.watch_from(from_rv):
                         if event.plural != kind.plural:

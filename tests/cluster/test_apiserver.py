@@ -213,3 +213,23 @@ async def test_openapi_v3_describes_custom_resources(api: Any) -> None:
         {"group": "memops.dev", "version": "v1alpha1", "kind": "RetirementRequest"}
     ]
     assert "description" in schema["properties"]["spec"]["properties"]["count"]
+
+
+async def test_watch_list_ends_initial_events_with_a_bookmark(api: Any) -> None:
+    """kubectl (client-go's WatchListClient) waits for this bookmark before it evaluates anything."""
+    import json
+
+    _, http = api
+    async with http.post(PODS, json=pod("a")):
+        pass
+    params = {
+        "watch": "true",
+        "sendInitialEvents": "true",
+        "resourceVersionMatch": "NotOlderThan",
+        "allowWatchBookmarks": "true",
+        "timeoutSeconds": "1",
+    }
+    async with http.get(PODS, params=params) as response:
+        events = [json.loads(line) async for line in response.content if line.strip()]
+    assert [e["type"] for e in events] == ["ADDED", "BOOKMARK"]
+    assert events[1]["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}

@@ -27,7 +27,11 @@ def test_retire_by_count_then_by_name(sandbox: Sandbox) -> None:
         # Unequal holdings, so the two that move the fewest bytes are known in advance.
         holdings = scatter_unique(client, {pod: n for pod, n in zip(pods, (1, 2, 6, 8), strict=True)}, size=MiB)
         sandbox.apply(retirement_request("shrink", scheduler={"address": sandbox.scheduler_address}, count=2))
+        waited = sandbox.kubectl(
+            "wait", "retire/shrink", "--for=jsonpath={.status.phase}=Succeeded", "--timeout=120s", check=False
+        )
         done = sandbox.wait_phase("shrink", "Succeeded", "Failed")
+        assert waited.returncode == 0, (waited.stderr, done["status"])
         assert done["status"]["phase"] == "Succeeded", done["status"]
         workers = {w["pod"]: w for w in done["status"]["workers"]}
         assert set(workers) == set(pods[:2]), "count chooses the workers with the fewest unique bytes"
@@ -122,6 +126,8 @@ def test_invalid_specs_are_refused_and_the_operator_keeps_serving(sandbox: Sandb
         assert result.returncode != 0, name
         assert field in result.stderr, (name, result.stderr)
     assert sandbox.get("retirementrequests")["items"] == []
+    explained = sandbox.kubectl("explain", "retirementrequest.spec.count").stdout
+    assert "fewest unique bytes" in " ".join(explained.split())
 
     sandbox.apply(
         retirement_request(
@@ -170,8 +176,8 @@ def _thaw(sandbox: Sandbox, pods: list[str]) -> None:
 def test_scheduler_stopped_mid_drain_keeps_the_pod(sandbox_factory: Callable[..., Sandbox]) -> None:
     sandbox = sandbox_factory(2)
     pods = sandbox.pods()
-    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
-        scatter_unique(client, {pods[0]: 4})
+    client = distributed.Client(sandbox.scheduler_address, timeout=30)
+    holdings = scatter_unique(client, {pods[0]: 4})  # referenced until the end: the data stays
     frozen = _freeze_recipients(sandbox, keep_running=[pods[0]])
     try:
         sandbox.apply(
@@ -184,9 +190,12 @@ def test_scheduler_stopped_mid_drain_keeps_the_pod(sandbox_factory: Callable[...
     finally:
         _thaw(sandbox, frozen)
     done = sandbox.wait_phase("orphan", "Failed", "Succeeded")
+    assert len(holdings.futures) == 4
+    client.close(timeout=5)
     worker = done["status"]["workers"][0]
-    assert done["status"]["phase"] == "Failed"
+    assert done["status"]["phase"] == "Failed", done["status"]
     assert worker["state"] == "Kept"
+    assert worker["uniqueBytes"] >= 4 * 256 * 1024, "the worker held unique data when the drain began"
     assert "unreachable" in worker["message"]
     assert pods[0] in sandbox.pods() and sandbox.replicas() == 2
 
