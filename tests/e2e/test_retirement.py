@@ -297,3 +297,22 @@ def test_spec_change_after_completion_is_refused(sandbox: Sandbox, phase: str) -
     )
     assert rejected[0]["observedGeneration"] == 2
     assert sandbox.replicas() == 3, "the changed spec retired nothing more"
+
+
+def test_sandbox_stops_every_process_it_started(sandbox_factory: Callable[..., Sandbox]) -> None:
+    import os
+
+    sandbox = sandbox_factory(2)
+    pids = [sandbox.pod_pid(pod) for pod in sandbox.pods()]
+    pids.append(int((sandbox.state_dir / "scheduler.pid").read_text()))
+    pids.append(int((sandbox.state_dir / "operator.pid").read_text()))
+    assert (sandbox.state_dir / "ready").exists()
+    sandbox.stop()
+    assert sandbox.process.returncode == 0
+    assert not (sandbox.state_dir / "ready").exists(), "ready is withdrawn on the way out"
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"process {pid} outlived the sandbox")
