@@ -110,6 +110,19 @@ async def fetch_snapshot(
     return planning.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)
 
 
+async def ping(address: str, *, security: Security | None = None, timeout: float = 5) -> int:
+    """The number of workers the scheduler has; cheap, whatever the number of keys."""
+    scheduler = _connect(address, security, timeout)
+    try:
+        async with asyncio.timeout(timeout):
+            identity = await scheduler.identity(n_workers=0)
+    except _COMM_ERRORS as exc:
+        raise SchedulerUnreachable(address, exc) from exc
+    finally:
+        await scheduler.close_rpc()
+    return int(identity.get("n_workers", 0))
+
+
 async def retire_workers(
     address: str, worker_addresses: Sequence[str], *, security: Security | None = None, timeout: float
 ) -> RetireOutcome:

@@ -251,6 +251,9 @@ class MemoryPolicyStatus(Model):
     desiredReplicas: int = pydantic.Field(default=0, description="Workers that memops is steering towards.")
     selector: str = pydantic.Field(default="", description="The workers' label selector, for the /scale subresource.")
     observedGeneration: int = pydantic.Field(default=0, description="The generation last acted on.")
+    lastScaleTime: str = pydantic.Field(default="", description="When memops last changed the workers' count.")
+    lastScaleReason: str = pydantic.Field(default="", description="Why: ScaleUp, or ScaleDown through a drain.")
+    message: str = pydantic.Field(default="", description="What memops is doing now, in one line.")
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 
@@ -308,6 +311,8 @@ MEMORY_POLICY = ResourceKind(
         {"name": "Workload", "type": "string", "jsonPath": ".spec.workload.name"},
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Last-Scale", "type": "string", "jsonPath": ".status.lastScaleReason"},
+        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ),
     scale={

@@ -61,6 +61,14 @@ BUILTIN_KINDS = (
     ),
     Kind("coordination.k8s.io", "v1", "Lease", "leases"),
     Kind(
+        "autoscaling",
+        "v2",
+        "HorizontalPodAutoscaler",
+        "horizontalpodautoscalers",
+        subresources=("status",),
+        short_names=("hpa",),
+    ),
+    Kind(
         "apiextensions.k8s.io",
         "v1",
         "CustomResourceDefinition",

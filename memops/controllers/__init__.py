@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 
 from memops import kube
-from memops.controllers import retirement
+from memops.controllers import policy, retirement
 
 PREFIX = "memops.dev"
 
@@ -52,6 +52,7 @@ def make_registry(kubeconfig: str | None = None) -> kopf.OperatorRegistry:
             await memo.kube.close()
 
     retirement.register(registry)
+    policy.register(registry)
     return registry
 
 

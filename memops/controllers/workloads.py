@@ -27,7 +27,7 @@ async def get(client: kube.Kube, namespace: str, ref: specs.WorkloadRef) -> Obj 
     return await client.get_or_none(_deployment_path(namespace, ref.name))
 
 
-def _selector(workload: Obj) -> str:
+def selector(workload: Obj) -> str:
     labels = workload.get("spec", {}).get("selector", {}).get("matchLabels", {})
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
@@ -38,7 +38,7 @@ async def pods(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, worklo
     if workload is None:
         return []
     path = kube.resource_path("", "v1", "pods", namespace)
-    items = await client.list(path, label_selector=_selector(workload))
+    items = await client.list(path, label_selector=selector(workload))
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -106,6 +106,21 @@ async def scale_down_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRe
     path = _deployment_path(namespace, ref.name, "scale")
     scale = await client.get(path)
     if int(scale.get("spec", {}).get("replicas", 0)) <= target:
+        return
+    await client.merge_patch(
+        path,
+        {
+            "metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]},
+            "spec": {"replicas": target},
+        },
+    )
+
+
+async def scale_up_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, target: int) -> None:
+    """Raise replicas to ``target`` unless they already are at or above it (idempotent)."""
+    path = _deployment_path(namespace, ref.name, "scale")
+    scale = await client.get(path)
+    if int(scale.get("spec", {}).get("replicas", 0)) >= target:
         return
     await client.merge_patch(
         path,

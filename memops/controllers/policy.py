@@ -1,0 +1,283 @@
+"""MemoryPolicy: keep a workload at the policy's replicas; every scale-down drains first.
+
+One Kopf daemon per policy. Each pass reads the workload, the policy's own RetirementRequests
+and what else touches the workload, asks :func:`memops.scaling.plan_scale` what to do, then
+does it: scale-up raises the workload's replicas directly; scale-down creates a
+RetirementRequest that the policy owns (visible with ``kubectl get retire``), which drains
+the chosen workers and removes exactly their pods. ``kubectl scale mempol/NAME``, an HPA or
+KEDA whose target is the policy, and a GitOps change of ``spec.replicas`` all land here.
+The daemon keeps nothing that matters in memory: a restarted operator sees the requests and
+carries on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import kopf
+import pydantic
+
+from memops import conditions, daskrpc, kube, retirement, scaling, specs
+from memops.controllers import workloads
+
+POLICY_LABEL = "memops.dev/policy"
+GENERATION_ANNOTATION = "memops.dev/policy-generation"
+_IDLE_SECONDS = 2.0
+_WATCH_SECONDS = 0.1
+_TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(tz=datetime.UTC)
+
+
+def _age(timestamp: str | None) -> float | None:
+    if not timestamp:
+        return None
+    then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    return (_now() - then).total_seconds()
+
+
+class Policy:
+    """One pass over one MemoryPolicy; every pass starts from what the cluster says."""
+
+    def __init__(self, *, client: kube.Kube, body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter[Any]):
+        self.client = client
+        self.body = body
+        self.logger = logger
+        self.namespace = str(body.metadata.namespace)
+        self.name = str(body.metadata.name)
+        self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
+
+    async def reconcile(self) -> None:
+        generation = int(self.body.metadata.get("generation", 1))
+        old = specs.MemoryPolicyStatus.model_validate(_own(self.body.get("status")))
+        status = old.model_copy(deep=True, update={"observedGeneration": generation})
+        try:
+            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
+        except pydantic.ValidationError as exc:
+            await self.not_ready(old, status, "InvalidSpec", retirement.explain_invalid(exc), generation)
+            return
+        workload = await workloads.get(self.client, self.namespace, spec.workload)
+        if workload is None:
+            message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
+            await self.not_ready(old, status, "WorkloadNotFound", message, generation)
+            return
+        policies = await self.client.list(
+            kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace)
+        )
+        older = scaling.competing_policies(dict(self.body), policies)
+        if older:
+            message = (
+                f"spec.workload: MemoryPolicy {older[0]!r} already manages {spec.workload.kind}"
+                f" {spec.workload.name!r}; this policy does nothing while it exists"
+            )
+            status.conditions = conditions.set_condition(
+                status.conditions, "Conflict", True, reason="AnotherPolicy", message=message, generation=generation
+            )
+            await self.not_ready(old, status, "Conflict", message, generation)
+            return
+        hpas = await self.client.list(
+            kube.resource_path("autoscaling", "v2", "horizontalpodautoscalers", self.namespace)
+        )
+        direct = scaling.autoscalers_on(spec.workload, hpas)
+        status.conditions = conditions.set_condition(
+            status.conditions,
+            "Conflict",
+            bool(direct),
+            reason="AutoscalerOnWorkload" if direct else "NoConflict",
+            message=(
+                f"HorizontalPodAutoscaler {', '.join(direct)} scales {spec.workload.kind} {spec.workload.name!r}"
+                f" directly, so its scale-downs are not drained: point its scaleTargetRef at MemoryPolicy"
+                f" {self.name!r} instead"
+            )
+            if direct
+            else "",
+            generation=generation,
+        )
+        await self.check_scheduler(spec, status, generation)
+
+        current = int(workload.get("spec", {}).get("replicas", 1))
+        desired = spec.replicas if spec.replicas is not None else current
+        requests = await self.client.list(
+            kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace),
+            label_selector=f"{POLICY_LABEL}={self.name}",
+        )
+        running = [r for r in requests if r.get("status", {}).get("phase") not in _TERMINAL]
+        draining = sum(_request_size(r) for r in running)
+        failed = _latest_failure(requests)
+        decision = scaling.plan_scale(
+            current=current,
+            desired=desired,
+            draining=draining,
+            last_failure_age=_age(failed.get("status", {}).get("completionTime")) if failed else None,
+            failed_generation=int(failed["metadata"].get("annotations", {}).get(GENERATION_ANNOTATION, 0))
+            if failed
+            else None,
+            generation=generation,
+        )
+        if decision.action == scaling.Action.SCALE_UP:
+            await workloads.scale_up_to(self.client, self.namespace, spec.workload, decision.replicas)
+        elif decision.action == scaling.Action.SCALE_DOWN:
+            await self.create_request(spec, decision.replicas, generation, attempt=len(requests))
+        if decision.action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN):
+            status.lastScaleTime = _now().strftime("%Y-%m-%dT%H:%M:%SZ")
+            status.lastScaleReason = decision.reason
+            kopf.event(self.body, type="Normal", reason=decision.reason, message=decision.message)
+        status.replicas = int(workload.get("status", {}).get("replicas", current))
+        status.desiredReplicas = desired
+        status.selector = workloads.selector(workload)
+        status.message = decision.message
+        status.conditions = conditions.set_condition(
+            status.conditions,
+            "ScalingActive",
+            decision.action != scaling.Action.NONE,
+            reason=decision.reason,
+            message=decision.message,
+            generation=generation,
+        )
+        status.conditions = conditions.set_condition(
+            status.conditions,
+            "ScalingLimited",
+            decision.reason == "DrainFailed",
+            reason=decision.reason,
+            message=decision.message if decision.reason == "DrainFailed" else "",
+            generation=generation,
+        )
+        status.conditions = conditions.set_condition(
+            status.conditions,
+            "Ready",
+            True,
+            reason="Managing",
+            message=f"managing {spec.workload.kind} {spec.workload.name!r}",
+            generation=generation,
+        )
+        await self.write(old, status)
+
+    async def check_scheduler(
+        self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
+    ) -> None:
+        try:
+            security = None
+            if spec.scheduler.tls is not None:
+                secret = await self.client.get(
+                    kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
+                )
+                security = daskrpc.security_from_secret(secret.get("data", {}))
+            await daskrpc.ping(spec.scheduler.address, security=security)
+        except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "SchedulerReachable",
+                False,
+                reason="SchedulerUnreachable",
+                message=f"spec.scheduler.address: {exc}",
+                generation=generation,
+            )
+        else:
+            status.conditions = conditions.set_condition(
+                status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
+            )
+
+    async def create_request(self, spec: specs.MemoryPolicySpec, count: int, generation: int, *, attempt: int) -> None:
+        body = {
+            "apiVersion": specs.API_VERSION,
+            "kind": "RetirementRequest",
+            "metadata": {
+                # Named by the policy's generation and attempt: a pass that is repeated after a
+                # restart gets 409 for the request it already made, instead of making a second.
+                "name": f"{self.name}-g{generation}-{attempt}",
+                "namespace": self.namespace,
+                "labels": {POLICY_LABEL: self.name},
+                "annotations": {GENERATION_ANNOTATION: str(generation)},
+                "ownerReferences": [
+                    {
+                        "apiVersion": specs.API_VERSION,
+                        "kind": "MemoryPolicy",
+                        "name": self.name,
+                        "uid": str(self.body.metadata.uid),
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+            "spec": {
+                "scheduler": spec.scheduler.model_dump(mode="json", exclude_none=True),
+                "workload": spec.workload.model_dump(mode="json"),
+                "count": count,
+                "timeout": spec.drain.timeout,
+                "onTimeout": spec.drain.onTimeout.value,
+            },
+        }
+        try:
+            await self.client.request(
+                "POST", kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace), body=body
+            )
+        except kube.ApiError as exc:
+            if exc.code != 409:
+                raise
+
+    async def not_ready(
+        self,
+        old: specs.MemoryPolicyStatus,
+        status: specs.MemoryPolicyStatus,
+        reason: str,
+        message: str,
+        generation: int,
+    ) -> None:
+        status.message = message
+        status.conditions = conditions.set_condition(
+            status.conditions, "Ready", False, reason=reason, message=message, generation=generation
+        )
+        await self.write(old, status)
+
+    async def write(self, old: specs.MemoryPolicyStatus, status: specs.MemoryPolicyStatus) -> None:
+        if status == old:
+            return  # nothing changed: no write, no watch event, no resourceVersion churn
+        await self.client.merge_patch(
+            self.path + "/status", {"status": status.model_dump(mode="json", exclude_none=True)}
+        )
+
+
+def _own(raw: Any) -> dict[str, Any]:
+    fields = specs.MemoryPolicyStatus.model_fields
+    return {k: v for k, v in dict(raw or {}).items() if k in fields}
+
+
+def _request_size(request: dict[str, Any]) -> int:
+    workers = request.get("status", {}).get("workers")
+    return len(workers) if workers else int(request.get("spec", {}).get("count") or 1)
+
+
+def _latest_failure(requests: list[dict[str, Any]]) -> dict[str, Any] | None:
+    finished = sorted(
+        (r for r in requests if r.get("status", {}).get("phase") in _TERMINAL),
+        key=lambda r: r.get("status", {}).get("completionTime", ""),
+    )
+    return finished[-1] if finished and finished[-1]["status"]["phase"] == specs.Phase.FAILED.value else None
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    @kopf.daemon(specs.GROUP, specs.VERSION, "memorypolicies", registry=registry, id="policy", cancellation_timeout=5.0)
+    async def policy(
+        body: kopf.Body,
+        memo: kopf.Memo,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        stopped: kopf.DaemonStopped,
+        **_: Any,
+    ) -> None:
+        reconciler = Policy(client=memo.kube, body=body, logger=logger)
+        while not stopped:
+            generation = body.metadata.get("generation")
+            try:
+                await reconciler.reconcile()
+            except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
+                logger.warning("will retry: %s", exc)
+            # Wake at once when the spec changes (kubectl scale, an HPA, a GitOps commit: Kopf
+            # keeps the body current), else every few seconds to follow drains and drift.
+            waited = 0.0
+            while not stopped and waited < _IDLE_SECONDS and body.metadata.get("generation") == generation:
+                await stopped.wait(_WATCH_SECONDS)
+                waited += _WATCH_SECONDS
