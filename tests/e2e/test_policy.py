@@ -1,0 +1,134 @@
+"""MemoryPolicy end to end: scaling through the policy drains first, and bad policies say why."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import distributed
+
+from tests.e2e.conftest import Sandbox
+from tests.e2e.data import scatter_unique
+
+
+def memory_policy(name: str, address: str, workload: str = "dask-worker", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "memops.dev/v1alpha1",
+        "kind": "MemoryPolicy",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"scheduler": {"address": address}, "workload": {"kind": "Deployment", "name": workload}, **spec},
+    }
+
+
+def condition(sandbox: Sandbox, name: str, kind: str) -> dict[str, Any] | None:
+    status = sandbox.get("mempol", name).get("status", {})
+    return next((c for c in status.get("conditions", []) if c["type"] == kind), None)
+
+
+def owned_requests(sandbox: Sandbox, policy: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = sandbox.get("retire", "-l", f"memops.dev/policy={policy}")["items"]
+    return items
+
+
+def test_kubectl_scale_on_the_policy_drains_then_scales(sandbox: Sandbox) -> None:
+    pods = sandbox.pods()
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        holdings = scatter_unique(client, dict.fromkeys(pods, 5))
+        sandbox.apply(memory_policy("analytics", sandbox.scheduler_address, replicas=4))
+        sandbox.wait_for(
+            lambda: (c := condition(sandbox, "analytics", "Ready")) and c["status"] == "True",
+            what="the policy to be Ready",
+        )
+
+        sandbox.kubectl("scale", "mempol/analytics", "--replicas=2")
+        sandbox.wait_for(lambda: sandbox.replicas() == 2 and len(sandbox.pods()) == 2, what="a drained scale-down")
+        [request] = owned_requests(sandbox, "analytics")
+        owner = request["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["controller"]) == ("MemoryPolicy", "analytics", True)
+        done = sandbox.wait_phase(request["metadata"]["name"], "Succeeded", "Failed")
+        assert done["status"]["phase"] == "Succeeded"
+        assert done["status"]["bytesMoved"] >= 10 * 256 * 1024
+        holdings.assert_all_correct()
+
+        sandbox.kubectl("patch", "mempol/analytics", "--type=merge", "-p", '{"spec":{"replicas":3}}')
+        sandbox.wait_for(lambda: sandbox.replicas() == 3, what="a scale-up through spec.replicas")
+        status = sandbox.wait_for(
+            lambda: (s := sandbox.get("mempol", "analytics")["status"]).get("replicas") == 3 and s, what="status"
+        )
+        assert status["desiredReplicas"] == 3 and status["lastScaleReason"] == "ScaleUp"
+        assert status["selector"] == "app=dask-worker"
+        assert len(owned_requests(sandbox, "analytics")) == 1, "scale-up makes no RetirementRequest"
+        holdings.assert_all_correct()
+
+
+def test_bad_and_conflicting_policies_are_reported_and_the_good_one_keeps_working(sandbox: Sandbox) -> None:
+    address = sandbox.scheduler_address
+    sandbox.apply(memory_policy("first", address, replicas=4))
+    sandbox.wait_for(lambda: (c := condition(sandbox, "first", "Ready")) and c["status"] == "True", what="first Ready")
+    sandbox.apply(memory_policy("second", address, replicas=1))
+    sandbox.apply(memory_policy("ghost", address, workload="no-such-workers", replicas=1))
+    sandbox.apply(memory_policy("far", "tcp://127.0.0.1:9", workload="no-such-workers"))
+    refused = sandbox.apply(memory_policy("negative", address, replicas=-1), check=False)
+    assert refused.returncode != 0 and "spec.replicas" in refused.stderr
+
+    conflict = sandbox.wait_for(lambda: condition(sandbox, "second", "Conflict"), what="the Conflict condition")
+    assert conflict["status"] == "True" and conflict["message"].startswith("spec.workload:")
+    ready = condition(sandbox, "second", "Ready")
+    assert ready is not None and ready["status"] == "False"
+    ghost = sandbox.wait_for(lambda: condition(sandbox, "ghost", "Ready"), what="ghost's Ready condition")
+    assert ghost["status"] == "False" and ghost["message"].startswith("spec.workload.name:")
+
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "direct", "namespace": "default"},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "dask-worker"},
+            "minReplicas": 1,
+            "maxReplicas": 4,
+        },
+    }
+    sandbox.apply(hpa)
+    flagged = sandbox.wait_for(
+        lambda: (c := condition(sandbox, "first", "Conflict")) and c["status"] == "True" and c, what="HPA conflict"
+    )
+    assert "HorizontalPodAutoscaler direct" in flagged["message"]
+
+    assert sandbox.replicas() == 4, "the younger conflicting policy did not act"
+    sandbox.kubectl("scale", "mempol/first", "--replicas=3")
+    sandbox.wait_for(lambda: sandbox.replicas() == 3 and len(sandbox.pods()) == 3, what="first still serves")
+
+
+def test_unreachable_scheduler_is_a_condition(sandbox: Sandbox) -> None:
+    sandbox.apply(memory_policy("far", "tcp://127.0.0.1:9", replicas=4))
+    reachable = sandbox.wait_for(lambda: condition(sandbox, "far", "SchedulerReachable"), what="reachability")
+    assert reachable["status"] == "False" and reachable["message"].startswith("spec.scheduler.address:")
+
+
+def test_operator_restart_during_a_policy_scale_down(sandbox_factory: Callable[..., Sandbox]) -> None:
+    sandbox = sandbox_factory(3, operator=False)
+    sandbox.start_operator()
+    pods = sandbox.pods()
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        holdings = scatter_unique(client, {pods[0]: 1, pods[1]: 4, pods[2]: 4})
+        sandbox.apply(memory_policy("restart", sandbox.scheduler_address, replicas=3))
+        sandbox.wait_for(lambda: condition(sandbox, "restart", "Ready"), what="the policy")
+        frozen = [pods[1], pods[2]]
+        for pod in frozen:  # the recipients stop answering: the drain stays in progress
+            sandbox.signal_pod(pod, signal.SIGSTOP)
+        try:
+            sandbox.kubectl("scale", "mempol/restart", "--replicas=2")
+            request = sandbox.wait_for(lambda: owned_requests(sandbox, "restart"), what="the owned request")[0]
+            sandbox.wait_phase(request["metadata"]["name"], "Draining")
+            sandbox.kill_operator()
+        finally:
+            for pod in frozen:
+                sandbox.signal_pod(pod, signal.SIGCONT)
+        sandbox.start_operator()
+        done = sandbox.wait_phase(request["metadata"]["name"], "Succeeded", "Failed")
+        assert done["status"]["phase"] == "Succeeded", done["status"]
+        sandbox.wait_for(lambda: sandbox.replicas() == 2 and len(sandbox.pods()) == 2, what="the scale-down")
+        assert len(owned_requests(sandbox, "restart")) == 1, "the restarted operator did not drain twice"
+        assert sandbox.pods() == pods[1:]
+        holdings.assert_all_correct()
