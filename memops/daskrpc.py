@@ -71,15 +71,18 @@ def _connect(address: str, security: Security | None, timeout: float) -> rpc:
 
 
 async def fetch_snapshot(
-    address: str, *, security: Security | None = None, timeout: float = 10
+    address: str, *, security: Security | None = None, timeout: float = 10, keys: bool = True
 ) -> planning.SchedulerSnapshot:
-    """The workers, who holds which key, and key sizes, from one connection."""
+    """The workers, who holds which key, and key sizes, from one connection.
+
+    With ``keys=False`` only the workers and their memory: cheap whatever the number of keys.
+    """
     scheduler = _connect(address, security, timeout)
     try:
         async with asyncio.timeout(timeout):
             identity = await scheduler.identity()
-            who_has_raw = await scheduler.who_has()
-            nbytes_raw = await scheduler.nbytes(summary=False)
+            who_has_raw = await scheduler.who_has() if keys else {}
+            nbytes_raw = await scheduler.nbytes(summary=False) if keys else {}
     except _COMM_ERRORS as exc:
         raise SchedulerUnreachable(address, exc) from exc
     finally:
@@ -105,6 +108,8 @@ async def fetch_snapshot(
                 unique_keys=unique_keys,
                 nkeys=held.get(worker_address, 0),
                 status=str(info.get("status", "running")),
+                process_bytes=int(metrics.get("memory", 0)),
+                spilled_bytes=int((metrics.get("spilled_bytes") or {}).get("disk", 0)),
             )
         )
     return planning.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)

@@ -24,6 +24,8 @@ class WorkerInfo:
     unique_keys: int = 0
     nkeys: int = 0
     status: str = "running"
+    process_bytes: int = 0  # the worker process' RSS, as its last heartbeat reported it
+    spilled_bytes: int = 0  # bytes the worker spilled to disk
 
 
 @dataclass(frozen=True)

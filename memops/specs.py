@@ -235,6 +235,85 @@ class DrainSpec(Model):
     )
 
 
+class PolicyType(enum.StrEnum):
+    PODS = "Pods"
+    PERCENT = "Percent"
+
+
+class SelectPolicy(enum.StrEnum):
+    MAX = "Max"
+    MIN = "Min"
+    DISABLED = "Disabled"
+
+
+class ScalingPolicy(Model):
+    """One HPA scaling policy: at most ``value`` Pods, or ``value`` Percent, per period."""
+
+    type: PolicyType = pydantic.Field(description="Pods or Percent.")
+    value: int = pydantic.Field(ge=1, description="How many pods, or what percent of them.")
+    periodSeconds: int = pydantic.Field(ge=1, le=1800, description="The window the policy counts changes over.")
+
+
+class ScalingRules(Model):
+    """HPA v2 HPAScalingRules for one direction."""
+
+    stabilizationWindowSeconds: int = pydantic.Field(
+        default=0, ge=0, le=3600, description="Look back this long for the most cautious recommendation."
+    )
+    selectPolicy: SelectPolicy = pydantic.Field(
+        default=SelectPolicy.MAX, description="Max: the policy allowing the biggest change; Min: the smallest."
+    )
+    policies: list[ScalingPolicy] = pydantic.Field(default_factory=list, description="Limits on the rate of change.")
+
+
+def _default_scale_up() -> ScalingRules:
+    # The HPA's defaults (Kubernetes docs, "Default Behavior").
+    return ScalingRules(
+        stabilizationWindowSeconds=0,
+        policies=[
+            ScalingPolicy(type=PolicyType.PERCENT, value=100, periodSeconds=15),
+            ScalingPolicy(type=PolicyType.PODS, value=4, periodSeconds=15),
+        ],
+    )
+
+
+def _default_scale_down() -> ScalingRules:
+    return ScalingRules(
+        stabilizationWindowSeconds=300, policies=[ScalingPolicy(type=PolicyType.PERCENT, value=100, periodSeconds=15)]
+    )
+
+
+class Behavior(Model):
+    """HPA v2 ``behavior``; absent parts take the HPA's defaults."""
+
+    scaleUp: ScalingRules = pydantic.Field(default_factory=_default_scale_up, description="Rules for scaling up.")
+    scaleDown: ScalingRules = pydantic.Field(default_factory=_default_scale_down, description="Rules for scaling down.")
+
+
+class AutoscaleSpec(Model):
+    """Memory-driven autoscaling with the HorizontalPodAutoscaler's algorithm."""
+
+    minReplicas: int = pydantic.Field(default=1, ge=1, description="Never fewer workers.")
+    maxReplicas: int = pydantic.Field(ge=1, description="Never more workers.")
+    targetMemoryUtilization: int = pydantic.Field(
+        ge=1,
+        le=100,
+        description=(
+            "Percent of the workers' memory limit to hold: process memory (managed and unmanaged) plus"
+            " what was spilled to disk, which is memory pressure too."
+        ),
+    )
+    behavior: Behavior = pydantic.Field(default_factory=Behavior, description="HPA v2 behavior.")
+
+    @pydantic.model_validator(mode="after")
+    def _min_not_above_max(self) -> AutoscaleSpec:
+        if self.minReplicas > self.maxReplicas:
+            raise ValueError(
+                f"autoscale.minReplicas ({self.minReplicas}) is above autoscale.maxReplicas ({self.maxReplicas})"
+            )
+        return self
+
+
 class MemoryPolicySpec(Model):
     """How one Dask cluster's memory is managed, for as long as the policy exists."""
 
@@ -244,6 +323,34 @@ class MemoryPolicySpec(Model):
         default=None, ge=0, description="Desired number of workers. Every scale-down drains first."
     )
     drain: DrainSpec = pydantic.Field(default_factory=DrainSpec, description="How workers are drained.")
+    autoscale: AutoscaleSpec | None = pydantic.Field(
+        default=None,
+        description="Memory-driven autoscaling; when set, it decides the replicas instead of spec.replicas.",
+    )
+
+
+class Recommendation(Model):
+    time: float = pydantic.Field(description="When (Unix seconds).")
+    replicas: int = pydantic.Field(description="What the metric recommended, before stabilization.")
+
+
+class ScaleEvent(Model):
+    time: float = pydantic.Field(description="When (Unix seconds).")
+    change: int = pydantic.Field(description="Workers added (positive) or removed (negative).")
+
+
+class WorkerMemory(Model):
+    pod: str = pydantic.Field(description="The pod, which is the Dask worker's name.")
+    bytes: int = pydantic.Field(description="Process memory plus bytes spilled to disk.")
+    spilledBytes: int = pydantic.Field(default=0, description="Bytes spilled to disk.")
+    percent: int = pydantic.Field(description="bytes over the worker's memory limit, in percent.")
+
+
+class MemoryStatus(Model):
+    bytes: int = pydantic.Field(default=0, description="Held by all workers: process memory plus spilled.")
+    limitBytes: int = pydantic.Field(default=0, description="The workers' memory limits, summed.")
+    percent: int = pydantic.Field(default=0, description="bytes over limitBytes, in percent.")
+    workers: list[WorkerMemory] = pydantic.Field(default_factory=list, description="Per worker.")
 
 
 class MemoryPolicyStatus(Model):
@@ -254,6 +361,15 @@ class MemoryPolicyStatus(Model):
     lastScaleTime: str = pydantic.Field(default="", description="When memops last changed the workers' count.")
     lastScaleReason: str = pydantic.Field(default="", description="Why: ScaleUp, or ScaleDown through a drain.")
     message: str = pydantic.Field(default="", description="What memops is doing now, in one line.")
+    memory: MemoryStatus | None = pydantic.Field(
+        default=None, description="The workers' memory, per worker and in total."
+    )
+    recommendations: list[Recommendation] = pydantic.Field(
+        default_factory=list, description="Recent autoscaling recommendations, for the stabilization windows."
+    )
+    scaleEvents: list[ScaleEvent] = pydantic.Field(
+        default_factory=list, description="Recent changes of the workers' count, for the scaling policies."
+    )
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 
@@ -311,6 +427,7 @@ MEMORY_POLICY = ResourceKind(
         {"name": "Workload", "type": "string", "jsonPath": ".spec.workload.name"},
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Memory%", "type": "integer", "jsonPath": ".status.memory.percent"},
         {"name": "Last-Scale", "type": "string", "jsonPath": ".status.lastScaleReason"},
         {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

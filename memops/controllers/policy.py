@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from typing import Any
 
 import kopf
 import pydantic
 
-from memops import conditions, daskrpc, kube, retirement, scaling, specs
+from memops import autoscaling, conditions, daskrpc, kube, planning, retirement, scaling, specs
 from memops.controllers import workloads
 
 POLICY_LABEL = "memops.dev/policy"
@@ -97,10 +98,27 @@ class Policy:
             else "",
             generation=generation,
         )
-        await self.check_scheduler(spec, status, generation)
+        snapshot = await self.check_scheduler(spec, status, generation)
+        if snapshot is not None:
+            status.memory = _memory_status(snapshot)
 
         current = int(workload.get("spec", {}).get("replicas", 1))
         desired = spec.replicas if spec.replicas is not None else current
+        now = time.time()
+        limited = ""
+        if spec.autoscale is not None and snapshot is not None:
+            recommended = autoscaling.desired_replicas(
+                current=current,
+                usage=autoscaling.usage_of(snapshot.workers),
+                spec=spec.autoscale,
+                history=status.recommendations,
+                events=status.scaleEvents,
+                now=now,
+            )
+            desired = recommended.replicas
+            status.recommendations = _remember(status.recommendations, now, recommended.raw, spec.autoscale)
+            if any(word in recommended.reason for word in ("limited", "capped", "raised", "needs")):
+                limited = recommended.reason
         requests = await self.client.list(
             kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace),
             label_selector=f"{POLICY_LABEL}={self.name}",
@@ -123,6 +141,8 @@ class Policy:
         elif decision.action == scaling.Action.SCALE_DOWN:
             await self.create_request(spec, decision.replicas, generation, attempt=len(requests))
         if decision.action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN):
+            event = specs.ScaleEvent(time=now, change=desired - current)
+            status.scaleEvents = _recent_events([*status.scaleEvents, event], now, spec)
             status.lastScaleTime = _now().strftime("%Y-%m-%dT%H:%M:%SZ")
             status.lastScaleReason = decision.reason
             kopf.event(self.body, type="Normal", reason=decision.reason, message=decision.message)
@@ -138,12 +158,13 @@ class Policy:
             message=decision.message,
             generation=generation,
         )
+        limited = decision.message if decision.reason == "DrainFailed" else limited
         status.conditions = conditions.set_condition(
             status.conditions,
             "ScalingLimited",
-            decision.reason == "DrainFailed",
-            reason=decision.reason,
-            message=decision.message if decision.reason == "DrainFailed" else "",
+            bool(limited),
+            reason=decision.reason if decision.reason == "DrainFailed" else ("Limited" if limited else "NotLimited"),
+            message=limited,
             generation=generation,
         )
         status.conditions = conditions.set_condition(
@@ -158,7 +179,8 @@ class Policy:
 
     async def check_scheduler(
         self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
-    ) -> None:
+    ) -> planning.SchedulerSnapshot | None:
+        """The workers and their memory (no keys: cheap), or None with the reason in a condition."""
         try:
             security = None
             if spec.scheduler.tls is not None:
@@ -166,7 +188,7 @@ class Policy:
                     kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
                 )
                 security = daskrpc.security_from_secret(secret.get("data", {}))
-            await daskrpc.ping(spec.scheduler.address, security=security)
+            snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security, keys=False, timeout=5)
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
             status.conditions = conditions.set_condition(
                 status.conditions,
@@ -176,10 +198,11 @@ class Policy:
                 message=f"spec.scheduler.address: {exc}",
                 generation=generation,
             )
-        else:
-            status.conditions = conditions.set_condition(
-                status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
-            )
+            return None
+        status.conditions = conditions.set_condition(
+            status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
+        )
+        return snapshot
 
     async def create_request(self, spec: specs.MemoryPolicySpec, count: int, generation: int, *, attempt: int) -> None:
         body = {
@@ -239,6 +262,40 @@ class Policy:
         await self.client.merge_patch(
             self.path + "/status", {"status": status.model_dump(mode="json", exclude_none=True)}
         )
+
+
+def _memory_status(snapshot: planning.SchedulerSnapshot) -> specs.MemoryStatus:
+    usage = autoscaling.usage_of(snapshot.workers)
+    return specs.MemoryStatus(
+        bytes=usage.held,
+        limitBytes=usage.limit,
+        percent=round(usage.utilization),
+        workers=[
+            specs.WorkerMemory(
+                pod=w.name,
+                bytes=w.process_bytes + w.spilled_bytes,
+                spilledBytes=w.spilled_bytes,
+                percent=round(100 * (w.process_bytes + w.spilled_bytes) / w.memory_limit) if w.memory_limit else 0,
+            )
+            for w in sorted(snapshot.workers, key=lambda w: w.name)
+        ],
+    )
+
+
+def _remember(
+    history: list[specs.Recommendation], now: float, replicas: int, spec: specs.AutoscaleSpec
+) -> list[specs.Recommendation]:
+    """Keep, for each recommended count, only when it was last recommended within the windows:
+    that is all the stabilization (a min and a max over a window) needs."""
+    window = max(spec.behavior.scaleUp.stabilizationWindowSeconds, spec.behavior.scaleDown.stabilizationWindowSeconds)
+    kept = [r for r in history if r.replicas != replicas and r.time > now - window]
+    return [*kept, specs.Recommendation(time=now, replicas=replicas)]
+
+
+def _recent_events(events: list[specs.ScaleEvent], now: float, spec: specs.MemoryPolicySpec) -> list[specs.ScaleEvent]:
+    rules = spec.autoscale.behavior if spec.autoscale is not None else specs.Behavior()
+    period = max((p.periodSeconds for r in (rules.scaleUp, rules.scaleDown) for p in r.policies), default=0)
+    return [e for e in events if e.time > now - period]
 
 
 def _own(raw: Any) -> dict[str, Any]:

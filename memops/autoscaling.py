@@ -1,0 +1,159 @@
+"""Memory-driven autoscaling with the HorizontalPodAutoscaler's algorithm, as pure functions.
+
+The metric is what the scheduler knows: each worker's process memory plus what it spilled
+to disk (spilling is memory pressure too), over the workers' memory limits. The rest is the
+HPA's, from the Kubernetes documentation and ``pkg/controller/podautoscaler/horizontal.go``:
+``ceil(current * utilization / target)`` with a 10% tolerance; the recommendation is
+stabilized over the scale-up and scale-down windows; the change is limited by the scaling
+policies (``Pods`` / ``Percent`` per period, ``selectPolicy`` Max/Min/Disabled); the result
+is clamped to min/max. memops adds one rule: never fewer workers than the data in memory now
+needs at the target utilization.
+
+The history that the windows and policies need (recommendations, scale events) is passed in
+and returned: the controller keeps it in the MemoryPolicy's status, not in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from memops import planning, specs
+
+TOLERANCE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """Memory of the connected workers, in bytes."""
+
+    workers: int
+    held: int  # process memory + spilled to disk, summed
+    limit: int  # memory limits, summed
+
+    @property
+    def utilization(self) -> float:
+        """Percent of the memory limit held."""
+        return 100.0 * self.held / self.limit if self.limit else 0.0
+
+
+def usage_of(workers: Sequence[planning.WorkerInfo]) -> Usage:
+    return Usage(
+        workers=len(workers),
+        held=sum(w.process_bytes + w.spilled_bytes for w in workers),
+        limit=sum(w.memory_limit for w in workers),
+    )
+
+
+def metric_recommendation(current: int, usage: Usage, target: float) -> int:
+    """``ceil(current * utilization / target)``, or ``current`` within the tolerance."""
+    if usage.workers == 0 or usage.limit == 0:
+        return current
+    ratio = usage.utilization / target
+    if abs(ratio - 1.0) <= TOLERANCE:
+        return current
+    return max(math.ceil(usage.workers * ratio), 0)
+
+
+def fit_floor(usage: Usage, target: float) -> int:
+    """The fewest workers that hold the memory in use now at the target utilization."""
+    if usage.workers == 0 or usage.limit == 0:
+        return 0
+    per_worker = usage.limit / usage.workers
+    return math.ceil(usage.held / (per_worker * target / 100.0))
+
+
+def stabilize(
+    recommendation: int, current: int, history: Sequence[specs.Recommendation], now: float, behavior: specs.Behavior
+) -> int:
+    """``stabilizeRecommendationWithBehaviors``: the lowest recent recommendation bounds a
+    scale-up, the highest bounds a scale-down, each over its own window."""
+    up = down = recommendation
+    for past in history:
+        if past.time > now - behavior.scaleUp.stabilizationWindowSeconds:
+            up = min(up, past.replicas)
+        if past.time > now - behavior.scaleDown.stabilizationWindowSeconds:
+            down = max(down, past.replicas)
+    result = current
+    if result < up:
+        result = up
+    if result > down:
+        result = down
+    return result
+
+
+def _changed_within(events: Sequence[specs.ScaleEvent], period: int, now: float, up: bool) -> int:
+    return sum(abs(e.change) for e in events if e.time > now - period and (e.change > 0) == up)
+
+
+def rate_limits(
+    current: int, events: Sequence[specs.ScaleEvent], now: float, behavior: specs.Behavior
+) -> tuple[int, int]:
+    """(lowest, highest) replicas the scaling policies allow now, as upstream computes them."""
+    up_rules, down_rules = behavior.scaleUp, behavior.scaleDown
+    if up_rules.selectPolicy == specs.SelectPolicy.DISABLED or not up_rules.policies:
+        highest = current
+    else:
+        proposals = []
+        for policy in up_rules.policies:
+            start = current - _changed_within(events, policy.periodSeconds, now, up=True)
+            start += _changed_within(events, policy.periodSeconds, now, up=False)
+            if policy.type == specs.PolicyType.PODS:
+                proposals.append(start + policy.value)
+            else:  # rounded up, or a small percentage would never add a worker
+                proposals.append(math.ceil(start * (1 + policy.value / 100)))
+        highest = min(proposals) if up_rules.selectPolicy == specs.SelectPolicy.MIN else max(proposals)
+    if down_rules.selectPolicy == specs.SelectPolicy.DISABLED or not down_rules.policies:
+        lowest = current
+    else:
+        proposals = []
+        for policy in down_rules.policies:
+            start = current - _changed_within(events, policy.periodSeconds, now, up=True)
+            start += _changed_within(events, policy.periodSeconds, now, up=False)
+            if policy.type == specs.PolicyType.PODS:
+                proposals.append(start - policy.value)
+            else:
+                proposals.append(int(start * (1 - policy.value / 100)))
+        lowest = max(proposals) if down_rules.selectPolicy == specs.SelectPolicy.MIN else min(proposals)
+    return min(lowest, current), max(highest, current)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    replicas: int
+    reason: str
+    raw: int  # before stabilization, to be kept in the history
+
+
+def desired_replicas(
+    *,
+    current: int,
+    usage: Usage,
+    spec: specs.AutoscaleSpec,
+    history: Sequence[specs.Recommendation],
+    events: Sequence[specs.ScaleEvent],
+    now: float,
+) -> Recommendation:
+    """The number of workers to steer towards, and why."""
+    raw = metric_recommendation(current, usage, spec.targetMemoryUtilization)
+    stabilized = stabilize(raw, current, history, now, spec.behavior)
+    lowest, highest = rate_limits(current, events, now, spec.behavior)
+    desired, reason = (
+        stabilized,
+        f"memory at {usage.utilization:.0f}% of the limit, target {spec.targetMemoryUtilization}%",
+    )
+    if stabilized != raw:
+        reason += f"; stabilized from {raw}"
+    if desired > highest:
+        desired, reason = highest, reason + f"; limited to {highest} by the scale-up policies"
+    if desired < lowest:
+        desired, reason = lowest, reason + f"; limited to {lowest} by the scale-down policies"
+    floor = fit_floor(usage, spec.targetMemoryUtilization)
+    if desired < current and desired < floor:
+        desired, reason = min(floor, current), reason + f"; the memory in use needs {floor} workers"
+    if desired > spec.maxReplicas:
+        desired, reason = spec.maxReplicas, reason + f"; capped at maxReplicas {spec.maxReplicas}"
+    if desired < spec.minReplicas:
+        desired, reason = spec.minReplicas, reason + f"; raised to minReplicas {spec.minReplicas}"
+    return Recommendation(desired, reason, raw)

@@ -1,0 +1,137 @@
+"""The HPA algorithm on memory, written from the Kubernetes documentation's examples."""
+
+import pytest
+
+from memops import autoscaling, specs
+
+GiB = 2**30
+
+
+def usage(percent: float, workers: int = 4, spilled: float = 0) -> autoscaling.Usage:
+    return autoscaling.Usage(workers=workers, held=int((percent + spilled) / 100 * workers * GiB), limit=workers * GiB)
+
+
+@pytest.mark.parametrize(
+    ("current_value", "target", "expected"),
+    [
+        pytest.param(100, 50, 8, id="metric-twice-the-target-doubles"),
+        pytest.param(25, 50, 2, id="metric-half-the-target-halves"),
+        pytest.param(52, 50, 4, id="within-the-10%-tolerance-no-change"),
+        pytest.param(56, 50, 5, id="beyond-tolerance-rounds-up"),
+    ],
+)
+def test_metric_recommendation(current_value: float, target: float, expected: int) -> None:
+    assert autoscaling.metric_recommendation(4, usage(current_value), target) == expected
+
+
+def test_spilled_bytes_count_as_memory_pressure() -> None:
+    in_memory_only = usage(50)
+    spilling = usage(50, spilled=40)
+    assert autoscaling.metric_recommendation(4, in_memory_only, 50) == 4
+    assert autoscaling.metric_recommendation(4, spilling, 50) == 8
+
+
+def behavior(**kwargs: object) -> specs.Behavior:
+    return specs.Behavior.model_validate(kwargs)
+
+
+def test_scale_down_stabilization_takes_the_highest_recent_recommendation() -> None:
+    rules = behavior(
+        scaleDown={
+            "stabilizationWindowSeconds": 300,
+            "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+        }
+    )
+    history = [specs.Recommendation(time=1000 - 100, replicas=5), specs.Recommendation(time=1000 - 50, replicas=3)]
+    assert autoscaling.stabilize(2, 5, history, now=1000, behavior=rules) == 5
+    assert autoscaling.stabilize(2, 5, history, now=1000 + 210, behavior=rules) == 3
+    assert autoscaling.stabilize(2, 5, history, now=1000 + 400, behavior=rules) == 2
+
+
+def test_scale_up_is_immediate_by_default() -> None:
+    history = [specs.Recommendation(time=999, replicas=2)]
+    assert autoscaling.stabilize(8, 4, history, now=1000, behavior=specs.Behavior()) == 8
+
+
+@pytest.mark.parametrize(
+    ("select", "expected"),
+    [
+        pytest.param("Max", 72, id="max-picks-the-biggest-change"),
+        pytest.param("Min", 76, id="min-the-smallest"),
+        pytest.param("Disabled", 80, id="disabled"),
+    ],
+)
+def test_scale_down_policies_from_the_docs(select: str, expected: int) -> None:
+    """Docs: 80 replicas, Pods 4 and Percent 10 per 60 s: the first step goes to 72 under Max."""
+    rules = behavior(
+        scaleDown={
+            "selectPolicy": select,
+            "policies": [
+                {"type": "Pods", "value": 4, "periodSeconds": 60},
+                {"type": "Percent", "value": 10, "periodSeconds": 60},
+            ],
+        }
+    )
+    lowest, _ = autoscaling.rate_limits(80, [], now=1000, behavior=rules)
+    assert lowest == expected
+
+
+def test_default_scale_up_limit_is_double_or_plus_four() -> None:
+    _, highest = autoscaling.rate_limits(2, [], now=1000, behavior=specs.Behavior())
+    assert highest == 6  # max(100% of 2 -> 4, 2 + 4 pods -> 6)
+    _, highest = autoscaling.rate_limits(10, [], now=1000, behavior=specs.Behavior())
+    assert highest == 20
+
+
+def test_recent_scale_events_count_against_the_policies() -> None:
+    events = [specs.ScaleEvent(time=995, change=4)]  # 2 -> 6, five seconds ago
+    _, highest = autoscaling.rate_limits(6, events, now=1000, behavior=specs.Behavior())
+    assert highest == 6, "the period started at 2 workers: 6 is the most the policies allow"
+    _, highest = autoscaling.rate_limits(6, events, now=1020, behavior=specs.Behavior())
+    assert highest == 12
+
+
+def autoscale(**kwargs: object) -> specs.AutoscaleSpec:
+    return specs.AutoscaleSpec.model_validate({"maxReplicas": 10, "targetMemoryUtilization": 50, **kwargs})
+
+
+def test_desired_replicas_is_clamped_to_min_and_max() -> None:
+    high = autoscaling.desired_replicas(
+        current=8, usage=usage(100, workers=8), spec=autoscale(), history=[], events=[], now=1000
+    )
+    assert high.replicas == 10 and "maxReplicas" in high.reason
+    idle = autoscale(
+        minReplicas=3,
+        behavior={
+            "scaleDown": {
+                "stabilizationWindowSeconds": 0,
+                "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+            }
+        },
+    )
+    low = autoscaling.desired_replicas(current=4, usage=usage(1), spec=idle, history=[], events=[], now=1000)
+    assert low.replicas == 3 and "minReplicas" in low.reason
+
+
+def test_never_fewer_workers_than_the_memory_in_use_needs() -> None:
+    # 4 of 6 pods run a connected worker, each at 45% of 1 GiB: the metric alone says 4
+    # (4 workers x 45% / 50%), but the 1.8 GiB in use needs 4 workers at 50%: never fewer.
+    spec = autoscale(
+        behavior={
+            "scaleDown": {
+                "stabilizationWindowSeconds": 0,
+                "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+            }
+        }
+    )
+    result = autoscaling.desired_replicas(current=6, usage=usage(45), spec=spec, history=[], events=[], now=1000)
+    assert result.replicas == 4
+    assert autoscaling.fit_floor(usage(45), 50) == 4
+    assert autoscaling.fit_floor(usage(45), 30) == 6
+
+
+def test_min_above_max_names_the_field() -> None:
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match=r"autoscale\.minReplicas"):
+        autoscale(minReplicas=5, maxReplicas=2)
