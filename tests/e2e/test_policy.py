@@ -132,3 +132,46 @@ def test_operator_restart_during_a_policy_scale_down(sandbox_factory: Callable[.
         assert len(owned_requests(sandbox, "restart")) == 1, "the restarted operator did not drain twice"
         assert sandbox.pods() == pods[1:]
         holdings.assert_all_correct()
+
+
+def test_memory_driven_autoscaling_up_then_down_without_loss(sandbox_factory: Callable[..., Sandbox]) -> None:
+    sandbox = sandbox_factory(2)
+    pods = sandbox.pods()
+    behavior = {
+        "scaleDown": {
+            "stabilizationWindowSeconds": 5,
+            "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+        }
+    }
+    sandbox.apply(
+        memory_policy(
+            "elastic",
+            sandbox.scheduler_address,
+            autoscale={"minReplicas": 2, "maxReplicas": 5, "targetMemoryUtilization": 30, "behavior": behavior},
+        )
+    )
+    sandbox.wait_for(
+        lambda: (sandbox.get("mempol", "elastic").get("status", {}).get("memory") or {}).get("workers"),
+        what="memory in the status",
+    )
+    assert sandbox.replicas() == 2, "idle workers stay at minReplicas"
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        kept = scatter_unique(client, dict.fromkeys(pods, 2), size=8 * 2**20)
+        bulk = scatter_unique(client, dict.fromkeys(pods, 40), size=8 * 2**20)  # ~40% of each 1 GiB worker
+        sandbox.wait_for(lambda: sandbox.replicas() >= 3, timeout=60, what="a memory-driven scale-up")
+        grown = sandbox.get("mempol", "elastic")["status"]
+        assert grown["lastScaleReason"] == "ScaleUp" and grown["memory"]["percent"] > 0
+        assert owned_requests(sandbox, "elastic") == [], "scaling up needs no drain"
+
+        del bulk  # the memory shrinks: the policy scales back down, through a drain
+        sandbox.wait_for(
+            lambda: sandbox.replicas() == 2 and len(sandbox.pods()) == 2,
+            timeout=90,
+            what="the scale-down after the stabilization window",
+        )
+        requests = owned_requests(sandbox, "elastic")
+        assert requests and all(r["status"]["phase"] == "Succeeded" for r in requests), requests
+        kept.assert_all_correct()
+        status = sandbox.get("mempol", "elastic")["status"]
+        assert status["desiredReplicas"] >= 2
+        assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
