@@ -21,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
     run.add_argument("--liveness", metavar="URL", help="serve Kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     run.add_argument("--standalone", action="store_true", help="do not coordinate with other operator replicas")
+    run.add_argument("--webhook-port", type=int, help="serve the mutating admission webhook (the safety net) here")
+    run.add_argument("--webhook-host", default="127.0.0.1", help="the webhook's address, as the API server reaches it")
+    run.add_argument("--webhook-insecure", action="store_true", help="plain HTTP for the webhook (sandbox only)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
     sandbox = commands.add_parser("sandbox", help="a local cluster with real Dask workers and the operator")
@@ -59,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    webhook = None
+    if args.webhook_port:
+        webhook = controllers.Webhook(port=args.webhook_port, host=args.webhook_host, insecure=args.webhook_insecure)
     try:
         asyncio.run(
             controllers.run(
@@ -66,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kubeconfig=args.kubeconfig,
                 liveness_endpoint=args.liveness,
                 standalone=args.standalone,
+                webhook=webhook,
             )
         )
     except KeyboardInterrupt:

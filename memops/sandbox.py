@@ -147,6 +147,33 @@ async def _wait_for_workers(address: str, count: int, timeout: float = 120) -> N
             await asyncio.sleep(0.2)
 
 
+def operator_command(webhook_port: int) -> list[str]:
+    """``memops run`` as the sandbox starts it: every namespace, and the admission webhook on
+    plain HTTP on localhost (the emulated API server calls it; nothing else can)."""
+    return [
+        _executable("memops"),
+        "run",
+        "--all-namespaces",
+        "--standalone",
+        "--webhook-port",
+        str(webhook_port),
+        "--webhook-host",
+        "127.0.0.1",
+        "--webhook-insecure",
+    ]
+
+
+async def _wait_for_webhook(api: apiserver.ApiServer, timeout: float = 60) -> None:
+    """The operator is up once Kopf has registered its MutatingWebhookConfiguration."""
+    events = api.store.watch()
+    async with asyncio.timeout(timeout):
+        if api.store.list("mutatingwebhookconfigurations"):
+            return
+        async for event in events:
+            if event.plural == "mutatingwebhookconfigurations":
+                return
+
+
 async def serve(
     workers: int, state_dir: Path, *, operator: bool = True, port: int | None = None, memory_limit: str = "1GiB"
 ) -> None:
@@ -171,16 +198,10 @@ async def serve(
                 log = (state_dir / "operator.log").open("wb")
                 env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
                 operator_process = await asyncio.create_subprocess_exec(
-                    _executable("memops"),
-                    "run",
-                    "--all-namespaces",
-                    "--standalone",
-                    stdout=log,
-                    stderr=log,
-                    env=env,
-                    start_new_session=True,
+                    *operator_command(_free_port()), stdout=log, stderr=log, env=env, start_new_session=True
                 )
                 (state_dir / "operator.pid").write_text(str(operator_process.pid))
+                await _wait_for_webhook(api)
             (state_dir / "scheduler-address").write_text(address + "\n")
             (state_dir / "ready").write_text("ready\n")
             try:

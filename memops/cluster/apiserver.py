@@ -24,6 +24,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -33,8 +34,10 @@ import attrs
 import kmock
 import yaml
 
-from memops.cluster import memstore, schemas
+from memops.cluster import admission, memstore, schemas
 from memops.cluster.memstore import ApiError, Kind, MemoryStore, Obj
+
+logger = logging.getLogger(__name__)
 
 SERVER_VERSION = {"major": "1", "minor": "35", "gitVersion": "v1.35.0-memops-emulator", "platform": "linux/amd64"}
 
@@ -60,6 +63,20 @@ BUILTIN_KINDS = (
         },
     ),
     Kind("coordination.k8s.io", "v1", "Lease", "leases"),
+    Kind(
+        "admissionregistration.k8s.io",
+        "v1",
+        "MutatingWebhookConfiguration",
+        "mutatingwebhookconfigurations",
+        namespaced=False,
+    ),
+    Kind(
+        "admissionregistration.k8s.io",
+        "v1",
+        "ValidatingWebhookConfiguration",
+        "validatingwebhookconfigurations",
+        namespaced=False,
+    ),
     Kind(
         "autoscaling",
         "v2",
@@ -197,12 +214,12 @@ class ApiServer(kmock.KubernetesEmulator):
     """A KubernetesEmulator whose resource requests are served from a :class:`MemoryStore`."""
 
     store: MemoryStore = attrs.field(factory=MemoryStore)
-    mutating_hooks: list[Callable[[str, Obj], Any]] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         for kind in BUILTIN_KINDS:
             self.serve_kind(kind)
+        self.store.admit = self.admit
         for namespace in ("default", "kube-system"):
             self.store.objects[("namespaces", None, namespace)] = {
                 "apiVersion": "v1",
@@ -304,8 +321,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 return self._respond(request, kind, self._list(request, kind), listing=True)
             if method == "POST":
                 self._check_strict(request, kind, request.data)
-                body = await self._admit(kind.plural, dict(request.data or {}))
-                created = await self.store.create(kind.plural, namespace, body)
+                created = await self.store.create(kind.plural, namespace, dict(request.data or {}))
                 await self._after_write(kind, created)
                 return aiohttp.web.json_response(created, status=201)
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on a collection here")
@@ -340,14 +356,29 @@ class ApiServer(kmock.KubernetesEmulator):
 
     # -- admission and CRDs ---------------------------------------------------------------------
 
-    async def _admit(self, plural: str, body: Obj) -> Obj:
-        """Mutating admission on create (the webhooks that the MemoryPolicy feature registers)."""
-        for hook in self.mutating_hooks:
-            result = hook(plural, body)
-            if asyncio.iscoroutine(result):
-                result = await result
-            body = result if result is not None else body
-        return body
+    async def admit(self, kind: Kind, obj: Obj) -> Obj:
+        """Call the mutating webhooks whose rules match the creation of ``obj``, as the API server
+        does: an AdmissionReview v1 POSTed to ``clientConfig.url``, its JSONPatch applied."""
+        for config in self.store.list("mutatingwebhookconfigurations"):
+            for hook in config.get("webhooks", []):
+                labels = obj.get("metadata", {}).get("labels") or {}
+                wanted = (hook.get("objectSelector") or {}).get("matchLabels") or {}
+                if not admission.rules_match(hook.get("rules", []), kind, "CREATE") or any(
+                    labels.get(k) != v for k, v in wanted.items()
+                ):
+                    continue
+                try:
+                    obj = await admission.call_webhook(hook, kind, obj, operation="CREATE")
+                except admission.Denied as exc:
+                    raise ApiError(
+                        400, "BadRequest", f'admission webhook "{hook.get("name")}" denied the request: {exc}'
+                    ) from exc
+                except Exception as exc:
+                    if hook.get("failurePolicy", "Fail") == "Ignore":
+                        logger.warning("webhook %s failed and is ignored: %s", hook.get("name"), exc)
+                        continue
+                    raise ApiError(500, "InternalError", f'failed calling webhook "{hook.get("name")}": {exc}') from exc
+        return obj
 
     async def _after_write(self, kind: Kind, obj: Obj) -> None:
         if kind.plural == "customresourcedefinitions" and not obj["metadata"].get("deletionTimestamp"):

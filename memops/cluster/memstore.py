@@ -24,7 +24,7 @@ import copy
 import datetime
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,8 @@ from memops.cluster.store import WatchEvent
 Obj = dict[str, Any]
 Validator = Callable[[Obj, Obj | None], Obj]
 """Checks (and defaults) an object about to be stored; gets the new and the old object."""
+Admission = Callable[["Kind", Obj], Awaitable[Obj]]
+"""Mutating admission of an object about to be created (the API server's webhooks)."""
 
 _HISTORY = 20_000
 _NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # k8s.io/apimachinery/pkg/util/rand
@@ -113,6 +115,7 @@ class MemoryStore:
         default_factory=lambda: collections.deque(maxlen=_HISTORY)
     )
     _changed: asyncio.Condition | None = None
+    admit: Admission | None = None
 
     def register(self, kind: Kind) -> None:
         self.kinds[kind.plural] = kind
@@ -178,6 +181,11 @@ class MemoryStore:
         meta["generation"] = 1
         if "status" in kind.subresources:
             obj.pop("status", None)  # status is written through its subresource only
+        if self.admit is not None:
+            # Every creation is admitted, whoever makes it (kubectl, or the in-process
+            # ReplicaSet stand-in), as every creation passes the real API server.
+            obj = await self.admit(kind, obj)
+            obj["metadata"]["name"], obj["metadata"]["uid"] = meta["name"], meta["uid"]
         if kind.validate is not None:
             obj = kind.validate(obj, None)
         self.objects[key] = obj

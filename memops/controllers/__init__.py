@@ -8,6 +8,7 @@ operator (dask-kubernetes' is one) in the same cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import kopf
 
 from memops import kube
-from memops.controllers import policy, retirement
+from memops.controllers import admission, policy, retirement
 
 PREFIX = "memops.dev"
 
@@ -34,7 +35,16 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = 300
 
 
-def make_registry(kubeconfig: str | None = None) -> kopf.OperatorRegistry:
+@dataclasses.dataclass(frozen=True)
+class Webhook:
+    """Where the admission webhook listens. ``insecure`` serves plain HTTP (the sandbox only)."""
+
+    port: int
+    host: str = "127.0.0.1"
+    insecure: bool = False
+
+
+def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -44,6 +54,8 @@ def make_registry(kubeconfig: str | None = None) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings)
+        if webhook is not None:
+            admission.configure(settings, port=webhook.port, host=webhook.host, insecure=webhook.insecure)
         memo.kube = kube.Kube(kube.load_connection(kubeconfig))
 
     @kopf.on.cleanup(registry=registry)
@@ -53,6 +65,8 @@ def make_registry(kubeconfig: str | None = None) -> kopf.OperatorRegistry:
 
     retirement.register(registry)
     policy.register(registry)
+    if webhook is not None:
+        admission.register(registry)
     return registry
 
 
@@ -62,10 +76,11 @@ async def run(
     kubeconfig: str | None = None,
     liveness_endpoint: str | None = None,
     standalone: bool = False,
+    webhook: Webhook | None = None,
 ) -> None:
     """Run the operator until cancelled; cluster-wide unless namespaces are given."""
     await kopf.operator(
-        registry=make_registry(kubeconfig),
+        registry=make_registry(kubeconfig, webhook),
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=liveness_endpoint,

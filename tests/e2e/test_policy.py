@@ -175,3 +175,27 @@ def test_memory_driven_autoscaling_up_then_down_without_loss(sandbox_factory: Ca
         status = sandbox.get("mempol", "elastic")["status"]
         assert status["desiredReplicas"] >= 2
         assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
+
+
+def test_safety_net_drains_pods_that_a_direct_scale_down_removes(sandbox: Sandbox) -> None:
+    """Someone scales the Deployment itself, around memops: the webhook's preStop hook drains."""
+    sandbox.apply(memory_policy("net", sandbox.scheduler_address))  # no replicas: the policy adopts the count
+    sandbox.wait_for(lambda: (c := condition(sandbox, "net", "Ready")) and c["status"] == "True", what="Ready")
+    before = sandbox.pods()
+    sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=6")
+    sandbox.wait_for(lambda: len(sandbox.pods()) == 6, what="two new pods")
+    new = [p for p in sandbox.pods() if p not in before]
+    for pod in new:
+        body = sandbox.get("pod", pod)
+        assert body["metadata"]["annotations"]["memops.dev/safety-net"] == "net"
+        assert body["spec"]["terminationGracePeriodSeconds"] == 600 + 30
+        assert "preStop" in body["spec"]["containers"][0]["lifecycle"]
+    assert "memops.dev/safety-net" not in (sandbox.get("pod", before[0])["metadata"].get("annotations") or {})
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        sandbox.wait_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 6, what="six workers")
+        holdings = scatter_unique(client, dict.fromkeys(new, 6))
+        # The ReplicaSet removes the newest pods first (all else equal): exactly the two with the net.
+        sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=4")
+        sandbox.wait_for(lambda: sorted(sandbox.pods()) == sorted(before), timeout=120, what="the new pods gone")
+        holdings.assert_all_correct()
+    assert sandbox.replicas() == 4, "the policy adopted the new count instead of fighting it"

@@ -1,0 +1,67 @@
+"""The mutating admission webhook: worker pods of a MemoryPolicy's workload get the safety net.
+
+Kopf serves the webhook and, with ``settings.admission.managed``, creates the
+MutatingWebhookConfiguration itself. The handler finds the policy whose workload selects the
+new pod and applies :func:`memops.safetynet.plan_injection`. It ignores its own failures
+(``failurePolicy: Ignore``): an operator that is down must never block pod creation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+import pydantic
+
+from memops import kube, safetynet, specs
+
+CONFIGURATION = "memops.dev"
+
+
+def configure(settings: kopf.OperatorSettings, *, port: int, host: str, insecure: bool) -> None:
+    settings.admission.server = kopf.WebhookServer(addr=host, port=port, host=host, insecure=insecure)
+    settings.admission.managed = CONFIGURATION
+
+
+async def policy_for(
+    client: kube.Kube, namespace: str, labels: dict[str, str]
+) -> tuple[str, specs.MemoryPolicySpec] | None:
+    """The oldest valid MemoryPolicy in the namespace whose workload selects these labels."""
+    policies = await client.list(kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", namespace))
+    for policy in sorted(policies, key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"])):
+        try:
+            spec = specs.MemoryPolicySpec.model_validate(policy.get("spec", {}))
+        except pydantic.ValidationError:
+            continue
+        workload = await client.get_or_none(
+            kube.resource_path("apps", "v1", "deployments", namespace, spec.workload.name)
+        )
+        selector = (workload or {}).get("spec", {}).get("selector", {}).get("matchLabels", {})
+        if safetynet.selects(selector, labels):
+            return str(policy["metadata"]["name"]), spec
+    return None
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    @kopf.on.mutate("pods", operations=["CREATE"], registry=registry, id="safety-net", ignore_failures=True)
+    async def inject(
+        body: kopf.Body,
+        patch: kopf.Patch,
+        memo: kopf.Memo,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        **_: Any,
+    ) -> None:
+        namespace = body.metadata.namespace or "default"
+        found = await policy_for(memo.kube, namespace, dict(body.metadata.labels))
+        if found is None:
+            return
+        name, spec = found
+        change = safetynet.plan_injection(dict(body), name, spec)
+        patch.spec.update(change["spec"])
+        patch.metadata["annotations"] = change["annotations"]
+        logger.info(
+            "pod of MemoryPolicy %s: preStop drain and a grace period of %ss",
+            name,
+            change["spec"].get("terminationGracePeriodSeconds"),
+        )

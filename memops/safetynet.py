@@ -1,0 +1,74 @@
+"""The safety net for scale-downs that memops does not make: what a worker pod gets at creation.
+
+Someone lowers a Deployment's replicas directly, a rollout replaces pods, a node drains: the
+kubelet then runs the container's ``preStop`` hook before SIGTERM. For the workers of a
+MemoryPolicy's workload, memops' mutating admission webhook (:mod:`memops.controllers.admission`)
+adds a ``preStop`` hook that asks the scheduler to retire this worker, and a grace period long
+enough for the drain. The pods are mutated, never the user's Deployment, so GitOps tools see
+no drift. The hook uses only what ``distributed`` ships, so a stock Dask image works.
+
+Pure: :func:`plan_injection` builds the JSON-patch-free description of the change, which the
+webhook applies to the pod.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from memops import specs
+
+ANNOTATION = "memops.dev/safety-net"
+GRACE_MARGIN_SECONDS = 30
+"""Beyond the drain's timeout: the worker still has to close after the hook returns."""
+
+# Runs in the worker's container, with the image's own Python. Retiring by name finds the
+# worker whatever its address; a worker that memops already retired is simply not found.
+PRE_STOP_SCRIPT = """\
+import asyncio, os
+from distributed.core import rpc
+
+async def main():
+    scheduler = rpc(os.environ["MEMOPS_SCHEDULER_ADDRESS"], timeout=10)
+    try:
+        await asyncio.wait_for(
+            scheduler.retire_workers(names=[os.environ["MEMOPS_POD_NAME"]], close_workers=True, remove=True),
+            float(os.environ["MEMOPS_DRAIN_TIMEOUT"]),
+        )
+    finally:
+        await scheduler.close_rpc()
+
+asyncio.run(main())
+"""
+
+
+def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryPolicySpec) -> dict[str, Any]:
+    """The pod's new ``spec`` and annotations: a preStop drain on its first container, and a
+    grace period that covers ``drain.timeout``. An existing preStop hook is left alone."""
+    annotations = dict(pod.get("metadata", {}).get("annotations") or {})
+    if spec.scheduler.address.startswith("tls://"):
+        # The hook would need the client certificate mounted; until then, say so on the pod.
+        annotations[ANNOTATION] = f"{policy_name}: not injected, a tls:// scheduler is not supported yet"
+        return {"spec": dict(pod.get("spec", {})), "annotations": annotations}
+    pod_spec = copy.deepcopy(dict(pod.get("spec", {})))
+    timeout = int(specs.parse_duration(spec.drain.timeout).total_seconds())
+    grace = max(int(pod_spec.get("terminationGracePeriodSeconds", 30)), timeout + GRACE_MARGIN_SECONDS)
+    pod_spec["terminationGracePeriodSeconds"] = grace
+    containers = pod_spec.get("containers", [])
+    if containers and "preStop" not in containers[0].get("lifecycle", {}):
+        container = containers[0]
+        env = [e for e in container.get("env", []) if not e.get("name", "").startswith("MEMOPS_")]
+        container["env"] = [
+            *env,
+            {"name": "MEMOPS_SCHEDULER_ADDRESS", "value": spec.scheduler.address},
+            {"name": "MEMOPS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "MEMOPS_DRAIN_TIMEOUT", "value": str(timeout)},
+        ]
+        container.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT]}}
+    annotations[ANNOTATION] = policy_name
+    return {"spec": pod_spec, "annotations": annotations}
