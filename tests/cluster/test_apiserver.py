@@ -233,3 +233,66 @@ async def test_watch_list_ends_initial_events_with_a_bookmark(api: Any) -> None:
         events = [json.loads(line) async for line in response.content if line.strip()]
     assert [e["type"] for e in events] == ["ADDED", "BOOKMARK"]
     assert events[1]["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
+
+
+async def test_mutating_webhooks_are_called_on_creation(api: Any) -> None:
+    import base64
+    import json
+
+    from aiohttp import web
+
+    server, http = api
+    reviews: list[dict[str, Any]] = []
+
+    async def hook(request: web.Request) -> web.Response:
+        review = await request.json()
+        reviews.append(review)
+        patch = [{"op": "add", "path": "/metadata/annotations", "value": {"mutated": "yes"}}]
+        response = {
+            "uid": review["request"]["uid"],
+            "allowed": True,
+            "patchType": "JSONPatch",
+            "patch": base64.b64encode(json.dumps(patch).encode()).decode(),
+        }
+        return web.json_response({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response})
+
+    app = web.Application()
+    app.router.add_post("/hook", hook)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    rules = [{"apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"], "operations": ["CREATE"]}]
+    config = {
+        "metadata": {"name": "test"},
+        "webhooks": [
+            {
+                "name": "works.test",
+                "clientConfig": {"url": f"http://127.0.0.1:{port}/hook"},
+                "rules": rules,
+                "failurePolicy": "Fail",
+            },
+            {
+                "name": "down.test",
+                "clientConfig": {"url": "http://127.0.0.1:9/hook"},
+                "rules": rules,
+                "failurePolicy": "Ignore",
+            },
+        ],
+    }
+    try:
+        await server.store.create("mutatingwebhookconfigurations", None, config)
+        async with http.post(PODS, json=pod("a")) as response:
+            created = await response.json()
+        assert created["metadata"]["annotations"] == {"mutated": "yes"}
+        assert reviews[0]["request"]["operation"] == "CREATE" and reviews[0]["request"]["kind"]["kind"] == "Pod"
+        async with http.post(DEPLOYMENTS, json={"metadata": {"name": "d"}, "spec": {}}) as response:
+            assert "annotations" not in (await response.json())["metadata"], "rules select pods only"
+        config["webhooks"][1]["failurePolicy"] = "Fail"
+        await server.store.replace("mutatingwebhookconfigurations", None, "test", config)
+        async with http.post(PODS, json=pod("b")) as response:
+            assert response.status == 500
+            assert "down.test" in (await response.json())["message"]
+    finally:
+        await runner.cleanup()
