@@ -82,6 +82,7 @@ async def fetch_snapshot(
         async with asyncio.timeout(timeout):
             identity = await scheduler.identity()
             who_has_raw = await scheduler.who_has() if keys else {}
+            processing = await scheduler.processing() if keys else {}
             nbytes_raw = await scheduler.nbytes(summary=False) if keys else {}
     except _COMM_ERRORS as exc:
         raise SchedulerUnreachable(address, exc) from exc
@@ -110,6 +111,7 @@ async def fetch_snapshot(
                 status=str(info.get("status", "running")),
                 process_bytes=int(metrics.get("memory", 0)),
                 spilled_bytes=int((metrics.get("spilled_bytes") or {}).get("disk", 0)),
+                in_shuffle=planning.in_shuffle([str(k) for k in processing.get(worker_address, ())]),
             )
         )
     return planning.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)
@@ -139,7 +141,14 @@ async def retire_workers(
     start = time.monotonic()
     if not worker_addresses:
         return RetireOutcome((), (), False, 0.0)
-    scheduler = _connect(address, security, min(timeout, 10) or 10)
+    connect_timeout = min(max(timeout, 1.0), 10.0)
+    scheduler = _connect(address, security, connect_timeout)
+    try:
+        # Connect first, with its own timeout: "unreachable" must not read as "drain too slow".
+        await asyncio.wait_for(scheduler.identity(n_workers=0), connect_timeout)
+    except _COMM_ERRORS as exc:
+        await scheduler.close_rpc()
+        raise SchedulerUnreachable(address, exc) from exc
     try:
         result = await asyncio.wait_for(
             scheduler.retire_workers(

@@ -26,6 +26,7 @@ class WorkerInfo:
     status: str = "running"
     process_bytes: int = 0  # the worker process' RSS, as its last heartbeat reported it
     spilled_bytes: int = 0  # bytes the worker spilled to disk
+    in_shuffle: bool = False  # running a P2P shuffle's tasks: retiring it would stall the shuffle
 
 
 @dataclass(frozen=True)
@@ -58,24 +59,34 @@ def choose_workers(
 ) -> list[str]:
     """The ``count`` pods whose retirement costs least.
 
-    Pods with no connected worker come first (they hold nothing); then connected workers by
-    fewest unique bytes, then fewest managed bytes, then name, so the choice is
-    deterministic. Pods in ``exclude`` (claimed by another request) are never chosen. When
-    fewer candidates than ``count`` exist, all of them are returned and the caller reports it.
+    Pods with no connected worker come first (they hold nothing); then connected workers not
+    in the middle of a shuffle before those that are; then fewest unique bytes, then fewest
+    managed bytes, then name, so the choice is deterministic. Pods in ``exclude`` (claimed by
+    another request) are never chosen. When fewer candidates than ``count`` exist, all of them
+    are returned and the caller reports it.
     """
     if count <= 0:
         return []
     excluded = set(exclude)
     connected = {w.name: w for w in snapshot.workers}
 
-    def cost(pod: str) -> tuple[int, int, int, str]:
+    def cost(pod: str) -> tuple[int, bool, int, int, str]:
         worker = connected.get(pod)
         if worker is None:
-            return (0, 0, 0, pod)
-        return (1, worker.unique_bytes, worker.managed_bytes, pod)
+            return (0, False, 0, 0, pod)
+        return (1, worker.in_shuffle, worker.unique_bytes, worker.managed_bytes, pod)
 
     candidates = sorted((p for p in pod_names if p not in excluded), key=cost)
     return candidates[:count]
+
+
+SHUFFLE_PREFIXES = ("shuffle-transfer-", "shuffle-barrier-")
+"""Key prefixes of dask's P2P shuffle tasks (dask/dataframe/dask_expr/_shuffle.py, distributed/shuffle)."""
+
+
+def in_shuffle(processing: Sequence[str]) -> bool:
+    """Whether a worker processing these (stringified) keys takes part in a P2P shuffle now."""
+    return any(prefix in key for key in processing for prefix in SHUFFLE_PREFIXES)
 
 
 def _unique_keys_of(before: Mapping[str, Sequence[str]], address: str) -> list[str]:

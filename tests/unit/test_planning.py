@@ -70,3 +70,27 @@ NBYTES = {"x": 10, "y": 20, "z": 40, "w": 80}
 def test_bytes_moved_and_lost(after: dict[str, tuple[str, ...]], moved: tuple[int, int], lost: tuple[int, int]) -> None:
     assert planning.bytes_moved(BEFORE, after, NBYTES, "tcp://a") == moved
     assert planning.bytes_lost(BEFORE, after, NBYTES, "tcp://a") == lost
+
+
+def test_workers_in_a_shuffle_come_last_when_another_would_do() -> None:
+    snap = planning.SchedulerSnapshot(
+        workers=(
+            planning.WorkerInfo(name="busy", address="tcp://busy", unique_bytes=0, in_shuffle=True),
+            planning.WorkerInfo(name="full", address="tcp://full", unique_bytes=10**9),
+        )
+    )
+    assert planning.choose_workers(["busy", "full"], snap, 1) == ["full"]
+    assert planning.choose_workers(["busy", "full"], snap, 2) == ["full", "busy"], "when needed, it is still chosen"
+
+
+@pytest.mark.parametrize(
+    ("keys", "expected"),
+    [
+        pytest.param(["('shuffle-transfer-1a2b', 3)"], True, id="transfer"),
+        pytest.param(["shuffle-barrier-1a2b"], True, id="barrier"),
+        pytest.param(["('sum-agg-9f', 0)", "x"], False, id="other-tasks"),
+        pytest.param([], False, id="idle"),
+    ],
+)
+def test_in_shuffle(keys: list[str], expected: bool) -> None:
+    assert planning.in_shuffle(keys) is expected
