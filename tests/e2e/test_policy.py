@@ -169,8 +169,15 @@ def test_memory_driven_autoscaling_up_then_down_without_loss(sandbox_factory: Ca
             timeout=90,
             what="the scale-down after the stabilization window",
         )
-        requests = owned_requests(sandbox, "elastic")
-        assert requests and all(r["status"]["phase"] == "Succeeded" for r in requests), requests
+        requests = sandbox.wait_for(
+            lambda: (
+                (rs := owned_requests(sandbox, "elastic"))
+                and all(r.get("status", {}).get("phase") in ("Succeeded", "Failed") for r in rs)
+                and rs
+            ),
+            what="the policy's drains to finish",
+        )
+        assert all(r["status"]["phase"] == "Succeeded" for r in requests), requests
         kept.assert_all_correct()
         status = sandbox.get("mempol", "elastic")["status"]
         assert status["desiredReplicas"] >= 2
