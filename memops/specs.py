@@ -223,6 +223,9 @@ class RetirementRequestStatus(Model):
     bytesLost: int = pydantic.Field(default=0, description="Bytes lost by forced removals, in total.")
     workers: list[WorkerStatus] = pydantic.Field(default_factory=list, description="One entry per chosen worker.")
     scaleDown: ScaleDown | None = pydantic.Field(default=None, description="The scale-down memops ordered.")
+    acceptedSpec: RetirementRequestSpec | None = pydantic.Field(
+        default=None, description="The spec as it was when the drain started; later changes are refused."
+    )
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 

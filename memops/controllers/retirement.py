@@ -70,17 +70,16 @@ class Retirement:
 
     async def step(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
         generation = int(self.body.metadata.get("generation", 1))
-        try:
-            spec = specs.RetirementRequestSpec.model_validate(dict(self.body.spec))
-        except pydantic.ValidationError as exc:
-            if status.phase == specs.Phase.PENDING:
-                return await self.fail(status, "InvalidSpec", retirement.explain_invalid(exc), generation)
-            spec = None
         if status.phase == specs.Phase.PENDING:
-            assert spec is not None
+            try:
+                spec = specs.RetirementRequestSpec.model_validate(dict(self.body.spec))
+            except pydantic.ValidationError as exc:
+                return await self.fail(status, "InvalidSpec", retirement.explain_invalid(exc), generation)
             return await self.start(spec, status, generation)
         await self.refuse_spec_changes(status, generation)
-        return await self.drain(spec, status)
+        # Once started, only the spec accepted at the start counts: a request is one-shot.
+        assert status.acceptedSpec is not None
+        return await self.drain(status.acceptedSpec, status)
 
     # -- starting -----------------------------------------------------------------------------
 
@@ -155,6 +154,7 @@ class Retirement:
                 "startTime": _format_time(started),
                 "deadline": _format_time(started + specs.parse_duration(spec.timeout)),
                 "onTimeout": spec.onTimeout,
+                "acceptedSpec": spec,
                 "requested": spec.count if spec.count is not None else len(chosen),
                 "workers": [self._entry(pod, snapshot) for pod in chosen],
             }
@@ -197,10 +197,10 @@ class Retirement:
     # -- draining -------------------------------------------------------------------------------
 
     async def drain(
-        self, spec: specs.RetirementRequestSpec | None, status: specs.RetirementRequestStatus
+        self, spec: specs.RetirementRequestSpec, status: specs.RetirementRequestStatus
     ) -> specs.RetirementRequestStatus:
-        address = spec.scheduler.address if spec is not None else str(self.body.spec["scheduler"]["address"])
-        security = await self.security(spec) if spec is not None else None
+        address = spec.scheduler.address
+        security = await self.security(spec)
         on_timeout = status.onTimeout or specs.OnTimeout.ABORT
         deadline = _parse_time(status.deadline)
         draining = [w for w in status.workers if w.state == specs.WorkerState.DRAINING and not w.removable]
@@ -264,13 +264,11 @@ class Retirement:
 
     async def remove(
         self,
-        spec: specs.RetirementRequestSpec | None,
+        spec: specs.RetirementRequestSpec,
         status: specs.RetirementRequestStatus,
         deadline: datetime.datetime,
     ) -> specs.RetirementRequestStatus:
-        workload_ref = (
-            spec.workload if spec is not None else specs.WorkloadRef.model_validate(dict(self.body.spec["workload"]))
-        )
+        workload_ref = spec.workload
         pods = retirement.to_remove(status.workers)
         if status.scaleDown is None or not set(pods) <= set(status.scaleDown.pods):
             blockers = await workloads.outranking_pods(self.client, self.namespace, workload_ref, pods)
