@@ -2,8 +2,10 @@
 
 Every worker holds unique, unrecomputable (scattered) data. The same seeded sequence of
 replica counts is applied twice, in the same run: once with ``kubectl scale deployment`` (the
-anchor: what an HPA or a person does today), once through the policy, alternating
-``kubectl scale mempol`` and edits of ``spec.replicas`` (what a GitOps commit does). After
+anchor: what an HPA or a person does today), once through the policy, rotating through
+``kubectl scale mempol``, edits of ``spec.replicas`` (what a GitOps commit does) and direct
+``kubectl scale deployment`` around memops (drained by the safety net's preStop hook, then
+restored to the policy's count). After
 each step the data is topped up on every worker, and at the end the keys that no worker
 holds any more are counted.
 
@@ -75,7 +77,6 @@ def run(workers: int, sequence: list[int], *, through_policy: bool) -> tuple[int
         address = (state / "scheduler-address").read_text().strip()
         with distributed.Client(address, timeout=30) as client:
             futures: dict[str, distributed.Future] = {}
-            top_up(client, futures, "start")
             if through_policy:
                 policy = {
                     "apiVersion": "memops.dev/v1alpha1",
@@ -89,16 +90,28 @@ def run(workers: int, sequence: list[int], *, through_policy: bool) -> tuple[int
                     },
                 }
                 kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+                # The sandbox's first pods predate the policy: replace them (they hold nothing yet),
+                # so that every worker pod carries the safety net that direct scale-downs rely on.
+                kubectl(env, "scale", "deployment/dask-worker", "--replicas=0")
+                settle(client, env, workers)
+            top_up(client, futures, "start")
+            desired = workers
             for step, replicas in enumerate(sequence):
                 if not through_policy:
                     kubectl(env, "scale", "deployment/dask-worker", f"--replicas={replicas}")
-                elif step % 2:
-                    kubectl(
-                        env, "patch", "mempol/churn", "--type=merge", "-p", json.dumps({"spec": {"replicas": replicas}})
-                    )
-                else:
+                    desired = replicas
+                elif step % 3 == 0:
                     kubectl(env, "scale", "mempol/churn", f"--replicas={replicas}")
-                settle(client, env, replicas)
+                    desired = replicas
+                elif step % 3 == 1:
+                    patch = json.dumps({"spec": {"replicas": replicas}})
+                    kubectl(env, "patch", "mempol/churn", "--type=merge", "-p", patch)
+                    desired = replicas
+                else:
+                    # Around memops: the preStop hook drains the removed pods, then the policy
+                    # restores its own count.
+                    kubectl(env, "scale", "deployment/dask-worker", f"--replicas={replicas}")
+                settle(client, env, desired)
                 top_up(client, futures, f"step{step}")
             return lost(client, futures), len(futures)
     finally:
@@ -122,7 +135,7 @@ def main() -> int:
     )
     print(f"{'path':40} {'keys lost':>10} {'of':>6}")
     print(f"{'kubectl scale deployment (anchor)':40} {baseline_lost:>10} {baseline_total:>6}")
-    print(f"{'MemoryPolicy (kubectl scale / spec edit)':40} {memops_lost:>10} {memops_total:>6}")
+    print(f"{'MemoryPolicy (scale / spec edit / direct)':40} {memops_lost:>10} {memops_total:>6}")
     return 0 if memops_lost == 0 else 1
 
 
