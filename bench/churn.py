@@ -108,9 +108,10 @@ def run(workers: int, sequence: list[int], *, through_policy: bool) -> tuple[int
                     kubectl(env, "patch", "mempol/churn", "--type=merge", "-p", patch)
                     desired = replicas
                 else:
-                    # Around memops: the preStop hook drains the removed pods, then the policy
-                    # restores its own count.
-                    kubectl(env, "scale", "deployment/dask-worker", f"--replicas={replicas}")
+                    # Around memops, and always down: the preStop hook drains the removed pods,
+                    # then the policy restores its own count.
+                    direct = max(min(replicas, desired - 1), 1)
+                    kubectl(env, "scale", "deployment/dask-worker", f"--replicas={direct}")
                 settle(client, env, desired)
                 top_up(client, futures, f"step{step}")
             return lost(client, futures), len(futures)
