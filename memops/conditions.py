@@ -7,13 +7,11 @@ condition carries the ``observedGeneration`` it was computed for.
 
 from __future__ import annotations
 
-import datetime
-
-from memops import specs
+from memops import specs, timestamps
 
 
 def now() -> str:
-    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return timestamps.render(timestamps.now())
 
 
 def set_condition(

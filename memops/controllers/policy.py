@@ -12,7 +12,6 @@ carries on.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import autoscaling, conditions, daskrpc, kube, planning, retirement, scaling, specs
+from memops import autoscaling, conditions, daskrpc, kube, planning, retirement, scaling, specs, timestamps
 from memops.controllers import workloads
 
 POLICY_LABEL = "memops.dev/policy"
@@ -28,17 +27,6 @@ GENERATION_ANNOTATION = "memops.dev/policy-generation"
 _IDLE_SECONDS = 2.0
 _WATCH_SECONDS = 0.1
 _TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(tz=datetime.UTC)
-
-
-def _age(timestamp: str | None) -> float | None:
-    if not timestamp:
-        return None
-    then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
-    return (_now() - then).total_seconds()
 
 
 class Policy:
@@ -130,7 +118,7 @@ class Policy:
             current=current,
             desired=desired,
             draining=draining,
-            last_failure_age=_age(failed.get("status", {}).get("completionTime")) if failed else None,
+            last_failure_age=timestamps.age_seconds(failed.get("status", {}).get("completionTime")) if failed else None,
             failed_generation=int(failed["metadata"].get("annotations", {}).get(GENERATION_ANNOTATION, 0))
             if failed
             else None,
@@ -143,7 +131,7 @@ class Policy:
         if decision.action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN):
             event = specs.ScaleEvent(time=now, change=desired - current)
             status.scaleEvents = _recent_events([*status.scaleEvents, event], now, spec)
-            status.lastScaleTime = _now().strftime("%Y-%m-%dT%H:%M:%SZ")
+            status.lastScaleTime = timestamps.render(timestamps.now())
             status.lastScaleReason = decision.reason
             kopf.event(self.body, type="Normal", reason=decision.reason, message=decision.message)
         status.replicas = int(workload.get("status", {}).get("replicas", current))

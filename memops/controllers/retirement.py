@@ -16,24 +16,12 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import conditions, daskrpc, kube, planning, retirement, specs
+from memops import conditions, daskrpc, kube, planning, retirement, specs, timestamps
 from memops.controllers import workloads
 
 _RETRY_SECONDS = 2.0
 _RPC_SECONDS = 10.0  # one call to the scheduler; a drain's own wait is bounded by spec.timeout
 _TERMINAL = (specs.Phase.SUCCEEDED, specs.Phase.FAILED)
-
-
-def _parse_time(text: str) -> datetime.datetime:
-    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
-
-
-def _format_time(moment: datetime.datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(tz=datetime.UTC)
 
 
 class Retirement:
@@ -86,7 +74,7 @@ class Retirement:
     async def start(
         self, spec: specs.RetirementRequestSpec, status: specs.RetirementRequestStatus, generation: int
     ) -> specs.RetirementRequestStatus:
-        created = _parse_time(str(self.body.metadata["creationTimestamp"]))
+        created = timestamps.parse(str(self.body.metadata["creationTimestamp"]))
         deadline = created + specs.parse_duration(spec.timeout)
         workload = await workloads.get(self.client, self.namespace, spec.workload)
         if workload is None:
@@ -99,7 +87,7 @@ class Retirement:
             )
         security = await self.security(spec)
         try:
-            wait = min(_RPC_SECONDS, max((deadline - _now()).total_seconds(), 1.0))
+            wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
             snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security, timeout=wait)
         except daskrpc.SchedulerUnreachable as exc:
             status.conditions = conditions.set_condition(
@@ -107,10 +95,10 @@ class Retirement:
                 "SchedulerReachable",
                 False,
                 reason="SchedulerUnreachable",
-                message=f"spec.scheduler.address: {exc}; retrying until {_format_time(deadline)}",
+                message=f"spec.scheduler.address: {exc}; retrying until {timestamps.render(deadline)}",
                 generation=generation,
             )
-            if _now() >= deadline:
+            if timestamps.now() >= deadline:
                 return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
             await self.write(status)
             return status
@@ -146,13 +134,13 @@ class Retirement:
             if pod_object["metadata"]["name"] in chosen:
                 await workloads.claim_pod(self.client, pod_object, self.name)  # 409/422: another request won; retry
         self.before = snapshot
-        started = _now()
+        started = timestamps.now()
         status = status.model_copy(
             update={
                 "phase": specs.Phase.DRAINING,
                 "observedGeneration": generation,
-                "startTime": _format_time(started),
-                "deadline": _format_time(started + specs.parse_duration(spec.timeout)),
+                "startTime": timestamps.render(started),
+                "deadline": timestamps.render(started + specs.parse_duration(spec.timeout)),
                 "onTimeout": spec.onTimeout,
                 "acceptedSpec": spec,
                 "requested": spec.count if spec.count is not None else len(chosen),
@@ -202,7 +190,7 @@ class Retirement:
         address = spec.scheduler.address
         security = await self.security(spec)
         on_timeout = status.onTimeout or specs.OnTimeout.ABORT
-        deadline = _parse_time(status.deadline)
+        deadline = timestamps.parse(status.deadline)
         draining = [w for w in status.workers if w.state == specs.WorkerState.DRAINING and not w.removable]
         if draining:
             status = await self.retire(address, security, status, draining, deadline, on_timeout)
@@ -225,11 +213,11 @@ class Retirement:
             if self.before is None:
                 self.before = await daskrpc.fetch_snapshot(address, security=security)
             addresses = [w.address for w in draining if w.address]
-            remaining = max((deadline - _now()).total_seconds(), 0.0)
+            remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
             outcome = await daskrpc.retire_workers(address, addresses, security=security, timeout=remaining)
             after = await daskrpc.fetch_snapshot(address, security=security)
         except daskrpc.SchedulerUnreachable as exc:
-            if _now() < deadline:
+            if timestamps.now() < deadline:
                 status.conditions = conditions.set_condition(
                     status.conditions,
                     "SchedulerReachable",
@@ -277,7 +265,7 @@ class Retirement:
                     f"waiting: pods {', '.join(blockers)} are not ready, and the ReplicaSet would remove"
                     " them before the drained ones"
                 )
-                if _now() >= deadline:
+                if timestamps.now() >= deadline:
                     status.workers = retirement.keep_blocked(status.workers, message)
                     await self.write(status)
                     return status
@@ -309,7 +297,7 @@ class Retirement:
 
     async def finish(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
         requested = status.requested or len(status.workers)
-        status = retirement.conclude(status, requested=requested, at=_format_time(_now()))
+        status = retirement.conclude(status, requested=requested, at=timestamps.render(timestamps.now()))
         succeeded = status.phase == specs.Phase.SUCCEEDED
         status.conditions = conditions.set_condition(
             status.conditions,
@@ -356,7 +344,7 @@ class Retirement:
                 "phase": specs.Phase.FAILED,
                 "message": message,
                 "observedGeneration": generation,
-                "completionTime": _format_time(_now()),
+                "completionTime": timestamps.render(timestamps.now()),
             }
         )
         status.conditions = conditions.set_condition(
