@@ -2,15 +2,33 @@
 
 Called by the controllers and the sandbox. Never the scheduler's HTTP API (off by default,
 and unauthenticated) and never a pickled function run on the scheduler: only handlers that
-every stock scheduler serves (``identity``, ``who_has``, ``nbytes``, ``retire_workers``).
-No user data passes through here: ``retire_workers`` moves it worker to worker.
+every stock scheduler serves (``identity``, ``who_has``, ``processing``, ``nbytes``,
+``retire_workers``). No user data passes through here: ``retire_workers`` moves it worker
+to worker.
 
 What the scheduler does (distributed 2026.8.0, ``Scheduler.retire_workers``): each worker
-becomes ``closing_gracefully`` and gets an AMM ``RetireWorker`` policy; the call returns when
-every policy is done, listing only the workers it retired. A worker whose unique data has
-nowhere to go is set back to its previous status and left out. A worker that dies during
-the drain counts as done, and is listed as retired. The call has no timeout and keeps running
-on the scheduler after the caller stops waiting: there is no handler that cancels it.
+becomes ``closing_gracefully`` at once and gets an AMM ``RetireWorker`` policy; the call
+returns when every policy is done, as ``{address: worker identity}`` of the workers it
+retired (with ``close_workers=True, remove=True``: closed, nanny included, and removed).
+
+- A worker whose unique data has nowhere to go (every other worker paused or itself
+  retiring) or that holds an actor is left out of the result and set back to the status it
+  had *when that call began*. The scheduler asks the worker, and the worker reports back,
+  so the scheduler shows the old status a moment after the call returns.
+- A worker that dies during the drain counts as done, and is listed as retired.
+- Unknown addresses are ignored; if none is known the call returns ``{}`` at once.
+- It has no timeout, and it keeps running on the scheduler after the caller stops waiting
+  or disconnects: the handler is awaited by the connection's task, which notices the closed
+  connection only when it writes the answer. The worker stays ``closing_gracefully`` (no new
+  tasks, never chosen as a recipient) until the drain ends, then is closed, or set back.
+  No handler cancels a retirement: ``amm_handler`` only starts or stops the whole AMM.
+- Calling it again for a worker that is already ``closing_gracefully`` adds a second
+  RetireWorker policy. When the data moves, both calls report it retired. When it cannot
+  move, *both* calls set the worker back, the first to its old status and the second to
+  ``closing_gracefully`` (its status when the second call began), in whichever order their
+  polling loops wake: about half the time the worker is left ``closing_gracefully`` for
+  good, with no retirement running. :func:`retire_workers` therefore never retires a worker
+  that is already leaving; it waits for it to leave or come back.
 """
 
 from __future__ import annotations
@@ -39,13 +57,32 @@ class SchedulerUnreachable(Exception):
 
 @dataclass(frozen=True)
 class RetireOutcome:
+    """What :func:`retire_workers` learnt, by worker address."""
+
     retired: tuple[str, ...]
+    """Left the scheduler after a retirement: its data moved (or it died while draining)."""
     not_retired: tuple[str, ...]
+    """Still connected: its data had nowhere to go, or (``timed_out``) it is still draining."""
     timed_out: bool
     seconds: float
+    absent: tuple[str, ...] = ()
+    """Unknown to the scheduler when we asked: retired earlier, or died. Nothing to do."""
 
 
 _COMM_ERRORS = (OSError, CommClosedError, TimeoutError)
+
+
+def security_from_pem(ca: str, cert: str, key: str) -> Security:
+    """A client ``Security`` from PEM texts (the CA, the client certificate and its key).
+
+    ``Security`` takes PEM contents as well as paths (it tells them apart by the newline)
+    and writes a certificate held in memory to a private temporary directory only while it
+    loads it, so nothing is written here.
+    """
+    for what, text in (("CA certificate", ca), ("client certificate", cert), ("client key", key)):
+        if "-----BEGIN" not in text:
+            raise ValueError(f"the {what} is not PEM text")
+    return Security(tls_ca_file=ca, tls_client_cert=cert, tls_client_key=key, require_encryption=True)
 
 
 def security_from_secret(data: Mapping[str, str]) -> Security:
@@ -56,12 +93,7 @@ def security_from_secret(data: Mapping[str, str]) -> Security:
             raise ValueError(f"the scheduler's TLS Secret has no {key!r}")
         return base64.b64decode(data[key]).decode()
 
-    return Security(
-        tls_ca_file=pem("ca.crt"),
-        tls_client_cert=pem("tls.crt"),
-        tls_client_key=pem("tls.key"),
-        require_encryption=True,
-    )
+    return security_from_pem(pem("ca.crt"), pem("tls.crt"), pem("tls.key"))
 
 
 def _connect(address: str, security: Security | None, timeout: float) -> rpc:
@@ -91,23 +123,27 @@ async def fetch_snapshot(
     who_has = {str(k): tuple(v) for k, v in who_has_raw.items()}
     nbytes = {str(k): int(v) for k, v in nbytes_raw.items()}
     unique = planning.unique_holdings(who_has, nbytes)
-    held: dict[str, int] = {}
-    for holders in who_has.values():
+    # Keys and bytes each worker holds, as the scheduler knows them now; the worker's own
+    # figure (metrics) is as old as its last heartbeat, and is all there is with keys=False.
+    held: dict[str, tuple[int, int]] = {}
+    for key, holders in who_has.items():
         for holder in holders:
-            held[holder] = held.get(holder, 0) + 1
+            size, count = held.get(holder, (0, 0))
+            held[holder] = (size + nbytes.get(key, 0), count + 1)
     workers = []
     for worker_address, info in identity.get("workers", {}).items():
         metrics = info.get("metrics", {})
         unique_bytes, unique_keys = unique.get(worker_address, (0, 0))
+        held_bytes, held_keys = held.get(worker_address, (0, 0))
         workers.append(
             planning.WorkerInfo(
                 name=str(info.get("name", worker_address)),
                 address=worker_address,
                 memory_limit=int(info.get("memory_limit") or 0),
-                managed_bytes=int(metrics.get("managed_bytes", 0)),
+                managed_bytes=held_bytes if keys else int(metrics.get("managed_bytes", 0)),
                 unique_bytes=unique_bytes,
                 unique_keys=unique_keys,
-                nkeys=held.get(worker_address, 0),
+                nkeys=held_keys,
                 status=str(info.get("status", "running")),
                 process_bytes=int(metrics.get("memory", 0)),
                 spilled_bytes=int((metrics.get("spilled_bytes") or {}).get("disk", 0)),
@@ -130,41 +166,100 @@ async def ping(address: str, *, security: Security | None = None, timeout: float
     return int(identity.get("n_workers", 0))
 
 
+LEAVING = frozenset({"closing_gracefully", "closing", "closed"})
+"""Worker statuses meaning that something already retires or closes the worker."""
+
+POLL_SECONDS = 0.5
+
+
+async def _statuses(scheduler: rpc) -> dict[str, str]:
+    """Address -> status of every connected worker."""
+    identity = await scheduler.identity()
+    return {address: str(info.get("status", "")) for address, info in identity.get("workers", {}).items()}
+
+
 async def retire_workers(
     address: str, worker_addresses: Sequence[str], *, security: Security | None = None, timeout: float
 ) -> RetireOutcome:
     """Drain and close these workers through the scheduler's AMM; stop waiting after ``timeout``.
 
-    Calling it again for a worker that is still being retired is safe: the scheduler adds one
-    more RetireWorker policy for it, and both finish together.
+    Workers that are running or paused are retired with one ``retire_workers`` call
+    (``close_workers=True, remove=True``). Workers already leaving (``closing_gracefully``,
+    for example drained by this operator before it restarted) are not retired a second time,
+    which could leave them ``closing_gracefully`` for good (see the module docstring): we wait
+    until they leave the scheduler (retired) or come back to running or paused (that
+    retirement found no room for their data: not retired). Calling this again is therefore
+    safe at any time. A worker stuck ``closing_gracefully`` with nothing retiring it stays so
+    until ``timeout``.
+
+    On timeout (``timed_out=True``) a worker that has left the scheduler counts as retired,
+    the others as not retired. The scheduler goes on draining them after we stop waiting and
+    nothing can cancel that: each is closed once its data has moved (its pod's container then
+    exits, and restarts unless the pod is deleted), or set back to running or paused if the
+    data has nowhere to go. A ``timeout`` of 0 starts no retirement and only reports.
+
+    Raises :class:`SchedulerUnreachable` when the scheduler does not answer.
     """
     start = time.monotonic()
-    if not worker_addresses:
+    wanted = list(dict.fromkeys(worker_addresses))
+    if not wanted:
         return RetireOutcome((), (), False, 0.0)
     connect_timeout = min(max(timeout, 1.0), 10.0)
     scheduler = _connect(address, security, connect_timeout)
+    retired: set[str] = set()
+    not_retired: set[str] = set()
     try:
-        # Connect first, with its own timeout: "unreachable" must not read as "drain too slow".
-        await asyncio.wait_for(scheduler.identity(n_workers=0), connect_timeout)
-    except _COMM_ERRORS as exc:
-        await scheduler.close_rpc()
-        raise SchedulerUnreachable(address, exc) from exc
-    try:
-        result = await asyncio.wait_for(
-            scheduler.retire_workers(
-                workers=list(worker_addresses),
-                close_workers=True,
-                remove=True,
-                stimulus_id=f"memops-retire-{time.time()}",
-            ),
-            timeout=timeout,
-        )
-    except TimeoutError:
-        return RetireOutcome((), tuple(worker_addresses), True, time.monotonic() - start)
-    except _COMM_ERRORS as exc:
-        raise SchedulerUnreachable(address, exc) from exc
+        try:
+            # Connect first, with its own timeout: "unreachable" must not read as "drain too slow".
+            statuses = await asyncio.wait_for(_statuses(scheduler), connect_timeout)
+        except _COMM_ERRORS as exc:
+            raise SchedulerUnreachable(address, exc) from exc
+        absent = tuple(a for a in wanted if a not in statuses)
+        leaving = [a for a in wanted if statuses.get(a) in LEAVING]
+        fresh = [a for a in wanted if a in statuses and a not in leaving]
+        deadline = start + timeout
+
+        async def retire_fresh() -> None:
+            result = await scheduler.retire_workers(
+                workers=fresh, close_workers=True, remove=True, stimulus_id=f"memops-retire-{time.time()}"
+            )
+            retired.update(a for a in fresh if a in result)
+            not_retired.update(a for a in fresh if a not in result)
+
+        async def await_leaving() -> None:
+            pending = set(leaving)
+            while pending:
+                await asyncio.sleep(POLL_SECONDS)
+                now = await _statuses(scheduler)
+                retired.update(a for a in pending if a not in now)
+                not_retired.update(a for a in pending if a in now and now[a] not in LEAVING)
+                pending -= retired | not_retired
+
+        timed_out = False
+        try:
+            # One after the other is enough: the scheduler drains both groups at once anyway.
+            for step, needed in ((retire_fresh, fresh), (await_leaving, leaving)):
+                if not needed:
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:  # never start a retirement that we would not wait for
+                    raise TimeoutError
+                await asyncio.wait_for(step(), remaining)
+        except TimeoutError:
+            timed_out = True
+            try:
+                now = await asyncio.wait_for(_statuses(scheduler), connect_timeout)
+            except _COMM_ERRORS:
+                now = dict.fromkeys(wanted, "")  # no news: claim nothing
+            retired.update(a for a in wanted if a not in now and a not in absent)
+        except _COMM_ERRORS as exc:
+            raise SchedulerUnreachable(address, exc) from exc
     finally:
         await scheduler.close_rpc()
-    retired = tuple(a for a in worker_addresses if a in result)
-    not_retired = tuple(a for a in worker_addresses if a not in result)
-    return RetireOutcome(retired, not_retired, False, time.monotonic() - start)
+    return RetireOutcome(
+        retired=tuple(a for a in wanted if a in retired),
+        not_retired=tuple(a for a in wanted if a not in retired and a not in absent),
+        timed_out=timed_out,
+        seconds=time.monotonic() - start,
+        absent=absent,
+    )

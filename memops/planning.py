@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,21 @@ class SchedulerSnapshot:
     nbytes: Mapping[str, int] = field(default_factory=dict)
 
     def by_name(self, name: str) -> WorkerInfo | None:
-        return next((w for w in self.workers if w.name == name), None)
+        return self._by_name.get(name)
 
     def by_address(self, address: str) -> WorkerInfo | None:
-        return next((w for w in self.workers if w.address == address), None)
+        return self._by_address.get(address)
+
+    # Built once per snapshot: callers look up every pod of a workload, which must not cost
+    # workers x pods. The first worker wins when two share a name (it does not happen in Dask,
+    # which refuses a second worker with a name already in use).
+    @cached_property
+    def _by_name(self) -> dict[str, WorkerInfo]:
+        return {w.name: w for w in reversed(self.workers)}
+
+    @cached_property
+    def _by_address(self) -> dict[str, WorkerInfo]:
+        return {w.address: w for w in reversed(self.workers)}
 
 
 def unique_holdings(who_has: Mapping[str, Sequence[str]], nbytes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
@@ -68,10 +80,9 @@ def choose_workers(
     if count <= 0:
         return []
     excluded = set(exclude)
-    connected = {w.name: w for w in snapshot.workers}
 
     def cost(pod: str) -> tuple[int, bool, int, int, str]:
-        worker = connected.get(pod)
+        worker = snapshot.by_name(pod)
         if worker is None:
             return (0, False, 0, 0, pod)
         return (1, worker.in_shuffle, worker.unique_bytes, worker.managed_bytes, pod)
@@ -90,6 +101,7 @@ def in_shuffle(processing: Sequence[str]) -> bool:
 
 
 def _unique_keys_of(before: Mapping[str, Sequence[str]], address: str) -> list[str]:
+    """The keys that ``address`` held and no other worker did."""
     return [key for key, holders in before.items() if len(holders) == 1 and holders[0] == address]
 
 
@@ -99,7 +111,7 @@ def bytes_moved(
     nbytes: Mapping[str, int],
     address: str,
 ) -> tuple[int, int]:
-    """Of the keys only ``address`` held before, (bytes, keys) now held by another worker."""
+    """Of the keys only ``address`` held before, (bytes, keys) that another worker holds now."""
     moved = [k for k in _unique_keys_of(before, address) if any(h != address for h in after.get(k, ()))]
     return sum(nbytes.get(k, 0) for k in moved), len(moved)
 
@@ -110,11 +122,11 @@ def bytes_lost(
     nbytes: Mapping[str, int],
     address: str,
 ) -> tuple[int, int]:
-    """Of the keys only ``address`` held before, (bytes, keys) that no other worker holds now.
+    """Of the keys only ``address`` held before, (bytes, keys) that no worker holds now.
 
-    The complement of :func:`bytes_moved`. A key that its client released meanwhile counts
-    as lost too: the scheduler forgets lost and released keys alike, and overstating a loss
-    is the safe side of the report.
+    A key still held by ``address`` alone is neither moved nor lost: it is still there.
+    A key that its client released meanwhile counts as lost: the scheduler forgets lost and
+    released keys alike, and overstating a loss is the safe side of the report.
     """
-    lost = [k for k in _unique_keys_of(before, address) if not any(h != address for h in after.get(k, ()))]
+    lost = [k for k in _unique_keys_of(before, address) if not after.get(k)]
     return sum(nbytes.get(k, 0) for k in lost), len(lost)

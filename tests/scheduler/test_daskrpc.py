@@ -1,14 +1,26 @@
-"""The operator's channel to the scheduler, against real Dask processes (scheduler, nannies, workers)."""
+"""The operator's channel to the scheduler, against real Dask processes (scheduler, nannies, workers).
+
+Nothing of Dask is mocked. Where a test needs a drain that cannot finish yet, it freezes
+worker processes with SIGSTOP: the scheduler still counts them as running, so transfers to
+or from them hang, exactly as with a node that stops answering. Where it needs workers that
+cannot receive data, it lowers their pause threshold and their own memory monitor pauses
+them, as it would at 80% memory.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
-from collections.abc import AsyncIterator
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, Future, LocalCluster
 from distributed.security import Security
 
 from memops import daskrpc, planning
@@ -24,87 +36,182 @@ async def cluster() -> AsyncIterator[LocalCluster]:
         yield local
 
 
-async def scatter(client: Client, address: str, count: int, size: int = MiB) -> dict[str, bytes]:
+@pytest.fixture
+async def client(cluster: LocalCluster) -> AsyncIterator[Client]:
+    async with Client(cluster, asynchronous=True) as dask_client:
+        yield dask_client
+
+
+async def scatter(client: Client, address: str, count: int, size: int = MiB) -> dict[str, tuple[Future, bytes]]:
+    """``count`` random values held by ``address`` only; the futures keep them referenced."""
     values = {f"{address}-{i}": os.urandom(size) for i in range(count)}
     futures = await client.scatter(values, workers=[address], hash=False)
-    client._test_keep = [*getattr(client, "_test_keep", []), *futures.values()]  # keep the data referenced
-    return values
+    return {key: (futures[key], value) for key, value in values.items()}
 
 
-async def test_snapshot_counts_unique_bytes(cluster: LocalCluster) -> None:
-    async with Client(cluster, asynchronous=True) as client:
-        a, b, _ = sorted(cluster.scheduler.workers)
-        await scatter(client, a, 3)
-        replicated = await client.scatter({"shared": os.urandom(MiB)}, workers=[a, b], hash=False, broadcast=True)
-        await client.replicate(list(replicated.values()), n=2)
-        snapshot = await daskrpc.fetch_snapshot(cluster.scheduler_address)
-        worker = snapshot.by_address(a)
-        assert worker is not None
-        assert worker.unique_keys == 3
-        assert 3 * MiB <= worker.unique_bytes < 3 * MiB + 4096
-        assert worker.name == str(cluster.scheduler.workers[a].name)
-        assert len(snapshot.who_has["shared"]) >= 2
+async def all_intact(client: Client, data: dict[str, tuple[Future, bytes]]) -> bool:
+    gathered = await client.gather([future for future, _ in data.values()])
+    return list(gathered) == [value for _, value in data.values()]
 
 
-async def test_retire_moves_unique_data_worker_to_worker(cluster: LocalCluster) -> None:
-    async with Client(cluster, asynchronous=True) as client:
-        a = sorted(cluster.scheduler.workers)[0]
-        values = await scatter(client, a, 5)
-        before = await daskrpc.fetch_snapshot(cluster.scheduler_address)
-        outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=30)
-        assert outcome.retired == (a,) and not outcome.timed_out
-        after = await daskrpc.fetch_snapshot(cluster.scheduler_address)
-        assert after.by_address(a) is None
-        assert planning.bytes_moved(before.who_has, after.who_has, before.nbytes, a)[1] == 5
-        assert planning.bytes_lost(before.who_has, after.who_has, before.nbytes, a) == (0, 0)
-        gathered = await client.gather(client._test_keep)
-        assert sorted(gathered) == sorted(values.values())
+async def statuses(address: str, **kwargs: Any) -> dict[str, str]:
+    snapshot = await daskrpc.fetch_snapshot(address, keys=False, **kwargs)
+    return {w.address: w.status for w in snapshot.workers}
 
 
-async def test_retiring_every_worker_retires_none_and_loses_nothing(cluster: LocalCluster) -> None:
-    async with Client(cluster, asynchronous=True) as client:
-        workers = sorted(cluster.scheduler.workers)
-        for address in workers:
-            await scatter(client, address, 2, size=64 * 1024)
-        outcome = await daskrpc.retire_workers(cluster.scheduler_address, workers, timeout=30)
-        assert outcome.retired == () and set(outcome.not_retired) == set(workers) and not outcome.timed_out
-        snapshot = await daskrpc.fetch_snapshot(cluster.scheduler_address)
-        assert {w.address for w in snapshot.workers} == set(workers)
-        assert all(w.status == "running" or w.status for w in snapshot.workers)
-        assert len(await client.gather(client._test_keep)) == 6
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.1)
 
 
-async def test_timeout_returns_promptly_while_a_transfer_hangs(cluster: LocalCluster) -> None:
-    """Recipients that stop answering (paused processes) make the drain hang; we stop waiting."""
-    async with Client(cluster, asynchronous=True) as client:
-        a, *others = sorted(cluster.scheduler.workers)
-        await scatter(client, a, 2)
-        pids = await client.run(os.getpid, workers=others)
-        for pid in pids.values():
-            os.kill(pid, 19)  # SIGSTOP
-        try:
-            outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1.5)
-        finally:
-            for pid in pids.values():
-                os.kill(pid, 18)  # SIGCONT
+@contextlib.contextmanager
+def frozen(pids: list[int]) -> Iterator[None]:
+    """The processes stop answering (SIGSTOP) until the block ends (SIGCONT)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def pause(dask_worker: Any) -> None:
+    """Run on a worker: its memory monitor pauses it within 100 ms, any process being above 1e-9."""
+    dask_worker.memory_manager.memory_pause_fraction = 1e-9
+
+
+async def test_snapshot_counts_unique_bytes(cluster: LocalCluster, client: Client) -> None:
+    a, b, c = sorted(cluster.scheduler.workers)
+    data = await scatter(client, a, 3)
+    shared = await client.scatter({"shared": os.urandom(MiB)}, workers=[a, b], hash=False, broadcast=True)
+    snapshot = await daskrpc.fetch_snapshot(cluster.scheduler_address)
+    assert sorted(snapshot.who_has["shared"]) == [a, b]
+    on_a, on_b, on_c = (snapshot.by_address(x) for x in (a, b, c))
+    assert on_a is not None and on_b is not None and on_c is not None
+    assert (on_a.unique_keys, on_a.nkeys) == (3, 4)
+    assert 3 * MiB <= on_a.unique_bytes < 3 * MiB + 4096, "the replicated key is not unique"
+    assert (on_b.unique_bytes, on_b.unique_keys, on_b.nkeys) == (0, 0, 1)
+    assert on_a.name == str(cluster.scheduler.workers[a].name) and snapshot.by_name(on_a.name) == on_a
+    assert on_a.status == "running" and on_a.memory_limit > 0
+    # What the operator would retire first: the empty worker, then the one whose data has copies.
+    assert planning.choose_workers([on_a.name, on_b.name, on_c.name], snapshot, 3) == [on_c.name, on_b.name, on_a.name]
+    # A deadline already past starts nothing.
+    outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=0)
+    assert outcome.timed_out and outcome.not_retired == (a,)
+    assert (await statuses(cluster.scheduler_address))[a] == "running"
+    assert await all_intact(client, data) and len(shared) == 1
+
+
+async def test_retire_moves_unique_data_worker_to_worker(cluster: LocalCluster, client: Client) -> None:
+    a = sorted(cluster.scheduler.workers)[0]
+    data = await scatter(client, a, 5)
+    before = await daskrpc.fetch_snapshot(cluster.scheduler_address)
+    worker = before.by_address(a)
+    assert worker is not None
+    outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=30)
+    assert (outcome.retired, outcome.not_retired, outcome.timed_out, outcome.absent) == ((a,), (), False, ())
+    after = await daskrpc.fetch_snapshot(cluster.scheduler_address)
+    assert after.by_address(a) is None
+    assert planning.bytes_moved(before.who_has, after.who_has, before.nbytes, a) == (worker.unique_bytes, 5)
+    assert planning.bytes_lost(before.who_has, after.who_has, before.nbytes, a) == (0, 0)
+    assert await all_intact(client, data)
+    # Again, as an operator would after a restart: the worker is known to be gone, nothing is done.
+    again = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=30)
+    assert (again.retired, again.not_retired, again.timed_out, again.absent) == ((), (), False, (a,))
+
+
+async def test_retiring_every_worker_retires_none_and_loses_nothing(cluster: LocalCluster, client: Client) -> None:
+    workers = sorted(cluster.scheduler.workers)
+    data = {}
+    for address in workers:
+        data.update(await scatter(client, address, 2, size=64 * 1024))
+    outcome = await daskrpc.retire_workers(cluster.scheduler_address, workers, timeout=30)
+    assert outcome.retired == () and outcome.not_retired == tuple(workers) and not outcome.timed_out
+    assert outcome.seconds < 5, "no recipients: the scheduler gives up at once"
+
+    async def all_running() -> bool:  # the scheduler asks each worker to go back; each reports back
+        return await statuses(cluster.scheduler_address) == dict.fromkeys(workers, "running")
+
+    await eventually(all_running)
+    assert await all_intact(client, data)
+
+
+async def test_timeout_returns_promptly_and_the_scheduler_finishes_alone(cluster: LocalCluster, client: Client) -> None:
+    """Recipients that stop answering make the drain hang; we stop waiting, the scheduler does not."""
+    a, *others = sorted(cluster.scheduler.workers)
+    data = await scatter(client, a, 2)
+    pids = await client.run(os.getpid, workers=others)
+    with frozen(list(pids.values())):
+        outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1.5)
         assert outcome.timed_out and outcome.retired == () and outcome.not_retired == (a,)
-        assert 1.4 < outcome.seconds < 5
-        # The scheduler finishes the retirement on its own once the recipients answer again,
-        # and calling again for the same worker is safe.
-        again = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=30)
-        assert again.retired in ((a,), ())
-        await asyncio.sleep(0)
-        assert len(await client.gather(client._test_keep)) == 2
+        assert 1.4 < outcome.seconds < 4
+        assert (await statuses(cluster.scheduler_address))[a] == "closing_gracefully"
+
+    async def a_gone() -> bool:
+        return a not in await statuses(cluster.scheduler_address)
+
+    await eventually(a_gone)  # no second call: the handler went on after we hung up
+    assert await all_intact(client, data)
+
+
+@pytest.mark.parametrize("room", [pytest.param(True, id="data-moves"), pytest.param(False, id="no-recipients")])
+async def test_retire_again_waits_for_the_retirement_in_progress(
+    cluster: LocalCluster, client: Client, room: bool
+) -> None:
+    """An operator restarted mid-drain calls again: it must wait for the first retirement, not stack one.
+
+    Two stacked ``retire_workers`` calls that both find no recipients leave the worker
+    ``closing_gracefully`` for good about half the time (each restores the status it saw).
+    """
+    a, *others = sorted(cluster.scheduler.workers)
+    data = await scatter(client, a, 3)
+    pid = (await client.run(os.getpid, workers=[a]))[a]
+    with frozen([pid]):  # a sends nothing: its drain stays in progress
+        first = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1)
+        assert first.timed_out and first.not_retired == (a,)
+        if not room:
+            await client.run(pause, workers=others)
+
+            async def first_gave_up() -> bool:
+                events = cluster.scheduler.get_events(a)
+                return any(msg.get("action") == "could-not-retire" for _, msg in events)
+
+            await eventually(first_gave_up)  # at the next AMM run, within 2 s
+        assert (await statuses(cluster.scheduler_address))[a] == "closing_gracefully"
+        second = asyncio.create_task(daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=20))
+        await asyncio.sleep(1)  # the second call has seen a closing_gracefully
+        assert not second.done()
+    outcome = await second
+    assert not outcome.timed_out
+    if room:
+        assert outcome.retired == (a,)
+        assert a not in await statuses(cluster.scheduler_address)
+    else:
+        assert outcome.not_retired == (a,)
+        await asyncio.sleep(1)  # long enough for a second, stale "closing_gracefully" to land
+        assert (await statuses(cluster.scheduler_address))[a] == "running", "the worker must not stay leaving"
+    assert await all_intact(client, data)
 
 
 async def test_unreachable_scheduler_is_reported_quickly() -> None:
-    with pytest.raises(daskrpc.SchedulerUnreachable, match=r"tcp://127\.0\.0\.1:9"):
-        await daskrpc.fetch_snapshot("tcp://127.0.0.1:9", timeout=1)
+    with socket.socket() as sock:  # a port that nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    started = time.monotonic()
+    with pytest.raises(daskrpc.SchedulerUnreachable, match=rf"cannot reach the Dask scheduler at {address}"):
+        await daskrpc.fetch_snapshot(address, timeout=1)
+    with pytest.raises(daskrpc.SchedulerUnreachable):  # Dask retries a refused connection until the timeout
+        await daskrpc.retire_workers(address, ["tcp://127.0.0.1:10"], timeout=1)
     with pytest.raises(daskrpc.SchedulerUnreachable):
-        await daskrpc.retire_workers("tcp://127.0.0.1:9", ["tcp://127.0.0.1:10"], timeout=1)
+        await daskrpc.ping(address, timeout=1)
+    assert time.monotonic() - started < 5
 
 
-async def test_tls_scheduler_with_certificates_from_a_secret() -> None:
+async def test_tls_scheduler_with_certificates_from_pem_and_from_a_secret() -> None:
     security = Security.temporary()
     secret = {
         "ca.crt": base64.b64encode(security.tls_ca_file.encode()).decode(),
@@ -121,11 +228,23 @@ async def test_tls_scheduler_with_certificates_from_a_secret() -> None:
         protocol="tls://",
     ) as local:
         assert local.scheduler_address.startswith("tls://")
-        client_security = daskrpc.security_from_secret(secret)
-        snapshot = await daskrpc.fetch_snapshot(local.scheduler_address, security=client_security)
+        from_secret = daskrpc.security_from_secret(secret)
+        snapshot = await daskrpc.fetch_snapshot(local.scheduler_address, security=from_secret)
         assert len(snapshot.workers) == 2
         address = snapshot.workers[0].address
-        outcome = await daskrpc.retire_workers(local.scheduler_address, [address], security=client_security, timeout=30)
+        from_pem = daskrpc.security_from_pem(security.tls_ca_file, security.tls_client_cert, security.tls_client_key)
+        outcome = await daskrpc.retire_workers(local.scheduler_address, [address], security=from_pem, timeout=30)
         assert outcome.retired == (address,)
+        with pytest.raises(daskrpc.SchedulerUnreachable, match="needs client certificates"):
+            await daskrpc.fetch_snapshot(local.scheduler_address, timeout=2)
+        stranger = Security.temporary()  # certificates from another CA: the handshake fails
         with pytest.raises(daskrpc.SchedulerUnreachable):
-            await daskrpc.fetch_snapshot(local.scheduler_address, timeout=2)  # no certificate, no answer
+            await daskrpc.fetch_snapshot(
+                local.scheduler_address,
+                security=daskrpc.security_from_pem(
+                    stranger.tls_ca_file, stranger.tls_client_cert, stranger.tls_client_key
+                ),
+                timeout=2,
+            )
+    with pytest.raises(ValueError, match="not PEM"):
+        daskrpc.security_from_pem("/path/ca.pem", security.tls_client_cert, security.tls_client_key)
