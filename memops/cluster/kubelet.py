@@ -128,7 +128,8 @@ class PodRuntime:
             )
             await self._report(running=False, exit_code=code)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.deleting.wait(), backoff)
+                async with asyncio.timeout(backoff):  # not wait_for: it can lose a cancellation on 3.11
+                    await self.deleting.wait()
             backoff = min(backoff * 2, 5.0)
             self.restarts += 1
         await self.terminate(container, env)

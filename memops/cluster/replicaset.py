@@ -128,10 +128,14 @@ class DeploymentController:
         listener = asyncio.create_task(listen())
         try:
             while True:
-                await self.reconcile_all()
+                # Clear before reconciling, not after: an event during the pass must wake the next.
                 self._wake.clear()
+                await self.reconcile_all()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                # cancellation that arrives as the wait ends, and the task would never stop.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.resync_seconds)
+                    async with asyncio.timeout(self.resync_seconds):
+                        await self._wake.wait()
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
