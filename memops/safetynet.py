@@ -24,22 +24,33 @@ GRACE_MARGIN_SECONDS = 30
 """Beyond the drain's timeout: the worker still has to close after the hook returns."""
 
 # Runs in the worker's container, with the image's own Python. Retiring by name finds the
-# worker whatever its address; a worker that memops already retired is simply not found.
+# worker whatever its address; a worker that memops already retired is simply not found, and
+# one that something is retiring right now is waited for, not retired twice.
 PRE_STOP_SCRIPT = """\
 import asyncio, os
 from distributed.core import rpc
 
+LEAVING = {"closing_gracefully", "closing", "closed"}
+
 async def main():
+    name = os.environ["MEMOPS_POD_NAME"]
     scheduler = rpc(os.environ["MEMOPS_SCHEDULER_ADDRESS"], timeout=10)
     try:
-        await asyncio.wait_for(
-            scheduler.retire_workers(names=[os.environ["MEMOPS_POD_NAME"]], close_workers=True, remove=True),
-            float(os.environ["MEMOPS_DRAIN_TIMEOUT"]),
-        )
+        workers = (await scheduler.identity())["workers"].values()
+        statuses = {info.get("status") for info in workers if str(info.get("name")) == name}
+        if statuses & LEAVING:
+            # Already being retired (by memops): a second retirement could leave the worker
+            # stuck closing_gracefully, so wait for that one to end instead.
+            while statuses & LEAVING:
+                await asyncio.sleep(0.5)
+                workers = (await scheduler.identity())["workers"].values()
+                statuses = {info.get("status") for info in workers if str(info.get("name")) == name}
+            return
+        await scheduler.retire_workers(names=[name], close_workers=True, remove=True)
     finally:
         await scheduler.close_rpc()
 
-asyncio.run(main())
+asyncio.run(asyncio.wait_for(main(), float(os.environ["MEMOPS_DRAIN_TIMEOUT"])))
 """
 
 
