@@ -87,6 +87,11 @@ def _changed_within(events: Sequence[specs.ScaleEvent], period: int, now: float,
     return sum(abs(e.change) for e in events if e.time > now - period and (e.change > 0) == up)
 
 
+def _period_start(current: int, events: Sequence[specs.ScaleEvent], period: int, now: float) -> int:
+    """The replicas at the start of a policy's period: undo what was added and removed since."""
+    return current - _changed_within(events, period, now, up=True) + _changed_within(events, period, now, up=False)
+
+
 def rate_limits(
     current: int, events: Sequence[specs.ScaleEvent], now: float, behavior: specs.Behavior
 ) -> tuple[int, int]:
@@ -97,8 +102,7 @@ def rate_limits(
     else:
         proposals = []
         for policy in up_rules.policies:
-            start = current - _changed_within(events, policy.periodSeconds, now, up=True)
-            start += _changed_within(events, policy.periodSeconds, now, up=False)
+            start = _period_start(current, events, policy.periodSeconds, now)
             if policy.type == specs.PolicyType.PODS:
                 proposals.append(start + policy.value)
             else:  # rounded up, or a small percentage would never add a worker
@@ -109,8 +113,7 @@ def rate_limits(
     else:
         proposals = []
         for policy in down_rules.policies:
-            start = current - _changed_within(events, policy.periodSeconds, now, up=True)
-            start += _changed_within(events, policy.periodSeconds, now, up=False)
+            start = _period_start(current, events, policy.periodSeconds, now)
             if policy.type == specs.PolicyType.PODS:
                 proposals.append(start - policy.value)
             else:

@@ -135,7 +135,9 @@ async def wait_pods_gone(client: kube.Kube, namespace: str, names: list[str], *,
     """Wait until these pods no longer exist; return those that are gone (all, unless timed out)."""
     deadline = time.monotonic() + timeout
     while True:
-        gone = [n for n in names if await client.get_or_none(_pod_path(namespace, n)) is None]
+        # One list per poll, not one GET per pod.
+        present = {p["metadata"]["name"] for p in await client.list(kube.resource_path("", "v1", "pods", namespace))}
+        gone = [n for n in names if n not in present]
         if len(gone) == len(names) or time.monotonic() >= deadline:
             return gone
         await asyncio.sleep(0.2)
