@@ -19,25 +19,15 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
+import benchkit
 import distributed
 import yaml
 
-from memops import sandbox
-
 KEYS_PER_WORKER = 5
 SIZE = 256 * 1024
-
-
-def kubectl(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
-    kubectl_bin = str(Path(sys.executable).parent / "kubectl")
-    return subprocess.run([kubectl_bin, *args], input=stdin, env=env, check=True, capture_output=True, text=True).stdout
 
 
 def settle(client: distributed.Client, env: dict[str, str], replicas: int, timeout: float = 180) -> None:
@@ -46,10 +36,10 @@ def settle(client: distributed.Client, env: dict[str, str], replicas: int, timeo
     while time.monotonic() < deadline:
         pods = [
             p
-            for p in json.loads(kubectl(env, "get", "pods", "-o", "json"))["items"]
+            for p in json.loads(benchkit.kubectl(env, "get", "pods", "-o", "json"))["items"]
             if not p["metadata"].get("deletionTimestamp")
         ]
-        requests = json.loads(kubectl(env, "get", "retire", "-o", "json"))["items"]
+        requests = json.loads(benchkit.kubectl(env, "get", "retire", "-o", "json"))["items"]
         busy = [r for r in requests if r.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
         workers = client.scheduler_info(n_workers=-1)["workers"]
         if len(pods) == replicas and len(workers) == replicas and not busy:
@@ -70,11 +60,8 @@ def lost(client: distributed.Client, futures: dict[str, distributed.Future]) -> 
 
 
 def run(workers: int, sequence: list[int], *, through_policy: bool) -> tuple[int, int]:
-    state = Path(tempfile.mkdtemp(prefix="memops-churn-")) / "sandbox"
-    process = sandbox.launch(state, workers)
-    try:
-        env = {**os.environ, "KUBECONFIG": str(state / "kubeconfig"), "KUBECACHEDIR": str(state / "kubecache")}
-        address = (state / "scheduler-address").read_text().strip()
+    with benchkit.running_sandbox(workers) as box:
+        env, address = box.env, box.address
         with distributed.Client(address, timeout=30) as client:
             futures: dict[str, distributed.Future] = {}
             if through_policy:
@@ -89,35 +76,32 @@ def run(workers: int, sequence: list[int], *, through_policy: bool) -> tuple[int
                         "drain": {"timeout": "2m"},
                     },
                 }
-                kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+                benchkit.kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
                 # The sandbox's first pods predate the policy: replace them (they hold nothing yet),
                 # so that every worker pod carries the safety net that direct scale-downs rely on.
-                kubectl(env, "scale", "deployment/dask-worker", "--replicas=0")
+                benchkit.kubectl(env, "scale", "deployment/dask-worker", "--replicas=0")
                 settle(client, env, workers)
             top_up(client, futures, "start")
             desired = workers
             for step, replicas in enumerate(sequence):
                 if not through_policy:
-                    kubectl(env, "scale", "deployment/dask-worker", f"--replicas={replicas}")
+                    benchkit.kubectl(env, "scale", "deployment/dask-worker", f"--replicas={replicas}")
                     desired = replicas
                 elif step % 3 == 0:
-                    kubectl(env, "scale", "mempol/churn", f"--replicas={replicas}")
+                    benchkit.kubectl(env, "scale", "mempol/churn", f"--replicas={replicas}")
                     desired = replicas
                 elif step % 3 == 1:
                     patch = json.dumps({"spec": {"replicas": replicas}})
-                    kubectl(env, "patch", "mempol/churn", "--type=merge", "-p", patch)
+                    benchkit.kubectl(env, "patch", "mempol/churn", "--type=merge", "-p", patch)
                     desired = replicas
                 else:
                     # Around memops, and always down: the preStop hook drains the removed pods,
                     # then the policy restores its own count.
                     direct = max(min(replicas, desired - 1), 1)
-                    kubectl(env, "scale", "deployment/dask-worker", f"--replicas={direct}")
+                    benchkit.kubectl(env, "scale", "deployment/dask-worker", f"--replicas={direct}")
                 settle(client, env, desired)
                 top_up(client, futures, f"step{step}")
             return lost(client, futures), len(futures)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(120)
 
 
 def main() -> int:

@@ -17,21 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import benchkit
 import distributed
 import yaml
-
-from memops import sandbox
 
 POLL = 0.005
 
@@ -56,11 +52,6 @@ class Api:
             raise
 
 
-def kubectl(env: dict[str, str], *args: str, stdin: str | None = None) -> None:
-    kubectl_bin = str(Path(sys.executable).parent / "kubectl")
-    subprocess.run([kubectl_bin, *args], input=stdin, env=env, check=True, capture_output=True, text=True)
-
-
 def wait(predicate: Any, timeout: float = 120) -> float:
     deadline = time.perf_counter() + timeout
     while not predicate():
@@ -70,16 +61,12 @@ def wait(predicate: Any, timeout: float = 120) -> float:
     return time.perf_counter()
 
 
-def workers(client: distributed.Client) -> dict[str, str]:
-    return {str(i["name"]): a for a, i in client.scheduler_info(n_workers=-1)["workers"].items()}
-
-
 def retire_once(
     client: distributed.Client, api: Api, env: dict[str, str], address: str, run: int
 ) -> tuple[float, float]:
-    pods = sorted(workers(client))
+    pods = sorted(benchkit.workers(client))
     pod = pods[0]
-    [future] = client.scatter([os.urandom(2**20)], workers=[workers(client)[pod]], hash=False)
+    [future] = client.scatter([os.urandom(2**20)], workers=[benchkit.workers(client)[pod]], hash=False)
     key = future.key
     request = {
         "apiVersion": "memops.dev/v1alpha1",
@@ -92,18 +79,18 @@ def retire_once(
         },
     }
     applied = time.perf_counter()
-    kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(request))
+    benchkit.kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(request))
     first = wait(
         lambda: (
             len(client.sync(client.scheduler.who_has, keys=[key])[key]) > 1
-            or workers(client).get(pod) not in client.sync(client.scheduler.who_has, keys=[key])[key]
+            or benchkit.workers(client).get(pod) not in client.sync(client.scheduler.who_has, keys=[key])[key]
         )
     )
-    moved = wait(lambda: workers(client).get(pod) is None)
+    moved = wait(lambda: benchkit.workers(client).get(pod) is None)
     gone = wait(lambda: api.get(f"/api/v1/namespaces/default/pods/{pod}") is None)
     assert client.gather(future) is not None
-    kubectl(env, "scale", "deployment/dask-worker", f"--replicas={len(pods)}")
-    wait(lambda: len(workers(client)) == len(pods))
+    benchkit.kubectl(env, "scale", "deployment/dask-worker", f"--replicas={len(pods)}")
+    wait(lambda: len(benchkit.workers(client)) == len(pods))
     return first - applied, gone - moved
 
 
@@ -118,7 +105,7 @@ def scale_once(client: distributed.Client, api: Api, env: dict[str, str], replic
         ).get("items", [])
     }
     started = time.perf_counter()
-    kubectl(env, "scale", "mempol/react", f"--replicas={replicas - 1}")
+    benchkit.kubectl(env, "scale", "mempol/react", f"--replicas={replicas - 1}")
 
     def created() -> bool:
         items = (
@@ -130,9 +117,9 @@ def scale_once(client: distributed.Client, api: Api, env: dict[str, str], replic
         return any(r["metadata"]["name"] not in before for r in items)
 
     reacted = wait(created)
-    wait(lambda: len(workers(client)) == replicas - 1, timeout=120)
-    kubectl(env, "scale", "mempol/react", f"--replicas={replicas}")
-    wait(lambda: len(workers(client)) == replicas, timeout=120)
+    wait(lambda: len(benchkit.workers(client)) == replicas - 1, timeout=120)
+    benchkit.kubectl(env, "scale", "mempol/react", f"--replicas={replicas}")
+    wait(lambda: len(benchkit.workers(client)) == replicas, timeout=120)
     return reacted - started
 
 
@@ -149,12 +136,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
-    state = Path(tempfile.mkdtemp(prefix="memops-reaction-")) / "sandbox"
-    process = sandbox.launch(state, 3)
-    try:
-        env = {**os.environ, "KUBECONFIG": str(state / "kubeconfig"), "KUBECACHEDIR": str(state / "kubecache")}
-        address = (state / "scheduler-address").read_text().strip()
-        api = Api(state / "kubeconfig")
+    with benchkit.running_sandbox(3) as box:
+        env, address = box.env, box.address
+        api = Api(box.state / "kubeconfig")
         with distributed.Client(address, timeout=30) as client:
             retire = [retire_once(client, api, env, address, run) for run in range(args.runs)]
             policy = {
@@ -167,11 +151,8 @@ def main() -> int:
                     "replicas": 3,
                 },
             }
-            kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+            benchkit.kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
             scale = [scale_once(client, api, env, 3, run) for run in range(args.runs)]
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(120)
     print(f"\nOperator reaction times over {args.runs} runs, seconds (goal: the anchor; 'vs goal' = goal / median)\n")
     print(f"{'':40} {'median':>7} {'p90':>7} {'max':>7} {'goal':>6} {'vs goal':>8}")
     print(summary("kubectl apply retire -> first byte moving", 1.0, [r[0] for r in retire]))

@@ -17,31 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
+import benchkit
 import distributed
 import yaml
 
-from memops import sandbox
-
 CHUNK = 16 * 2**20
 POLL_SECONDS = 0.02
-
-
-def kubectl(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
-    kubectl_bin = str(Path(sys.executable).parent / "kubectl")
-    return subprocess.run([kubectl_bin, *args], input=stdin, env=env, check=True, capture_output=True, text=True).stdout
-
-
-def workers(client: distributed.Client) -> dict[str, str]:
-    return {str(i["name"]): a for a, i in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
 def fill(client: distributed.Client, address: str, size: int, tag: str) -> list[distributed.Future]:
@@ -57,16 +43,16 @@ def who_has(client: distributed.Client, keys: list[str]) -> dict[str, list[str]]
 
 def wait_workers(client: distributed.Client, count: int) -> None:
     deadline = time.monotonic() + 60
-    while len(workers(client)) < count:
+    while len(benchkit.workers(client)) < count:
         if time.monotonic() > deadline:
             raise RuntimeError("workers did not come back")
         time.sleep(0.1)
 
 
 def one_run(client: distributed.Client, env: dict[str, str], address: str, size: int, run: int) -> dict[str, float]:
-    names = sorted(workers(client))
+    names = sorted(benchkit.workers(client))
     # Raw anchor: worker-to-worker copy of the same bytes.
-    futures = fill(client, workers(client)[names[0]], size, f"raw{run}")
+    futures = fill(client, benchkit.workers(client)[names[0]], size, f"raw{run}")
     started = time.perf_counter()
     client.replicate(futures, n=2)
     raw = time.perf_counter() - started
@@ -74,9 +60,9 @@ def one_run(client: distributed.Client, env: dict[str, str], address: str, size:
     time.sleep(0.5)
 
     # Stock anchor: the scheduler's retire_workers, called directly.
-    stock_keep = fill(client, workers(client)[names[0]], size, f"stock{run}")
+    stock_keep = fill(client, benchkit.workers(client)[names[0]], size, f"stock{run}")
     started = time.perf_counter()
-    client.retire_workers(workers=[workers(client)[names[0]]], close_workers=True)
+    client.retire_workers(workers=[benchkit.workers(client)[names[0]]], close_workers=True)
     stock = time.perf_counter() - started
     assert len(client.gather(stock_keep)) == len(stock_keep), "no key lost"
     del stock_keep  # released, so that the next worker holds only its own data
@@ -86,7 +72,7 @@ def one_run(client: distributed.Client, env: dict[str, str], address: str, size:
     # memops: a RetirementRequest for the worker in pod names[1]. Polled lightly (one
     # who_has of this worker's keys every 20 ms), so that measuring does not slow the scheduler.
     pod = names[1]
-    address_before = workers(client)[pod]
+    address_before = benchkit.workers(client)[pod]
     keep = fill(client, address_before, size, f"memops{run}")
     keys = [f.key for f in keep]
     request = {
@@ -101,7 +87,7 @@ def one_run(client: distributed.Client, env: dict[str, str], address: str, size:
         },
     }
     applied = time.perf_counter()
-    kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(request))
+    benchkit.kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(request))
     first_byte = moved = 0.0
     while not moved:
         holders = who_has(client, keys).values()
@@ -113,7 +99,7 @@ def one_run(client: distributed.Client, env: dict[str, str], address: str, size:
         time.sleep(POLL_SECONDS)
     succeeded = 0.0
     while not succeeded:
-        status = json.loads(kubectl(env, "get", "retire", f"bench-{run}", "-o", "json")).get("status", {})
+        status = json.loads(benchkit.kubectl(env, "get", "retire", f"bench-{run}", "-o", "json")).get("status", {})
         if status.get("phase") in ("Succeeded", "Failed"):
             assert status["phase"] == "Succeeded", status
             succeeded = time.perf_counter()
@@ -121,7 +107,7 @@ def one_run(client: distributed.Client, env: dict[str, str], address: str, size:
     gathered = client.gather(keep)
     assert len(gathered) == len(keep), "no key lost"
     # Put the pod back for the next run.
-    kubectl(env, "scale", "deployment/dask-worker", f"--replicas={len(names)}")
+    benchkit.kubectl(env, "scale", "deployment/dask-worker", f"--replicas={len(names)}")
     wait_workers(client, len(names))
     return {
         "raw_s": raw,
@@ -139,17 +125,10 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     size = args.size_mib * 2**20
-    state = Path(tempfile.mkdtemp(prefix="memops-bench-")) / "sandbox"
     memory = f"{max(4 * size // 2**30, 2)}GiB"
-    process = sandbox.launch(state, 3, "--worker-memory", memory)
-    try:
-        env = {**os.environ, "KUBECONFIG": str(state / "kubeconfig"), "KUBECACHEDIR": str(state / "kubecache")}
-        address = (state / "scheduler-address").read_text().strip()
-        with distributed.Client(address, timeout=30) as client:
-            results = [one_run(client, env, address, size, run) for run in range(args.runs)]
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
+    with benchkit.running_sandbox(3, "--worker-memory", memory) as box:
+        with distributed.Client(box.address, timeout=30) as client:
+            results = [one_run(client, box.env, box.address, size, run) for run in range(args.runs)]
     median: dict[str, Any] = {k: statistics.median(r[k] for r in results) for k in results[0]}
     gib = size / 2**30
     print(f"\nRetire one worker holding {args.size_mib} MiB of unique data; median of {args.runs} runs, same sandbox\n")
