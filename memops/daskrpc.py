@@ -103,18 +103,25 @@ def _connect(address: str, security: Security | None, timeout: float) -> rpc:
 
 
 async def fetch_snapshot(
-    address: str, *, security: Security | None = None, timeout: float = 10, keys: bool = True
+    address: str,
+    *,
+    security: Security | None = None,
+    timeout: float = 10,
+    keys: bool = True,
+    processing: bool | None = None,
 ) -> planning.SchedulerSnapshot:
     """The workers, who holds which key, and key sizes, from one connection.
 
     With ``keys=False`` only the workers and their memory: cheap whatever the number of keys.
+    ``processing`` (default: as ``keys``) also asks which workers run a shuffle's tasks.
     """
+    processing = keys if processing is None else processing
     scheduler = _connect(address, security, timeout)
     try:
         async with asyncio.timeout(timeout):
             identity = await scheduler.identity()
             who_has_raw = await scheduler.who_has() if keys else {}
-            processing = await scheduler.processing() if keys else {}
+            running = await scheduler.processing() if processing else {}
             nbytes_raw = await scheduler.nbytes(summary=False) if keys else {}
     except _COMM_ERRORS as exc:
         raise SchedulerUnreachable(address, exc) from exc
@@ -133,6 +140,10 @@ async def fetch_snapshot(
     workers = []
     for worker_address, info in identity.get("workers", {}).items():
         metrics = info.get("metrics", {})
+        spilled = metrics.get("spilled_bytes") or {}
+        # As the scheduler computes WorkerState.memory.unmanaged: the process' memory minus the
+        # Dask data it holds in memory (what it spilled counts in managed_bytes but not in RSS).
+        in_memory = int(metrics.get("managed_bytes", 0)) - int(spilled.get("memory", 0))
         unique_bytes, unique_keys = unique.get(worker_address, (0, 0))
         held_bytes, held_keys = held.get(worker_address, (0, 0))
         workers.append(
@@ -146,8 +157,9 @@ async def fetch_snapshot(
                 nkeys=held_keys,
                 status=str(info.get("status", "running")),
                 process_bytes=int(metrics.get("memory", 0)),
-                spilled_bytes=int((metrics.get("spilled_bytes") or {}).get("disk", 0)),
-                in_shuffle=planning.in_shuffle([str(k) for k in processing.get(worker_address, ())]),
+                spilled_bytes=int(spilled.get("disk", 0)),
+                unmanaged_bytes=max(0, int(metrics.get("memory", 0)) - in_memory),
+                in_shuffle=planning.in_shuffle([str(k) for k in running.get(worker_address, ())]),
             )
         )
     return planning.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)

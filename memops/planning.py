@@ -27,6 +27,7 @@ class WorkerInfo:
     status: str = "running"
     process_bytes: int = 0  # the worker process' RSS, as its last heartbeat reported it
     spilled_bytes: int = 0  # bytes the worker spilled to disk
+    unmanaged_bytes: int = 0  # process memory minus the Dask data held in memory (the scheduler's "unmanaged")
     in_shuffle: bool = False  # running a P2P shuffle's tasks: retiring it would stall the shuffle
 
 

@@ -42,6 +42,22 @@ Duration = Annotated[
 ]
 
 
+PERCENT_PATTERN = r"^([0-9]|[1-9][0-9]|100)%$"
+
+Percent = Annotated[
+    str,
+    pydantic.Field(pattern=PERCENT_PATTERN, json_schema_extra={"example": "30%"}),
+]
+"""A share written as Kubernetes writes them in ``maxUnavailable``: "30%"."""
+
+
+def parse_percent(text: str) -> float:
+    """Parse a percentage: "30%" is 30.0."""
+    if not re.fullmatch(PERCENT_PATTERN, text):
+        raise ValueError(f"{text!r} is not a percentage such as 30%")
+    return float(text[:-1])
+
+
 class Model(pydantic.BaseModel):
     """Base of every spec model: Kubernetes field names, unknown fields refused."""
 
@@ -317,6 +333,68 @@ class AutoscaleSpec(Model):
         return self
 
 
+class UnmanagedMemoryRule(Model):
+    """Recycle a worker whose unmanaged memory stays high."""
+
+    above: Percent = pydantic.Field(
+        description="Unmanaged memory (the process' memory that is not Dask data) over this share of the limit."
+    )
+    for_: Duration = pydantic.Field(
+        default="10m",
+        alias="for",
+        description="How long every sample must stay above: a one-off spike never triggers.",
+    )
+
+
+class GrowthRule(Model):
+    """Recycle a worker whose unmanaged memory rises steadily."""
+
+    perHour: Percent = pydantic.Field(description="Growth of unmanaged memory, as a share of the limit per hour.")
+    window: Duration = pydantic.Field(
+        default="30m", description="The line is fitted over this window of samples, and only when it fits well."
+    )
+
+
+class RecycleSpec(Model):
+    """Replace leaky workers by evidence: start a replacement, drain the old worker, remove its pod."""
+
+    unmanagedMemory: UnmanagedMemoryRule | None = pydantic.Field(
+        default=None, description="Sustained unmanaged memory."
+    )
+    growth: GrowthRule | None = pydantic.Field(default=None, description="A steady rise of unmanaged memory.")
+    maxAge: Duration | None = pydantic.Field(
+        default=None,
+        description="Recycle workers older than this; each worker's deadline is staggered by up to 10% of it.",
+    )
+    maxUnavailable: int = pydantic.Field(default=1, ge=1, description="Workers being recycled at once.")
+    surge: int = pydantic.Field(
+        default=1, ge=0, description="Replacements started before the drain, so that capacity never drops."
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _some_rule(self) -> RecycleSpec:
+        if self.unmanagedMemory is None and self.growth is None and self.maxAge is None:
+            raise ValueError("recycle needs at least one of recycle.unmanagedMemory, recycle.growth, recycle.maxAge")
+        return self
+
+
+class PressureSpec(Model):
+    """Move keys off a worker that is filling up, to workers with headroom, before it spills or is killed."""
+
+    relieveAbove: Percent = pydantic.Field(
+        default="70%", description="Process memory over this share of the limit starts moving keys off the worker."
+    )
+    relieveTo: Percent = pydantic.Field(default="55%", description="Keys move until the worker is under this share.")
+
+    @pydantic.model_validator(mode="after")
+    def _to_below_above(self) -> PressureSpec:
+        if parse_percent(self.relieveTo) >= parse_percent(self.relieveAbove):
+            raise ValueError(
+                f"pressure.relieveTo ({self.relieveTo}) must be below pressure.relieveAbove ({self.relieveAbove})"
+            )
+        return self
+
+
 class MemoryPolicySpec(Model):
     """How one Dask cluster's memory is managed, for as long as the policy exists."""
 
@@ -329,6 +407,10 @@ class MemoryPolicySpec(Model):
     autoscale: AutoscaleSpec | None = pydantic.Field(
         default=None,
         description="Memory-driven autoscaling; when set, it decides the replicas instead of spec.replicas.",
+    )
+    recycle: RecycleSpec | None = pydantic.Field(default=None, description="Replace leaky or old workers safely.")
+    pressure: PressureSpec | None = pydantic.Field(
+        default=None, description="Relieve a worker's memory pressure by moving keys to its peers."
     )
 
 
@@ -356,6 +438,32 @@ class MemoryStatus(Model):
     workers: list[WorkerMemory] = pydantic.Field(default_factory=list, description="Per worker.")
 
 
+class Recycling(Model):
+    pod: str = pydantic.Field(description="The worker's pod.")
+    reason: str = pydantic.Field(description="UnmanagedMemory, Growth or MaxAge.")
+    message: str = pydantic.Field(default="", description="The figures that triggered it.")
+    startTime: str = pydantic.Field(default="", description="When the worker was marked for recycling.")
+    completionTime: str = pydantic.Field(default="", description="When its pod was removed, or the drain failed.")
+    seconds: float | None = pydantic.Field(default=None, description="How long the recycling took.")
+    outcome: str = pydantic.Field(default="", description="Recycled, or Kept when its data could not move.")
+    request: str = pydantic.Field(default="", description="The RetirementRequest that drained it.")
+
+
+class RecycleStatus(Model):
+    recycling: list[Recycling] = pydantic.Field(default_factory=list, description="Workers being recycled now.")
+    recent: list[Recycling] = pydantic.Field(default_factory=list, description="The last recycled workers.")
+    total: int = pydantic.Field(default=0, description="Workers recycled since the policy was created.")
+
+
+class PressureStatus(Model):
+    keysMoved: int = pydantic.Field(default=0, description="Keys moved off workers under pressure so far.")
+    bytesMoved: int = pydantic.Field(default=0, description="Bytes moved off workers under pressure so far.")
+    hot: list[str] = pydantic.Field(default_factory=list, description="Workers above relieveAbove now.")
+    starved: list[str] = pydantic.Field(
+        default_factory=list, description="Hot workers with no peer that has headroom: more workers are needed."
+    )
+
+
 class MemoryPolicyStatus(Model):
     replicas: int = pydantic.Field(default=0, description="Workers that exist now.")
     desiredReplicas: int = pydantic.Field(default=0, description="Workers that memops is steering towards.")
@@ -373,6 +481,8 @@ class MemoryPolicyStatus(Model):
     scaleEvents: list[ScaleEvent] = pydantic.Field(
         default_factory=list, description="Recent changes of the workers' count, for the scaling policies."
     )
+    recycle: RecycleStatus | None = pydantic.Field(default=None, description="Workers recycled, and why.")
+    pressure: PressureStatus | None = pydantic.Field(default=None, description="What pressure relief did.")
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import autoscaling, conditions, daskrpc, kube, planning, retirement, scaling, specs, timestamps
-from memops.controllers import workloads
+from memops import autoscaling, conditions, daskrpc, kube, planning, recycling, retirement, scaling, specs, timestamps
+from memops.controllers import recycle, workloads
 
 POLICY_LABEL = "memops.dev/policy"
 GENERATION_ANNOTATION = "memops.dev/policy-generation"
@@ -39,6 +39,7 @@ class Policy:
         self.namespace = str(body.metadata.namespace)
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
+        self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
 
     async def reconcile(self) -> None:
         generation = int(self.body.metadata.get("generation", 1))
@@ -113,10 +114,12 @@ class Policy:
         )
         running = [r for r in requests if r.get("status", {}).get("phase") not in _TERMINAL]
         draining = sum(_request_size(r) for r in running)
+        step = await self.recycle(spec, workload, snapshot, requests, running, desired, status, now)
+        target = desired + (step.extra if step is not None else 0)
         failed = _latest_failure(requests)
         decision = scaling.plan_scale(
             current=current,
-            desired=desired,
+            desired=target,
             draining=draining,
             last_failure_age=timestamps.age_seconds(failed.get("status", {}).get("completionTime")) if failed else None,
             failed_generation=int(failed["metadata"].get("annotations", {}).get(GENERATION_ANNOTATION, 0))
@@ -138,6 +141,8 @@ class Policy:
         status.desiredReplicas = desired
         status.selector = workloads.selector(workload)
         status.message = decision.message
+        if step is not None and step.message and decision.action in (scaling.Action.NONE, scaling.Action.WAIT):
+            status.message = step.message
         status.conditions = conditions.set_condition(
             status.conditions,
             "ScalingActive",
@@ -164,6 +169,40 @@ class Policy:
             generation=generation,
         )
         await self.write(old, status)
+        if step is not None:
+            await recycle.mark_recorded(self.client, self.namespace, step.recorded)
+
+    async def recycle(
+        self,
+        spec: specs.MemoryPolicySpec,
+        workload: dict[str, Any],
+        snapshot: planning.SchedulerSnapshot | None,
+        requests: list[dict[str, Any]],
+        running: list[dict[str, Any]],
+        desired: int,
+        status: specs.MemoryPolicyStatus,
+        now: float,
+    ) -> recycle.Step | None:
+        if spec.recycle is None or snapshot is None:
+            return None
+        window = recycling.window_for(spec.recycle)
+        if self.window is None or (self.window.seconds, self.window.spacing) != (window.seconds, window.spacing):
+            self.window = window
+        return await recycle.reconcile(
+            self.client,
+            body=self.body,
+            spec=spec,
+            pods=await workloads.pods(self.client, self.namespace, spec.workload, workload),
+            snapshot=snapshot,
+            window=self.window,
+            requests=requests,
+            desired=desired,
+            # A scale-down of the policy is draining: no new recycling starts meanwhile.
+            busy=any((r["metadata"].get("labels") or {}).get(recycle.PURPOSE_LABEL) != "recycle" for r in running),
+            status=status,
+            now=now,
+            logger=self.logger,
+        )
 
     async def check_scheduler(
         self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
@@ -176,7 +215,9 @@ class Policy:
                     kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
                 )
                 security = daskrpc.security_from_secret(secret.get("data", {}))
-            snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security, keys=False, timeout=5)
+            snapshot = await daskrpc.fetch_snapshot(
+                spec.scheduler.address, security=security, keys=False, processing=spec.recycle is not None, timeout=5
+            )
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
             status.conditions = conditions.set_condition(
                 status.conditions,
