@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--webhook-port", type=int, help="serve the mutating admission webhook (the safety net) here")
     run.add_argument("--webhook-host", default="127.0.0.1", help="the webhook's address, as the API server reaches it")
     run.add_argument("--webhook-insecure", action="store_true", help="plain HTTP for the webhook (sandbox only)")
+    run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on /metrics at this port")
+    run.add_argument("--metrics-host", default="0.0.0.0", help="the metrics endpoint's address (default 0.0.0.0)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
     sandbox = commands.add_parser("sandbox", help="a local cluster with real Dask workers and the operator")
@@ -62,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.metrics_port:
+        from memops import metrics
+
+        metrics.serve(args.metrics_port, args.metrics_host)
     webhook = None
     if args.webhook_port:
         webhook = controllers.Webhook(port=args.webhook_port, host=args.webhook_host, insecure=args.webhook_insecure)

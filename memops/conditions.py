@@ -41,3 +41,47 @@ def set_condition(
 
 def get_condition(conditions: list[specs.Condition], type_: str) -> specs.Condition | None:
     return next((c for c in conditions if c.type == type_), None)
+
+
+def with_kstatus(
+    conditions: list[specs.Condition],
+    *,
+    generation: int,
+    reconciling: tuple[str, str] | None = None,
+    stalled: tuple[str, str] | None = None,
+) -> list[specs.Condition]:
+    """``Reconciling`` and ``Stalled`` as kstatus (Flux, ``kubectl wait``) defines them.
+
+    Both have "abnormal-true" polarity: True, with a (reason, message), only while the object
+    is being worked on or cannot progress without a change from someone; False otherwise.
+    ``Ready`` is set by the controllers themselves.
+    """
+    for type_, value in (("Reconciling", reconciling), ("Stalled", stalled)):
+        reason, message = value if value is not None else (f"No{type_}", "")
+        conditions = set_condition(
+            conditions, type_, value is not None, reason=reason, message=message, generation=generation
+        )
+    return conditions
+
+
+def request_summary(status: specs.RetirementRequestStatus) -> list[specs.Condition]:
+    """A RetirementRequest's ``Ready``, ``Reconciling`` and ``Stalled``, from its phase."""
+    generation = status.observedGeneration
+    failed = get_condition(status.conditions, "Failed")
+    if status.phase == specs.Phase.FAILED:
+        reason = failed.reason if failed is not None and failed.status == "True" else "Failed"
+        updated = with_kstatus(status.conditions, generation=generation, stalled=(reason, status.message))
+    elif status.phase == specs.Phase.SUCCEEDED:
+        updated = with_kstatus(status.conditions, generation=generation)
+    else:
+        updated = with_kstatus(
+            status.conditions, generation=generation, reconciling=(status.phase.value, status.message)
+        )
+    return set_condition(
+        updated,
+        "Ready",
+        status.phase == specs.Phase.SUCCEEDED,
+        reason=status.phase.value,
+        message=status.message,
+        generation=generation,
+    )

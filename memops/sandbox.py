@@ -147,9 +147,10 @@ async def _wait_for_workers(address: str, count: int, timeout: float = 120) -> N
             await asyncio.sleep(0.2)
 
 
-def operator_command(webhook_port: int) -> list[str]:
-    """``memops run`` as the sandbox starts it: every namespace, and the admission webhook on
-    plain HTTP on localhost (the emulated API server calls it; nothing else can)."""
+def operator_command(webhook_port: int, metrics_port: int) -> list[str]:
+    """``memops run`` as the sandbox starts it: every namespace, the admission webhook on
+    plain HTTP on localhost (the emulated API server calls it; nothing else can), and the
+    Prometheus metrics on localhost."""
     return [
         _executable("memops"),
         "run",
@@ -160,6 +161,10 @@ def operator_command(webhook_port: int) -> list[str]:
         "--webhook-host",
         "127.0.0.1",
         "--webhook-insecure",
+        "--metrics-port",
+        str(metrics_port),
+        "--metrics-host",
+        "127.0.0.1",
     ]
 
 
@@ -197,9 +202,15 @@ async def serve(
             if operator:
                 log = (state_dir / "operator.log").open("wb")
                 env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+                metrics_port = _free_port()
                 operator_process = await asyncio.create_subprocess_exec(
-                    *operator_command(_free_port()), stdout=log, stderr=log, env=env, start_new_session=True
+                    *operator_command(_free_port(), metrics_port),
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,
                 )
+                (state_dir / "metrics-url").write_text(f"http://127.0.0.1:{metrics_port}/metrics\n")
                 (state_dir / "operator.pid").write_text(str(operator_process.pid))
                 await _wait_for_webhook(api)
             (state_dir / "scheduler-address").write_text(address + "\n")

@@ -19,7 +19,19 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import autoscaling, conditions, daskrpc, kube, planning, recycling, retirement, scaling, specs, timestamps
+from memops import (
+    autoscaling,
+    conditions,
+    daskrpc,
+    kube,
+    metrics,
+    planning,
+    recycling,
+    retirement,
+    scaling,
+    specs,
+    timestamps,
+)
 from memops.controllers import recycle, workloads
 
 POLICY_LABEL = "memops.dev/policy"
@@ -96,14 +108,15 @@ class Policy:
         now = time.time()
         limited = ""
         if spec.autoscale is not None and snapshot is not None:
-            recommended = autoscaling.desired_replicas(
-                current=current,
-                usage=autoscaling.usage_of(snapshot.workers),
-                spec=spec.autoscale,
-                history=status.recommendations,
-                events=status.scaleEvents,
-                now=now,
-            )
+            with metrics.deciding("desired_replicas"):
+                recommended = autoscaling.desired_replicas(
+                    current=current,
+                    usage=autoscaling.usage_of(snapshot.workers),
+                    spec=spec.autoscale,
+                    history=status.recommendations,
+                    events=status.scaleEvents,
+                    now=now,
+                )
             desired = recommended.replicas
             status.recommendations = _remember(status.recommendations, now, recommended.raw, spec.autoscale)
             if any(word in recommended.reason for word in ("limited", "capped", "raised", "needs")):
@@ -160,15 +173,44 @@ class Policy:
             message=limited,
             generation=generation,
         )
-        status.conditions = conditions.set_condition(
-            status.conditions,
-            "Ready",
-            True,
-            reason="Managing",
-            message=f"managing {spec.workload.kind} {spec.workload.name!r}",
-            generation=generation,
-        )
+        working = decision.action != scaling.Action.NONE or (step is not None and bool(step.message))
+        unreachable = conditions.get_condition(status.conditions, "SchedulerReachable")
+        if unreachable is not None and unreachable.status == "False":
+            # Without the scheduler no scale-down can drain and no memory is known: not Ready.
+            status.conditions = conditions.with_kstatus(
+                status.conditions, generation=generation, stalled=("SchedulerUnreachable", unreachable.message)
+            )
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "Ready",
+                False,
+                reason="SchedulerUnreachable",
+                message=unreachable.message,
+                generation=generation,
+            )
+        else:
+            status.conditions = conditions.with_kstatus(
+                status.conditions,
+                generation=generation,
+                reconciling=(decision.reason, status.message) if working else None,
+            )
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "Ready",
+                True,
+                reason="Managing",
+                message=f"managing {spec.workload.kind} {spec.workload.name!r}",
+                generation=generation,
+            )
         await self.write(old, status)
+        metrics.policy_observed(
+            self.namespace,
+            self.name,
+            action=decision.action.value,
+            desired=desired,
+            replicas=status.replicas,
+            utilization=status.memory.percent / 100 if status.memory is not None and snapshot is not None else None,
+        )
         if step is not None:
             await recycle.mark_recorded(self.client, self.namespace, step.recorded)
 
@@ -280,6 +322,7 @@ class Policy:
         generation: int,
     ) -> None:
         status.message = message
+        status.conditions = conditions.with_kstatus(status.conditions, generation=generation, stalled=(reason, message))
         status.conditions = conditions.set_condition(
             status.conditions, "Ready", False, reason=reason, message=message, generation=generation
         )
@@ -360,6 +403,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
             try:
                 await reconciler.reconcile()
             except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
+                metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
                 logger.warning("will retry: %s", exc)
             # Wake at once when the spec changes (kubectl scale, an HPA, a GitOps commit: Kopf
             # keeps the body current), else every few seconds to follow drains and drift.

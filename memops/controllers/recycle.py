@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from memops import kube, planning, recycling, specs, timestamps
+from memops import kube, metrics, planning, recycling, specs, timestamps
 
 RECYCLE_ANNOTATION = "memops.dev/recycle"
 UNMANAGED_ANNOTATION = "memops.dev/unmanaged-memory"
@@ -93,12 +93,13 @@ async def reconcile(
         ages = {
             str(p["metadata"]["name"]): timestamps.age_seconds(p["metadata"].get("creationTimestamp")) for p in pods
         }
-        verdicts = [
-            verdict
-            for name in ages
-            if name not in marked
-            and (verdict := recycling.detect(name, window.samples.get(name, []), spec.recycle, now, ages[name]))
-        ]
+        with metrics.deciding("recycle"):
+            verdicts = [
+                verdict
+                for name in ages
+                if name not in marked
+                and (verdict := recycling.detect(name, window.samples.get(name, []), spec.recycle, now, ages[name]))
+            ]
         shuffling = {w.name for w in snapshot.workers if w.in_shuffle}
         for verdict in recycling.plan_recycle(
             verdicts, recycling=len(marked), max_unavailable=spec.recycle.maxUnavailable, in_shuffle=shuffling
@@ -255,6 +256,7 @@ async def _record_finished(
             request=str(meta["name"]),
         )
         if all(r.request != entry.request for r in record.recent):
+            metrics.recycled(namespace, str(body.metadata.name), entry.reason, entry.outcome)
             record.recent = [*record.recent, entry][-_RECENT:]
             record.total += 1 if succeeded else 0
             took = f" in {seconds:.0f}s" if seconds is not None else ""

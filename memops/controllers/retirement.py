@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import conditions, daskrpc, kube, planning, retirement, specs, timestamps
+from memops import conditions, daskrpc, kube, metrics, planning, retirement, specs, timestamps
 from memops.controllers import workloads
 
 _RETRY_SECONDS = 2.0
@@ -50,6 +50,7 @@ class Retirement:
             try:
                 status = await self.step(status)
             except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
+                metrics.reconcile_error("RetirementRequest", self.namespace)
                 self.logger.warning("will retry: %s", exc)
             if status.phase in _TERMINAL:
                 return
@@ -125,7 +126,8 @@ class Retirement:
             chosen = list(spec.workers)
         else:
             assert spec.count is not None
-            chosen = planning.choose_workers(pod_names, snapshot, spec.count, exclude=taken)
+            with metrics.deciding("choose_workers"):
+                chosen = planning.choose_workers(pod_names, snapshot, spec.count, exclude=taken)
         if not chosen:
             return await self.fail(
                 status, "NoWorkers", "no worker could be chosen: every pod is taken or none exists", generation
@@ -159,6 +161,7 @@ class Retirement:
             generation=generation,
         )
         await self.write(status)
+        metrics.drain_started(self.namespace)
         kopf.event(
             self.body,
             type="Normal",
@@ -328,6 +331,12 @@ class Retirement:
             self.client, self.namespace, [w.pod for w in status.workers if not w.podRemoved], self.name
         )
         await self.write(status)
+        metrics.drain_finished(
+            self.namespace,
+            status,
+            "Retired" if succeeded else "WorkersKept",
+            _seconds(status.startTime, status.completionTime),
+        )
         kopf.event(
             self.body,
             type="Normal" if succeeded else "Warning",
@@ -351,6 +360,7 @@ class Retirement:
             status.conditions, "Failed", True, reason=reason, message=message, generation=generation
         )
         await self.write(status)
+        metrics.drain_finished(self.namespace, status, reason, _seconds(status.startTime, status.completionTime))
         kopf.event(self.body, type="Warning", reason=reason, message=message)
         return status
 
@@ -380,8 +390,15 @@ class Retirement:
         return daskrpc.security_from_secret(secret.get("data", {}))
 
     async def write(self, status: specs.RetirementRequestStatus) -> None:
+        status.conditions = conditions.request_summary(status)
         body = status.model_dump(mode="json", exclude_none=True)
         await self.client.merge_patch(self.path + "/status", {"status": body})
+
+
+def _seconds(start: str | None, end: str | None) -> float | None:
+    if not start or not end:
+        return None
+    return (timestamps.parse(end) - timestamps.parse(start)).total_seconds()
 
 
 def _own_status(raw: Any) -> dict[str, Any]:

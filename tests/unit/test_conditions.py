@@ -20,3 +20,26 @@ def test_other_conditions_are_kept() -> None:
     updated = conditions.set_condition(existing, "Ready", None, reason="Unknown", generation=1)
     assert [(c.type, c.status) for c in updated] == [("Other", "True"), ("Ready", "Unknown")]
     assert conditions.get_condition(updated, "Ready") is updated[1]
+
+
+def _types(conds: list[specs.Condition]) -> dict[str, str]:
+    return {c.type: c.status for c in conds}
+
+
+def test_kstatus_conditions_follow_a_requests_phase() -> None:
+    status = specs.RetirementRequestStatus(phase=specs.Phase.DRAINING, message="draining 2", observedGeneration=3)
+    draining = conditions.request_summary(status)
+    assert _types(draining) == {"Reconciling": "True", "Stalled": "False", "Ready": "False"}
+    assert all(c.observedGeneration == 3 for c in draining)
+
+    status.phase, status.message = specs.Phase.FAILED, "kept 1 worker"
+    status.conditions = conditions.set_condition(
+        draining, "Failed", True, reason="DrainTimedOut", message="kept", generation=3
+    )
+    failed = conditions.request_summary(status)
+    assert _types(failed)["Stalled"] == "True" and _types(failed)["Reconciling"] == "False"
+    stalled = conditions.get_condition(failed, "Stalled")
+    assert stalled is not None and stalled.reason == "DrainTimedOut"
+
+    status.phase, status.conditions = specs.Phase.SUCCEEDED, []
+    assert _types(conditions.request_summary(status)) == {"Reconciling": "False", "Stalled": "False", "Ready": "True"}

@@ -1,0 +1,189 @@
+"""The operator's Prometheus metrics, and the endpoint that serves them.
+
+The controllers call the small functions here at the moments that matter (a drain starts or
+ends, a policy decides, a worker is recycled); ``memops run --metrics-port`` serves them on
+``/metrics``. Names follow Prometheus' naming guide (``memops_`` prefix, ``_total`` counters,
+base units in ``_seconds`` and ``_bytes``). Labels are bounded: namespace and policy, and small
+enumerations (outcome, reason, state, action); never a worker, pod or key name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import prometheus_client
+
+from memops import specs
+
+REGISTRY = prometheus_client.CollectorRegistry(auto_describe=True)
+
+DRAINS_STARTED = prometheus_client.Counter(
+    "memops_drains_started_total", "RetirementRequests whose drain started.", ["namespace"], registry=REGISTRY
+)
+DRAINS_FINISHED = prometheus_client.Counter(
+    "memops_drains_finished_total",
+    "RetirementRequests that finished, by outcome (Succeeded, Failed) and reason.",
+    ["namespace", "outcome", "reason"],
+    registry=REGISTRY,
+)
+DRAIN_SECONDS = prometheus_client.Histogram(
+    "memops_drain_duration_seconds",
+    "From the start of a drain to its end, pods removed.",
+    ["namespace", "outcome"],
+    buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+    registry=REGISTRY,
+)
+BYTES_MOVED = prometheus_client.Counter(
+    "memops_drain_moved_bytes_total",
+    "Unique bytes that drains moved to other workers.",
+    ["namespace"],
+    registry=REGISTRY,
+)
+BYTES_LOST = prometheus_client.Counter(
+    "memops_drain_lost_bytes_total",
+    "Unique bytes lost by forced removals (onTimeout: Force) or workers that died mid-drain.",
+    ["namespace"],
+    registry=REGISTRY,
+)
+WORKERS = prometheus_client.Counter(
+    "memops_drained_workers_total",
+    "Workers at the end of a drain, by state (Retired, Kept, Forced).",
+    ["namespace", "state"],
+    registry=REGISTRY,
+)
+DECISIONS = prometheus_client.Counter(
+    "memops_policy_decisions_total",
+    "A MemoryPolicy's scaling decisions, by action (ScaleUp, ScaleDown, Wait).",
+    ["namespace", "policy", "action"],
+    registry=REGISTRY,
+)
+DESIRED = prometheus_client.Gauge(
+    "memops_policy_desired_replicas", "Workers the policy steers towards.", ["namespace", "policy"], registry=REGISTRY
+)
+REPLICAS = prometheus_client.Gauge(
+    "memops_policy_replicas", "Workers that exist now.", ["namespace", "policy"], registry=REGISTRY
+)
+UTILIZATION = prometheus_client.Gauge(
+    "memops_policy_memory_utilization_ratio",
+    "Memory held by the workers (process plus spilled) over their limits.",
+    ["namespace", "policy"],
+    registry=REGISTRY,
+)
+RECYCLED = prometheus_client.Counter(
+    "memops_recycled_workers_total",
+    "Workers recycled, by reason (UnmanagedMemory, Growth, MaxAge) and outcome (Recycled, Kept).",
+    ["namespace", "policy", "reason", "outcome"],
+    registry=REGISTRY,
+)
+RELIEF_KEYS = prometheus_client.Counter(
+    "memops_relief_moved_keys_total",
+    "Keys that pressure relief moved off workers above relieveAbove.",
+    ["namespace", "policy"],
+    registry=REGISTRY,
+)
+RELIEF_BYTES = prometheus_client.Counter(
+    "memops_relief_moved_bytes_total",
+    "Bytes that pressure relief moved off workers above relieveAbove.",
+    ["namespace", "policy"],
+    registry=REGISTRY,
+)
+DECISION_SECONDS = prometheus_client.Histogram(
+    "memops_decision_duration_seconds",
+    "Time spent in the pure deciding functions, by decision.",
+    ["decision"],
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+    registry=REGISTRY,
+)
+ERRORS = prometheus_client.Counter(
+    "memops_reconcile_errors_total",
+    "Reconcile passes that failed and will be retried, by kind.",
+    ["kind", "namespace"],
+    registry=REGISTRY,
+)
+
+NAMES = frozenset(
+    family.name
+    for metric in (
+        DRAINS_STARTED,
+        DRAINS_FINISHED,
+        DRAIN_SECONDS,
+        BYTES_MOVED,
+        BYTES_LOST,
+        WORKERS,
+        DECISIONS,
+        DESIRED,
+        REPLICAS,
+        UTILIZATION,
+        RECYCLED,
+        RELIEF_KEYS,
+        RELIEF_BYTES,
+        DECISION_SECONDS,
+        ERRORS,
+    )
+    for family in metric.describe()
+)
+"""Every metric family memops exports (as the exposition format names them, without suffixes)."""
+
+
+def serve(port: int, host: str = "0.0.0.0") -> None:
+    """Serve ``/metrics`` from a thread, as prometheus_client does."""
+    # The *_created series (one more per counter and histogram) add nothing a dashboard uses.
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    prometheus_client.start_http_server(port, addr=host, registry=REGISTRY)
+
+
+@contextlib.contextmanager
+def deciding(decision: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        DECISION_SECONDS.labels(decision).observe(time.perf_counter() - start)
+
+
+def drain_started(namespace: str) -> None:
+    DRAINS_STARTED.labels(namespace).inc()
+
+
+def drain_finished(namespace: str, status: specs.RetirementRequestStatus, reason: str, seconds: float | None) -> None:
+    outcome = status.phase.value
+    DRAINS_FINISHED.labels(namespace, outcome, reason).inc()
+    if seconds is not None:
+        DRAIN_SECONDS.labels(namespace, outcome).observe(seconds)
+    BYTES_MOVED.labels(namespace).inc(status.bytesMoved)
+    BYTES_LOST.labels(namespace).inc(status.bytesLost)
+    for worker in status.workers:
+        WORKERS.labels(namespace, worker.state.value).inc()
+
+
+def policy_observed(
+    namespace: str, policy: str, *, action: str, desired: int, replicas: int, utilization: float | None
+) -> None:
+    if action != "None":
+        DECISIONS.labels(namespace, policy, action).inc()
+    DESIRED.labels(namespace, policy).set(desired)
+    REPLICAS.labels(namespace, policy).set(replicas)
+    if utilization is not None:
+        UTILIZATION.labels(namespace, policy).set(utilization)
+
+
+def policy_gone(namespace: str, policy: str) -> None:
+    """Drop a deleted policy's gauges, so that they do not report a policy that no longer exists."""
+    for gauge in (DESIRED, REPLICAS, UTILIZATION):
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, policy)
+
+
+def recycled(namespace: str, policy: str, reason: str, outcome: str) -> None:
+    RECYCLED.labels(namespace, policy, reason, outcome).inc()
+
+
+def relieved(namespace: str, policy: str, keys: int, nbytes: int) -> None:
+    RELIEF_KEYS.labels(namespace, policy).inc(max(keys, 0))
+    RELIEF_BYTES.labels(namespace, policy).inc(max(nbytes, 0))
+
+
+def reconcile_error(kind: str, namespace: str) -> None:
+    ERRORS.labels(kind, namespace).inc()
