@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from typing import Any
 
 import benchkit
@@ -53,16 +52,6 @@ def leak_for(seconds: float, mib: int, every: float) -> int:
 
 def block(i: int) -> bytes:
     return os.urandom(MIB // 4) + i.to_bytes(4, "big")
-
-
-def times_computed(prefix: str, dask_scheduler: Any = None) -> dict[str, int]:
-    """How often each key whose name starts with ``prefix`` reached memory, from the scheduler's log."""
-    counts: Counter[str] = Counter()
-    for entry in dask_scheduler.transition_log:
-        key, finish = str(entry[0]), entry[2]
-        if key.startswith(prefix) and finish == "memory":
-            counts[key] += 1
-    return dict(counts)
 
 
 def policy(address: str, replicas: int, recycle: dict[str, Any]) -> str:
@@ -127,11 +116,10 @@ def leak(with_memops: bool, seconds: float) -> dict[str, Any]:
             client.cancel(task)
             time.sleep(2)
             distributed.wait(persisted, timeout=60)
-            counts = client.run_on_scheduler(times_computed, "persisted-")
             return {
                 "keys lost": lost(client, scattered),
                 "of keys": len(scattered),
-                "tasks recomputed": sum(c - 1 for c in counts.values() if c > 1),
+                "tasks recomputed": benchkit.recomputed(client, "persisted-"),
                 "nanny killed": "yes" if killed else "no",
                 "peak MiB": peak // MIB,
                 "recycled": recycled(box.env) if with_memops else 0,
