@@ -29,12 +29,24 @@ GRACE_MARGIN_SECONDS = 30
 PRE_STOP_SCRIPT = """\
 import asyncio, os
 from distributed.core import rpc
+from distributed.security import Security
 
 LEAVING = {"closing_gracefully", "closing", "closed"}
 
 async def main():
     name = os.environ["MEMOPS_POD_NAME"]
-    scheduler = rpc(os.environ["MEMOPS_SCHEDULER_ADDRESS"], timeout=10)
+    security = Security()
+    if os.environ.get("MEMOPS_TLS_CA"):
+        # PEM texts from the policy's Secret; Security tells contents from paths by the newline.
+        security = Security(
+            tls_ca_file=os.environ["MEMOPS_TLS_CA"],
+            tls_client_cert=os.environ["MEMOPS_TLS_CERT"],
+            tls_client_key=os.environ["MEMOPS_TLS_KEY"],
+            require_encryption=True,
+        )
+    scheduler = rpc(
+        os.environ["MEMOPS_SCHEDULER_ADDRESS"], timeout=10, connection_args=security.get_connection_args("client")
+    )
     try:
         workers = (await scheduler.identity())["workers"].values()
         statuses = {info.get("status") for info in workers if str(info.get("name")) == name}
@@ -58,14 +70,25 @@ def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
+def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
+    """For a tls:// scheduler: the policy's client certificate, from its Secret, as the hook's env.
+
+    Environment variables from ``secretKeyRef``, not a volume: the pod's volumes stay the user's,
+    and the Secret is the one the operator itself uses (``spec.scheduler.tls.secretName``).
+    """
+    if spec.scheduler.tls is None:
+        return []
+    secret = spec.scheduler.tls.secretName
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+        for name, key in (("MEMOPS_TLS_CA", "ca.crt"), ("MEMOPS_TLS_CERT", "tls.crt"), ("MEMOPS_TLS_KEY", "tls.key"))
+    ]
+
+
 def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryPolicySpec) -> dict[str, Any]:
     """The pod's new ``spec`` and annotations: a preStop drain on its first container, and a
     grace period that covers ``drain.timeout``. An existing preStop hook is left alone."""
     annotations = dict(pod.get("metadata", {}).get("annotations") or {})
-    if spec.scheduler.address.startswith("tls://"):
-        # The hook would need the client certificate mounted; until then, say so on the pod.
-        annotations[ANNOTATION] = f"{policy_name}: not injected, a tls:// scheduler is not supported yet"
-        return {"spec": dict(pod.get("spec", {})), "annotations": annotations}
     pod_spec = copy.deepcopy(dict(pod.get("spec", {})))
     timeout = int(specs.parse_duration(spec.drain.timeout).total_seconds())
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds", 30)), timeout + GRACE_MARGIN_SECONDS)
@@ -79,6 +102,7 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
             {"name": "MEMOPS_SCHEDULER_ADDRESS", "value": spec.scheduler.address},
             {"name": "MEMOPS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "MEMOPS_DRAIN_TIMEOUT", "value": str(timeout)},
+            *_tls_env(spec),
         ]
         container.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT]}}
     annotations[ANNOTATION] = policy_name

@@ -5,7 +5,9 @@ relies on, and says where it differs:
 
 - a pod's single container runs its ``command`` + ``args`` (there are no images: the
   command must be on PATH; this environment's own scripts come first), with ``env`` and
-  ``valueFrom.fieldRef`` (``metadata.name`` and friends) and ``$(VAR)`` expansion;
+  ``valueFrom.fieldRef`` (``metadata.name`` and friends), ``valueFrom.secretKeyRef`` (from
+  the Secret in the pod's namespace, as the kubelet resolves it when the container starts) and
+  ``$(VAR)`` expansion;
 - status: phase, ``Ready`` and the other pod conditions, ``containerStatuses`` with
   ``restartCount``; ``Ready`` when the process runs, or when its exec readinessProbe passes;
 - ``restartPolicy: Always``: an exited container is restarted, after a back-off (upstream
@@ -21,6 +23,7 @@ Each container's output goes to ``RUN_DIR/pods/<namespace>_<name>.log`` and its 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import logging
@@ -63,11 +66,23 @@ def expand(text: str, variables: Mapping[str, str]) -> str:
     return _REFERENCE.sub(replace, text)
 
 
-def container_env(pod: Obj, container: Obj) -> dict[str, str]:
-    """The container's environment, each value expanded against the ones defined before it."""
+def container_env(
+    pod: Obj, container: Obj, secret: Callable[[str], Obj | None] = lambda name: None
+) -> dict[str, str]:
+    """The container's environment, each value expanded against the ones defined before it.
+
+    ``secret(name)`` finds a Secret in the pod's namespace; a missing Secret or key fails the
+    container's start, as the kubelet's CreateContainerConfigError does.
+    """
     env: dict[str, str] = {}
     for item in container.get("env", []):
-        if "valueFrom" in item:
+        if "secretKeyRef" in item.get("valueFrom", {}):
+            ref = item["valueFrom"]["secretKeyRef"]
+            data = (secret(ref["name"]) or {}).get("data") or {}
+            if ref["key"] not in data:
+                raise ValueError(f"env {item['name']}: secret {ref['name']!r} has no key {ref['key']!r}")
+            env[item["name"]] = base64.b64decode(data[ref["key"]]).decode()
+        elif "valueFrom" in item:
             path = item["valueFrom"].get("fieldRef", {}).get("fieldPath", "")
             if path not in _FIELD_PATHS:
                 raise ValueError(f"env {item['name']}: only fieldRef {sorted(_FIELD_PATHS)} are emulated")
@@ -98,7 +113,9 @@ class PodRuntime:
     async def run(self) -> None:
         try:
             container = self.pod["spec"]["containers"][0]
-            env = container_env(self.pod, container)
+            env = container_env(
+                self.pod, container, lambda name: self.kubelet.store.get("secrets", self.namespace, name)
+            )
             argv = [expand(part, env) for part in [*container.get("command", []), *container.get("args", [])]]
             if not container.get("command"):
                 raise ValueError("the local kubelet has no images: containers[0].command is required")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import sys
 import time
@@ -114,3 +115,15 @@ async def test_deletion_runs_prestop_then_sigterm_then_sigkill(node: Any, tmp_pa
     assert marker.exists(), "the preStop hook ran"
     assert "TERM" in (tmp_path / "pods" / "default_p.log").read_text(), "SIGTERM came first"
     assert 0.9 < elapsed < 5, "SIGKILL came when the grace period ran out"
+
+
+def test_env_from_a_secret_key_is_decoded_and_a_missing_key_fails_the_start() -> None:
+    pod = {"metadata": {"name": "p", "namespace": "default"}}
+    secret = {"data": {"ca.crt": base64.b64encode(b"-----BEGIN CERTIFICATE-----\n").decode()}}
+    container = {"env": [{"name": "CA", "valueFrom": {"secretKeyRef": {"name": "tls", "key": "ca.crt"}}}]}
+    assert kubelet.container_env(pod, container, lambda name: secret if name == "tls" else None) == {
+        "CA": "-----BEGIN CERTIFICATE-----\n"
+    }
+    missing = {"env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "tls", "key": "tls.key"}}}]}
+    with pytest.raises(ValueError, match=r"has no key 'tls\.key'"):
+        kubelet.container_env(pod, missing, lambda name: secret)

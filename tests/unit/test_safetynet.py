@@ -51,3 +51,22 @@ def test_selects() -> None:
     assert safetynet.selects({"app": "w"}, {"app": "w", "x": "y"})
     assert not safetynet.selects({"app": "w"}, {"app": "v"})
     assert not safetynet.selects({}, {"app": "w"}), "an empty selector selects nothing here"
+
+
+def test_a_tls_scheduler_gets_the_policys_client_certificate_from_its_secret() -> None:
+    spec = SPEC.model_copy(
+        update={"scheduler": specs.SchedulerRef(address="tls://dask-scheduler:8786", tls={"secretName": "dask-tls"})}
+    )
+    container = safetynet.plan_injection(pod(), "analytics", spec)["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    refs = {
+        name: env[name]["valueFrom"]["secretKeyRef"] for name in ("MEMOPS_TLS_CA", "MEMOPS_TLS_CERT", "MEMOPS_TLS_KEY")
+    }
+    assert refs == {
+        "MEMOPS_TLS_CA": {"name": "dask-tls", "key": "ca.crt"},
+        "MEMOPS_TLS_CERT": {"name": "dask-tls", "key": "tls.crt"},
+        "MEMOPS_TLS_KEY": {"name": "dask-tls", "key": "tls.key"},
+    }
+    assert "preStop" in container["lifecycle"]
+    plain = safetynet.plan_injection(pod(), "analytics", SPEC)["spec"]["containers"][0]
+    assert not any(e["name"].startswith("MEMOPS_TLS") for e in plain["env"])

@@ -1,0 +1,55 @@
+"""The safety net's preStop hook, run as the kubelet runs it, against real schedulers (tcp:// and tls://)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+from distributed import Client, LocalCluster
+from distributed.security import Security
+
+from memops import safetynet
+
+
+async def run_hook(address: str, name: str, extra_env: dict[str, str]) -> int:
+    env = {
+        **os.environ,
+        "MEMOPS_SCHEDULER_ADDRESS": address,
+        "MEMOPS_POD_NAME": name,
+        "MEMOPS_DRAIN_TIMEOUT": "60",
+        **extra_env,
+    }
+    hook = await asyncio.create_subprocess_exec(sys.executable, "-c", safetynet.PRE_STOP_SCRIPT, env=env)
+    return await asyncio.wait_for(hook.wait(), 90)
+
+
+@pytest.mark.parametrize("protocol", ["tcp://", "tls://"])
+async def test_the_hook_retires_its_own_worker_and_the_data_moves(protocol: str) -> None:
+    security = Security.temporary() if protocol == "tls://" else None
+    async with LocalCluster(
+        n_workers=2,
+        processes=True,
+        threads_per_worker=1,
+        dashboard_address=None,
+        asynchronous=True,
+        protocol=protocol,
+        **({"security": security} if security is not None else {}),
+    ) as local:
+        async with Client(local, asynchronous=True, **({"security": security} if security else {})) as client:
+            info = await client.scheduler.identity()
+            leaving, staying = sorted(info["workers"])
+            name = str(info["workers"][leaving]["name"])
+            futures = await client.scatter({f"k{i}": os.urandom(1024) for i in range(10)}, workers=[leaving])
+            tls_env = {}
+            if security is not None:
+                tls_env = {
+                    "MEMOPS_TLS_CA": security.tls_ca_file,
+                    "MEMOPS_TLS_CERT": security.tls_client_cert,
+                    "MEMOPS_TLS_KEY": security.tls_client_key,
+                }
+            assert await run_hook(local.scheduler_address, name, tls_env) == 0
+            who_has = await client.who_has(list(futures.values()))
+            assert all(holders == (staying,) for holders in who_has.values()), who_has
+            assert leaving not in (await client.scheduler.identity())["workers"]
