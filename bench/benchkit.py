@@ -16,6 +16,7 @@ from typing import Any
 
 import cloudpickle
 import distributed
+from distributed.diagnostics.plugin import SchedulerPlugin
 
 from memops import sandbox
 
@@ -49,20 +50,36 @@ def workers(client: distributed.Client) -> dict[str, str]:
     return {str(i["name"]): a for a, i in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
-def times_computed(prefix: str, dask_scheduler: Any = None) -> dict[str, int]:
-    """How often each key whose name starts with ``prefix`` reached memory, from the scheduler's
-    transition log (run with ``client.run_on_scheduler``): above 1 means it was recomputed."""
-    counts: Counter[str] = Counter()
-    for entry in dask_scheduler.transition_log:
-        key, finish = str(entry[0]), entry[2]
-        if key.startswith(prefix) and finish == "memory":
-            counts[key] += 1
-    return dict(counts)
+class ComputeCounter(SchedulerPlugin):
+    """Counts, in the scheduler, how often each key with a prefix reaches memory.
+
+    A plugin and not the scheduler's ``transition_log``: that log keeps only the last
+    ``distributed.admin.low-level-log-length`` transitions, which a busy run overflows.
+    """
+
+    name = "memops-bench-compute-counter"
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.counts: Counter[str] = Counter()
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish == "memory" and str(key).startswith(self.prefix):
+            self.counts[str(key)] += 1
 
 
-def recomputed(client: distributed.Client, prefix: str) -> int:
-    """Tasks (keys starting with ``prefix``) computed more than once so far."""
-    # This module is not importable on the scheduler: send the function by value.
+def _counts(dask_scheduler: Any = None) -> dict[str, int]:
+    return dict(dask_scheduler.plugins[ComputeCounter.name].counts)
+
+
+def count_computations(client: distributed.Client, prefix: str) -> None:
+    """From now on, count how often each key starting with ``prefix`` is computed."""
+    # This module is not importable on the scheduler: send the plugin by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    counts = client.run_on_scheduler(times_computed, prefix)
+    client.register_plugin(ComputeCounter(prefix))
+
+
+def recomputed(client: distributed.Client) -> int:
+    """Tasks counted by :func:`count_computations` that reached memory more than once."""
+    counts = client.run_on_scheduler(_counts)
     return sum(count - 1 for count in counts.values() if count > 1)

@@ -98,6 +98,7 @@ def run(workers: int, sequence: list[int], *, through_policy: bool) -> tuple[int
                 settle(client, env, workers)
             top_up(client, futures, "start")
             count = PERSISTED_PER_WORKER * workers
+            benchkit.count_computations(client, "persisted-")
             persisted = client.map(block, range(count), key=[f"persisted-{i}" for i in range(count)])
             distributed.wait(persisted)
             desired = workers
@@ -122,7 +123,7 @@ def run(workers: int, sequence: list[int], *, through_policy: bool) -> tuple[int
                 distributed.wait(running, timeout=120)
                 top_up(client, futures, f"step{step}")
             distributed.wait(persisted, timeout=120)
-            return lost(client, futures), len(futures), benchkit.recomputed(client, "persisted-")
+            return lost(client, futures), len(futures), benchkit.recomputed(client)
 
 
 def main() -> int:

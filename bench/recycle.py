@@ -72,6 +72,7 @@ def policy(address: str, replicas: int, recycle: dict[str, Any]) -> str:
 
 
 def load(client: distributed.Client) -> tuple[dict[str, distributed.Future], list[distributed.Future]]:
+    benchkit.count_computations(client, "persisted-")
     scattered: dict[str, distributed.Future] = {}
     for name, address in benchkit.workers(client).items():
         values = {f"unique-{name}-{i}": os.urandom(MIB) for i in range(KEYS_PER_WORKER)}
@@ -119,7 +120,7 @@ def leak(with_memops: bool, seconds: float) -> dict[str, Any]:
             return {
                 "keys lost": lost(client, scattered),
                 "of keys": len(scattered),
-                "tasks recomputed": benchkit.recomputed(client, "persisted-"),
+                "tasks recomputed": benchkit.recomputed(client),
                 "nanny killed": "yes" if killed else "no",
                 "peak MiB": peak // MIB,
                 "recycled": recycled(box.env) if with_memops else 0,
