@@ -207,3 +207,8 @@ class Kube:
 
     async def json_patch(self, path: str, operations: builtins.list[Obj]) -> Obj:
         return await self.request("PATCH", path, body=operations, content_type="application/json-patch+json")
+
+    async def delete(self, path: str, *, propagation_policy: str = "Background") -> Obj:
+        return await self.request(
+            "DELETE", path, body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation_policy}
+        )

@@ -3,13 +3,14 @@
 No I/O and no Dask imports. :mod:`memops.daskrpc` builds a :class:`SchedulerSnapshot` from
 the scheduler's own handlers; the controllers and the benchmarks call the functions here.
 Keys are strings (Dask keys stringified), worker addresses are Dask comm addresses, and a
-worker's name is its pod's name.
+worker's name is its pod's name (:meth:`SchedulerSnapshot.named_by_pod` makes it so where the
+workers call themselves otherwise, as dask-kubernetes' do).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 
@@ -44,6 +45,15 @@ class SchedulerSnapshot:
 
     def by_address(self, address: str) -> WorkerInfo | None:
         return self._by_address.get(address)
+
+    def named_by_pod(self, pods_by_worker_name: Mapping[str, str]) -> SchedulerSnapshot:
+        """The same snapshot with each worker renamed to its pod, where the mapping names it."""
+        if not pods_by_worker_name:
+            return self
+        workers = tuple(
+            replace(w, name=pods_by_worker_name[w.name]) if w.name in pods_by_worker_name else w for w in self.workers
+        )
+        return replace(self, workers=workers)
 
     # Built once per snapshot: callers look up every pod of a workload, which must not cost
     # workers x pods. The first worker wins when two share a name (it does not happen in Dask,

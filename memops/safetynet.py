@@ -34,7 +34,8 @@ from distributed.security import Security
 LEAVING = {"closing_gracefully", "closing", "closed"}
 
 async def main():
-    name = os.environ["MEMOPS_POD_NAME"]
+    # dask-kubernetes names a worker by DASK_WORKER_NAME (its Deployment); otherwise the pod's name.
+    name = os.environ.get("DASK_WORKER_NAME") or os.environ["MEMOPS_POD_NAME"]
     security = Security()
     if os.environ.get("MEMOPS_TLS_CA"):
         # PEM texts from the policy's Secret; Security tells contents from paths by the newline.

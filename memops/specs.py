@@ -71,6 +71,7 @@ class OnTimeout(enum.StrEnum):
 
 class WorkloadKind(enum.StrEnum):
     DEPLOYMENT = "Deployment"
+    DASK_WORKER_GROUP = "DaskWorkerGroup"  # dask-kubernetes, kubernetes.dask.org/v1
 
 
 class TLSRef(Model):
@@ -109,7 +110,12 @@ class SchedulerRef(Model):
 class WorkloadRef(Model):
     """The Kubernetes object whose pods run the Dask workers."""
 
-    kind: WorkloadKind = pydantic.Field(description="The kind of the workload. Supported: Deployment.")
+    kind: WorkloadKind = pydantic.Field(
+        description=(
+            "The kind of the workload: Deployment (apps/v1), or DaskWorkerGroup (kubernetes.dask.org/v1,"
+            " dask-kubernetes' operator)."
+        )
+    )
     name: str = pydantic.Field(min_length=1, description="The workload's name, in the same namespace.")
 
 
@@ -217,6 +223,13 @@ class ScaleDown(Model):
     pods: list[str] = pydantic.Field(description="The pods whose removal was ordered.")
     replicasFrom: int = pydantic.Field(description="The workload's replicas before the scale-down.")
     replicasTo: int = pydantic.Field(description="The replicas that memops set.")
+    deployments: list[str] = pydantic.Field(
+        default_factory=list,
+        description=(
+            "DaskWorkerGroup only: the one-replica worker Deployments of these pods, which memops deletes"
+            " before it lowers spec.worker.replicas."
+        ),
+    )
 
 
 class RetirementRequestStatus(Model):

@@ -219,6 +219,10 @@ class ApiServer(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         for kind in BUILTIN_KINDS:
             self.serve_kind(kind)
+        # The API server answers these with a trailing slash too; kr8s (dask-kubernetes' client) adds one.
+        self.fallback["get /version/"] << self._serve_server_version
+        self.fallback["get /api/"] << self._serve_api
+        self.fallback["get /apis/"] << self._serve_apis
         self.store.admit = self.admit
         for namespace in ("default", "kube-system"):
             self.store.objects[("namespaces", None, namespace)] = {
@@ -435,7 +439,7 @@ class ApiServer(kmock.KubernetesEmulator):
         schema = kind.schema
         if schema is None or request.params.get("fieldValidation") != "Strict" or not isinstance(body, dict):
             return
-        content = {k: v for k, v in body.items() if k != "metadata"}
+        content = {k: v for k, v in body.items() if k not in schemas.IMPLICIT_ROOT_FIELDS}
         unknown = sorted(schemas.unknown_fields(content, schema))
         if unknown:
             raise ApiError(

@@ -20,6 +20,11 @@ from memops.cluster.memstore import ApiError, Obj
 _TYPE_NAMES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
 
 
+IMPLICIT_ROOT_FIELDS = ("apiVersion", "kind", "metadata")
+"""Implicit at the root of every structural schema: the API server keeps them whether or not the
+CRD declares them (dask-kubernetes' CRDs do not)."""
+
+
 def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
     """Fill in ``default``s of absent properties, recursively (apiextensions defaulting)."""
     if isinstance(value, dict) and "properties" in schema:
@@ -102,7 +107,8 @@ def validate(obj: Obj, schema: dict[str, Any], *, kind: str, group: str, strict:
     """Default, prune and check ``obj``; raise a 422 ``ApiError`` naming every bad field."""
     obj = apply_defaults(copy.deepcopy(obj), schema)
     meta = obj.get("metadata", {})
-    body = {k: v for k, v in obj.items() if k != "metadata"}
+    implicit = {k: obj[k] for k in ("apiVersion", "kind") if k in obj}
+    body = {k: v for k, v in obj.items() if k not in IMPLICIT_ROOT_FIELDS}
     unknown = sorted(unknown_fields(body, schema))
     if strict and unknown:
         raise ApiError(
@@ -127,4 +133,4 @@ def validate(obj: Obj, schema: dict[str, Any], *, kind: str, group: str, strict:
                 ],
             },
         )
-    return {**body, "metadata": meta}
+    return {**implicit, **body, "metadata": meta}

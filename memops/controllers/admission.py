@@ -15,6 +15,7 @@ import kopf
 import pydantic
 
 from memops import kube, safetynet, specs
+from memops.controllers import workloads
 
 CONFIGURATION = "memops.dev"
 
@@ -34,11 +35,8 @@ async def policy_for(
             spec = specs.MemoryPolicySpec.model_validate(policy.get("spec", {}))
         except pydantic.ValidationError:
             continue
-        workload = await client.get_or_none(
-            kube.resource_path("apps", "v1", "deployments", namespace, spec.workload.name)
-        )
-        selector = (workload or {}).get("spec", {}).get("selector", {}).get("matchLabels", {})
-        if safetynet.selects(selector, labels):
+        workload = await workloads.get(client, namespace, spec.workload)
+        if workload is not None and safetynet.selects(workloads.selector_labels(workload), labels):
             return str(policy["metadata"]["name"]), spec
     return None
 

@@ -103,7 +103,7 @@ class Policy:
         if snapshot is not None:
             status.memory = _memory_status(snapshot)
 
-        current = int(workload.get("spec", {}).get("replicas", 1))
+        current = workloads.replicas_of(workload)
         desired = spec.replicas if spec.replicas is not None else current
         now = time.time()
         limited = ""
@@ -230,12 +230,13 @@ class Policy:
         window = recycling.window_for(spec.recycle)
         if self.window is None or (self.window.seconds, self.window.spacing) != (window.seconds, window.spacing):
             self.window = window
+        pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         return await recycle.reconcile(
             self.client,
             body=self.body,
             spec=spec,
-            pods=await workloads.pods(self.client, self.namespace, spec.workload, workload),
-            snapshot=snapshot,
+            pods=pods,
+            snapshot=snapshot.named_by_pod(workloads.worker_names(pods)),
             window=self.window,
             requests=requests,
             desired=desired,

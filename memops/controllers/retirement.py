@@ -105,6 +105,7 @@ class Retirement:
             return status
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         pod_names = [p["metadata"]["name"] for p in pods]
+        snapshot = snapshot.named_by_pod(workloads.worker_names(pods))
         taken = retirement.claimed_by_others(pods, self.name)
         if spec.workers is not None:
             for index, pod in enumerate(spec.workers):
@@ -282,15 +283,18 @@ class Retirement:
                 )
                 await self.write(status)
                 return status
-            await workloads.mark_for_deletion(self.client, self.namespace, pods)
+            await workloads.mark_for_deletion(self.client, self.namespace, workload_ref, pods)
             replicas = await workloads.replicas(self.client, self.namespace, workload_ref)
             # Recorded before the scale-down is ordered: a restarted operator must not lower it twice.
             status.scaleDown = specs.ScaleDown(
-                pods=pods, replicasFrom=replicas, replicasTo=max(replicas - len(pods), 0)
+                pods=pods,
+                replicasFrom=replicas,
+                replicasTo=max(replicas - len(pods), 0),
+                deployments=await workloads.worker_deployments(self.client, self.namespace, workload_ref, pods),
             )
             await self.write(status)
         assert status.scaleDown is not None
-        await workloads.scale_down_to(self.client, self.namespace, workload_ref, status.scaleDown.replicasTo)
+        await workloads.remove(self.client, self.namespace, workload_ref, status.scaleDown)
         gone = await workloads.wait_pods_gone(self.client, self.namespace, pods, timeout=60)
         status.workers = retirement.mark_removed(status.workers, gone)
         await self.write(status)

@@ -1,11 +1,22 @@
-"""What memops does to the workload whose pods run the workers (a Deployment, so far).
+"""What memops does to the workload whose pods run the workers: a Deployment or a DaskWorkerGroup.
 
 Called by the controllers; every function here is a few API calls through :mod:`memops.kube`.
-The order of removal follows the ReplicaSet controller's own rules: memops marks exactly the
-drained pods with the lowest ``controller.kubernetes.io/pod-deletion-cost`` and then lowers
-``replicas``, so the ReplicaSet removes those pods and no others (``ActivePodsWithRanks`` in
-kubernetes ``pkg/controller/controller_utils.go``: deletion cost is compared only after
-unassigned, pending and not-ready pods, hence :func:`outranking_pods`).
+
+Deployment: the order of removal follows the ReplicaSet controller's own rules: memops marks
+exactly the drained pods with the lowest ``controller.kubernetes.io/pod-deletion-cost`` and
+then lowers ``replicas``, so the ReplicaSet removes those pods and no others
+(``ActivePodsWithRanks`` in kubernetes ``pkg/controller/controller_utils.go``: deletion cost is
+compared only after unassigned, pending and not-ready pods, hence :func:`outranking_pods`).
+
+DaskWorkerGroup (dask-kubernetes 2026.3.0, ``operator/controller/controller.py``,
+``daskworkergroup_replica_update``): each worker is its own one-replica Deployment named
+``<group>-worker-<uuid>``, which is also its Dask worker name (env ``DASK_WORKER_NAME``). The
+handler runs when ``spec.worker.replicas`` changes, counts the Deployments labelled
+``dask.org/workergroup-name=<group>`` and creates or retires the difference; to retire it asks
+the scheduler, or closes the last workers, "which can result in lost data". So memops deletes
+exactly the drained workers' Deployments, waits until they are gone, and only then lowers
+``spec.worker.replicas`` from the value it recorded: the handler then finds as many
+Deployments as replicas and has nothing to choose.
 """
 
 from __future__ import annotations
@@ -19,17 +30,77 @@ from memops import kube, retirement, specs
 Obj = dict[str, Any]
 
 
-def _deployment_path(namespace: str, name: str, subresource: str | None = None) -> str:
+DASK_GROUP, DASK_VERSION = "kubernetes.dask.org", "v1"
+WORKER_NAME_ENV = "DASK_WORKER_NAME"
+
+
+def _deployment_path(namespace: str, name: str | None, subresource: str | None = None) -> str:
     return kube.resource_path("apps", "v1", "deployments", namespace, name, subresource)
 
 
+def _path(namespace: str, ref: specs.WorkloadRef) -> str:
+    if ref.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
+        return kube.resource_path(DASK_GROUP, DASK_VERSION, "daskworkergroups", namespace, ref.name)
+    return _deployment_path(namespace, ref.name)
+
+
+def _is_group(workload: Obj) -> bool:
+    return str(workload.get("kind")) == specs.WorkloadKind.DASK_WORKER_GROUP.value
+
+
 async def get(client: kube.Kube, namespace: str, ref: specs.WorkloadRef) -> Obj | None:
-    return await client.get_or_none(_deployment_path(namespace, ref.name))
+    return await client.get_or_none(_path(namespace, ref))
+
+
+def replicas_of(workload: Obj) -> int:
+    """The workload's desired replicas as its spec says."""
+    spec = workload.get("spec", {})
+    if _is_group(workload):
+        return int(spec.get("worker", {}).get("replicas", 0))
+    return int(spec.get("replicas", 1))
+
+
+def selector_labels(workload: Obj) -> dict[str, str]:
+    """The labels that select the workload's worker pods."""
+    if _is_group(workload):
+        # The labels dask-kubernetes puts on every worker Deployment and its pods.
+        return {"dask.org/component": "worker", "dask.org/workergroup-name": str(workload["metadata"]["name"])}
+    return dict(workload.get("spec", {}).get("selector", {}).get("matchLabels", {}))
 
 
 def selector(workload: Obj) -> str:
-    labels = workload.get("spec", {}).get("selector", {}).get("matchLabels", {})
-    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(workload).items()))
+
+
+def worker_names(pods: list[Obj]) -> dict[str, str]:
+    """Dask worker name -> pod name, where they differ.
+
+    memops names a worker by its pod. dask-kubernetes names it by its Deployment, through a
+    literal ``DASK_WORKER_NAME`` in the pod's environment; that value maps back to the pod.
+    """
+    names: dict[str, str] = {}
+    for pod in pods:
+        for container in pod.get("spec", {}).get("containers", []):
+            for variable in container.get("env", []) or []:
+                if variable.get("name") == WORKER_NAME_ENV and variable.get("value"):
+                    names[str(variable["value"])] = str(pod["metadata"]["name"])
+    return names
+
+
+async def owning_deployment(client: kube.Kube, pod: Obj) -> str | None:
+    """The Deployment that runs this pod: its owner, or its ReplicaSet's owner."""
+    meta = pod["metadata"]
+    for owner in meta.get("ownerReferences", []) or []:
+        if owner.get("kind") == "Deployment":
+            return str(owner["name"])
+        if owner.get("kind") == "ReplicaSet":
+            replica_set = await client.get_or_none(
+                kube.resource_path("apps", "v1", "replicasets", meta["namespace"], owner["name"])
+            )
+            for parent in (replica_set or {}).get("metadata", {}).get("ownerReferences", []) or []:
+                if parent.get("kind") == "Deployment":
+                    return str(parent["name"])
+    return None
 
 
 async def pods(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, workload: Obj | None = None) -> list[Obj]:
@@ -78,6 +149,8 @@ def _ready(pod: Obj) -> bool:
 
 async def outranking_pods(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, chosen: list[str]) -> list[str]:
     """Other pods that the ReplicaSet would delete before the chosen ones, whatever their cost."""
+    if ref.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
+        return []  # each worker has its own Deployment, and memops deletes exactly the chosen ones
     others = [p for p in await pods(client, namespace, ref) if p["metadata"]["name"] not in chosen]
     return [
         p["metadata"]["name"]
@@ -86,7 +159,9 @@ async def outranking_pods(client: kube.Kube, namespace: str, ref: specs.Workload
     ]
 
 
-async def mark_for_deletion(client: kube.Kube, namespace: str, names: list[str]) -> None:
+async def mark_for_deletion(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, names: list[str]) -> None:
+    if ref.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
+        return  # no ReplicaSet chooses among a group's pods
     patch = {"metadata": {"annotations": {retirement.POD_DELETION_COST: retirement.LOWEST_DELETION_COST}}}
     for name in names:
         try:
@@ -97,8 +172,70 @@ async def mark_for_deletion(client: kube.Kube, namespace: str, names: list[str])
 
 
 async def replicas(client: kube.Kube, namespace: str, ref: specs.WorkloadRef) -> int:
+    if ref.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
+        return replicas_of(await client.get(_path(namespace, ref)))
     scale = await client.get(_deployment_path(namespace, ref.name, "scale"))
     return int(scale.get("spec", {}).get("replicas", 0))
+
+
+async def worker_deployments(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, pods: list[str]) -> list[str]:
+    """DaskWorkerGroup: the worker Deployments of these pods (none for a Deployment workload)."""
+    if ref.kind != specs.WorkloadKind.DASK_WORKER_GROUP:
+        return []
+    found = []
+    for name in pods:
+        pod = await client.get_or_none(_pod_path(namespace, name))
+        deployment = await owning_deployment(client, pod) if pod is not None else None
+        if deployment is not None:
+            found.append(deployment)
+    return found
+
+
+async def remove(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, scale_down: specs.ScaleDown) -> None:
+    """Carry out the recorded scale-down; idempotent, so a restarted operator can repeat it."""
+    if ref.kind != specs.WorkloadKind.DASK_WORKER_GROUP:
+        await scale_down_to(client, namespace, ref, scale_down.replicasTo)
+        return
+    for name in scale_down.deployments:
+        try:
+            # Background propagation: the Deployment object goes at once, its pods after their
+            # preStop and grace period, as with any Deployment deletion.
+            await client.delete(_deployment_path(namespace, name), propagation_policy="Background")
+        except kube.ApiError as exc:
+            if exc.code != 404:
+                raise
+    await _wait_deployments_gone(client, namespace, scale_down.deployments)
+    await _lower_group_replicas(client, namespace, ref, scale_down.replicasFrom, scale_down.replicasTo)
+
+
+async def _wait_deployments_gone(client: kube.Kube, namespace: str, names: list[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        present = {d["metadata"]["name"] for d in await client.list(_deployment_path(namespace, None))}
+        if not present & set(names):
+            return
+        await asyncio.sleep(0.2)
+
+
+async def _lower_group_replicas(
+    client: kube.Kube, namespace: str, ref: specs.WorkloadRef, replicas_from: int, replicas_to: int
+) -> None:
+    """Set spec.worker.replicas from ``replicas_from`` to ``replicas_to``, only if nobody changed it.
+
+    The ``test`` makes it atomic: if someone else scaled the group meanwhile, their value stands
+    (dask-kubernetes counts the Deployments that are left, so nothing is retired twice).
+    """
+    try:
+        await client.json_patch(
+            _path(namespace, ref),
+            [
+                {"op": "test", "path": "/spec/worker/replicas", "value": replicas_from},
+                {"op": "replace", "path": "/spec/worker/replicas", "value": replicas_to},
+            ],
+        )
+    except kube.ApiError as exc:
+        if exc.code not in (409, 422):  # 422: the test failed, the replicas are no longer ours to set
+            raise
 
 
 async def scale_down_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, target: int) -> None:
@@ -118,6 +255,19 @@ async def scale_down_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRe
 
 async def scale_up_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, target: int) -> None:
     """Raise replicas to ``target`` unless they already are at or above it (idempotent)."""
+    if ref.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
+        group = await client.get(_path(namespace, ref))
+        if replicas_of(group) >= target:
+            return
+        # dask-kubernetes' handler creates the new workers' Deployments.
+        await client.merge_patch(
+            _path(namespace, ref),
+            {
+                "metadata": {"resourceVersion": group["metadata"]["resourceVersion"]},
+                "spec": {"worker": {"replicas": target}},
+            },
+        )
+        return
     path = _deployment_path(namespace, ref.name, "scale")
     scale = await client.get(path)
     if int(scale.get("spec", {}).get("replicas", 0)) >= target:

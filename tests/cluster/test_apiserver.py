@@ -296,3 +296,50 @@ async def test_mutating_webhooks_are_called_on_creation(api: Any) -> None:
             assert "down.test" in (await response.json())["message"]
     finally:
         await runner.cleanup()
+
+
+async def test_a_crd_need_not_declare_apiversion_and_kind(api: Any) -> None:
+    """As the API server does: they are implicit at the root of a structural schema."""
+    server, http = api
+    await server.create_crd(
+        {
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": "widgets.example.com"},
+            "spec": {
+                "group": "example.com",
+                "scope": "Namespaced",
+                "names": {"kind": "Widget", "plural": "widgets", "singular": "widget"},
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "schema": {
+                            "openAPIV3Schema": {
+                                "type": "object",
+                                "properties": {"spec": {"type": "object", "properties": {"size": {"type": "integer"}}}},
+                            }
+                        },
+                    }
+                ],
+            },
+        }
+    )
+    widget = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}, "spec": {"size": 1}}
+    path = "/apis/example.com/v1/namespaces/default/widgets"
+    async with http.post(path, json=widget, params={"fieldValidation": "Strict"}) as response:
+        assert response.status == 201, await response.text()
+        created = await response.json()
+    assert (created["apiVersion"], created["kind"], created["spec"]) == ("example.com/v1", "Widget", {"size": 1})
+    async with http.post(path, json={**widget, "extra": 1}, params={"fieldValidation": "Strict"}) as response:
+        assert response.status == 400
+        assert 'unknown field "extra"' in (await response.json())["message"]
+
+
+@pytest.mark.parametrize("path", ["/version/", "/api/", "/apis/"])
+async def test_discovery_answers_with_a_trailing_slash(api: Any, path: str) -> None:
+    _, http = api
+    async with http.get(path) as response:
+        assert response.status == 200
+        assert await response.json()

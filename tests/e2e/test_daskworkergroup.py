@@ -1,0 +1,192 @@
+"""MemoryPolicy on a dask-kubernetes DaskWorkerGroup, with dask-kubernetes' real controller.
+
+dask-kubernetes' operator (its own Kopf controller, with kr8s as its client) runs as a process
+against the sandbox's emulated API, as it would against a cluster. It creates the DaskCluster's
+scheduler and one one-replica Deployment per worker; the sandbox's kubelet runs them as real
+``dask scheduler`` and ``dask worker`` processes. memops scales the group through the policy:
+the drained workers' Deployments are deleted and ``spec.worker.replicas`` lowered after, so
+dask-kubernetes' replica handler has nothing left to choose and retires nobody.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import distributed
+import pytest
+
+from tests.e2e.conftest import BIN, Sandbox
+from tests.e2e.data import scatter_unique
+
+GROUP = "dk-default"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dask_cluster(port: int, workers: int) -> dict[str, Any]:
+    scheduler_address = f"tcp://127.0.0.1:{port}"
+    return {
+        "apiVersion": "kubernetes.dask.org/v1",
+        "kind": "DaskCluster",
+        "metadata": {"name": "dk", "namespace": "default"},
+        "spec": {
+            "scheduler": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "scheduler",
+                            "command": ["dask", "scheduler"],
+                            "args": ["--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"],
+                        }
+                    ]
+                },
+                "service": {
+                    "type": "ClusterIP",
+                    "selector": {"dask.org/cluster-name": "dk", "dask.org/component": "scheduler"},
+                    "ports": [{"name": "tcp-comm", "protocol": "TCP", "port": 8786, "targetPort": "tcp-comm"}],
+                },
+            },
+            "worker": {
+                "replicas": workers,
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "worker",
+                            "command": ["dask", "worker"],
+                            # dask-kubernetes' own arguments: the worker is named by its Deployment.
+                            "args": [
+                                "$(DASK_SCHEDULER_ADDRESS)",
+                                "--name",
+                                "$(DASK_WORKER_NAME)",
+                                "--nthreads",
+                                "1",
+                                "--memory-limit",
+                                "512MiB",
+                                "--no-dashboard",
+                            ],
+                            # Pods here run on this machine, not behind the scheduler's Service name.
+                            "env": [{"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address}],
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+@pytest.fixture
+def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
+    """A sandbox with dask-kubernetes' CRDs and controller, and a DaskCluster of 3 workers."""
+    sandbox: Sandbox = sandbox_factory(1)
+    charts = importlib.resources.files("dask_kubernetes") / "operator/deployment/helm/dask-kubernetes-operator/crds"
+    sandbox.kubectl("apply", "-f", str(charts))
+    log = (sandbox.state_dir / "dask-kubernetes.log").open("ab")
+    controller = subprocess.Popen(
+        [str(BIN / "kopf"), "run", "--standalone", "--all-namespaces", "-m", "dask_kubernetes.operator.controller"],
+        stdout=log,
+        stderr=log,
+        env=sandbox.env,
+        start_new_session=True,
+    )
+    try:
+        port = _free_port()
+        sandbox.apply(dask_cluster(port, 3))
+        address = f"tcp://127.0.0.1:{port}"
+        sandbox.wait_for(lambda: len(worker_deployments(sandbox)) == 3, timeout=60, what="3 worker Deployments")
+        with distributed.Client(address, timeout=60) as client:
+            client.wait_for_workers(3, timeout=60)
+        yield sandbox, address
+    finally:
+        os.killpg(controller.pid, signal.SIGTERM)
+        controller.wait(20)
+
+
+def worker_deployments(sandbox: Sandbox) -> list[str]:
+    items = sandbox.get("deployments", "-l", f"dask.org/workergroup-name={GROUP}")["items"]
+    return sorted(d["metadata"]["name"] for d in items if not d["metadata"].get("deletionTimestamp"))
+
+
+def group_replicas(sandbox: Sandbox) -> int:
+    return int(sandbox.get("daskworkergroup", GROUP)["spec"]["worker"]["replicas"])
+
+
+def controller_log(sandbox: Sandbox) -> str:
+    return Path(sandbox.state_dir / "dask-kubernetes.log").read_text(errors="replace")
+
+
+def test_policy_scales_a_daskworkergroup_without_dask_kubernetes_choosing(
+    dask_kubernetes: tuple[Sandbox, str],
+) -> None:
+    sandbox, address = dask_kubernetes
+    with distributed.Client(address, timeout=30) as client:
+        names = sorted(str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values())
+        assert names == worker_deployments(sandbox), "dask-kubernetes names each worker after its Deployment"
+        # The least loaded worker is the one to keep data on the others: give it the most.
+        holdings = scatter_unique(client, {names[0]: 12, names[1]: 4, names[2]: 2})
+        sandbox.apply(
+            {
+                "apiVersion": "memops.dev/v1alpha1",
+                "kind": "MemoryPolicy",
+                "metadata": {"name": "dk", "namespace": "default"},
+                "spec": {
+                    "scheduler": {"address": address},
+                    "workload": {"kind": "DaskWorkerGroup", "name": GROUP},
+                    "replicas": 3,
+                },
+            }
+        )
+        ready = sandbox.wait_for(
+            lambda: (s := sandbox.get("mempol", "dk").get("status", {})).get("replicas") == 3 and s,
+            what="the policy to read the group",
+        )
+        assert ready["selector"] == f"dask.org/component=worker,dask.org/workergroup-name={GROUP}"
+
+        sandbox.kubectl("scale", "mempol/dk", "--replicas=1")
+        sandbox.wait_for(lambda: group_replicas(sandbox) == 1, timeout=90, what="the group's replicas lowered")
+        [request] = sandbox.get("retire", "-l", "memops.dev/policy=dk")["items"]
+        done = sandbox.wait_phase(request["metadata"]["name"], "Succeeded", "Failed")
+        assert done["status"]["phase"] == "Succeeded", done["status"]
+        scale_down = done["status"]["scaleDown"]
+        # The two workers with the least unique data were chosen, and exactly their Deployments went.
+        assert sorted(scale_down["deployments"]) == names[1:]
+        assert (scale_down["replicasFrom"], scale_down["replicasTo"]) == (3, 1)
+        assert worker_deployments(sandbox) == names[:1]
+        holdings.assert_all_correct()
+
+        # dask-kubernetes' handler ran for the new replicas, found one Deployment for one replica,
+        # and neither retired nor created any worker.
+        sandbox.wait_for(
+            lambda: "Scaled worker group dk-default up to 1 workers" in controller_log(sandbox),
+            what="dask-kubernetes' replica handler to run",
+        )
+        assert "Workers to close" not in controller_log(sandbox)
+        time.sleep(2)
+        assert worker_deployments(sandbox) == names[:1]
+
+        # Scale-up goes through the group: dask-kubernetes creates the new worker's Deployment,
+        # and the new pod gets the safety net at creation.
+        sandbox.kubectl("scale", "mempol/dk", "--replicas=2")
+        sandbox.wait_for(lambda: len(worker_deployments(sandbox)) == 2, timeout=60, what="a new worker Deployment")
+        client.wait_for_workers(2, timeout=60)
+        assert group_replicas(sandbox) == 2
+        [new] = [d for d in worker_deployments(sandbox) if d not in names]
+        [pod] = [
+            p
+            for p in sandbox.get("pods", "-l", f"dask.org/workergroup-name={GROUP}")["items"]
+            if p["metadata"]["name"].startswith(new)
+        ]
+        assert pod["metadata"]["annotations"]["memops.dev/safety-net"] == "dk"
+        assert "preStop" in pod["spec"]["containers"][0]["lifecycle"]
+        holdings.assert_all_correct()

@@ -1,0 +1,58 @@
+"""Which pods a workload has and what its workers are called: Deployment and DaskWorkerGroup."""
+
+from typing import Any
+
+from memops import planning
+from memops.controllers import workloads
+
+
+def group(replicas: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "kubernetes.dask.org/v1",
+        "kind": "DaskWorkerGroup",
+        "metadata": {"name": "dk-default"},
+        "spec": {"cluster": "dk", "worker": {"replicas": replicas, "spec": {}}},
+    }
+
+
+def deployment(replicas: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "dask-worker"},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "dask-worker"}}},
+    }
+
+
+def test_replicas_and_selector_of_either_kind() -> None:
+    assert workloads.replicas_of(deployment(4)) == 4
+    assert workloads.replicas_of(group(3)) == 3
+    assert workloads.selector(deployment(4)) == "app=dask-worker"
+    # The labels dask-kubernetes puts on each worker Deployment's pods.
+    assert workloads.selector_labels(group(3)) == {
+        "dask.org/component": "worker",
+        "dask.org/workergroup-name": "dk-default",
+    }
+
+
+def pod(name: str, env: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "spec": {"containers": [{"name": "worker", "env": env}]}}
+
+
+def test_dask_kubernetes_workers_are_named_after_their_deployment_and_map_back_to_their_pod() -> None:
+    pods = [
+        pod("dk-default-worker-aa-5f9c-x1", [{"name": "DASK_WORKER_NAME", "value": "dk-default-worker-aa"}]),
+        pod("dask-worker-7d-abcde", [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
+    ]
+    assert workloads.worker_names(pods) == {"dk-default-worker-aa": "dk-default-worker-aa-5f9c-x1"}
+    snapshot = planning.SchedulerSnapshot(
+        (
+            planning.WorkerInfo("dk-default-worker-aa", "tcp://a:1", unique_bytes=5),
+            planning.WorkerInfo("dask-worker-7d-abcde", "tcp://b:1"),
+        )
+    )
+    named = snapshot.named_by_pod(workloads.worker_names(pods))
+    worker = named.by_name("dk-default-worker-aa-5f9c-x1")
+    assert worker is not None and worker.address == "tcp://a:1" and worker.unique_bytes == 5
+    assert named.by_name("dask-worker-7d-abcde") is not None
+    assert named.by_name("dk-default-worker-aa") is None
