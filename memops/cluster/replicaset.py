@@ -96,6 +96,11 @@ def rank_pods_for_deletion(pods: list[Obj], related_pods: list[Obj]) -> list[Obj
     return [pod for pod, rank in sorted(ranked, key=lambda item: _deletion_key(item[0], item[1]))]
 
 
+def _matches(pod: Obj, selector: dict[str, str]) -> bool:
+    labels = pod["metadata"].get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
 def _is_active(pod: Obj) -> bool:
     """``FilterActivePods``: not being deleted, not Succeeded, not Failed."""
     return not pod["metadata"].get("deletionTimestamp") and pod.get("status", {}).get("phase") not in (
@@ -143,33 +148,40 @@ class DeploymentController:
 
     async def reconcile_all(self) -> None:
         deployments = self.store.list("deployments")
-        for deployment in deployments:
-            await self.reconcile(deployment)
+        # One pass over the pods, grouped by owner: listing per Deployment would cost
+        # Deployments x objects on every event, which at a thousand pods stalls the emulator.
+        owned: dict[str, list[Obj]] = {}
+        orphans = []
         uids = {d["metadata"]["uid"] for d in deployments}
         for pod in self.store.list("pods"):
             owners = [o for o in pod["metadata"].get("ownerReferences", []) if o.get("kind") == "Deployment"]
-            if owners and owners[0]["uid"] not in uids and not pod["metadata"].get("deletionTimestamp"):
-                await self._delete(pod)
+            if not owners:
+                continue
+            owned.setdefault(owners[0]["uid"], []).append(pod)
+            if owners[0]["uid"] not in uids and not pod["metadata"].get("deletionTimestamp"):
+                orphans.append(pod)
+        for deployment in deployments:
+            await self.reconcile(deployment, owned.get(deployment["metadata"]["uid"], []))
+        for pod in orphans:
+            await self._delete(pod)
 
-    async def reconcile(self, deployment: Obj) -> None:
+    async def reconcile(self, deployment: Obj, owned: list[Obj]) -> None:
+        """Create or delete pods until ``replicas`` are active; ``owned``: the pods it owns."""
         meta, spec = deployment["metadata"], deployment.get("spec", {})
         if meta.get("deletionTimestamp"):
             return
         selector = spec.get("selector", {}).get("matchLabels", {})
-        owned = [
-            p
-            for p in self.store.list("pods", meta.get("namespace"), selector)
-            if any(o.get("uid") == meta["uid"] for o in p["metadata"].get("ownerReferences", []))
-        ]
-        active = [p for p in owned if _is_active(p)]
+        active = [p for p in owned if _is_active(p) and _matches(p, selector)]
         wanted = int(spec.get("replicas", 1))
         if len(active) < wanted:
             for _ in range(wanted - len(active)):
-                await self.store.create("pods", meta.get("namespace"), self._new_pod(deployment))
+                created = await self.store.create("pods", meta.get("namespace"), self._new_pod(deployment))
+                active.append(created)
         elif len(active) > wanted:
             for pod in rank_pods_for_deletion(active, active)[: len(active) - wanted]:
                 await self._delete(pod)
-        await self._write_status(deployment)
+                active.remove(pod)
+        await self._write_status(deployment, active)
 
     def _new_pod(self, deployment: Obj) -> Obj:
         meta, template = deployment["metadata"], copy.deepcopy(deployment["spec"].get("template", {}))
@@ -203,17 +215,11 @@ class DeploymentController:
         with contextlib.suppress(Exception):  # already gone: nothing to do
             await self.store.delete("pods", pod["metadata"].get("namespace"), pod["metadata"]["name"])
 
-    async def _write_status(self, deployment: Obj) -> None:
-        meta, spec = deployment["metadata"], deployment.get("spec", {})
+    async def _write_status(self, deployment: Obj, active: list[Obj]) -> None:
+        meta = deployment["metadata"]
         current = self.store.get("deployments", meta.get("namespace"), meta["name"])
         if current is None:
             return
-        selector = spec.get("selector", {}).get("matchLabels", {})
-        active = [
-            p
-            for p in self.store.list("pods", meta.get("namespace"), selector)
-            if _is_active(p) and any(o.get("uid") == meta["uid"] for o in p["metadata"].get("ownerReferences", []))
-        ]
         ready = sum(1 for p in active if _ready_time(p) is not None)
         status = {
             "replicas": len(active),
