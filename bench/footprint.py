@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import importlib.resources
 import os
@@ -41,6 +42,7 @@ from memops.cluster import apiserver, replicaset
 from memops.cluster.store import Store
 
 PODS_PER_POLICY = 10
+ANCHOR_BATCH = 10
 Obj = dict[str, Any]
 
 
@@ -309,17 +311,25 @@ async def anchor_async(clusters: int, rest: float) -> list[tuple[str, float, flo
                 await store.create("namespaces", None, {"metadata": {"name": namespace}})
         total = clusters * PODS_PER_POLICY
         async with dask_kubernetes_operator(kubeconfig, state / "operator.log") as proc:
-            for namespace, name in names:
-                await store.create("daskclusters", namespace, dask_cluster(namespace, name))
 
-            def workers_running() -> bool:
+            def workers_running(count: int) -> bool:
                 pods = store.list("pods", None, {"dask.org/component": "worker"})
-                return sum(1 for p in pods if p.get("status", {}).get("phase") == "Running") == total
+                return sum(1 for p in pods if p.get("status", {}).get("phase") == "Running") >= count
 
-            await until(workers_running, 600, f"{total} dask-kubernetes worker pods")
+            # Ten clusters at a time: created all at once, its controller stalled here after about
+            # a hundred worker Deployments, every handler waiting and no CPU used.
+            note = f"+ {clusters} scheduler pods"
+            for start in range(0, clusters, ANCHOR_BATCH):
+                for namespace, name in names[start : start + ANCHOR_BATCH]:
+                    await store.create("daskclusters", namespace, dask_cluster(namespace, name))
+                wanted = min(start + ANCHOR_BATCH, clusters) * PODS_PER_POLICY
+                try:
+                    await until(functools.partial(workers_running, wanted), 300, f"{wanted} worker pods")
+                except TimeoutError:
+                    note += f"; stalled at {len(store.list('deployments')) - clusters} worker Deployments"
+                    break
             await asyncio.sleep(5)
             rss, cpu, api_rate = await measure(api, proc, rest)
-            note = f"+ {clusters} scheduler pods"
             return_rows = [(f"at rest: {total} pods, {clusters} DaskWorkerGroups", rss, cpu, api_rate, note)]
         for task in tasks:
             task.cancel()
@@ -331,7 +341,15 @@ def main() -> int:
     parser.add_argument("--policies", type=int, default=100, help=f"policies, each with {PODS_PER_POLICY} pods")
     parser.add_argument("--rest", type=float, default=60, help="seconds measured at rest")
     args = parser.parse_args()
+    # On SIGTERM (a timeout), unwind through the context managers: they stop the operators.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     rows = asyncio.run(main_async(args.policies, args.rest))
+    progress(
+        "memops: "
+        + "; ".join(
+            f"{label}: {rss:.0f} MiB, {cpu:.1f} CPU s/min, {rate:.0f} req/min" for label, rss, cpu, rate, _ in rows
+        )
+    )
     anchor = asyncio.run(anchor_async(args.policies, args.rest))
     print(f"\n{'operator':17} {'phase':48} {'RSS MiB':>8} {'CPU s/min':>10} {'API req/min':>12}  note")
     for who, table in (("memops", rows), ("dask-kubernetes", anchor)):

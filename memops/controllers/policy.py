@@ -37,6 +37,7 @@ from memops.controllers import recycle, workloads
 POLICY_LABEL = "memops.dev/policy"
 GENERATION_ANNOTATION = "memops.dev/policy-generation"
 _IDLE_SECONDS = 2.0
+_STEADY_SECONDS = 10.0
 _WATCH_SECONDS = 0.1
 _MEMORY_REFRESH_SECONDS = 15.0
 """A status change of the memory figures alone is written at most this often (the HPA's sync period)."""
@@ -59,12 +60,14 @@ class Policy:
         self.logger = logger
         self.cache = cache
         self.written = -_MEMORY_REFRESH_SECONDS  # when this pass' status was last written (monotonic)
+        self.steady = False  # the last pass found nothing to do and nothing that samples memory
         self.namespace = str(body.metadata.namespace)
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
         self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
 
     async def reconcile(self) -> None:
+        self.steady = False
         generation = int(self.body.metadata.get("generation", 1))
         old = specs.MemoryPolicyStatus.model_validate(_own(self.body.get("status")))
         status = old.model_copy(deep=True, update={"observedGeneration": generation})
@@ -217,6 +220,16 @@ class Policy:
         )
         if step is not None:
             await recycle.mark_recorded(self.client, self.namespace, step.recorded)
+        # Memory-driven features sample the scheduler on every short pass; a plain policy that is
+        # where it should be only watches for drift, and its own spec changes wake it at once.
+        self.steady = (
+            decision.action == scaling.Action.NONE
+            and not running
+            and snapshot is not None
+            and spec.autoscale is None
+            and spec.recycle is None
+            and spec.pressure is None
+        )
 
     async def recycle(
         self,
@@ -480,8 +493,10 @@ def register(registry: kopf.OperatorRegistry) -> None:
                 metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
                 logger.warning("will retry: %s", exc)
             # Wake at once when the spec changes (kubectl scale, an HPA, a GitOps commit: Kopf
-            # keeps the body current), else every few seconds to follow drains and drift.
+            # keeps the body current), else every few seconds to follow drains and drift
+            # (every 10 s for a plain policy at rest: see Policy.steady).
             waited = 0.0
-            while not stopped and waited < _IDLE_SECONDS and body.metadata.get("generation") == generation:
+            idle = _STEADY_SECONDS if reconciler.steady else _IDLE_SECONDS
+            while not stopped and waited < idle and body.metadata.get("generation") == generation:
                 await stopped.wait(_WATCH_SECONDS)
                 waited += _WATCH_SECONDS
