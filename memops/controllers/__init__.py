@@ -57,6 +57,7 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
         if webhook is not None:
             admission.configure(settings, port=webhook.port, host=webhook.host, insecure=webhook.insecure)
         memo.kube = kube.Kube(kube.load_connection(kubeconfig))
+        memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

@@ -12,6 +12,7 @@ carries on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -38,7 +39,6 @@ POLICY_LABEL = "memops.dev/policy"
 GENERATION_ANNOTATION = "memops.dev/policy-generation"
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
-_WATCH_SECONDS = 0.1
 _MEMORY_REFRESH_SECONDS = 15.0
 """A status change of the memory figures alone is written at most this often (the HPA's sync period)."""
 _TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
@@ -455,7 +455,14 @@ _INDEX_NAMES = {
 
 def register(registry: kopf.OperatorRegistry) -> None:
     @kopf.index(specs.GROUP, specs.VERSION, "memorypolicies", registry=registry, id="memops_policies")
-    def memops_policies(namespace: str | None, body: kopf.Body, **_: Any) -> dict[tuple[str, ...], dict[str, Any]]:
+    def memops_policies(
+        namespace: str | None, uid: str, body: kopf.Body, memo: kopf.Memo, **_: Any
+    ) -> dict[tuple[str, ...], dict[str, Any]]:
+        # Every change of a policy passes here first (Kopf updates the daemon's body, then its
+        # indexes): wake that policy's daemon, which checks whether its generation moved.
+        waker = getattr(memo, "policy_wakers", {}).get(uid)
+        if waker is not None:
+            waker.set()
         return {(namespace or "",): _slim(body)}
 
     @kopf.index("autoscaling", "v2", "horizontalpodautoscalers", registry=registry, id="memops_hpas")
@@ -485,18 +492,43 @@ def register(registry: kopf.OperatorRegistry) -> None:
     ) -> None:
         cache = Cache({name: kwargs[name] for name in _INDEX_NAMES.values()})
         reconciler = Policy(client=memo.kube, body=body, logger=logger, cache=cache)
-        while not stopped:
-            generation = body.metadata.get("generation")
+        uid = str(body.metadata.uid)
+        waker = memo.policy_wakers.setdefault(uid, asyncio.Event())
+        try:
+            await _loop(reconciler, body, stopped, waker, logger)
+        finally:
+            memo.policy_wakers.pop(uid, None)
+
+
+async def _loop(
+    reconciler: Policy,
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped,
+    waker: asyncio.Event,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> None:
+    """Reconcile, then wait for a spec change (woken by the policies index) or the idle time."""
+    while not stopped:
+        generation = body.metadata.get("generation")
+        try:
+            await reconciler.reconcile()
+        except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
+            metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
+            logger.warning("will retry: %s", exc)
+        # Wake at once when the spec changes (kubectl scale, an HPA, a GitOps commit: Kopf
+        # keeps the body current), else every few seconds to follow drains and drift
+        # (every 10 s for a plain policy at rest: see Policy.steady).
+        idle = _STEADY_SECONDS if reconciler.steady else _IDLE_SECONDS
+        deadline = time.monotonic() + idle
+        while not stopped and body.metadata.get("generation") == generation:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            waker.clear()
+            woken = asyncio.ensure_future(waker.wait())
+            stopping = asyncio.ensure_future(stopped.wait())
             try:
-                await reconciler.reconcile()
-            except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
-                metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
-                logger.warning("will retry: %s", exc)
-            # Wake at once when the spec changes (kubectl scale, an HPA, a GitOps commit: Kopf
-            # keeps the body current), else every few seconds to follow drains and drift
-            # (every 10 s for a plain policy at rest: see Policy.steady).
-            waited = 0.0
-            idle = _STEADY_SECONDS if reconciler.steady else _IDLE_SECONDS
-            while not stopped and waited < idle and body.metadata.get("generation") == generation:
-                await stopped.wait(_WATCH_SECONDS)
-                waited += _WATCH_SECONDS
+                await asyncio.wait({woken, stopping}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
+                stopping.cancel()
