@@ -38,12 +38,16 @@ import base64
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import cloudpickle
 from distributed.comm.core import CommClosedError
 from distributed.core import rpc
+from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
 from memops import planning
+from memops.scheduler import relief
 
 
 class SchedulerUnreachable(Exception):
@@ -275,3 +279,36 @@ async def retire_workers(
         seconds=time.monotonic() - start,
         absent=absent,
     )
+
+
+class SchedulerRefused(Exception):
+    """The scheduler answered, with an error (for example, it does not accept pickled code)."""
+
+
+async def configure_relief(
+    address: str,
+    *,
+    security: Security | None = None,
+    above: float | None,
+    to: float | None,
+    timeout: float = 5,
+) -> dict[str, Any] | None:
+    """Install, retune or (``above=None``) remove pressure relief in the scheduler; its state.
+
+    The code goes by value (cloudpickle), so the scheduler needs only ``distributed``.
+    """
+    cloudpickle.register_pickle_by_value(relief)
+    scheduler = _connect(address, security, timeout)
+    try:
+        async with asyncio.timeout(timeout):
+            response = await scheduler.run_function(
+                function=dumps(relief.configure), kwargs=dumps({"above": above, "to": to})
+            )
+    except _COMM_ERRORS as exc:
+        raise SchedulerUnreachable(address, exc) from exc
+    finally:
+        await scheduler.close_rpc()
+    if response.get("status") != "OK":
+        raise SchedulerRefused(f"pressure relief could not be configured: {response.get('exception')!r}")
+    result: dict[str, Any] | None = response.get("result")
+    return result
