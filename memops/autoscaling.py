@@ -160,3 +160,14 @@ def desired_replicas(
     if desired < spec.minReplicas:
         desired, reason = spec.minReplicas, reason + f"; raised to minReplicas {spec.minReplicas}"
     return Recommendation(desired, reason, raw)
+
+
+def with_relief(desired: int, current: int, starved: int, spec: specs.AutoscaleSpec | None) -> tuple[int, str]:
+    """Pressure relief found ``starved`` hot workers with no peer that has room: ask for one more
+    worker each, within maxReplicas. Returns the desired count and, if raised, why."""
+    if not starved or spec is None:
+        return desired, ""
+    wanted = min(max(desired, current + starved), spec.maxReplicas)
+    if wanted <= desired:
+        return desired, ""
+    return wanted, f"raised to {wanted}: {starved} workers under memory pressure have no peer with room"

@@ -33,7 +33,7 @@ from memops import (
     specs,
     timestamps,
 )
-from memops.controllers import recycle, workloads
+from memops.controllers import recycle, relief, workloads
 
 POLICY_LABEL = "memops.dev/policy"
 GENERATION_ANNOTATION = "memops.dev/policy-generation"
@@ -61,6 +61,7 @@ class Policy:
         self.cache = cache
         self.written = -_MEMORY_REFRESH_SECONDS  # when this pass' status was last written (monotonic)
         self.steady = False  # the last pass found nothing to do and nothing that samples memory
+        self.security: Any = None  # the client certificates for a tls:// scheduler, read each pass
         self.namespace = str(body.metadata.namespace)
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
@@ -112,6 +113,14 @@ class Policy:
         snapshot = await self.check_scheduler(spec, status, generation)
         if snapshot is not None:
             status.memory = _memory_status(snapshot)
+            status.pressure = await relief.reconcile(
+                spec=spec,
+                old=status.pressure,
+                security=self.security,
+                namespace=self.namespace,
+                policy=self.name,
+                logger=self.logger,
+            )
 
         current = workloads.replicas_of(workload)
         desired = spec.replicas if spec.replicas is not None else current
@@ -131,6 +140,9 @@ class Policy:
             status.recommendations = _remember(status.recommendations, now, recommended.raw, spec.autoscale)
             if any(word in recommended.reason for word in ("limited", "capped", "raised", "needs")):
                 limited = recommended.reason
+            starved = len(status.pressure.starved) if status.pressure is not None else 0
+            desired, relief_reason = autoscaling.with_relief(desired, current, starved, spec.autoscale)
+            limited = relief_reason or limited
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
         running = [r for r in requests if r.get("status", {}).get("phase") not in _TERMINAL]
         draining = sum(_request_size(r) for r in running)
@@ -284,6 +296,7 @@ class Policy:
                     kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
                 )
                 security = daskrpc.security_from_secret(secret.get("data", {}))
+            self.security = security
             snapshot = await daskrpc.fetch_snapshot(
                 spec.scheduler.address, security=security, keys=False, processing=spec.recycle is not None, timeout=5
             )
@@ -361,9 +374,10 @@ class Policy:
         only_memory = status.model_copy(update={"memory": old.memory}) == old
         if only_memory and time.monotonic() - self.written < _MEMORY_REFRESH_SECONDS:
             return  # memory figures move on every pass; refreshing them costs a write each time
-        await self.client.merge_patch(
-            self.path + "/status", {"status": status.model_dump(mode="json", exclude_none=True)}
-        )
+        patch = status.model_dump(mode="json", exclude_none=True)
+        # A merge patch keeps what it does not mention: a field that went away is sent as null.
+        patch.update({k: None for k, v in old.model_dump(exclude_none=True).items() if k not in patch})
+        await self.client.merge_patch(self.path + "/status", {"status": patch})
         self.written = time.monotonic()
 
 
@@ -498,6 +512,21 @@ def register(registry: kopf.OperatorRegistry) -> None:
             await _loop(reconciler, body, stopped, waker, logger)
         finally:
             memo.policy_wakers.pop(uid, None)
+            if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
+                await _remove_relief(body, reconciler, logger)
+
+
+async def _remove_relief(
+    body: kopf.Body, reconciler: Policy, logger: logging.Logger | logging.LoggerAdapter[Any]
+) -> None:
+    """The policy is gone: so is its pressure relief in the scheduler (best effort)."""
+    if not (body.get("status") or {}).get("pressure"):
+        return
+    try:
+        address = str(body.spec["scheduler"]["address"])
+        await daskrpc.configure_relief(address, security=reconciler.security, above=None, to=None)
+    except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
+        logger.warning("pressure relief left in the scheduler: %s", exc)
 
 
 async def _loop(

@@ -103,11 +103,7 @@ def choose(
                 break
             if len(key.holders) > 1:
                 continue
-            fits = [
-                p
-                for p in peers
-                if p.name not in key.holders and projected[p.name] + key.nbytes <= above * p.limit
-            ]
+            fits = [p for p in peers if p.name not in key.holders and projected[p.name] + key.nbytes <= above * p.limit]
             if not fits:
                 continue  # a smaller key may still fit somewhere
             recipient = min(fits, key=lambda p: (projected[p.name] / p.limit, p.name))

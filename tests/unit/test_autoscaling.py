@@ -135,3 +135,13 @@ def test_min_above_max_names_the_field() -> None:
 
     with pytest.raises(pydantic.ValidationError, match=r"autoscale\.minReplicas"):
         autoscale(minReplicas=5, maxReplicas=2)
+
+
+def test_starved_pressure_relief_asks_for_one_more_worker_each_within_max() -> None:
+    spec = specs.AutoscaleSpec(minReplicas=1, maxReplicas=5, targetMemoryUtilization=60)
+    assert autoscaling.with_relief(3, 3, 0, spec) == (3, "")
+    desired, reason = autoscaling.with_relief(3, 3, 1, spec)
+    assert desired == 4 and "memory pressure" in reason
+    assert autoscaling.with_relief(3, 4, 3, spec)[0] == 5  # capped at maxReplicas
+    assert autoscaling.with_relief(6, 3, 1, spec) == (6, "")  # already asking for more
+    assert autoscaling.with_relief(3, 3, 2, None) == (3, "")  # no autoscaler: only the status says so
