@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--webhook-port", type=int, help="serve the mutating admission webhook (the safety net) here")
     run.add_argument("--webhook-host", default="127.0.0.1", help="the webhook's address, as the API server reaches it")
     run.add_argument("--webhook-insecure", action="store_true", help="plain HTTP for the webhook (sandbox only)")
+    run.add_argument("--webhook-cert-file", metavar="PATH", help="the webhook's TLS certificate (PEM file)")
+    run.add_argument("--webhook-key-file", metavar="PATH", help="the private key of --webhook-cert-file (PEM)")
+    run.add_argument(
+        "--webhook-unmanaged",
+        action="store_true",
+        help="leave the MutatingWebhookConfiguration to the installer (Helm chart, kustomize); by default Kopf"
+        " creates and patches it",
+    )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on /metrics at this port")
     run.add_argument("--metrics-host", default="0.0.0.0", help="the metrics endpoint's address (default 0.0.0.0)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -34,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     sandbox.add_argument("--port", type=int, help="the emulated API server's port (default: any free port)")
     sandbox.add_argument("--no-operator", action="store_true", help="start everything but the operator")
     sandbox.add_argument("--worker-memory", default="1GiB", help="each worker's --memory-limit (default 1GiB)")
+    sandbox.add_argument(
+        "--audit-log",
+        metavar="PATH",
+        default=os.environ.get("MEMOPS_AUDIT_LOG") or None,
+        help="append every API request as a JSON line: user, verb, resource (default: $MEMOPS_AUDIT_LOG)",
+    )
 
     crds = commands.add_parser("crds", help="write the CRD manifests generated from the spec models")
     crds.add_argument("--output", default="crds", help="directory to write into (default: crds)")
@@ -56,7 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("memops sandbox: --workers must be at least 1", file=sys.stderr)
             return 2
         return sandbox.main(
-            args.workers, args.state_dir, operator=not args.no_operator, port=args.port, memory_limit=args.worker_memory
+            args.workers,
+            args.state_dir,
+            operator=not args.no_operator,
+            port=args.port,
+            memory_limit=args.worker_memory,
+            audit_log=args.audit_log,
         )
     from memops import controllers
 
@@ -68,9 +88,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from memops import metrics
 
         metrics.serve(args.metrics_port, args.metrics_host)
+    if bool(args.webhook_cert_file) != bool(args.webhook_key_file):
+        print("memops run: --webhook-cert-file and --webhook-key-file go together", file=sys.stderr)
+        return 2
     webhook = None
     if args.webhook_port:
-        webhook = controllers.Webhook(port=args.webhook_port, host=args.webhook_host, insecure=args.webhook_insecure)
+        webhook = controllers.Webhook(
+            port=args.webhook_port,
+            host=args.webhook_host,
+            insecure=args.webhook_insecure,
+            certfile=args.webhook_cert_file,
+            pkeyfile=args.webhook_key_file,
+            managed=not args.webhook_unmanaged,
+        )
     try:
         asyncio.run(
             controllers.run(

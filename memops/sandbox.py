@@ -6,6 +6,10 @@ namespace ``default`` whose pods are real ``dask worker`` processes, and the ope
 (``memops run``, as its own process). When all of it is up it writes, into the state
 directory, ``kubeconfig``, ``scheduler-address`` and, last, ``ready``. This contract is what
 the test suite and users rely on; keep it stable.
+
+The operator connects with its own kubeconfig (``operator-kubeconfig``, user
+``memops-operator``), so that the API server's audit log (``--audit-log``, or
+``$MEMOPS_AUDIT_LOG``) tells its requests from kubectl's and other controllers'.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from memops.cluster import apiserver, kubelet, replicaset
 
 WORKLOAD = "dask-worker"
 NAMESPACE = "default"
+OPERATOR_USER = "memops-operator"  # the operator's token, and so its user in the audit log
+AUDIT_LOG_ENV = "MEMOPS_AUDIT_LOG"
 
 
 def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str = "1GiB") -> dict[str, Any]:
@@ -180,17 +186,25 @@ async def _wait_for_webhook(api: apiserver.ApiServer, timeout: float = 60) -> No
 
 
 async def serve(
-    workers: int, state_dir: Path, *, operator: bool = True, port: int | None = None, memory_limit: str = "1GiB"
+    workers: int,
+    state_dir: Path,
+    *,
+    operator: bool = True,
+    port: int | None = None,
+    memory_limit: str = "1GiB",
+    audit_log: Path | None = None,
 ) -> None:
     """Run the sandbox until cancelled."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
-    api = apiserver.ApiServer()
+    api = apiserver.ApiServer(audit_log=audit_log)
     async with api, kmock.Server(api, port=port or _free_port()) as server:
         for crd in crds.all_crds():
             await api.create_crd(crd)
+        url = str(server.url).rstrip("/")
         kubeconfig = state_dir / "kubeconfig"
-        kubeconfig.write_text(apiserver.kubeconfig(str(server.url).rstrip("/")))
+        kubeconfig.write_text(apiserver.kubeconfig(url))
+        (state_dir / "operator-kubeconfig").write_text(apiserver.kubeconfig(url, token=OPERATOR_USER))
         async with dask_scheduler(state_dir) as (address, _), asyncio.TaskGroup() as tasks:
             node = kubelet.Kubelet(api.store, run_dir=state_dir)
             controller = replicaset.DeploymentController(api.store)
@@ -201,7 +215,7 @@ async def serve(
             operator_process = None
             if operator:
                 log = (state_dir / "operator.log").open("wb")
-                env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+                env = {**os.environ, "KUBECONFIG": str(state_dir / "operator-kubeconfig")}
                 metrics_port = _free_port()
                 operator_process = await asyncio.create_subprocess_exec(
                     *operator_command(_free_port(), metrics_port),
@@ -243,7 +257,13 @@ def launch(state_dir: Path, workers: int, *args: str, log: Path | None = None) -
 
 
 def main(
-    workers: int, state_dir: str | None, *, operator: bool = True, port: int | None = None, memory_limit: str = "1GiB"
+    workers: int,
+    state_dir: str | None,
+    *,
+    operator: bool = True,
+    port: int | None = None,
+    memory_limit: str = "1GiB",
+    audit_log: str | None = None,
 ) -> int:
     directory = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
     if not state_dir:
@@ -264,7 +284,14 @@ def main(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await serve(workers, directory, operator=operator, port=port, memory_limit=memory_limit)
+            await serve(
+                workers,
+                directory,
+                operator=operator,
+                port=port,
+                memory_limit=memory_limit,
+                audit_log=Path(audit_log) if audit_log else None,
+            )
 
     asyncio.run(runner())
     (directory / "ready").unlink(missing_ok=True)

@@ -27,6 +27,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp.web
@@ -34,7 +35,7 @@ import attrs
 import kmock
 import yaml
 
-from memops.cluster import admission, memstore, schemas
+from memops.cluster import admission, audit, memstore, schemas
 from memops.cluster.memstore import ApiError, Kind, MemoryStore, Obj
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ class ApiServer(kmock.KubernetesEmulator):
     """A KubernetesEmulator whose resource requests are served from a :class:`MemoryStore`."""
 
     store: MemoryStore = attrs.field(factory=MemoryStore)
+    audit_log: Path | None = None  # append each resource request here (see memops.cluster.audit)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -297,6 +299,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         path = request.url.path
+        if self.audit_log is not None:
+            self._audit(request, self.audit_log)
         try:
             if path == "/openapi/v3" or path.startswith("/openapi/v3/"):
                 return aiohttp.web.json_response(self._openapi(path))
@@ -311,6 +315,29 @@ class ApiServer(kmock.KubernetesEmulator):
             return await self._serve(request, kind)
         except ApiError as exc:
             return aiohttp.web.json_response(exc.status(), status=exc.code)
+
+    def _audit(self, request: kmock.Request, log: Path) -> None:
+        """Record a resource request as RBAC sees it, before it is served: authorization comes
+        first in a real API server, so requests that end in 404 are recorded too."""
+        res = request.resource
+        if res is None or res.plural is None:
+            return  # discovery and OpenAPI: non-resource URLs, open to every authenticated user
+        entry = {
+            "user": audit.user_of(request.headers.get("Authorization", "")),
+            "userAgent": request.headers.get("User-Agent", ""),
+            "verb": audit.rbac_verb(
+                request.method.value,
+                named=request.name is not None,
+                watch=request.params.get("watch") in ("true", "1"),
+            ),
+            "group": res.group or "",
+            "version": res.version,
+            "resource": res.plural,
+            "subresource": request.subresource or "",
+            "namespace": request.namespace or "",
+            "name": request.name or "",
+        }
+        audit.write(log, entry)
 
     async def _serve(self, request: kmock.Request, kind: Kind) -> aiohttp.web.StreamResponse:
         method, name, sub = request.method.value.upper(), request.name, request.subresource
@@ -691,14 +718,17 @@ def _nest(path: str, value: Any) -> Obj:
     return result
 
 
-def kubeconfig(url: str, namespace: str = "default") -> str:
-    """A kubeconfig that points kubectl and the Python clients at the emulated server."""
+def kubeconfig(url: str, namespace: str = "default", token: str = "sandbox") -> str:
+    """A kubeconfig that points kubectl and the Python clients at the emulated server.
+
+    The token names the user in the audit log (:mod:`memops.cluster.audit`); it grants nothing.
+    """
     return yaml.safe_dump(
         {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "memops-sandbox", "cluster": {"server": url}}],
-            "users": [{"name": "memops-sandbox", "user": {"token": "sandbox"}}],
+            "users": [{"name": "memops-sandbox", "user": {"token": token}}],
             "contexts": [
                 {
                     "name": "memops-sandbox",

@@ -37,11 +37,20 @@ def configure(settings: kopf.OperatorSettings) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Webhook:
-    """Where the admission webhook listens. ``insecure`` serves plain HTTP (the sandbox only)."""
+    """Where the admission webhook listens and how it is reached.
+
+    ``insecure`` serves plain HTTP (the sandbox only). ``certfile``/``pkeyfile`` serve TLS with a
+    certificate from files (a mounted Secret; Kopf re-reads them when they change); without them
+    Kopf self-signs. ``managed``: Kopf creates and patches the MutatingWebhookConfiguration; off
+    when the installer (Helm chart, kustomize) ships it.
+    """
 
     port: int
     host: str = "127.0.0.1"
     insecure: bool = False
+    certfile: str | None = None
+    pkeyfile: str | None = None
+    managed: bool = True
 
 
 def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None) -> kopf.OperatorRegistry:
@@ -55,7 +64,15 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings)
         if webhook is not None:
-            admission.configure(settings, port=webhook.port, host=webhook.host, insecure=webhook.insecure)
+            admission.configure(
+                settings,
+                port=webhook.port,
+                host=webhook.host,
+                insecure=webhook.insecure,
+                certfile=webhook.certfile,
+                pkeyfile=webhook.pkeyfile,
+                managed=webhook.managed,
+            )
         memo.kube = kube.Kube(kube.load_connection(kubeconfig))
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
 

@@ -1,9 +1,11 @@
 """The mutating admission webhook: worker pods of a MemoryPolicy's workload get the safety net.
 
 Kopf serves the webhook and, with ``settings.admission.managed``, creates the
-MutatingWebhookConfiguration itself. The handler finds the policy whose workload selects the
-new pod and applies :func:`memops.safetynet.plan_injection`. It ignores its own failures
-(``failurePolicy: Ignore``): an operator that is down must never block pod creation.
+MutatingWebhookConfiguration itself (the sandbox); the Helm chart and the kustomize manifests
+ship their own and run ``memops run --webhook-unmanaged`` with a certificate from a Secret.
+The handler finds the policy whose workload selects the new pod and applies
+:func:`memops.safetynet.plan_injection`. It ignores its own failures (``failurePolicy: Ignore``):
+an operator that is down must never block pod creation.
 """
 
 from __future__ import annotations
@@ -20,9 +22,21 @@ from memops.controllers import workloads
 CONFIGURATION = "memops.dev"
 
 
-def configure(settings: kopf.OperatorSettings, *, port: int, host: str, insecure: bool) -> None:
-    settings.admission.server = kopf.WebhookServer(addr=host, port=port, host=host, insecure=insecure)
-    settings.admission.managed = CONFIGURATION
+def configure(
+    settings: kopf.OperatorSettings,
+    *,
+    port: int,
+    host: str,
+    insecure: bool,
+    certfile: str | None = None,
+    pkeyfile: str | None = None,
+    managed: bool = True,
+) -> None:
+    """Serve the webhook; Kopf registers the MutatingWebhookConfiguration only when ``managed``."""
+    settings.admission.server = kopf.WebhookServer(
+        addr=host, port=port, host=host, insecure=insecure, certfile=certfile, pkeyfile=pkeyfile
+    )
+    settings.admission.managed = CONFIGURATION if managed else None
 
 
 async def policy_for(

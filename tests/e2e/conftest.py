@@ -105,7 +105,8 @@ class Sandbox:
             [str(BIN / "memops"), "run", "--all-namespaces", "--standalone"],
             stdout=log,
             stderr=log,
-            env=self.env,
+            # The operator's own user, as the sandbox runs it, so the audit log tells it apart.
+            env={**self.env, "KUBECONFIG": str(self.state_dir / "operator-kubeconfig")},
             start_new_session=True,
         )
         return self.operator
