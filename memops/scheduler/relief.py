@@ -125,27 +125,48 @@ class PressureRelief(ActiveMemoryManagerPolicy):
         self.bytes_moved = 0
         self.hot: tuple[str, ...] = ()
         self.starved: tuple[str, ...] = ()
-        # key -> (worker it leaves, bytes, worker it goes to or "", when planned)
-        self.in_flight: dict[str, tuple[str, int, str, float]] = {}
+        # task key -> (worker it leaves, bytes, worker it goes to or "", when planned: wall clock)
+        self.in_flight: dict[Any, tuple[str, int, str, float]] = {}
 
     def run(self) -> Generator[Suggestion, Any, None]:
         scheduler = self.manager.scheduler
-        now = time.monotonic()
+        now = time.time()  # wall clock, as WorkerState.last_seen (the last heartbeat)
         self.in_flight = {k: v for k, v in self.in_flight.items() if now - v[3] < IN_FLIGHT_SECONDS}
+        by_address = dict(scheduler.workers)
+        # Finish the moves whose copy has landed: drop the hot worker's replica now.
+        for key, (source, nbytes, target, _) in list(self.in_flight.items()):
+            ts = scheduler.tasks.get(key)
+            if not target or ts is None or source not in by_address:
+                continue
+            holders = ts.who_has or set()
+            if by_address[source] in holders and len(holders) >= 2:
+                if (yield Suggestion("drop", ts, {by_address[source]})) is not None:
+                    self.in_flight[key] = (source, nbytes, "", now)
+                    self._count(nbytes)
         freed: dict[str, int] = {}
         incoming: dict[str, int] = {}
-        for source, nbytes, target, _ in self.in_flight.values():
-            freed[source] = freed.get(source, 0) + nbytes
-            if target:
+        for key, (source, nbytes, target, planned) in self.in_flight.items():
+            ws = by_address.get(source)
+            ts = scheduler.tasks.get(key)
+            # Leaving bytes count until the worker's memory shows them gone: while the key is
+            # still on it (its copy is on the way), or until a heartbeat after the drop.
+            if ws is not None and (planned > ws.last_seen or (ts is not None and ws in (ts.who_has or ()))):
+                freed[source] = freed.get(source, 0) + nbytes
+            recipient = by_address.get(target)
+            if recipient is not None and planned > recipient.last_seen:
                 incoming[target] = incoming.get(target, 0) + nbytes
-        by_address = dict(scheduler.workers)
+        # Process memory is as old as the last heartbeat; the managed part of "optimistic" is
+        # current (a key counts the moment it lands), so the larger of the two is the estimate.
         loads = [
-            Load(ws.address, int(ws.memory.process), int(ws.memory_limit or 0), ws in scheduler.running)
+            Load(
+                ws.address,
+                max(int(ws.memory.process), int(ws.memory.optimistic)),
+                int(ws.memory_limit or 0),
+                ws in scheduler.running,
+            )
             for ws in by_address.values()
         ]
-        hot = [
-            w.address for w in by_address.values() if w.memory_limit and w.memory.process > self.above * w.memory_limit
-        ]
+        hot = [w.name for w in loads if w.limit and w.process > self.above * w.limit]
         if not hot:
             self.hot, self.starved = (), ()
             return
@@ -154,25 +175,26 @@ class PressureRelief(ActiveMemoryManagerPolicy):
         for address in hot:
             keys[address] = []
             for ts in by_address[address].has_what:
-                if ts.key in self.in_flight and len(ts.who_has or ()) < 2:
-                    continue  # its copy is on its way
-                tasks[ts.key] = ts
+                if ts.key in self.in_flight:
+                    continue  # already on its way
+                tasks[str(ts.key)] = ts  # choose() speaks strings
                 keys[address].append(Key(str(ts.key), int(ts.nbytes), tuple(w.address for w in ts.who_has or ())))
-        by_str = {str(k): ts for k, ts in tasks.items()}
         plan = choose(loads, keys, above=self.above, to=self.to, freed=freed, incoming=incoming)
         self.hot, self.starved = plan.hot, plan.starved
         for key, source in plan.drops:
-            ts = by_str[key]
-            dropped = yield Suggestion("drop", ts, {by_address[source]})
-            if dropped is not None:
-                self.in_flight[key] = (source, int(ts.nbytes), "", now)
+            ts = tasks[key]
+            if (yield Suggestion("drop", ts, {by_address[source]})) is not None:
+                self.in_flight[ts.key] = (source, int(ts.nbytes), "", now)
+                self._count(int(ts.nbytes))
         for key, source, target in plan.copies:
-            ts = by_str[key]
+            ts = tasks[key]
             chosen = yield Suggestion("replicate", ts, {by_address[target]})
             if chosen is not None:
-                self.in_flight[key] = (source, int(ts.nbytes), chosen.address, now)
-                self.keys_moved += 1
-                self.bytes_moved += int(ts.nbytes)
+                self.in_flight[ts.key] = (source, int(ts.nbytes), chosen.address, now)
+
+    def _count(self, nbytes: int) -> None:
+        self.keys_moved += 1
+        self.bytes_moved += nbytes
 
     def state(self) -> dict[str, Any]:
         return {
