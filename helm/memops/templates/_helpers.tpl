@@ -1,0 +1,105 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "memops.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "memops.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 53 | trimSuffix "-" }}
+{{- else if contains (include "memops.name" .) .Release.Name }}
+{{- .Release.Name | trunc 53 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "memops.name" .) | trunc 53 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "memops.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "memops.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "memops.labels" -}}
+{{ include "memops.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end }}
+
+{{- define "memops.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "memops.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "memops.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "memops.webhookServiceName" -}}
+{{- printf "%s-webhook" (include "memops.fullname" .) }}
+{{- end }}
+
+{{- define "memops.webhookSecretName" -}}
+{{- printf "%s-webhook-tls" (include "memops.fullname" .) }}
+{{- end }}
+
+{{- define "memops.webhookCertificateName" -}}
+{{- printf "%s-webhook" (include "memops.fullname" .) }}
+{{- end }}
+
+{{/*
+What the operator does in a namespace it watches, as RBAC rules: the same list in the
+ClusterRole (cluster-wide) and in each watched namespace's Role (namespaced mode).
+tests/packaging/test_rbac.py checks it against the requests the operator really makes.
+*/}}
+{{- define "memops.namespacedRules" -}}
+# memops' own resources: Kopf watches and patches them (finalizer, progress annotations).
+- apiGroups: [memops.dev]
+  resources: [memorypolicies, retirementrequests]
+  verbs: [list, watch, patch]
+# A policy's scale-downs and recycling are RetirementRequests it creates.
+- apiGroups: [memops.dev]
+  resources: [retirementrequests]
+  verbs: [create]
+- apiGroups: [memops.dev]
+  resources: [memorypolicies/status, retirementrequests/status]
+  verbs: [patch]
+# Worker pods: listed by the workload's selector, claimed and annotated (deletion cost, recycling).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, patch]
+# Workloads: read, scaled through /scale; a DaskWorkerGroup's drained workers' Deployments deleted.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, delete]
+- apiGroups: [apps]
+  resources: [deployments/scale]
+  verbs: [get, patch]
+# A pod's owner: the ReplicaSet, to find its Deployment.
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [get]
+# dask-kubernetes' worker groups: read, and spec.worker.replicas lowered after a drain.
+- apiGroups: [kubernetes.dask.org]
+  resources: [daskworkergroups]
+  verbs: [get, patch]
+# HPAs that scale a policy's workload directly: a Conflict condition (a Kopf index).
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list, watch]
+# The client certificate of a tls:// scheduler (spec.scheduler.tls.secretName).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# Kubernetes Events on memops' objects.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}

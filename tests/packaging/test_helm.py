@@ -1,0 +1,282 @@
+"""The Helm chart helm/memops, linted and rendered by Helm's own library (helm-python-sdk, Helm v4),
+and every rendered object validated against Kubernetes' OpenAPI schemas (kubernetes-validate)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import datetime
+import re
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+
+from tests.packaging import manifests
+
+ROOT = manifests.ROOT
+
+VALUE_SETS = {
+    "default": {},
+    "namespaced": {"watchNamespaces": ["dask", "ml"]},
+    "cert-manager": {"webhook": {"certManager": {"enabled": True}}},
+    "cert-manager-issuer": {
+        "webhook": {"certManager": {"enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}
+    },
+    "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
+    "minimal": {"webhook": {"enabled": False}, "metrics": {"enabled": False}, "peering": {"create": False}},
+}
+
+
+def test_helm_lint_finds_nothing_but_the_missing_icon() -> None:
+    report = helm.lint(manifests.CHART, strict=True)
+    assert report["errors"] == []
+    # The one finding is informational (severity 1): memops has no icon to point to.
+    assert [(m["severity"], m["error"]) for m in report["messages"]] == [(1, "icon is recommended")]
+    for values in VALUE_SETS.values():
+        assert helm.lint(manifests.CHART, values, strict=True)["errors"] == []
+
+
+def test_helm_lint_reports_bad_values() -> None:
+    """The lint above is live: the same call reports an error for a bad value."""
+    report = helm.lint(manifests.CHART, {"replicas": "1"}, strict=True)
+    assert any("/replicas" in error for error in report["errors"])
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_rendered_objects_are_valid_kubernetes(values: dict[str, Any]) -> None:
+    objects = manifests.render_chart(values)
+    report = manifests.validate(objects)
+    assert len(report["validated"]) + len(report["foreign"]) == len(objects)
+    for what in report["foreign"]:
+        assert what.split("/")[0] in manifests.FOREIGN_KINDS
+    print(f"validated {len(report['validated'])} objects; not validated (no schema): {report['foreign']}")
+
+
+def test_validation_catches_an_unknown_field() -> None:
+    """kubernetes-validate runs strict: a misspelt field in the Deployment fails."""
+    deployment = copy.deepcopy(manifests.one(manifests.render_chart(), "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["argz"] = ["--all-namespaces"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, manifests.KUBE_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        pytest.param({"replicas": "1"}, "/replicas", id="replicas-as-string"),
+        pytest.param({"replicas": 2}, "/replicas", id="two-replicas"),
+        pytest.param({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", id="unknown-pull-policy"),
+        pytest.param({"image": {"digest": "latest"}}, "/image/digest", id="digest-not-sha256"),
+        pytest.param({"watchNamespaces": ["Dask_NS"]}, "/watchNamespaces/0", id="bad-namespace-name"),
+        pytest.param({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds", id="timeout-over-30"),
+        pytest.param({"webhook": {"failurePolicy": "Fail"}}, "failurePolicy", id="failure-policy-not-a-value"),
+        pytest.param(
+            {"metrics": {"serviceMonitor": {"interval": "often"}}},
+            "/metrics/serviceMonitor/interval",
+            id="bad-interval",
+        ),
+        pytest.param({"replica": 1}, "replica", id="misspelt-key"),
+    ],
+)
+def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None:
+    with helm.Chart.load(manifests.CHART) as chart:
+        with pytest.raises(helm.HelmValuesError, match=message):
+            chart.validate_schema(values)
+        with pytest.raises(helm.HelmValuesError, match=message):
+            chart.render(values, name="memops", namespace="memops")
+
+
+def test_values_yaml_is_documented_line_by_line() -> None:
+    """Every value in values.yaml has a comment right above it; Kubernetes structures passed through
+    as they are (resources, security contexts) are documented once, above their block."""
+    lines = (manifests.CHART / "values.yaml").read_text().splitlines()
+    passed_through = ("resources:", "podSecurityContext:", "securityContext:")
+    undocumented = []
+    block_indent: int | None = None
+    for number, line in enumerate(lines):
+        stripped = line.strip()
+        indent = len(line) - len(stripped)
+        if block_indent is not None and stripped and indent <= block_indent:
+            block_indent = None
+        if not stripped or stripped.startswith("#") or block_indent is not None:
+            continue
+        if stripped in passed_through:
+            block_indent = indent
+        elif stripped.endswith(":"):
+            continue  # a group of values, each documented
+        if not lines[number - 1].strip().startswith("#"):
+            undocumented.append(line)
+    assert undocumented == []
+
+
+def test_chart_crds_are_the_generated_ones() -> None:
+    for generated in sorted((ROOT / "crds").glob("*.yaml")):
+        copy_ = manifests.CHART / "crds" / generated.name
+        assert copy_.exists(), f"helm/memops/crds/{generated.name} is missing: cp crds/*.yaml helm/memops/crds/"
+        assert copy_.read_bytes() == generated.read_bytes(), f"helm/memops/crds/{generated.name} differs from crds/"
+
+
+def test_deployment_runs_memops_with_peering_probes_and_a_locked_down_container() -> None:
+    objects = manifests.render_chart()
+    deployment = manifests.one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert "--standalone" not in args, "the chart's operator takes part in Kopf peering"
+    assert "--all-namespaces" in args
+    assert "--liveness=http://0.0.0.0:8080/healthz" in args
+    assert {"--webhook-unmanaged", "--webhook-cert-file=/etc/memops/webhook/tls.crt"} <= set(args)
+    assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"health": 8080, "webhook": 9443, "metrics": 9090}
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["serviceAccountName"] == manifests.one(objects, "ServiceAccount")["metadata"]["name"]
+    peering = manifests.one(objects, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "memops"  # memops.controllers sets settings.peering.name
+
+
+def test_namespaced_mode_watches_only_its_namespaces() -> None:
+    objects = manifests.render_chart(VALUE_SETS["namespaced"])
+    args = manifests.one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" not in args
+    assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=dask", "--namespace=ml"]
+    assert sorted(r["metadata"]["namespace"] for r in manifests.find(objects, "Role")) == ["dask", "ml"]
+    assert sorted(p["metadata"]["namespace"] for p in manifests.find(objects, "KopfPeering")) == ["dask", "ml"]
+    assert manifests.find(objects, "ClusterKopfPeering") == []
+    cluster_wide = set(manifests.expand(manifests.one(objects, "ClusterRole")["rules"]))
+    assert cluster_wide == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+    # Each namespace gets exactly what the cluster-wide mode grants everywhere, with the
+    # namespaced peering in place of the cluster one.
+    everywhere = manifests.granted(manifests.render_chart())
+    swap = {
+        ("kopf.dev", "clusterkopfpeerings", v): ("kopf.dev", "kopfpeerings", v)
+        for v in ("get", "list", "watch", "patch")
+    }
+    expected = {swap.get(t, t) for t in everywhere}
+    for namespace in ("dask", "ml"):
+        assert manifests.granted(objects, namespace=namespace) == expected
+    hook = manifests.one(objects, "MutatingWebhookConfiguration")["webhooks"][0]
+    assert hook["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["dask", "ml"]}
+    ]
+
+
+def _certificate(data: str) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(base64.b64decode(data))
+
+
+def test_webhook_with_a_self_signed_certificate_from_helm() -> None:
+    objects = manifests.render_chart(namespace="ops")
+    config = manifests.one(objects, "MutatingWebhookConfiguration")
+    (hook,) = config["webhooks"]
+    assert hook["failurePolicy"] == "Ignore"
+    assert hook["sideEffects"] == "None"
+    assert hook["rules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "resources": ["pods"],
+            "operations": ["CREATE"],
+            "scope": "Namespaced",
+        }
+    ]
+    assert hook["clientConfig"]["service"] == {
+        "name": "memops-webhook",
+        "namespace": "ops",
+        "path": "/safety-net",
+        "port": 443,
+    }
+    assert {
+        "key": "kubernetes.io/metadata.name",
+        "operator": "NotIn",
+        "values": ["kube-system", "kube-public", "kube-node-lease"],
+    } in hook["namespaceSelector"]["matchExpressions"]
+    assert hook["objectSelector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/name", "operator": "NotIn", "values": ["memops"]}
+    ]
+    secret = manifests.one(objects, "Secret", "memops-webhook-tls")
+    ca, served = _certificate(secret["data"]["ca.crt"]), _certificate(secret["data"]["tls.crt"])
+    assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    served.verify_directly_issued_by(ca)  # the caBundle really signs what the operator serves
+    names = served.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert "memops-webhook.ops.svc" in names
+    assert served.not_valid_after_utc - datetime.datetime.now(datetime.UTC) > datetime.timedelta(days=3000)
+    volume = next(
+        v
+        for v in manifests.one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "webhook-tls"
+    )
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    service = manifests.one(objects, "Service", "memops-webhook")
+    assert service["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
+
+
+def test_webhook_with_cert_manager() -> None:
+    objects = manifests.render_chart(VALUE_SETS["cert-manager"], namespace="ops")
+    assert manifests.find(objects, "Secret") == [], "cert-manager writes the Secret"
+    config = manifests.one(objects, "MutatingWebhookConfiguration")
+    assert config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "ops/memops-webhook"}
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    serving = manifests.one(objects, "Certificate", "memops-webhook")
+    assert serving["spec"]["secretName"] == "memops-webhook-tls"
+    assert "memops-webhook.ops.svc" in serving["spec"]["dnsNames"]
+    ca_issuer = manifests.one(objects, "Issuer", serving["spec"]["issuerRef"]["name"])
+    ca = manifests.one(objects, "Certificate", "memops-webhook-ca")
+    assert ca["spec"]["isCA"] is True and ca_issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    assert manifests.one(objects, "Issuer", ca["spec"]["issuerRef"]["name"])["spec"] == {"selfSigned": {}}
+    # With an existing issuer, the chart creates no issuers of its own.
+    objects = manifests.render_chart(VALUE_SETS["cert-manager-issuer"], namespace="ops")
+    assert manifests.find(objects, "Issuer") == []
+    assert manifests.one(objects, "Certificate")["spec"]["issuerRef"] == {
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
+
+
+def test_service_monitor_scrapes_the_metrics_service() -> None:
+    objects = manifests.render_chart(VALUE_SETS["service-monitor"])
+    monitor = manifests.one(objects, "ServiceMonitor")
+    service = manifests.one(objects, "Service", "memops-metrics")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    assert service["spec"]["ports"][0]["name"] == "metrics"
+    assert manifests.find(manifests.render_chart(), "ServiceMonitor") == [], "off by default"
+
+
+def test_readme_values_summary_names_real_values() -> None:
+    """Each `key` the README's install section lists is a value of the chart."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Install on a cluster", 1)[1].split("\n## ", 1)[0]
+    defaults = yaml.safe_load((manifests.CHART / "values.yaml").read_text())
+    rows = [
+        key
+        for line in section.splitlines()
+        if line.startswith("| `")
+        for key in re.findall(r"`([^`]+)`", line.split("|")[1])
+    ]
+    assert rows, "no values table in the README's install section"
+    for key in rows:
+        node: Any = defaults
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"README lists `{key}`, which values.yaml does not have"
+            node = node[part]

