@@ -77,7 +77,7 @@ class Policy:
         except pydantic.ValidationError as exc:
             await self.not_ready(old, status, "InvalidSpec", retirement.explain_invalid(exc), generation)
             return
-        workload = await workloads.get(self.client, self.namespace, spec.workload)
+        workload = await self.workload(spec.workload)
         if workload is None:
             message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
             await self.not_ready(old, status, "WorkloadNotFound", message, generation)
@@ -276,6 +276,13 @@ class Policy:
             logger=self.logger,
         )
 
+    async def workload(self, ref: specs.WorkloadRef) -> dict[str, Any] | None:
+        """The workload: a Deployment from the watch-fed cache; anything else from the API."""
+        if self.cache is not None and ref.kind == specs.WorkloadKind.DEPLOYMENT:
+            found = list(self.cache.of("deployments").get((self.namespace, ref.name), []))
+            return {"kind": "Deployment", **found[0]} if found else None
+        return await workloads.get(self.client, self.namespace, ref)
+
     async def listed(self, plural: str, key: tuple[str, ...]) -> list[dict[str, Any]]:
         """The objects of one index key, from the watch-fed cache; from the API without one."""
         if self.cache is not None:
@@ -461,6 +468,7 @@ def _slim(body: kopf.Body) -> dict[str, Any]:
 
 
 _INDEX_NAMES = {
+    "deployments": "memops_deployments",
     "memorypolicies": "memops_policies",
     "horizontalpodautoscalers": "memops_hpas",
     "retirementrequests": "memops_policy_requests",
@@ -478,6 +486,16 @@ def register(registry: kopf.OperatorRegistry) -> None:
         if waker is not None:
             waker.set()
         return {(namespace or "",): _slim(body)}
+
+    @kopf.index("apps", "v1", "deployments", registry=registry, id="memops_deployments")
+    def memops_deployments(
+        namespace: str | None, name: str, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, ...], dict[str, Any]]:
+        # Only what a pass reads: the replicas, the selector and the status; not the pod template.
+        spec = body.get("spec", {})
+        slim = _slim(body)
+        slim["spec"] = {"replicas": spec.get("replicas", 1), "selector": spec.get("selector", {})}
+        return {(namespace or "", name): slim}
 
     @kopf.index("autoscaling", "v2", "horizontalpodautoscalers", registry=registry, id="memops_hpas")
     def memops_hpas(namespace: str | None, body: kopf.Body, **_: Any) -> dict[tuple[str, ...], dict[str, Any]]:

@@ -78,7 +78,7 @@ tests/packaging/test_rbac.py checks it against the requests the operator really 
 # Workloads: read, scaled through /scale; a DaskWorkerGroup's drained workers' Deployments deleted.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, delete]
+  verbs: [get, list, watch, delete]
 - apiGroups: [apps]
   resources: [deployments/scale]
   verbs: [get, patch]
