@@ -162,12 +162,16 @@ def desired_replicas(
     return Recommendation(desired, reason, raw)
 
 
-def with_relief(desired: int, current: int, starved: int, spec: specs.AutoscaleSpec | None) -> tuple[int, str]:
+def with_relief(desired: int, connected: int, starved: int, spec: specs.AutoscaleSpec | None) -> tuple[int, str]:
     """Pressure relief found ``starved`` hot workers with no peer that has room: ask for one more
-    worker each, within maxReplicas. Returns the desired count and, if raised, why."""
+    worker each, within maxReplicas. Returns the desired count and, if raised, why.
+
+    Counted from the workers connected to the scheduler, not from the replicas asked for: while
+    the workers asked for on an earlier pass are starting, the same starvation asks for no more.
+    """
     if not starved or spec is None:
         return desired, ""
-    wanted = min(max(desired, current + starved), spec.maxReplicas)
+    wanted = min(max(desired, connected + starved), spec.maxReplicas)
     if wanted <= desired:
         return desired, ""
     return wanted, f"raised to {wanted}: {starved} workers under memory pressure have no peer with room"

@@ -1,10 +1,13 @@
 """The operator's only channel to a Dask scheduler: its own comm handlers, over tcp:// or tls://.
 
 Called by the controllers and the sandbox. Never the scheduler's HTTP API (off by default,
-and unauthenticated) and never a pickled function run on the scheduler: only handlers that
-every stock scheduler serves (``identity``, ``who_has``, ``processing``, ``nbytes``,
-``retire_workers``). No user data passes through here: ``retire_workers`` moves it worker
-to worker.
+and unauthenticated): only handlers that every stock scheduler serves (``identity``,
+``who_has``, ``processing``, ``nbytes``, ``retire_workers``, ``run_function``), and the one
+that pressure relief adds. One function runs on the scheduler: memops' own
+:func:`memops.scheduler.relief.configure`, sent by value (pickled with its module) when relief
+is not installed yet; a scheduler whose ``distributed.scheduler.blocked-handlers`` lists
+``run_function`` refuses it (:class:`SchedulerRefused`). No user data passes through here:
+``retire_workers`` and pressure relief move it worker to worker.
 
 What the scheduler does (distributed 2026.8.0, ``Scheduler.retire_workers``): each worker
 becomes ``closing_gracefully`` at once and gets an AMM ``RetireWorker`` policy; the call
@@ -291,24 +294,49 @@ async def configure_relief(
     security: Security | None = None,
     above: float | None,
     to: float | None,
+    owner: str,
     timeout: float = 5,
 ) -> dict[str, Any] | None:
     """Install, retune or (``above=None``) remove pressure relief in the scheduler; its state.
 
-    The code goes by value (cloudpickle), so the scheduler needs only ``distributed``.
+    Installed relief serves its own comm handler, which this calls first: a plain RPC, so
+    that the operator's pass sends no code (``run_function`` logs every call on the scheduler,
+    code included). A scheduler without the handler (new, or restarted) gets the code by value
+    (cloudpickle) through ``run_function``, so it needs only ``distributed``. Relief that another
+    ``owner`` installed is left alone; its state says whose it is. Returns None when no relief is
+    installed. Raises :class:`SchedulerRefused` when the scheduler does not run the code.
     """
-    cloudpickle.register_pickle_by_value(relief)
     scheduler = _connect(address, security, timeout)
     try:
         async with asyncio.timeout(timeout):
-            response = await scheduler.run_function(
-                function=dumps(relief.configure), kwargs=dumps({"above": above, "to": to})
-            )
+            state = await _call(scheduler, relief.NAME, above=above, to=to, owner=owner)
+            if state is None and above is not None:
+                cloudpickle.register_pickle_by_value(relief)
+                response = await _call(
+                    scheduler,
+                    "run_function",
+                    function=dumps(relief.configure),
+                    kwargs=dumps({"above": above, "to": to, "owner": owner}),
+                )
+                if not isinstance(response, dict) or response.get("status") != "OK":
+                    exception = response.get("exception") if isinstance(response, dict) else response
+                    raise SchedulerRefused(f"pressure relief could not be installed: {exception!r}")
+                state = response.get("result")
     except _COMM_ERRORS as exc:
         raise SchedulerUnreachable(address, exc) from exc
     finally:
         await scheduler.close_rpc()
-    if response.get("status") != "OK":
-        raise SchedulerRefused(f"pressure relief could not be configured: {response.get('exception')!r}")
-    result: dict[str, Any] | None = response.get("result")
-    return result
+    if not state:
+        return None  # {}: the handler removed it
+    # The handler's answer comes through msgpack, which turns lists into tuples.
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in state.items()}
+
+
+async def _call(scheduler: rpc, op: str, **kwargs: Any) -> Any:
+    """One comm call; the scheduler's error (a refused or failing handler) as :class:`SchedulerRefused`."""
+    try:
+        return await getattr(scheduler, op)(**kwargs)
+    except _COMM_ERRORS:
+        raise
+    except Exception as exc:
+        raise SchedulerRefused(f"the scheduler refused {op}: {type(exc).__name__}: {exc}") from exc

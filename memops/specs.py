@@ -471,10 +471,13 @@ class RecycleStatus(Model):
 class PressureStatus(Model):
     keysMoved: int = pydantic.Field(default=0, description="Keys moved off workers under pressure so far.")
     bytesMoved: int = pydantic.Field(default=0, description="Bytes moved off workers under pressure so far.")
-    hot: list[str] = pydantic.Field(default_factory=list, description="Workers above relieveAbove now.")
+    hot: list[str] = pydantic.Field(
+        default_factory=list, description="Workers being relieved now: over relieveAbove, or on their way to relieveTo."
+    )
     starved: list[str] = pydantic.Field(
         default_factory=list, description="Hot workers with no peer that has headroom: more workers are needed."
     )
+    message: str = pydantic.Field(default="", description="Why relief cannot do all it should, in one line.")
 
 
 class MemoryPolicyStatus(Model):

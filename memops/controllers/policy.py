@@ -141,7 +141,7 @@ class Policy:
             if any(word in recommended.reason for word in ("limited", "capped", "raised", "needs")):
                 limited = recommended.reason
             starved = len(status.pressure.starved) if status.pressure is not None else 0
-            desired, relief_reason = autoscaling.with_relief(desired, current, starved, spec.autoscale)
+            desired, relief_reason = autoscaling.with_relief(desired, len(snapshot.workers), starved, spec.autoscale)
             limited = relief_reason or limited
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
         running = [r for r in requests if r.get("status", {}).get("phase") not in _TERMINAL]
@@ -514,7 +514,16 @@ def register(registry: kopf.OperatorRegistry) -> None:
     ) -> dict[tuple[str, ...], dict[str, Any]]:
         return {(namespace or "", labels[POLICY_LABEL]): _slim(body)}
 
-    @kopf.daemon(specs.GROUP, specs.VERSION, "memorypolicies", registry=registry, id="policy", cancellation_timeout=5.0)
+    # The backoff lets a deleted policy's daemon finish removing its relief before it is cancelled.
+    @kopf.daemon(
+        specs.GROUP,
+        specs.VERSION,
+        "memorypolicies",
+        registry=registry,
+        id="policy",
+        cancellation_backoff=5.0,
+        cancellation_timeout=5.0,
+    )
     async def policy(
         body: kopf.Body,
         memo: kopf.Memo,
@@ -531,20 +540,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
         finally:
             memo.policy_wakers.pop(uid, None)
             if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
-                await _remove_relief(body, reconciler, logger)
-
-
-async def _remove_relief(
-    body: kopf.Body, reconciler: Policy, logger: logging.Logger | logging.LoggerAdapter[Any]
-) -> None:
-    """The policy is gone: so is its pressure relief in the scheduler (best effort)."""
-    if not (body.get("status") or {}).get("pressure"):
-        return
-    try:
-        address = str(body.spec["scheduler"]["address"])
-        await daskrpc.configure_relief(address, security=reconciler.security, above=None, to=None)
-    except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
-        logger.warning("pressure relief left in the scheduler: %s", exc)
+                await relief.remove(body, security=reconciler.security, logger=logger)
 
 
 async def _loop(

@@ -7,16 +7,21 @@ runs in the scheduler, on its own Active Memory Manager with a short interval.
 
 Replicate, then drop: a key on the hot worker is first copied to a peer (``replicate``); once
 the copy exists the hot worker's replica is dropped (``drop`` with the hot worker as the only
-candidate). A key therefore always has at least one copy. The scheduler's own ReduceReplicas,
-if it sees the two copies first, drops the one on the most loaded worker: the hot one, so the
-two never fight. Workers that are not running (paused, or being retired by RetireWorker) are
-neither relieved nor sent keys, and no key is sent to a worker that it would push over
-``above``. When no peer has room, the worker is reported as starved: the operator then asks
-for more workers.
+candidate), on the next cycle after the copy lands. A key therefore always has at least one
+copy. The scheduler's own ReduceReplicas (every 2 s by default), if it sees the two copies
+first, drops the one on the worker with the most memory in bytes: the hot one, unless the
+recipient has a larger limit and more bytes; then relief sees the key alone on the hot worker
+again and moves it again later. Workers being retired or closed (RetireWorker's
+``closing_gracefully``) are neither relieved nor sent keys, and a copy held only by such a
+worker does not count as a copy. Paused workers are relieved (a paused worker still serves
+its data, and ReduceReplicas drops from it first too) but are never sent keys. No key is sent
+to a worker that it would push over ``above``. When keys are left on a hot worker because no
+peer has room for them, the worker is *starved*: the operator then asks for more workers.
 
 The module imports nothing from memops: the operator sends it to the scheduler by value over
-the comm (``register_scheduler_plugin``), so a stock Dask image runs it. :func:`choose` is
-pure and decides everything; :class:`PressureRelief` only reads the scheduler's state for it
+the comm (``run_function`` with :func:`configure`), so a stock Dask image runs it; once it is
+installed, the comm handler it adds answers the operator's later calls. :func:`choose`
+is pure and decides everything; :class:`PressureRelief` only reads the scheduler's state for it
 and turns its plan into AMM suggestions.
 """
 
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from typing import Any
 
 from distributed.active_memory_manager import ActiveMemoryManagerExtension, ActiveMemoryManagerPolicy, Suggestion
@@ -32,8 +37,11 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 NAME = "memops-pressure-relief"
 IN_FLIGHT_SECONDS = 5.0
-"""How long a planned copy or drop counts as done. The scheduler learns a worker's process memory
-from its heartbeats, so relief that has happened shows there only a beat later."""
+"""How long a planned copy or drop may take, plus the transfer time below, before relief gives
+up on it (the copy went nowhere, or the worker kept its replica) and plans that key afresh."""
+TRANSFER_BYTES_PER_SECOND = 50 * 2**20
+"""A slow worker-to-worker copy: a large key's copy counts as under way for this much longer,
+so that it is not planned a second time (to a second recipient) while it is still moving."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +49,10 @@ class Load:
     """One worker as relief sees it."""
 
     name: str
-    process: int  # bytes: the process' memory as the last heartbeat reported it
+    process: int  # bytes: the process' memory as the scheduler last learnt it
     limit: int  # bytes: the worker's memory limit (0: none, never relieved nor a recipient)
-    running: bool = True  # False: paused, or closing (being retired): left alone
+    running: bool = True  # False: paused or leaving: it is sent no keys
+    leaving: bool = False  # being retired or closed: left alone entirely
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +64,21 @@ class Key:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    drops: tuple[tuple[str, str], ...] = ()  # (key, hot worker): the copy elsewhere exists already
+    drops: tuple[tuple[str, str], ...] = ()  # (key, hot worker): a copy on a staying peer exists already
     copies: tuple[tuple[str, str, str], ...] = ()  # (key, hot worker, recipient)
-    hot: tuple[str, ...] = ()
-    starved: tuple[str, ...] = ()  # hot workers that keep too much: no peer has room
+    hot: tuple[str, ...] = ()  # the workers being relieved; pass them back as ``relieving`` next time
+    starved: tuple[str, ...] = ()  # hot workers that keep keys that no peer has room for
+
+
+def needs_relief(
+    worker: Load, *, above: float, to: float, freed: Mapping[str, int], relieving: Collection[str]
+) -> bool:
+    """Over ``above``, or still over ``to`` after it went over ``above`` (``relieving``), counting
+    the bytes already on their way off it as gone."""
+    if worker.leaving or not worker.limit:
+        return False
+    left = worker.process - freed.get(worker.name, 0)
+    return left > above * worker.limit or (worker.name in relieving and left > to * worker.limit)
 
 
 def choose(
@@ -69,50 +89,86 @@ def choose(
     to: float,
     freed: Mapping[str, int] | None = None,
     incoming: Mapping[str, int] | None = None,
+    relieving: Collection[str] = (),
 ) -> Plan:
-    """What to move off the workers above ``above`` so that each ends under ``to``.
+    """What to move off the workers that need relief so that each ends under ``to``.
 
-    ``keys[worker]``: the keys in memory on that worker. ``freed`` / ``incoming``: bytes already
-    on their way off / onto a worker (planned earlier, not yet in its reported memory).
-    Keys that have a copy elsewhere are dropped first (no transfer); then the largest keys are
-    copied, each to the running peer with the most headroom that stays under ``above`` with it.
+    ``keys[worker]``: the keys in memory on that worker (only those of the workers that need
+    relief are read). ``freed`` / ``incoming``: bytes already on their way off / onto a worker
+    (planned earlier, not yet in its reported memory). ``relieving``: the workers that the last
+    plan was relieving (its ``hot``): they go on until under ``to``, not only until under ``above``.
+
+    Keys with a copy on another staying worker are dropped first (no transfer); then the largest
+    keys are copied, each to the running peer with the most headroom that stays under ``above``
+    with it. A worker that still needs relief once its keys are all planned is not starved (its
+    memory is not Dask data, which moving cannot help); one whose keys fit on no peer is, and it
+    stays among the workers being relieved until it is under ``to``.
     """
     freed, incoming = freed or {}, incoming or {}
     projected = {w.name: w.process + incoming.get(w.name, 0) for w in workers}
-    hot = sorted(
-        (w for w in workers if w.running and w.limit and w.process - freed.get(w.name, 0) > above * w.limit),
-        key=lambda w: (w.limit * above - w.process, w.name),
+    leaving = {w.name for w in workers if w.leaving}
+    candidates = sorted(
+        (w for w in workers if needs_relief(w, above=above, to=to, freed=freed, relieving=relieving)),
+        key=lambda w: (w.limit * above - w.process, w.name),  # the most over first
     )
-    hot_names = {w.name for w in hot}
-    peers = [w for w in workers if w.running and w.limit and w.name not in hot_names]
+    hot_names = {w.name for w in candidates}
+    peers = [w for w in workers if w.running and not w.leaving and w.limit and w.name not in hot_names]
     drops: list[tuple[str, str]] = []
     copies: list[tuple[str, str, str]] = []
+    hot: list[str] = []
     starved: list[str] = []
-    for worker in hot:
+    for worker in candidates:
         need = worker.process - freed.get(worker.name, 0) - int(to * worker.limit)
-        on_worker = keys.get(worker.name, ())
+        largest_first = sorted(keys.get(worker.name, ()), key=lambda k: (-k.nbytes, k.key))
+        elsewhere: list[Key] = []
+        only_here: list[Key] = []
+        for key in largest_first:
+            copied = any(h != worker.name and h not in leaving for h in key.holders)
+            (elsewhere if copied else only_here).append(key)
+        planned, unplaced = False, False
         # Keys with a copy elsewhere first: dropping them costs no transfer.
-        for key in sorted(on_worker, key=lambda k: (-k.nbytes, k.key)):
+        for key in elsewhere:
             if need <= 0:
                 break
-            if len(key.holders) > 1:
-                drops.append((key.key, worker.name))
-                need -= key.nbytes
-        for key in sorted(on_worker, key=lambda k: (-k.nbytes, k.key)):
+            drops.append((key.key, worker.name))
+            need -= key.nbytes
+            planned = True
+        for key in only_here:
             if need <= 0:
                 break
-            if len(key.holders) > 1:
-                continue
             fits = [p for p in peers if p.name not in key.holders and projected[p.name] + key.nbytes <= above * p.limit]
             if not fits:
+                unplaced = True
                 continue  # a smaller key may still fit somewhere
             recipient = min(fits, key=lambda p: (projected[p.name] / p.limit, p.name))
             projected[recipient.name] += key.nbytes
             copies.append((key.key, worker.name, recipient.name))
             need -= key.nbytes
-        if need > 0:
+            planned = True
+        starving = need > 0 and unplaced
+        # Over relieveAbove it is hot whatever happens; between the two thresholds only while
+        # there is something to do, so that a worker whose memory is not keys is let go.
+        if worker.process - freed.get(worker.name, 0) > above * worker.limit or planned or starving:
+            hot.append(worker.name)
+        if starving:
             starved.append(worker.name)
-    return Plan(tuple(drops), tuple(copies), tuple(w.name for w in hot), tuple(starved))
+    return Plan(tuple(drops), tuple(copies), tuple(hot), tuple(starved))
+
+
+@dataclasses.dataclass
+class Move:
+    """One key on its way off a hot worker, as :class:`PressureRelief` follows it."""
+
+    source: str  # the hot worker's address
+    nbytes: int
+    target: str  # the recipient of its copy; "" when a copy existed already (a plain drop)
+    planned: float  # wall clock, as WorkerState.last_seen
+    dropping: bool = False  # the hot worker's replica has been asked to go
+    left: float = 0.0  # when the key was seen gone from the hot worker (0: not yet)
+
+    def expired(self, now: float) -> bool:
+        """Given up: the copy never landed (the recipient went away, or a drop was refused)."""
+        return not self.left and now > self.planned + IN_FLIGHT_SECONDS + self.nbytes / TRANSFER_BYTES_PER_SECOND
 
 
 class PressureRelief(ActiveMemoryManagerPolicy):
@@ -125,36 +181,46 @@ class PressureRelief(ActiveMemoryManagerPolicy):
         self.bytes_moved = 0
         self.hot: tuple[str, ...] = ()
         self.starved: tuple[str, ...] = ()
-        # task key -> (worker it leaves, bytes, worker it goes to or "", when planned: wall clock)
-        self.in_flight: dict[Any, tuple[str, int, str, float]] = {}
+        self.moves: dict[Any, Move] = {}  # by task key
+
+    def __repr__(self) -> str:
+        return (
+            f"PressureRelief(above={self.above}, to={self.to}, moved={self.keys_moved} keys/{self.bytes_moved} B,"
+            f" hot={list(self.hot)}, starved={list(self.starved)}, moving={len(self.moves)})"
+        )
 
     def run(self) -> Generator[Suggestion, Any, None]:
         scheduler = self.manager.scheduler
         now = time.time()  # wall clock, as WorkerState.last_seen (the last heartbeat)
-        self.in_flight = {k: v for k, v in self.in_flight.items() if now - v[3] < IN_FLIGHT_SECONDS}
         by_address = dict(scheduler.workers)
-        # Finish the moves whose copy has landed: drop the hot worker's replica now.
-        for key, (source, nbytes, target, _) in list(self.in_flight.items()):
-            ts = scheduler.tasks.get(key)
-            if not target or ts is None or source not in by_address:
-                continue
-            holders = ts.who_has or set()
-            if by_address[source] in holders and len(holders) >= 2:
-                if (yield Suggestion("drop", ts, {by_address[source]})) is not None:
-                    self.in_flight[key] = (source, nbytes, "", now)
-                    self._count(nbytes)
         freed: dict[str, int] = {}
         incoming: dict[str, int] = {}
-        for key, (source, nbytes, target, planned) in self.in_flight.items():
-            ws = by_address.get(source)
+        for key, move in list(self.moves.items()):
             ts = scheduler.tasks.get(key)
-            # Leaving bytes count until the worker's memory shows them gone: while the key is
-            # still on it (its copy is on the way), or until a heartbeat after the drop.
-            if ws is not None and (planned > ws.last_seen or (ts is not None and ws in (ts.who_has or ()))):
-                freed[source] = freed.get(source, 0) + nbytes
-            recipient = by_address.get(target)
-            if recipient is not None and planned > recipient.last_seen:
-                incoming[target] = incoming.get(target, 0) + nbytes
+            hot_ws = by_address.get(move.source)
+            holders = (ts.who_has or set()) if ts is not None else set()
+            if ts is None or hot_ws is None or move.expired(now):
+                del self.moves[key]  # released, its worker gone, or given up on
+                continue
+            if not move.left and hot_ws not in holders:
+                # Gone from the hot worker: dropped by this policy, or by ReduceReplicas once
+                # the copy existed. Either way a move that relief made; count it once.
+                move.left = now
+                self.keys_moved += 1
+                self.bytes_moved += move.nbytes
+            elif not move.dropping and len(holders) >= 2:
+                # The copy has landed (or existed): drop the hot worker's replica now.
+                move.dropping = (yield Suggestion("drop", ts, {hot_ws})) is not None
+            # Leaving bytes count until the worker's memory shows them gone: while the key is on
+            # it, and after it left until the next heartbeat (process memory is a heartbeat old).
+            if not move.left or move.left > hot_ws.last_seen:
+                freed[move.source] = freed.get(move.source, 0) + move.nbytes
+            elif move.left:
+                del self.moves[key]  # the worker's memory shows it: done
+            # Bytes coming to a recipient count until they land; then its managed memory has them.
+            recipient = by_address.get(move.target)
+            if recipient is not None and recipient not in holders:
+                incoming[move.target] = incoming.get(move.target, 0) + move.nbytes
         # Process memory is as old as the last heartbeat; the managed part of "optimistic" is
         # current (a key counts the moment it lands), so the larger of the two is the estimate.
         loads = [
@@ -162,11 +228,13 @@ class PressureRelief(ActiveMemoryManagerPolicy):
                 ws.address,
                 max(int(ws.memory.process), int(ws.memory.optimistic)),
                 int(ws.memory_limit or 0),
-                ws in scheduler.running,
+                running=ws in scheduler.running,
+                leaving=ws.status.name not in ("running", "paused"),
             )
             for ws in by_address.values()
         ]
-        hot = [w.name for w in loads if w.limit and w.process > self.above * w.limit]
+        relieving = set(self.hot)
+        hot = [w.name for w in loads if needs_relief(w, above=self.above, to=self.to, freed=freed, relieving=relieving)]
         if not hot:
             self.hot, self.starved = (), ()
             return
@@ -175,26 +243,21 @@ class PressureRelief(ActiveMemoryManagerPolicy):
         for address in hot:
             keys[address] = []
             for ts in by_address[address].has_what:
-                if ts.key in self.in_flight:
+                if ts.key in self.moves:
                     continue  # already on its way
                 tasks[str(ts.key)] = ts  # choose() speaks strings
                 keys[address].append(Key(str(ts.key), int(ts.nbytes), tuple(w.address for w in ts.who_has or ())))
-        plan = choose(loads, keys, above=self.above, to=self.to, freed=freed, incoming=incoming)
+        plan = choose(loads, keys, above=self.above, to=self.to, freed=freed, incoming=incoming, relieving=relieving)
         self.hot, self.starved = plan.hot, plan.starved
         for key, source in plan.drops:
             ts = tasks[key]
             if (yield Suggestion("drop", ts, {by_address[source]})) is not None:
-                self.in_flight[ts.key] = (source, int(ts.nbytes), "", now)
-                self._count(int(ts.nbytes))
+                self.moves[ts.key] = Move(source, int(ts.nbytes), "", now, dropping=True)
         for key, source, target in plan.copies:
             ts = tasks[key]
             chosen = yield Suggestion("replicate", ts, {by_address[target]})
             if chosen is not None:
-                self.in_flight[ts.key] = (source, int(ts.nbytes), chosen.address, now)
-
-    def _count(self, nbytes: int) -> None:
-        self.keys_moved += 1
-        self.bytes_moved += nbytes
+                self.moves[ts.key] = Move(source, int(ts.nbytes), chosen.address, now)
 
     def state(self) -> dict[str, Any]:
         return {
@@ -212,38 +275,54 @@ class ReliefPlugin(SchedulerPlugin):
 
     Its own manager, not the scheduler's: that one runs every 2 s by default, and the nanny's
     monitor every 100 ms. Kept in ``scheduler.plugins`` under :data:`NAME`, so that it is found
-    again, and stopped with the scheduler.
+    again, and stopped with the scheduler. It also serves the comm handler :data:`NAME`, so that
+    once installed it is retuned, read and removed by a plain RPC, without sending code again.
+    ``owner`` names the MemoryPolicy that installed it: one scheduler has one relief, which only
+    its owner retunes or removes.
     """
 
     name = NAME
 
-    def __init__(self, scheduler: Any, above: float, to: float, interval: float):
+    def __init__(self, scheduler: Any, above: float, to: float, interval: float, owner: str = ""):
+        self.scheduler = scheduler
+        self.owner = owner
+        self.interval = interval
         self.policy = PressureRelief(above, to)
         self.manager = ActiveMemoryManagerExtension(
             scheduler, {self.policy}, register=False, start=True, interval=interval
         )
+
+    def handle(self, above: float | None = None, to: float | None = None, owner: str = "") -> dict[str, Any]:
+        """The comm handler: :func:`configure` on this scheduler; ``{}`` once removed."""
+        return configure(self.scheduler, above, to, owner, self.interval) or {}
 
     async def close(self) -> None:
         self.manager.stop()
 
 
 def configure(
-    dask_scheduler: Any, above: float | None, to: float | None, interval: float = 0.25
+    dask_scheduler: Any, above: float | None, to: float | None, owner: str = "", interval: float = 0.25
 ) -> dict[str, Any] | None:
     """Run on the scheduler (``run_function``): install, retune or (``above=None``) remove relief.
 
     Idempotent, so the operator calls it on every pass: a restarted scheduler gets relief back,
-    a changed policy retunes it in place. Returns the thresholds and counters, or None if removed.
+    a changed policy retunes it in place. Returns the thresholds, counters and owner, or None if
+    there is no relief (removed, or never installed). Relief that another ``owner`` installed is
+    left as it is, and its state returned, so that two policies on one scheduler never take turns.
     """
     plugin = dask_scheduler.plugins.get(NAME)
+    if plugin is not None and getattr(plugin, "owner", "") not in ("", owner):
+        return {**plugin.policy.state(), "owner": plugin.owner}
     if above is None or to is None:
         if plugin is not None:
             plugin.manager.stop()
             dask_scheduler.remove_plugin(NAME)
+        dask_scheduler.handlers.pop(NAME, None)
         return None
     if plugin is None:
-        plugin = ReliefPlugin(dask_scheduler, above, to, interval)
+        plugin = ReliefPlugin(dask_scheduler, above, to, interval, owner)
         dask_scheduler.add_plugin(plugin, name=NAME)
+    dask_scheduler.handlers[NAME] = plugin.handle
+    plugin.owner = owner
     plugin.policy.above, plugin.policy.to = above, to
-    state: dict[str, Any] = plugin.policy.state()
-    return state
+    return {**plugin.policy.state(), "owner": owner}

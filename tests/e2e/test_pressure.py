@@ -1,5 +1,6 @@
 """Pressure relief through a MemoryPolicy: the operator installs it in the sandbox's real
-scheduler, reports it in status.pressure, and takes it out again when spec.pressure goes."""
+scheduler, reports it in status.pressure, installs it again when the scheduler has lost it, and
+takes it out again when spec.pressure goes or the policy is deleted."""
 
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ def test_policy_installs_retunes_and_removes_pressure_relief(sandbox: Sandbox) -
         assert status["pressure"]["keysMoved"] == 0 and status["pressure"]["starved"] == []
         assert relief_on_scheduler(client) == {"above": 0.75, "to": 0.6}
 
+        # A restarted scheduler has no relief: the next pass installs it again. (Taken out here
+        # behind the operator's back, as a restart would.)
+        def remove_relief(dask_scheduler: Any) -> None:  # nested: sent by value, as tests/ is not importable there
+            dask_scheduler.plugins.pop(NAME).manager.stop()
+            dask_scheduler.handlers.pop(NAME)
+
+        client.run_on_scheduler(remove_relief)
+        assert relief_on_scheduler(client) is None
+        sandbox.wait_for(lambda: relief_on_scheduler(client) == {"above": 0.75, "to": 0.6}, what="relief re-installed")
+
         sandbox.kubectl("patch", "mempol/relief", "--type=merge", "-p", '{"spec":{"pressure":{"relieveAbove":"80%"}}}')
         sandbox.wait_for(
             lambda: relief_on_scheduler(client) == {"above": 0.8, "to": 0.6}, what="relief retuned in place"
@@ -46,6 +57,13 @@ def test_policy_installs_retunes_and_removes_pressure_relief(sandbox: Sandbox) -
         sandbox.wait_for(
             lambda: "pressure" not in sandbox.get("mempol", "relief").get("status", {}), what="status.pressure gone"
         )
+
+        # Deleting the policy takes its relief out of the scheduler too.
+        sandbox.kubectl("patch", "mempol/relief", "--type=merge", "-p", '{"spec":{"pressure":{"relieveAbove":"70%"}}}')
+        sandbox.wait_for(lambda: relief_on_scheduler(client) == {"above": 0.7, "to": 0.55}, what="relief installed")
+        sandbox.wait_for(lambda: sandbox.get("mempol", "relief").get("status", {}).get("pressure"), what="status")
+        sandbox.kubectl("delete", "mempol/relief")
+        sandbox.wait_for(lambda: relief_on_scheduler(client) is None, what="relief removed with the policy")
 
 
 def test_an_invalid_pressure_spec_is_rejected_naming_the_field(sandbox: Sandbox) -> None:

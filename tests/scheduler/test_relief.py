@@ -2,12 +2,14 @@
 
 The workers' own spill, pause and terminate thresholds are off, so that only relief acts on a
 worker whose process memory passes relieveAbove. Memory is what the scheduler sees: the
-process memory from each worker's heartbeats.
+process memory from each worker's heartbeats. The scheduler's own Active Memory Manager runs
+too (ReduceReplicas every 300 ms), so relief is tested as it composes with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +23,7 @@ from memops import daskrpc
 LIMIT = 512 * 2**20
 CHUNK = 8 * 2**20
 ABOVE, TO = 0.6, 0.45
+OWNER = "default/relief"
 
 
 @pytest.fixture
@@ -32,7 +35,8 @@ async def cluster() -> AsyncIterator[tuple[str, Client]]:
             "distributed.worker.memory.pause": False,
             "distributed.worker.memory.terminate": False,
             "distributed.worker.memory.monitor-interval": "50ms",
-            "distributed.scheduler.active-memory-manager.start": False,
+            "distributed.scheduler.active-memory-manager.start": True,
+            "distributed.scheduler.active-memory-manager.interval": "300ms",
         }
     ):
         async with LocalCluster(
@@ -59,39 +63,59 @@ async def wait_until(predicate: Any, timeout: float, what: str) -> Any:
     return value
 
 
-async def load(client: Client, address: str, share: float) -> dict[str, Any]:
+async def load(client: Client, address: str, share: float, digests: dict[str, str] | None = None) -> dict[str, Any]:
     """Unique data on one worker until its process memory, as the scheduler sees it, is over ``share``."""
     futures: dict[str, Any] = {}
-    while (await process_memory(client))[address] < share * LIMIT:
-        values = {f"{address}-{len(futures) + i}": os.urandom(CHUNK) for i in range(4)}
+    while (missing := share * LIMIT - (await process_memory(client))[address]) > 0:
+        values = {f"{address}-{len(futures) + i}": os.urandom(CHUNK) for i in range(int(missing // CHUNK) + 1)}
+        if digests is not None:
+            digests.update({key: digest(value) for key, value in values.items()})
         futures.update(await client.scatter(values, workers=[address], hash=False))
         await asyncio.sleep(0.6)  # a heartbeat, so the scheduler sees the new memory
     return futures
 
 
+def digest(value: bytes) -> str:
+    return hashlib.sha256(value).hexdigest()
+
+
 async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: tuple[str, Client]) -> None:
     address, client = cluster
     hot, *peers = sorted(await process_memory(client))
-    futures = await load(client, hot, ABOVE + 0.08)
-    originals = await client.gather(list(futures.values()))
-    assert await daskrpc.configure_relief(address, above=ABOVE, to=TO) is not None
+    digests: dict[str, str] = {}
+    futures = await load(client, hot, ABOVE + 0.08, digests)
+    assert await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER) is not None
+    peaks = dict.fromkeys(peers, 0)
 
     async def relieved() -> bool:
         memory = await process_memory(client)
-        return memory[hot] < TO * LIMIT + CHUNK  # under relieveTo, give or take the key in flight
+        peaks.update({p: max(peaks[p], memory[p]) for p in peers})
+        return memory[hot] <= TO * LIMIT
 
-    await wait_until(relieved, 30, "the hot worker to be relieved")
-    state = await daskrpc.configure_relief(address, above=ABOVE, to=TO)
-    assert state is not None and state["keysMoved"] > 0 and state["bytesMoved"] >= state["keysMoved"] * CHUNK
-    # Nothing lost, every value intact, and each key in one place again (the hot copy dropped).
-    who_has = await client.scheduler.who_has(keys=list(futures))
-    assert all(len(holders) >= 1 for holders in who_has.values())
-    assert await client.gather(list(futures.values())) == originals
+    await wait_until(relieved, 30, "the hot worker to be under relieveTo")
+    # Every key has one copy again: each move ended with the hot worker's copy dropped, whether
+    # relief or the scheduler's ReduceReplicas dropped it.
+    futures_by_key = {str(f.key): f for f in futures.values()}
+
+    async def settled() -> dict[str, list[str]] | None:
+        who_has: dict[str, list[str]] = await client.scheduler.who_has(keys=list(futures_by_key))
+        return who_has if all(len(holders) == 1 for holders in who_has.values()) else None
+
+    who_has = await wait_until(settled, 10, "one copy of each key")
+
+    async def done() -> dict[str, Any] | None:
+        state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
+        return state if state is not None and not state["hot"] else None
+
+    state = await wait_until(done, 5, "relief to see the worker relieved")
+    assert state["starved"] == []
     moved = [k for k, holders in who_has.items() if hot not in holders]
-    assert len(moved) >= state["keysMoved"] - 1
-    # No peer was pushed over relieveAbove.
-    memory = await process_memory(client)
-    assert all(memory[p] <= ABOVE * LIMIT for p in peers), memory
+    assert moved and state["keysMoved"] == len(moved) and state["bytesMoved"] == len(moved) * CHUNK
+    # Nothing lost and every value intact, wherever it is now (hashed where it lives).
+    checks = client.map(digest, list(futures_by_key.values()), key=[f"digest-{k}" for k in futures_by_key])
+    assert dict(zip(futures_by_key, await client.gather(checks), strict=True)) == digests
+    # No peer was ever pushed over relieveAbove.
+    assert all(peak <= ABOVE * LIMIT for peak in peaks.values()), peaks
 
 
 async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: tuple[str, Client]) -> None:
@@ -102,13 +126,18 @@ async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: t
         futures.update(await load(client, worker, ABOVE + 0.03))
 
     async def starved() -> list[str] | None:
-        state = await daskrpc.configure_relief(address, above=ABOVE, to=TO)
+        state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
         return state["starved"] if state and state["starved"] else None
 
     assert sorted(await wait_until(starved, 20, "relief to report starvation")) == workers
-    state = await daskrpc.configure_relief(address, above=ABOVE, to=TO)
+    state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
     assert state is not None and state["keysMoved"] == 0
+    # Another policy on the same scheduler neither retunes nor removes it; it learns whose it is.
+    for above, to in ((0.9, 0.8), (None, None)):
+        other = await daskrpc.configure_relief(address, above=above, to=to, owner="default/other")
+        assert other is not None and other["owner"] == OWNER and (other["above"], other["to"]) == (ABOVE, TO)
     # Removal: the plugin goes, and configuring again starts from zero.
-    assert await daskrpc.configure_relief(address, above=None, to=None) is None
+    assert await daskrpc.configure_relief(address, above=None, to=None, owner=OWNER) is None
     plugins = await client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.plugins))
     assert "memops-pressure-relief" not in plugins
+    assert await daskrpc.configure_relief(address, above=None, to=None, owner=OWNER) is None

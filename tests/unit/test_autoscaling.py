@@ -145,3 +145,11 @@ def test_starved_pressure_relief_asks_for_one_more_worker_each_within_max() -> N
     assert autoscaling.with_relief(3, 4, 3, spec)[0] == 5  # capped at maxReplicas
     assert autoscaling.with_relief(6, 3, 1, spec) == (6, "")  # already asking for more
     assert autoscaling.with_relief(3, 3, 2, None) == (3, "")  # no autoscaler: only the status says so
+
+
+def test_starvation_asks_again_only_once_the_new_workers_have_joined() -> None:
+    spec = specs.AutoscaleSpec(minReplicas=1, maxReplicas=10, targetMemoryUtilization=60)
+    # A pass raised the replicas to 4; the 4th worker is still starting (3 connected): no 5th.
+    assert autoscaling.with_relief(4, 3, 1, spec)[0] == 4
+    # It joined and the worker is starved still: one more.
+    assert autoscaling.with_relief(4, 4, 1, spec)[0] == 5

@@ -1,5 +1,7 @@
 """Pressure relief's choices on hand-built scheduler states (memops.scheduler.relief.choose)."""
 
+import pytest
+
 from memops.scheduler.relief import Key, Load, choose
 
 MiB = 2**20
@@ -19,6 +21,7 @@ def test_a_hot_worker_sheds_its_largest_keys_until_under_relieve_to() -> None:
     assert [(k, src) for k, src, _ in plan.copies] == [("hot-1", "hot"), ("hot-0", "hot")]
     # Each goes to the peer with the most headroom at that moment.
     assert [dst for _, _, dst in plan.copies] == ["a", "a"]
+    assert plan.drops == ()
 
 
 def test_no_recipient_is_pushed_over_relieve_above() -> None:
@@ -34,6 +37,15 @@ def test_no_recipient_is_pushed_over_relieve_above() -> None:
     assert plan.starved == ("hot",), "it is still far over relieveTo: more workers are needed"
 
 
+def test_recipients_are_projected_across_hot_workers_in_one_plan() -> None:
+    """Two hot workers in one cycle share the one peer's headroom; neither pushes it over."""
+    workers = [Load("h1", 900 * MiB, LIMIT), Load("h2", 850 * MiB, LIMIT), Load("a", 400 * MiB, LIMIT)]
+    plan = choose(workers, {"h1": keys("h1", 200, 100, 100), "h2": keys("h2", 200, 100)}, above=0.7, to=0.55)
+    # a takes 300 MiB from h1 (400 -> 700, exactly relieveAbove); nothing more fits, from either.
+    assert [(k, dst) for k, _, dst in plan.copies] == [("h1-0", "a"), ("h1-1", "a")]
+    assert plan.hot == ("h1", "h2") and plan.starved == ("h1", "h2")
+
+
 def test_keys_that_have_a_copy_elsewhere_are_dropped_without_a_transfer() -> None:
     workers = [Load("hot", 800 * MiB, LIMIT), Load("a", 100 * MiB, LIMIT)]
     plan = choose(
@@ -43,23 +55,69 @@ def test_keys_that_have_a_copy_elsewhere_are_dropped_without_a_transfer() -> Non
     assert plan.copies == ()
 
 
+def test_a_copy_on_a_worker_being_retired_is_no_copy() -> None:
+    workers = [Load("hot", 800 * MiB, LIMIT), Load("leaving", 100 * MiB, LIMIT, running=False, leaving=True)]
+    plan = choose(workers, {"hot": keys("hot", 300, also_on="leaving")}, above=0.7, to=0.55)
+    assert plan.drops == () and plan.copies == ()
+    assert plan.starved == ("hot",), "the only peer is leaving: nowhere to go"
+
+
 def test_starved_when_every_peer_is_full() -> None:
     workers = [Load("hot", 900 * MiB, LIMIT), Load("a", 690 * MiB, LIMIT)]
     plan = choose(workers, {"hot": keys("hot", 50, 50)}, above=0.7, to=0.55)
     assert plan.copies == () and plan.starved == ("hot",)
 
 
-def test_paused_closing_and_unlimited_workers_are_left_alone() -> None:
-    workers = [
-        Load("paused-hot", 900 * MiB, LIMIT, running=False),
-        Load("hot", 800 * MiB, LIMIT),
-        Load("closing", 0, LIMIT, running=False),
-        Load("nolimit", 0, 0),
-        Load("a", 100 * MiB, LIMIT),
-    ]
-    plan = choose(workers, {"hot": keys("hot", 300), "paused-hot": keys("paused-hot", 300)}, above=0.7, to=0.55)
-    assert plan.hot == ("hot",)
-    assert [dst for _, _, dst in plan.copies] == ["a"]
+def test_a_worker_whose_memory_is_not_keys_is_hot_but_not_starved() -> None:
+    """Moving keys cannot relieve unmanaged memory, and more workers would not help it."""
+    workers = [Load("leaky", 900 * MiB, LIMIT), Load("a", 0, LIMIT)]
+    plan = choose(workers, {"leaky": keys("leaky", 20)}, above=0.7, to=0.55)
+    assert plan.copies == (("leaky-0", "leaky", "a"),)
+    assert plan.hot == ("leaky",) and plan.starved == ()
+
+
+@pytest.mark.parametrize(
+    ("worker", "relieved", "copied"),
+    [
+        pytest.param(Load("w", 900 * MiB, LIMIT, running=False), True, True, id="paused-is-relieved"),
+        pytest.param(
+            Load("w", 900 * MiB, LIMIT, running=False, leaving=True), False, False, id="closing-is-left-alone"
+        ),
+        pytest.param(Load("w", 900 * MiB, 0), False, False, id="no-limit-is-left-alone"),
+    ],
+)
+def test_which_workers_are_relieved(worker: Load, relieved: bool, copied: bool) -> None:
+    workers = [worker, Load("a", 100 * MiB, LIMIT)]
+    plan = choose(workers, {"w": keys("w", 400)}, above=0.7, to=0.55)
+    assert (plan.hot == ("w",)) is relieved
+    assert bool(plan.copies) is copied
+
+
+@pytest.mark.parametrize(
+    "recipient",
+    [
+        pytest.param(Load("r", 0, LIMIT, running=False), id="paused"),
+        pytest.param(Load("r", 0, LIMIT, running=False, leaving=True), id="closing"),
+        pytest.param(Load("r", 0, 0), id="no-limit"),
+    ],
+)
+def test_paused_closing_and_unlimited_workers_are_sent_no_keys(recipient: Load) -> None:
+    plan = choose([Load("hot", 800 * MiB, LIMIT), recipient], {"hot": keys("hot", 300)}, above=0.7, to=0.55)
+    assert plan.copies == () and plan.starved == ("hot",)
+
+
+def test_relief_goes_on_until_relieve_to_once_started() -> None:
+    """Between the thresholds a worker is relieved only if it went over relieveAbove first."""
+    workers = [Load("w", 650 * MiB, LIMIT), Load("a", 0, LIMIT)]
+    assert choose(workers, {"w": keys("w", 150)}, above=0.7, to=0.55) == choose(workers, {}, above=0.7, to=0.55)
+    plan = choose(workers, {"w": keys("w", 150)}, above=0.7, to=0.55, relieving={"w"})
+    assert plan.copies == (("w-0", "w", "a"),) and plan.hot == ("w",)
+    # Under relieveTo it is done.
+    done = choose([Load("w", 540 * MiB, LIMIT), workers[1]], {"w": keys("w", 150)}, above=0.7, to=0.55, relieving={"w"})
+    assert done.hot == () and done.copies == ()
+    # Between the thresholds with nothing left to move, it is let go.
+    idle = choose(workers, {"w": []}, above=0.7, to=0.55, relieving={"w"})
+    assert idle.hot == () and idle.starved == ()
 
 
 def test_a_worker_under_relieve_above_is_not_touched_and_in_flight_relief_counts() -> None:
