@@ -1,0 +1,446 @@
+"""Drain throughput: memops' RetirementRequest against stock ``retire_workers`` and the raw copy rate.
+
+Each scenario retires N workers holding SIZE of unique data each, in keys of KEY bytes, three
+ways in the same sandbox and the same run:
+
+- raw (anchor): ``Client.replicate(n=2)`` of the same bytes, the scheduler telling other workers to
+  copy them with no AMM in between (one ``get_data`` message per recipient and sender);
+- stock (anchor): the scheduler's ``retire_workers`` of those N workers, called directly;
+- memops: one RetirementRequest (``workers: [pod]`` for one worker, ``count: N`` for several),
+  applied with kubectl; the operator calls the same ``retire_workers``.
+
+Every phase is timed inside the workers, by a worker plugin that records when a key of the
+phase goes into flight and reaches memory on its recipient: "drain" is first byte in flight ->
+last key in memory, the same instrument for stock and memops; its rate is SIZE x N over it. The
+client-side figures (call -> return, apply -> Succeeded) are in the second table. No key may
+be lost: after each phase every key must be held by a worker that stays.
+
+With ``count: N`` memops chooses the workers that hold the fewest unique bytes, so for N > 1
+the other workers hold a ballast a little larger than SIZE (in both stock and memops phases).
+
+    python bench/throughput.py                      # the matrix in the README (about 15 min)
+    python bench/throughput.py --small              # the small pass CI runs
+    python bench/throughput.py --scenarios 1024:16384:1 --runs 5   # SIZE_MIB:KEY_KIB:N
+    python bench/throughput.py --knobs              # stock retire of 1 GiB under Dask config knobs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import benchkit
+import cloudpickle
+import distributed
+import yaml
+from distributed.diagnostics.plugin import WorkerPlugin
+
+MIB = 2**20
+GIB = 2**30
+SCATTER_BATCH = 256 * MIB  # the client holds at most this much of a fill at once
+WORKERS = 4
+POLL_SECONDS = 0.05  # the request's status, over HTTP (a kubectl per poll would load the machine)
+
+
+class Api:
+    """Just enough HTTP to poll the sandbox's API server without starting kubectl."""
+
+    def __init__(self, kubeconfig: Path):
+        config = yaml.safe_load(kubeconfig.read_text())
+        self.server = config["clusters"][0]["cluster"]["server"]
+        self.token = config["users"][0]["user"]["token"]
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        request = urllib.request.Request(self.server + path, headers={"Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                result: dict[str, Any] = json.loads(response.read())
+                return result
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+
+
+class TransferClock(WorkerPlugin):
+    """Records, on each worker, when keys of a benchmark phase go into flight and reach memory."""
+
+    name = "memops-bench-transfer-clock"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str]] = []
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        if finish in ("flight", "memory") and str(key).startswith("tp-"):
+            self.events.append((time.time(), str(key), finish))
+
+
+def _take_events(dask_worker: Any = None) -> list[tuple[float, str, str]]:
+    plugin = dask_worker.plugins[TransferClock.name]
+    events, plugin.events = plugin.events, []
+    return list(events)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    size: int  # bytes of unique data on each retiring worker
+    key_size: int
+    retiring: int  # N: workers retired at once
+
+    @property
+    def label(self) -> str:
+        return f"{_human(self.size)} in {_human(self.key_size)} keys, N={self.retiring}"
+
+    @property
+    def keys(self) -> int:
+        return max(self.size // self.key_size, 1)
+
+
+def _human(size: int) -> str:
+    if size >= GIB and size % GIB == 0:
+        return f"{size // GIB} GiB"
+    if size >= MIB:
+        return f"{size / MIB:g} MiB"
+    return f"{size // 1024} KiB"
+
+
+def parse_scenario(text: str) -> Scenario:
+    size_mib, key_kib, retiring = (int(part) for part in text.split(":"))
+    return Scenario(size_mib * MIB, key_kib * 1024, retiring)
+
+
+def fill(client: distributed.Client, address: str, keys: int, key_size: int, tag: str) -> list[distributed.Future]:
+    """Scatter ``keys`` distinct values of ``key_size`` bytes to one worker, a batch at a time."""
+    base = os.urandom(min(key_size, 16 * MIB))
+    pattern = base * -(-key_size // len(base))
+    futures: list[distributed.Future] = []
+    per_batch = max(SCATTER_BATCH // key_size, 1)
+    for first in range(0, keys, per_batch):
+        batch = {
+            f"{tag}-{i}": pattern[: key_size - 8] + i.to_bytes(8, "little")
+            for i in range(first, min(first + per_batch, keys))
+        }
+        futures += client.scatter(batch, workers=[address], hash=False).values()
+    return futures
+
+
+def wait_workers(client: distributed.Client, count: int, timeout: float = 120) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while len(found := benchkit.workers(client)) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{count} workers did not come back")
+        time.sleep(0.1)
+    return found
+
+
+def check_kept(client: distributed.Client, futures: Sequence[distributed.Future], gone: Sequence[str]) -> None:
+    """Every key is held by a worker that stays: nothing was lost."""
+    holders: dict[str, list[str]] = client.sync(client.scheduler.who_has, keys=[f.key for f in futures])
+    lost = [k for k, h in holders.items() if not [a for a in h if a not in gone]]
+    assert not lost, f"{len(lost)} keys lost, e.g. {lost[:3]}"
+
+
+def drain_window(events: dict[str, list[tuple[float, str, str]]], since: float, prefix: str) -> tuple[float, float]:
+    """(first key of ``prefix`` in flight, last one in memory) after ``since``, over the workers."""
+    flights = [t for evs in events.values() for t, k, f in evs if t >= since and f == "flight" and k.startswith(prefix)]
+    landed = [t for evs in events.values() for t, k, f in evs if t >= since and f == "memory" and k.startswith(prefix)]
+    if not flights or not landed:
+        raise RuntimeError(f"no transfer of {prefix!r} was recorded")
+    return min(flights), max(landed)
+
+
+def collect(client: distributed.Client) -> dict[str, list[tuple[float, str, str]]]:
+    result: dict[str, list[tuple[float, str, str]]] = client.run(_take_events)
+    return result
+
+
+@dataclass
+class Phases:
+    """One run of a scenario; seconds."""
+
+    raw: float = 0.0  # replicate: call -> last key in memory on its recipient
+    stock_first: float = 0.0  # call -> first byte in flight
+    stock_drain: float = 0.0  # first byte -> last key in memory
+    stock_return: float = 0.0  # call -> retire_workers returned (worker closed and removed)
+    memops_first: float = 0.0  # kubectl apply -> first byte in flight
+    memops_drain: float = 0.0
+    memops_succeeded: float = 0.0  # kubectl apply -> phase Succeeded (pods gone)
+
+
+class Bench:
+    def __init__(self, client: distributed.Client, box: benchkit.Sandbox):
+        self.client = client
+        self.box = box
+        self.api = Api(box.state / "kubeconfig")
+
+    def loaded(
+        self, scenario: Scenario, tag: str
+    ) -> tuple[list[str], list[distributed.Future], list[distributed.Future]]:
+        """Fill the first N pods with SIZE each (and the others with a ballast when N > 1)."""
+        by_pod = wait_workers(self.client, WORKERS)
+        pods = sorted(by_pod)
+        retiring = pods[: scenario.retiring]
+        data: list[distributed.Future] = []
+        for j, pod in enumerate(retiring):
+            data += fill(self.client, by_pod[pod], scenario.keys, scenario.key_size, f"{tag}-w{j}")
+        ballast: list[distributed.Future] = []
+        if scenario.retiring > 1:  # so that count: N chooses the loaded workers
+            for j, pod in enumerate(pods[scenario.retiring :]):
+                ballast += fill(self.client, by_pod[pod], scenario.keys + 1, scenario.key_size, f"ballast{tag}-{j}")
+        return retiring, data, ballast
+
+    def run(self, scenario: Scenario, run: int, with_memops: bool = True) -> Phases:
+        """The three phases; stock and memops swap places every other run, so that neither
+        always follows the other (a worker just restarted, memory just released)."""
+        phases = Phases()
+        collect(self.client)  # start from an empty record
+        self.raw(scenario, run, phases)
+        if not with_memops:
+            self.stock(scenario, run, phases)
+        elif run % 2:
+            self.memops(scenario, run, phases)
+            self.stock(scenario, run, phases)
+        else:
+            self.stock(scenario, run, phases)
+            self.memops(scenario, run, phases)
+        return phases
+
+    def raw(self, scenario: Scenario, run: int, phases: Phases) -> None:
+        """The same bytes copied worker to worker by ``replicate``, without the AMM."""
+        client = self.client
+        _, data, ballast = self.loaded(scenario, f"tp-{run}-raw")
+        started = time.time()
+        client.replicate(data, n=2)
+        # A replicated key reaches memory on its recipient with no flight state in between.
+        landed = [t for evs in collect(client).values() for t, _, f in evs if t >= started and f == "memory"]
+        phases.raw = max(landed) - started
+        del data, ballast
+        time.sleep(0.5)
+
+    def stock(self, scenario: Scenario, run: int, phases: Phases) -> None:
+        """``retire_workers`` of the same workers, called directly."""
+        client = self.client
+        tag = f"tp-{run}-stock"
+        retiring, data, ballast = self.loaded(scenario, tag)
+        addresses = [benchkit.workers(client)[p] for p in retiring]
+        collect(client)
+        started = time.time()
+        retired = client.retire_workers(workers=addresses, close_workers=True)
+        returned = time.time()
+        assert sorted(retired) == sorted(addresses), retired
+        first, last = drain_window(collect(client), started, tag)
+        phases.stock_first, phases.stock_drain, phases.stock_return = first - started, last - first, returned - started
+        check_kept(client, data, addresses)
+        del data, ballast
+        wait_workers(client, WORKERS)  # the pods' containers restart their workers, empty
+        time.sleep(0.5)
+
+    def memops(self, scenario: Scenario, run: int, phases: Phases) -> None:
+        """One RetirementRequest through kubectl; the operator calls the same ``retire_workers``."""
+        client = self.client
+        tag = f"tp-{run}-memops"
+        retiring, data, ballast = self.loaded(scenario, tag)
+        addresses = [benchkit.workers(client)[p] for p in retiring]
+        name = f"tp-{run}-{scenario.size // MIB}-{scenario.key_size // 1024}-{scenario.retiring}"
+        spec: dict[str, Any] = {
+            "scheduler": {"address": self.box.address},
+            "workload": {"kind": "Deployment", "name": "dask-worker"},
+            "timeout": "10m",
+        }
+        spec.update({"workers": retiring} if scenario.retiring == 1 else {"count": scenario.retiring})
+        request = {
+            "apiVersion": "memops.dev/v1alpha1",
+            "kind": "RetirementRequest",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": spec,
+        }
+        collect(client)
+        applied = time.time()
+        benchkit.kubectl(self.box.env, "apply", "-f", "-", stdin=yaml.safe_dump(request))
+        path = f"/apis/memops.dev/v1alpha1/namespaces/default/retirementrequests/{name}"
+        status: dict[str, Any] = {}
+        while status.get("phase") not in ("Succeeded", "Failed"):
+            time.sleep(POLL_SECONDS)
+            status = (self.api.get(path) or {}).get("status", {})
+        succeeded = time.time()
+        assert status["phase"] == "Succeeded", status
+        chosen = sorted(w["pod"] for w in status.get("workers", []))
+        assert chosen == sorted(retiring), f"memops chose {chosen}, the loaded workers are {retiring}"
+        first, last = drain_window(collect(client), applied, tag)
+        phases.memops_first, phases.memops_drain = first - applied, last - first
+        phases.memops_succeeded = succeeded - applied
+        check_kept(client, data, addresses)
+        del data, ballast
+        benchkit.kubectl(self.box.env, "scale", "deployment/dask-worker", f"--replicas={WORKERS}")
+        wait_workers(client, WORKERS)
+        time.sleep(0.5)
+
+
+def start(client: distributed.Client) -> None:
+    module = sys.modules[TransferClock.__module__]
+    if module.__name__ != "__main__":  # not importable on the workers: send it by value
+        cloudpickle.register_pickle_by_value(module)
+    client.register_plugin(TransferClock())
+
+
+def sandbox_memory(scenarios: Sequence[Scenario]) -> str:
+    """Worker memory limits that keep the largest scenario under the spill threshold (0.6):
+    a retiring worker's data, or a recipient's ballast plus its share of what it receives."""
+    need = max(
+        max(s.size, s.size + s.key_size + s.size * s.retiring // max(WORKERS - s.retiring, 1)) for s in scenarios
+    )
+    return f"{max(-(-4 * need // GIB), 2)}GiB"
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Dask configuration for the sandbox's scheduler and workers, which inherit this environment."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure(
+    scenarios: Sequence[Scenario], runs: int, env: dict[str, str] | None = None, with_memops: bool = True
+) -> dict[Scenario, list[Phases]]:
+    results: dict[Scenario, list[Phases]] = {s: [] for s in scenarios}
+    with environment(env or {}), benchkit.running_sandbox(WORKERS, "--worker-memory", sandbox_memory(scenarios)) as box:
+        with distributed.Client(box.address, timeout=30) as client:
+            start(client)
+            bench = Bench(client, box)
+            for run in range(runs):  # runs outermost: a burst of load elsewhere hits every scenario alike
+                for index, scenario in enumerate(scenarios):
+                    results[scenario].append(bench.run(scenario, run * 100 + index, with_memops))
+    return results
+
+
+KNOBS: dict[str, dict[str, str]] = {
+    "defaults (AMM every 2 s, messages up to 50 MB)": {},
+    "AMM interval 100 ms": {"DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__INTERVAL": "100ms"},
+    "message-bytes-limit 10 MB": {"DASK_DISTRIBUTED__WORKER__TRANSFER__MESSAGE_BYTES_LIMIT": "10MB"},
+    "message-bytes-limit 256 MB": {"DASK_DISTRIBUTED__WORKER__TRANSFER__MESSAGE_BYTES_LIMIT": "256MB"},
+}
+KNOB_SCENARIOS = ["1024:16384:1", "256:64:1"]
+
+
+def knobs(texts: Sequence[str], runs: int) -> None:
+    """Stock retire_workers under Dask configuration knobs, each in its own sandbox; the raw copy
+    (which none of these knobs touches) is the anchor within each sandbox."""
+    scenarios = [parse_scenario(t) for t in texts]
+    rows = []
+    for label, env in KNOBS.items():
+        results = measure(scenarios, runs, env, with_memops=False)
+        for scenario, phases in results.items():
+            moved = scenario.keys * scenario.key_size * scenario.retiring / GIB
+            rows.append(
+                [
+                    label,
+                    scenario.label,
+                    f"{median(moved / p.raw for p in phases):.2f}",
+                    f"{median(moved / p.stock_drain for p in phases):.2f}",
+                    f"{median(p.raw / p.stock_drain for p in phases):.2f}",
+                    f"{median(p.stock_first for p in phases):.3f}",
+                    f"{median(p.stock_return for p in phases):.3f}",
+                ]
+            )
+    print(
+        f"\nStock retire_workers under Dask knobs, median of {runs} runs; a sandbox per knob; ratios within each run\n"
+    )
+    headers = ["knob", "scenario", "raw GiB/s", "stock GiB/s", "stock/raw", "call -> 1st byte s", "call -> returned s"]
+    print(markdown(headers, rows))
+
+
+def median(values: Iterator[float]) -> float:
+    return statistics.median(list(values))
+
+
+def markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
+    print(f"\nDrain throughput, median of {runs} runs, one sandbox of {WORKERS} workers, ratios taken within each run.")
+    print("drain: first byte in flight -> last key in memory on its recipient, timed inside the workers.\n")
+    rows = []
+    for scenario, phases in results.items():
+        moved = scenario.keys * scenario.key_size * scenario.retiring / GIB
+        rows.append(
+            [
+                scenario.label,
+                f"{median(moved / p.raw for p in phases):.2f}",
+                f"{median(moved / p.stock_drain for p in phases):.2f}",
+                f"{median(moved / p.memops_drain for p in phases):.2f}",
+                f"{median(p.raw / p.stock_drain for p in phases):.2f}",
+                f"{median(p.raw / p.memops_drain for p in phases):.2f}",
+                f"{median(p.stock_drain / p.memops_drain for p in phases):.2f}",
+            ]
+        )
+    headers = ["scenario", "raw GiB/s", "stock GiB/s", "memops GiB/s", "stock/raw", "memops/raw", "memops/stock"]
+    print(markdown(headers, rows))
+    print(
+        "\nEnd to end, seconds (median): from the call (stock) or kubectl apply (memops) to the first byte in flight,"
+    )
+    print("and to retire_workers returning (worker closed and removed) or the request Succeeded (pods gone).\n")
+    rows = [
+        [
+            scenario.label,
+            f"{median(p.stock_first for p in phases):.3f}",
+            f"{median(p.stock_return for p in phases):.3f}",
+            f"{median(p.memops_first for p in phases):.3f}",
+            f"{median(p.memops_succeeded for p in phases):.3f}",
+        ]
+        for scenario, phases in results.items()
+    ]
+    print(markdown(["scenario", "stock: 1st byte", "stock: returned", "memops: 1st byte", "memops: Succeeded"], rows))
+
+
+DEFAULT = ["100:16384:1", "1024:16384:1", "4096:16384:1", "1024:64:1", "1024:1024:1", "1024:262144:1", "512:16384:2"]
+SMALL = ["64:1024:1", "64:16384:2"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", nargs="+", metavar="SIZE_MIB:KEY_KIB:N", help=f"default: {' '.join(DEFAULT)}")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help=f"the CI pass: {' '.join(SMALL)}, one run")
+    parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument("--knobs", action="store_true", help=f"stock retire under {len(KNOBS)} Dask configurations")
+    args = parser.parse_args(argv)
+    if args.knobs:
+        knobs(args.scenarios or KNOB_SCENARIOS, args.runs)
+        return 0
+    texts = args.scenarios or (SMALL if args.small else DEFAULT)
+    runs = 1 if args.small else args.runs
+    scenarios = [parse_scenario(t) for t in texts]
+    results = measure(scenarios, runs)
+    print_tables(results, runs)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps({s.label: [dataclasses.asdict(p) for p in r] for s, r in results.items()}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
