@@ -15,8 +15,10 @@ again and moves it again later. Workers being retired or closed (RetireWorker's
 ``closing_gracefully``) are neither relieved nor sent keys, and a copy held only by such a
 worker does not count as a copy. Paused workers are relieved (a paused worker still serves
 its data, and ReduceReplicas drops from it first too) but are never sent keys. No key is sent
-to a worker that it would push over ``above``. When keys are left on a hot worker because no
-peer has room for them, the worker is *starved*: the operator then asks for more workers.
+to a worker that it would push over ``above``, nor to a worker that was itself relieved in the
+last 30 s (it filled up once and may again; keys sent back would only move twice). When keys
+are left on a hot worker because no peer has room for them, the worker is *starved*: the
+operator then asks for more workers.
 
 The module imports nothing from memops: the operator sends it to the scheduler by value over
 the comm (``run_function`` with :func:`configure`), so a stock Dask image runs it; once it is
@@ -36,6 +38,11 @@ from distributed.active_memory_manager import ActiveMemoryManagerExtension, Acti
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 NAME = "memops-pressure-relief"
+LANDING = 2.0
+"""A copy on its way costs its recipient about twice its size: the frames received, then the
+object made from them (and the allocator does not hand the frames back to the system at once)."""
+COOLING_SECONDS = 30.0
+"""A worker relieved this recently is sent no keys (see :func:`choose`'s ``cooling``)."""
 IN_FLIGHT_SECONDS = 5.0
 """How long a planned copy or drop may take, plus the transfer time below, before relief gives
 up on it (the copy went nowhere, or the worker kept its replica) and plans that key afresh."""
@@ -90,6 +97,8 @@ def choose(
     freed: Mapping[str, int] | None = None,
     incoming: Mapping[str, int] | None = None,
     relieving: Collection[str] = (),
+    cooling: Collection[str] = (),
+    landing: float = 1.0,
 ) -> Plan:
     """What to move off the workers that need relief so that each ends under ``to``.
 
@@ -97,6 +106,10 @@ def choose(
     relief are read). ``freed`` / ``incoming``: bytes already on their way off / onto a worker
     (planned earlier, not yet in its reported memory). ``relieving``: the workers that the last
     plan was relieving (its ``hot``): they go on until under ``to``, not only until under ``above``.
+    ``cooling``: workers relieved a short while ago, which are sent no keys: they filled up once
+    and may again (a worker that tasks keep landing on), and keys sent back to them would move
+    twice, or back and forth. ``landing``: what a copy costs its recipient while it arrives, in
+    multiples of the key's size (``incoming`` is counted so already).
 
     Keys with a copy on another staying worker are dropped first (no transfer); then the largest
     keys are copied, each to the running peer with the most headroom that stays under ``above``
@@ -112,7 +125,11 @@ def choose(
         key=lambda w: (w.limit * above - w.process, w.name),  # the most over first
     )
     hot_names = {w.name for w in candidates}
-    peers = [w for w in workers if w.running and not w.leaving and w.limit and w.name not in hot_names]
+    peers = [
+        w
+        for w in workers
+        if w.running and not w.leaving and w.limit and w.name not in hot_names and w.name not in cooling
+    ]
     drops: list[tuple[str, str]] = []
     copies: list[tuple[str, str, str]] = []
     hot: list[str] = []
@@ -136,12 +153,13 @@ def choose(
         for key in only_here:
             if need <= 0:
                 break
-            fits = [p for p in peers if p.name not in key.holders and projected[p.name] + key.nbytes <= above * p.limit]
+            cost = int(landing * key.nbytes)
+            fits = [p for p in peers if p.name not in key.holders and projected[p.name] + cost <= above * p.limit]
             if not fits:
                 unplaced = True
                 continue  # a smaller key may still fit somewhere
             recipient = min(fits, key=lambda p: (projected[p.name] / p.limit, p.name))
-            projected[recipient.name] += key.nbytes
+            projected[recipient.name] += cost
             copies.append((key.key, worker.name, recipient.name))
             need -= key.nbytes
             planned = True
@@ -165,6 +183,7 @@ class Move:
     planned: float  # wall clock, as WorkerState.last_seen
     dropping: bool = False  # the hot worker's replica has been asked to go
     left: float = 0.0  # when the key was seen gone from the hot worker (0: not yet)
+    landed: float = 0.0  # when its copy was seen on the recipient (0: not yet)
 
     def expired(self, now: float) -> bool:
         """Given up: the copy never landed (the recipient went away, or a drop was refused)."""
@@ -182,6 +201,7 @@ class PressureRelief(ActiveMemoryManagerPolicy):
         self.hot: tuple[str, ...] = ()
         self.starved: tuple[str, ...] = ()
         self.moves: dict[Any, Move] = {}  # by task key
+        self.relieved: dict[str, float] = {}  # worker address -> when it was last relieved (wall clock)
 
     def __repr__(self) -> str:
         return (
@@ -217,10 +237,14 @@ class PressureRelief(ActiveMemoryManagerPolicy):
                 freed[move.source] = freed.get(move.source, 0) + move.nbytes
             elif move.left:
                 del self.moves[key]  # the worker's memory shows it: done
-            # Bytes coming to a recipient count until they land; then its managed memory has them.
+            # Bytes coming to a recipient count until they land; then its managed memory has them,
+            # but its process memory shows what landing them cost only at its next heartbeat.
             recipient = by_address.get(move.target)
-            if recipient is not None and recipient not in holders:
-                incoming[move.target] = incoming.get(move.target, 0) + move.nbytes
+            if recipient is not None:
+                if recipient in holders and not move.landed:
+                    move.landed = now
+                cost = LANDING if not move.landed else LANDING - 1 if move.landed > recipient.last_seen else 0
+                incoming[move.target] = incoming.get(move.target, 0) + int(cost * move.nbytes)
         # Process memory is as old as the last heartbeat; the managed part of "optimistic" is
         # current (a key counts the moment it lands), so the larger of the two is the estimate.
         loads = [
@@ -234,6 +258,8 @@ class PressureRelief(ActiveMemoryManagerPolicy):
             for ws in by_address.values()
         ]
         relieving = set(self.hot)
+        self.relieved.update(dict.fromkeys(relieving, now))
+        self.relieved = {w: t for w, t in self.relieved.items() if now - t < COOLING_SECONDS and w in by_address}
         hot = [w.name for w in loads if needs_relief(w, above=self.above, to=self.to, freed=freed, relieving=relieving)]
         if not hot:
             self.hot, self.starved = (), ()
@@ -247,7 +273,17 @@ class PressureRelief(ActiveMemoryManagerPolicy):
                     continue  # already on its way
                 tasks[str(ts.key)] = ts  # choose() speaks strings
                 keys[address].append(Key(str(ts.key), int(ts.nbytes), tuple(w.address for w in ts.who_has or ())))
-        plan = choose(loads, keys, above=self.above, to=self.to, freed=freed, incoming=incoming, relieving=relieving)
+        plan = choose(
+            loads,
+            keys,
+            above=self.above,
+            to=self.to,
+            freed=freed,
+            incoming=incoming,
+            relieving=relieving,
+            cooling=set(self.relieved),
+            landing=LANDING,
+        )
         self.hot, self.starved = plan.hot, plan.starved
         for key, source in plan.drops:
             ts = tasks[key]

@@ -122,8 +122,9 @@ async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: t
     address, client = cluster
     workers = sorted(await process_memory(client))
     futures = {}
-    for worker in workers:  # every worker over relieveAbove: nowhere to go
-        futures.update(await load(client, worker, ABOVE + 0.03))
+    # Every worker over relieveAbove: nowhere to go.
+    for loaded in await asyncio.gather(*(load(client, worker, ABOVE + 0.03) for worker in workers)):
+        futures.update(loaded)
 
     async def starved() -> list[str] | None:
         state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)

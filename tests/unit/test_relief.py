@@ -106,6 +106,14 @@ def test_paused_closing_and_unlimited_workers_are_sent_no_keys(recipient: Load) 
     assert plan.copies == () and plan.starved == ("hot",)
 
 
+def test_a_worker_relieved_a_short_while_ago_is_sent_no_keys() -> None:
+    """Else a peer that relief filled would send keys back to the worker they came from."""
+    workers = [Load("peer", 800 * MiB, LIMIT), Load("was-hot", 100 * MiB, LIMIT), Load("b", 650 * MiB, LIMIT)]
+    plan = choose(workers, {"peer": keys("peer", 100)}, above=0.7, to=0.55, cooling={"was-hot"})
+    assert plan.copies == () and plan.starved == ("peer",)
+    assert choose(workers, {"peer": keys("peer", 100)}, above=0.7, to=0.55).copies == (("peer-0", "peer", "was-hot"),)
+
+
 def test_relief_goes_on_until_relieve_to_once_started() -> None:
     """Between the thresholds a worker is relieved only if it went over relieveAbove first."""
     workers = [Load("w", 650 * MiB, LIMIT), Load("a", 0, LIMIT)]
