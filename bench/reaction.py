@@ -30,6 +30,7 @@ import throughput
 import yaml
 
 POLL = 0.005
+REQUESTS = "/apis/memops.dev/v1alpha1/namespaces/default/retirementrequests?labelSelector=memops.dev/policy=react"
 
 
 def wait(predicate: Any, timeout: float = 120) -> float:
@@ -41,13 +42,29 @@ def wait(predicate: Any, timeout: float = 120) -> float:
     return time.time()
 
 
+def settled(client: distributed.Client, api: throughput.Api, count: int) -> dict[str, str]:
+    """Wait until ``count`` workers are connected, one per live pod: a drained worker's container may
+    restart it for a moment before its pod is deleted, and that worker must not be picked."""
+    found: dict[str, str] = {}
+
+    def ready() -> bool:
+        nonlocal found
+        found = benchkit.workers(client)
+        listed = (api.get("/api/v1/namespaces/default/pods") or {}).get("items", [])
+        live = {p["metadata"]["name"] for p in listed if not p["metadata"].get("deletionTimestamp")}
+        return len(found) == count and set(found) == live
+
+    wait(ready)
+    return found
+
+
 def retire_once(
-    client: distributed.Client, api: throughput.Api, env: dict[str, str], address: str, run: int
+    client: distributed.Client, api: throughput.Api, env: dict[str, str], address: str, run: int, count: int
 ) -> tuple[float, float]:
-    pods = sorted(benchkit.workers(client))
-    pod = pods[0]
+    by_pod = settled(client, api, count)
+    pod = sorted(by_pod)[0]
     key = f"tp-react-{run}"
-    [future] = client.scatter({key: os.urandom(2**20)}, workers=[benchkit.workers(client)[pod]], hash=False).values()
+    [future] = client.scatter({key: os.urandom(2**20)}, workers=[by_pod[pod]], hash=False).values()
     request = {
         "apiVersion": "memops.dev/v1alpha1",
         "kind": "RetirementRequest",
@@ -65,37 +82,29 @@ def retire_once(
     # When the key went into flight towards another worker, and reached its memory: timed there.
     first, moved = throughput.drain_window(throughput.collect(client), applied, key)
     assert client.gather(future) is not None
-    benchkit.kubectl(env, "scale", "deployment/dask-worker", f"--replicas={len(pods)}")
-    wait(lambda: len(benchkit.workers(client)) == len(pods))
+    benchkit.kubectl(env, "scale", "deployment/dask-worker", f"--replicas={count}")
     return first - applied, gone - moved
 
 
 def scale_once(client: distributed.Client, api: throughput.Api, env: dict[str, str], replicas: int, run: int) -> float:
-    before = {
-        r["metadata"]["name"]
-        for r in (
-            api.get(
-                "/apis/memops.dev/v1alpha1/namespaces/default/retirementrequests?labelSelector=memops.dev/policy=react"
-            )
-            or {}
-        ).get("items", [])
-    }
+    before = {r["metadata"]["name"] for r in (api.get(REQUESTS) or {}).get("items", [])}
     started = time.time()
     benchkit.kubectl(env, "scale", "mempol/react", f"--replicas={replicas - 1}")
 
     def created() -> bool:
-        items = (
-            api.get(
-                "/apis/memops.dev/v1alpha1/namespaces/default/retirementrequests?labelSelector=memops.dev/policy=react"
-            )
-            or {}
-        ).get("items", [])
+        items = (api.get(REQUESTS) or {}).get("items", [])
         return any(r["metadata"]["name"] not in before for r in items)
 
     reacted = wait(created)
-    wait(lambda: len(benchkit.workers(client)) == replicas - 1, timeout=120)
+
+    def finished() -> bool:  # the policy drains one request at a time: let this one end first
+        items = (api.get(REQUESTS) or {}).get("items", [])
+        return all((r.get("status") or {}).get("phase") in ("Succeeded", "Failed") for r in items)
+
+    wait(finished)
+    settled(client, api, replicas - 1)
     benchkit.kubectl(env, "scale", "mempol/react", f"--replicas={replicas}")
-    wait(lambda: len(benchkit.workers(client)) == replicas, timeout=120)
+    settled(client, api, replicas)
     return reacted - started
 
 
@@ -117,7 +126,8 @@ def main() -> int:
         api = throughput.Api(box.state / "kubeconfig")
         with distributed.Client(address, timeout=30) as client:
             throughput.start(client)
-            retire = [retire_once(client, api, env, address, run) for run in range(args.runs)]
+            retire = [retire_once(client, api, env, address, run, 3) for run in range(args.runs)]
+            settled(client, api, 3)
             policy = {
                 "apiVersion": "memops.dev/v1alpha1",
                 "kind": "MemoryPolicy",
