@@ -11,14 +11,15 @@ ways in the same sandbox and the same run:
 
 Every phase is timed inside the workers, by a worker plugin that records when a key of the
 phase goes into flight and reaches memory on its recipient: "drain" is first byte in flight ->
-last key in memory, the same instrument for stock and memops; its rate is SIZE x N over it. The
+last key in memory, the same instrument for stock and memops; its rate is SIZE x N over it (raw has
+no flight state: it is timed from the call to the last key in memory). The
 client-side figures (call -> return, apply -> Succeeded) are in the second table. No key may
 be lost: after each phase every key must be held by a worker that stays.
 
 With ``count: N`` memops chooses the workers that hold the fewest unique bytes, so for N > 1
 the other workers hold a ballast a little larger than SIZE (in both stock and memops phases).
 
-    python bench/throughput.py                      # the matrix in the README (about 15 min)
+    python bench/throughput.py                      # the matrix in the README (15-20 min)
     python bench/throughput.py --small              # the small pass CI runs
     python bench/throughput.py --scenarios 1024:16384:1 --runs 5   # SIZE_MIB:KEY_KIB:N
     python bench/throughput.py --knobs              # stock retire of 1 GiB under Dask config knobs
