@@ -30,6 +30,7 @@ and turns its plan into AMM suggestions.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections.abc import Collection, Generator, Mapping, Sequence
 from typing import Any
@@ -77,6 +78,10 @@ class Plan:
     starved: tuple[str, ...] = ()  # hot workers that keep keys that no peer has room for
 
 
+def _size(key: Key) -> int:
+    return key.nbytes
+
+
 def needs_relief(
     worker: Load, *, above: float, to: float, freed: Mapping[str, int], relieving: Collection[str]
 ) -> bool:
@@ -112,8 +117,8 @@ def choose(
     multiples of the key's size (``incoming`` is counted so already).
 
     Keys with a copy on another staying worker are dropped first (no transfer); then the largest
-    keys are copied, each to the running peer with the most headroom that stays under ``above``
-    with it. A worker that still needs relief once its keys are all planned is not starved (its
+    keys are copied, each to the running peer with the most headroom under ``above`` (bytes), if
+    it stays under ``above`` with it. A worker that still needs relief once its keys are all planned is not starved (its
     memory is not Dask data, which moving cannot help); one whose keys fit on no peer is, and it
     stays among the workers being relieved until it is under ``to``.
     """
@@ -134,13 +139,16 @@ def choose(
     copies: list[tuple[str, str, str]] = []
     hot: list[str] = []
     starved: list[str] = []
+    # Peers by headroom under ``above``, the most first: a key that does not fit on the first fits nowhere.
+    rooms = [(projected[p.name] - above * p.limit, p.name) for p in peers]
+    heapq.heapify(rooms)
     for worker in candidates:
         need = worker.process - freed.get(worker.name, 0) - int(to * worker.limit)
-        largest_first = sorted(keys.get(worker.name, ()), key=lambda k: (-k.nbytes, k.key))
+        largest_first = sorted(keys.get(worker.name, ()), key=_size, reverse=True)  # stable: ties keep their order
         elsewhere: list[Key] = []
         only_here: list[Key] = []
         for key in largest_first:
-            copied = any(h != worker.name and h not in leaving for h in key.holders)
+            copied = len(key.holders) > 1 and any(h != worker.name and h not in leaving for h in key.holders)
             (elsewhere if copied else only_here).append(key)
         planned, unplaced = False, False
         # Keys with a copy elsewhere first: dropping them costs no transfer.
@@ -154,13 +162,12 @@ def choose(
             if need <= 0:
                 break
             cost = int(landing * key.nbytes)
-            fits = [p for p in peers if p.name not in key.holders and projected[p.name] + cost <= above * p.limit]
-            if not fits:
+            if not rooms or cost > -rooms[0][0]:
                 unplaced = True
                 continue  # a smaller key may still fit somewhere
-            recipient = min(fits, key=lambda p: (projected[p.name] / p.limit, p.name))
-            projected[recipient.name] += cost
-            copies.append((key.key, worker.name, recipient.name))
+            minus_room, recipient = heapq.heappop(rooms)
+            heapq.heappush(rooms, (minus_room + cost, recipient))
+            copies.append((key.key, worker.name, recipient))
             need -= key.nbytes
             planned = True
         starving = need > 0 and unplaced

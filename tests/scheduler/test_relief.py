@@ -57,9 +57,12 @@ async def process_memory(client: Client) -> dict[str, int]:
 
 
 async def wait_until(predicate: Any, timeout: float, what: str) -> Any:
-    async with asyncio.timeout(timeout):
-        while not (value := await predicate()):
-            await asyncio.sleep(0.2)
+    try:
+        async with asyncio.timeout(timeout):
+            while not (value := await predicate()):
+                await asyncio.sleep(0.2)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
     return value
 
 
@@ -101,7 +104,7 @@ async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: 
         who_has: dict[str, list[str]] = await client.scheduler.who_has(keys=list(futures_by_key))
         return who_has if all(len(holders) == 1 for holders in who_has.values()) else None
 
-    who_has = await wait_until(settled, 10, "one copy of each key")
+    who_has = await wait_until(settled, 30, "one copy of each key")
 
     moved = [k for k, holders in who_has.items() if hot not in holders]
 
@@ -109,7 +112,7 @@ async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: 
         state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
         return state if state is not None and not state["hot"] else None
 
-    state = await wait_until(done, 5, "relief to see the worker relieved")
+    state = await wait_until(done, 15, "relief to see the worker relieved")
     assert state["starved"] == []
     # Relief counts a move in the cycle that sees the key leave the hot worker; a key whose last
     # copy there went between two cycles (ReduceReplicas dropped it first) can go uncounted, so
