@@ -42,6 +42,8 @@ NAME = "memops-pressure-relief"
 LANDING = 2.0
 """A copy on its way costs its recipient about twice its size: the frames received, then the
 object made from them (and the allocator does not hand the frames back to the system at once)."""
+FORGET_SECONDS = 60.0
+"""How long a move that relief gave up on is still followed, to count it if the key leaves."""
 COOLING_SECONDS = 30.0
 """A worker relieved this recently is sent no keys (see :func:`choose`'s ``cooling``)."""
 IN_FLIGHT_SECONDS = 5.0
@@ -226,16 +228,19 @@ class PressureRelief(ActiveMemoryManagerPolicy):
             ts = scheduler.tasks.get(key)
             hot_ws = by_address.get(move.source)
             holders = (ts.who_has or set()) if ts is not None else set()
-            if ts is None or hot_ws is None or move.expired(now):
-                del self.moves[key]  # released, its worker gone, or given up on
+            if ts is None or hot_ws is None or now > move.planned + FORGET_SECONDS:
+                del self.moves[key]  # released, its worker gone, or long given up on
                 continue
             if not move.left and hot_ws not in holders:
                 # Gone from the hot worker: dropped by this policy, or by ReduceReplicas once
-                # the copy existed. Either way a move that relief made; count it once.
+                # the copy existed (even after relief gave up waiting for it). Either way a move
+                # that relief made; count it once.
                 move.left = now
                 self.keys_moved += 1
                 self.bytes_moved += move.nbytes
-            elif not move.dropping and len(holders) >= 2:
+            if move.expired(now):
+                continue  # given up on: planned afresh, and only kept to be counted if it leaves
+            if not move.left and not move.dropping and len(holders) >= 2:
                 # The copy has landed (or existed): drop the hot worker's replica now.
                 move.dropping = (yield Suggestion("drop", ts, {hot_ws})) is not None
             # Leaving bytes count until the worker's memory shows them gone: while the key is on
@@ -276,7 +281,7 @@ class PressureRelief(ActiveMemoryManagerPolicy):
         for address in hot:
             keys[address] = []
             for ts in by_address[address].has_what:
-                if ts.key in self.moves:
+                if ts.key in self.moves and not self.moves[ts.key].expired(now):
                     continue  # already on its way
                 tasks[str(ts.key)] = ts  # choose() speaks strings
                 keys[address].append(Key(str(ts.key), int(ts.nbytes), tuple(w.address for w in ts.who_has or ())))
