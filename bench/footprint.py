@@ -125,14 +125,13 @@ def deployment(namespace: str, name: str, address: str) -> Obj:
 
 
 @contextlib.asynccontextmanager
-async def operator(kubeconfig: Path, log: Path) -> AsyncIterator[Process]:
+async def operator_process(kubeconfig: Path, log: Path, *argv: str) -> AsyncIterator[Process]:
+    """An operator as its own process (memops' or dask-kubernetes'), stopped on the way out."""
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     with log.open("wb") as output:
         child = await asyncio.create_subprocess_exec(
-            sandbox._executable("memops"),
-            "run",
-            "--all-namespaces",
-            "--standalone",
+            sandbox._executable(argv[0]),
+            *argv[1:],
             stdout=output,
             stderr=output,
             env=env,
@@ -201,7 +200,9 @@ async def main_async(policies: int, rest: float) -> list[tuple[str, float, float
             await store.create("deployments", namespace, deployment(namespace, name, address))
         total = policies * PODS_PER_POLICY
         await until(lambda: len(store.list("pods")) == total, 300, f"{total} pods")
-        async with operator(kubeconfig, state / "operator.log") as proc:
+        async with operator_process(
+            kubeconfig, state / "operator.log", "memops", "run", "--all-namespaces", "--standalone"
+        ) as proc:
             for namespace, name in names:
                 await store.create("memorypolicies", namespace, policy(namespace, name, address, PODS_PER_POLICY))
 
@@ -266,30 +267,6 @@ def dask_cluster(namespace: str, name: str) -> Obj:
     }
 
 
-@contextlib.asynccontextmanager
-async def dask_kubernetes_operator(kubeconfig: Path, log: Path) -> AsyncIterator[Process]:
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    with log.open("wb") as output:
-        child = await asyncio.create_subprocess_exec(
-            sandbox._executable("kopf"),
-            "run",
-            "--standalone",
-            "--all-namespaces",
-            "-m",
-            "dask_kubernetes.operator.controller",
-            stdout=output,
-            stderr=output,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            yield Process(child.pid)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGTERM)
-            await child.wait()
-
-
 async def anchor_async(clusters: int, rest: float) -> list[tuple[str, float, float, float, str]]:
     """dask-kubernetes' operator with ``clusters`` DaskClusters of PODS_PER_POLICY workers, at rest."""
     charts = importlib.resources.files("dask_kubernetes") / "operator/deployment/helm/dask-kubernetes-operator/crds"
@@ -310,7 +287,11 @@ async def anchor_async(clusters: int, rest: float) -> list[tuple[str, float, flo
             if store.get("namespaces", None, namespace) is None:
                 await store.create("namespaces", None, {"metadata": {"name": namespace}})
         total = clusters * PODS_PER_POLICY
-        async with dask_kubernetes_operator(kubeconfig, state / "operator.log") as proc:
+        async with operator_process(
+            kubeconfig,
+            state / "operator.log",
+            *("kopf", "run", "--standalone", "--all-namespaces", "-m", "dask_kubernetes.operator.controller"),
+        ) as proc:
 
             def workers_running(count: int) -> bool:
                 pods = store.list("pods", None, {"dask.org/component": "worker"})
