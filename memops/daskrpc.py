@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,13 @@ from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
 from memops import planning
-from memops.scheduler import relief
+from memops.scheduler import holdings, relief
+
+logger = logging.getLogger(__name__)
+
+# Sent to the scheduler by value, so that it needs only distributed, not memops.
+cloudpickle.register_pickle_by_value(holdings)
+cloudpickle.register_pickle_by_value(relief)
 
 
 class SchedulerUnreachable(Exception):
@@ -116,34 +123,55 @@ async def fetch_snapshot(
     timeout: float = 10,
     keys: bool = True,
     processing: bool | None = None,
+    placement_of: Collection[str] = (),
+    placement: Collection[Hashable] = (),
 ) -> planning.SchedulerSnapshot:
-    """The workers, who holds which key, and key sizes, from one connection.
+    """The workers and their memory, from one connection.
 
-    With ``keys=False`` only the workers and their memory: cheap whatever the number of keys.
-    ``processing`` (default: as ``keys``) also asks which workers run a shuffle's tasks.
+    With ``keys`` (the default) also the bytes and keys each worker holds, and holds alone, and
+    who holds which key (``who_has`` and ``nbytes``) for the keys that the workers at
+    ``placement_of`` hold and for the keys in ``placement``: what a drain's report compares
+    before and after. With ``keys=False`` only the workers and their memory. ``processing``
+    (default: as ``keys``) also asks which workers run a shuffle's tasks.
+
+    The sums run inside the scheduler (:mod:`memops.scheduler.holdings`, sent by value through
+    ``run_function``), where they cost the workers and the replicated keys rather than every
+    key. A scheduler that refuses ``run_function`` is asked for ``who_has`` and ``nbytes`` of
+    every key instead, and the sums are done here: the same figures, at a cost that grows with
+    the keys, and ``who_has`` then covers every key.
     """
     processing = keys if processing is None else processing
     scheduler = _connect(address, security, timeout)
+    summary: dict[str, Any] | None = None
+    who_has_raw: Mapping[Any, Sequence[str]] = {}
+    nbytes_raw: Mapping[Any, int] = {}
     try:
         async with asyncio.timeout(timeout):
             identity = await scheduler.identity()
-            who_has_raw = await scheduler.who_has() if keys else {}
             running = await scheduler.processing() if processing else {}
-            nbytes_raw = await scheduler.nbytes(summary=False) if keys else {}
+            if keys:
+                try:
+                    summary = await _run(
+                        scheduler, holdings.summarize, workers=list(placement_of), keys=list(placement)
+                    )
+                except SchedulerRefused as exc:
+                    logger.info("summing holdings from who_has instead: %s", exc)
+                    who_has_raw = await scheduler.who_has()
+                    nbytes_raw = await scheduler.nbytes(summary=False)
     except _COMM_ERRORS as exc:
         raise SchedulerUnreachable(address, exc) from exc
     finally:
         await scheduler.close_rpc()
-    who_has = {str(k): tuple(v) for k, v in who_has_raw.items()}
-    nbytes = {str(k): int(v) for k, v in nbytes_raw.items()}
-    unique = planning.unique_holdings(who_has, nbytes)
-    # Keys and bytes each worker holds, as the scheduler knows them now; the worker's own
-    # figure (metrics) is as old as its last heartbeat, and is all there is with keys=False.
-    held: dict[str, tuple[int, int]] = {}
-    for key, holders in who_has.items():
-        for holder in holders:
-            size, count = held.get(holder, (0, 0))
-            held[holder] = (size + nbytes.get(key, 0), count + 1)
+    if summary is not None:
+        held = {a: (int(h[0]), int(h[1])) for a, h in summary["holdings"].items()}
+        unique = {a: (int(h[2]), int(h[3])) for a, h in summary["holdings"].items()}
+        who_has = {k: tuple(holders) for k, (_, holders) in summary["placement"].items()}
+        nbytes = {k: int(size) for k, (size, _) in summary["placement"].items()}
+    else:
+        who_has = {k: tuple(v) for k, v in who_has_raw.items()}
+        nbytes = {k: int(v) for k, v in nbytes_raw.items()}
+        unique = planning.unique_holdings(who_has, nbytes)
+        held = planning.holdings(who_has, nbytes)
     workers = []
     for worker_address, info in identity.get("workers", {}).items():
         metrics = info.get("metrics", {})
@@ -311,17 +339,10 @@ async def configure_relief(
         async with asyncio.timeout(timeout):
             state = await _call(scheduler, relief.NAME, above=above, to=to, owner=owner)
             if state is None and above is not None:
-                cloudpickle.register_pickle_by_value(relief)
-                response = await _call(
-                    scheduler,
-                    "run_function",
-                    function=dumps(relief.configure),
-                    kwargs=dumps({"above": above, "to": to, "owner": owner}),
-                )
-                if not isinstance(response, dict) or response.get("status") != "OK":
-                    exception = response.get("exception") if isinstance(response, dict) else response
-                    raise SchedulerRefused(f"pressure relief could not be installed: {exception!r}")
-                state = response.get("result")
+                try:
+                    state = await _run(scheduler, relief.configure, above=above, to=to, owner=owner)
+                except SchedulerRefused as exc:
+                    raise SchedulerRefused(f"pressure relief could not be installed: {exc}") from exc
     except _COMM_ERRORS as exc:
         raise SchedulerUnreachable(address, exc) from exc
     finally:
@@ -330,6 +351,19 @@ async def configure_relief(
         return None  # {}: the handler removed it
     # The handler's answer comes through msgpack, which turns lists into tuples.
     return {key: list(value) if isinstance(value, tuple) else value for key, value in state.items()}
+
+
+async def _run(scheduler: rpc, function: Callable[..., Any], **kwargs: Any) -> Any:
+    """``function(dask_scheduler, **kwargs)`` run on the scheduler (``run_function``): its result.
+
+    Raises :class:`SchedulerRefused` when the scheduler does not run it (``run_function`` in
+    ``distributed.scheduler.blocked-handlers``) or the function raised there.
+    """
+    response = await _call(scheduler, "run_function", function=dumps(function), kwargs=dumps(kwargs))
+    if not isinstance(response, dict) or response.get("status") != "OK":
+        exception = response.get("exception") if isinstance(response, dict) else response
+        raise SchedulerRefused(f"run_function of {function.__name__}: {exception!r}")
+    return response.get("result")
 
 
 async def _call(scheduler: rpc, op: str, **kwargs: Any) -> Any:

@@ -1,15 +1,16 @@
 """Pure deciding code over what the scheduler knows: which workers to retire, what moved, what was lost.
 
 No I/O and no Dask imports. :mod:`memops.daskrpc` builds a :class:`SchedulerSnapshot` from
-the scheduler's own handlers; the controllers and the benchmarks call the functions here.
-Keys are strings (Dask keys stringified), worker addresses are Dask comm addresses, and a
+what the scheduler answers; the controllers and the benchmarks call the functions here.
+Keys are Dask's keys as the scheduler sends them (strings, or tuples of them), worker
+addresses are Dask comm addresses, and a
 worker's name is its pod's name (:meth:`SchedulerSnapshot.named_by_pod` makes it so where the
 workers call themselves otherwise, as dask-kubernetes' do).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -37,8 +38,9 @@ class SchedulerSnapshot:
     """The workers and the key placement at one moment."""
 
     workers: tuple[WorkerInfo, ...]
-    who_has: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    nbytes: Mapping[str, int] = field(default_factory=dict)
+    who_has: Mapping[Hashable, tuple[str, ...]] = field(default_factory=dict)
+    """Who holds which key, for the keys asked for (Dask's keys, as the scheduler names them)."""
+    nbytes: Mapping[Hashable, int] = field(default_factory=dict)
 
     def by_name(self, name: str) -> WorkerInfo | None:
         return self._by_name.get(name)
@@ -67,13 +69,30 @@ class SchedulerSnapshot:
         return {w.address: w for w in reversed(self.workers)}
 
 
-def unique_holdings(who_has: Mapping[str, Sequence[str]], nbytes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
-    """Address -> (bytes, keys) held by that worker and by no other. One pass over the keys."""
+def unique_holdings(
+    who_has: Mapping[Hashable, Sequence[str]], nbytes: Mapping[Hashable, int]
+) -> dict[str, tuple[int, int]]:
+    """Address -> (bytes, keys) held by that worker and by no other. One pass over the keys.
+
+    For a scheduler that does not run memops' own sums (:mod:`memops.scheduler.holdings`,
+    whose cost does not grow with the keys); this one does.
+    """
     result: dict[str, tuple[int, int]] = {}
     for key, holders in who_has.items():
         if len(holders) == 1:
             size, count = result.get(holders[0], (0, 0))
             result[holders[0]] = (size + nbytes.get(key, 0), count + 1)
+    return result
+
+
+def holdings(who_has: Mapping[Hashable, Sequence[str]], nbytes: Mapping[Hashable, int]) -> dict[str, tuple[int, int]]:
+    """Address -> (bytes, keys) held by that worker, with or without copies elsewhere."""
+    result: dict[str, tuple[int, int]] = {}
+    for key, holders in who_has.items():
+        size = nbytes.get(key, 0)
+        for holder in holders:
+            total, count = result.get(holder, (0, 0))
+            result[holder] = (total + size, count + 1)
     return result
 
 
@@ -111,15 +130,15 @@ def in_shuffle(processing: Sequence[str]) -> bool:
     return any(prefix in key for key in processing for prefix in SHUFFLE_PREFIXES)
 
 
-def _unique_keys_of(before: Mapping[str, Sequence[str]], address: str) -> list[str]:
+def _unique_keys_of(before: Mapping[Hashable, Sequence[str]], address: str) -> list[Hashable]:
     """The keys that ``address`` held and no other worker did."""
     return [key for key, holders in before.items() if len(holders) == 1 and holders[0] == address]
 
 
 def bytes_moved(
-    before: Mapping[str, Sequence[str]],
-    after: Mapping[str, Sequence[str]],
-    nbytes: Mapping[str, int],
+    before: Mapping[Hashable, Sequence[str]],
+    after: Mapping[Hashable, Sequence[str]],
+    nbytes: Mapping[Hashable, int],
     address: str,
 ) -> tuple[int, int]:
     """Of the keys only ``address`` held before, (bytes, keys) that another worker holds now."""
@@ -128,9 +147,9 @@ def bytes_moved(
 
 
 def bytes_lost(
-    before: Mapping[str, Sequence[str]],
-    after: Mapping[str, Sequence[str]],
-    nbytes: Mapping[str, int],
+    before: Mapping[Hashable, Sequence[str]],
+    after: Mapping[Hashable, Sequence[str]],
+    nbytes: Mapping[Hashable, int],
     address: str,
 ) -> tuple[int, int]:
     """Of the keys only ``address`` held before, (bytes, keys) that no worker holds now.

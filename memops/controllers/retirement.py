@@ -136,7 +136,6 @@ class Retirement:
         for pod_object in pods:
             if pod_object["metadata"]["name"] in chosen:
                 await workloads.claim_pod(self.client, pod_object, self.name)  # 409/422: another request won; retry
-        self.before = snapshot
         started = timestamps.now()
         status = status.model_copy(
             update={
@@ -214,12 +213,13 @@ class Retirement:
         on_timeout: specs.OnTimeout,
     ) -> specs.RetirementRequestStatus:
         try:
-            if self.before is None:
-                self.before = await daskrpc.fetch_snapshot(address, security=security)
             addresses = [w.address for w in draining if w.address]
+            if self.before is None:
+                # Who holds each key of these workers now, to tell afterwards what moved.
+                self.before = await daskrpc.fetch_snapshot(address, security=security, placement_of=addresses)
             remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
             outcome = await daskrpc.retire_workers(address, addresses, security=security, timeout=remaining)
-            after = await daskrpc.fetch_snapshot(address, security=security)
+            after = await daskrpc.fetch_snapshot(address, security=security, placement=list(self.before.who_has))
         except daskrpc.SchedulerUnreachable as exc:
             if timestamps.now() < deadline:
                 status.conditions = conditions.set_condition(

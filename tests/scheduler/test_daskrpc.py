@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import dask
 import pytest
 from distributed import Client, Future, LocalCluster
 from distributed.security import Security
@@ -87,8 +88,9 @@ async def test_snapshot_counts_unique_bytes(cluster: LocalCluster, client: Clien
     a, b, c = sorted(cluster.scheduler.workers)
     data = await scatter(client, a, 3)
     shared = await client.scatter({"shared": os.urandom(MiB)}, workers=[a, b], hash=False, broadcast=True)
-    snapshot = await daskrpc.fetch_snapshot(cluster.scheduler_address)
+    snapshot = await daskrpc.fetch_snapshot(cluster.scheduler_address, placement_of=[a])
     assert sorted(snapshot.who_has["shared"]) == [a, b]
+    assert set(snapshot.who_has) == {*data, "shared"}, "who holds the keys of the workers asked for, only"
     on_a, on_b, on_c = (snapshot.by_address(x) for x in (a, b, c))
     assert on_a is not None and on_b is not None and on_c is not None
     assert (on_a.unique_keys, on_a.nkeys) == (3, 4)
@@ -105,15 +107,47 @@ async def test_snapshot_counts_unique_bytes(cluster: LocalCluster, client: Clien
     assert await all_intact(client, data) and len(shared) == 1
 
 
+async def test_a_scheduler_that_refuses_run_function_gives_the_same_figures_from_who_has() -> None:
+    """The sums run in the scheduler; where ``run_function`` is blocked they are done from
+    ``who_has`` instead, with the same result (and ``who_has`` of every key)."""
+    figures = {}
+    for blocked in ([], ["run_function"]):
+        with dask.config.set({"distributed.scheduler.blocked-handlers": blocked}):
+            async with (
+                LocalCluster(
+                    n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None, asynchronous=True
+                ) as local,
+                Client(local, asynchronous=True) as dask_client,
+            ):
+                a, b = sorted(local.scheduler.workers)
+                names = {a: "a", b: "b"}
+                data = await scatter(dask_client, a, 3, size=64 * 1024)
+                kept = await dask_client.scatter({"only-b": b"x" * 1000}, workers=[b], hash=False)
+                kept |= await dask_client.scatter({"both": b"y" * 5000}, workers=[a, b], hash=False, broadcast=True)
+                snapshot = await daskrpc.fetch_snapshot(local.scheduler_address, placement_of=[b])
+                figures[bool(blocked)] = {
+                    names[w.address]: (w.managed_bytes, w.nkeys, w.unique_bytes, w.unique_keys)
+                    for w in snapshot.workers
+                }
+                assert sorted(snapshot.who_has["both"]) == [a, b] and snapshot.who_has["only-b"] == (b,)
+                assert set(snapshot.who_has) >= {"only-b", "both"}
+                assert (set(snapshot.who_has) > {"only-b", "both"}) == bool(blocked), "every key only from who_has"
+                assert len(data) == 3 and len(kept) == 2  # referenced until here, so the scheduler keeps them
+    assert figures[False] == figures[True], figures
+    # (held bytes, held keys, unique bytes, unique keys); Dask sizes bytes by their length.
+    assert figures[False]["a"] == (3 * 64 * 1024 + 5000, 4, 3 * 64 * 1024, 3)
+    assert figures[False]["b"] == (1000 + 5000, 2, 1000, 1)
+
+
 async def test_retire_moves_unique_data_worker_to_worker(cluster: LocalCluster, client: Client) -> None:
     a = sorted(cluster.scheduler.workers)[0]
     data = await scatter(client, a, 5)
-    before = await daskrpc.fetch_snapshot(cluster.scheduler_address)
+    before = await daskrpc.fetch_snapshot(cluster.scheduler_address, placement_of=[a])
     worker = before.by_address(a)
     assert worker is not None
     outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=30)
     assert (outcome.retired, outcome.not_retired, outcome.timed_out, outcome.absent) == ((a,), (), False, ())
-    after = await daskrpc.fetch_snapshot(cluster.scheduler_address)
+    after = await daskrpc.fetch_snapshot(cluster.scheduler_address, placement=list(before.who_has))
     assert after.by_address(a) is None
     assert planning.bytes_moved(before.who_has, after.who_has, before.nbytes, a) == (worker.unique_bytes, 5)
     assert planning.bytes_lost(before.who_has, after.who_has, before.nbytes, a) == (0, 0)

@@ -1,7 +1,5 @@
 """Which workers to retire, and what moved or was lost: pure functions over scheduler snapshots."""
 
-import itertools
-import timeit
 
 import pytest
 
@@ -100,26 +98,20 @@ def test_lookups_by_name_and_address() -> None:
     assert snap.by_name("tcp://b") is None and snap.by_address("b") is None and snap.by_name("zz") is None
 
 
-def test_choose_workers_is_fast_at_a_thousand_workers_and_a_million_keys() -> None:
-    """The goal: well under 100 ms per decision on a prebuilt snapshot; the keys must not matter."""
+def test_choose_workers_at_a_thousand_workers() -> None:
+    """Pods without a worker first, claimed pods never; its cost is measured in bench/decision_cost.py."""
     names = [f"w-{i}" for i in range(1000)]
-    # Each key on one worker, in turn: worker i holds 1,000 keys; sizes vary per worker.
-    who_has = dict(zip(map(str, range(1_000_000)), itertools.cycle([(f"tcp://{n}",) for n in names]), strict=False))
-    nbytes = dict.fromkeys(who_has, 1000)
     workers = tuple(
         planning.WorkerInfo(name=n, address=f"tcp://{n}", unique_bytes=1000 * (i * 7919 % 1000), unique_keys=1000)
         for i, n in enumerate(names)
     )
-    snap = planning.SchedulerSnapshot(workers=workers, who_has=who_has, nbytes=nbytes)
+    snap = planning.SchedulerSnapshot(workers=workers)
     pods = [*names, *(f"pending-{i}" for i in range(50))]
     chosen = planning.choose_workers(pods, snap, 100, exclude=names[:10])
     assert chosen[:50] == sorted(f"pending-{i}" for i in range(50))
     assert len(chosen) == 100 and not set(chosen) & set(names[:10])
-    # Best of three, as timings go: a garbage collection over the million keys may land in one.
-    elapsed = min(
-        timeit.repeat(lambda: planning.choose_workers(pods, snap, 100, exclude=names[:10]), number=1, repeat=3)
-    )
-    assert elapsed < 0.1, f"choose_workers took {elapsed * 1000:.0f} ms"
+    cheapest = sorted(names[10:], key=lambda n: (snap.by_name(n).unique_bytes, n))  # type: ignore[union-attr]
+    assert chosen[50:] == cheapest[:50]
 
 
 def test_workers_in_a_shuffle_come_last_when_another_would_do() -> None:
