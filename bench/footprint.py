@@ -317,6 +317,13 @@ async def anchor_async(clusters: int, rest: float) -> list[tuple[str, float, flo
     return return_rows
 
 
+def ratio(ours: float, theirs: float) -> str:
+    """ours / theirs, or why not: a short rest can round an idle anchor's figure down to 0."""
+    if theirs <= 0:
+        return "n/a (dask-kubernetes measured 0)" if ours > 0 else "1.00x (both 0)"
+    return f"{ours / theirs:.2f}x"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", type=int, default=100, help=f"policies, each with {PODS_PER_POLICY} pods")
@@ -338,8 +345,8 @@ def main() -> int:
             print(f"{who:17} {label:48} {rss:>8.0f} {cpu:>10.1f} {rate:>12.0f}  {note}")
     (_, rss, cpu, rate, _), (_, a_rss, a_cpu, a_rate, _) = rows[0], anchor[0]
     print(
-        f"\nat rest, memops / dask-kubernetes: memory {rss / a_rss:.2f}x, CPU {cpu / max(a_cpu, 1e-9):.2f}x,"
-        f" API requests {rate / max(a_rate, 1e-9):.2f}x"
+        f"\nat rest, memops / dask-kubernetes: memory {ratio(rss, a_rss)}, CPU {ratio(cpu, a_cpu)},"
+        f" API requests {ratio(rate, a_rate)}"
     )
     return 0
 

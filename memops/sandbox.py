@@ -143,7 +143,13 @@ async def _stop(process: asyncio.subprocess.Process, *, grace: float) -> None:
         await process.wait()
 
 
-async def _wait_for_workers(address: str, count: int, timeout: float = 120) -> None:
+def start_allowance(workers: int) -> float:
+    """Seconds the sandbox's workers get to connect: each pod starts a nanny and a worker
+    process (a second or two of CPU each), so a large sandbox on a few cores needs longer."""
+    return max(120.0, 60.0 + 5.0 * workers)
+
+
+async def _wait_for_workers(address: str, count: int, timeout: float) -> None:
     async with asyncio.timeout(timeout):
         while True:
             with contextlib.suppress(daskrpc.SchedulerUnreachable):
@@ -211,7 +217,7 @@ async def serve(
             kubelet_task = tasks.create_task(node.run())
             controller_task = tasks.create_task(controller.run())
             await api.store.create("deployments", NAMESPACE, worker_deployment(address, workers, memory_limit))
-            await _wait_for_workers(address, workers)
+            await _wait_for_workers(address, workers, start_allowance(workers))
             operator_process = None
             if operator:
                 log = (state_dir / "operator.log").open("wb")
@@ -247,7 +253,7 @@ def launch(state_dir: Path, workers: int, *args: str, log: Path | None = None) -
     log = log or state_dir.parent / f"{state_dir.name}-sandbox.log"
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 60 + start_allowance(workers)
     while not (state_dir / "ready").exists():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
