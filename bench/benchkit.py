@@ -16,6 +16,7 @@ from typing import Any
 
 import cloudpickle
 import distributed
+import psutil
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from memops import sandbox
@@ -26,6 +27,20 @@ class Sandbox:
     state: Path
     env: dict[str, str]  # KUBECONFIG and a private kubectl cache
     address: str  # the Dask scheduler's
+    pid: int = 0  # the sandbox process: the emulated API server and kubelet
+
+    def control_plane_cpu(self) -> float:
+        """CPU seconds used so far by the emulated API server and kubelet, and the operator:
+        what runs besides Dask on the same cores."""
+        total = 0.0
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.pid)
+            for process in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if process is root or "run" in process.cmdline()[1:3]:  # `memops run`: the operator
+                        times = process.cpu_times()
+                        total += times.user + times.system
+        return total
 
 
 @contextlib.contextmanager
@@ -34,7 +49,7 @@ def running_sandbox(workers: int, *args: str) -> Iterator[Sandbox]:
     process = sandbox.launch(state, workers, *args)
     try:
         env = {**os.environ, "KUBECONFIG": str(state / "kubeconfig"), "KUBECACHEDIR": str(state / "kubecache")}
-        yield Sandbox(state, env, (state / "scheduler-address").read_text().strip())
+        yield Sandbox(state, env, (state / "scheduler-address").read_text().strip(), process.pid)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(120)

@@ -35,7 +35,7 @@ import os
 import statistics
 import sys
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,7 +52,6 @@ MIB = 2**20
 GIB = 2**30
 SCATTER_BATCH = 256 * MIB  # the client holds at most this much of a fill at once
 WORKERS = 4
-POLL_SECONDS = 0.05  # the request's status, over HTTP (a kubectl per poll would load the machine)
 
 
 class Api:
@@ -63,16 +62,23 @@ class Api:
         self.server = config["clusters"][0]["cluster"]["server"]
         self.token = config["users"][0]["user"]["token"]
 
-    def get(self, path: str) -> dict[str, Any] | None:
-        request = urllib.request.Request(self.server + path, headers={"Authorization": f"Bearer {self.token}"})
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                result: dict[str, Any] = json.loads(response.read())
-                return result
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                return None
-            raise
+    def wait_phase(self, path: str, name: str, phases: Sequence[str], timeout: float = 900) -> dict[str, Any]:
+        """The object's status once its phase is one of ``phases``, from a watch (as ``kubectl
+        wait`` does): nothing is asked of the API server while the drain runs, so that the
+        memops phase loads the machine no more than the stock one, which just waits for its call."""
+        query = urllib.parse.urlencode(
+            {"watch": "true", "fieldSelector": f"metadata.name={name}", "timeoutSeconds": str(int(timeout))}
+        )
+        request = urllib.request.Request(
+            f"{self.server}{path}?{query}", headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            for line in response:
+                event = json.loads(line)
+                status: dict[str, Any] = event.get("object", {}).get("status") or {}
+                if status.get("phase") in phases:
+                    return status
+        raise RuntimeError(f"{name} did not reach {'/'.join(phases)} within {timeout:.0f} s")
 
 
 class TransferClock(WorkerPlugin):
@@ -178,6 +184,8 @@ class Phases:
     memops_first: float = 0.0  # kubectl apply -> first byte in flight
     memops_drain: float = 0.0
     memops_succeeded: float = 0.0  # kubectl apply -> phase Succeeded (pods gone)
+    stock_cpu: float = 0.0  # CPU seconds of the API server, kubelet and operator from the call to its return
+    memops_cpu: float = 0.0  # the same, from kubectl apply to Succeeded (kubectl itself not counted)
 
 
 class Bench:
@@ -202,14 +210,22 @@ class Bench:
                 ballast += fill(self.client, by_pod[pod], scenario.keys + 1, scenario.key_size, f"ballast{tag}-{j}")
         return retiring, data, ballast
 
-    def run(self, scenario: Scenario, run: int, with_memops: bool = True) -> Phases:
+    def run(self, scenario: Scenario, run: int, with_memops: bool = True, stock_twice: bool = False) -> Phases:
         """The three phases; stock and memops swap places every other run, so that neither
-        always follows the other (a worker just restarted, memory just released)."""
+        always follows the other (a worker just restarted, memory just released). With
+        ``stock_twice`` a second stock retire takes memops' place: how far two identical
+        drains in one run differ, the noise any memops/stock ratio carries."""
         phases = Phases()
         collect(self.client)  # start from an empty record
         self.raw(scenario, run, phases)
         if not with_memops:
             self.stock(scenario, run, phases)
+        elif stock_twice:
+            self.stock(scenario, run, phases)
+            second = Phases()
+            self.stock(scenario, run + 50, second)
+            phases.memops_first, phases.memops_drain = second.stock_first, second.stock_drain
+            phases.memops_succeeded, phases.memops_cpu = second.stock_return, second.stock_cpu
         elif run % 2:
             self.memops(scenario, run, phases)
             self.stock(scenario, run, phases)
@@ -237,9 +253,11 @@ class Bench:
         retiring, data, ballast = self.loaded(scenario, tag)
         addresses = [benchkit.workers(client)[p] for p in retiring]
         collect(client)
+        cpu = self.box.control_plane_cpu()
         started = time.time()
         retired = client.retire_workers(workers=addresses, close_workers=True)
         returned = time.time()
+        phases.stock_cpu = self.box.control_plane_cpu() - cpu
         assert sorted(retired) == sorted(addresses), retired
         first, last = drain_window(collect(client), started, tag)
         phases.stock_first, phases.stock_drain, phases.stock_return = first - started, last - first, returned - started
@@ -268,14 +286,14 @@ class Bench:
             "spec": spec,
         }
         collect(client)
+        cpu = self.box.control_plane_cpu()
         applied = time.time()
         benchkit.kubectl(self.box.env, "apply", "-f", "-", stdin=yaml.safe_dump(request))
-        path = f"/apis/memops.dev/v1alpha1/namespaces/default/retirementrequests/{name}"
-        status: dict[str, Any] = {}
-        while status.get("phase") not in ("Succeeded", "Failed"):
-            time.sleep(POLL_SECONDS)
-            status = (self.api.get(path) or {}).get("status", {})
+        status = self.api.wait_phase(
+            "/apis/memops.dev/v1alpha1/namespaces/default/retirementrequests", name, ("Succeeded", "Failed")
+        )
         succeeded = time.time()
+        phases.memops_cpu = self.box.control_plane_cpu() - cpu
         assert status["phase"] == "Succeeded", status
         chosen = sorted(w["pod"] for w in status.get("workers", []))
         assert chosen == sorted(retiring), f"memops chose {chosen}, the loaded workers are {retiring}"
@@ -321,7 +339,11 @@ def environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def measure(
-    scenarios: Sequence[Scenario], runs: int, env: dict[str, str] | None = None, with_memops: bool = True
+    scenarios: Sequence[Scenario],
+    runs: int,
+    env: dict[str, str] | None = None,
+    with_memops: bool = True,
+    stock_twice: bool = False,
 ) -> dict[Scenario, list[Phases]]:
     results: dict[Scenario, list[Phases]] = {s: [] for s in scenarios}
     with environment(env or {}), benchkit.running_sandbox(WORKERS, "--worker-memory", sandbox_memory(scenarios)) as box:
@@ -330,7 +352,7 @@ def measure(
             bench = Bench(client, box)
             for run in range(runs):  # runs outermost: a burst of load elsewhere hits every scenario alike
                 for index, scenario in enumerate(scenarios):
-                    results[scenario].append(bench.run(scenario, run * 100 + index, with_memops))
+                    results[scenario].append(bench.run(scenario, run * 100 + index, with_memops, stock_twice))
     return results
 
 
@@ -394,25 +416,32 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
                 f"{median(p.raw / p.stock_drain for p in phases):.2f}",
                 f"{median(p.raw / p.memops_drain for p in phases):.2f}",
                 f"{median(p.stock_drain / p.memops_drain for p in phases):.2f}",
+                f"{min(p.stock_drain / p.memops_drain for p in phases):.2f}"
+                f" to {max(p.stock_drain / p.memops_drain for p in phases):.2f}",
             ]
         )
     headers = ["scenario", "raw GiB/s", "stock GiB/s", "memops GiB/s", "stock/raw", "memops/raw", "memops/stock"]
+    headers.append("memops/stock, runs' range")
     print(markdown(headers, rows))
     print(
         "\nEnd to end, seconds (median): from the call (stock) or kubectl apply (memops) to the first byte in flight,"
     )
-    print("and to retire_workers returning (worker closed and removed) or the request Succeeded (pods gone).\n")
+    print("and to retire_workers returning (worker closed and removed) or the request Succeeded (pods gone);")
+    print("CPU seconds the emulated API server, kubelet and the operator used meanwhile, on the cores Dask uses.\n")
     rows = [
         [
             scenario.label,
             f"{median(p.stock_first for p in phases):.3f}",
             f"{median(p.stock_return for p in phases):.3f}",
+            f"{median(p.stock_cpu for p in phases):.2f}",
             f"{median(p.memops_first for p in phases):.3f}",
             f"{median(p.memops_succeeded for p in phases):.3f}",
+            f"{median(p.memops_cpu for p in phases):.2f}",
         ]
         for scenario, phases in results.items()
     ]
-    print(markdown(["scenario", "stock: 1st byte", "stock: returned", "memops: 1st byte", "memops: Succeeded"], rows))
+    headers = ["scenario", "stock: 1st byte", "stock: returned", "stock: CPU s", "memops: 1st byte"]
+    print(markdown([*headers, "memops: Succeeded", "memops: CPU s"], rows))
 
 
 DEFAULT = ["100:16384:1", "1024:16384:1", "4096:16384:1", "1024:64:1", "1024:1024:1", "1024:262144:1", "512:16384:2"]
@@ -426,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help=f"the CI pass: {' '.join(SMALL)}, one run")
     parser.add_argument("--json", type=Path, help="also write every run's figures here")
     parser.add_argument("--knobs", action="store_true", help=f"stock retire under {len(KNOBS)} Dask configurations")
+    parser.add_argument(
+        "--stock-twice", action="store_true", help="a second stock retire in memops' place: the noise floor (A/A)"
+    )
     args = parser.parse_args(argv)
     if args.knobs:
         knobs(args.scenarios or KNOB_SCENARIOS, args.runs)
@@ -433,7 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     texts = args.scenarios or (SMALL if args.small else DEFAULT)
     runs = 1 if args.small else args.runs
     scenarios = [parse_scenario(t) for t in texts]
-    results = measure(scenarios, runs)
+    results = measure(scenarios, runs, stock_twice=args.stock_twice)
+    if args.stock_twice:
+        print("\n--stock-twice: the 'memops' columns below are a second stock retire_workers (A/A)")
     print_tables(results, runs)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

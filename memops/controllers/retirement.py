@@ -216,10 +216,14 @@ class Retirement:
             addresses = [w.address for w in draining if w.address]
             if self.before is None:
                 # Who holds each key of these workers now, to tell afterwards what moved.
-                self.before = await daskrpc.fetch_snapshot(address, security=security, placement_of=addresses)
+                self.before = await daskrpc.fetch_snapshot(
+                    address, security=security, placement_of=addresses, processing=False
+                )
             remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
             outcome = await daskrpc.retire_workers(address, addresses, security=security, timeout=remaining)
-            after = await daskrpc.fetch_snapshot(address, security=security, placement=list(self.before.who_has))
+            after = await daskrpc.fetch_snapshot(
+                address, security=security, placement=list(self.before.who_has), processing=False
+            )
         except daskrpc.SchedulerUnreachable as exc:
             if timestamps.now() < deadline:
                 status.conditions = conditions.set_condition(
