@@ -3,11 +3,14 @@
 Called by the controllers and the sandbox. Never the scheduler's HTTP API (off by default,
 and unauthenticated): only handlers that every stock scheduler serves (``identity``,
 ``who_has``, ``processing``, ``nbytes``, ``retire_workers``, ``run_function``), and the one
-that pressure relief adds. One function runs on the scheduler: memops' own
-:func:`memops.scheduler.relief.configure`, sent by value (pickled with its module) when relief
-is not installed yet; a scheduler whose ``distributed.scheduler.blocked-handlers`` lists
-``run_function`` refuses it (:class:`SchedulerRefused`). No user data passes through here:
-``retire_workers`` and pressure relief move it worker to worker.
+that pressure relief adds. Two of memops' functions run on the scheduler, sent by value
+(pickled with their module) through ``run_function``: :func:`memops.scheduler.holdings.summarize`
+(what each worker holds alone, summed where the scheduler's own bookkeeping makes it cheap)
+and :func:`memops.scheduler.relief.configure` (when relief is not installed yet). A scheduler
+whose ``distributed.scheduler.blocked-handlers`` lists ``run_function`` refuses them
+(:class:`SchedulerRefused`): the sums are then done here from ``who_has``, and relief is not
+installed. No user data passes through here: ``retire_workers`` and pressure relief move it
+worker to worker.
 
 What the scheduler does (distributed 2026.8.0, ``Scheduler.retire_workers``): each worker
 becomes ``closing_gracefully`` at once and gets an AMM ``RetireWorker`` policy; the call

@@ -323,14 +323,19 @@ class Kubelet:
     async def shutdown(self) -> None:
         """Stop every container as a node shutdown does: SIGTERM, then SIGKILL after a short grace."""
         runtimes = list(self.pods.values())
+        # Stop supervising first: a supervisor that saw its container exit would start it again.
+        supervisors = [runtime.task for runtime in runtimes if runtime.task is not None]
+        for task in supervisors:
+            task.cancel()
+        await asyncio.gather(*supervisors, return_exceptions=True)
         for runtime in runtimes:
             runtime._signal(signal.SIGTERM)
-        for runtime in runtimes:
+
+        async def stop(runtime: PodRuntime) -> None:
             if runtime.process is not None:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(runtime.process.wait(), 10)
-                except (TimeoutError, asyncio.CancelledError):
-                    runtime._signal(signal.SIGKILL)
             runtime._signal(signal.SIGKILL)
-            if runtime.task is not None:
-                runtime.task.cancel()
+
+        # All at once: the grace period is the node's, not each pod's in turn.
+        await asyncio.gather(*(stop(runtime) for runtime in runtimes), return_exceptions=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -115,6 +116,40 @@ async def test_deletion_runs_prestop_then_sigterm_then_sigkill(node: Any, tmp_pa
     assert marker.exists(), "the preStop hook ran"
     assert "TERM" in (tmp_path / "pods" / "default_p.log").read_text(), "SIGTERM came first"
     assert 0.9 < elapsed < 5, "SIGKILL came when the grace period ran out"
+
+
+async def test_shutdown_stops_every_container_at_once_and_restarts_none(tmp_path: Path) -> None:
+    """A node shutdown: every container gets SIGTERM together, and one that exits is not started
+    again (its supervisor would otherwise restart it, and the shutdown wait on the new one)."""
+    store = memstore.MemoryStore()
+    for kind in BUILTIN_KINDS:
+        store.register(kind)
+    local = kubelet.Kubelet(store, run_dir=tmp_path)
+    task = asyncio.create_task(local.run())
+    slow = (
+        "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(2), sys.exit(0)));"
+        " time.sleep(60)"
+    )
+    names = [f"p{i}" for i in range(6)]
+    for name in names:
+        # The first takes 2 s to stop; the others exit at once on SIGTERM, and meanwhile must stay down.
+        code = slow if name == "p0" else "import time; time.sleep(60)"
+        await store.create("pods", "default", python_pod(name, code))
+    pid_files = [tmp_path / "pods" / f"default_{name}.pid" for name in names]
+    await wait_for(lambda: all(f.exists() for f in pid_files))
+    pids = [int(f.read_text()) for f in pid_files]
+    await asyncio.sleep(0.5)  # let the first install its handler
+    started = time.monotonic()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        async with asyncio.timeout(8):  # a restarted container would cost a 10 s grace period
+            await task
+    assert time.monotonic() - started < 5, "SIGTERM to all at once, not one grace period after another"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    await asyncio.sleep(1)  # a restart would come 0.5 s after an exit
+    assert [int((tmp_path / "pods" / f"default_{name}.pid").read_text()) for name in names] == pids, "none restarted"
 
 
 def test_env_from_a_secret_key_is_decoded_and_a_missing_key_fails_the_start() -> None:
