@@ -10,6 +10,7 @@ workers call themselves otherwise, as dask-kubernetes' do).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -130,25 +131,27 @@ def in_shuffle(processing: Sequence[str]) -> bool:
     return any(prefix in key for key in processing for prefix in SHUFFLE_PREFIXES)
 
 
-def _unique_keys_of(before: Mapping[Hashable, Sequence[str]], address: str) -> list[Hashable]:
+def _unique_keys_of(before: Mapping[Hashable, tuple[str, ...]], address: str) -> list[Hashable]:
     """The keys that ``address`` held and no other worker did."""
-    return [key for key, holders in before.items() if len(holders) == 1 and holders[0] == address]
+    alone = (address,)  # one tuple comparison a key: this runs over every key the worker held
+    return [key for key, holders in before.items() if holders == alone]
 
 
 def bytes_moved(
-    before: Mapping[Hashable, Sequence[str]],
-    after: Mapping[Hashable, Sequence[str]],
+    before: Mapping[Hashable, tuple[str, ...]],
+    after: Mapping[Hashable, tuple[str, ...]],
     nbytes: Mapping[Hashable, int],
     address: str,
 ) -> tuple[int, int]:
     """Of the keys only ``address`` held before, (bytes, keys) that another worker holds now."""
-    moved = [k for k in _unique_keys_of(before, address) if any(h != address for h in after.get(k, ()))]
-    return sum(nbytes.get(k, 0) for k in moved), len(moved)
+    alone = (address,)
+    moved = [k for k in _unique_keys_of(before, address) if (holders := after.get(k)) and holders != alone]
+    return sum(map(nbytes.get, moved, itertools.repeat(0))), len(moved)
 
 
 def bytes_lost(
-    before: Mapping[Hashable, Sequence[str]],
-    after: Mapping[Hashable, Sequence[str]],
+    before: Mapping[Hashable, tuple[str, ...]],
+    after: Mapping[Hashable, tuple[str, ...]],
     nbytes: Mapping[Hashable, int],
     address: str,
 ) -> tuple[int, int]:
@@ -159,4 +162,4 @@ def bytes_lost(
     released keys alike, and overstating a loss is the safe side of the report.
     """
     lost = [k for k in _unique_keys_of(before, address) if not after.get(k)]
-    return sum(nbytes.get(k, 0) for k in lost), len(lost)
+    return sum(map(nbytes.get, lost, itertools.repeat(0))), len(lost)
