@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -61,6 +62,17 @@ class Api:
         config = yaml.safe_load(kubeconfig.read_text())
         self.server = config["clusters"][0]["cluster"]["server"]
         self.token = config["users"][0]["user"]["token"]
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        request = urllib.request.Request(self.server + path, headers={"Authorization": f"Bearer {self.token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                result: dict[str, Any] = json.loads(response.read())
+                return result
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
 
     def wait_phase(self, path: str, name: str, phases: Sequence[str], timeout: float = 900) -> dict[str, Any]:
         """The object's status once its phase is one of ``phases``, from a watch (as ``kubectl
