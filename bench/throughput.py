@@ -155,9 +155,12 @@ def fill(client: distributed.Client, address: str, keys: int, key_size: int, tag
     return futures
 
 
-def wait_workers(client: distributed.Client, count: int, timeout: float = 120) -> dict[str, str]:
+def wait_workers(
+    client: distributed.Client, count: int, timeout: float = 120, gone: Sequence[str] = ()
+) -> dict[str, str]:
+    """Pod name -> address, once ``count`` workers are connected and none runs in a pod of ``gone``."""
     deadline = time.monotonic() + timeout
-    while len(found := benchkit.workers(client)) < count:
+    while len(found := benchkit.workers(client)) < count or set(found) & set(gone):
         if time.monotonic() > deadline:
             raise RuntimeError(f"{count} workers did not come back")
         time.sleep(0.1)
@@ -180,6 +183,13 @@ def drain_window(events: dict[str, list[tuple[float, str, str]]], since: float, 
     return min(flights), max(landed)
 
 
+def received(events: dict[str, list[tuple[float, str, str]]], since: float, prefix: str) -> int:
+    """Keys of ``prefix`` that reached memory on some worker after ``since``: more than the keys
+    moved when the AMM asked two workers for the same key (each cycle re-suggests a replica for
+    every key still unique, including keys already on their way to a recipient)."""
+    return sum(1 for evs in events.values() for t, k, f in evs if t >= since and f == "memory" and k.startswith(prefix))
+
+
 def collect(client: distributed.Client) -> dict[str, list[tuple[float, str, str]]]:
     result: dict[str, list[tuple[float, str, str]]] = client.run(_take_events)
     return result
@@ -198,6 +208,8 @@ class Phases:
     memops_succeeded: float = 0.0  # kubectl apply -> phase Succeeded (pods gone)
     stock_cpu: float = 0.0  # CPU seconds of the API server, kubelet and operator from the call to its return
     memops_cpu: float = 0.0  # the same, from kubectl apply to Succeeded (kubectl itself not counted)
+    stock_received: int = 0  # keys that landed on a recipient: more than the keys when some moved twice
+    memops_received: int = 0
 
 
 class Bench:
@@ -238,6 +250,7 @@ class Bench:
             self.stock(scenario, run + 50, second)
             phases.memops_first, phases.memops_drain = second.stock_first, second.stock_drain
             phases.memops_succeeded, phases.memops_cpu = second.stock_return, second.stock_cpu
+            phases.memops_received = second.stock_received
         elif run % 2:
             self.memops(scenario, run, phases)
             self.stock(scenario, run, phases)
@@ -271,11 +284,17 @@ class Bench:
         returned = time.time()
         phases.stock_cpu = self.box.control_plane_cpu() - cpu
         assert sorted(retired) == sorted(addresses), retired
-        first, last = drain_window(collect(client), started, tag)
+        events = collect(client)
+        first, last = drain_window(events, started, tag)
+        phases.stock_received = received(events, started, tag)
         phases.stock_first, phases.stock_drain, phases.stock_return = first - started, last - first, returned - started
         check_kept(client, data, addresses)
         del data, ballast
-        wait_workers(client, WORKERS)  # the pods' containers restart their workers, empty
+        # Replace the retired pods, as the memops phase does (its pods are deleted, then the
+        # Deployment is scaled back up): both phases then leave the same history behind, a new
+        # pod with a new name and a new worker process, for whichever phase comes next.
+        benchkit.kubectl(self.box.env, "delete", "pod", *retiring, "--wait=false")
+        wait_workers(client, WORKERS, gone=retiring)
         time.sleep(0.5)
 
     def memops(self, scenario: Scenario, run: int, phases: Phases) -> None:
@@ -309,7 +328,9 @@ class Bench:
         assert status["phase"] == "Succeeded", status
         chosen = sorted(w["pod"] for w in status.get("workers", []))
         assert chosen == sorted(retiring), f"memops chose {chosen}, the loaded workers are {retiring}"
-        first, last = drain_window(collect(client), applied, tag)
+        events = collect(client)
+        first, last = drain_window(events, applied, tag)
+        phases.memops_received = received(events, applied, tag)
         phases.memops_first, phases.memops_drain = first - applied, last - first
         phases.memops_succeeded = succeeded - applied
         check_kept(client, data, addresses)
@@ -439,7 +460,8 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
         "\nEnd to end, seconds (median): from the call (stock) or kubectl apply (memops) to the first byte in flight,"
     )
     print("and to retire_workers returning (worker closed and removed) or the request Succeeded (pods gone);")
-    print("CPU seconds the emulated API server, kubelet and the operator used meanwhile, on the cores Dask uses.\n")
+    print("CPU seconds the emulated API server, kubelet and the operator used meanwhile, on the cores Dask uses;")
+    print("keys that landed on a recipient per key moved (over 1: the AMM sent some keys to two workers).\n")
     rows = [
         [
             scenario.label,
@@ -449,11 +471,14 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
             f"{median(p.memops_first for p in phases):.3f}",
             f"{median(p.memops_succeeded for p in phases):.3f}",
             f"{median(p.memops_cpu for p in phases):.2f}",
+            f"{median(p.stock_received / (scenario.keys * scenario.retiring) for p in phases):.2f}",
+            f"{median(p.memops_received / (scenario.keys * scenario.retiring) for p in phases):.2f}",
         ]
         for scenario, phases in results.items()
     ]
     headers = ["scenario", "stock: 1st byte", "stock: returned", "stock: CPU s", "memops: 1st byte"]
-    print(markdown([*headers, "memops: Succeeded", "memops: CPU s"], rows))
+    headers += ["memops: Succeeded", "memops: CPU s", "stock: keys received/moved", "memops: keys received/moved"]
+    print(markdown(headers, rows))
 
 
 DEFAULT = ["100:16384:1", "1024:16384:1", "4096:16384:1", "1024:64:1", "1024:1024:1", "1024:262144:1", "512:16384:2"]
