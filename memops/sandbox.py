@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -82,7 +83,27 @@ def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str =
     }
 
 
-def _free_port() -> int:
+def free_port(*taken: int) -> int:
+    """A local port that nothing listens on, for a server that another process will start, and
+    not one of ``taken`` (chosen already, not bound yet).
+
+    Chosen below the kernel's ephemeral range (``ip_local_port_range``), where there is room:
+    a port from that range, free when we look, can be handed to any outgoing connection or
+    port-0 bind (a Dask worker's, say) before the server binds it, and the server then fails
+    with "address already in use".
+    """
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    chooser = random.SystemRandom()
+    if low > 2048:
+        for _ in range(100):
+            candidate = chooser.randrange(max(1024, low - 16384), low)
+            if candidate in taken:
+                continue
+            with socket.socket() as sock, contextlib.suppress(OSError):
+                sock.bind(("127.0.0.1", candidate))
+                return candidate
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -204,7 +225,7 @@ async def serve(
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
     api = apiserver.ApiServer(audit_log=audit_log)
-    async with api, kmock.Server(api, port=port or _free_port()) as server:
+    async with api, kmock.Server(api, port=port or free_port()) as server:
         for crd in crds.all_crds():
             await api.create_crd(crd)
         url = str(server.url).rstrip("/")
@@ -222,9 +243,9 @@ async def serve(
             if operator:
                 log = (state_dir / "operator.log").open("wb")
                 env = {**os.environ, "KUBECONFIG": str(state_dir / "operator-kubeconfig")}
-                metrics_port = _free_port()
+                metrics_port = free_port()
                 operator_process = await asyncio.create_subprocess_exec(
-                    *operator_command(_free_port(), metrics_port),
+                    *operator_command(free_port(metrics_port), metrics_port),
                     stdout=log,
                     stderr=log,
                     env=env,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.resources
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,16 +22,11 @@ from typing import Any
 import distributed
 import pytest
 
+from memops.sandbox import free_port
 from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import scatter_unique
 
 GROUP = "dk-default"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def dask_cluster(port: int, workers: int) -> dict[str, Any]:
@@ -101,7 +95,7 @@ def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
         start_new_session=True,
     )
     try:
-        port = _free_port()
+        port = free_port()
         sandbox.apply(dask_cluster(port, 3))
         address = f"tcp://127.0.0.1:{port}"
         sandbox.wait_for(lambda: len(worker_deployments(sandbox)) == 3, timeout=60, what="3 worker Deployments")

@@ -19,7 +19,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -78,13 +77,6 @@ E2E_ONLY = {
 def _triple(entry: dict[str, Any]) -> manifests.Triple:
     resource = entry["resource"] + (f"/{entry['subresource']}" if entry["subresource"] else "")
     return entry["group"], resource, entry["verb"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _webhook_certificate(directory: Path) -> tuple[Path, Path, bytes]:
@@ -162,7 +154,9 @@ def chart_scenario(tmp_path_factory: pytest.TempPathFactory, audit_log: Path) ->
     try:
         objects = manifests.render_chart(namespace="default")
         cert_file, key_file, ca = _webhook_certificate(directory)
-        webhook_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
+        webhook_port = sandbox_cli.free_port()
+        health_port = sandbox_cli.free_port(webhook_port)
+        metrics_port = sandbox_cli.free_port(webhook_port, health_port)
         # The chart's own peering CRDs and peering object, and its webhook configuration with the
         # Service reference replaced by a URL (the emulated API server calls URLs only).
         sandbox.kubectl("apply", "-f", str(manifests.CHART / "crds" / "kopf-peering.yaml"))
