@@ -8,7 +8,7 @@ the median of several runs of the same call on the same state, measured in this 
   :func:`memops.scheduler.holdings.holdings` sums them inside the scheduler, here on
   distributed's own ``WorkerState`` and ``TaskState`` objects holding the synthetic placement
   (its cost follows the replicated keys: one key in ten has two copies here);
-- ``unique_holdings``, the fallback: the same unique bytes summed in the operator from
+- ``planning.holdings``, the fallback: the same figures summed in the operator from
   ``who_has`` of every key, for a scheduler that refuses ``run_function`` (not in "slowest");
 - ``bytes_moved``: a finished drain's report for one worker, over the placement the operator
   fetches for it (the keys of that worker);
@@ -93,14 +93,14 @@ def synthetic(workers: int, keys: int, replicated_every: int = 10, seed: int = 0
             by_address[address].add_replica(ts)  # as the scheduler does: has_what, nbytes, who_has
         if len(holders) > 1:
             replicated.add(ts)
-    unique = planning.unique_holdings(who_has, nbytes)
+    figures = planning.holdings(who_has, nbytes)
     infos = tuple(
         planning.WorkerInfo(
             name=f"w-{i}",
             address=a,
             memory_limit=MEMORY_LIMIT,
-            unique_bytes=unique.get(a, (0, 0))[0],
-            unique_keys=unique.get(a, (0, 0))[1],
+            unique_bytes=figures.get(a, (0, 0, 0, 0))[2],
+            unique_keys=figures.get(a, (0, 0, 0, 0))[3],
             process_bytes=rng.randint(MEMORY_LIMIT // 4, MEMORY_LIMIT // 2),
             unmanaged_bytes=rng.randint(MEMORY_LIMIT // 20, MEMORY_LIMIT // 10),
         )
@@ -182,7 +182,7 @@ def median_ms(call: Callable[[], object], runs: int = 5) -> float:
 
 
 COLUMNS = ("choose_workers", "holdings, in the scheduler", "bytes_moved", "desired_replicas", "recycle pass")
-FALLBACK = "unique_holdings (fallback)"
+FALLBACK = "planning.holdings (fallback)"
 
 
 def measure(workers: int, keys: int, replicated_every: int = 10) -> dict[str, float]:
@@ -204,7 +204,7 @@ def measure(workers: int, keys: int, replicated_every: int = 10) -> dict[str, fl
         ),
         "desired_replicas": median_ms(functools.partial(desired, snapshot, history, events, now)),
         "recycle pass": median_ms(lambda: recycle_pass(snapshot, next(windows), now + 20)),
-        FALLBACK: median_ms(functools.partial(planning.unique_holdings, snapshot.who_has, snapshot.nbytes)),
+        FALLBACK: median_ms(functools.partial(planning.holdings, snapshot.who_has, snapshot.nbytes)),
     }
 
 

@@ -183,11 +183,19 @@ def drain_window(events: dict[str, list[tuple[float, str, str]]], since: float, 
     return min(flights), max(landed)
 
 
-def received(events: dict[str, list[tuple[float, str, str]]], since: float, prefix: str) -> int:
-    """Keys of ``prefix`` that reached memory on some worker after ``since``: more than the keys
-    moved when the AMM asked two workers for the same key (each cycle re-suggests a replica for
-    every key still unique, including keys already on their way to a recipient)."""
-    return sum(1 for evs in events.values() for t, k, f in evs if t >= since and f == "memory" and k.startswith(prefix))
+def transfers(client: distributed.Client, since: float, prefix: str) -> tuple[float, float, int]:
+    """(first key of ``prefix`` in flight, last one in memory, keys received) after ``since``.
+
+    Keys received counts every landing: more than the keys moved when the AMM asked two workers
+    for the same key (each cycle re-suggests a replica for every key still unique, including keys
+    already on their way to a recipient).
+    """
+    events = collect(client)
+    first, last = drain_window(events, since, prefix)
+    landed = sum(
+        1 for evs in events.values() for t, k, f in evs if t >= since and f == "memory" and k.startswith(prefix)
+    )
+    return first, last, landed
 
 
 def collect(client: distributed.Client) -> dict[str, list[tuple[float, str, str]]]:
@@ -284,9 +292,7 @@ class Bench:
         returned = time.time()
         phases.stock_cpu = self.box.control_plane_cpu() - cpu
         assert sorted(retired) == sorted(addresses), retired
-        events = collect(client)
-        first, last = drain_window(events, started, tag)
-        phases.stock_received = received(events, started, tag)
+        first, last, phases.stock_received = transfers(client, started, tag)
         phases.stock_first, phases.stock_drain, phases.stock_return = first - started, last - first, returned - started
         check_kept(client, data, addresses)
         del data, ballast
@@ -328,9 +334,7 @@ class Bench:
         assert status["phase"] == "Succeeded", status
         chosen = sorted(w["pod"] for w in status.get("workers", []))
         assert chosen == sorted(retiring), f"memops chose {chosen}, the loaded workers are {retiring}"
-        events = collect(client)
-        first, last = drain_window(events, applied, tag)
-        phases.memops_received = received(events, applied, tag)
+        first, last, phases.memops_received = transfers(client, applied, tag)
         phases.memops_first, phases.memops_drain = first - applied, last - first
         phases.memops_succeeded = succeeded - applied
         check_kept(client, data, addresses)

@@ -166,15 +166,13 @@ async def fetch_snapshot(
     finally:
         await scheduler.close_rpc()
     if summary is not None:
-        held = {a: (int(h[0]), int(h[1])) for a, h in summary["holdings"].items()}
-        unique = {a: (int(h[2]), int(h[3])) for a, h in summary["holdings"].items()}
+        figures: dict[str, tuple[int, ...]] = {a: tuple(int(x) for x in h) for a, h in summary["holdings"].items()}
         who_has = {k: tuple(holders) for k, (_, holders) in summary["placement"].items()}
         nbytes = {k: int(size) for k, (size, _) in summary["placement"].items()}
     else:
         who_has = {k: tuple(v) for k, v in who_has_raw.items()}
         nbytes = {k: int(v) for k, v in nbytes_raw.items()}
-        unique = planning.unique_holdings(who_has, nbytes)
-        held = planning.holdings(who_has, nbytes)
+        figures = dict(planning.holdings(who_has, nbytes))
     workers = []
     for worker_address, info in identity.get("workers", {}).items():
         metrics = info.get("metrics", {})
@@ -182,8 +180,7 @@ async def fetch_snapshot(
         # As the scheduler computes WorkerState.memory.unmanaged: the process' memory minus the
         # Dask data it holds in memory (what it spilled counts in managed_bytes but not in RSS).
         in_memory = int(metrics.get("managed_bytes", 0)) - int(spilled.get("memory", 0))
-        unique_bytes, unique_keys = unique.get(worker_address, (0, 0))
-        held_bytes, held_keys = held.get(worker_address, (0, 0))
+        held_bytes, held_keys, unique_bytes, unique_keys = figures.get(worker_address, (0, 0, 0, 0))
         workers.append(
             planning.WorkerInfo(
                 name=str(info.get("name", worker_address)),

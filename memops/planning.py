@@ -70,31 +70,27 @@ class SchedulerSnapshot:
         return {w.address: w for w in reversed(self.workers)}
 
 
-def unique_holdings(
+def holdings(
     who_has: Mapping[Hashable, Sequence[str]], nbytes: Mapping[Hashable, int]
-) -> dict[str, tuple[int, int]]:
-    """Address -> (bytes, keys) held by that worker and by no other. One pass over the keys.
-
-    For a scheduler that does not run memops' own sums (:mod:`memops.scheduler.holdings`,
-    whose cost does not grow with the keys); this one does.
+) -> dict[str, tuple[int, int, int, int]]:
+    """Address -> (bytes held, keys held, bytes held by no other worker, keys held by no other
+    worker), in one pass over the keys: the figures :mod:`memops.scheduler.holdings` sums inside
+    the scheduler, for a scheduler that does not run it. This one's cost grows with the keys.
     """
-    result: dict[str, tuple[int, int]] = {}
-    for key, holders in who_has.items():
-        if len(holders) == 1:
-            size, count = result.get(holders[0], (0, 0))
-            result[holders[0]] = (size + nbytes.get(key, 0), count + 1)
-    return result
-
-
-def holdings(who_has: Mapping[Hashable, Sequence[str]], nbytes: Mapping[Hashable, int]) -> dict[str, tuple[int, int]]:
-    """Address -> (bytes, keys) held by that worker, with or without copies elsewhere."""
-    result: dict[str, tuple[int, int]] = {}
+    result: dict[str, list[int]] = {}
     for key, holders in who_has.items():
         size = nbytes.get(key, 0)
+        alone = len(holders) == 1
         for holder in holders:
-            total, count = result.get(holder, (0, 0))
-            result[holder] = (total + size, count + 1)
-    return result
+            entry = result.get(holder)
+            if entry is None:
+                entry = result[holder] = [0, 0, 0, 0]
+            entry[0] += size
+            entry[1] += 1
+            if alone:
+                entry[2] += size
+                entry[3] += 1
+    return {address: (e[0], e[1], e[2], e[3]) for address, e in result.items()}
 
 
 def choose_workers(

@@ -63,8 +63,7 @@ def test_the_same_figures_as_summing_who_has_key_by_key() -> None:
     workers, _, replicated = state(PLACEMENT)
     who_has = {k: tuple(h) for k, (_, h) in PLACEMENT.items()}
     nbytes = {k: size if size >= 0 else 95 for k, (size, _) in PLACEMENT.items()}
-    held, unique = planning.holdings(who_has, nbytes), planning.unique_holdings(who_has, nbytes)
-    assert holdings.holdings(workers, replicated) == {a: (*held[a], *unique[a]) for a in held}
+    assert holdings.holdings(workers, replicated) == planning.holdings(who_has, nbytes)
 
 
 def test_a_worker_holding_nothing_or_only_copies_holds_nothing_unique() -> None:

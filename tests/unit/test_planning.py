@@ -1,6 +1,5 @@
 """Which workers to retire, and what moved or was lost: pure functions over scheduler snapshots."""
 
-
 import pytest
 
 from memops import planning
@@ -45,10 +44,10 @@ def test_choose_workers(
     assert planning.choose_workers(pods, snapshot(*workers), count, exclude=exclude) == expected
 
 
-def test_unique_holdings_counts_only_single_copies() -> None:
+def test_holdings_count_only_single_copies_as_unique() -> None:
     who_has = {"x": ("tcp://a",), "y": ("tcp://a", "tcp://b"), "z": ("tcp://b",), "gone": ()}
     nbytes = {"x": 10, "y": 100, "z": 7}
-    assert planning.unique_holdings(who_has, nbytes) == {"tcp://a": (10, 1), "tcp://b": (7, 1)}
+    assert planning.holdings(who_has, nbytes) == {"tcp://a": (110, 2, 10, 1), "tcp://b": (107, 2, 7, 1)}
 
 
 BEFORE = {"x": ("tcp://a",), "y": ("tcp://a",), "z": ("tcp://a", "tcp://b"), "w": ("tcp://b",)}
