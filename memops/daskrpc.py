@@ -3,14 +3,25 @@
 Called by the controllers and the sandbox. Never the scheduler's HTTP API (off by default,
 and unauthenticated): only handlers that every stock scheduler serves (``identity``,
 ``who_has``, ``processing``, ``nbytes``, ``retire_workers``, ``run_function``), and the one
-that pressure relief adds. Two of memops' functions run on the scheduler, sent by value
-(pickled with their module) through ``run_function``: :func:`memops.scheduler.holdings.summarize`
-(what each worker holds alone, summed where the scheduler's own bookkeeping makes it cheap)
-and :func:`memops.scheduler.relief.configure` (when relief is not installed yet). A scheduler
-whose ``distributed.scheduler.blocked-handlers`` lists ``run_function`` refuses them
-(:class:`SchedulerRefused`): the sums are then done here from ``who_has``, and relief is not
-installed. No user data passes through here: ``retire_workers`` and pressure relief move it
-worker to worker.
+that memops' agent adds (:mod:`memops.scheduler.agent`).
+
+The scheduler's address is written by users, so the peer is hostile input: every call goes
+through :mod:`memops.daskcomm`, which speaks msgpack only, never unpickles (not even an error
+reply's exception), and refuses a reply larger than :data:`memops.daskcomm.MAX_MESSAGE_BYTES`
+before reading it. A reply that it refuses, or one of the wrong shape, raises
+:class:`SchedulerMisbehaved`.
+
+memops' code reaches a stock scheduler once, by value: the agent (with
+:mod:`memops.scheduler.holdings` and :mod:`memops.scheduler.relief`, pickled with cloudpickle)
+through ``run_function``, whose reply is pickled by design and is therefore never decoded
+beyond its plain ``status``. Everything else is asked of the agent's handler, in plain data:
+what each worker holds alone (summed where the scheduler's own bookkeeping makes it cheap),
+and pressure relief's configuration. A scheduler without the agent (new, or restarted) gets it
+on the first call that needs it. A scheduler whose ``distributed.scheduler.blocked-handlers``
+lists ``run_function`` refuses it (:class:`SchedulerRefused`): the sums are then done here from
+``who_has`` and ``nbytes`` (plain msgpack replies), in a thread so that the event loop that
+serves every other request and the webhook goes on meanwhile, and relief is not installed. No
+user data passes through here: ``retire_workers`` and pressure relief move it worker to worker.
 
 What the scheduler does (distributed 2026.8.0, ``Scheduler.retire_workers``): each worker
 becomes ``closing_gracefully`` at once and gets an AMM ``RetireWorker`` policy; the call
@@ -41,35 +52,51 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
-from distributed.comm.core import CommClosedError
-from distributed.core import rpc
 from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
-from memops import planning
-from memops.scheduler import holdings, relief
+from memops import daskcomm, planning
+from memops.scheduler import agent, holdings, relief
 
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-cloudpickle.register_pickle_by_value(holdings)
-cloudpickle.register_pickle_by_value(relief)
+for _module in (agent, holdings, relief):
+    cloudpickle.register_pickle_by_value(_module)
 
 
 class SchedulerUnreachable(Exception):
     """The scheduler did not answer over the comm."""
 
     def __init__(self, address: str, cause: BaseException | str):
-        detail = cause if isinstance(cause, str) else (f"{type(cause).__name__}: {cause}".rstrip(": ") or "no answer")
-        super().__init__(f"cannot reach the Dask scheduler at {address}: {detail}")
+        super().__init__(f"cannot reach the Dask scheduler at {address}: {_detail(cause)}")
         self.address = address
+
+
+class SchedulerMisbehaved(SchedulerUnreachable):
+    """What answered at the scheduler's address sent what no Dask scheduler sends: a reply
+    too large, not msgpack, with pickled or serialized parts, of the wrong shape, or an error
+    from a handler that every scheduler serves. Nothing of it was decoded or run.
+
+    A kind of :class:`SchedulerUnreachable` (no usable answer), so that every caller keeps
+    running and never acts on it; a RetirementRequest that meets it before it starts fails.
+    """
+
+    def __init__(self, address: str, cause: BaseException | str):
+        Exception.__init__(self, f"the Dask scheduler at {address} sent a reply that memops refuses: {_detail(cause)}")
+        self.address = address
+
+
+def _detail(cause: BaseException | str) -> str:
+    return cause if isinstance(cause, str) else (f"{type(cause).__name__}: {cause}".rstrip(": ") or "no answer")
 
 
 @dataclass(frozen=True)
@@ -86,7 +113,8 @@ class RetireOutcome:
     """Unknown to the scheduler when we asked: retired earlier, or died. Nothing to do."""
 
 
-_COMM_ERRORS = (OSError, CommClosedError, TimeoutError)
+_COMM_ERRORS = (OSError, TimeoutError)
+"""A connection that failed, or closed (daskcomm.Closed is an OSError), or a call that timed out."""
 
 
 def security_from_pem(ca: str, cert: str, key: str) -> Security:
@@ -113,10 +141,38 @@ def security_from_secret(data: Mapping[str, str]) -> Security:
     return security_from_pem(pem("ca.crt"), pem("tls.crt"), pem("tls.key"))
 
 
-def _connect(address: str, security: Security | None, timeout: float) -> rpc:
+@contextlib.asynccontextmanager
+async def _session(address: str, security: Security | None, timeout: float) -> AsyncIterator[daskcomm.Comm]:
+    """One connection, with every failure as this module's exceptions.
+
+    The connection gets ``timeout``; the calls made within get theirs from the caller.
+    """
     if address.startswith("tls://") and security is None:
         raise SchedulerUnreachable(address, "a tls:// scheduler needs client certificates (spec.scheduler.tls)")
-    return rpc(address, timeout=timeout, connection_args=(security or Security()).get_connection_args("client"))
+    context = security.get_connection_args("client")["ssl_context"] if security is not None else None
+    try:
+        comm = await daskcomm.connect(address, ssl_context=context, timeout=timeout)
+    except daskcomm.Misbehaved as exc:
+        raise SchedulerMisbehaved(address, exc) from exc
+    except (*_COMM_ERRORS, ValueError) as exc:  # ValueError: not an address daskcomm can reach
+        raise SchedulerUnreachable(address, exc) from exc
+    try:
+        yield comm
+    except daskcomm.Misbehaved as exc:
+        raise SchedulerMisbehaved(address, exc) from exc
+    except daskcomm.RemoteError as exc:
+        # The handlers that every scheduler serves do not fail: an error from one is misbehaviour.
+        raise SchedulerMisbehaved(address, exc) from exc
+    except _COMM_ERRORS as exc:
+        raise SchedulerUnreachable(address, exc) from exc
+    finally:
+        await comm.close()
+
+
+def _mapping(address: str, value: Any, what: str) -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise SchedulerMisbehaved(address, f"{what} is a {type(value).__name__}, not a map")
+    return value
 
 
 async def fetch_snapshot(
@@ -144,37 +200,63 @@ async def fetch_snapshot(
     the keys, and ``who_has`` then covers every key.
     """
     processing = keys if processing is None else processing
-    scheduler = _connect(address, security, timeout)
-    summary: dict[str, Any] | None = None
-    who_has_raw: Mapping[Any, Sequence[str]] = {}
-    nbytes_raw: Mapping[Any, int] = {}
-    try:
+    summary: Mapping[Any, Any] | None = None
+    who_has_raw: Mapping[Any, Any] = {}
+    nbytes_raw: Mapping[Any, Any] = {}
+    async with _session(address, security, timeout) as comm:
         async with asyncio.timeout(timeout):
-            identity = await scheduler.identity()
-            running = await scheduler.processing() if processing else {}
+            identity = _mapping(address, await comm.call("identity"), "identity")
+            running = _mapping(address, await comm.call("processing"), "processing") if processing else {}
             if keys:
                 try:
-                    summary = await _run(
-                        scheduler, holdings.summarize, workers=list(placement_of), keys=list(placement)
+                    summary = _mapping(
+                        address,
+                        await _agent(comm, "holdings", workers=list(placement_of), keys=list(placement)),
+                        "the agent's holdings",
                     )
                 except SchedulerRefused as exc:
                     logger.info("summing holdings from who_has instead: %s", exc)
-                    who_has_raw = await scheduler.who_has()
-                    nbytes_raw = await scheduler.nbytes(summary=False)
-    except _COMM_ERRORS as exc:
-        raise SchedulerUnreachable(address, exc) from exc
-    finally:
-        await scheduler.close_rpc()
-    if summary is not None:
-        figures: dict[str, tuple[int, ...]] = {a: tuple(int(x) for x in h) for a, h in summary["holdings"].items()}
-        who_has = {k: tuple(holders) for k, (_, holders) in summary["placement"].items()}
-        nbytes = {k: int(size) for k, (size, _) in summary["placement"].items()}
-    else:
-        who_has = {k: tuple(v) for k, v in who_has_raw.items()}
-        nbytes = {k: int(v) for k, v in nbytes_raw.items()}
-        figures = dict(planning.holdings(who_has, nbytes))
+                    who_has_raw = _mapping(address, await comm.call("who_has"), "who_has")
+                    nbytes_raw = _mapping(address, await comm.call("nbytes", summary=False), "nbytes")
+    try:
+        if summary is not None:
+            figures, who_has, nbytes = _from_summary(summary)
+        else:
+            # Off the event loop: at a million keys these sums take seconds of Python, and the
+            # loop serves the webhook and every other request meanwhile.
+            figures, who_has, nbytes = await asyncio.to_thread(_from_who_has, who_has_raw, nbytes_raw)
+        workers = _workers(_mapping(address, identity.get("workers", {}), "identity's workers"), figures, running, keys)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise SchedulerMisbehaved(address, f"a reply of the wrong shape: {type(exc).__name__}: {exc}") from exc
+    return planning.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)
+
+
+_Figures = dict[str, tuple[int, ...]]
+
+
+def _from_summary(summary: Mapping[Any, Any]) -> tuple[_Figures, dict[Hashable, tuple[str, ...]], dict[Hashable, int]]:
+    """The agent's holdings reply as (figures, who_has, nbytes)."""
+    figures = {str(a): tuple(int(x) for x in h) for a, h in summary["holdings"].items()}
+    placement = summary["placement"].items()
+    who_has = {k: tuple(str(h) for h in holders) for k, (_, holders) in placement}
+    nbytes = {k: int(size) for k, (size, _) in placement}
+    return figures, who_has, nbytes
+
+
+def _from_who_has(
+    who_has_raw: Mapping[Any, Any], nbytes_raw: Mapping[Any, Any]
+) -> tuple[_Figures, dict[Hashable, tuple[str, ...]], dict[Hashable, int]]:
+    """``who_has`` and ``nbytes`` of every key as (figures, who_has, nbytes); cost grows with the keys."""
+    who_has = {k: tuple(str(h) for h in v) for k, v in who_has_raw.items()}
+    nbytes = {k: int(v) for k, v in nbytes_raw.items()}
+    return dict(planning.holdings(who_has, nbytes)), who_has, nbytes
+
+
+def _workers(
+    identities: Mapping[Any, Any], figures: _Figures, running: Mapping[Any, Any], keys: bool
+) -> list[planning.WorkerInfo]:
     workers = []
-    for worker_address, info in identity.get("workers", {}).items():
+    for worker_address, info in identities.items():
         metrics = info.get("metrics", {})
         spilled = metrics.get("spilled_bytes") or {}
         # As the scheduler computes WorkerState.memory.unmanaged: the process' memory minus the
@@ -197,20 +279,18 @@ async def fetch_snapshot(
                 in_shuffle=planning.in_shuffle([str(k) for k in running.get(worker_address, ())]),
             )
         )
-    return planning.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)
+    return workers
 
 
 async def ping(address: str, *, security: Security | None = None, timeout: float = 5) -> int:
     """The number of workers the scheduler has; cheap, whatever the number of keys."""
-    scheduler = _connect(address, security, timeout)
-    try:
+    async with _session(address, security, timeout) as comm:
         async with asyncio.timeout(timeout):
-            identity = await scheduler.identity(n_workers=0)
-    except _COMM_ERRORS as exc:
-        raise SchedulerUnreachable(address, exc) from exc
-    finally:
-        await scheduler.close_rpc()
-    return int(identity.get("n_workers", 0))
+            identity = _mapping(address, await comm.call("identity", n_workers=0), "identity")
+    try:
+        return int(identity.get("n_workers", 0))
+    except (TypeError, ValueError) as exc:
+        raise SchedulerMisbehaved(address, f"identity's n_workers: {exc}") from exc
 
 
 LEAVING = frozenset({"closing_gracefully", "closing", "closed"})
@@ -219,10 +299,16 @@ LEAVING = frozenset({"closing_gracefully", "closing", "closed"})
 POLL_SECONDS = 0.5
 
 
-async def _statuses(scheduler: rpc) -> dict[str, str]:
+async def _statuses(comm: daskcomm.Comm) -> dict[str, str]:
     """Address -> status of every connected worker."""
-    identity = await scheduler.identity()
-    return {address: str(info.get("status", "")) for address, info in identity.get("workers", {}).items()}
+    identity = await comm.call("identity")
+    workers = identity.get("workers", {}) if isinstance(identity, Mapping) else None
+    if not isinstance(workers, Mapping):
+        raise daskcomm.Misbehaved(f"identity is not a map of workers: {type(identity).__name__}")
+    return {
+        str(address): str(info.get("status", "")) if isinstance(info, Mapping) else ""
+        for address, info in workers.items()
+    }
 
 
 async def retire_workers(
@@ -252,24 +338,27 @@ async def retire_workers(
     if not wanted:
         return RetireOutcome((), (), False, 0.0)
     connect_timeout = min(max(timeout, 1.0), 10.0)
-    scheduler = _connect(address, security, connect_timeout)
     retired: set[str] = set()
     not_retired: set[str] = set()
-    try:
-        try:
-            # Connect first, with its own timeout: "unreachable" must not read as "drain too slow".
-            statuses = await asyncio.wait_for(_statuses(scheduler), connect_timeout)
-        except _COMM_ERRORS as exc:
-            raise SchedulerUnreachable(address, exc) from exc
+    timed_out = False
+    async with _session(address, security, connect_timeout) as comm:
+        # Connect first, with its own timeout: "unreachable" must not read as "drain too slow".
+        statuses = await asyncio.wait_for(_statuses(comm), connect_timeout)
         absent = tuple(a for a in wanted if a not in statuses)
         leaving = [a for a in wanted if statuses.get(a) in LEAVING]
         fresh = [a for a in wanted if a in statuses and a not in leaving]
         deadline = start + timeout
 
         async def retire_fresh() -> None:
-            result = await scheduler.retire_workers(
-                workers=fresh, close_workers=True, remove=True, stimulus_id=f"memops-retire-{time.time()}"
+            result = await comm.call(
+                "retire_workers",
+                workers=fresh,
+                close_workers=True,
+                remove=True,
+                stimulus_id=f"memops-retire-{time.time()}",
             )
+            if not isinstance(result, Mapping):
+                raise daskcomm.Misbehaved(f"retire_workers answered a {type(result).__name__}, not a map")
             retired.update(a for a in fresh if a in result)
             not_retired.update(a for a in fresh if a not in result)
 
@@ -277,12 +366,11 @@ async def retire_workers(
             pending = set(leaving)
             while pending:
                 await asyncio.sleep(POLL_SECONDS)
-                now = await _statuses(scheduler)
+                now = await _statuses(comm)
                 retired.update(a for a in pending if a not in now)
                 not_retired.update(a for a in pending if a in now and now[a] not in LEAVING)
                 pending -= retired | not_retired
 
-        timed_out = False
         try:
             # One after the other is enough: the scheduler drains both groups at once anyway.
             for step, needed in ((retire_fresh, fresh), (await_leaving, leaving)):
@@ -294,15 +382,16 @@ async def retire_workers(
                 await asyncio.wait_for(step(), remaining)
         except TimeoutError:
             timed_out = True
-            try:
-                now = await asyncio.wait_for(_statuses(scheduler), connect_timeout)
-            except _COMM_ERRORS:
-                now = dict.fromkeys(wanted, "")  # no news: claim nothing
-            retired.update(a for a in wanted if a not in now and a not in absent)
-        except _COMM_ERRORS as exc:
-            raise SchedulerUnreachable(address, exc) from exc
-    finally:
-        await scheduler.close_rpc()
+    if timed_out:
+        # On a new connection: the one above may be in the middle of a reply that never came.
+        try:
+            async with _session(address, security, connect_timeout) as comm:
+                now = await asyncio.wait_for(_statuses(comm), connect_timeout)
+        except SchedulerMisbehaved:
+            raise
+        except SchedulerUnreachable:
+            now = dict.fromkeys(wanted, "")  # no news: claim nothing
+        retired.update(a for a in wanted if a not in now and a not in absent)
     return RetireOutcome(
         retired=tuple(a for a in wanted if a in retired),
         not_retired=tuple(a for a in wanted if a not in retired and a not in absent),
@@ -327,50 +416,65 @@ async def configure_relief(
 ) -> dict[str, Any] | None:
     """Install, retune or (``above=None``) remove pressure relief in the scheduler; its state.
 
-    Installed relief serves its own comm handler, which this calls first: a plain RPC, so
-    that the operator's pass sends no code (``run_function`` logs every call on the scheduler,
-    code included). A scheduler without the handler (new, or restarted) gets the code by value
-    (cloudpickle) through ``run_function``, so it needs only ``distributed``. Relief that another
-    ``owner`` installed is left alone; its state says whose it is. Returns None when no relief is
-    installed. Raises :class:`SchedulerRefused` when the scheduler does not run the code.
+    Through the agent's ``relief`` operation: a plain RPC, so that the operator's pass sends no
+    code. A scheduler without the agent (new, or restarted) gets it first, by value, so it needs
+    only ``distributed``; removing relief installs nothing. Relief that another ``owner``
+    installed is left alone; its state says whose it is. Returns None when no relief is
+    installed. Raises :class:`SchedulerRefused` when the scheduler does not run the agent.
     """
-    scheduler = _connect(address, security, timeout)
-    try:
+    async with _session(address, security, timeout) as comm:
         async with asyncio.timeout(timeout):
-            state = await _call(scheduler, relief.NAME, above=above, to=to, owner=owner)
-            if state is None and above is not None:
-                try:
-                    state = await _run(scheduler, relief.configure, above=above, to=to, owner=owner)
-                except SchedulerRefused as exc:
-                    raise SchedulerRefused(f"pressure relief could not be installed: {exc}") from exc
-    except _COMM_ERRORS as exc:
-        raise SchedulerUnreachable(address, exc) from exc
-    finally:
-        await scheduler.close_rpc()
+            try:
+                state = await _agent(comm, "relief", install=above is not None, above=above, to=to, owner=owner)
+            except SchedulerRefused as exc:
+                raise SchedulerRefused(f"pressure relief could not be installed: {exc}") from exc
+    if state is None:
+        return None  # no agent, so no relief, and none was asked for
+    if not isinstance(state, Mapping):
+        raise SchedulerMisbehaved(address, f"the agent's relief state is a {type(state).__name__}, not a map")
     if not state:
-        return None  # {}: the handler removed it
-    # The handler's answer comes through msgpack, which turns lists into tuples.
-    return {key: list(value) if isinstance(value, tuple) else value for key, value in state.items()}
+        return None  # {}: removed, or never installed
+    # The agent's answer comes through msgpack, which turns lists into tuples.
+    return {str(key): list(value) if isinstance(value, tuple) else value for key, value in state.items()}
 
 
-async def _run(scheduler: rpc, function: Callable[..., Any], **kwargs: Any) -> Any:
-    """``function(dask_scheduler, **kwargs)`` run on the scheduler (``run_function``): its result.
+async def _install_agent(comm: daskcomm.Comm) -> None:
+    """Send memops' agent to the scheduler by value (``run_function``) and run its ``install``.
 
-    Raises :class:`SchedulerRefused` when the scheduler does not run it (``run_function`` in
-    ``distributed.scheduler.blocked-handlers``) or the function raised there.
+    ``run_function``'s ``result`` is pickled by design: only the reply's plain ``status`` is
+    read, and the rest is never decoded. Raises :class:`SchedulerRefused` when the scheduler
+    does not run it (``run_function`` in ``distributed.scheduler.blocked-handlers``) or the
+    installation raised there.
     """
-    response = await _call(scheduler, "run_function", function=dumps(function), kwargs=dumps(kwargs))
-    if not isinstance(response, dict) or response.get("status") != "OK":
-        exception = response.get("exception") if isinstance(response, dict) else response
-        raise SchedulerRefused(f"run_function of {function.__name__}: {exception!r}")
-    return response.get("result")
-
-
-async def _call(scheduler: rpc, op: str, **kwargs: Any) -> Any:
-    """One comm call; the scheduler's error (a refused or failing handler) as :class:`SchedulerRefused`."""
     try:
-        return await getattr(scheduler, op)(**kwargs)
-    except _COMM_ERRORS:
-        raise
-    except Exception as exc:
-        raise SchedulerRefused(f"the scheduler refused {op}: {type(exc).__name__}: {exc}") from exc
+        reply = await comm.call("run_function", allow_opaque=True, function=dumps(agent.install))
+    except daskcomm.RemoteError as exc:
+        raise SchedulerRefused(f"the scheduler refused run_function: {exc}") from exc
+    if not isinstance(reply, Mapping):
+        raise daskcomm.Misbehaved(f"run_function answered a {type(reply).__name__}, not a map")
+    if reply.get("status") != "OK":
+        text = daskcomm.error_text(dict(reply))
+        raise SchedulerRefused(f"run_function of memops' agent: {reply.get('status')!r}: {text}")
+
+
+async def _agent(comm: daskcomm.Comm, operation: str, *, install: bool = True, **arguments: Any) -> Any:
+    """One operation of memops' agent (:mod:`memops.scheduler.agent`): its plain ``result``.
+
+    A scheduler without the agent (its reply to an unknown handler is None), or with another
+    version of it, gets this one installed, and the operation is tried once more; with
+    ``install=False`` the answer is then None.
+    """
+    for attempt in range(2):
+        try:
+            reply = await comm.call(agent.NAME, operation=operation, **arguments)
+        except daskcomm.RemoteError as exc:
+            raise SchedulerRefused(f"memops' agent refused {operation}: {exc}") from exc
+        if isinstance(reply, Mapping) and reply.get("agent") == agent.VERSION:
+            if "error" in reply:
+                raise SchedulerRefused(f"memops' agent refused {operation}: {reply['error']}")
+            return reply.get("result")
+        if attempt or not (reply is None or (isinstance(reply, Mapping) and "agent" in reply)):
+            raise daskcomm.Misbehaved(f"memops' agent answered {operation} with a {type(reply).__name__}")
+        if not install:
+            return None
+        await _install_agent(comm)

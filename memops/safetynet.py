@@ -5,7 +5,8 @@ kubelet then runs the container's ``preStop`` hook before SIGTERM. For the worke
 MemoryPolicy's workload, memops' mutating admission webhook (:mod:`memops.controllers.admission`)
 adds a ``preStop`` hook that asks the scheduler to retire this worker, and a grace period long
 enough for the drain. The pods are mutated, never the user's Deployment, so GitOps tools see
-no drift. The hook uses only what ``distributed`` ships, so a stock Dask image works.
+no drift. The hook uses only what ``distributed`` ships (msgpack), so a stock Dask image works,
+and speaks to the scheduler through :mod:`memops.daskcomm`'s client, carried as source.
 
 Pure: :func:`plan_injection` builds the JSON-patch-free description of the change, which the
 webhook applies to the pod.
@@ -14,57 +15,65 @@ webhook applies to the pod.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from memops import specs
+from memops import daskcomm, specs
 
 ANNOTATION = "memops.dev/safety-net"
 GRACE_MARGIN_SECONDS = 30
 """Beyond the drain's timeout: the worker still has to close after the hook returns."""
 
-# Runs in the worker's container, with the image's own Python. Retiring by name finds the
-# worker whatever its address; a worker that memops already retired is simply not found, and
-# one that something is retiring right now is waited for, not retired twice.
-PRE_STOP_SCRIPT = """\
-import asyncio, os
-from distributed.core import rpc
-from distributed.security import Security
+_PRE_STOP_MAIN = """
+
+# -- the preStop hook: retire this worker through the scheduler ------------------------------
 
 LEAVING = {"closing_gracefully", "closing", "closed"}
 
-async def main():
+
+async def _statuses(comm, name):
+    identity = await comm.call("identity")
+    workers = identity.get("workers") if isinstance(identity, dict) else None
+    if not isinstance(workers, dict):
+        raise Misbehaved("identity is not a map of workers")
+    return {
+        str(info.get("status"))
+        for info in workers.values()
+        if isinstance(info, dict) and str(info.get("name")) == name
+    }
+
+
+async def _main():
     # dask-kubernetes names a worker by DASK_WORKER_NAME (its Deployment); otherwise the pod's name.
     name = os.environ.get("DASK_WORKER_NAME") or os.environ["MEMOPS_POD_NAME"]
-    security = Security()
-    if os.environ.get("MEMOPS_TLS_CA"):
-        # PEM texts from the policy's Secret; Security tells contents from paths by the newline.
-        security = Security(
-            tls_ca_file=os.environ["MEMOPS_TLS_CA"],
-            tls_client_cert=os.environ["MEMOPS_TLS_CERT"],
-            tls_client_key=os.environ["MEMOPS_TLS_KEY"],
-            require_encryption=True,
+    context = None
+    if os.environ.get("MEMOPS_TLS_CA"):  # PEM texts from the policy's Secret
+        context = ssl_context_from_pem(
+            os.environ["MEMOPS_TLS_CA"], os.environ["MEMOPS_TLS_CERT"], os.environ["MEMOPS_TLS_KEY"]
         )
-    scheduler = rpc(
-        os.environ["MEMOPS_SCHEDULER_ADDRESS"], timeout=10, connection_args=security.get_connection_args("client")
-    )
-    try:
-        workers = (await scheduler.identity())["workers"].values()
-        statuses = {info.get("status") for info in workers if str(info.get("name")) == name}
+    comm = await connect(os.environ["MEMOPS_SCHEDULER_ADDRESS"], ssl_context=context, timeout=10)
+    async with comm:
+        statuses = await _statuses(comm, name)
         if statuses & LEAVING:
             # Already being retired (by memops): a second retirement could leave the worker
             # stuck closing_gracefully, so wait for that one to end instead.
             while statuses & LEAVING:
                 await asyncio.sleep(0.5)
-                workers = (await scheduler.identity())["workers"].values()
-                statuses = {info.get("status") for info in workers if str(info.get("name")) == name}
+                statuses = await _statuses(comm, name)
             return
-        await scheduler.retire_workers(names=[name], close_workers=True, remove=True)
-    finally:
-        await scheduler.close_rpc()
+        await comm.call("retire_workers", names=[name], close_workers=True, remove=True)
 
-asyncio.run(asyncio.wait_for(main(), float(os.environ["MEMOPS_DRAIN_TIMEOUT"])))
+
+asyncio.run(asyncio.wait_for(_main(), float(os.environ["MEMOPS_DRAIN_TIMEOUT"])))
 """
+
+PRE_STOP_SCRIPT = inspect.getsource(daskcomm) + _PRE_STOP_MAIN
+"""Runs in the worker's container, with the image's own Python and only what ``distributed``
+brings (msgpack). It is :mod:`memops.daskcomm`'s source and a short main, so the hook and the
+operator share one client, and the hook never unpickles what the address sends it either.
+Retiring by name finds the worker whatever its address; a worker that memops already retired is
+simply not found, and one that something is retiring right now is waited for, not retired twice."""
 
 
 def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:

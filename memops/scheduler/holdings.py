@@ -9,8 +9,9 @@ than one replica (``replicated_tasks``, for the AMM's ReduceReplicas). A worker'
 are its total minus its share of the replicated keys, so the sum here costs the workers plus
 the replicas of replicated keys, not every key, and the answer is a few numbers per worker.
 
-Like :mod:`memops.scheduler.relief`, this imports nothing from memops: the operator sends
-:func:`summarize` by value through ``run_function``, so a stock Dask scheduler runs it.
+Like :mod:`memops.scheduler.relief`, this imports nothing from memops: the operator sends it
+by value with memops' agent (:mod:`memops.scheduler.agent`), whose ``holdings`` operation
+calls :func:`summarize`, so a stock Dask scheduler runs it.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def placement(tasks: Mapping[Hashable, Any], keys: Iterable[Hashable]) -> dict[H
 def summarize(
     dask_scheduler: Any, workers: Iterable[str] = (), keys: Iterable[Hashable] = ()
 ) -> dict[str, dict[Any, Any]]:
-    """Run on the scheduler (``run_function``): :func:`holdings` of every connected worker, and
+    """Run on the scheduler (by the agent): :func:`holdings` of every connected worker, and
     :func:`placement` of the keys that ``workers`` hold and of ``keys``, in one go (the event
     loop runs nothing else meanwhile, so the figures agree with each other)."""
     wanted: dict[Hashable, None] = dict.fromkeys(keys)

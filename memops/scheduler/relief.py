@@ -21,8 +21,8 @@ are left on a hot worker because no peer has room for them, the worker is *starv
 operator then asks for more workers.
 
 The module imports nothing from memops: the operator sends it to the scheduler by value over
-the comm (``run_function`` with :func:`configure`), so a stock Dask image runs it; once it is
-installed, the comm handler it adds answers the operator's later calls. :func:`choose`
+the comm, with memops' agent (:mod:`memops.scheduler.agent`), so a stock Dask image runs it;
+the agent's comm handler answers the operator's calls (:func:`configure`). :func:`choose`
 is pure and decides everything; :class:`PressureRelief` only reads the scheduler's state for it
 and turns its plan into AMM suggestions.
 """
@@ -323,8 +323,8 @@ class ReliefPlugin(SchedulerPlugin):
 
     Its own manager, not the scheduler's: that one runs every 2 s by default, and the nanny's
     monitor every 100 ms. Kept in ``scheduler.plugins`` under :data:`NAME`, so that it is found
-    again, and stopped with the scheduler. It also serves the comm handler :data:`NAME`, so that
-    once installed it is retuned, read and removed by a plain RPC, without sending code again.
+    again, and stopped with the scheduler. memops' agent (:mod:`memops.scheduler.agent`) calls
+    :func:`configure` for the operator, so relief is retuned, read and removed by a plain RPC.
     ``owner`` names the MemoryPolicy that installed it: one scheduler has one relief, which only
     its owner retunes or removes.
     """
@@ -340,10 +340,6 @@ class ReliefPlugin(SchedulerPlugin):
             scheduler, {self.policy}, register=False, start=True, interval=interval
         )
 
-    def handle(self, above: float | None = None, to: float | None = None, owner: str = "") -> dict[str, Any]:
-        """The comm handler: :func:`configure` on this scheduler; ``{}`` once removed."""
-        return configure(self.scheduler, above, to, owner, self.interval) or {}
-
     async def close(self) -> None:
         self.manager.stop()
 
@@ -351,7 +347,8 @@ class ReliefPlugin(SchedulerPlugin):
 def configure(
     dask_scheduler: Any, above: float | None, to: float | None, owner: str = "", interval: float = 0.25
 ) -> dict[str, Any] | None:
-    """Run on the scheduler (``run_function``): install, retune or (``above=None``) remove relief.
+    """Run on the scheduler (by the agent's ``relief`` operation): install, retune or
+    (``above=None``) remove relief.
 
     Idempotent, so the operator calls it on every pass: a restarted scheduler gets relief back,
     a changed policy retunes it in place. Returns the thresholds, counters and owner, or None if
@@ -365,12 +362,11 @@ def configure(
         if plugin is not None:
             plugin.manager.stop()
             dask_scheduler.remove_plugin(NAME)
-        dask_scheduler.handlers.pop(NAME, None)
+        dask_scheduler.handlers.pop(NAME, None)  # relief's own handler, from before the agent
         return None
     if plugin is None:
         plugin = ReliefPlugin(dask_scheduler, above, to, interval, owner)
         dask_scheduler.add_plugin(plugin, name=NAME)
-    dask_scheduler.handlers[NAME] = plugin.handle
     plugin.owner = owner
     plugin.policy.above, plugin.policy.to = above, to
     return {**plugin.policy.state(), "owner": owner}

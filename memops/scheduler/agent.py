@@ -1,0 +1,82 @@
+"""memops' agent inside the Dask scheduler: one comm handler, :data:`NAME`, for every feature.
+
+The operator installs it once per scheduler, by value through ``run_function``
+(:func:`install`), so that a stock scheduler needs only ``distributed``; from then on it calls
+the handler, sending no code (``run_function`` logs every call on the scheduler, code
+included). ``run_function``'s own reply is pickled by design, so the operator reads only its
+plain ``status``; every answer that matters comes from the handler, as plain msgpack data:
+maps, lists, strings and numbers. A scheduler restarted since loses the handler; its reply to
+an unknown handler is ``None``, and the operator then installs the agent again and retries.
+
+Operations (``operation``, its arguments, what ``result`` holds):
+
+- ``holdings`` (``workers``, ``keys``): :func:`memops.scheduler.holdings.summarize`: each
+  worker's ``[bytes held, keys held, unique bytes, unique keys]``, and ``[size, holders]`` of
+  the keys that ``workers`` hold and of ``keys``;
+- ``relief`` (``above``, ``to``, ``owner``): :func:`memops.scheduler.relief.configure`:
+  installs, retunes or removes pressure relief; its state, or ``{}`` once removed;
+- ``hello``: the agent's version.
+
+Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
+for an operation it does not know. An agent of another version (installed by an older or
+newer operator) is replaced by the operator that finds it, as a missing one is installed.
+
+Like :mod:`holdings` and :mod:`relief`, this imports nothing from memops beyond its siblings in
+this package, which the operator sends by value with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from memops.scheduler import holdings, relief
+
+NAME = "memops_agent"
+VERSION = 1
+"""Bumped when an operation's arguments or reply change."""
+
+
+def _plain_holdings(dask_scheduler: Any, workers: Sequence[str] = (), keys: Sequence[Hashable] = ()) -> dict[str, Any]:
+    summary = holdings.summarize(dask_scheduler, workers=workers, keys=keys)
+    return {
+        "holdings": {str(a): [int(x) for x in figures] for a, figures in summary["holdings"].items()},
+        "placement": {k: [int(size), [str(h) for h in holders]] for k, (size, holders) in summary["placement"].items()},
+    }
+
+
+def _relief(
+    dask_scheduler: Any, above: float | None = None, to: float | None = None, owner: str = ""
+) -> dict[str, Any]:
+    state = relief.configure(dask_scheduler, above, to, owner) or {}
+    return {str(k): list(v) if isinstance(v, (list, tuple)) else v for k, v in state.items()}
+
+
+def _hello(dask_scheduler: Any) -> dict[str, Any]:
+    return {"version": VERSION}
+
+
+OPERATIONS: dict[str, Callable[..., Any]] = {"holdings": _plain_holdings, "relief": _relief, "hello": _hello}
+
+
+def handler(dask_scheduler: Any) -> Callable[..., dict[str, Any]]:
+    """The comm handler for this scheduler (named ``handle``: distributed passes the comm only
+    to handlers whose first argument is called ``comm``)."""
+
+    def handle(operation: str = "", **arguments: Any) -> dict[str, Any]:
+        function = OPERATIONS.get(operation)
+        if function is None:
+            return {"agent": VERSION, "error": f"unknown operation {operation!r}"}
+        return {"agent": VERSION, "result": function(dask_scheduler, **arguments)}
+
+    return handle
+
+
+def install(dask_scheduler: Any) -> None:
+    """Run on the scheduler (``run_function``): register the handler, replacing any older one.
+
+    Idempotent: relief's state lives in its scheduler plugin, not in the handler, so
+    installing again loses nothing. Returns None, so that ``run_function``'s pickled result is
+    as small as a reply can be.
+    """
+    dask_scheduler.handlers[NAME] = handler(dask_scheduler)
