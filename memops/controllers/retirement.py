@@ -90,6 +90,8 @@ class Retirement:
         try:
             wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
             snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security, timeout=wait)
+        except daskrpc.SchedulerMisbehaved as exc:  # not a Dask scheduler, or a hostile one: never retried
+            return await self.fail(status, "SchedulerMisbehaved", f"spec.scheduler.address: {exc}", generation)
         except daskrpc.SchedulerUnreachable as exc:
             status.conditions = conditions.set_condition(
                 status.conditions,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import distributed
 import pytest
@@ -16,6 +17,7 @@ import yaml
 
 from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.data import scatter_unique, workers_by_name
+from tests.scheduler import hostile
 
 MiB = 2**20
 
@@ -316,3 +318,18 @@ def test_sandbox_stops_every_process_it_started(sandbox_factory: Callable[..., S
         except ProcessLookupError:
             continue
         raise AssertionError(f"process {pid} outlived the sandbox")
+
+
+def test_a_hostile_scheduler_fails_the_request_and_runs_nothing(sandbox: Sandbox, tmp_path: Path) -> None:
+    """Its ``identity`` answers a pickled object that would create a file when unpickled."""
+    pods = sandbox.pods()
+    marker = tmp_path / "pwned"
+    with hostile.in_thread("serialized", marker) as address:
+        sandbox.apply(retirement_request("hostile", scheduler={"address": address}, count=1, timeout="60s"))
+        failed = sandbox.wait_phase("hostile", "Failed", "Succeeded", timeout=60)
+    assert not marker.exists(), "the scheduler's pickle ran in the operator"
+    condition = next(c for c in failed["status"]["conditions"] if c["type"] == "Failed")
+    assert (condition["status"], condition["reason"]) == ("True", "SchedulerMisbehaved"), condition
+    assert "spec.scheduler.address" in condition["message"] and "memops refuses" in condition["message"]
+    assert "__Serialized__" in condition["message"], condition["message"]
+    assert sandbox.pods() == pods and sandbox.replicas() == 4
