@@ -60,8 +60,8 @@ this would take the operator down whatever it says. No reply on memops' paths co
 ``identity`` is a few KiB a worker, the agent's holdings are four numbers a worker plus the
 placement of the keys of the workers being drained, ``retire_workers`` one identity a retired
 worker, ``run_function`` a pickled ``None``. The one reply that grows with every key is the
-fallback's ``who_has`` (about 50 bytes a key), for schedulers that refuse ``run_function``:
-above about a million keys it is refused here, with a message saying so, rather than
+fallback's ``who_has`` (about 45 bytes a key), for schedulers that refuse ``run_function``:
+above about 1.5 million keys it is refused here, with a message saying so, rather than
 decoded into more memory than the operator has."""
 
 HANDSHAKE_BYTES = 64 * 2**10
