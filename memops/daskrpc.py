@@ -193,11 +193,13 @@ async def fetch_snapshot(
     before and after. With ``keys=False`` only the workers and their memory. ``processing``
     (default: as ``keys``) also asks which workers run a shuffle's tasks.
 
-    The sums run inside the scheduler (:mod:`memops.scheduler.holdings`, sent by value through
-    ``run_function``), where they cost the workers and the replicated keys rather than every
-    key. A scheduler that refuses ``run_function`` is asked for ``who_has`` and ``nbytes`` of
-    every key instead, and the sums are done here: the same figures, at a cost that grows with
-    the keys, and ``who_has`` then covers every key.
+    The sums run inside the scheduler (the agent's ``holdings``: :mod:`memops.scheduler.holdings`),
+    where they cost the workers and the replicated keys rather than every key. A scheduler that
+    refuses ``run_function`` is asked for ``who_has`` and ``nbytes`` of every key instead, and the
+    sums are done here, in a thread: the same figures, at a cost that grows with the keys, and
+    ``who_has`` then covers every key (up to :data:`memops.daskcomm.MAX_MESSAGE_BYTES` of reply).
+
+    Raises :class:`SchedulerUnreachable`, or :class:`SchedulerMisbehaved` for a reply it refuses.
     """
     processing = keys if processing is None else processing
     summary: Mapping[Any, Any] | None = None

@@ -41,7 +41,7 @@ def test_policy_installs_retunes_and_removes_pressure_relief(sandbox: Sandbox) -
         # behind the operator's back, as a restart would.)
         def remove_relief(dask_scheduler: Any) -> None:  # nested: sent by value, as tests/ is not importable there
             dask_scheduler.plugins.pop(NAME).manager.stop()
-            dask_scheduler.handlers.pop(NAME)
+            dask_scheduler.handlers.pop("memops_agent")  # memops' agent, which a restart loses too
 
         client.run_on_scheduler(remove_relief)
         assert relief_on_scheduler(client) is None
