@@ -64,12 +64,12 @@ from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
 from memops import daskcomm, planning
-from memops.scheduler import agent, holdings, relief
+from memops.scheduler import agent, holdings, relief, replication
 
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-for _module in (agent, holdings, relief):
+for _module in (agent, holdings, relief, replication):
     cloudpickle.register_pickle_by_value(_module)
 
 
@@ -438,6 +438,40 @@ async def configure_relief(
         return None  # {}: removed, or never installed
     # The agent's answer comes through msgpack, which turns lists into tuples.
     return {str(key): list(value) if isinstance(value, tuple) else value for key, value in state.items()}
+
+
+async def configure_replication(
+    address: str,
+    *,
+    security: Security | None = None,
+    rules: Mapping[str, Any] | None,
+    places: Mapping[str, tuple[str, str]],
+    owner: str,
+    timeout: float = 5,
+) -> dict[str, Any] | None:
+    """Install, retune or (``rules=None``) remove replication targets in the scheduler; its figures.
+
+    Through the agent's ``replication`` operation (:mod:`memops.scheduler.replication`), in
+    plain data: the rules (pod rules already turned into worker addresses) and each worker's
+    ``(node, zone)``. Replication that another ``owner`` installed is left alone; the figures
+    then say whose it is. Returns None when none is installed. Raises :class:`SchedulerRefused`
+    when the scheduler does not run the agent, or refuses a rule (the message names its field).
+    """
+    async with _session(address, security, timeout) as comm:
+        async with asyncio.timeout(timeout):
+            figures = await _agent(
+                comm,
+                "replication",
+                install=rules is not None,
+                rules=None if rules is None else dict(rules),
+                places={a: list(p) for a, p in places.items()},
+                owner=owner,
+            )
+    if figures is None:
+        return None
+    if not isinstance(figures, Mapping):
+        raise SchedulerMisbehaved(address, f"the agent's replication figures are a {type(figures).__name__}, not a map")
+    return dict(figures) or None
 
 
 async def _install_agent(comm: daskcomm.Comm) -> None:

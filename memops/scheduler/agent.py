@@ -15,6 +15,9 @@ Operations (``operation``, its arguments, what ``result`` holds):
   the keys that ``workers`` hold and of ``keys``;
 - ``relief`` (``above``, ``to``, ``owner``): :func:`memops.scheduler.relief.configure`:
   installs, retunes or removes pressure relief; its state, or ``{}`` once removed;
+- ``replication`` (``rules``, ``places``, ``owner``): :func:`memops.scheduler.replication.configure`:
+  installs, retunes or (``rules`` None) removes replication targets; its figures, or ``{}``
+  once removed; a refused rule is an ``error`` naming its field;
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
@@ -30,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from memops.scheduler import holdings, relief
+from memops.scheduler import holdings, relief, replication
 
 NAME = "memops_agent"
-VERSION = 1
+VERSION = 2
 """Bumped when an operation's arguments or reply change."""
 
 
@@ -52,11 +55,25 @@ def _relief(
     return {str(k): list(v) if isinstance(v, (list, tuple)) else v for k, v in state.items()}
 
 
+def _replication(
+    dask_scheduler: Any,
+    rules: dict[str, Any] | None = None,
+    places: dict[str, Sequence[str]] | None = None,
+    owner: str = "",
+) -> dict[str, Any]:
+    return replication.configure(dask_scheduler, rules, places, owner) or {}
+
+
 def _hello(dask_scheduler: Any) -> dict[str, Any]:
     return {"version": VERSION}
 
 
-OPERATIONS: dict[str, Callable[..., Any]] = {"holdings": _plain_holdings, "relief": _relief, "hello": _hello}
+OPERATIONS: dict[str, Callable[..., Any]] = {
+    "holdings": _plain_holdings,
+    "relief": _relief,
+    "replication": _replication,
+    "hello": _hello,
+}
 
 
 def handler(dask_scheduler: Any) -> Callable[..., dict[str, Any]]:
@@ -67,7 +84,10 @@ def handler(dask_scheduler: Any) -> Callable[..., dict[str, Any]]:
         function = OPERATIONS.get(operation)
         if function is None:
             return {"agent": VERSION, "error": f"unknown operation {operation!r}"}
-        return {"agent": VERSION, "result": function(dask_scheduler, **arguments)}
+        try:
+            return {"agent": VERSION, "result": function(dask_scheduler, **arguments)}
+        except replication.RuleError as exc:  # a rule refused: the message names its field
+            return {"agent": VERSION, "error": str(exc)}
 
     return handle
 

@@ -1,0 +1,614 @@
+"""Replication targets: an Active Memory Manager policy that keeps ruled keys at N copies.
+
+The MemoryPolicy's ``spec.replication`` says which keys matter: by Dask key prefix
+(``key_split``), by a regular expression over that prefix, ``scattered`` data (no task to
+recompute it), or any key held on pods that a pod rule marks (spot or preemptible nodes: such
+a key must also exist on a pod outside them). The operator evaluates the pod rules (it knows
+pods, nodes and their labels) and sends plain data: the addresses that each pod rule marks, and
+each worker's node and zone. Key rules are evaluated here, by the pure :func:`target`.
+
+Each pass (:class:`Replication`, on its own Active Memory Manager) reads the ruled keys in
+memory and asks the pure :func:`decide` for copies and drops:
+
+- a key under its target is copied to a running worker with headroom under ``ceiling``
+  (pressure relief's threshold): a worker on another node first, then in another zone, then
+  the emptiest; never a worker being retired or closed, never a pod that the key's pod rule
+  asks copies to be away from; a copy lost with its worker is made again on the next pass;
+- a key above its target loses copies, the least useful first (on a marked pod, then sharing
+  a node or zone with another copy, then the fullest worker), never its last copy outside the
+  marked pods;
+- the extra copies of ruled keys never take more than ``max_fraction`` of the cluster's memory;
+  when that budget is short, keys that cannot be recomputed (scattered, or whose dependencies
+  are gone) are served first, then by recompute cost per byte.
+
+Exactly one policy decides each key: while replication is installed, the scheduler's stock
+``ReduceReplicas`` in ``manager.policies`` is replaced by :class:`SkipRuled`, which runs the
+stock policy unchanged and withholds its suggestions for ruled keys; removing replication puts
+the stock instance back. Unruled keys keep ReduceReplicas' one copy.
+
+Like :mod:`relief`, this imports nothing from memops: the operator sends it by value with
+memops' agent (:mod:`memops.scheduler.agent`), whose ``replication`` operation calls
+:func:`configure`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
+from typing import Any
+
+from distributed.active_memory_manager import (
+    ActiveMemoryManagerExtension,
+    ActiveMemoryManagerPolicy,
+    ReduceReplicas,
+    Suggestion,
+)
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+NAME = "memops-replication"
+MAX_RULES = 32
+"""Key rules and pod rules, each: rules are matched per key prefix, so this bounds that cost."""
+MAX_PATTERN_CHARS = 256
+MAX_REPLICAS = 16
+MAX_COPIES_PER_PASS = 1000
+"""Copies planned in one pass: bounds a pass' time (a recipient search may read every worker)
+and the transfers started at once; the rest follow on the next passes."""
+LANDING = 2.0
+"""A copy costs its recipient about twice its size while it lands (as in :mod:`relief`)."""
+IN_FLIGHT_SECONDS = 5.0
+TRANSFER_BYTES_PER_SECOND = 50 * 2**20
+"""A planned copy counts as a holder for this long (plus its size at this rate), so that a copy
+still on its way is not planned a second time."""
+_CATASTROPHIC = re.compile(r"[+*}]\)*[+*{?]|\([^)]*[+*][^)]*\)[+*{]|\\[1-9]|\(\?[<P]?[=!]")
+"""Nested or stacked quantifiers (``(a+)+``, ``a**``), backreferences and lookarounds: the
+constructs that make a backtracking match take exponential time; refused."""
+
+
+class RuleError(ValueError):
+    """A rule that is refused; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRule:
+    replicas: int
+    prefix: str | None = None
+    pattern: str | None = None
+    scattered: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PodRule:
+    replicas: int
+    workers: frozenset[str]  # the addresses of the pods this rule marks
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    default: int = 1
+    keys: tuple[KeyRule, ...] = ()
+    pods: tuple[PodRule, ...] = ()
+    max_fraction: float = 0.3
+    ceiling: float = 0.7  # a worker's memory share that no copy may push it over (relief's relieveAbove)
+
+
+def check_pattern(pattern: str, field: str = "pattern") -> re.Pattern[str]:
+    """Compile a user's pattern, refusing what could make matching run away."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise RuleError(f"{field}: longer than {MAX_PATTERN_CHARS} characters")
+    if _CATASTROPHIC.search(pattern):
+        raise RuleError(f"{field}: nested quantifiers, backreferences and lookarounds are not allowed")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise RuleError(f"{field}: not a regular expression: {exc}") from exc
+
+
+def _replicas(value: Any, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_REPLICAS:
+        raise RuleError(f"{field}: an integer from 1 to {MAX_REPLICAS}")
+    return value
+
+
+def parse(data: Mapping[str, Any]) -> Rules:
+    """Rules from the operator's plain data (msgpack), checked again here: the scheduler trusts
+    nothing it is sent. ``keys``: ``[{"replicas", "prefix" | "pattern" | "scattered"}]``;
+    ``pods``: ``[{"replicas", "workers": [address, ...]}]``."""
+    keys, pods = list(data.get("keys") or ()), list(data.get("pods") or ())
+    if len(keys) > MAX_RULES or len(pods) > MAX_RULES:
+        raise RuleError(f"rules: at most {MAX_RULES} key rules and {MAX_RULES} pod rules")
+    key_rules = []
+    for i, rule in enumerate(keys):
+        field = f"rules[{i}]"
+        replicas = _replicas(rule.get("replicas"), f"{field}.replicas")
+        chosen = [k for k in ("prefix", "pattern", "scattered") if rule.get(k) not in (None, False)]
+        if len(chosen) != 1:
+            raise RuleError(f"{field}.keys: exactly one of prefix, pattern, scattered")
+        if rule.get("pattern") is not None:
+            check_pattern(str(rule["pattern"]), f"{field}.keys.pattern")
+        prefix = rule.get("prefix")
+        if prefix is not None and (not isinstance(prefix, str) or len(prefix) > MAX_PATTERN_CHARS):
+            raise RuleError(f"{field}.keys.prefix: a string of at most {MAX_PATTERN_CHARS} characters")
+        key_rules.append(
+            KeyRule(replicas, prefix=prefix, pattern=rule.get("pattern"), scattered=bool(rule.get("scattered")))
+        )
+    pod_rules = tuple(
+        PodRule(_replicas(rule.get("replicas"), f"podRules[{i}].replicas"), _addresses(rule))
+        for i, rule in enumerate(pods)
+    )
+    fraction = float(data.get("maxReplicatedFraction", 0.3))
+    ceiling = float(data.get("ceiling", 0.7))
+    if not 0 <= fraction <= 1 or not 0 < ceiling <= 1:
+        raise RuleError("maxReplicatedFraction and ceiling: shares from 0 to 1")
+    return Rules(_replicas(data.get("default", 1), "default"), tuple(key_rules), pod_rules, fraction, ceiling)
+
+
+def _addresses(rule: Mapping[str, Any]) -> frozenset[str]:
+    workers = rule.get("workers") or ()
+    if len(workers) > 100_000:
+        raise RuleError("podRules: too many workers")
+    return frozenset(map(str, workers))
+
+
+def key_target(rules: Rules, prefix: str, scattered: bool) -> int:
+    """The most replicas that a key rule asks of a key with this prefix (0: no key rule matches).
+
+    Pure, and the same for every key of a prefix except for ``scattered``: the policy caches it
+    by (prefix, scattered). ``pattern`` must match the whole prefix (``re.fullmatch``)."""
+    wanted = 0
+    for rule in rules.keys:
+        if (
+            (rule.prefix is not None and prefix == rule.prefix)
+            or (rule.pattern is not None and re.fullmatch(rule.pattern, prefix) is not None)
+            or (rule.scattered and scattered)
+        ):
+            wanted = max(wanted, rule.replicas)
+    return wanted
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    replicas: int
+    away: frozenset[str] = frozenset()  # marked pods: a copy must exist outside them, and none is put on them
+
+
+def target(rules: Rules, wanted: int, holders: Collection[str]) -> Target | None:
+    """A key's target from its key rules' ``wanted`` (:func:`key_target`) and the pods holding
+    it; None when no rule covers it and the default is 1: ReduceReplicas decides such a key."""
+    away: frozenset[str] = frozenset()
+    for rule in rules.pods:
+        if any(h in rule.workers for h in holders):
+            wanted = max(wanted, rule.replicas)
+            away |= rule.workers
+    if not wanted and not away and rules.default == 1:
+        return None
+    return Target(max(wanted, rules.default), away)
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    address: str
+    memory: int  # bytes, as the scheduler last learnt them (plus what is on its way to it)
+    limit: int  # bytes (0: none: never a recipient)
+    node: str = ""
+    zone: str = ""
+    running: bool = True  # False: paused, or being retired or closed: sent nothing
+    leaving: bool = False  # being retired or closed: its copies do not count
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    key: str
+    nbytes: int
+    holders: tuple[str, ...]
+    target: Target
+    recomputable: bool = True
+    cost: float = 0.0  # seconds of compute per byte to make it again
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    copies: tuple[tuple[str, str], ...] = ()  # (key, recipient)
+    drops: tuple[tuple[str, str], ...] = ()  # (key, holder)
+    unserved: tuple[str, ...] = ()  # under target, and no copy planned (no room, or no budget)
+    spent: int = 0  # bytes of extra copies of ruled keys, with the planned copies and drops
+    budget: int = 0
+
+
+def value_order(item: Item) -> tuple[bool, float, str]:
+    """Keys that cannot be recomputed first, then the costliest to recompute per byte."""
+    return (item.recomputable, -item.cost, item.key)
+
+
+def _drop_order(holder: str, item: Item, workers: Mapping[str, Worker], holders: Sequence[str]) -> tuple[Any, ...]:
+    w = workers[holder]
+    others = [workers[h] for h in holders if h != holder]
+    return (
+        holder not in item.target.away,  # a copy on a marked pod is the first to go
+        not any(o.node == w.node and w.node for o in others),  # then one that shares a node
+        not any(o.zone == w.zone and w.zone for o in others),
+        -(w.memory / w.limit if w.limit else 1.0),  # then the fullest
+        holder,
+    )
+
+
+def decide(
+    workers: Sequence[Worker],
+    items: Iterable[Item],
+    *,
+    max_fraction: float,
+    ceiling: float,
+    landing: float = LANDING,
+    max_copies: int = MAX_COPIES_PER_PASS,
+) -> Plan:
+    """Copies and drops that bring every item to its target; pure.
+
+    ``items``: the ruled keys in memory, each with its holders (copies on their way included).
+    Copies held by leaving workers do not count. Drops come first (they free budget); then the
+    keys under target, in :func:`value_order`, each copy to the best recipient (another node,
+    then another zone, then the least full; staying under ``ceiling`` with ``landing`` times the
+    key's size), while the extra copies stay within ``max_fraction`` of the staying workers'
+    memory limits.
+    """
+    by_address = {w.address: w for w in workers}
+    leaving = {w.address for w in workers if w.leaving}
+    budget = int(max_fraction * sum(w.limit for w in workers if not w.leaving))
+    projected = {w.address: w.memory for w in workers}
+    recipients = [w for w in workers if w.running and not w.leaving and w.limit]
+    drops: list[tuple[str, str]] = []
+    under: list[tuple[Item, list[str], int]] = []
+    spent = 0
+    for item in items:
+        holders = [h for h in item.holders if h in by_address and h not in leaving]
+        spent += item.nbytes * max(len(holders) - 1, 0)
+        away = item.target.away
+        outside = [h for h in holders if h not in away]
+        need = item.target.replicas - len(holders)
+        if away and not outside:
+            need = max(need, 1)
+        if need > 0:
+            under.append((item, holders, need))
+            continue
+        excess = len(holders) - item.target.replicas
+        while excess > 0:
+            holder = min(holders, key=lambda h: _drop_order(h, item, by_address, holders))
+            if away and outside == [holder]:
+                break  # never the last copy outside the marked pods
+            drops.append((item.key, holder))
+            holders.remove(holder)
+            outside = [h for h in holders if h not in away]
+            spent -= item.nbytes
+            excess -= 1
+    copies: list[tuple[str, str]] = []
+    unserved: list[str] = []
+    order = sorted(recipients, key=lambda w: (projected[w.address] / w.limit, w.address))
+    # The best a recipient can score on placement: a new node (new zone) only where pods say where they run.
+    floor = (not any(w.node for w in recipients), not any(w.zone for w in recipients))
+    for item, holders, need in sorted(under, key=lambda u: value_order(u[0])):
+        served = False
+        for _ in range(need):
+            cost = int(landing * item.nbytes)
+            if len(copies) >= max_copies or (holders and spent + item.nbytes > budget):
+                break
+            best: tuple[tuple[bool, bool, float], Worker] | None = None
+            nodes = {by_address[h].node for h in holders if by_address[h].node}
+            zones = {by_address[h].zone for h in holders if by_address[h].zone}
+            for w in order:
+                if w.address in holders or w.address in item.target.away:
+                    continue
+                if projected[w.address] + cost > ceiling * w.limit:
+                    continue
+                score = (w.node in nodes or not w.node, w.zone in zones or not w.zone, projected[w.address] / w.limit)
+                if best is None or score < best[0]:
+                    best = (score, w)
+                if score[:2] == floor:
+                    break  # ``order`` is by fullness: nothing later places it better
+            if best is None:
+                break
+            recipient = best[1]
+            copies.append((item.key, recipient.address))
+            projected[recipient.address] += cost
+            spent += item.nbytes if holders else 0
+            holders = [*holders, recipient.address]
+            served = True
+        if not served:
+            unserved.append(item.key)
+        if len(copies) >= max_copies:
+            order = []  # the rest wait for the next pass
+        elif served and len(copies) % 64 == 0:
+            order = sorted(recipients, key=lambda w: (projected[w.address] / w.limit, w.address))
+    return Plan(tuple(copies), tuple(drops), tuple(unserved), spent, budget)
+
+
+# -- inside the scheduler ---------------------------------------------------------------------------
+
+
+def _recomputable(ts: Any) -> bool:
+    if ts.run_spec is None:
+        return False  # scattered: no task makes it again
+    return all(dep.who_has or dep.state in ("processing", "waiting") for dep in ts.dependencies)
+
+
+def _cost(ts: Any, nbytes: int) -> float:
+    duration = float(ts.prefix.duration_average)
+    return max(duration, 0.0) / max(nbytes, 1)
+
+
+@dataclasses.dataclass
+class Figures:
+    """What the last pass saw, for the operator's status and the pods' annotations."""
+
+    keys_under: int = 0
+    bytes_under: int = 0
+    keys_over: int = 0
+    bytes_over: int = 0
+    spent: int = 0
+    budget: int = 0
+    ruled_keys: int = 0
+    copies: int = 0  # copies made so far
+    bytes_copied: int = 0
+    drops: int = 0
+    vetoed: int = 0  # ReduceReplicas' drops of ruled keys withheld so far
+    seconds: float = 0.0  # the last pass' decision time
+    workers: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """Address -> [bytes it holds that have another copy, ruled keys it holds under target, its target]."""
+
+    def plain(self) -> dict[str, Any]:
+        return {
+            "keysUnder": self.keys_under,
+            "bytesUnder": self.bytes_under,
+            "keysOver": self.keys_over,
+            "bytesOver": self.bytes_over,
+            "bytesSpent": self.spent,
+            "budgetBytes": self.budget,
+            "ruledKeys": self.ruled_keys,
+            "copies": self.copies,
+            "bytesCopied": self.bytes_copied,
+            "drops": self.drops,
+            "vetoed": self.vetoed,
+            "seconds": self.seconds,
+            "workers": {a: list(v) for a, v in self.workers.items()},
+        }
+
+
+class Replication(ActiveMemoryManagerPolicy):
+    """The AMM policy: reads the ruled keys, asks :func:`decide`, suggests copies and drops."""
+
+    def __init__(self, rules: Rules, places: Mapping[str, tuple[str, str]] | None = None):
+        self.rules = rules
+        self.places = dict(places or {})  # address -> (node, zone)
+        self.figures = Figures()
+        self.targets: dict[tuple[str, bool], int] = {}  # (prefix, scattered) -> key_target; reset with the rules
+        self.in_flight: dict[Any, tuple[str, float, int]] = {}  # key -> (recipient, deadline, nbytes)
+
+    def __repr__(self) -> str:
+        figures = self.figures
+        return f"Replication(default={self.rules.default}, ruled={figures.ruled_keys}, under={figures.keys_under})"
+
+    def retune(self, rules: Rules, places: Mapping[str, tuple[str, str]]) -> None:
+        if rules != self.rules:
+            self.targets = {}
+        self.rules, self.places = rules, dict(places)
+
+    def wanted(self, ts: Any) -> int:
+        scattered = ts.run_spec is None
+        cached = (ts.prefix.name, scattered)
+        wanted = self.targets.get(cached)
+        if wanted is None:
+            wanted = self.targets[cached] = key_target(self.rules, ts.prefix.name, scattered)
+        return wanted
+
+    def ruled(self, ts: Any) -> bool:
+        """Whether this policy decides ``ts`` (read by :class:`SkipRuled` for ReduceReplicas)."""
+        if self.wanted(ts):
+            return True
+        holders = [ws.address for ws in ts.who_has or ()]
+        return target(self.rules, 0, holders) is not None
+
+    def scan(self, tasks: Iterable[Any], now: float) -> list[Item]:
+        """The ruled keys in memory as :class:`Item`, copies on their way counted as holders."""
+        items = []
+        pods = self.rules.pods
+        default = self.rules.default
+        for ts in tasks:
+            who_has = ts.who_has
+            if not who_has:
+                continue
+            wanted = self.wanted(ts)
+            if not wanted and default == 1 and not pods:
+                continue  # the hot path: an unruled key
+            holders = [ws.address for ws in who_has]
+            goal = target(self.rules, wanted, holders)
+            if goal is None:
+                continue
+            flight = self.in_flight.get(ts.key)
+            if flight is not None:
+                if now > flight[1] or flight[0] in holders:
+                    del self.in_flight[ts.key]
+                else:
+                    holders.append(flight[0])
+            nbytes = ts.get_nbytes()
+            items.append(Item(ts.key, nbytes, tuple(holders), goal, _recomputable(ts), _cost(ts, nbytes)))
+        return items
+
+    def workers(self, scheduler: Any) -> list[Worker]:
+        running = scheduler.running
+        result = []
+        for ws in scheduler.workers.values():
+            node, zone = self.places.get(ws.address, ("", ""))
+            result.append(
+                Worker(
+                    ws.address,
+                    max(int(ws.memory.process), int(ws.memory.optimistic)),
+                    int(ws.memory_limit or 0),
+                    node,
+                    zone,
+                    running=ws in running,
+                    leaving=ws.status.name not in ("running", "paused"),
+                )
+            )
+        return result
+
+    def run(self) -> Generator[Suggestion, Any, None]:
+        scheduler = self.manager.scheduler
+        started = time.perf_counter()
+        now = time.time()
+        items = self.scan(scheduler.tasks.values(), now)
+        workers = self.workers(scheduler)
+        plan = decide(workers, items, max_fraction=self.rules.max_fraction, ceiling=self.rules.ceiling)
+        self.figures.seconds = time.perf_counter() - started
+        self.account(items, plan, workers)
+        tasks = scheduler.tasks
+        by_address = scheduler.workers
+        for key, holder in plan.drops:
+            ts, ws = tasks.get(key), by_address.get(holder)
+            if ts is not None and ws is not None and (yield Suggestion("drop", ts, {ws})) is not None:
+                self.figures.drops += 1
+        for key, recipient in plan.copies:
+            ts, ws = tasks.get(key), by_address.get(recipient)
+            if ts is None or ws is None:
+                continue
+            if (yield Suggestion("replicate", ts, {ws})) is not None:
+                nbytes = ts.get_nbytes()
+                deadline = now + IN_FLIGHT_SECONDS + nbytes / TRANSFER_BYTES_PER_SECOND
+                self.in_flight[key] = (recipient, deadline, nbytes)
+                self.figures.copies += 1
+                self.figures.bytes_copied += nbytes
+
+    def account(self, items: Sequence[Item], plan: Plan, workers: Sequence[Worker]) -> None:
+        figures = self.figures
+        figures.spent, figures.budget, figures.ruled_keys = plan.spent, plan.budget, len(items)
+        figures.keys_under = figures.bytes_under = figures.keys_over = figures.bytes_over = 0
+        per_worker = {w.address: [0, 0, self.rules.default] for w in workers}
+        for rule in self.rules.pods:
+            for address in rule.workers & per_worker.keys():
+                per_worker[address][2] = max(per_worker[address][2], rule.replicas)
+        for item in items:
+            count = len(item.holders)
+            away = item.target.away
+            under = count < item.target.replicas or bool(away and all(h in away for h in item.holders))
+            if under:
+                figures.keys_under += 1
+                figures.bytes_under += item.nbytes
+            elif count > item.target.replicas:
+                figures.keys_over += 1
+                figures.bytes_over += item.nbytes * (count - item.target.replicas)
+            for h in item.holders:
+                row = per_worker.get(h)
+                if row is not None:
+                    if count > 1:
+                        row[0] += item.nbytes
+                    row[1] += bool(under)
+        figures.workers = per_worker
+
+
+class SkipRuled(ActiveMemoryManagerPolicy):
+    """The scheduler's stock ReduceReplicas, run unchanged, without its suggestions for the keys
+    that :class:`Replication` decides: the two never fight over a key."""
+
+    def __init__(self, inner: ReduceReplicas, replication: Replication):
+        self.inner = inner
+        self.replication = replication
+
+    def __repr__(self) -> str:
+        return f"SkipRuled({self.inner!r}, vetoed={self.replication.figures.vetoed})"
+
+    def run(self) -> Generator[Suggestion, Any, None]:
+        self.inner.manager = self.manager
+        suggestions = self.inner.run()
+        try:
+            suggestion = next(suggestions)
+            while True:
+                if self.replication.ruled(suggestion.ts):
+                    self.replication.figures.vetoed += 1
+                    answer = None  # as if the manager had found no worker to drop from
+                else:
+                    answer = yield suggestion
+                suggestion = suggestions.send(answer)
+        except StopIteration:
+            return
+
+
+def _stock_manager(scheduler: Any) -> Any:
+    return scheduler.extensions.get("amm")
+
+
+def wrap_reduce_replicas(scheduler: Any, replication: Replication) -> int:
+    """Put :class:`SkipRuled` in place of every stock ReduceReplicas of the scheduler's AMM."""
+    manager = _stock_manager(scheduler)
+    if manager is None:
+        return 0
+    wrapped = 0
+    for policy in list(manager.policies):
+        if isinstance(policy, SkipRuled):
+            policy.replication = replication
+        elif type(policy) is ReduceReplicas:
+            manager.policies.discard(policy)
+            manager.add_policy(SkipRuled(policy, replication))
+            wrapped += 1
+    return wrapped
+
+
+def unwrap_reduce_replicas(scheduler: Any) -> None:
+    manager = _stock_manager(scheduler)
+    if manager is None:
+        return
+    for policy in list(manager.policies):
+        if isinstance(policy, SkipRuled):
+            manager.policies.discard(policy)
+            manager.add_policy(policy.inner)
+
+
+class ReplicationPlugin(SchedulerPlugin):
+    """Runs :class:`Replication` on its own AMM every ``interval`` seconds (kept in
+    ``scheduler.plugins`` under :data:`NAME`, stopped with the scheduler)."""
+
+    name = NAME
+
+    def __init__(
+        self, scheduler: Any, rules: Rules, places: Mapping[str, tuple[str, str]], interval: float, owner: str
+    ):
+        self.scheduler = scheduler
+        self.owner = owner
+        self.policy = Replication(rules, places)
+        self.manager = ActiveMemoryManagerExtension(
+            scheduler, {self.policy}, register=False, start=True, interval=interval
+        )
+
+    async def close(self) -> None:
+        self.manager.stop()
+
+
+def configure(
+    dask_scheduler: Any,
+    rules: Mapping[str, Any] | None,
+    places: Mapping[str, Sequence[str]] | None = None,
+    owner: str = "",
+    interval: float = 1.0,
+) -> dict[str, Any] | None:
+    """Run on the scheduler (by the agent's ``replication`` operation): install, retune or
+    (``rules=None``) remove replication; its figures, or None once removed.
+
+    Idempotent, called on every policy pass. Rules are checked here again (:func:`parse`); a
+    refused rule raises :class:`RuleError`, which the agent returns as an error. Replication
+    that another ``owner`` installed is left alone, and its figures returned with its owner.
+    """
+    plugin = dask_scheduler.plugins.get(NAME)
+    if plugin is not None and plugin.owner not in ("", owner):
+        return {**plugin.policy.figures.plain(), "owner": plugin.owner}
+    if rules is None:
+        if plugin is not None:
+            plugin.manager.stop()
+            dask_scheduler.remove_plugin(NAME)
+        unwrap_reduce_replicas(dask_scheduler)
+        return None
+    parsed = parse(rules)
+    where = {str(a): (str(p[0]), str(p[1])) for a, p in (places or {}).items()}
+    if plugin is None:
+        plugin = ReplicationPlugin(dask_scheduler, parsed, where, interval, owner)
+        dask_scheduler.add_plugin(plugin, name=NAME)
+    plugin.owner = owner
+    plugin.policy.retune(parsed, where)
+    wrap_reduce_replicas(dask_scheduler, plugin.policy)
+    return {**plugin.policy.figures.plain(), "owner": owner}
