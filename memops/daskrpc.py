@@ -64,12 +64,12 @@ from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
 from memops import daskcomm, planning
-from memops.scheduler import agent, holdings, relief, replication
+from memops.scheduler import agent, holdings, relief, replication, rules
 
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-for _module in (agent, holdings, relief, replication):
+for _module in (agent, holdings, relief, replication, rules):
     cloudpickle.register_pickle_by_value(_module)
 
 

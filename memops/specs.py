@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 import pydantic
 
+from memops.scheduler import rules as replication_rules
+
 GROUP = "memops.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -408,6 +410,110 @@ class PressureSpec(Model):
         return self
 
 
+# -- replication targets (spec.replication) -----------------------------------------------------
+
+
+class KeySelector(Model):
+    """Which keys: exactly one of a Dask key prefix, a pattern over it, or scattered data."""
+
+    prefix: str | None = pydantic.Field(
+        default=None, max_length=256, description="A Dask key prefix, as key_split gives it (\"load-parquet\")."
+    )
+    pattern: str | None = pydantic.Field(
+        default=None,
+        max_length=256,
+        description="A regular expression that the whole key prefix must match; nested quantifiers,"
+        " backreferences and lookarounds are refused.",
+    )
+    scattered: bool | None = pydantic.Field(
+        default=None, description="Data with no task to recompute it (client.scatter, or whose task is gone)."
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _exactly_one(self) -> KeySelector:
+        chosen = [n for n in ("prefix", "pattern", "scattered") if getattr(self, n) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError("replication.rules[].keys: exactly one of prefix, pattern, scattered: true")
+        if self.pattern is not None:
+            replication_rules.check_pattern(self.pattern, "replication.rules[].keys.pattern")
+        return self
+
+
+class LabelSelectorRequirement(Model):
+    key: str = pydantic.Field(max_length=317, description="The label's key.")
+    operator: str = pydantic.Field(
+        pattern="^(In|NotIn|Exists|DoesNotExist)$", description="In, NotIn, Exists, DoesNotExist."
+    )
+    values: list[str] = pydantic.Field(default_factory=list, max_length=64, description="For In and NotIn.")
+
+
+class LabelSelector(Model):
+    matchLabels: dict[str, str] = pydantic.Field(default_factory=dict, description="Labels that must all match.")
+    matchExpressions: list[LabelSelectorRequirement] = pydantic.Field(
+        default_factory=list, max_length=16, description="Requirements that must all hold."
+    )
+
+
+class PodSelector(Model):
+    """Which worker pods: by their node's labels, or by their own."""
+
+    nodeSelector: dict[str, str] | None = pydantic.Field(
+        default=None, description="Labels of the node the pod runs on (karpenter.sh/capacity-type: spot)."
+    )
+    labelSelector: LabelSelector | None = pydantic.Field(default=None, description="The pod's own labels.")
+
+    @pydantic.model_validator(mode="after")
+    def _one(self) -> PodSelector:
+        if (self.nodeSelector is None) == (self.labelSelector is None):
+            raise ValueError("replication.rules[].pods: exactly one of nodeSelector, labelSelector")
+        return self
+
+
+class ReplicationRule(Model):
+    keys: KeySelector | None = pydantic.Field(default=None, description="The keys this rule covers.")
+    pods: PodSelector | None = pydantic.Field(
+        default=None,
+        description="The pods this rule marks: data held on them must also exist on a pod outside them.",
+    )
+    replicas: int = pydantic.Field(
+        ge=1, le=replication_rules.MAX_REPLICAS, description="Copies to keep of each covered key."
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _keys_or_pods(self) -> ReplicationRule:
+        if (self.keys is None) == (self.pods is None):
+            raise ValueError("replication.rules[]: exactly one of keys, pods")
+        return self
+
+
+class ReplicationSpec(Model):
+    """Keep N copies of the data that matters; re-replicate after a loss."""
+
+    default: int = pydantic.Field(
+        default=1, ge=1, le=replication_rules.MAX_REPLICAS, description="Copies of a key no rule covers."
+    )
+    rules: list[ReplicationRule] = pydantic.Field(
+        default_factory=list,
+        max_length=replication_rules.MAX_RULES,
+        description="Each key's target is the most replicas of the rules that cover it.",
+    )
+    maxReplicatedFraction: float = pydantic.Field(
+        default=0.3, ge=0, le=1, description="The most of the workers' memory limits that extra copies may take."
+    )
+
+
+class ReplicationStatus(Model):
+    keysUnder: int = pydantic.Field(default=0, description="Ruled keys with fewer copies than their target.")
+    bytesUnder: int = pydantic.Field(default=0, description="Their bytes.")
+    keysOver: int = pydantic.Field(default=0, description="Ruled keys with more copies than their target.")
+    bytesOver: int = pydantic.Field(default=0, description="Bytes of the copies above target.")
+    bytesSpent: int = pydantic.Field(default=0, description="Bytes of the extra copies of ruled keys.")
+    budgetBytes: int = pydantic.Field(default=0, description="maxReplicatedFraction of the workers' memory limits.")
+    copies: int = pydantic.Field(default=0, description="Copies made since replication was installed.")
+    bytesCopied: int = pydantic.Field(default=0, description="Their bytes.")
+    message: str = pydantic.Field(default="", description="Why replication cannot do all it should, in one line.")
+
+
 class MemoryPolicySpec(Model):
     """How one Dask cluster's memory is managed, for as long as the policy exists."""
 
@@ -424,6 +530,9 @@ class MemoryPolicySpec(Model):
     recycle: RecycleSpec | None = pydantic.Field(default=None, description="Replace leaky or old workers safely.")
     pressure: PressureSpec | None = pydantic.Field(
         default=None, description="Relieve a worker's memory pressure by moving keys to its peers."
+    )
+    replication: ReplicationSpec | None = pydantic.Field(
+        default=None, description="Keep N copies of the keys that matter, on other nodes; re-replicate after a loss."
     )
 
 
@@ -499,6 +608,7 @@ class MemoryPolicyStatus(Model):
     )
     recycle: RecycleStatus | None = pydantic.Field(default=None, description="Workers recycled, and why.")
     pressure: PressureStatus | None = pydantic.Field(default=None, description="What pressure relief did.")
+    replication: ReplicationStatus | None = pydantic.Field(default=None, description="Keys against their targets.")
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 

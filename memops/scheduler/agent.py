@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from memops.scheduler import holdings, relief, replication
+from memops.scheduler import holdings, relief, replication, rules
 
 NAME = "memops_agent"
 VERSION = 2
@@ -86,7 +86,7 @@ def handler(dask_scheduler: Any) -> Callable[..., dict[str, Any]]:
             return {"agent": VERSION, "error": f"unknown operation {operation!r}"}
         try:
             return {"agent": VERSION, "result": function(dask_scheduler, **arguments)}
-        except replication.RuleError as exc:  # a rule refused: the message names its field
+        except rules.RuleError as exc:  # a rule refused: the message names its field
             return {"agent": VERSION, "error": str(exc)}
 
     return handle

@@ -5,7 +5,7 @@ The MemoryPolicy's ``spec.replication`` says which keys matter: by Dask key pref
 recompute it), or any key held on pods that a pod rule marks (spot or preemptible nodes: such
 a key must also exist on a pod outside them). The operator evaluates the pod rules (it knows
 pods, nodes and their labels) and sends plain data: the addresses that each pod rule marks, and
-each worker's node and zone. Key rules are evaluated here, by the pure :func:`target`.
+each worker's node and zone. Key rules are evaluated here, by the pure :mod:`rules`.
 
 Each pass (:class:`Replication`, on its own Active Memory Manager) reads the ruled keys in
 memory and asks the pure :func:`decide` for copies and drops:
@@ -34,9 +34,8 @@ memops' agent (:mod:`memops.scheduler.agent`), whose ``replication`` operation c
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
-from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 from distributed.active_memory_manager import (
@@ -47,11 +46,9 @@ from distributed.active_memory_manager import (
 )
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from memops.scheduler import rules as ruling
+
 NAME = "memops-replication"
-MAX_RULES = 32
-"""Key rules and pod rules, each: rules are matched per key prefix, so this bounds that cost."""
-MAX_PATTERN_CHARS = 256
-MAX_REPLICAS = 16
 MAX_COPIES_PER_PASS = 1000
 """Copies planned in one pass: bounds a pass' time (a recipient search may read every worker)
 and the transfers started at once; the rest follow on the next passes."""
@@ -61,129 +58,10 @@ IN_FLIGHT_SECONDS = 5.0
 TRANSFER_BYTES_PER_SECOND = 50 * 2**20
 """A planned copy counts as a holder for this long (plus its size at this rate), so that a copy
 still on its way is not planned a second time."""
-_CATASTROPHIC = re.compile(r"[+*}]\)*[+*{?]|\([^)]*[+*][^)]*\)[+*{]|\\[1-9]|\(\?[<P]?[=!]")
-"""Nested or stacked quantifiers (``(a+)+``, ``a**``), backreferences and lookarounds: the
-constructs that make a backtracking match take exponential time; refused."""
 
-
-class RuleError(ValueError):
-    """A rule that is refused; the message names the field."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyRule:
-    replicas: int
-    prefix: str | None = None
-    pattern: str | None = None
-    scattered: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class PodRule:
-    replicas: int
-    workers: frozenset[str]  # the addresses of the pods this rule marks
-
-
-@dataclasses.dataclass(frozen=True)
-class Rules:
-    default: int = 1
-    keys: tuple[KeyRule, ...] = ()
-    pods: tuple[PodRule, ...] = ()
-    max_fraction: float = 0.3
-    ceiling: float = 0.7  # a worker's memory share that no copy may push it over (relief's relieveAbove)
-
-
-def check_pattern(pattern: str, field: str = "pattern") -> re.Pattern[str]:
-    """Compile a user's pattern, refusing what could make matching run away."""
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise RuleError(f"{field}: longer than {MAX_PATTERN_CHARS} characters")
-    if _CATASTROPHIC.search(pattern):
-        raise RuleError(f"{field}: nested quantifiers, backreferences and lookarounds are not allowed")
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise RuleError(f"{field}: not a regular expression: {exc}") from exc
-
-
-def _replicas(value: Any, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_REPLICAS:
-        raise RuleError(f"{field}: an integer from 1 to {MAX_REPLICAS}")
-    return value
-
-
-def parse(data: Mapping[str, Any]) -> Rules:
-    """Rules from the operator's plain data (msgpack), checked again here: the scheduler trusts
-    nothing it is sent. ``keys``: ``[{"replicas", "prefix" | "pattern" | "scattered"}]``;
-    ``pods``: ``[{"replicas", "workers": [address, ...]}]``."""
-    keys, pods = list(data.get("keys") or ()), list(data.get("pods") or ())
-    if len(keys) > MAX_RULES or len(pods) > MAX_RULES:
-        raise RuleError(f"rules: at most {MAX_RULES} key rules and {MAX_RULES} pod rules")
-    key_rules = []
-    for i, rule in enumerate(keys):
-        field = f"rules[{i}]"
-        replicas = _replicas(rule.get("replicas"), f"{field}.replicas")
-        chosen = [k for k in ("prefix", "pattern", "scattered") if rule.get(k) not in (None, False)]
-        if len(chosen) != 1:
-            raise RuleError(f"{field}.keys: exactly one of prefix, pattern, scattered")
-        if rule.get("pattern") is not None:
-            check_pattern(str(rule["pattern"]), f"{field}.keys.pattern")
-        prefix = rule.get("prefix")
-        if prefix is not None and (not isinstance(prefix, str) or len(prefix) > MAX_PATTERN_CHARS):
-            raise RuleError(f"{field}.keys.prefix: a string of at most {MAX_PATTERN_CHARS} characters")
-        key_rules.append(
-            KeyRule(replicas, prefix=prefix, pattern=rule.get("pattern"), scattered=bool(rule.get("scattered")))
-        )
-    pod_rules = tuple(
-        PodRule(_replicas(rule.get("replicas"), f"podRules[{i}].replicas"), _addresses(rule))
-        for i, rule in enumerate(pods)
-    )
-    fraction = float(data.get("maxReplicatedFraction", 0.3))
-    ceiling = float(data.get("ceiling", 0.7))
-    if not 0 <= fraction <= 1 or not 0 < ceiling <= 1:
-        raise RuleError("maxReplicatedFraction and ceiling: shares from 0 to 1")
-    return Rules(_replicas(data.get("default", 1), "default"), tuple(key_rules), pod_rules, fraction, ceiling)
-
-
-def _addresses(rule: Mapping[str, Any]) -> frozenset[str]:
-    workers = rule.get("workers") or ()
-    if len(workers) > 100_000:
-        raise RuleError("podRules: too many workers")
-    return frozenset(map(str, workers))
-
-
-def key_target(rules: Rules, prefix: str, scattered: bool) -> int:
-    """The most replicas that a key rule asks of a key with this prefix (0: no key rule matches).
-
-    Pure, and the same for every key of a prefix except for ``scattered``: the policy caches it
-    by (prefix, scattered). ``pattern`` must match the whole prefix (``re.fullmatch``)."""
-    wanted = 0
-    for rule in rules.keys:
-        if (
-            (rule.prefix is not None and prefix == rule.prefix)
-            or (rule.pattern is not None and re.fullmatch(rule.pattern, prefix) is not None)
-            or (rule.scattered and scattered)
-        ):
-            wanted = max(wanted, rule.replicas)
-    return wanted
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    replicas: int
-    away: frozenset[str] = frozenset()  # marked pods: a copy must exist outside them, and none is put on them
-
-
-def target(rules: Rules, wanted: int, holders: Collection[str]) -> Target | None:
-    """A key's target from its key rules' ``wanted`` (:func:`key_target`) and the pods holding
-    it; None when no rule covers it and the default is 1: ReduceReplicas decides such a key."""
-    away: frozenset[str] = frozenset()
-    for rule in rules.pods:
-        if any(h in rule.workers for h in holders):
-            wanted = max(wanted, rule.replicas)
-            away |= rule.workers
-    if not wanted and not away and rules.default == 1:
-        return None
-    return Target(max(wanted, rules.default), away)
+Rules = ruling.Rules
+Target = ruling.Target
+RuleError = ruling.RuleError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,7 +274,7 @@ class Replication(ActiveMemoryManagerPolicy):
         cached = (ts.prefix.name, scattered)
         wanted = self.targets.get(cached)
         if wanted is None:
-            wanted = self.targets[cached] = key_target(self.rules, ts.prefix.name, scattered)
+            wanted = self.targets[cached] = ruling.key_target(self.rules, ts.prefix.name, scattered)
         return wanted
 
     def ruled(self, ts: Any) -> bool:
@@ -404,7 +282,7 @@ class Replication(ActiveMemoryManagerPolicy):
         if self.wanted(ts):
             return True
         holders = [ws.address for ws in ts.who_has or ()]
-        return target(self.rules, 0, holders) is not None
+        return ruling.target(self.rules, 0, holders) is not None
 
     def scan(self, tasks: Iterable[Any], now: float) -> list[Item]:
         """The ruled keys in memory as :class:`Item`, copies on their way counted as holders."""
@@ -419,7 +297,7 @@ class Replication(ActiveMemoryManagerPolicy):
             if not wanted and default == 1 and not pods:
                 continue  # the hot path: an unruled key
             holders = [ws.address for ws in who_has]
-            goal = target(self.rules, wanted, holders)
+            goal = ruling.target(self.rules, wanted, holders)
             if goal is None:
                 continue
             flight = self.in_flight.get(ts.key)
@@ -590,7 +468,7 @@ def configure(
     """Run on the scheduler (by the agent's ``replication`` operation): install, retune or
     (``rules=None``) remove replication; its figures, or None once removed.
 
-    Idempotent, called on every policy pass. Rules are checked here again (:func:`parse`); a
+    Idempotent, called on every policy pass. Rules are checked here again (:func:`memops.scheduler.rules.parse`); a
     refused rule raises :class:`RuleError`, which the agent returns as an error. Replication
     that another ``owner`` installed is left alone, and its figures returned with its owner.
     """
@@ -603,7 +481,7 @@ def configure(
             dask_scheduler.remove_plugin(NAME)
         unwrap_reduce_replicas(dask_scheduler)
         return None
-    parsed = parse(rules)
+    parsed = ruling.parse(rules)
     where = {str(a): (str(p[0]), str(p[1])) for a, p in (places or {}).items()}
     if plugin is None:
         plugin = ReplicationPlugin(dask_scheduler, parsed, where, interval, owner)
