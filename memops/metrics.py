@@ -103,6 +103,25 @@ ERRORS = prometheus_client.Counter(
     registry=REGISTRY,
 )
 
+REPLICATION_KEYS = prometheus_client.Gauge(
+    "memops_replication_keys",
+    "Ruled keys under or over their replication target (state: under, over).",
+    ["namespace", "policy", "state"],
+    registry=REGISTRY,
+)
+REPLICATION_BYTES = prometheus_client.Gauge(
+    "memops_replication_bytes",
+    "Replication's bytes (kind: under, over, spent on extra copies, budget).",
+    ["namespace", "policy", "kind"],
+    registry=REGISTRY,
+)
+REPLICATION_COPIES = prometheus_client.Counter(
+    "memops_replication_copied_bytes_total",
+    "Bytes that replication targets copied between workers.",
+    ["namespace", "policy"],
+    registry=REGISTRY,
+)
+
 NAMES = frozenset(
     family.name
     for metric in (
@@ -121,6 +140,9 @@ NAMES = frozenset(
         RELIEF_BYTES,
         DECISION_SECONDS,
         ERRORS,
+        REPLICATION_KEYS,
+        REPLICATION_BYTES,
+        REPLICATION_COPIES,
     )
     for family in metric.describe()
 )
@@ -174,6 +196,11 @@ def policy_gone(namespace: str, policy: str) -> None:
     for gauge in (DESIRED, REPLICAS, UTILIZATION):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, policy)
+    replication = ((REPLICATION_KEYS, ("under", "over")), (REPLICATION_BYTES, ("under", "over", "spent", "budget")))
+    for labelled, values in replication:
+        for value in values:
+            with contextlib.suppress(KeyError):
+                labelled.remove(namespace, policy, value)
 
 
 def recycled(namespace: str, policy: str, reason: str, outcome: str) -> None:
@@ -183,6 +210,19 @@ def recycled(namespace: str, policy: str, reason: str, outcome: str) -> None:
 def relieved(namespace: str, policy: str, keys: int, nbytes: int) -> None:
     RELIEF_KEYS.labels(namespace, policy).inc(max(keys, 0))
     RELIEF_BYTES.labels(namespace, policy).inc(max(nbytes, 0))
+
+
+def replication_observed(namespace: str, policy: str, status: specs.ReplicationStatus, copied: int) -> None:
+    REPLICATION_KEYS.labels(namespace, policy, "under").set(status.keysUnder)
+    REPLICATION_KEYS.labels(namespace, policy, "over").set(status.keysOver)
+    for kind, value in (
+        ("under", status.bytesUnder),
+        ("over", status.bytesOver),
+        ("spent", status.bytesSpent),
+        ("budget", status.budgetBytes),
+    ):
+        REPLICATION_BYTES.labels(namespace, policy, kind).set(value)
+    REPLICATION_COPIES.labels(namespace, policy).inc(max(copied, 0))
 
 
 def reconcile_error(kind: str, namespace: str) -> None:

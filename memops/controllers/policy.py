@@ -33,7 +33,7 @@ from memops import (
     specs,
     timestamps,
 )
-from memops.controllers import recycle, relief, workloads
+from memops.controllers import recycle, relief, replication, workloads
 
 POLICY_LABEL = "memops.dev/policy"
 GENERATION_ANNOTATION = "memops.dev/policy-generation"
@@ -119,6 +119,18 @@ class Policy:
                 security=self.security,
                 namespace=self.namespace,
                 policy=self.name,
+                logger=self.logger,
+            )
+            # Replication targets: its own module; the scheduler keeps the copies between passes.
+            status.replication = await replication.reconcile(
+                client=self.client,
+                spec=spec,
+                old=status.replication,
+                security=self.security,
+                namespace=self.namespace,
+                policy=self.name,
+                snapshot=snapshot,
+                workload=workload,
                 logger=self.logger,
             )
 
@@ -241,6 +253,7 @@ class Policy:
             and spec.autoscale is None
             and spec.recycle is None
             and spec.pressure is None
+            and spec.replication is None
         )
 
     async def recycle(
@@ -541,6 +554,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
             memo.policy_wakers.pop(uid, None)
             if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
                 await relief.remove(body, security=reconciler.security, logger=logger)
+                await replication.remove(body, security=reconciler.security, logger=logger)
 
 
 async def _loop(

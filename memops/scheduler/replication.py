@@ -46,6 +46,7 @@ from distributed.active_memory_manager import (
 )
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from memops.scheduler import holdings
 from memops.scheduler import rules as ruling
 
 NAME = "memops-replication"
@@ -230,7 +231,8 @@ class Figures:
     vetoed: int = 0  # ReduceReplicas' drops of ruled keys withheld so far
     seconds: float = 0.0  # the last pass' decision time
     workers: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    """Address -> [bytes it holds that have another copy, ruled keys it holds under target, its target]."""
+    """Address -> [bytes it holds that have another copy, ruled keys it holds under target, its
+    target]; :func:`configure` adds the bytes it holds alone."""
 
     def plain(self) -> dict[str, Any]:
         return {
@@ -489,4 +491,10 @@ def configure(
     plugin.owner = owner
     plugin.policy.retune(parsed, where)
     wrap_reduce_replicas(dask_scheduler, plugin.policy)
-    return {**plugin.policy.figures.plain(), "owner": owner}
+    figures = {**plugin.policy.figures.plain(), "owner": owner}
+    # Each worker's unique bytes, now (cheap: the scheduler's replicated keys, not every key).
+    unique = holdings.holdings(dask_scheduler.workers.values(), dask_scheduler.replicated_tasks)
+    figures["workers"] = {
+        a: [*figures["workers"].get(a, [0, 0, parsed.default]), int(h[2])] for a, h in unique.items()
+    }
+    return figures
