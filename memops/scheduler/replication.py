@@ -53,6 +53,11 @@ NAME = "memops-replication"
 MAX_COPIES_PER_PASS = 1000
 """Copies planned in one pass: bounds a pass' time (a recipient search may read every worker)
 and the transfers started at once; the rest follow on the next passes."""
+SCAN_KEYS_PER_PASS = 100_000
+"""Keys that one pass reads to find new ruled keys (see :meth:`Replication.candidates`)."""
+MAX_SHARE = 0.05
+"""A pass that takes t seconds (it reads every key in memory) is followed by none for t / MAX_SHARE:
+at a million ruled keys replication takes at most this share of the scheduler's event loop."""
 LANDING = 2.0
 """A copy costs its recipient about twice its size while it lands (as in :mod:`relief`)."""
 IN_FLIGHT_SECONDS = 5.0
@@ -60,6 +65,7 @@ TRANSFER_BYTES_PER_SECOND = 50 * 2**20
 """A planned copy counts as a holder for this long (plus its size at this rate), so that a copy
 still on its way is not planned a second time."""
 
+_MISSING: Any = object()
 Rules = ruling.Rules
 Target = ruling.Target
 RuleError = ruling.RuleError
@@ -259,8 +265,15 @@ class Replication(ActiveMemoryManagerPolicy):
         self.rules = rules
         self.places = dict(places or {})  # address -> (node, zone)
         self.figures = Figures()
-        self.targets: dict[tuple[str, bool], int] = {}  # (prefix, scattered) -> key_target; reset with the rules
+        self.targets: dict[tuple[Any, bool], int] = {}  # (TaskPrefix, scattered) -> key_target; reset with the rules
+        self.marked: set[Any] = set()  # the WorkerStates of the pods that a pod rule marks (see candidates)
+        self.marked_by_rule: list[set[Any]] = []  # the same, per pod rule
+        self.goals: dict[tuple[int, tuple[int, ...]], Target | None] = {}  # see scan; reset with the rules
         self.in_flight: dict[Any, tuple[str, float, int]] = {}  # key -> (recipient, deadline, nbytes)
+        self.next_pass = 0.0  # perf_counter: no pass before this (see MAX_SHARE)
+        self.known: dict[Any, Any] = {}  # key -> TaskState: the ruled keys found so far
+        self.rolling: list[Any] = []  # every TaskState, as of the start of this round of the rolling scan
+        self.cursor = 0
 
     def __repr__(self) -> str:
         figures = self.figures
@@ -268,12 +281,12 @@ class Replication(ActiveMemoryManagerPolicy):
 
     def retune(self, rules: Rules, places: Mapping[str, tuple[str, str]]) -> None:
         if rules != self.rules:
-            self.targets = {}
+            self.targets, self.goals, self.known, self.cursor = {}, {}, {}, len(self.rolling)  # a fresh scan
         self.rules, self.places = rules, dict(places)
 
     def wanted(self, ts: Any) -> int:
         scattered = ts.run_spec is None
-        cached = (ts.prefix.name, scattered)
+        cached = (ts.prefix, scattered)
         wanted = self.targets.get(cached)
         if wanted is None:
             wanted = self.targets[cached] = ruling.key_target(self.rules, ts.prefix.name, scattered)
@@ -286,22 +299,53 @@ class Replication(ActiveMemoryManagerPolicy):
         holders = [ws.address for ws in ts.who_has or ()]
         return ruling.target(self.rules, 0, holders) is not None
 
+    def candidates(self, tasks: Mapping[Any, Any], workers: Mapping[str, Any]) -> Iterable[Any]:
+        """The keys to read this pass: every ruled key found so far (so a lost copy is made again
+        on the next pass), the keys on pods that a pod rule marks, and the next
+        :data:`SCAN_KEYS_PER_PASS` keys of a rolling scan of every key, which finds new ruled
+        keys; not every key on every pass, which at a million keys would hold the event loop."""
+        found: dict[Any, Any] = {}
+        for key, ts in list(self.known.items()):
+            if ts.who_has and tasks.get(key) is ts:
+                found[key] = ts
+            else:
+                del self.known[key]  # released, recomputing, or lost with every copy
+        self.marked_by_rule = [{workers[a] for a in rule.workers if a in workers} for rule in self.rules.pods]
+        self.marked = set().union(*self.marked_by_rule)
+        for ws in self.marked:
+            found.update((ts.key, ts) for ts in ws.has_what)
+        if self.cursor >= len(self.rolling):
+            self.rolling, self.cursor = list(tasks.values()), 0
+        found.update((ts.key, ts) for ts in self.rolling[self.cursor : self.cursor + SCAN_KEYS_PER_PASS])
+        self.cursor += SCAN_KEYS_PER_PASS
+        return found.values()
+
     def scan(self, tasks: Iterable[Any], now: float) -> list[Item]:
-        """The ruled keys in memory as :class:`Item`, copies on their way counted as holders."""
+        """The ruled keys among ``tasks`` in memory as :class:`Item`, copies on their way counted
+        as holders; remembers them, to read them again on every pass."""
         items = []
-        pods = self.rules.pods
         default = self.rules.default
+        marked = self.marked
+        targets = self.targets
         for ts in tasks:
             who_has = ts.who_has
             if not who_has:
                 continue
-            wanted = self.wanted(ts)
-            if not wanted and default == 1 and not pods:
-                continue  # the hot path: an unruled key
+            wanted = targets.get((ts.prefix, ts.run_spec is None))
+            if wanted is None:
+                wanted = self.wanted(ts)
+            if not wanted and default == 1 and marked.isdisjoint(who_has):
+                continue  # the hot path: an unruled key on no marked pod
             holders = [ws.address for ws in who_has]
-            goal = ruling.target(self.rules, wanted, holders)
+            # ruling.target() for these holders, cached by what decides it: the key rules' wanted
+            # and which pod rules mark one of its holders.
+            matched = tuple(i for i, ws_set in enumerate(self.marked_by_rule) if not ws_set.isdisjoint(who_has))
+            goal = self.goals.get((wanted, matched), _MISSING)
+            if goal is _MISSING:
+                goal = self.goals[wanted, matched] = ruling.target(self.rules, wanted, holders)
             if goal is None:
                 continue
+            self.known[ts.key] = ts
             flight = self.in_flight.get(ts.key)
             if flight is not None:
                 if now > flight[1] or flight[0] in holders:
@@ -333,11 +377,14 @@ class Replication(ActiveMemoryManagerPolicy):
     def run(self) -> Generator[Suggestion, Any, None]:
         scheduler = self.manager.scheduler
         started = time.perf_counter()
+        if started < self.next_pass:
+            return  # the last pass was long: keep to a small share of the scheduler's time
         now = time.time()
-        items = self.scan(scheduler.tasks.values(), now)
+        items = self.scan(self.candidates(scheduler.tasks, scheduler.workers), now)
         workers = self.workers(scheduler)
         plan = decide(workers, items, max_fraction=self.rules.max_fraction, ceiling=self.rules.ceiling)
         self.figures.seconds = time.perf_counter() - started
+        self.next_pass = started + self.figures.seconds / MAX_SHARE
         self.account(items, plan, workers)
         tasks = scheduler.tasks
         by_address = scheduler.workers
