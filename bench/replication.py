@@ -55,7 +55,8 @@ class Workers:
 
     def spawn(self, name: str, memory_limit: str) -> None:
         self.processes[name] = subprocess.Popen(
-            [DASK, "worker", self.scheduler, "--name", name, "--nthreads", "1", "--memory-limit", memory_limit, *OPTIONS],
+            [DASK, "worker", self.scheduler, "--name", name, "--nthreads", "1", "--memory-limit", memory_limit]
+            + list(OPTIONS),
             start_new_session=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
