@@ -71,6 +71,7 @@ E2E_ONLY = {
     ("apps", "deployments", "delete"): "tests/e2e/test_daskworkergroup.py",
     ("apps", "deployments", "list"): "tests/e2e/test_daskworkergroup.py",
     ("", "pods", "get"): "tests/e2e/test_daskworkergroup.py",
+    ("", "nodes", "get"): "tests/e2e/test_replication.py",
 }
 
 
