@@ -61,8 +61,9 @@ class Workers:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     def spawn(self, name: str, memory_limit: str) -> None:
+        command = [DASK, "worker", self.scheduler, "--name", name, "--nthreads", "1", "--memory-limit", memory_limit]
         self.processes[name] = subprocess.Popen(
-            [DASK, "worker", self.scheduler, "--name", name, *("--nthreads", "1", "--memory-limit", memory_limit), *OPTIONS],
+            [*command, *OPTIONS],
             start_new_session=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
