@@ -53,7 +53,7 @@ NAME = "memops-replication"
 MAX_COPIES_PER_PASS = 1000
 """Copies planned in one pass: bounds a pass' time (a recipient search may read every worker)
 and the transfers started at once; the rest follow on the next passes."""
-SCAN_KEYS_PER_PASS = 100_000
+SCAN_KEYS_PER_PASS = 50_000
 """Keys that one pass reads to find new ruled keys (see :meth:`Replication.candidates`)."""
 MAX_SHARE = 0.05
 """A pass that takes t seconds (it reads every key in memory) is followed by none for t / MAX_SHARE:
@@ -126,10 +126,12 @@ def decide(
     ceiling: float,
     landing: float = LANDING,
     max_copies: int = MAX_COPIES_PER_PASS,
+    spent: int = 0,
 ) -> Plan:
     """Copies and drops that bring every item to its target; pure.
 
-    ``items``: the ruled keys in memory, each with its holders (copies on their way included).
+    ``items``: ruled keys in memory, each with its holders (copies on their way included); the
+    caller may leave out keys at their target, whose extra copies' bytes it passes as ``spent``.
     Copies held by leaving workers do not count. Drops come first (they free budget); then the
     keys under target, in :func:`value_order`, each copy to the best recipient (another node,
     then another zone, then the least full; staying under ``ceiling`` with ``landing`` times the
@@ -143,7 +145,6 @@ def decide(
     recipients = [w for w in workers if w.running and not w.leaving and w.limit]
     drops: list[tuple[str, str]] = []
     under: list[tuple[Item, list[str], int]] = []
-    spent = 0
     for item in items:
         holders = [h for h in item.holders if h in by_address and h not in leaving]
         spent += item.nbytes * max(len(holders) - 1, 0)
@@ -268,6 +269,9 @@ class Replication(ActiveMemoryManagerPolicy):
         self.targets: dict[tuple[Any, bool], int] = {}  # (TaskPrefix, scattered) -> key_target; reset with the rules
         self.marked: set[Any] = set()  # the WorkerStates of the pods that a pod rule marks (see candidates)
         self.marked_by_rule: list[set[Any]] = []  # the same, per pod rule
+        self.leaving: set[Any] = set()  # the WorkerStates being retired or closed
+        self.at_target = 0  # ruled keys that the last scan found at their target
+        self.spent_at_target = 0  # their extra copies' bytes
         self.goals: dict[tuple[int, tuple[int, ...]], Target | None] = {}  # see scan; reset with the rules
         self.in_flight: dict[Any, tuple[str, float, int]] = {}  # key -> (recipient, deadline, nbytes)
         self.next_pass = 0.0  # perf_counter: no pass before this (see MAX_SHARE)
@@ -304,13 +308,9 @@ class Replication(ActiveMemoryManagerPolicy):
         on the next pass), the keys on pods that a pod rule marks, and the next
         :data:`SCAN_KEYS_PER_PASS` keys of a rolling scan of every key, which finds new ruled
         keys; not every key on every pass, which at a million keys would hold the event loop."""
-        found: dict[Any, Any] = {}
-        for key, ts in list(self.known.items()):
-            if ts.who_has and tasks.get(key) is ts:
-                found[key] = ts
-            else:
-                del self.known[key]  # released, recomputing, or lost with every copy
+        found = dict(self.known)  # scan() forgets those released, recomputing, or lost with every copy
         self.marked_by_rule = [{workers[a] for a in rule.workers if a in workers} for rule in self.rules.pods]
+        self.leaving = {ws for ws in workers.values() if ws.status.name not in ("running", "paused")}
         self.marked = set().union(*self.marked_by_rule)
         for ws in self.marked:
             found.update((ts.key, ts) for ts in ws.has_what)
@@ -327,25 +327,40 @@ class Replication(ActiveMemoryManagerPolicy):
         default = self.rules.default
         marked = self.marked
         targets = self.targets
+        leaving = self.leaving
+        self.at_target = self.spent_at_target = 0
         for ts in tasks:
             who_has = ts.who_has
             if not who_has:
+                self.known.pop(ts.key, None)
                 continue
             wanted = targets.get((ts.prefix, ts.run_spec is None))
             if wanted is None:
                 wanted = self.wanted(ts)
             if not wanted and default == 1 and marked.isdisjoint(who_has):
                 continue  # the hot path: an unruled key on no marked pod
-            holders = [ws.address for ws in who_has]
             # ruling.target() for these holders, cached by what decides it: the key rules' wanted
             # and which pod rules mark one of its holders.
             matched = tuple(i for i, ws_set in enumerate(self.marked_by_rule) if not ws_set.isdisjoint(who_has))
             goal = self.goals.get((wanted, matched), _MISSING)
             if goal is _MISSING:
-                goal = self.goals[wanted, matched] = ruling.target(self.rules, wanted, holders)
+                goal = self.goals[wanted, matched] = ruling.target(self.rules, wanted, [ws.address for ws in who_has])
             if goal is None:
                 continue
-            self.known[ts.key] = ts
+            key = ts.key
+            self.known[key] = ts
+            count = len(who_has)
+            if (
+                count == goal.replicas
+                and key not in self.in_flight
+                and leaving.isdisjoint(who_has)
+                and not (goal.away and who_has <= marked)
+            ):
+                # At target (the most common case by far): counted, not handed to decide().
+                self.at_target += 1
+                self.spent_at_target += ts.get_nbytes() * (count - 1)
+                continue
+            holders = [ws.address for ws in who_has]
             flight = self.in_flight.get(ts.key)
             if flight is not None:
                 if now > flight[1] or flight[0] in holders:
@@ -382,7 +397,13 @@ class Replication(ActiveMemoryManagerPolicy):
         now = time.time()
         items = self.scan(self.candidates(scheduler.tasks, scheduler.workers), now)
         workers = self.workers(scheduler)
-        plan = decide(workers, items, max_fraction=self.rules.max_fraction, ceiling=self.rules.ceiling)
+        plan = decide(
+            workers,
+            items,
+            max_fraction=self.rules.max_fraction,
+            ceiling=self.rules.ceiling,
+            spent=self.spent_at_target,
+        )
         self.figures.seconds = time.perf_counter() - started
         self.next_pass = started + self.figures.seconds / MAX_SHARE
         self.account(items, plan, workers)
@@ -405,7 +426,7 @@ class Replication(ActiveMemoryManagerPolicy):
 
     def account(self, items: Sequence[Item], plan: Plan, workers: Sequence[Worker]) -> None:
         figures = self.figures
-        figures.spent, figures.budget, figures.ruled_keys = plan.spent, plan.budget, len(items)
+        figures.spent, figures.budget, figures.ruled_keys = plan.spent, plan.budget, len(items) + self.at_target
         figures.keys_under = figures.bytes_under = figures.keys_over = figures.bytes_over = 0
         per_worker = {w.address: [0, 0, self.rules.default] for w in workers}
         for rule in self.rules.pods:
@@ -424,8 +445,6 @@ class Replication(ActiveMemoryManagerPolicy):
             for h in item.holders:
                 row = per_worker.get(h)
                 if row is not None:
-                    if count > 1:
-                        row[0] += item.nbytes
                     row[1] += bool(under)
         figures.workers = per_worker
 
@@ -539,9 +558,11 @@ def configure(
     plugin.policy.retune(parsed, where)
     wrap_reduce_replicas(dask_scheduler, plugin.policy)
     figures = {**plugin.policy.figures.plain(), "owner": owner}
-    # Each worker's unique bytes, now (cheap: the scheduler's replicated keys, not every key).
-    unique = holdings.holdings(dask_scheduler.workers.values(), dask_scheduler.replicated_tasks)
+    # Each worker's bytes held alone and with copies elsewhere, now (cheap: the scheduler's
+    # replicated keys, not every key).
+    held = holdings.holdings(dask_scheduler.workers.values(), dask_scheduler.replicated_tasks)
+    workers = figures["workers"]
     figures["workers"] = {
-        a: [*figures["workers"].get(a, [0, 0, parsed.default]), int(h[2])] for a, h in unique.items()
+        a: [int(h[0] - h[2]), *workers.get(a, [0, 0, parsed.default])[1:3], int(h[2])] for a, h in held.items()
     }
     return figures
