@@ -53,6 +53,11 @@ NAME = "memops-replication"
 MAX_COPIES_PER_PASS = 1000
 """Copies planned in one pass: bounds a pass' time (a recipient search may read every worker)
 and the transfers started at once; the rest follow on the next passes."""
+MAX_ITEMS_PER_PASS = 20_000
+"""Ruled keys off their target that one pass hands to :func:`decide` (which copies at most
+:data:`MAX_COPIES_PER_PASS` of them anyway): a rule just applied to a million keys makes a pass
+cost about as much as one at target, and the rest are served on the next passes. Which keys come
+first is then the order in which the pass reads them, not :func:`value_order`, until they fit."""
 SCAN_KEYS_PER_PASS = 50_000
 """Keys that one pass reads to find new ruled keys (see :meth:`Replication.candidates`)."""
 MAX_SHARE = 0.05
@@ -271,7 +276,8 @@ class Replication(ActiveMemoryManagerPolicy):
         self.marked_by_rule: list[set[Any]] = []  # the same, per pod rule
         self.leaving: set[Any] = set()  # the WorkerStates being retired or closed
         self.at_target = 0  # ruled keys that the last scan found at their target
-        self.spent_at_target = 0  # their extra copies' bytes
+        self.spent_at_target = 0  # their extra copies' bytes (and those of the deferred keys)
+        self.deferred = [0, 0, 0, 0]  # off target, beyond MAX_ITEMS_PER_PASS: under, bytes, over, bytes
         self.goals: dict[tuple[int, tuple[int, ...]], Target | None] = {}  # see scan; reset with the rules
         self.in_flight: dict[Any, tuple[str, float, int]] = {}  # key -> (recipient, deadline, nbytes)
         self.next_pass = 0.0  # perf_counter: no pass before this (see MAX_SHARE)
@@ -323,12 +329,13 @@ class Replication(ActiveMemoryManagerPolicy):
     def scan(self, tasks: Iterable[Any], now: float) -> list[Item]:
         """The ruled keys among ``tasks`` in memory as :class:`Item`, copies on their way counted
         as holders; remembers them, to read them again on every pass."""
-        items = []
+        items: list[Item] = []
         default = self.rules.default
         marked = self.marked
         targets = self.targets
         leaving = self.leaving
         self.at_target = self.spent_at_target = 0
+        self.deferred = [0, 0, 0, 0]  # keys under, their bytes, keys over, their extra bytes
         for ts in tasks:
             who_has = ts.who_has
             if not who_has:
@@ -359,6 +366,18 @@ class Replication(ActiveMemoryManagerPolicy):
                 # At target (the most common case by far): counted, not handed to decide().
                 self.at_target += 1
                 self.spent_at_target += ts.get_nbytes() * (count - 1)
+                continue
+            if len(items) >= MAX_ITEMS_PER_PASS:
+                # Off target, but this pass has read its fill: counted, and left to a later pass
+                # (the ruled keys found are read again on every pass).
+                nbytes = ts.get_nbytes()
+                if count > goal.replicas:
+                    self.deferred[2] += 1
+                    self.deferred[3] += nbytes * (count - goal.replicas)
+                else:
+                    self.deferred[0] += 1
+                    self.deferred[1] += nbytes
+                self.spent_at_target += nbytes * (count - 1)
                 continue
             holders = [ws.address for ws in who_has]
             flight = self.in_flight.get(ts.key)
@@ -426,8 +445,9 @@ class Replication(ActiveMemoryManagerPolicy):
 
     def account(self, items: Sequence[Item], plan: Plan, workers: Sequence[Worker]) -> None:
         figures = self.figures
-        figures.spent, figures.budget, figures.ruled_keys = plan.spent, plan.budget, len(items) + self.at_target
-        figures.keys_under = figures.bytes_under = figures.keys_over = figures.bytes_over = 0
+        figures.spent, figures.budget = plan.spent, plan.budget
+        figures.ruled_keys = len(items) + self.at_target + self.deferred[0] + self.deferred[2]
+        figures.keys_under, figures.bytes_under, figures.keys_over, figures.bytes_over = self.deferred
         per_worker = {w.address: [0, 0, self.rules.default] for w in workers}
         for rule in self.rules.pods:
             for address in rule.workers & per_worker.keys():
