@@ -471,7 +471,20 @@ async def configure_replication(
         return None
     if not isinstance(figures, Mapping):
         raise SchedulerMisbehaved(address, f"the agent's replication figures are a {type(figures).__name__}, not a map")
-    return dict(figures) or None
+    if not figures:
+        return None
+    try:
+        # Plain numbers, and per worker a short list of them: anything else is refused here, so
+        # that the policy pass never meets it.
+        plain: dict[str, Any] = {
+            str(k): float(v) if k == "seconds" else int(v) for k, v in figures.items() if k not in ("owner", "workers")
+        }
+        plain["owner"] = str(figures.get("owner", ""))
+        rows = _mapping(address, figures.get("workers", {}), "the agent's replication figures' workers")
+        plain["workers"] = {str(a): [int(x) for x in list(row)[:4]] for a, row in rows.items()}
+    except (TypeError, ValueError) as exc:
+        raise SchedulerMisbehaved(address, f"the agent's replication figures: {type(exc).__name__}: {exc}") from exc
+    return plain
 
 
 async def _install_agent(comm: daskcomm.Comm) -> None:

@@ -36,6 +36,7 @@ async def test_the_operator_runs_nothing_and_allocates_nothing(route: str, tmp_p
             lambda: daskrpc.fetch_snapshot(address, timeout=5),
             lambda: daskrpc.ping(address, timeout=5),
             lambda: daskrpc.retire_workers(address, ["tcp://127.0.0.1:1"], timeout=5),
+            lambda: daskrpc.configure_replication(address, rules={}, places={}, owner="default/p", timeout=5),
         ):
             before = rss()
             with pytest.raises(daskrpc.SchedulerMisbehaved, match="memops refuses") as raised:
