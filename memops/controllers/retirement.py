@@ -102,8 +102,10 @@ class Retirement:
         reason, message, transient = _explain(exc)
         if transient:
             self.logger.warning("will retry: %s", message)
-        else:
-            self.logger.error("will retry until the deadline: %s", message, exc_info=exc)
+        else:  # a traceback only for what memops did not foresee
+            self.logger.error(
+                "will retry until the deadline: %s", message, exc_info=exc if reason == "InternalError" else None
+            )
         generation = status.observedGeneration or int(self.body.metadata.get("generation", 1))
         try:
             deadline = self.deadline(status)
