@@ -235,3 +235,32 @@ async def test_an_unexpected_error_in_a_policy_pass_is_a_condition(
     finally:
         stopped.event.set()
         await asyncio.wait_for(task, 10)
+
+
+async def _policy(client: kube.Kube, name: str, **spec: Any) -> policy.Policy:
+    _quiet_events()
+    body = {
+        "apiVersion": specs.API_VERSION,
+        "kind": "MemoryPolicy",
+        "metadata": {"name": name},
+        "spec": {"scheduler": {"address": "tcp://127.0.0.1:9"}, "workload": {"kind": "Deployment", "name": "w"}}
+        | spec,
+    }
+    created = kopf.Body(await client.request("POST", POLICIES, body=body))
+    return policy.Policy(client=client, body=created, logger=LOGGER)
+
+
+async def test_a_policy_whose_name_cannot_label_its_requests_is_not_ready(client: kube.Kube) -> None:
+    name = "p" * 64
+    await (await _policy(client, name)).reconcile()
+    ready = _condition(await client.get(f"{POLICIES}/{name}"), "Ready")
+    assert ready is not None and (ready["status"], ready["reason"]) == ("False", "InvalidName")
+    assert ready["message"].startswith("metadata.name: at most 63 characters")
+
+
+async def test_a_policy_with_a_missing_secret_names_the_secret(client: kube.Kube) -> None:
+    reconciler = await _policy(client, "p", scheduler={"address": "tls://127.0.0.1:9", "tls": {"secretName": "gone"}})
+    await reconciler.reconcile()
+    reachable = _condition(await client.get(f"{POLICIES}/p"), "SchedulerReachable")
+    assert reachable is not None and (reachable["status"], reachable["reason"]) == ("False", "SecretUnusable")
+    assert reachable["message"].startswith("spec.scheduler.tls.secretName: ")
