@@ -156,8 +156,27 @@ def _why(timed_out: bool) -> str:
 
 
 def to_remove(workers: Sequence[specs.WorkerStatus]) -> list[str]:
-    """Pods whose removal is decided but not yet done."""
-    return [w.pod for w in workers if w.removable and not w.podRemoved]
+    """Pods whose removal is decided but not yet done, each once."""
+    return list(dict.fromkeys(w.pod for w in workers if w.removable and not w.podRemoved))
+
+
+def keep_unfinished(
+    workers: Sequence[specs.WorkerStatus], why: str, *, ordered: Iterable[str] = ()
+) -> list[specs.WorkerStatus]:
+    """The request failed mid-way: every worker still Draining keeps its pod, and says why.
+
+    Pods whose removal was already ordered (``ordered``: the recorded scale-down) are left as
+    they are: they were drained, and the workload's controller removes them anyway.
+    """
+    ordered_set = set(ordered)
+    return [
+        w.model_copy(
+            update={"state": specs.WorkerState.KEPT, "removable": False, "message": f"{w.message}; pod kept: {why}"}
+        )
+        if w.state == specs.WorkerState.DRAINING and not w.podRemoved and w.pod not in ordered_set
+        else w
+        for w in workers
+    ]
 
 
 def keep_blocked(workers: Sequence[specs.WorkerStatus], why: str) -> list[specs.WorkerStatus]:

@@ -24,6 +24,9 @@ from memops import daskcomm, specs
 ANNOTATION = "memops.dev/safety-net"
 GRACE_MARGIN_SECONDS = 30
 """Beyond the drain's timeout: the worker still has to close after the hook returns."""
+MAX_GRACE_SECONDS = int(specs.parse_duration(specs.MAX_DURATION).total_seconds()) + GRACE_MARGIN_SECONDS
+"""The longest grace period the webhook sets: the longest drain timeout a policy may have
+(168h) plus the margin, 604,830 s. A pod that already asks for more keeps its own."""
 
 _PRE_STOP_MAIN = """
 
@@ -100,7 +103,8 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
     grace period that covers ``drain.timeout``. An existing preStop hook is left alone."""
     annotations = dict(pod.get("metadata", {}).get("annotations") or {})
     pod_spec = copy.deepcopy(dict(pod.get("spec", {})))
-    timeout = int(specs.parse_duration(spec.drain.timeout).total_seconds())
+    # At most MAX_DURATION (the spec's bound, checked again), so the grace is at most MAX_GRACE_SECONDS.
+    timeout = int(specs.parse_duration(spec.drain.timeout, specs.MAX_DURATION).total_seconds())
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds", 30)), timeout + GRACE_MARGIN_SECONDS)
     pod_spec["terminationGracePeriodSeconds"] = grace
     containers = pod_spec.get("containers", [])

@@ -42,6 +42,9 @@ _STEADY_SECONDS = 10.0
 _MEMORY_REFRESH_SECONDS = 15.0
 """A status change of the memory figures alone is written at most this often (the HPA's sync period)."""
 _TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
+_MAX_RETRY_SECONDS = 30.0
+_MAX_NAME_LENGTH = 63
+"""A policy's name is a label value on its RetirementRequests (``memops.dev/policy``): 63 characters at most."""
 
 
 class Policy:
@@ -76,6 +79,13 @@ class Policy:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
         except pydantic.ValidationError as exc:
             await self.not_ready(old, status, "InvalidSpec", retirement.explain_invalid(exc), generation)
+            return
+        if len(self.name) > _MAX_NAME_LENGTH:
+            message = (
+                f"metadata.name: at most {_MAX_NAME_LENGTH} characters, as it labels the policy's"
+                f" RetirementRequests ({POLICY_LABEL}); this policy does nothing"
+            )
+            await self.not_ready(old, status, "InvalidName", message, generation)
             return
         workload = await self.workload(spec.workload)
         if workload is None:
@@ -296,13 +306,16 @@ class Policy:
         self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
     ) -> planning.SchedulerSnapshot | None:
         """The workers and their memory (no keys: cheap), or None with the reason in a condition."""
+        field = "spec.scheduler.address"
         try:
             security = None
             if spec.scheduler.tls is not None:
+                field = "spec.scheduler.tls.secretName"
                 secret = await self.client.get(
                     kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
                 )
-                security = daskrpc.security_from_secret(secret.get("data", {}))
+                security = daskrpc.security_from_secret(secret.get("data") or {})
+                field = "spec.scheduler.address"
             self.security = security
             snapshot = await daskrpc.fetch_snapshot(
                 spec.scheduler.address, security=security, keys=False, processing=spec.recycle is not None, timeout=5
@@ -312,8 +325,8 @@ class Policy:
                 status.conditions,
                 "SchedulerReachable",
                 False,
-                reason="SchedulerUnreachable",
-                message=f"spec.scheduler.address: {exc}",
+                reason="SchedulerUnreachable" if field == "spec.scheduler.address" else "SecretUnusable",
+                message=f"{field}: {exc}",
                 generation=generation,
             )
             return None
@@ -359,6 +372,19 @@ class Policy:
         except kube.ApiError as exc:
             if exc.code != 409:
                 raise
+
+    async def report_error(self, exc: Exception) -> None:
+        """A pass failed unexpectedly: the policy is not Ready, and its condition says why."""
+        generation = int(self.body.metadata.get("generation", 1))
+        try:
+            old = specs.MemoryPolicyStatus.model_validate(_own(self.body.get("status")))
+        except pydantic.ValidationError:
+            old = specs.MemoryPolicyStatus()  # unreadable: written afresh
+        status = old.model_copy(deep=True, update={"observedGeneration": generation})
+        try:
+            await self.not_ready(old, status, "InternalError", f"{type(exc).__name__}: {exc}", generation)
+        except Exception as again:  # the status cannot be written either: the next pass tries again
+            self.logger.warning("could not record the failure: %s", again)
 
     async def not_ready(
         self,
@@ -551,17 +577,26 @@ async def _loop(
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> None:
     """Reconcile, then wait for a spec change (woken by the policies index) or the idle time."""
+    failures = 0
     while not stopped:
         generation = body.metadata.get("generation")
         try:
             await reconciler.reconcile()
+            failures = 0
         except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
             metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
             logger.warning("will retry: %s", exc)
+        except Exception as exc:  # anything else becomes the policy's condition, never a crash loop
+            failures += 1
+            metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
+            logger.error("will retry: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            await reconciler.report_error(exc)
         # Wake at once when the spec changes (kubectl scale, an HPA, a GitOps commit: Kopf
         # keeps the body current), else every few seconds to follow drains and drift
-        # (every 10 s for a plain policy at rest: see Policy.steady).
+        # (every 10 s for a plain policy at rest: see Policy.steady); after failures in a
+        # row, a little longer each time.
         idle = _STEADY_SECONDS if reconciler.steady else _IDLE_SECONDS
+        idle = min(idle * max(failures, 1), _MAX_RETRY_SECONDS)
         deadline = time.monotonic() + idle
         while not stopped and body.metadata.get("generation") == generation:
             remaining = deadline - time.monotonic()

@@ -20,8 +20,30 @@ from memops import conditions, daskrpc, kube, metrics, planning, retirement, spe
 from memops.controllers import workloads
 
 _RETRY_SECONDS = 2.0
+_MAX_RETRY_SECONDS = 30.0  # the wait grows with each failure in a row, up to this
 _RPC_SECONDS = 10.0  # one call to the scheduler; a drain's own wait is bounded by spec.timeout
 _TERMINAL = (specs.Phase.SUCCEEDED, specs.Phase.FAILED)
+
+
+class SecretUnusable(Exception):
+    """The scheduler's TLS Secret is missing, or holds no usable client certificate."""
+
+    def __init__(self, name: str, namespace: str, cause: BaseException):
+        detail = str(cause) if isinstance(cause, kube.ApiError) else f"{type(cause).__name__}: {cause}"
+        super().__init__(
+            f"spec.scheduler.tls.secretName: Secret {name!r} in namespace {namespace} is unusable: {detail}"
+        )
+
+
+def _explain(exc: Exception) -> tuple[str, str, bool]:
+    """(reason, message, transient) for an exception raised by a step."""
+    if isinstance(exc, kube.ApiError):
+        return "ApiError", f"Kubernetes API: {exc}", True
+    if isinstance(exc, daskrpc.SchedulerUnreachable):
+        return "SchedulerUnreachable", f"spec.scheduler.address: {exc}", True
+    if isinstance(exc, SecretUnusable):
+        return "SecretUnusable", str(exc), False
+    return "InternalError", f"{type(exc).__name__}: {exc}", False
 
 
 class Retirement:
@@ -42,20 +64,110 @@ class Retirement:
     async def run(self, stopped: kopf.DaemonStopped) -> None:
         # Read once: from here on this daemon is the status' only writer, so the copy it
         # wrote last is the truth (Kopf's live body may lag behind by a watch event).
-        status = specs.RetirementRequestStatus.model_validate(_own_status(self.body.get("status")))
+        raw = _own_status(self.body.get("status"))
+        try:
+            status = specs.RetirementRequestStatus.model_validate(raw)
+        except pydantic.ValidationError as exc:
+            await self.fail_unreadable(raw, exc, stopped)
+            return
+        failures = 0
         while not stopped:
             if status.phase in _TERMINAL:
                 return
             before = status.model_copy(deep=True)
             try:
                 status = await self.step(status)
-            except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
-                metrics.reconcile_error("RetirementRequest", self.namespace)
-                self.logger.warning("will retry: %s", exc)
+                failures = 0
+            except Exception as exc:  # every failure ends in the status: never a crash loop
+                failures += 1
+                status = await self.trouble(status, exc)
+            else:
+                if conditions.is_true(status.conditions, "Retrying"):
+                    status = await self.recovered(status)
             if status.phase in _TERMINAL:
                 return
-            if status == before:  # no progress: wait before trying again; progress goes on at once
-                await stopped.wait(_RETRY_SECONDS)
+            if failures or status == before:  # no progress: wait before trying again; progress goes on at once
+                await stopped.wait(min(_RETRY_SECONDS * max(failures, 1), _MAX_RETRY_SECONDS))
+
+    async def trouble(
+        self, status: specs.RetirementRequestStatus, exc: Exception
+    ) -> specs.RetirementRequestStatus:
+        """A step raised: say so in a condition and retry; past the deadline, fail (and keep the pods).
+
+        The API server and the scheduler may come back, so their errors are retried for as long
+        as it takes (a drain that already started must still finish its removals); anything
+        else (a missing Secret, a bug) is retried until the request's deadline only.
+        """
+        metrics.reconcile_error("RetirementRequest", self.namespace)
+        reason, message, transient = _explain(exc)
+        if transient:
+            self.logger.warning("will retry: %s", message)
+        else:  # a traceback only for what memops did not foresee
+            self.logger.error(
+                "will retry until the deadline: %s", message, exc_info=exc if reason == "InternalError" else None
+            )
+        generation = status.observedGeneration or int(self.body.metadata.get("generation", 1))
+        try:
+            deadline = self.deadline(status)
+            if not transient and (deadline is None or timestamps.now() >= deadline):
+                return await self.fail(status, reason, f"{message}; gave up at spec.timeout", generation)
+            until = f"; retrying until {timestamps.render(deadline)}" if deadline and not transient else "; retrying"
+            status.conditions = conditions.set_condition(
+                status.conditions, "Retrying", True, reason=reason, message=message + until, generation=generation
+            )
+            await self.write(status)
+        except Exception as again:  # the status cannot be written either: the next attempt tries again
+            self.logger.warning("could not record the failure: %s", again)
+        return status
+
+    async def recovered(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
+        status.conditions = conditions.set_condition(
+            status.conditions, "Retrying", False, reason="Recovered", generation=status.observedGeneration
+        )
+        try:
+            await self.write(status)
+        except Exception as exc:
+            self.logger.warning("could not record the recovery: %s", exc)
+        return status
+
+    def deadline(self, status: specs.RetirementRequestStatus) -> datetime.datetime | None:
+        """The accepted deadline; before the start, creation plus spec.timeout (None if unreadable)."""
+        try:
+            if status.deadline:
+                return timestamps.parse(status.deadline)
+            created = timestamps.parse(str(self.body.metadata["creationTimestamp"]))
+            return created + specs.parse_duration(str(self.body.spec.get("timeout", "10m")), specs.MAX_DURATION)
+        except (KeyError, ValueError):
+            return None
+
+    async def fail_unreadable(
+        self, raw: dict[str, Any], error: pydantic.ValidationError, stopped: kopf.DaemonStopped
+    ) -> None:
+        """A status this operator cannot read (written by another version, or by hand): fail the
+        request, touching no pod. Only phase, message and conditions are written; the rest stays."""
+        if raw.get("phase") in _TERMINAL:
+            return
+        problems = retirement.explain_invalid(error, "status")
+        message = f"the request's status cannot be read, so memops does nothing more: {problems}"
+        generation = int(self.body.metadata.get("generation", 1))
+        failed = conditions.set_condition(
+            [], "Failed", True, reason="InvalidStatus", message=message, generation=generation
+        )
+        patch = {
+            "phase": specs.Phase.FAILED.value,
+            "message": message,
+            "completionTime": timestamps.render(timestamps.now()),
+            "conditions": [c.model_dump(mode="json") for c in failed],
+        }
+        while not stopped:
+            try:
+                await self.client.merge_patch(self.path + "/status", {"status": patch})
+            except Exception as exc:
+                self.logger.warning("could not record the failure: %s", exc)
+                await stopped.wait(_MAX_RETRY_SECONDS)
+            else:
+                kopf.event(self.body, type="Warning", reason="InvalidStatus", message=message)
+                return
 
     async def step(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
         generation = int(self.body.metadata.get("generation", 1))
@@ -126,7 +238,7 @@ class Retirement:
                         f"spec.workers[{index}]: pod {pod!r} is already being retired by another RetirementRequest",
                         generation,
                     )
-            chosen = list(spec.workers)
+            chosen = list(dict.fromkeys(spec.workers))  # a set, whatever let a repeat through
         else:
             assert spec.count is not None
             with metrics.deciding("choose_workers"):
@@ -358,18 +470,27 @@ class Retirement:
     async def fail(
         self, status: specs.RetirementRequestStatus, reason: str, message: str, generation: int
     ) -> specs.RetirementRequestStatus:
+        ordered = set(status.scaleDown.pods) if status.scaleDown is not None else set()
         status = status.model_copy(
             update={
                 "phase": specs.Phase.FAILED,
                 "message": message,
                 "observedGeneration": generation,
                 "completionTime": timestamps.render(timestamps.now()),
+                # A drain that had started: every pod whose removal was not ordered is kept.
+                "workers": retirement.keep_unfinished(status.workers, f"{reason}: {message}", ordered=ordered),
             }
         )
         status.conditions = conditions.set_condition(
             status.conditions, "Failed", True, reason=reason, message=message, generation=generation
         )
         await self.write(status)
+        kept = [w.pod for w in status.workers if w.state == specs.WorkerState.KEPT]
+        if kept:
+            try:
+                await workloads.release_claims(self.client, self.namespace, kept, self.name)
+            except kube.ApiError as exc:  # the request is Failed already; a stale claim only blocks others
+                self.logger.warning("could not release the claims on %s: %s", ", ".join(kept), exc)
         metrics.drain_finished(self.namespace, status, reason, _seconds(status.startTime, status.completionTime))
         kopf.event(self.body, type="Warning", reason=reason, message=message)
         return status
@@ -394,10 +515,18 @@ class Retirement:
     async def security(self, spec: specs.RetirementRequestSpec) -> Any:
         if spec.scheduler.tls is None:
             return None
-        secret = await self.client.get(
-            kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
-        )
-        return daskrpc.security_from_secret(secret.get("data", {}))
+        name = spec.scheduler.tls.secretName
+        try:
+            secret = await self.client.get(kube.resource_path("", "v1", "secrets", self.namespace, name))
+            security: Any = daskrpc.security_from_secret(secret.get("data") or {})
+            security.get_connection_args("client")  # loads the certificates: a broken one fails here
+        except kube.ApiError as exc:
+            if exc.code not in (401, 403, 404):
+                raise  # the API server's own trouble: retried as any other
+            raise SecretUnusable(name, self.namespace, exc) from exc
+        except Exception as exc:
+            raise SecretUnusable(name, self.namespace, exc) from exc
+        return security
 
     async def write(self, status: specs.RetirementRequestStatus) -> None:
         status.conditions = conditions.request_summary(status)

@@ -164,3 +164,29 @@ def test_pods_blocked_until_the_deadline_are_kept_with_the_reason() -> None:
     [kept] = retirement.keep_blocked(workers, "waiting: pods x are not ready")
     assert kept.state == specs.WorkerState.KEPT and not kept.removable
     assert kept.message == "drained: retired; pod kept at spec.timeout, pods x are not ready"
+
+
+def test_a_pod_named_twice_is_removed_once() -> None:
+    twice = [
+        specs.WorkerStatus(pod="p", state=specs.WorkerState.DRAINING, removable=True),
+        specs.WorkerStatus(pod="p", state=specs.WorkerState.DRAINING, removable=True),
+        specs.WorkerStatus(pod="q", state=specs.WorkerState.DRAINING, removable=True),
+    ]
+    assert retirement.to_remove(twice) == ["p", "q"]
+
+
+def test_a_failed_request_keeps_every_pod_whose_removal_was_not_ordered() -> None:
+    workers = [
+        draining("a", A, 10),
+        specs.WorkerStatus(pod="b", state=specs.WorkerState.DRAINING, removable=True, message="drained"),
+        specs.WorkerStatus(pod="c", state=specs.WorkerState.DRAINING, removable=True, message="drained"),
+        specs.WorkerStatus(pod="d", state=specs.WorkerState.RETIRED, removable=True, podRemoved=True),
+    ]
+    kept = retirement.keep_unfinished(workers, "SecretUnusable: gone", ordered=["c"])
+    assert [(w.pod, w.state, w.removable) for w in kept] == [
+        ("a", specs.WorkerState.KEPT, False),
+        ("b", specs.WorkerState.KEPT, False),
+        ("c", specs.WorkerState.DRAINING, True),
+        ("d", specs.WorkerState.RETIRED, True),
+    ]
+    assert kept[1].message == "drained; pod kept: SecretUnusable: gone"

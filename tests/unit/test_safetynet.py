@@ -70,3 +70,9 @@ def test_a_tls_scheduler_gets_the_policys_client_certificate_from_its_secret() -
     assert "preStop" in container["lifecycle"]
     plain = safetynet.plan_injection(pod(), "analytics", SPEC)["spec"]["containers"][0]
     assert not any(e["name"].startswith("MEMOPS_TLS") for e in plain["env"])
+
+
+def test_the_grace_period_has_a_maximum() -> None:
+    longest = SPEC.model_copy(update={"drain": specs.DrainSpec(timeout="168h")})
+    change = safetynet.plan_injection(pod(), "analytics", longest)
+    assert change["spec"]["terminationGracePeriodSeconds"] == safetynet.MAX_GRACE_SECONDS == 7 * 86400 + 30
