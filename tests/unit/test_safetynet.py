@@ -25,7 +25,7 @@ def test_prestop_drain_and_a_grace_period_that_covers_the_drain() -> None:
     container = change["spec"]["containers"][0]
     assert change["spec"]["terminationGracePeriodSeconds"] == 120 + safetynet.GRACE_MARGIN_SECONDS
     assert container["lifecycle"]["preStop"]["exec"]["command"][:2] == ["python", "-c"]
-    assert "retire_workers(names=" in container["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert 'call("retire_workers", names=[name]' in container["lifecycle"]["preStop"]["exec"]["command"][2]
     env = {e["name"]: e for e in container["env"]}
     assert env["KEEP"]["value"] == "1"
     assert env["MEMOPS_SCHEDULER_ADDRESS"]["value"] == "tcp://dask-scheduler:8786"
