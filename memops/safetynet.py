@@ -67,10 +67,6 @@ asyncio.run(asyncio.wait_for(main(), float(os.environ["MEMOPS_DRAIN_TIMEOUT"])))
 """
 
 
-def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
 def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
     """For a tls:// scheduler: the policy's client certificate, from its Secret, as the hook's env.
 

@@ -30,7 +30,9 @@ from memops import (
     recycling,
     retirement,
     scaling,
+    selectors,
     specs,
+    tenancy,
     timestamps,
 )
 from memops.controllers import recycle, relief, workloads
@@ -81,6 +83,12 @@ class Policy:
         if workload is None:
             message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
             await self.not_ready(old, status, "WorkloadNotFound", message, generation)
+            return
+        try:
+            status.selector = workloads.selector(workload)
+        except selectors.InvalidSelector as exc:
+            message = f"spec.workload: {spec.workload.kind} {spec.workload.name!r}: {exc}"
+            await self.not_ready(old, status, "InvalidSelector", message, generation)
             return
         policies = await self.listed("memorypolicies", (self.namespace,))
         older = scaling.competing_policies(dict(self.body), policies)
@@ -171,7 +179,6 @@ class Policy:
             kopf.event(self.body, type="Normal", reason=decision.reason, message=decision.message)
         status.replicas = int(workload.get("status", {}).get("replicas", current))
         status.desiredReplicas = desired
-        status.selector = workloads.selector(workload)
         status.message = decision.message
         if step is not None and step.message and decision.action in (scaling.Action.NONE, scaling.Action.WAIT):
             status.message = step.message
@@ -197,13 +204,13 @@ class Policy:
         if unreachable is not None and unreachable.status == "False":
             # Without the scheduler no scale-down can drain and no memory is known: not Ready.
             status.conditions = conditions.with_kstatus(
-                status.conditions, generation=generation, stalled=("SchedulerUnreachable", unreachable.message)
+                status.conditions, generation=generation, stalled=(unreachable.reason, unreachable.message)
             )
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "Ready",
                 False,
-                reason="SchedulerUnreachable",
+                reason=unreachable.reason,
                 message=unreachable.message,
                 generation=generation,
             )
@@ -304,9 +311,17 @@ class Policy:
                 )
                 security = daskrpc.security_from_secret(secret.get("data", {}))
             self.security = security
+            # Identity only (no code sent) until the scheduler is shown to be this namespace's.
             snapshot = await daskrpc.fetch_snapshot(
-                spec.scheduler.address, security=security, keys=False, processing=spec.recycle is not None, timeout=5
+                spec.scheduler.address, security=security, keys=False, processing=False, timeout=5
             )
+            verdict = tenancy.check(
+                snapshot.workers, await workloads.namespace_pods(self.client, self.namespace), self.namespace
+            )
+            if verdict.allowed and spec.recycle is not None:
+                snapshot = await daskrpc.fetch_snapshot(
+                    spec.scheduler.address, security=security, keys=False, processing=True, timeout=5
+                )
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
             status.conditions = conditions.set_condition(
                 status.conditions,
@@ -314,6 +329,18 @@ class Policy:
                 False,
                 reason="SchedulerUnreachable",
                 message=f"spec.scheduler.address: {exc}",
+                generation=generation,
+            )
+            return None
+        if not verdict.allowed:
+            # Nothing is read from it or written about it: no memory, no relief, no recycling.
+            status.memory = None
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "SchedulerReachable",
+                False,
+                reason=verdict.reason.value,
+                message=f"spec.scheduler.address: {verdict.message}",
                 generation=generation,
             )
             return None

@@ -64,6 +64,10 @@ def dask_cluster(port: int, workers: int) -> dict[str, Any]:
                                 "$(DASK_SCHEDULER_ADDRESS)",
                                 "--name",
                                 "$(DASK_WORKER_NAME)",
+                                # On a cluster a worker's address is its pod's IP by default (the
+                                # address on its way to the scheduler); here it must be said.
+                                "--host",
+                                "$(POD_IP)",
                                 "--nthreads",
                                 "1",
                                 "--memory-limit",
@@ -71,7 +75,10 @@ def dask_cluster(port: int, workers: int) -> dict[str, Any]:
                                 "--no-dashboard",
                             ],
                             # Pods here run on this machine, not behind the scheduler's Service name.
-                            "env": [{"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address}],
+                            "env": [
+                                {"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address},
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            ],
                         }
                     ]
                 },
