@@ -14,8 +14,11 @@ from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.data import Holdings, scatter_unique, workers_by_name
 
 
-def worker_deployment(sandbox: Sandbox, name: str, replicas: int, *extra: str, **selector: Any) -> dict[str, Any]:
-    """The sandbox's worker Deployment under another name, with other ``dask worker`` arguments."""
+def worker_deployment(
+    sandbox: Sandbox, name: str, replicas: int, *extra: str, named: bool = False, **selector: Any
+) -> dict[str, Any]:
+    """The sandbox's worker Deployment under another name, with other ``dask worker`` arguments,
+    and unless ``named`` without ``--name``."""
     body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, replicas, "512MiB"))
     body["metadata"]["name"] = name
     body["metadata"]["labels"] = {"app": name}
@@ -23,7 +26,8 @@ def worker_deployment(sandbox: Sandbox, name: str, replicas: int, *extra: str, *
     body["spec"]["selector"] = selector or {"matchLabels": {"app": name}}
     container = body["spec"]["template"]["spec"]["containers"][0]
     args = container["args"]
-    del args[args.index("--name") : args.index("--name") + 2]  # the worker is not named after its pod
+    if not named:
+        del args[args.index("--name") : args.index("--name") + 2]  # the worker is not named after its pod
     container["args"] = [*args, *extra]
     return body
 
@@ -104,7 +108,7 @@ def test_workers_without_their_pod_name_are_drained_by_address(sandbox_factory: 
 def test_a_selector_with_match_expressions_never_claims_an_unrelated_pod(sandbox_factory: Any) -> None:
     sandbox = sandbox_factory(1)
     in_mexp = {"matchExpressions": [{"key": "app", "operator": "In", "values": ["mexp"]}]}
-    sandbox.apply(worker_deployment(sandbox, "mexp", 2, **in_mexp))
+    sandbox.apply(worker_deployment(sandbox, "mexp", 2, named=True, **in_mexp))
     # Another tenant of the namespace: Running, with no worker, so "empty" to a reader of every pod.
     sandbox.apply(
         {
