@@ -315,13 +315,13 @@ class Policy:
             snapshot = await daskrpc.fetch_snapshot(
                 spec.scheduler.address, security=security, keys=False, processing=False, timeout=5
             )
-            verdict = tenancy.check(
-                snapshot.workers, await workloads.namespace_pods(self.client, self.namespace), self.namespace
-            )
+            namespace_pods = await workloads.namespace_pods(self.client, self.namespace)
+            verdict = tenancy.check(snapshot.workers, namespace_pods, self.namespace)
             if verdict.allowed and spec.recycle is not None:
                 snapshot = await daskrpc.fetch_snapshot(
                     spec.scheduler.address, security=security, keys=False, processing=True, timeout=5
                 )
+                verdict = tenancy.check(snapshot.workers, namespace_pods, self.namespace)
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
             status.conditions = conditions.set_condition(
                 status.conditions,
@@ -347,7 +347,25 @@ class Policy:
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
         )
-        return snapshot
+        # Each worker under its pod's name, found by address (status.memory, recycling).
+        located = planning.workers_by_pod(namespace_pods, snapshot.workers)
+        return snapshot.named_by_pod({w.name: pod for pod, workers in located.items() for w in workers})
+
+    async def scheduler_is_tenant(self) -> bool:
+        """Whether the scheduler is still this namespace's (identity only), for the goodbye calls."""
+        try:
+            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
+            identity = await daskrpc.fetch_snapshot(
+                spec.scheduler.address, security=self.security, keys=False, processing=False, timeout=5
+            )
+            pods = await workloads.namespace_pods(self.client, self.namespace)
+        except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
+            self.logger.warning("pressure relief left in the scheduler: %s", exc)
+            return False
+        verdict = tenancy.check(identity.workers, pods, self.namespace)
+        if not verdict.allowed:
+            self.logger.warning("pressure relief left in the scheduler: %s", verdict.message)
+        return verdict.allowed
 
     async def create_request(self, spec: specs.MemoryPolicySpec, count: int, generation: int, *, attempt: int) -> None:
         body = {
@@ -567,7 +585,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
         finally:
             memo.policy_wakers.pop(uid, None)
             if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
-                await relief.remove(body, security=reconciler.security, logger=logger)
+                if (body.get("status") or {}).get("pressure") and await reconciler.scheduler_is_tenant():
+                    await relief.remove(body, security=reconciler.security, logger=logger)
 
 
 async def _loop(

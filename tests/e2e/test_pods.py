@@ -182,6 +182,49 @@ def test_deleting_a_request_mid_drain_gives_its_pod_back(sandbox: Sandbox) -> No
         holdings.assert_all_correct()
 
 
+def test_deleting_the_policy_mid_drain_gives_its_pod_back(sandbox: Sandbox) -> None:
+    pods = sandbox.pods()
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        # pods[0] holds least: the policy's scale-down chooses it.
+        holdings = scatter_unique(client, {pods[0]: 1, pods[1]: 3, pods[2]: 3, pods[3]: 3})
+        frozen = pods[1:]
+        for pod in frozen:
+            sandbox.signal_pod(pod, signal.SIGSTOP)
+        try:
+            sandbox.apply(
+                {
+                    "apiVersion": "memops.dev/v1alpha1",
+                    "kind": "MemoryPolicy",
+                    "metadata": {"name": "shrink", "namespace": "default"},
+                    "spec": {
+                        "scheduler": {"address": sandbox.scheduler_address},
+                        "workload": {"kind": "Deployment", "name": "dask-worker"},
+                        "replicas": 3,
+                        "drain": {"timeout": "120s"},
+                    },
+                }
+            )
+            sandbox.wait_for(
+                lambda: (sandbox.get("pod", pods[0])["metadata"].get("annotations") or {}).get(
+                    "memops.dev/retirement-request", ""
+                ).startswith("shrink-"),
+                what="the policy's request to claim the pod",
+            )
+            sandbox.kubectl("delete", "mempol", "shrink", "--wait=false")
+            sandbox.wait_for(
+                lambda: not sandbox.get("retire", "-l", "memops.dev/policy=shrink")["items"],
+                what="the policy's request to be gone with it",
+            )
+            annotations = sandbox.get("pod", pods[0])["metadata"].get("annotations") or {}
+            assert "memops.dev/retirement-request" not in annotations
+            assert "controller.kubernetes.io/pod-deletion-cost" not in annotations
+        finally:
+            for pod in frozen:
+                sandbox.signal_pod(pod, signal.SIGCONT)
+        assert sandbox.replicas() == 4
+        holdings.assert_all_correct()
+
+
 def test_a_scheduler_whose_workers_are_another_namespaces_is_left_alone(sandbox: Sandbox) -> None:
     """kube-system points at the scheduler of default's workers: it reads nothing of them, installs
     nothing, retires nothing, and says why."""
