@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import kopf
@@ -44,6 +45,8 @@ _STEADY_SECONDS = 10.0
 _MEMORY_REFRESH_SECONDS = 15.0
 """A status change of the memory figures alone is written at most this often (the HPA's sync period)."""
 _TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
+_TENANCY_RECHECK_SECONDS = 60.0
+"""The workers shown to be pods of the namespace are checked again at least this often."""
 
 
 class Policy:
@@ -68,6 +71,8 @@ class Policy:
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
         self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
+        self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
+        self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
 
     async def reconcile(self) -> None:
         self.steady = False
@@ -315,13 +320,12 @@ class Policy:
             snapshot = await daskrpc.fetch_snapshot(
                 spec.scheduler.address, security=security, keys=False, processing=False, timeout=5
             )
-            namespace_pods = await workloads.namespace_pods(self.client, self.namespace)
-            verdict = tenancy.check(snapshot.workers, namespace_pods, self.namespace)
+            verdict = await self.verify_tenancy(snapshot.workers)
             if verdict.allowed and spec.recycle is not None:
                 snapshot = await daskrpc.fetch_snapshot(
                     spec.scheduler.address, security=security, keys=False, processing=True, timeout=5
                 )
-                verdict = tenancy.check(snapshot.workers, namespace_pods, self.namespace)
+                verdict = await self.verify_tenancy(snapshot.workers)
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
             status.conditions = conditions.set_condition(
                 status.conditions,
@@ -348,8 +352,23 @@ class Policy:
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
         )
         # Each worker under its pod's name, found by address (status.memory, recycling).
-        located = planning.workers_by_pod(namespace_pods, snapshot.workers)
-        return snapshot.named_by_pod({w.name: pod for pod, workers in located.items() for w in workers})
+        return snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
+
+    async def verify_tenancy(self, workers: Sequence[planning.WorkerInfo]) -> tenancy.Verdict:
+        """:func:`memops.tenancy.check` against the namespace's pods, listed only when a worker
+        is not among those the last check showed to be pods here, or that check is old: a
+        listing of the namespace's pods on every pass of every policy would cost more API
+        requests than everything else a policy at rest does."""
+        addresses = {w.address for w in workers}
+        fresh = time.monotonic() - self.tenants_checked < _TENANCY_RECHECK_SECONDS
+        if workers and fresh and addresses <= self.tenants.keys():
+            return tenancy.Verdict(tenancy.Reason.TENANT, "the workers of the last check")
+        pods = await workloads.namespace_pods(self.client, self.namespace)
+        verdict = tenancy.check(workers, pods, self.namespace)
+        located = planning.workers_by_pod(pods, workers) if verdict.allowed else {}
+        self.tenants = {w.address: pod for pod, found in located.items() for w in found}
+        self.tenants_checked = time.monotonic()
+        return verdict
 
     async def scheduler_is_tenant(self) -> bool:
         """Whether the scheduler is still this namespace's (identity only), for the goodbye calls."""
