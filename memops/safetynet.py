@@ -79,10 +79,6 @@ Retiring by name finds the worker whatever its address; a worker that memops alr
 simply not found, and one that something is retiring right now is waited for, not retired twice."""
 
 
-def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
 def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
     """For a tls:// scheduler: the policy's client certificate, from its Secret, as the hook's env.
 

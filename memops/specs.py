@@ -288,6 +288,11 @@ class WorkerStatus(Model):
 
     pod: str = pydantic.Field(description="The pod's name, which is the Dask worker's name.")
     address: str = pydantic.Field(default="", description="The worker's Dask address when it was chosen.")
+    addresses: list[str] = pydantic.Field(
+        default_factory=list,
+        description="Every Dask worker the pod ran when it was chosen (dask worker --nworkers N runs several);"
+        " the pod is removed only once all of them are drained.",
+    )
     state: WorkerState = pydantic.Field(
         default=WorkerState.PENDING,
         description=(

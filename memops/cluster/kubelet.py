@@ -10,6 +10,10 @@ relies on, and says where it differs:
   ``$(VAR)`` expansion;
 - status: phase, ``Ready`` and the other pod conditions, ``containerStatuses`` with
   ``restartCount``; ``Ready`` when the process runs, or when its exec readinessProbe passes;
+- each pod its own IP, from :data:`POD_NETWORK`, in ``status.podIP``/``podIPs`` before its
+  container starts (so ``fieldRef: status.podIP`` works, as it does once the CNI has given the
+  sandbox its address); released when the pod is gone, and handed out again only after the
+  rest of the range, as a cluster's IPAM avoids reusing an address at once;
 - ``restartPolicy: Always``: an exited container is restarted, after a back-off (upstream
   starts at 10 s and doubles to 5 min; here 0.5 s to 5 s, so tests do not wait);
 - deletion, as ``killPod`` does it: the ``preStop`` exec hook, then SIGTERM to the
@@ -26,6 +30,7 @@ import asyncio
 import base64
 import contextlib
 import datetime
+import ipaddress
 import logging
 import os
 import re
@@ -46,8 +51,14 @@ _FIELD_PATHS: dict[str, Callable[[Obj], str]] = {
     "metadata.namespace": lambda pod: pod["metadata"].get("namespace", ""),
     "metadata.uid": lambda pod: pod["metadata"].get("uid", ""),
     "spec.nodeName": lambda pod: pod.get("spec", {}).get("nodeName", ""),
-    "status.podIP": lambda pod: "127.0.0.1",
+    "status.podIP": lambda pod: str(pod.get("status", {}).get("podIP", "")),
+    "status.podIPs": lambda pod: ",".join(str(e["ip"]) for e in pod.get("status", {}).get("podIPs", [])),
+    "status.hostIP": lambda pod: str(pod.get("status", {}).get("hostIP", "")),
 }
+HOST_IP = "127.0.0.1"
+POD_NETWORK = ipaddress.ip_network("127.1.0.0/16")
+"""Pod IPs: each pod gets its own loopback address (127.0.0.0/8 routes to ``lo`` on Linux), so
+that, as on a cluster, a pod's IP tells it apart from every other pod's."""
 
 
 def _now() -> str:
@@ -105,12 +116,18 @@ class PodRuntime:
         self.restarts = 0
         self.ready = False
         self.task: asyncio.Task[None] | None = None
+        self.ip = ""
 
     @property
     def files(self) -> Path:
         return self.kubelet.run_dir / "pods" / f"{self.namespace}_{self.name}"
 
     async def run(self) -> None:
+        self.ip = self.kubelet.allocate_ip()
+        # The sandbox's address first, as the kubelet reports it once the CNI has set it up.
+        await self._patch_status(
+            {"phase": "Pending", "hostIP": HOST_IP, "podIP": self.ip, "podIPs": [{"ip": self.ip}]}
+        )
         try:
             container = self.pod["spec"]["containers"][0]
             env = container_env(
@@ -229,8 +246,9 @@ class PodRuntime:
         )
         status = {
             "phase": "Running",
-            "hostIP": "127.0.0.1",
-            "podIP": "127.0.0.1",
+            "hostIP": HOST_IP,
+            "podIP": self.ip,
+            "podIPs": [{"ip": self.ip}],
             "startTime": self.pod.get("status", {}).get("startTime") or now,
             "conditions": self._conditions(ready),
             "containerStatuses": [
@@ -275,6 +293,20 @@ class Kubelet:
         self.node_name = node_name
         self.env = dict(env or {})
         self.pods: dict[tuple[str | None, str], PodRuntime] = {}
+        self.ips_in_use: set[str] = set()
+        self._last_ip = 0  # index in POD_NETWORK of the address handed out last
+
+    def allocate_ip(self) -> str:
+        """The next free address of :data:`POD_NETWORK` after the last one handed out."""
+        size = POD_NETWORK.num_addresses - 2  # neither the network nor the broadcast address
+        for step in range(1, size + 1):
+            index = (self._last_ip + step - 1) % size + 1
+            ip = str(POD_NETWORK[index])
+            if ip not in self.ips_in_use:
+                self._last_ip = index
+                self.ips_in_use.add(ip)
+                return ip
+        raise RuntimeError(f"no free pod IP left in {POD_NETWORK}")
 
     async def run(self) -> None:
         events = self.store.watch()
@@ -317,6 +349,7 @@ class Kubelet:
         except Exception:
             logger.exception("pod %s/%s failed in the local kubelet", *key)
         finally:
+            self.ips_in_use.discard(runtime.ip)
             if self.pods.get(key) is runtime:
                 del self.pods[key]
 

@@ -103,6 +103,7 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
             )
         memo.kube = kube.Kube(kube.load_connection(kubeconfig))
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
+        memo.retirement_daemons = set()  # uids of requests whose daemon runs: see memops.controllers.retirement
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

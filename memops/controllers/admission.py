@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import kube, safetynet, specs
+from memops import kube, safetynet, selectors, specs
 from memops.controllers import workloads
 
 CONFIGURATION = "memops.dev"
@@ -50,7 +50,7 @@ async def policy_for(
         except pydantic.ValidationError:
             continue
         workload = await workloads.get(client, namespace, spec.workload)
-        if workload is not None and safetynet.selects(workloads.selector_labels(workload), labels):
+        if workload is not None and selectors.matches(workloads.selector_of(workload), labels):
             return str(policy["metadata"]["name"]), spec
     return None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import kopf
@@ -30,7 +31,9 @@ from memops import (
     recycling,
     retirement,
     scaling,
+    selectors,
     specs,
+    tenancy,
     timestamps,
 )
 from memops.controllers import recycle, relief, workloads
@@ -45,6 +48,8 @@ _TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
 _MAX_RETRY_SECONDS = 30.0
 _MAX_NAME_LENGTH = 63
 """A policy's name is a label value on its RetirementRequests (``memops.dev/policy``): 63 characters at most."""
+_TENANCY_RECHECK_SECONDS = 60.0
+"""The workers shown to be pods of the namespace are checked again at least this often."""
 
 
 class Policy:
@@ -69,6 +74,8 @@ class Policy:
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
         self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
+        self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
+        self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
 
     async def reconcile(self) -> None:
         self.steady = False
@@ -91,6 +98,12 @@ class Policy:
         if workload is None:
             message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
             await self.not_ready(old, status, "WorkloadNotFound", message, generation)
+            return
+        try:
+            status.selector = workloads.selector(workload)
+        except selectors.InvalidSelector as exc:
+            message = f"spec.workload: {spec.workload.kind} {spec.workload.name!r}: {exc}"
+            await self.not_ready(old, status, "InvalidSelector", message, generation)
             return
         policies = await self.listed("memorypolicies", (self.namespace,))
         older = scaling.competing_policies(dict(self.body), policies)
@@ -181,7 +194,6 @@ class Policy:
             kopf.event(self.body, type="Normal", reason=decision.reason, message=decision.message)
         status.replicas = int(workload.get("status", {}).get("replicas", current))
         status.desiredReplicas = desired
-        status.selector = workloads.selector(workload)
         status.message = decision.message
         if step is not None and step.message and decision.action in (scaling.Action.NONE, scaling.Action.WAIT):
             status.message = step.message
@@ -207,13 +219,13 @@ class Policy:
         if unreachable is not None and unreachable.status == "False":
             # Without the scheduler no scale-down can drain and no memory is known: not Ready.
             status.conditions = conditions.with_kstatus(
-                status.conditions, generation=generation, stalled=("SchedulerUnreachable", unreachable.message)
+                status.conditions, generation=generation, stalled=(unreachable.reason, unreachable.message)
             )
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "Ready",
                 False,
-                reason="SchedulerUnreachable",
+                reason=unreachable.reason,
                 message=unreachable.message,
                 generation=generation,
             )
@@ -317,9 +329,16 @@ class Policy:
                 security = daskrpc.security_from_secret(secret.get("data") or {})
                 field = "spec.scheduler.address"
             self.security = security
+            # Identity only (no code sent) until the scheduler is shown to be this namespace's.
             snapshot = await daskrpc.fetch_snapshot(
-                spec.scheduler.address, security=security, keys=False, processing=spec.recycle is not None, timeout=5
+                spec.scheduler.address, security=security, keys=False, processing=False, timeout=5
             )
+            verdict = await self.verify_tenancy(snapshot.workers)
+            if verdict.allowed and spec.recycle is not None:
+                snapshot = await daskrpc.fetch_snapshot(
+                    spec.scheduler.address, security=security, keys=False, processing=True, timeout=5
+                )
+                verdict = await self.verify_tenancy(snapshot.workers)
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
             status.conditions = conditions.set_condition(
                 status.conditions,
@@ -330,10 +349,55 @@ class Policy:
                 generation=generation,
             )
             return None
+        if not verdict.allowed:
+            # Nothing is read from it or written about it: no memory, no relief, no recycling.
+            status.memory = None
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "SchedulerReachable",
+                False,
+                reason=verdict.reason.value,
+                message=f"spec.scheduler.address: {verdict.message}",
+                generation=generation,
+            )
+            return None
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
         )
-        return snapshot
+        # Each worker under its pod's name, found by address (status.memory, recycling).
+        return snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
+
+    async def verify_tenancy(self, workers: Sequence[planning.WorkerInfo]) -> tenancy.Verdict:
+        """:func:`memops.tenancy.check` against the namespace's pods, listed only when a worker
+        is not among those the last check showed to be pods here, or that check is old: a
+        listing of the namespace's pods on every pass of every policy would cost more API
+        requests than everything else a policy at rest does."""
+        addresses = {w.address for w in workers}
+        fresh = time.monotonic() - self.tenants_checked < _TENANCY_RECHECK_SECONDS
+        if workers and fresh and addresses <= self.tenants.keys():
+            return tenancy.Verdict(tenancy.Reason.TENANT, "the workers of the last check")
+        pods = await workloads.namespace_pods(self.client, self.namespace)
+        verdict = tenancy.check(workers, pods, self.namespace)
+        located = planning.workers_by_pod(pods, workers) if verdict.allowed else {}
+        self.tenants = {w.address: pod for pod, found in located.items() for w in found}
+        self.tenants_checked = time.monotonic()
+        return verdict
+
+    async def scheduler_is_tenant(self) -> bool:
+        """Whether the scheduler is still this namespace's (identity only), for the goodbye calls."""
+        try:
+            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
+            identity = await daskrpc.fetch_snapshot(
+                spec.scheduler.address, security=self.security, keys=False, processing=False, timeout=5
+            )
+            pods = await workloads.namespace_pods(self.client, self.namespace)
+        except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
+            self.logger.warning("pressure relief left in the scheduler: %s", exc)
+            return False
+        verdict = tenancy.check(identity.workers, pods, self.namespace)
+        if not verdict.allowed:
+            self.logger.warning("pressure relief left in the scheduler: %s", verdict.message)
+        return verdict.allowed
 
     async def create_request(self, spec: specs.MemoryPolicySpec, count: int, generation: int, *, attempt: int) -> None:
         body = {
@@ -566,7 +630,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
         finally:
             memo.policy_wakers.pop(uid, None)
             if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
-                await relief.remove(body, security=reconciler.security, logger=logger)
+                if (body.get("status") or {}).get("pressure") and await reconciler.scheduler_is_tenant():
+                    await relief.remove(body, security=reconciler.security, logger=logger)
 
 
 async def _loop(

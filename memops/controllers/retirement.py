@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import conditions, daskrpc, kube, metrics, planning, retirement, specs, timestamps
+from memops import conditions, daskrpc, kube, metrics, planning, retirement, selectors, specs, tenancy, timestamps
 from memops.controllers import workloads
 
 _RETRY_SECONDS = 2.0
@@ -198,9 +198,22 @@ class Retirement:
                 f"{spec.workload.name!r} not found in namespace {self.namespace}",
                 generation,
             )
+        try:
+            workloads.selector(workload)
+        except selectors.InvalidSelector as exc:
+            message = f"{spec.workload.kind} {spec.workload.name!r}: {exc}"
+            return await self.fail(status, "InvalidSelector", message, generation)
         security = await self.security(spec)
         try:
             wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
+            # Identity only (no code sent) until the scheduler is shown to be this namespace's.
+            identity = await daskrpc.fetch_snapshot(
+                spec.scheduler.address, security=security, keys=False, processing=False, timeout=wait
+            )
+            namespace_pods = await workloads.namespace_pods(self.client, self.namespace)
+            verdict = tenancy.check(identity.workers, namespace_pods, self.namespace)
+            if not verdict.allowed:
+                return await self.refuse_scheduler(status, verdict, deadline, generation)
             snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security, timeout=wait)
         except daskrpc.SchedulerMisbehaved as exc:  # not a Dask scheduler, or a hostile one: never retried
             return await self.fail(status, "SchedulerMisbehaved", f"spec.scheduler.address: {exc}", generation)
@@ -217,9 +230,16 @@ class Retirement:
                 return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
             await self.write(status)
             return status
+        # A worker that joined between the two calls is checked too: nothing is written about
+        # a scheduler that has a foreign worker now.
+        verdict = tenancy.check(snapshot.workers, namespace_pods, self.namespace)
+        if not verdict.allowed:
+            return await self.refuse_scheduler(status, verdict, deadline, generation)
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         pod_names = [p["metadata"]["name"] for p in pods]
-        snapshot = snapshot.named_by_pod(workloads.worker_names(pods))
+        infos = [workloads.pod_info(p) for p in pods]
+        located = planning.workers_by_pod(infos, snapshot.workers)
+        unknown = planning.unidentified(infos, located)
         taken = retirement.claimed_by_others(pods, self.name)
         if spec.workers is not None:
             for index, pod in enumerate(spec.workers):
@@ -242,11 +262,23 @@ class Retirement:
         else:
             assert spec.count is not None
             with metrics.deciding("choose_workers"):
-                chosen = planning.choose_workers(pod_names, snapshot, spec.count, exclude=taken)
-        if not chosen:
-            return await self.fail(
-                status, "NoWorkers", "no worker could be chosen: every pod is taken or none exists", generation
+                chosen = planning.choose_workers(
+                    pod_names, snapshot, spec.count, exclude=taken | set(unknown), located=located
+                )
+        if unknown:
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "WorkersUnidentified",
+                True,
+                reason="NoWorkerAtPodAddress",
+                message=retirement.unidentified_message(unknown),
+                generation=generation,
             )
+        if not chosen:
+            message = "no worker could be chosen: every pod is taken or none exists"
+            if unknown:
+                message += f"; {retirement.unidentified_message(unknown)}"
+            return await self.fail(status, "NoWorkers", message, generation)
         for pod_object in pods:
             if pod_object["metadata"]["name"] in chosen:
                 await workloads.claim_pod(self.client, pod_object, self.name)  # 409/422: another request won; retry
@@ -260,7 +292,7 @@ class Retirement:
                 "onTimeout": spec.onTimeout,
                 "acceptedSpec": spec,
                 "requested": spec.count if spec.count is not None else len(chosen),
-                "workers": [self._entry(pod, snapshot) for pod in chosen],
+                "workers": [retirement.entry(pod, located.get(pod, ()), unknown=pod in unknown) for pod in chosen],
             }
         )
         status.conditions = conditions.set_condition(
@@ -284,20 +316,29 @@ class Retirement:
         )
         return status
 
-    @staticmethod
-    def _entry(pod: str, snapshot: planning.SchedulerSnapshot) -> specs.WorkerStatus:
-        worker = snapshot.by_name(pod)
-        if worker is None:
-            return specs.WorkerStatus(
-                pod=pod, state=specs.WorkerState.DRAINING, message="no connected worker: nothing to drain"
-            )
-        return specs.WorkerStatus(
-            pod=pod,
-            address=worker.address,
-            state=specs.WorkerState.DRAINING,
-            uniqueBytes=worker.unique_bytes,
-            message="draining",
+    async def refuse_scheduler(
+        self,
+        status: specs.RetirementRequestStatus,
+        verdict: tenancy.Verdict,
+        deadline: datetime.datetime,
+        generation: int,
+    ) -> specs.RetirementRequestStatus:
+        """The scheduler is not shown to be this namespace's: nothing is asked of it or written
+        about it. Retried until the deadline, as an unreachable scheduler is (a worker may be
+        joining, or its pod just gone), then Failed."""
+        status.conditions = conditions.set_condition(
+            status.conditions,
+            "SchedulerReachable",
+            False,
+            reason=verdict.reason.value,
+            message=f"spec.scheduler.address: {verdict.message}; retrying until {timestamps.render(deadline)}",
+            generation=generation,
         )
+        if timestamps.now() >= deadline:
+            message = f"spec.scheduler.address: {verdict.message}"
+            return await self.fail(status, verdict.reason.value, message, generation)
+        await self.write(status)
+        return status
 
     # -- draining -------------------------------------------------------------------------------
 
@@ -327,7 +368,14 @@ class Retirement:
         on_timeout: specs.OnTimeout,
     ) -> specs.RetirementRequestStatus:
         try:
-            addresses = [w.address for w in draining if w.address]
+            identity = await daskrpc.fetch_snapshot(
+                address, security=security, keys=False, processing=False, timeout=_RPC_SECONDS
+            )
+            namespace_pods = await workloads.namespace_pods(self.client, self.namespace)
+            verdict = tenancy.check(identity.workers, namespace_pods, self.namespace)
+            if not verdict.allowed:
+                return await self.refuse_drain(status, verdict, deadline, on_timeout)
+            addresses = [a for w in draining for a in (w.addresses or ([w.address] if w.address else []))]
             if self.before is None:
                 # Who holds each key of these workers now, to tell afterwards what moved.
                 self.before = await daskrpc.fetch_snapshot(
@@ -360,6 +408,7 @@ class Retirement:
             retired=outcome.retired,
             timed_out=outcome.timed_out,
             on_timeout=on_timeout,
+            located=planning.workers_by_pod(namespace_pods, after.workers),
         )
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration
@@ -370,6 +419,31 @@ class Retirement:
                 kopf.event(self.body, type="Warning", reason="WorkerKept", message=f"{worker.pod}: {worker.message}")
             elif worker.state == specs.WorkerState.FORCED:
                 kopf.event(self.body, type="Warning", reason="WorkerForced", message=f"{worker.pod}: {worker.message}")
+        return status
+
+    async def refuse_drain(
+        self,
+        status: specs.RetirementRequestStatus,
+        verdict: tenancy.Verdict,
+        deadline: datetime.datetime,
+        on_timeout: specs.OnTimeout,
+    ) -> specs.RetirementRequestStatus:
+        """The scheduler stopped being shown as this namespace's mid-drain: retire nothing there;
+        at the deadline judge the pods as with an unreachable scheduler."""
+        if timestamps.now() < deadline:
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "SchedulerReachable",
+                False,
+                reason=verdict.reason.value,
+                message=f"{verdict.message}; retrying until {status.deadline}",
+                generation=status.observedGeneration,
+            )
+        else:
+            status.workers = retirement.judge_unreachable(
+                status.workers, on_timeout=on_timeout, reason=verdict.message
+            )
+        await self.write(status)
         return status
 
     async def remove(
@@ -401,6 +475,20 @@ class Retirement:
                 )
                 await self.write(status)
                 return status
+            try:
+                deployments = await workloads.worker_deployments(self.client, self.namespace, workload_ref, pods)
+            except workloads.ForeignDeployment as exc:
+                status.workers = retirement.keep_blocked(status.workers, f"waiting: {exc}")
+                status.conditions = conditions.set_condition(
+                    status.conditions,
+                    "Draining",
+                    True,
+                    reason="ForeignDeployment",
+                    message=f"refused to delete: {exc}",
+                    generation=status.observedGeneration,
+                )
+                await self.write(status)
+                return status
             await workloads.mark_for_deletion(self.client, self.namespace, workload_ref, pods)
             replicas = await workloads.replicas(self.client, self.namespace, workload_ref)
             # Recorded before the scale-down is ordered: a restarted operator must not lower it twice.
@@ -408,7 +496,7 @@ class Retirement:
                 pods=pods,
                 replicasFrom=replicas,
                 replicasTo=max(replicas - len(pods), 0),
-                deployments=await workloads.worker_deployments(self.client, self.namespace, workload_ref, pods),
+                deployments=deployments,
             )
             await self.write(status)
         assert status.scaleDown is not None
@@ -450,7 +538,11 @@ class Retirement:
                 generation=status.observedGeneration,
             )
         await workloads.release_claims(
-            self.client, self.namespace, [w.pod for w in status.workers if not w.podRemoved], self.name
+            self.client,
+            self.namespace,
+            [w.pod for w in status.workers if not w.podRemoved],
+            self.name,
+            keep_cost=status.scaleDown.pods if status.scaleDown is not None else (),
         )
         await self.write(status)
         metrics.drain_finished(
@@ -581,4 +673,29 @@ def register(registry: kopf.OperatorRegistry) -> None:
         stopped: kopf.DaemonStopped,
         **_: Any,
     ) -> None:
-        await Retirement(client=memo.kube, body=body, logger=logger).run(stopped)
+        uid = str(body.metadata.uid)
+        memo.retirement_daemons.add(uid)
+        try:
+            await Retirement(client=memo.kube, body=body, logger=logger).run(stopped)
+        finally:
+            memo.retirement_daemons.discard(uid)
+
+    # The finalizer step: a request deleted mid-drain (or with its policy) gives its pods back,
+    # so that another request can choose them and the ReplicaSet no longer ranks them first.
+    @kopf.on.delete(specs.GROUP, specs.VERSION, "retirementrequests", registry=registry, id="release-claims")
+    async def release_claims(
+        body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any
+    ) -> None:
+        if str(body.metadata.uid) in memo.retirement_daemons:
+            # Released after the daemon has stopped: it could otherwise claim a pod after this.
+            raise kopf.TemporaryError("waiting for the request's drain to stop", delay=1)
+        status = specs.RetirementRequestStatus.model_validate(_own_status(body.get("status")))
+        released = await workloads.release_claims(
+            memo.kube,
+            str(body.metadata.namespace),
+            None,
+            str(body.metadata.name),
+            keep_cost=status.scaleDown.pods if status.scaleDown is not None else (),
+        )
+        if released:
+            logger.info("released the claim on pods %s", ", ".join(released))

@@ -162,3 +162,28 @@ def test_env_from_a_secret_key_is_decoded_and_a_missing_key_fails_the_start() ->
     missing = {"env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "tls", "key": "tls.key"}}}]}
     with pytest.raises(ValueError, match=r"has no key 'tls\.key'"):
         kubelet.container_env(pod, missing, lambda name: secret)
+
+
+async def test_each_pod_gets_its_own_ip_before_its_container_starts(node: Any, tmp_path: Path) -> None:
+    """As on a cluster: status.podIP is set before the container runs (fieldRef status.podIP
+    sees it), two pods never share one, and a deleted pod's IP is not handed out again at once."""
+    store, local = node
+    serve = (
+        "import os,socket,time; s=socket.socket(); s.bind((os.environ['IP'], 0)); s.listen();"
+        " print('bound', os.environ['IP'], flush=True); time.sleep(60)"
+    )
+    ip_env = {"env": [{"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}
+    for name in ("a", "b"):
+        await store.create("pods", "default", python_pod(name, serve, container=ip_env))
+    ips = {}
+    for name in ("a", "b"):
+        log = tmp_path / "pods" / f"default_{name}.log"
+        await wait_for(lambda: log.exists() and "bound" in log.read_text())  # noqa: B023
+        pod = store.get("pods", "default", name)
+        ips[name] = pod["status"]["podIP"]
+        assert pod["status"]["podIPs"] == [{"ip": ips[name]}]
+        assert f"bound {ips[name]}" in log.read_text(), "the container listened on its own pod IP"
+    assert ips["a"] != ips["b"] and all(ip.startswith("127.1.") for ip in ips.values())
+    await store.delete("pods", "default", "a", grace_period_seconds=0)
+    await wait_for(lambda: ips["a"] not in local.ips_in_use)
+    assert local.allocate_ip() not in ips.values()

@@ -47,12 +47,6 @@ def test_prestop_script_compiles() -> None:
     compile(safetynet.PRE_STOP_SCRIPT, "<preStop>", "exec")
 
 
-def test_selects() -> None:
-    assert safetynet.selects({"app": "w"}, {"app": "w", "x": "y"})
-    assert not safetynet.selects({"app": "w"}, {"app": "v"})
-    assert not safetynet.selects({}, {"app": "w"}), "an empty selector selects nothing here"
-
-
 def test_a_tls_scheduler_gets_the_policys_client_certificate_from_its_secret() -> None:
     spec = SPEC.model_copy(
         update={"scheduler": specs.SchedulerRef(address="tls://dask-scheduler:8786", tls={"secretName": "dask-tls"})}
