@@ -23,6 +23,8 @@ import aiohttp
 import kopf
 import yaml
 
+from memops import permissions
+
 Obj = dict[str, Any]
 
 _SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -181,9 +183,11 @@ class Kube:
             payload = await response.json(content_type=None) if response.content_length != 0 else {}
             if response.status >= 400:
                 payload = payload if isinstance(payload, dict) else {}
-                raise ApiError(
-                    response.status, payload.get("reason", response.reason or ""), payload.get("message", "")
-                )
+                message = str(payload.get("message", ""))
+                if response.status == 403:
+                    # Name the missing permission and what grants it: this text reaches conditions.
+                    message = permissions.explain_forbidden(method, path, message)
+                raise ApiError(response.status, payload.get("reason", response.reason or ""), message)
             return payload if isinstance(payload, dict) else {}
 
     async def get(self, path: str, **params: str) -> Obj:
@@ -197,8 +201,12 @@ class Kube:
                 return None
             raise
 
-    async def list(self, path: str, *, label_selector: str | None = None) -> builtins.list[Obj]:
+    async def list(
+        self, path: str, *, label_selector: str | None = None, field_selector: str | None = None
+    ) -> builtins.list[Obj]:
         params = {"labelSelector": label_selector} if label_selector else {}
+        if field_selector:
+            params["fieldSelector"] = field_selector
         items: builtins.list[Obj] = (await self.request("GET", path, params=params)).get("items", [])
         return items
 

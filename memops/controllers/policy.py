@@ -29,6 +29,7 @@ from memops import (
     planning,
     recycling,
     retirement,
+    safetynet,
     scaling,
     specs,
     timestamps,
@@ -41,6 +42,12 @@ _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
 _MEMORY_REFRESH_SECONDS = 15.0
 """A status change of the memory figures alone is written at most this often (the HPA's sync period)."""
+_HOOK_EVENTS_SECONDS = 15.0
+"""The namespace's FailedPreStopHook events are read at most this often per policy.
+
+One list with a field selector (``reason=FailedPreStopHook``), which the API server filters: far
+cheaper than a watch on every event of the cluster, which Kopf would have to filter itself.
+"""
 _TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
 
 
@@ -66,6 +73,7 @@ class Policy:
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
         self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
+        self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
 
     async def reconcile(self) -> None:
         self.steady = False
@@ -197,13 +205,13 @@ class Policy:
         if unreachable is not None and unreachable.status == "False":
             # Without the scheduler no scale-down can drain and no memory is known: not Ready.
             status.conditions = conditions.with_kstatus(
-                status.conditions, generation=generation, stalled=("SchedulerUnreachable", unreachable.message)
+                status.conditions, generation=generation, stalled=(unreachable.reason, unreachable.message)
             )
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "Ready",
                 False,
-                reason="SchedulerUnreachable",
+                reason=unreachable.reason,
                 message=unreachable.message,
                 generation=generation,
             )
@@ -221,6 +229,7 @@ class Policy:
                 message=f"managing {spec.workload.kind} {spec.workload.name!r}",
                 generation=generation,
             )
+        status.safetyNet = await self.safety_net(spec, status.safetyNet)
         await self.write(old, status)
         metrics.policy_observed(
             self.namespace,
@@ -308,12 +317,16 @@ class Policy:
                 spec.scheduler.address, security=security, keys=False, processing=spec.recycle is not None, timeout=5
             )
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
+            # The chart grants Secrets only with rbac.schedulerTLS: a 403's message says so.
+            forbidden = isinstance(exc, kube.ApiError) and exc.code == 403
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "SchedulerReachable",
                 False,
-                reason="SchedulerUnreachable",
-                message=f"spec.scheduler.address: {exc}",
+                reason="Forbidden" if forbidden else "SchedulerUnreachable",
+                message=f"spec.scheduler.tls.secretName: {exc.message}"
+                if isinstance(exc, kube.ApiError) and forbidden
+                else f"spec.scheduler.address: {exc}",
                 generation=generation,
             )
             return None
@@ -321,6 +334,36 @@ class Policy:
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
         )
         return snapshot
+
+    async def safety_net(
+        self, spec: specs.MemoryPolicySpec, current: specs.SafetyNetStatus | None
+    ) -> specs.SafetyNetStatus | None:
+        """The workload's pods that left with a failed preStop hook, from the kubelet's events.
+
+        Each one new to the status also becomes a Warning event on the policy: such a pod was
+        removed without the safety net's drain.
+        """
+        if time.monotonic() - self.hooks_read < _HOOK_EVENTS_SECONDS:
+            return current
+        path = kube.resource_path("", "v1", "events", self.namespace)
+        try:
+            events = await self.client.list(path, field_selector=f"reason={safetynet.FAILED_PRE_STOP_HOOK}")
+        except kube.ApiError as exc:
+            self.logger.warning("cannot read the FailedPreStopHook events: %s", exc)
+            return current
+        self.hooks_read = time.monotonic()
+        previous = current.failedHooks if current is not None else []
+        hooks = safetynet.failed_hooks(events, spec.workload, previous)
+        for hook in hooks:
+            if hook not in previous:
+                kopf.event(
+                    self.body,
+                    type="Warning",
+                    reason=safetynet.FAILED_PRE_STOP_HOOK,
+                    message=f"pod {hook.pod} left with a failed preStop hook at {hook.time}: the safety net did"
+                    " not drain it, and data held only there may be lost",
+                )
+        return specs.SafetyNetStatus(failedHooks=hooks) if hooks else current
 
     async def create_request(self, spec: specs.MemoryPolicySpec, count: int, generation: int, *, attempt: int) -> None:
         body = {
@@ -458,7 +501,7 @@ class Cache:
         self.indexes = indexes
 
     def of(self, plural: str) -> Any:
-        return self.indexes[_INDEX_NAMES[plural]]
+        return self.indexes[INDEX_NAMES[plural]]
 
 
 def _slim(body: kopf.Body) -> dict[str, Any]:
@@ -467,7 +510,7 @@ def _slim(body: kopf.Body) -> dict[str, Any]:
     return {"metadata": meta, "spec": dict(body.get("spec", {})), "status": dict(body.get("status", {}) or {})}
 
 
-_INDEX_NAMES = {
+INDEX_NAMES = {
     "deployments": "memops_deployments",
     "memorypolicies": "memops_policies",
     "horizontalpodautoscalers": "memops_hpas",
@@ -531,7 +574,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
         stopped: kopf.DaemonStopped,
         **kwargs: Any,
     ) -> None:
-        cache = Cache({name: kwargs[name] for name in _INDEX_NAMES.values()})
+        cache = Cache({name: kwargs[name] for name in INDEX_NAMES.values()})
         reconciler = Policy(client=memo.kube, body=body, logger=logger, cache=cache)
         uid = str(body.metadata.uid)
         waker = memo.policy_wakers.setdefault(uid, asyncio.Event())
