@@ -2,10 +2,10 @@
 
 The Helm chart and the kustomize manifests leave out two permissions unless the feature that
 needs them is on: reading Secrets (a ``tls://`` scheduler's client certificate) and deleting
-Deployments (retiring DaskWorkerGroup workers). When the operator meets such a feature without
-the permission, the API server answers 403; :func:`explain_forbidden` turns that into a message
-that names the missing permission and the value that grants it, which the controllers put into
-their conditions. Pure: called by :mod:`memops.kube` on every 403.
+Deployments, with reading and patching DaskWorkerGroups (dask-kubernetes' worker groups). When
+the operator meets such a feature without the permission, the API server answers 403;
+:func:`explain_forbidden` turns that into a message that names the missing permission and the
+value that grants it, which the controllers put into their conditions. Pure: called by :mod:`memops.kube` on every 403.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ class Permission(NamedTuple):
 FEATURE_GATED: dict[Permission, str] = {
     Permission("", "secrets", "get"): "rbac.schedulerTLS=true",
     Permission("apps", "deployments", "delete"): "rbac.daskWorkerGroups=true",
+    Permission("kubernetes.dask.org", "daskworkergroups", "get"): "rbac.daskWorkerGroups=true",
+    Permission("kubernetes.dask.org", "daskworkergroups", "patch"): "rbac.daskWorkerGroups=true",
+    Permission("apps", "replicasets", "get"): "rbac.daskWorkerGroups=true",
 }
 """Permission -> the Helm value that grants it (kustomize: the component of the same name)."""
 

@@ -85,7 +85,14 @@ class Policy:
         except pydantic.ValidationError as exc:
             await self.not_ready(old, status, "InvalidSpec", retirement.explain_invalid(exc), generation)
             return
-        workload = await self.workload(spec.workload)
+        try:
+            workload = await self.workload(spec.workload)
+        except kube.ApiError as exc:
+            if exc.code != 403:
+                raise
+            # A DaskWorkerGroup without rbac.daskWorkerGroups: the message names the value.
+            await self.not_ready(old, status, "Forbidden", f"spec.workload: {exc.message}", generation)
+            return
         if workload is None:
             message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
             await self.not_ready(old, status, "WorkloadNotFound", message, generation)
