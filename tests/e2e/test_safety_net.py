@@ -4,6 +4,7 @@ the policy says when a pod's preStop hook failed.
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import shutil
@@ -95,3 +96,39 @@ def test_a_pod_that_left_with_a_failed_hook_is_in_the_policys_status(sandbox: Sa
     assert hook["pod"] == gone[0] and hook["message"] == "PreStopHook failed" and hook["time"]
     events = sandbox.get("events", "--field-selector", "involvedObject.name=bare,reason=FailedPreStopHook")["items"]
     assert events and gone[0] in events[0]["message"], "a Warning event on the policy names the pod"
+
+
+def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox: Sandbox) -> None:
+    """The operator reads the client certificate from the policy's Secret (the permission that
+    rbac.schedulerTLS grants); the webhook puts only a secretKeyRef to that Secret, in the pod's
+    own namespace, into the pod: never the certificate, never another namespace's Secret."""
+    security = distributed.Security.temporary()
+    pems = {"ca.crt": security.tls_ca_file, "tls.crt": security.tls_client_cert, "tls.key": security.tls_client_key}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "scheduler-tls", "namespace": "default"},
+        "data": {key: base64.b64encode(value.encode()).decode() for key, value in pems.items()},
+    }
+    sandbox.apply(secret)
+    with distributed.LocalCluster(
+        n_workers=0, processes=True, dashboard_address=":0", security=security, protocol="tls://"
+    ) as tls_cluster:
+        address = tls_cluster.scheduler_address
+        policy = memory_policy("secure", address)
+        policy["spec"]["scheduler"]["tls"] = {"secretName": "scheduler-tls"}
+        mark = audit_length()
+        sandbox.apply(policy)
+        reachable = sandbox.wait_for(
+            lambda: (c := condition(sandbox, "secure", "SchedulerReachable")) and c["status"] == "True" and c,
+            what="the TLS scheduler reached with the Secret's certificate",
+        )
+        assert reachable["reason"] == "Connected"
+        assert ("secrets", "get", "default") in operator_reads(mark)
+        before = sandbox.pods()
+        sandbox.kubectl("scale", "deployment/dask-worker", f"--replicas={len(before) + 1}")
+        [new] = sandbox.wait_for(lambda: [p for p in sandbox.pods() if p not in before], what="a new pod")
+        env = {e["name"]: e for e in sandbox.get("pod", new)["spec"]["containers"][0]["env"]}
+        for name, key in (("MEMOPS_TLS_CA", "ca.crt"), ("MEMOPS_TLS_CERT", "tls.crt"), ("MEMOPS_TLS_KEY", "tls.key")):
+            assert env[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "scheduler-tls", "key": key}}}
+        assert env["MEMOPS_SCHEDULER_ADDRESS"]["value"] == address
