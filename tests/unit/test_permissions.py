@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp.web
 import kopf
 import pytest
 from aiohttp.test_utils import TestServer
 
-from memops import kube, permissions
+from memops import kube, permissions, specs
+from memops.controllers import policy
 
 
 @pytest.mark.parametrize(
@@ -84,3 +87,33 @@ async def test_the_client_turns_a_403_into_that_message() -> None:
             await client.close()
     assert raised.value.code == 403
     assert "secrets get in namespace 'dask': needs rbac.schedulerTLS=true" in raised.value.message
+
+
+async def test_a_policy_without_the_secret_permission_says_which_value_it_needs() -> None:
+    """A tls:// policy on a chart installed without rbac.schedulerTLS: a condition, not a crash."""
+
+    async def refuse(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        status = {"kind": "Status", "reason": "Forbidden", "message": 'secrets "tls" is forbidden', "code": 403}
+        return aiohttp.web.json_response(status, status=403)
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/api/v1/namespaces/dask/secrets/tls", refuse)
+    body = kopf.Body({"metadata": {"name": "p", "namespace": "dask", "uid": "u", "generation": 1}, "spec": {}})
+    spec = specs.MemoryPolicySpec.model_validate(
+        {
+            "scheduler": {"address": "tls://dask-scheduler:8786", "tls": {"secretName": "tls"}},
+            "workload": {"kind": "Deployment", "name": "w"},
+        }
+    )
+    status = specs.MemoryPolicyStatus()
+    async with TestServer(app) as server:
+        client = kube.Kube(kopf.ConnectionInfo(server=str(server.make_url("/"))))
+        try:
+            reconciler = policy.Policy(client=client, body=body, logger=logging.getLogger(__name__))
+            assert await reconciler.check_scheduler(spec, status, 1) is None
+        finally:
+            await client.close()
+    [reachable] = status.conditions
+    assert (reachable.type, reachable.status, reachable.reason) == ("SchedulerReachable", "False", "Forbidden")
+    assert reachable.message.startswith("spec.scheduler.tls.secretName: Forbidden: the operator may not secrets get")
+    assert "needs rbac.schedulerTLS=true" in reachable.message
