@@ -24,6 +24,8 @@ import aiohttp
 import kopf
 import yaml
 
+from memops import permissions
+
 Obj = dict[str, Any]
 
 _SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -210,7 +212,12 @@ class Kube:
             # Read as text first: a proxy or a webhook may answer with HTML or plain text.
             text = await response.text(errors="replace") if response.content_length != 0 else ""
             if response.status >= 400:
-                raise _api_error(response.status, response.reason or "", text)
+                error = _api_error(response.status, response.reason or "", text)
+                if response.status == 403:
+                    # Name the missing permission and what grants it: this text reaches conditions.
+                    explained = permissions.explain_forbidden(method, path, error.message)
+                    error = ApiError(error.code, error.reason, explained)
+                raise error
             try:
                 payload = json.loads(text) if text else {}
             except ValueError:
@@ -228,8 +235,12 @@ class Kube:
                 return None
             raise
 
-    async def list(self, path: str, *, label_selector: str | None = None) -> builtins.list[Obj]:
+    async def list(
+        self, path: str, *, label_selector: str | None = None, field_selector: str | None = None
+    ) -> builtins.list[Obj]:
         params = {"labelSelector": label_selector} if label_selector else {}
+        if field_selector:
+            params["fieldSelector"] = field_selector
         items: builtins.list[Obj] = (await self.request("GET", path, params=params)).get("items", [])
         return items
 

@@ -9,19 +9,25 @@ no drift. The hook uses only what ``distributed`` ships (msgpack), so a stock Da
 and speaks to the scheduler through :mod:`memops.daskcomm`'s client, carried as source.
 
 Pure: :func:`plan_injection` builds the JSON-patch-free description of the change, which the
-webhook applies to the pod.
+webhook applies to the pod; :func:`failed_hooks` reads the kubelet's ``FailedPreStopHook``
+events into the policy's status, so that a pod that left undrained is seen.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from memops import daskcomm, specs
 
 ANNOTATION = "memops.dev/safety-net"
+FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
+"""The kubelet's event reason (kubernetes ``pkg/kubelet/events/event.go``) for a preStop hook that failed."""
+FAILED_HOOKS_KEPT = 10
+"""The policy's status lists this many of the latest pods that left with a failed hook."""
 GRACE_MARGIN_SECONDS = 30
 """Beyond the drain's timeout: the worker still has to close after the hook returns."""
 MAX_GRACE_SECONDS = int(specs.parse_duration(specs.MAX_DURATION).total_seconds()) + GRACE_MARGIN_SECONDS
@@ -117,3 +123,43 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
         container.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT]}}
     annotations[ANNOTATION] = policy_name
     return {"spec": pod_spec, "annotations": annotations}
+
+
+def is_workload_pod(pod: str, workload: specs.WorkloadRef) -> bool:
+    """Whether a pod's name is one that the workload's controllers give its pods.
+
+    A pod that is gone can only be recognised by its name. A Deployment's pods are named
+    ``<deployment>-<pod-template-hash>-<suffix>`` (its ReplicaSet is ``<deployment>-<hash>``);
+    dask-kubernetes names a group's worker Deployments ``<group>-worker-<id>``, whose pods add the
+    same two parts. Exactly two (or three) parts after the name: the pods of a Deployment named
+    ``dask-worker-big`` are not ``dask-worker``'s.
+    """
+    name = re.escape(workload.name)
+    if workload.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
+        return re.fullmatch(rf"{name}-worker-[a-z0-9]+-[a-z0-9]+-[a-z0-9]+", pod) is not None
+    return re.fullmatch(rf"{name}-[a-z0-9]+-[a-z0-9]+", pod) is not None
+
+
+def failed_hooks(
+    events: Iterable[Mapping[str, Any]],
+    workload: specs.WorkloadRef,
+    previous: Iterable[specs.FailedHook] = (),
+    limit: int = FAILED_HOOKS_KEPT,
+) -> list[specs.FailedHook]:
+    """The latest ``limit`` failed preStop hooks of the workload's pods, oldest first.
+
+    ``events`` are the namespace's ``FailedPreStopHook`` events (the API server keeps them an
+    hour by default); ``previous`` is what the status listed already, kept after its events expire.
+    """
+    found = {(hook.pod, hook.time): hook for hook in previous}
+    for event in events:
+        involved = event.get("involvedObject") or {}
+        pod = str(involved.get("name", ""))
+        if event.get("reason") != FAILED_PRE_STOP_HOOK or involved.get("kind") != "Pod":
+            continue
+        if not is_workload_pod(pod, workload):
+            continue
+        meta = event.get("metadata") or {}
+        when = str(event.get("lastTimestamp") or event.get("eventTime") or meta.get("creationTimestamp") or "")
+        found.setdefault((pod, when), specs.FailedHook(pod=pod, time=when, message=str(event.get("message", ""))))
+    return sorted(found.values(), key=lambda hook: (hook.time, hook.pod))[-limit:] if limit > 0 else []

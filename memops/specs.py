@@ -580,6 +580,18 @@ class PressureStatus(Model):
     message: str = pydantic.Field(default="", description="Why relief cannot do all it should, in one line.")
 
 
+class FailedHook(Model):
+    pod: str = pydantic.Field(description="The pod whose preStop hook failed: it left without the safety net's drain.")
+    time: str = pydantic.Field(default="", description="When the kubelet reported it (its FailedPreStopHook event).")
+    message: str = pydantic.Field(default="", description="The kubelet's event message.")
+
+
+class SafetyNetStatus(Model):
+    failedHooks: list[FailedHook] = pydantic.Field(
+        default_factory=list, description="The last pods of the workload that left with a failed preStop hook."
+    )
+
+
 class MemoryPolicyStatus(Model):
     replicas: int = pydantic.Field(default=0, description="Workers that exist now.")
     desiredReplicas: int = pydantic.Field(default=0, description="Workers that memops is steering towards.")
@@ -599,6 +611,9 @@ class MemoryPolicyStatus(Model):
     )
     recycle: RecycleStatus | None = pydantic.Field(default=None, description="Workers recycled, and why.")
     pressure: PressureStatus | None = pydantic.Field(default=None, description="What pressure relief did.")
+    safetyNet: SafetyNetStatus | None = pydantic.Field(
+        default=None, description="Pods that left with a failed safety-net hook (the kubelet's events)."
+    )
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 

@@ -30,6 +30,7 @@ from memops import (
     planning,
     recycling,
     retirement,
+    safetynet,
     scaling,
     selectors,
     specs,
@@ -44,6 +45,12 @@ _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
 _MEMORY_REFRESH_SECONDS = 15.0
 """A status change of the memory figures alone is written at most this often (the HPA's sync period)."""
+_HOOK_EVENTS_SECONDS = 15.0
+"""The namespace's FailedPreStopHook events are read at most this often per policy.
+
+One list with a field selector (``reason=FailedPreStopHook``), which the API server filters: far
+cheaper than a watch on every event of the cluster, which Kopf would have to filter itself.
+"""
 _TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
 _MAX_RETRY_SECONDS = 30.0
 _MAX_NAME_LENGTH = 63
@@ -76,6 +83,7 @@ class Policy:
         self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
         self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
+        self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
 
     async def reconcile(self) -> None:
         self.steady = False
@@ -94,7 +102,14 @@ class Policy:
             )
             await self.not_ready(old, status, "InvalidName", message, generation)
             return
-        workload = await self.workload(spec.workload)
+        try:
+            workload = await self.workload(spec.workload)
+        except kube.ApiError as exc:
+            if exc.code != 403:
+                raise
+            # A DaskWorkerGroup without rbac.daskWorkerGroups: the message names the value.
+            await self.not_ready(old, status, "Forbidden", f"spec.workload: {exc.message}", generation)
+            return
         if workload is None:
             message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
             await self.not_ready(old, status, "WorkloadNotFound", message, generation)
@@ -243,6 +258,7 @@ class Policy:
                 message=f"managing {spec.workload.kind} {spec.workload.name!r}",
                 generation=generation,
             )
+        status.safetyNet = await self.safety_net(spec, status.safetyNet)
         await self.write(old, status)
         metrics.policy_observed(
             self.namespace,
@@ -340,12 +356,18 @@ class Policy:
                 )
                 verdict = await self.verify_tenancy(snapshot.workers)
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
+            # The chart grants Secrets only with rbac.schedulerTLS: a 403's message says so.
+            forbidden = isinstance(exc, kube.ApiError) and exc.code == 403
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "SchedulerReachable",
                 False,
-                reason="SchedulerUnreachable" if field == "spec.scheduler.address" else "SecretUnusable",
-                message=f"{field}: {exc}",
+                reason="Forbidden"
+                if forbidden
+                else ("SchedulerUnreachable" if field == "spec.scheduler.address" else "SecretUnusable"),
+                message=f"spec.scheduler.tls.secretName: {exc.message}"
+                if isinstance(exc, kube.ApiError) and forbidden
+                else f"{field}: {exc}",
                 generation=generation,
             )
             return None
@@ -398,6 +420,36 @@ class Policy:
         if not verdict.allowed:
             self.logger.warning("pressure relief left in the scheduler: %s", verdict.message)
         return verdict.allowed
+
+    async def safety_net(
+        self, spec: specs.MemoryPolicySpec, current: specs.SafetyNetStatus | None
+    ) -> specs.SafetyNetStatus | None:
+        """The workload's pods that left with a failed preStop hook, from the kubelet's events.
+
+        Each one new to the status also becomes a Warning event on the policy: such a pod was
+        removed without the safety net's drain.
+        """
+        if time.monotonic() - self.hooks_read < _HOOK_EVENTS_SECONDS:
+            return current
+        path = kube.resource_path("", "v1", "events", self.namespace)
+        try:
+            events = await self.client.list(path, field_selector=f"reason={safetynet.FAILED_PRE_STOP_HOOK}")
+        except kube.ApiError as exc:
+            self.logger.warning("cannot read the FailedPreStopHook events: %s", exc)
+            return current
+        self.hooks_read = time.monotonic()
+        previous = current.failedHooks if current is not None else []
+        hooks = safetynet.failed_hooks(events, spec.workload, previous)
+        for hook in hooks:
+            if hook not in previous:
+                kopf.event(
+                    self.body,
+                    type="Warning",
+                    reason=safetynet.FAILED_PRE_STOP_HOOK,
+                    message=f"pod {hook.pod} left with a failed preStop hook at {hook.time}: the safety net did"
+                    " not drain it, and data held only there may be lost",
+                )
+        return specs.SafetyNetStatus(failedHooks=hooks) if hooks else current
 
     async def create_request(self, spec: specs.MemoryPolicySpec, count: int, generation: int, *, attempt: int) -> None:
         body = {
@@ -548,7 +600,7 @@ class Cache:
         self.indexes = indexes
 
     def of(self, plural: str) -> Any:
-        return self.indexes[_INDEX_NAMES[plural]]
+        return self.indexes[INDEX_NAMES[plural]]
 
 
 def _slim(body: kopf.Body) -> dict[str, Any]:
@@ -557,7 +609,7 @@ def _slim(body: kopf.Body) -> dict[str, Any]:
     return {"metadata": meta, "spec": dict(body.get("spec", {})), "status": dict(body.get("status", {}) or {})}
 
 
-_INDEX_NAMES = {
+INDEX_NAMES = {
     "deployments": "memops_deployments",
     "memorypolicies": "memops_policies",
     "horizontalpodautoscalers": "memops_hpas",
@@ -621,7 +673,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
         stopped: kopf.DaemonStopped,
         **kwargs: Any,
     ) -> None:
-        cache = Cache({name: kwargs[name] for name in _INDEX_NAMES.values()})
+        cache = Cache({name: kwargs[name] for name in INDEX_NAMES.values()})
         reconciler = Policy(client=memo.kube, body=body, logger=logger, cache=cache)
         uid = str(body.metadata.uid)
         waker = memo.policy_wakers.setdefault(uid, asyncio.Event())
