@@ -119,11 +119,14 @@ def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox
         policy["spec"]["scheduler"]["tls"] = {"secretName": "scheduler-tls"}
         mark = audit_length()
         sandbox.apply(policy)
-        reachable = sandbox.wait_for(
-            lambda: (c := condition(sandbox, "secure", "SchedulerReachable")) and c["status"] == "True" and c,
+        # The scheduler has no workers, so the tenancy rule refuses it (NoWorkers): a verdict that
+        # needs its identity, read over TLS with the Secret's certificate (a bad certificate would
+        # leave it SchedulerUnreachable).
+        reached = sandbox.wait_for(
+            lambda: (c := condition(sandbox, "secure", "SchedulerReachable")) and c["reason"] == "NoWorkers" and c,
             what="the TLS scheduler reached with the Secret's certificate",
         )
-        assert reachable["reason"] == "Connected"
+        assert reached["status"] == "False"
         assert ("secrets", "get", "default") in operator_reads(mark)
         before = sandbox.pods()
         sandbox.kubectl("scale", "deployment/dask-worker", f"--replicas={len(before) + 1}")
