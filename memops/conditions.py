@@ -43,6 +43,11 @@ def get_condition(conditions: list[specs.Condition], type_: str) -> specs.Condit
     return next((c for c in conditions if c.type == type_), None)
 
 
+def is_true(conditions: list[specs.Condition], type_: str) -> bool:
+    condition = get_condition(conditions, type_)
+    return condition is not None and condition.status == "True"
+
+
 def with_kstatus(
     conditions: list[specs.Condition],
     *,

@@ -77,6 +77,20 @@ def crd_for(kind: specs.ResourceKind) -> dict[str, Any]:
     spec_schema = structural_schema(kind.spec)
     status_schema = structural_schema(kind.status)
     status_schema.setdefault("description", _description(kind.status))
+    root: dict[str, Any] = {
+        "type": "object",
+        "description": kind.description,
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+    }
+    if kind.validations:
+        root["x-kubernetes-validations"] = [dict(rule) for rule in kind.validations]
     subresources: dict[str, Any] = {"status": {}}
     if kind.scale is not None:
         subresources["scale"] = dict(kind.scale)
@@ -102,20 +116,7 @@ def crd_for(kind: specs.ResourceKind) -> dict[str, Any]:
                     "storage": True,
                     "subresources": subresources,
                     "additionalPrinterColumns": [dict(column) for column in kind.printer_columns],
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": kind.description,
-                            "required": ["spec"],
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": spec_schema,
-                                "status": status_schema,
-                            },
-                        }
-                    },
+                    "schema": {"openAPIV3Schema": root},
                 }
             ],
         },

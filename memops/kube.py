@@ -15,6 +15,7 @@ import json
 import os
 import ssl
 import tempfile
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from typing import Any
 import aiohttp
 import kopf
 import yaml
+
+from memops import permissions
 
 Obj = dict[str, Any]
 
@@ -133,15 +136,43 @@ def resource_path(
     name: str | None = None,
     subresource: str | None = None,
 ) -> str:
-    path = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    """The API path of a collection or an object; every segment is one path segment, always.
+
+    The names come from users' specs, which the CRD schema already restricts to DNS-1123 names;
+    quoting each segment and refusing the empty, ``.`` and ``..`` ones keeps a name from
+    leaving its namespace even if one slips past the schema (an older CRD, a bug).
+    """
+    segments = ["apis", group, version] if group else ["api", version]
     if namespace is not None:
-        path += f"/namespaces/{namespace}"
-    path += f"/{plural}"
+        segments += ["namespaces", namespace]
+    segments.append(plural)
     if name is not None:
-        path += f"/{name}"
+        segments.append(name)
     if subresource is not None:
-        path += f"/{subresource}"
-    return path
+        segments.append(subresource)
+    for segment in segments:
+        if segment in ("", ".", ".."):
+            raise ValueError(f"{segment!r} cannot be a segment of an API path (in {segments!r})")
+    return "/" + "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
+
+
+_ERROR_TEXT_LIMIT = 500
+"""How much of an error body that is not a Kubernetes Status is kept in the ApiError."""
+
+
+def _api_error(status: int, reason: str, text: str) -> ApiError:
+    """The ApiError for an error response: from its Status when the body is one, else from its text."""
+    try:
+        payload = json.loads(text) if text else {}
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict):
+        return ApiError(status, str(payload.get("reason") or reason), str(payload.get("message", "")))
+    return ApiError(status, reason, _truncated(text))
+
+
+def _truncated(text: str) -> str:
+    return text[:_ERROR_TEXT_LIMIT] + ("…" if len(text) > _ERROR_TEXT_LIMIT else "")
 
 
 class Kube:
@@ -178,12 +209,19 @@ class Kube:
             kwargs["data"] = json.dumps(body)
             kwargs["headers"] = {"Content-Type": content_type}
         async with self._session.request(method, path.lstrip("/"), **kwargs) as response:
-            payload = await response.json(content_type=None) if response.content_length != 0 else {}
+            # Read as text first: a proxy or a webhook may answer with HTML or plain text.
+            text = await response.text(errors="replace") if response.content_length != 0 else ""
             if response.status >= 400:
-                payload = payload if isinstance(payload, dict) else {}
-                raise ApiError(
-                    response.status, payload.get("reason", response.reason or ""), payload.get("message", "")
-                )
+                error = _api_error(response.status, response.reason or "", text)
+                if response.status == 403:
+                    # Name the missing permission and what grants it: this text reaches conditions.
+                    explained = permissions.explain_forbidden(method, path, error.message)
+                    error = ApiError(error.code, error.reason, explained)
+                raise error
+            try:
+                payload = json.loads(text) if text else {}
+            except ValueError:
+                raise ApiError(response.status, "InvalidResponse", f"not JSON: {_truncated(text)}") from None
             return payload if isinstance(payload, dict) else {}
 
     async def get(self, path: str, **params: str) -> Obj:
@@ -197,8 +235,12 @@ class Kube:
                 return None
             raise
 
-    async def list(self, path: str, *, label_selector: str | None = None) -> builtins.list[Obj]:
+    async def list(
+        self, path: str, *, label_selector: str | None = None, field_selector: str | None = None
+    ) -> builtins.list[Obj]:
         params = {"labelSelector": label_selector} if label_selector else {}
+        if field_selector:
+            params["fieldSelector"] = field_selector
         items: builtins.list[Obj] = (await self.request("GET", path, params=params)).get("items", [])
         return items
 

@@ -3,13 +3,13 @@
 No I/O and no Dask imports. :mod:`memops.daskrpc` builds a :class:`SchedulerSnapshot` from
 what the scheduler answers; the controllers and the benchmarks call the functions here.
 Keys are Dask's keys as the scheduler sends them (strings, or tuples of them), worker
-addresses are Dask comm addresses, and a
-worker's name is its pod's name (:meth:`SchedulerSnapshot.named_by_pod` makes it so where the
-workers call themselves otherwise, as dask-kubernetes' do).
+addresses are Dask comm addresses. A worker belongs to the pod whose IP its address carries
+(:func:`workers_by_pod`), or failing that to the pod it is named after.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -93,26 +93,100 @@ def holdings(
     return {address: (e[0], e[1], e[2], e[3]) for address, e in result.items()}
 
 
+@dataclass(frozen=True)
+class PodInfo:
+    """What the mapping of workers to pods reads of one pod (:func:`memops.controllers.workloads.pod_info`)."""
+
+    name: str
+    ips: tuple[str, ...] = ()  # status.podIP and status.podIPs
+    worker_names: tuple[str, ...] = ()  # the names its worker may carry: the pod's, DASK_WORKER_NAME
+    phase: str = "Running"
+
+    @property
+    def terminated(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+
+def address_host(address: str) -> str:
+    """The host of a Dask comm address (``tcp://10.0.0.5:8786``, ``tls://[fd00::1]:8786``), as an
+    IP address in its canonical form where it is one, so that two spellings compare equal."""
+    rest = address.split("://", 1)[-1]
+    if rest.startswith("["):
+        host = rest[1:].split("]", 1)[0]
+    else:
+        host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
+    return canonical_ip(host)
+
+
+def canonical_ip(text: str) -> str:
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return text
+
+
+def workers_by_pod(pods: Sequence[PodInfo], workers: Sequence[WorkerInfo]) -> dict[str, tuple[WorkerInfo, ...]]:
+    """Pod name -> the connected workers that run in it; every pod is a key, with () for none.
+
+    A worker belongs to the pod whose IP is its address' host (primary: pod IPs are unique in a
+    cluster, and ``dask worker`` without ``--name``, or with ``--nworkers 2``, names its workers
+    otherwise), else to the pod whose name (or ``DASK_WORKER_NAME``) is the worker's name.
+    Terminated pods own no address: their IP may already be another pod's.
+    """
+    by_ip = {canonical_ip(ip): pod.name for pod in pods if not pod.terminated for ip in pod.ips}
+    by_name = {name: pod.name for pod in pods for name in (pod.name, *pod.worker_names)}
+    found: dict[str, list[WorkerInfo]] = {pod.name: [] for pod in pods}
+    for worker in workers:
+        pod = by_ip.get(address_host(worker.address)) or by_name.get(worker.name)
+        if pod is not None:
+            found[pod].append(worker)
+    return {pod: tuple(ws) for pod, ws in found.items()}
+
+
+def unidentified(pods: Sequence[PodInfo], located: Mapping[str, Sequence[WorkerInfo]]) -> list[str]:
+    """Running pods with no worker memops can identify: they may hold data, so none is "empty"."""
+    return [pod.name for pod in pods if pod.phase == "Running" and not located.get(pod.name)]
+
+
 def choose_workers(
-    pod_names: Sequence[str], snapshot: SchedulerSnapshot, count: int, exclude: Collection[str] = ()
+    pod_names: Sequence[str],
+    snapshot: SchedulerSnapshot,
+    count: int,
+    exclude: Collection[str] = (),
+    *,
+    located: Mapping[str, Sequence[WorkerInfo]] | None = None,
 ) -> list[str]:
     """The ``count`` pods whose retirement costs least.
 
     Pods with no connected worker come first (they hold nothing); then connected workers not
     in the middle of a shuffle before those that are; then fewest unique bytes, then fewest
     managed bytes, then name, so the choice is deterministic. Pods in ``exclude`` (claimed by
-    another request) are never chosen. When fewer candidates than ``count`` exist, all of them
-    are returned and the caller reports it.
+    another request, or Running with no identifiable worker: see :func:`unidentified`) are never
+    chosen. ``located`` maps each pod to its workers (:func:`workers_by_pod`); without it a
+    worker is its pod's by name. A pod with several workers costs their sum. When fewer
+    candidates than ``count`` exist, all of them are returned and the caller reports it.
     """
     if count <= 0:
         return []
     excluded = set(exclude)
 
-    def cost(pod: str) -> tuple[int, bool, int, int, str]:
+    def workers_of(pod: str) -> Sequence[WorkerInfo]:
+        if located is not None:
+            return located.get(pod, ())
         worker = snapshot.by_name(pod)
-        if worker is None:
+        return () if worker is None else (worker,)
+
+    def cost(pod: str) -> tuple[int, bool, int, int, str]:
+        workers = workers_of(pod)
+        if not workers:
             return (0, False, 0, 0, pod)
-        return (1, worker.in_shuffle, worker.unique_bytes, worker.managed_bytes, pod)
+        return (
+            1,
+            any(w.in_shuffle for w in workers),
+            sum(w.unique_bytes for w in workers),
+            sum(w.managed_bytes for w in workers),
+            pod,
+        )
 
     candidates = sorted((p for p in pod_names if p not in excluded), key=cost)
     return candidates[:count]

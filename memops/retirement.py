@@ -38,6 +38,32 @@ def claimed_by_others(pods: Iterable[Mapping[str, object]], me: str) -> set[str]
     return result
 
 
+def entry(pod: str, workers: Sequence[planning.WorkerInfo], *, unknown: bool = False) -> specs.WorkerStatus:
+    """The status of a chosen pod when the drain starts, from the workers that run in it."""
+    if unknown:
+        return specs.WorkerStatus(pod=pod, state=specs.WorkerState.KEPT, message=unidentified_message([pod]))
+    if not workers:
+        return specs.WorkerStatus(
+            pod=pod, state=specs.WorkerState.DRAINING, message="no connected worker: nothing to drain"
+        )
+    return specs.WorkerStatus(
+        pod=pod,
+        address=workers[0].address,
+        addresses=[w.address for w in workers],
+        state=specs.WorkerState.DRAINING,
+        uniqueBytes=sum(w.unique_bytes for w in workers),
+        message="draining",
+    )
+
+
+def unidentified_message(pods: Sequence[str]) -> str:
+    return (
+        f"pods {', '.join(pods)} are Running, but no connected worker has their IP as its address' host or"
+        " their name: memops cannot tell what they hold, so it keeps them (is the worker still starting,"
+        " or does it listen on another address than the pod's IP?)"
+    )
+
+
 def judge_drain(
     workers: Sequence[specs.WorkerStatus],
     *,
@@ -46,16 +72,20 @@ def judge_drain(
     retired: Iterable[str],
     timed_out: bool,
     on_timeout: specs.OnTimeout,
+    located: Mapping[str, Sequence[planning.WorkerInfo]] | None = None,
 ) -> list[specs.WorkerStatus]:
     """Decide each draining worker's fate once the scheduler has answered.
 
-    A pod may be removed once the worker it ran has left the scheduler and whatever runs in
-    the pod now holds no unique data: the scheduler retired the worker (its data moved), or
-    the worker died during the drain (what had not moved died with it, and the status says
-    how much). The pod then stays ``Draining`` until it is gone. A worker that still holds
+    A pod may be removed once the workers it ran have left the scheduler and whatever runs in
+    the pod now holds no unique data: the scheduler retired the workers (their data moved), or
+    they died during the drain (what had not moved died with them, and the status says how
+    much). The pod then stays ``Draining`` until it is gone. A pod whose workers still hold
     unique data is ``Kept``, or with ``onTimeout: Force`` marked ``Forced`` with the bytes its
-    removal loses. ``before`` is the snapshot taken when this process began the drain; after
-    an operator restart it may not know the worker any more, and the status' own figures stand.
+    removal loses. A pod that ran several workers (``--nworkers``) is removable only when all of
+    them are. ``located`` maps each pod to the workers that run in it now
+    (:func:`memops.planning.workers_by_pod` over ``after``); without it a worker is its pod's by
+    name. ``before`` is the snapshot taken when this process began the drain; after an operator
+    restart it may not know the workers any more, and the status' own figures stand.
     """
     retired_set = set(retired)
     result = []
@@ -63,20 +93,30 @@ def judge_drain(
         if worker.state != specs.WorkerState.DRAINING or worker.removable:
             result.append(worker)
             continue
-        current = after.by_name(worker.pod)  # the worker running in this pod now, if any
-        holding = current.unique_bytes if current is not None else 0
-        holding_keys = current.unique_keys if current is not None else 0
-        gone = current is None or current.address != worker.address
+        recorded = tuple(worker.addresses) or ((worker.address,) if worker.address else ())
+        if located is not None:
+            current: Sequence[planning.WorkerInfo] = located.get(worker.pod, ())
+        else:
+            found = after.by_name(worker.pod)
+            current = () if found is None else (found,)
+        holding = sum(c.unique_bytes for c in current)  # what runs in this pod now, if anything
+        holding_keys = sum(c.unique_keys for c in current)
+        gone = not any(c.address in recorded for c in current)
         moved, lost, lost_keys = worker.uniqueBytes, 0, 0
-        if worker.address and before is not None and before.by_address(worker.address) is not None:
-            moved, _ = planning.bytes_moved(before.who_has, after.who_has, before.nbytes, worker.address)
-            lost, lost_keys = planning.bytes_lost(before.who_has, after.who_has, before.nbytes, worker.address)
-        if not worker.address:
+        known = [a for a in recorded if before is not None and before.by_address(a) is not None]
+        if known and before is not None:
+            moved = lost = lost_keys = 0
+            for address in known:
+                moved += planning.bytes_moved(before.who_has, after.who_has, before.nbytes, address)[0]
+                some_bytes, some_keys = planning.bytes_lost(before.who_has, after.who_has, before.nbytes, address)
+                lost += some_bytes
+                lost_keys += some_keys
+        if not recorded:
             update: dict[str, object] = {
                 "removable": True,
                 "message": "no connected worker, nothing to drain; removing its pod",
             }
-        elif gone and holding == 0 and (worker.address in retired_set and lost == 0):
+        elif gone and holding == 0 and (retired_set.issuperset(recorded) and lost == 0):
             update = {
                 "removable": True,
                 "bytesMoved": moved,
@@ -156,8 +196,27 @@ def _why(timed_out: bool) -> str:
 
 
 def to_remove(workers: Sequence[specs.WorkerStatus]) -> list[str]:
-    """Pods whose removal is decided but not yet done."""
-    return [w.pod for w in workers if w.removable and not w.podRemoved]
+    """Pods whose removal is decided but not yet done, each once."""
+    return list(dict.fromkeys(w.pod for w in workers if w.removable and not w.podRemoved))
+
+
+def keep_unfinished(
+    workers: Sequence[specs.WorkerStatus], why: str, *, ordered: Iterable[str] = ()
+) -> list[specs.WorkerStatus]:
+    """The request failed mid-way: every worker still Draining keeps its pod, and says why.
+
+    Pods whose removal was already ordered (``ordered``: the recorded scale-down) are left as
+    they are: they were drained, and the workload's controller removes them anyway.
+    """
+    ordered_set = set(ordered)
+    return [
+        w.model_copy(
+            update={"state": specs.WorkerState.KEPT, "removable": False, "message": f"{w.message}; pod kept: {why}"}
+        )
+        if w.state == specs.WorkerState.DRAINING and not w.podRemoved and w.pod not in ordered_set
+        else w
+        for w in workers
+    ]
 
 
 def keep_blocked(workers: Sequence[specs.WorkerStatus], why: str) -> list[specs.WorkerStatus]:

@@ -9,21 +9,30 @@ no drift. The hook uses only what ``distributed`` ships (msgpack), so a stock Da
 and speaks to the scheduler through :mod:`memops.daskcomm`'s client, carried as source.
 
 Pure: :func:`plan_injection` builds the JSON-patch-free description of the change, which the
-webhook applies to the pod.
+webhook applies to the pod; :func:`failed_hooks` reads the kubelet's ``FailedPreStopHook``
+events into the policy's status, so that a pod that left undrained is seen.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from memops import daskcomm, specs
 
 ANNOTATION = "memops.dev/safety-net"
+FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
+"""The kubelet's event reason (kubernetes ``pkg/kubelet/events/event.go``) for a preStop hook that failed."""
+FAILED_HOOKS_KEPT = 10
+"""The policy's status lists this many of the latest pods that left with a failed hook."""
 GRACE_MARGIN_SECONDS = 30
 """Beyond the drain's timeout: the worker still has to close after the hook returns."""
+MAX_GRACE_SECONDS = int(specs.parse_duration(specs.MAX_DURATION).total_seconds()) + GRACE_MARGIN_SECONDS
+"""The longest grace period the webhook sets: the longest drain timeout a policy may have
+(168h) plus the margin, 604,830 s. A pod that already asks for more keeps its own."""
 
 _PRE_STOP_MAIN = """
 
@@ -76,10 +85,6 @@ Retiring by name finds the worker whatever its address; a worker that memops alr
 simply not found, and one that something is retiring right now is waited for, not retired twice."""
 
 
-def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
 def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
     """For a tls:// scheduler: the policy's client certificate, from its Secret, as the hook's env.
 
@@ -100,7 +105,8 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
     grace period that covers ``drain.timeout``. An existing preStop hook is left alone."""
     annotations = dict(pod.get("metadata", {}).get("annotations") or {})
     pod_spec = copy.deepcopy(dict(pod.get("spec", {})))
-    timeout = int(specs.parse_duration(spec.drain.timeout).total_seconds())
+    # At most MAX_DURATION (the spec's bound, checked again), so the grace is at most MAX_GRACE_SECONDS.
+    timeout = int(specs.parse_duration(spec.drain.timeout, specs.MAX_DURATION).total_seconds())
     grace = max(int(pod_spec.get("terminationGracePeriodSeconds", 30)), timeout + GRACE_MARGIN_SECONDS)
     pod_spec["terminationGracePeriodSeconds"] = grace
     containers = pod_spec.get("containers", [])
@@ -117,3 +123,43 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
         container.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT]}}
     annotations[ANNOTATION] = policy_name
     return {"spec": pod_spec, "annotations": annotations}
+
+
+def is_workload_pod(pod: str, workload: specs.WorkloadRef) -> bool:
+    """Whether a pod's name is one that the workload's controllers give its pods.
+
+    A pod that is gone can only be recognised by its name. A Deployment's pods are named
+    ``<deployment>-<pod-template-hash>-<suffix>`` (its ReplicaSet is ``<deployment>-<hash>``);
+    dask-kubernetes names a group's worker Deployments ``<group>-worker-<id>``, whose pods add the
+    same two parts. Exactly two (or three) parts after the name: the pods of a Deployment named
+    ``dask-worker-big`` are not ``dask-worker``'s.
+    """
+    name = re.escape(workload.name)
+    if workload.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
+        return re.fullmatch(rf"{name}-worker-[a-z0-9]+-[a-z0-9]+-[a-z0-9]+", pod) is not None
+    return re.fullmatch(rf"{name}-[a-z0-9]+-[a-z0-9]+", pod) is not None
+
+
+def failed_hooks(
+    events: Iterable[Mapping[str, Any]],
+    workload: specs.WorkloadRef,
+    previous: Iterable[specs.FailedHook] = (),
+    limit: int = FAILED_HOOKS_KEPT,
+) -> list[specs.FailedHook]:
+    """The latest ``limit`` failed preStop hooks of the workload's pods, oldest first.
+
+    ``events`` are the namespace's ``FailedPreStopHook`` events (the API server keeps them an
+    hour by default); ``previous`` is what the status listed already, kept after its events expire.
+    """
+    found = {(hook.pod, hook.time): hook for hook in previous}
+    for event in events:
+        involved = event.get("involvedObject") or {}
+        pod = str(involved.get("name", ""))
+        if event.get("reason") != FAILED_PRE_STOP_HOOK or involved.get("kind") != "Pod":
+            continue
+        if not is_workload_pod(pod, workload):
+            continue
+        meta = event.get("metadata") or {}
+        when = str(event.get("lastTimestamp") or event.get("eventTime") or meta.get("creationTimestamp") or "")
+        found.setdefault((pod, when), specs.FailedHook(pod=pod, time=when, message=str(event.get("message", ""))))
+    return sorted(found.values(), key=lambda hook: (hook.time, hook.pod))[-limit:] if limit > 0 else []

@@ -42,7 +42,9 @@ AUDIT_LOG_ENV = "MEMOPS_AUDIT_LOG"
 
 
 def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str = "1GiB") -> dict[str, Any]:
-    """The Deployment users would write for Dask workers: the pod name is the worker name."""
+    """The Deployment users would write for Dask workers: the pod name is the worker name, and the
+    worker listens on the pod's IP (as ``dask worker`` does on a cluster, where that is the
+    address on the way to the scheduler), which is how memops tells that it is this pod's."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -63,6 +65,8 @@ def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str =
                                 "$(DASK_SCHEDULER_ADDRESS)",
                                 "--name",
                                 "$(POD_NAME)",
+                                "--host",
+                                "$(POD_IP)",
                                 "--nthreads",
                                 "1",
                                 "--memory-limit",
@@ -74,6 +78,7 @@ def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str =
                             "env": [
                                 {"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address},
                                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                             ],
                         }
                     ],

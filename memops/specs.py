@@ -11,6 +11,7 @@ cannot (cross-field rules beyond ``oneOf``), and those errors name the field too
 
 from __future__ import annotations
 
+import collections
 import datetime
 import enum
 import re
@@ -26,22 +27,97 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 # Go's time.ParseDuration syntax, which is what Kubernetes users write ("10m", "1h30m", "90s").
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+DURATION_MAX_LENGTH = 32
+"""Longer texts are refused before parsing; "167h59m59.999s" is 14 characters."""
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
+MAX_DURATION = "168h"
+"""The longest drain timeout or recycling window: a week. A drain moves data worker to worker at
+tenths of a GiB per second, so one that has not finished in a week never will; the webhook's
+grace period follows the drain timeout, and a week is already far beyond what a node drain
+or a rollout waits for."""
+MAX_AGE = "8760h"
+"""The longest ``recycle.maxAge``: a year. Longer means never, which is written by leaving it out."""
 
-def parse_duration(text: str) -> datetime.timedelta:
-    """Parse a Go-style duration ("10m", "1h30m", "1.5s") into a timedelta."""
-    if not re.fullmatch(DURATION_PATTERN, text):
+
+def parse_duration(text: str, maximum: str | None = None) -> datetime.timedelta:
+    """Parse a Go-style duration ("10m", "1h30m", "1.5s") into a timedelta.
+
+    Raises ValueError, never OverflowError: beyond ``maximum`` (or beyond what a timedelta
+    holds, without one) the text is refused.
+    """
+    if len(text) > DURATION_MAX_LENGTH or not re.fullmatch(DURATION_PATTERN, text):
         raise ValueError(f"{text!r} is not a duration such as 90s, 10m or 1h30m")
     seconds = sum(float(num) * _DURATION_UNITS[unit] for num, unit in _DURATION_PART.findall(text))
+    limit = _seconds(maximum) if maximum is not None else _LARGEST_SECONDS
+    if not seconds <= limit:  # also refuses inf and nan
+        shown = maximum if maximum is not None else f"{_LARGEST_SECONDS:.0f}s"
+        raise ValueError(f"{text!r} is longer than the maximum duration, {shown}")
     return datetime.timedelta(seconds=seconds)
 
 
-Duration = Annotated[
+_LARGEST_SECONDS = 100 * 365 * 86400.0
+"""No duration memops handles is longer than a century: far below timedelta's limit, and adding
+it to today stays far below datetime's year 9999."""
+
+
+def _seconds(text: str) -> float:
+    return sum(float(num) * _DURATION_UNITS[unit] for num, unit in _DURATION_PART.findall(text))
+
+
+def _duration_field(maximum: str) -> Any:
+    """A duration's schema: the pattern, a maxLength and a CEL rule for the API server (Kubernetes
+    1.25 and later; CEL's ``duration()`` reads Go's syntax, which is exactly what the pattern allows)."""
+    return pydantic.Field(
+        pattern=DURATION_PATTERN,
+        max_length=DURATION_MAX_LENGTH,
+        json_schema_extra={
+            "example": "10m",
+            "x-kubernetes-validations": [
+                {"rule": f"duration(self) <= duration('{maximum}')", "message": f"must be at most {maximum}"}
+            ],
+        },
+    )
+
+
+def _at_most(maximum: str) -> pydantic.AfterValidator:
+    """The same bound in pydantic, for the controllers and for API servers without CEL."""
+
+    def check(text: str) -> str:
+        parse_duration(text, maximum)
+        return text
+
+    return pydantic.AfterValidator(check)
+
+
+Duration = Annotated[str, _duration_field(MAX_DURATION), _at_most(MAX_DURATION)]
+"""A drain timeout or a recycling window, at most :data:`MAX_DURATION`."""
+LongDuration = Annotated[str, _duration_field(MAX_AGE), _at_most(MAX_AGE)]
+"""A worker's maximum age, at most :data:`MAX_AGE`."""
+
+
+# Kubernetes' DNS-1123 subdomain: what the API server requires of the names of Pods, Deployments,
+# Secrets and custom resources (DaskWorkerGroups). memops puts these names in API paths, so a name
+# that is not one ("../../kube-system/deployments/coredns") must never get that far.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_SUBDOMAIN_MAX_LENGTH = 253
+
+ObjectName = Annotated[
     str,
-    pydantic.Field(pattern=DURATION_PATTERN, json_schema_extra={"example": "10m"}),
+    pydantic.Field(
+        min_length=1,
+        max_length=DNS_SUBDOMAIN_MAX_LENGTH,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        json_schema_extra={"example": "dask-worker"},
+    ),
 ]
+"""The name of a Kubernetes object in the resource's namespace (a DNS-1123 subdomain)."""
+
+MAX_WORKERS = 1000
+"""The most pods one RetirementRequest may name. The status keeps an entry per worker (a few
+hundred bytes each), and the object must stay well below the API server's 1.5 MiB limit; more
+workers are retired with ``count``, or with several requests."""
 
 
 PERCENT_PATTERN = r"^([0-9]|[1-9][0-9]|100)%$"
@@ -79,8 +155,7 @@ class WorkloadKind(enum.StrEnum):
 class TLSRef(Model):
     """Where the operator finds its client certificate for a tls:// scheduler."""
 
-    secretName: str = pydantic.Field(
-        min_length=1,
+    secretName: ObjectName = pydantic.Field(
         description=(
             "A Secret in the request's namespace with keys ca.crt, tls.crt and tls.key (PEM),"
             " used as the client's certificate authority, certificate and key."
@@ -118,7 +193,7 @@ class WorkloadRef(Model):
             " dask-kubernetes' operator)."
         )
     )
-    name: str = pydantic.Field(min_length=1, description="The workload's name, in the same namespace.")
+    name: ObjectName = pydantic.Field(description="The workload's name, in the same namespace.")
 
 
 class RetirementRequestSpec(Model):
@@ -135,14 +210,23 @@ class RetirementRequestSpec(Model):
             " then the workers whose removal moves the fewest unique bytes. Exclusive with workers."
         ),
     )
-    workers: list[Annotated[str, pydantic.Field(min_length=1)]] | None = pydantic.Field(
+    workers: list[ObjectName] | None = pydantic.Field(
         default=None,
         min_length=1,
-        description="Retire exactly these pods (pod names, which are the Dask worker names). Exclusive with count.",
+        max_length=MAX_WORKERS,
+        description=(
+            "Retire exactly these pods (pod names, which are the Dask worker names), each named once."
+            f" Exclusive with count. At most {MAX_WORKERS}: the status keeps an entry per worker and must stay"
+            " well below the API server's object size limit; retire more with count or several requests."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
     )
     timeout: Duration = pydantic.Field(
         default="10m",
-        description="How long the drain may take, as a duration (90s, 10m, 1h). Counted from the drain's start.",
+        description=(
+            "How long the drain may take, as a duration (90s, 10m, 1h), at most 168h."
+            " Counted from the drain's start."
+        ),
     )
     onTimeout: OnTimeout = pydantic.Field(
         default=OnTimeout.ABORT,
@@ -156,6 +240,15 @@ class RetirementRequestSpec(Model):
     model_config = pydantic.ConfigDict(
         json_schema_extra={"oneOf": [{"required": ["count"]}, {"required": ["workers"]}]}
     )
+
+    @pydantic.field_validator("workers")
+    @classmethod
+    def _each_worker_once(cls, workers: list[str] | None) -> list[str] | None:
+        if workers is not None:
+            repeated = sorted(pod for pod, times in collections.Counter(workers).items() if times > 1)
+            if repeated:
+                raise ValueError(f"each pod may be named once; named more than once: {', '.join(repeated)}")
+        return workers
 
     @pydantic.model_validator(mode="after")
     def _exactly_one_selection(self) -> RetirementRequestSpec:
@@ -197,6 +290,11 @@ class WorkerStatus(Model):
 
     pod: str = pydantic.Field(description="The pod's name, which is the Dask worker's name.")
     address: str = pydantic.Field(default="", description="The worker's Dask address when it was chosen.")
+    addresses: list[str] = pydantic.Field(
+        default_factory=list,
+        description="Every Dask worker the pod ran when it was chosen (dask worker --nworkers N runs several);"
+        " the pod is removed only once all of them are drained.",
+    )
     state: WorkerState = pydantic.Field(
         default=WorkerState.PENDING,
         description=(
@@ -263,7 +361,7 @@ class RetirementRequestStatus(Model):
 class DrainSpec(Model):
     """How a MemoryPolicy drains a worker before its pod is removed."""
 
-    timeout: Duration = pydantic.Field(default="10m", description="How long one drain may take.")
+    timeout: Duration = pydantic.Field(default="10m", description="How long one drain may take, at most 168h.")
     onTimeout: OnTimeout = pydantic.Field(
         default=OnTimeout.ABORT, description="Abort: keep pods that still hold unique data. Force: remove them."
     )
@@ -377,9 +475,11 @@ class RecycleSpec(Model):
         default=None, description="Sustained unmanaged memory."
     )
     growth: GrowthRule | None = pydantic.Field(default=None, description="A steady rise of unmanaged memory.")
-    maxAge: Duration | None = pydantic.Field(
+    maxAge: LongDuration | None = pydantic.Field(
         default=None,
-        description="Recycle workers older than this; each worker's deadline is staggered by up to 10% of it.",
+        description=(
+            "Recycle workers older than this, at most 8760h; each worker's deadline is staggered by up to 10% of it."
+        ),
     )
     maxUnavailable: int = pydantic.Field(default=1, ge=1, description="Workers being recycled at once.")
     surge: int = pydantic.Field(
@@ -589,6 +689,18 @@ class PressureStatus(Model):
     message: str = pydantic.Field(default="", description="Why relief cannot do all it should, in one line.")
 
 
+class FailedHook(Model):
+    pod: str = pydantic.Field(description="The pod whose preStop hook failed: it left without the safety net's drain.")
+    time: str = pydantic.Field(default="", description="When the kubelet reported it (its FailedPreStopHook event).")
+    message: str = pydantic.Field(default="", description="The kubelet's event message.")
+
+
+class SafetyNetStatus(Model):
+    failedHooks: list[FailedHook] = pydantic.Field(
+        default_factory=list, description="The last pods of the workload that left with a failed preStop hook."
+    )
+
+
 class MemoryPolicyStatus(Model):
     replicas: int = pydantic.Field(default=0, description="Workers that exist now.")
     desiredReplicas: int = pydantic.Field(default=0, description="Workers that memops is steering towards.")
@@ -609,6 +721,9 @@ class MemoryPolicyStatus(Model):
     recycle: RecycleStatus | None = pydantic.Field(default=None, description="Workers recycled, and why.")
     pressure: PressureStatus | None = pydantic.Field(default=None, description="What pressure relief did.")
     replication: ReplicationStatus | None = pydantic.Field(default=None, description="Keys against their targets.")
+    safetyNet: SafetyNetStatus | None = pydantic.Field(
+        default=None, description="Pods that left with a failed safety-net hook (the kubelet's events)."
+    )
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 
@@ -626,6 +741,8 @@ class ResourceKind(pydantic.BaseModel):
     status: type[Model]
     printer_columns: tuple[dict[str, Any], ...]
     scale: dict[str, str] | None = None
+    validations: tuple[dict[str, str], ...] = ()
+    """CEL rules on the whole object (``x-kubernetes-validations`` at the schema's root)."""
 
 
 RETIREMENT_REQUEST = ResourceKind(
@@ -676,6 +793,13 @@ MEMORY_POLICY = ResourceKind(
         "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector",
     },
+    # The policy's name is a label value on its RetirementRequests, which Kubernetes caps at 63.
+    validations=(
+        {
+            "rule": "self.metadata.name.size() <= 63",
+            "message": "metadata.name must be at most 63 characters: it labels the policy's RetirementRequests",
+        },
+    ),
 )
 
 KINDS: tuple[ResourceKind, ...] = (RETIREMENT_REQUEST, MEMORY_POLICY)

@@ -10,11 +10,20 @@ relies on, and says where it differs:
   ``$(VAR)`` expansion;
 - status: phase, ``Ready`` and the other pod conditions, ``containerStatuses`` with
   ``restartCount``; ``Ready`` when the process runs, or when its exec readinessProbe passes;
+- each pod its own IP, from :data:`POD_NETWORK`, in ``status.podIP``/``podIPs`` before its
+  container starts (so ``fieldRef: status.podIP`` works, as it does once the CNI has given the
+  sandbox its address); released when the pod is gone, and handed out again only after the
+  rest of the range, as a cluster's IPAM avoids reusing an address at once;
 - ``restartPolicy: Always``: an exited container is restarted, after a back-off (upstream
   starts at 10 s and doubles to 5 min; here 0.5 s to 5 s, so tests do not wait);
-- deletion, as ``killPod`` does it: the ``preStop`` exec hook, then SIGTERM to the
-  container's process group, then SIGKILL when ``deletionGracePeriodSeconds`` run out; then
-  the pod object is removed (the kubelet's final delete with grace period 0).
+- exec hooks and exec probes run as ``kubectl exec`` would run them in the container: with
+  exactly the container's environment, PATH and working directory (:meth:`PodRuntime.exec_options`,
+  the one function that ``_start`` uses too), never the node agent's own;
+- deletion, as ``killContainer`` does it: the ``preStop`` exec hook, then SIGTERM to the
+  container's process group, then SIGKILL when the grace period runs out; then the pod object
+  is removed (the kubelet's final delete with grace period 0). A hook that fails (non-zero exit,
+  or cannot start) is reported as upstream does, and changes nothing else: see
+  :func:`failed_pre_stop_event`.
 
 Each container's output goes to ``RUN_DIR/pods/<namespace>_<name>.log`` and its process id to
 ``…pid``, so that tests can signal a pod's processes the way a crash or an OOM kill would.
@@ -26,6 +35,7 @@ import asyncio
 import base64
 import contextlib
 import datetime
+import ipaddress
 import logging
 import os
 import re
@@ -46,8 +56,64 @@ _FIELD_PATHS: dict[str, Callable[[Obj], str]] = {
     "metadata.namespace": lambda pod: pod["metadata"].get("namespace", ""),
     "metadata.uid": lambda pod: pod["metadata"].get("uid", ""),
     "spec.nodeName": lambda pod: pod.get("spec", {}).get("nodeName", ""),
-    "status.podIP": lambda pod: "127.0.0.1",
+    "status.podIP": lambda pod: str(pod.get("status", {}).get("podIP", "")),
+    "status.podIPs": lambda pod: ",".join(str(e["ip"]) for e in pod.get("status", {}).get("podIPs", [])),
+    "status.hostIP": lambda pod: str(pod.get("status", {}).get("hostIP", "")),
 }
+HOST_IP = "127.0.0.1"
+POD_NETWORK = ipaddress.ip_network("127.1.0.0/16")
+"""Pod IPs: each pod gets its own loopback address (127.0.0.0/8 routes to ``lo`` on Linux), so
+that, as on a cluster, a pod's IP tells it apart from every other pod's."""
+
+
+MINIMUM_GRACE_SECONDS = 2.0
+"""After the preStop hook, the container gets at least this long between SIGTERM and SIGKILL.
+
+Upstream ``killContainer`` (kubernetes ``pkg/kubelet/kuberuntime/kuberuntime_container.go``):
+``gracePeriod = gracePeriod - m.executePreStopHook(...)``, then "always give containers a
+minimal shutdown window to avoid unnecessary SIGKILLs": ``if gracePeriod <
+minimumGracePeriodInSeconds { gracePeriod = minimumGracePeriodInSeconds }`` (2), then
+``StopContainer`` (SIGTERM, and SIGKILL when that runs out). Whether the hook failed plays no part.
+"""
+
+FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
+"""Upstream's event reason (``pkg/kubelet/events/event.go``: ``FailedPreStopHook = "FailedPreStopHook"``)."""
+
+
+def failed_pre_stop_event(pod: Obj, container_name: str, node_name: str, now: str) -> Obj:
+    """The Event the kubelet records when a container's preStop hook fails.
+
+    Upstream ``executePreStopHook`` (``pkg/kubelet/kuberuntime/kuberuntime_container.go``):
+    ``m.recordContainerEvent(pod, containerSpec, containerID.ID, v1.EventTypeWarning,
+    events.FailedPreStopHook, "PreStopHook failed")``, with the comment "do not record the
+    message in the event so that secrets won't leak from the server": the hook's output stays
+    out of the event. ``recordContainerEvent`` refers to the container by the pod plus
+    ``fieldPath: spec.containers{<name>}``; the source is the kubelet on the pod's node.
+    """
+    meta = pod["metadata"]
+    namespace = meta.get("namespace") or "default"
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "namespace": namespace,
+            "name": meta["name"],
+            "uid": meta.get("uid", ""),
+            "fieldPath": f"spec.containers{{{container_name}}}",
+        },
+        "type": "Warning",
+        "reason": FAILED_PRE_STOP_HOOK,
+        "message": "PreStopHook failed",
+        "source": {"component": "kubelet", "host": node_name},
+        "reportingComponent": "kubelet",
+        "reportingInstance": node_name,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
 
 
 def _now() -> str:
@@ -105,12 +171,18 @@ class PodRuntime:
         self.restarts = 0
         self.ready = False
         self.task: asyncio.Task[None] | None = None
+        self.ip = ""
 
     @property
     def files(self) -> Path:
         return self.kubelet.run_dir / "pods" / f"{self.namespace}_{self.name}"
 
     async def run(self) -> None:
+        self.ip = self.kubelet.allocate_ip()
+        # The sandbox's address first, as the kubelet reports it once the CNI has set it up.
+        await self._patch_status(
+            {"phase": "Pending", "hostIP": HOST_IP, "podIP": self.ip, "podIPs": [{"ip": self.ip}]}
+        )
         try:
             container = self.pod["spec"]["containers"][0]
             env = container_env(
@@ -151,14 +223,21 @@ class PodRuntime:
             self.restarts += 1
         await self.terminate(container, env)
 
+    def exec_options(self, env: Mapping[str, str]) -> dict[str, Any]:
+        """How a process runs in this pod's container: the container itself, its exec hooks and
+        its exec probes alike (the kubelet execs hooks and probes inside the container, so they
+        see what the container sees). The environment is the whole of it, and its PATH is what
+        finds the command (``subprocess`` resolves a bare name on the ``env`` it is given)."""
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        container = self.pod["spec"]["containers"][0]
+        return {"env": {**os.environ, **self.kubelet.env, "PATH": path, **env}, "cwd": container.get("workingDir")}
+
     async def _start(self, argv: list[str], env: Mapping[str, str]) -> bool:
         self.files.parent.mkdir(parents=True, exist_ok=True)
-        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        full_env = {**os.environ, **self.kubelet.env, "PATH": path, **env}
         with self.files.with_suffix(".log").open("ab") as log:
             try:
                 self.process = await asyncio.create_subprocess_exec(
-                    *argv, stdout=log, stderr=log, env=full_env, start_new_session=True
+                    *argv, stdout=log, stderr=log, start_new_session=True, **self.exec_options(env)
                 )
             except OSError as exc:
                 await self._patch_status({"phase": "Failed", "reason": "StartError", "message": str(exc)})
@@ -174,13 +253,16 @@ class PodRuntime:
             return
         period = float(container["readinessProbe"].get("periodSeconds", 1))
         while True:
-            result = await asyncio.create_subprocess_exec(
-                *probe["command"],
-                env={**os.environ, **env},
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
-            ready = await result.wait() == 0
+            try:
+                result = await asyncio.create_subprocess_exec(
+                    *probe["command"],
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL,
+                    **self.exec_options(env),
+                )
+                ready = await result.wait() == 0
+            except OSError:
+                ready = False  # a probe command that cannot start fails the probe
             if ready != self.ready:
                 self.ready = ready
                 await self._report(running=True)
@@ -192,17 +274,14 @@ class PodRuntime:
         grace = float(current["metadata"].get("deletionGracePeriodSeconds", 30))
         deadline = asyncio.get_running_loop().time() + grace
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
-        if pre_stop and self._alive():
-            with contextlib.suppress(TimeoutError, OSError):
-                hook = await asyncio.create_subprocess_exec(*pre_stop, env={**os.environ, **env})
-                try:
-                    await asyncio.wait_for(hook.wait(), max(grace, 0.1))
-                except TimeoutError:
-                    hook.kill()
-                    raise
+        if pre_stop and self._alive() and grace > 0:
+            await self._pre_stop(pre_stop, container, env, grace)
         self._signal(signal.SIGTERM)
         if self.process is not None:
-            remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
+            remaining = deadline - asyncio.get_running_loop().time()
+            if pre_stop:
+                remaining = max(remaining, MINIMUM_GRACE_SECONDS)  # upstream's floor after a hook
+            remaining = max(remaining, 0.0)
             try:
                 await asyncio.wait_for(self.process.wait(), remaining)
             except TimeoutError:
@@ -212,6 +291,34 @@ class PodRuntime:
         self.files.with_suffix(".pid").unlink(missing_ok=True)
         with contextlib.suppress(Exception):
             await self.kubelet.store.delete("pods", self.namespace, self.name, grace_period_seconds=0)
+
+    async def _pre_stop(self, command: list[str], container: Obj, env: Mapping[str, str], grace: float) -> None:
+        """Run the hook for at most the grace period; report it if it fails, as the kubelet does.
+
+        A hook that outlives the grace period is abandoned (here: killed) without an event, as
+        upstream's ``executePreStopHook`` stops waiting for it; only an error from the hook's run
+        (it exits non-zero, or cannot be started) becomes a ``FailedPreStopHook`` event.
+        """
+        try:
+            hook = await asyncio.create_subprocess_exec(*command, **self.exec_options(env))
+        except OSError as exc:
+            logger.warning("pod %s/%s: preStop hook could not start: %s", self.namespace, self.name, exc)
+            await self._record_failed_hook(container)
+            return
+        try:
+            code = await asyncio.wait_for(hook.wait(), grace)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                hook.kill()
+            return
+        if code != 0:
+            logger.warning("pod %s/%s: preStop hook exited with %s", self.namespace, self.name, code)
+            await self._record_failed_hook(container)
+
+    async def _record_failed_hook(self, container: Obj) -> None:
+        event = failed_pre_stop_event(self.pod, str(container.get("name", "")), self.kubelet.node_name, _now())
+        with contextlib.suppress(Exception):  # the kubelet's event recorder drops what it cannot send
+            await self.kubelet.store.create("events", event["involvedObject"]["namespace"], event)
 
     def _alive(self) -> bool:
         return self.process is not None and self.process.returncode is None
@@ -229,8 +336,9 @@ class PodRuntime:
         )
         status = {
             "phase": "Running",
-            "hostIP": "127.0.0.1",
-            "podIP": "127.0.0.1",
+            "hostIP": HOST_IP,
+            "podIP": self.ip,
+            "podIPs": [{"ip": self.ip}],
             "startTime": self.pod.get("status", {}).get("startTime") or now,
             "conditions": self._conditions(ready),
             "containerStatuses": [
@@ -275,6 +383,20 @@ class Kubelet:
         self.node_name = node_name
         self.env = dict(env or {})
         self.pods: dict[tuple[str | None, str], PodRuntime] = {}
+        self.ips_in_use: set[str] = set()
+        self._last_ip = 0  # index in POD_NETWORK of the address handed out last
+
+    def allocate_ip(self) -> str:
+        """The next free address of :data:`POD_NETWORK` after the last one handed out."""
+        size = POD_NETWORK.num_addresses - 2  # neither the network nor the broadcast address
+        for step in range(1, size + 1):
+            index = (self._last_ip + step - 1) % size + 1
+            ip = str(POD_NETWORK[index])
+            if ip not in self.ips_in_use:
+                self._last_ip = index
+                self.ips_in_use.add(ip)
+                return ip
+        raise RuntimeError(f"no free pod IP left in {POD_NETWORK}")
 
     async def run(self) -> None:
         events = self.store.watch()
@@ -317,6 +439,7 @@ class Kubelet:
         except Exception:
             logger.exception("pod %s/%s failed in the local kubelet", *key)
         finally:
+            self.ips_in_use.discard(runtime.ip)
             if self.pods.get(key) is runtime:
                 del self.pods[key]
 

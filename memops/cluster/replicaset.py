@@ -4,7 +4,8 @@ Keeps ``spec.replicas`` active pods for every Deployment, creating them from its
 and, on scale-down, deleting the pods that the upstream ReplicaSet controller would delete,
 in its order (:func:`rank_pods_for_deletion`). No ReplicaSet objects are created: the
 Deployment owns its pods directly, which is all memops and its tests observe. It also
-stands in for the garbage collector: pods whose Deployment is gone are deleted.
+stands in for the garbage collector: pods whose Deployment is gone are deleted, and so are
+RetirementRequests whose MemoryPolicy is gone (background propagation, as upstream).
 Used by the sandbox and the tests, through the :class:`memops.cluster.store.Store` protocol.
 """
 
@@ -162,8 +163,19 @@ class DeploymentController:
                 orphans.append(pod)
         for deployment in deployments:
             await self.reconcile(deployment, owned.get(deployment["metadata"]["uid"], []))
+        await self._collect_requests()
         for pod in orphans:
             await self._delete(pod)
+
+    async def _collect_requests(self) -> None:
+        """Delete RetirementRequests whose owning MemoryPolicy no longer exists."""
+        policies = {p["metadata"]["uid"] for p in self.store.list("memorypolicies")}
+        for request in self.store.list("retirementrequests"):
+            meta = request["metadata"]
+            owners = [o["uid"] for o in meta.get("ownerReferences", []) if o.get("kind") == "MemoryPolicy"]
+            if owners and owners[0] not in policies and not meta.get("deletionTimestamp"):
+                with contextlib.suppress(Exception):  # gone meanwhile
+                    await self.store.delete("retirementrequests", meta.get("namespace"), meta["name"])
 
     async def reconcile(self, deployment: Obj, owned: list[Obj]) -> None:
         """Create or delete pods until ``replicas`` are active; ``owned``: the pods it owns."""

@@ -10,6 +10,7 @@ kubectl sends by default, refused).
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -52,6 +53,28 @@ def unknown_fields(value: Any, schema: Mapping[str, Any], path: str = "") -> Ite
     elif isinstance(value, list) and "items" in schema:
         for index, item in enumerate(value):
             yield from unknown_fields(item, schema["items"], f"{path}[{index}]")
+
+
+def duplicates(value: Any, schema: Mapping[str, Any], path: str = "") -> Iterator[tuple[str, str]]:
+    """(field, detail) for each repeated item of an ``x-kubernetes-list-type: set`` list.
+
+    CEL rules (``x-kubernetes-validations``) are not evaluated here; the operator checks the
+    same bounds again with pydantic.
+    """
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub_value in value.items():
+            if name in schema["properties"]:
+                yield from duplicates(sub_value, schema["properties"][name], f"{path}.{name}" if path else name)
+    elif isinstance(value, list) and "items" in schema:
+        if schema.get("x-kubernetes-list-type") == "set":
+            seen: set[str] = set()
+            for index, item in enumerate(value):
+                key = json.dumps(item, sort_keys=True)
+                if key in seen:
+                    yield f"{path}[{index}]", f"Duplicate value: {key}"
+                seen.add(key)
+        for index, item in enumerate(value):
+            yield from duplicates(item, schema["items"], f"{path}[{index}]")
 
 
 def prune(value: Any, schema: dict[str, Any]) -> Any:
@@ -117,8 +140,8 @@ def validate(obj: Obj, schema: dict[str, Any], *, kind: str, group: str, strict:
     body = prune(body, schema)
     validator = jsonschema.Draft7Validator(schema)
     errors = sorted(validator.iter_errors(body), key=lambda e: list(map(str, e.absolute_path)))
-    if errors:
-        described = [_describe(error) for error in errors]
+    described = [_describe(error) for error in errors] + list(duplicates(body, schema))
+    if described:
         name = meta.get("name", "")
         raise ApiError(
             422,

@@ -9,9 +9,11 @@ operator (dask-kubernetes' is one) in the same cluster.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import kopf
 
@@ -21,12 +23,38 @@ from memops.controllers import admission, policy, retirement
 PREFIX = "memops.dev"
 
 
+DIFFBASE_LIMIT = 4096
+"""Bytes of spec that Kopf's diff base keeps verbatim; a larger spec is kept as its digest."""
+
+
+class SpecDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """Kopf's last-handled-configuration annotation, holding the spec only, and at most ~4 KiB.
+
+    Kopf's default copies the object's labels and annotations into the annotation, so a user's
+    200 KB annotation became a 600 KB object, past the API server's 256 KiB cap on
+    annotations (and every patch of Kopf's then failed). memops' handlers react to spec
+    changes only (``refuse-spec-change``, ``field="spec"``), so the spec is all the diff needs;
+    a spec too large to copy (a thousand long pod names) is kept as its SHA-256, which still
+    tells a change, though not what changed.
+    """
+
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None
+    ) -> kopf.BodyEssence:
+        essence: dict[str, Any] = dict(super().build(body=body, extra_fields=extra_fields))
+        essence.pop("metadata", None)
+        spec = essence.get("spec")
+        if spec is not None:
+            text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+            if len(text) > DIFFBASE_LIMIT:
+                essence["spec"] = {"sha256": hashlib.sha256(text.encode()).hexdigest()}
+        return cast(kopf.BodyEssence, essence)
+
+
 def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{PREFIX}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=PREFIX, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = SpecDiffBaseStorage(prefix=PREFIX, key="last-handled-configuration")
     settings.peering.name = "memops"
     settings.peering.mandatory = False
     # Kopf turns handler logs into Kubernetes events from INFO up; memops posts its own
@@ -75,6 +103,7 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
             )
         memo.kube = kube.Kube(kube.load_connection(kubeconfig))
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
+        memo.retirement_daemons = set()  # uids of requests whose daemon runs: see memops.controllers.retirement
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

@@ -6,18 +6,24 @@ ship their own and run ``memops run --webhook-unmanaged`` with a certificate fro
 The handler finds the policy whose workload selects the new pod and applies
 :func:`memops.safetynet.plan_injection`. It ignores its own failures (``failurePolicy: Ignore``):
 an operator that is down must never block pod creation.
+
+A pod creation costs no API request: the policies and Deployments come from the Kopf indexes
+that the policy controller keeps anyway (:mod:`memops.controllers.policy`), and a
+DaskWorkerGroup's pods are recognised by labels made of its name alone. Only the pod's own
+namespace is looked at, so a reply never names another namespace's policy or Secret.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
 import pydantic
 
-from memops import kube, safetynet, specs
-from memops.controllers import workloads
+from memops import safetynet, selectors, specs
+from memops.controllers import policy, workloads
 
 CONFIGURATION = "memops.dev"
 
@@ -39,19 +45,34 @@ def configure(
     settings.admission.managed = CONFIGURATION if managed else None
 
 
-async def policy_for(
-    client: kube.Kube, namespace: str, labels: dict[str, str]
+def policy_for(
+    namespace: str,
+    labels: Mapping[str, str],
+    *,
+    policies: Iterable[Mapping[str, Any]],
+    deployments: Mapping[tuple[str, ...], Iterable[Mapping[str, Any]]],
 ) -> tuple[str, specs.MemoryPolicySpec] | None:
-    """The oldest valid MemoryPolicy in the namespace whose workload selects these labels."""
-    policies = await client.list(kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", namespace))
-    for policy in sorted(policies, key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"])):
+    """The oldest valid MemoryPolicy of ``namespace`` whose workload selects these labels.
+
+    ``policies`` are the namespace's policies and ``deployments`` the Deployments by
+    ``(namespace, name)``, as the policy controller's indexes keep them. A policy of another
+    namespace is never chosen, even if handed in: its Secret could not be the pod's.
+    """
+    mine = [p for p in policies if (p.get("metadata") or {}).get("namespace", namespace) == namespace]
+    for body in sorted(mine, key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"])):
         try:
-            spec = specs.MemoryPolicySpec.model_validate(policy.get("spec", {}))
+            spec = specs.MemoryPolicySpec.model_validate(body.get("spec", {}))
         except pydantic.ValidationError:
             continue
-        workload = await workloads.get(client, namespace, spec.workload)
-        if workload is not None and safetynet.selects(workloads.selector_labels(workload), labels):
-            return str(policy["metadata"]["name"]), spec
+        if spec.workload.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
+            # Its pods carry labels made of the group's name: nothing to read.
+            name = spec.workload.name
+            workload: dict[str, Any] | None = {"kind": spec.workload.kind.value, "metadata": {"name": name}}
+        else:
+            found = list(deployments.get((namespace, spec.workload.name), []))
+            workload = {"kind": "Deployment", **found[0]} if found else None
+        if workload is not None and selectors.matches(workloads.selector_of(workload), labels):
+            return str(body["metadata"]["name"]), spec
     return None
 
 
@@ -60,12 +81,17 @@ def register(registry: kopf.OperatorRegistry) -> None:
     async def inject(
         body: kopf.Body,
         patch: kopf.Patch,
-        memo: kopf.Memo,
         logger: logging.Logger | logging.LoggerAdapter[Any],
-        **_: Any,
+        **kwargs: Any,
     ) -> None:
         namespace = body.metadata.namespace or "default"
-        found = await policy_for(memo.kube, namespace, dict(body.metadata.labels))
+        cache = policy.Cache({name: kwargs[name] for name in policy.INDEX_NAMES.values()})
+        found = policy_for(
+            namespace,
+            dict(body.metadata.labels),
+            policies=cache.of("memorypolicies").get((namespace,), []),
+            deployments=cache.of("deployments"),
+        )
         if found is None:
             return
         name, spec = found

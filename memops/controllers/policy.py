@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import kopf
@@ -29,8 +30,11 @@ from memops import (
     planning,
     recycling,
     retirement,
+    safetynet,
     scaling,
+    selectors,
     specs,
+    tenancy,
     timestamps,
 )
 from memops.controllers import recycle, relief, replication, workloads
@@ -41,7 +45,18 @@ _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
 _MEMORY_REFRESH_SECONDS = 15.0
 """A status change of the memory figures alone is written at most this often (the HPA's sync period)."""
+_HOOK_EVENTS_SECONDS = 15.0
+"""The namespace's FailedPreStopHook events are read at most this often per policy.
+
+One list with a field selector (``reason=FailedPreStopHook``), which the API server filters: far
+cheaper than a watch on every event of the cluster, which Kopf would have to filter itself.
+"""
 _TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
+_MAX_RETRY_SECONDS = 30.0
+_MAX_NAME_LENGTH = 63
+"""A policy's name is a label value on its RetirementRequests (``memops.dev/policy``): 63 characters at most."""
+_TENANCY_RECHECK_SECONDS = 60.0
+"""The workers shown to be pods of the namespace are checked again at least this often."""
 
 
 class Policy:
@@ -66,6 +81,9 @@ class Policy:
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
         self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
+        self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
+        self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
+        self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
 
     async def reconcile(self) -> None:
         self.steady = False
@@ -77,10 +95,30 @@ class Policy:
         except pydantic.ValidationError as exc:
             await self.not_ready(old, status, "InvalidSpec", retirement.explain_invalid(exc), generation)
             return
-        workload = await self.workload(spec.workload)
+        if len(self.name) > _MAX_NAME_LENGTH:
+            message = (
+                f"metadata.name: at most {_MAX_NAME_LENGTH} characters, as it labels the policy's"
+                f" RetirementRequests ({POLICY_LABEL}); this policy does nothing"
+            )
+            await self.not_ready(old, status, "InvalidName", message, generation)
+            return
+        try:
+            workload = await self.workload(spec.workload)
+        except kube.ApiError as exc:
+            if exc.code != 403:
+                raise
+            # A DaskWorkerGroup without rbac.daskWorkerGroups: the message names the value.
+            await self.not_ready(old, status, "Forbidden", f"spec.workload: {exc.message}", generation)
+            return
         if workload is None:
             message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
             await self.not_ready(old, status, "WorkloadNotFound", message, generation)
+            return
+        try:
+            status.selector = workloads.selector(workload)
+        except selectors.InvalidSelector as exc:
+            message = f"spec.workload: {spec.workload.kind} {spec.workload.name!r}: {exc}"
+            await self.not_ready(old, status, "InvalidSelector", message, generation)
             return
         policies = await self.listed("memorypolicies", (self.namespace,))
         older = scaling.competing_policies(dict(self.body), policies)
@@ -183,7 +221,6 @@ class Policy:
             kopf.event(self.body, type="Normal", reason=decision.reason, message=decision.message)
         status.replicas = int(workload.get("status", {}).get("replicas", current))
         status.desiredReplicas = desired
-        status.selector = workloads.selector(workload)
         status.message = decision.message
         if step is not None and step.message and decision.action in (scaling.Action.NONE, scaling.Action.WAIT):
             status.message = step.message
@@ -209,13 +246,13 @@ class Policy:
         if unreachable is not None and unreachable.status == "False":
             # Without the scheduler no scale-down can drain and no memory is known: not Ready.
             status.conditions = conditions.with_kstatus(
-                status.conditions, generation=generation, stalled=("SchedulerUnreachable", unreachable.message)
+                status.conditions, generation=generation, stalled=(unreachable.reason, unreachable.message)
             )
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "Ready",
                 False,
-                reason="SchedulerUnreachable",
+                reason=unreachable.reason,
                 message=unreachable.message,
                 generation=generation,
             )
@@ -233,6 +270,7 @@ class Policy:
                 message=f"managing {spec.workload.kind} {spec.workload.name!r}",
                 generation=generation,
             )
+        status.safetyNet = await self.safety_net(spec, status.safetyNet)
         await self.write(old, status)
         metrics.policy_observed(
             self.namespace,
@@ -309,31 +347,122 @@ class Policy:
         self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
     ) -> planning.SchedulerSnapshot | None:
         """The workers and their memory (no keys: cheap), or None with the reason in a condition."""
+        field = "spec.scheduler.address"
         try:
             security = None
             if spec.scheduler.tls is not None:
+                field = "spec.scheduler.tls.secretName"
                 secret = await self.client.get(
                     kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
                 )
-                security = daskrpc.security_from_secret(secret.get("data", {}))
+                security = daskrpc.security_from_secret(secret.get("data") or {})
+                field = "spec.scheduler.address"
             self.security = security
+            # Identity only (no code sent) until the scheduler is shown to be this namespace's.
             snapshot = await daskrpc.fetch_snapshot(
-                spec.scheduler.address, security=security, keys=False, processing=spec.recycle is not None, timeout=5
+                spec.scheduler.address, security=security, keys=False, processing=False, timeout=5
             )
+            verdict = await self.verify_tenancy(snapshot.workers)
+            if verdict.allowed and spec.recycle is not None:
+                snapshot = await daskrpc.fetch_snapshot(
+                    spec.scheduler.address, security=security, keys=False, processing=True, timeout=5
+                )
+                verdict = await self.verify_tenancy(snapshot.workers)
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
+            # The chart grants Secrets only with rbac.schedulerTLS: a 403's message says so.
+            forbidden = isinstance(exc, kube.ApiError) and exc.code == 403
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "SchedulerReachable",
                 False,
-                reason="SchedulerUnreachable",
-                message=f"spec.scheduler.address: {exc}",
+                reason="Forbidden"
+                if forbidden
+                else ("SchedulerUnreachable" if field == "spec.scheduler.address" else "SecretUnusable"),
+                message=f"spec.scheduler.tls.secretName: {exc.message}"
+                if isinstance(exc, kube.ApiError) and forbidden
+                else f"{field}: {exc}",
+                generation=generation,
+            )
+            return None
+        if not verdict.allowed:
+            # Nothing is read from it or written about it: no memory, no relief, no recycling.
+            status.memory = None
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "SchedulerReachable",
+                False,
+                reason=verdict.reason.value,
+                message=f"spec.scheduler.address: {verdict.message}",
                 generation=generation,
             )
             return None
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
         )
-        return snapshot
+        # Each worker under its pod's name, found by address (status.memory, recycling).
+        return snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
+
+    async def verify_tenancy(self, workers: Sequence[planning.WorkerInfo]) -> tenancy.Verdict:
+        """:func:`memops.tenancy.check` against the namespace's pods, listed only when a worker
+        is not among those the last check showed to be pods here, or that check is old: a
+        listing of the namespace's pods on every pass of every policy would cost more API
+        requests than everything else a policy at rest does."""
+        addresses = {w.address for w in workers}
+        fresh = time.monotonic() - self.tenants_checked < _TENANCY_RECHECK_SECONDS
+        if workers and fresh and addresses <= self.tenants.keys():
+            return tenancy.Verdict(tenancy.Reason.TENANT, "the workers of the last check")
+        pods = await workloads.namespace_pods(self.client, self.namespace)
+        verdict = tenancy.check(workers, pods, self.namespace)
+        located = planning.workers_by_pod(pods, workers) if verdict.allowed else {}
+        self.tenants = {w.address: pod for pod, found in located.items() for w in found}
+        self.tenants_checked = time.monotonic()
+        return verdict
+
+    async def scheduler_is_tenant(self) -> bool:
+        """Whether the scheduler is still this namespace's (identity only), for the goodbye calls."""
+        try:
+            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
+            identity = await daskrpc.fetch_snapshot(
+                spec.scheduler.address, security=self.security, keys=False, processing=False, timeout=5
+            )
+            pods = await workloads.namespace_pods(self.client, self.namespace)
+        except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
+            self.logger.warning("pressure relief left in the scheduler: %s", exc)
+            return False
+        verdict = tenancy.check(identity.workers, pods, self.namespace)
+        if not verdict.allowed:
+            self.logger.warning("pressure relief left in the scheduler: %s", verdict.message)
+        return verdict.allowed
+
+    async def safety_net(
+        self, spec: specs.MemoryPolicySpec, current: specs.SafetyNetStatus | None
+    ) -> specs.SafetyNetStatus | None:
+        """The workload's pods that left with a failed preStop hook, from the kubelet's events.
+
+        Each one new to the status also becomes a Warning event on the policy: such a pod was
+        removed without the safety net's drain.
+        """
+        if time.monotonic() - self.hooks_read < _HOOK_EVENTS_SECONDS:
+            return current
+        path = kube.resource_path("", "v1", "events", self.namespace)
+        try:
+            events = await self.client.list(path, field_selector=f"reason={safetynet.FAILED_PRE_STOP_HOOK}")
+        except kube.ApiError as exc:
+            self.logger.warning("cannot read the FailedPreStopHook events: %s", exc)
+            return current
+        self.hooks_read = time.monotonic()
+        previous = current.failedHooks if current is not None else []
+        hooks = safetynet.failed_hooks(events, spec.workload, previous)
+        for hook in hooks:
+            if hook not in previous:
+                kopf.event(
+                    self.body,
+                    type="Warning",
+                    reason=safetynet.FAILED_PRE_STOP_HOOK,
+                    message=f"pod {hook.pod} left with a failed preStop hook at {hook.time}: the safety net did"
+                    " not drain it, and data held only there may be lost",
+                )
+        return specs.SafetyNetStatus(failedHooks=hooks) if hooks else current
 
     async def create_request(self, spec: specs.MemoryPolicySpec, count: int, generation: int, *, attempt: int) -> None:
         body = {
@@ -372,6 +501,19 @@ class Policy:
         except kube.ApiError as exc:
             if exc.code != 409:
                 raise
+
+    async def report_error(self, exc: Exception) -> None:
+        """A pass failed unexpectedly: the policy is not Ready, and its condition says why."""
+        generation = int(self.body.metadata.get("generation", 1))
+        try:
+            old = specs.MemoryPolicyStatus.model_validate(_own(self.body.get("status")))
+        except pydantic.ValidationError:
+            old = specs.MemoryPolicyStatus()  # unreadable: written afresh
+        status = old.model_copy(deep=True, update={"observedGeneration": generation})
+        try:
+            await self.not_ready(old, status, "InternalError", f"{type(exc).__name__}: {exc}", generation)
+        except Exception as again:  # the status cannot be written either: the next pass tries again
+            self.logger.warning("could not record the failure: %s", again)
 
     async def not_ready(
         self,
@@ -471,7 +613,7 @@ class Cache:
         self.indexes = indexes
 
     def of(self, plural: str) -> Any:
-        return self.indexes[_INDEX_NAMES[plural]]
+        return self.indexes[INDEX_NAMES[plural]]
 
 
 def _slim(body: kopf.Body) -> dict[str, Any]:
@@ -480,7 +622,7 @@ def _slim(body: kopf.Body) -> dict[str, Any]:
     return {"metadata": meta, "spec": dict(body.get("spec", {})), "status": dict(body.get("status", {}) or {})}
 
 
-_INDEX_NAMES = {
+INDEX_NAMES = {
     "deployments": "memops_deployments",
     "memorypolicies": "memops_policies",
     "horizontalpodautoscalers": "memops_hpas",
@@ -544,7 +686,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
         stopped: kopf.DaemonStopped,
         **kwargs: Any,
     ) -> None:
-        cache = Cache({name: kwargs[name] for name in _INDEX_NAMES.values()})
+        cache = Cache({name: kwargs[name] for name in INDEX_NAMES.values()})
         reconciler = Policy(client=memo.kube, body=body, logger=logger, cache=cache)
         uid = str(body.metadata.uid)
         waker = memo.policy_wakers.setdefault(uid, asyncio.Event())
@@ -553,8 +695,10 @@ def register(registry: kopf.OperatorRegistry) -> None:
         finally:
             memo.policy_wakers.pop(uid, None)
             if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
-                await relief.remove(body, security=reconciler.security, logger=logger)
-                await replication.remove(body, security=reconciler.security, logger=logger)
+                if (body.get("status") or {}).get("pressure") and await reconciler.scheduler_is_tenant():
+                    await relief.remove(body, security=reconciler.security, logger=logger)
+                if (body.get("status") or {}).get("replication") and await reconciler.scheduler_is_tenant():
+                    await replication.remove(body, security=reconciler.security, logger=logger)
 
 
 async def _loop(
@@ -565,17 +709,26 @@ async def _loop(
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> None:
     """Reconcile, then wait for a spec change (woken by the policies index) or the idle time."""
+    failures = 0
     while not stopped:
         generation = body.metadata.get("generation")
         try:
             await reconciler.reconcile()
+            failures = 0
         except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
             metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
             logger.warning("will retry: %s", exc)
+        except Exception as exc:  # anything else becomes the policy's condition, never a crash loop
+            failures += 1
+            metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
+            logger.error("will retry: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            await reconciler.report_error(exc)
         # Wake at once when the spec changes (kubectl scale, an HPA, a GitOps commit: Kopf
         # keeps the body current), else every few seconds to follow drains and drift
-        # (every 10 s for a plain policy at rest: see Policy.steady).
+        # (every 10 s for a plain policy at rest: see Policy.steady); after failures in a
+        # row, a little longer each time.
         idle = _STEADY_SECONDS if reconciler.steady else _IDLE_SECONDS
+        idle = min(idle * max(failures, 1), _MAX_RETRY_SECONDS)
         deadline = time.monotonic() + idle
         while not stopped and body.metadata.get("generation") == generation:
             remaining = deadline - time.monotonic()

@@ -56,7 +56,8 @@ def _pod_path(namespace: str, name: str) -> str:
 
 def request_name(policy: str, pod: str, attempt: int) -> str:
     # One name per worker and attempt: a pass repeated after a restart gets 409, not a second request.
-    return f"{policy}-recycle-{pod}-{attempt}"[-253:]
+    # Cut to an object name's 253 characters from the left; a name starts with a letter or digit.
+    return f"{policy}-recycle-{pod}-{attempt}"[-253:].lstrip("-.")
 
 
 def _pod_of(request: Obj) -> str:

@@ -16,12 +16,34 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import conditions, daskrpc, kube, metrics, planning, retirement, specs, timestamps
+from memops import conditions, daskrpc, kube, metrics, planning, retirement, selectors, specs, tenancy, timestamps
 from memops.controllers import workloads
 
 _RETRY_SECONDS = 2.0
+_MAX_RETRY_SECONDS = 30.0  # the wait grows with each failure in a row, up to this
 _RPC_SECONDS = 10.0  # one call to the scheduler; a drain's own wait is bounded by spec.timeout
 _TERMINAL = (specs.Phase.SUCCEEDED, specs.Phase.FAILED)
+
+
+class SecretUnusable(Exception):
+    """The scheduler's TLS Secret is missing, or holds no usable client certificate."""
+
+    def __init__(self, name: str, namespace: str, cause: BaseException):
+        detail = str(cause) if isinstance(cause, kube.ApiError) else f"{type(cause).__name__}: {cause}"
+        super().__init__(
+            f"spec.scheduler.tls.secretName: Secret {name!r} in namespace {namespace} is unusable: {detail}"
+        )
+
+
+def _explain(exc: Exception) -> tuple[str, str, bool]:
+    """(reason, message, transient) for an exception raised by a step."""
+    if isinstance(exc, kube.ApiError):
+        return "ApiError", f"Kubernetes API: {exc}", True
+    if isinstance(exc, daskrpc.SchedulerUnreachable):
+        return "SchedulerUnreachable", f"spec.scheduler.address: {exc}", True
+    if isinstance(exc, SecretUnusable):
+        return "SecretUnusable", str(exc), False
+    return "InternalError", f"{type(exc).__name__}: {exc}", False
 
 
 class Retirement:
@@ -42,20 +64,110 @@ class Retirement:
     async def run(self, stopped: kopf.DaemonStopped) -> None:
         # Read once: from here on this daemon is the status' only writer, so the copy it
         # wrote last is the truth (Kopf's live body may lag behind by a watch event).
-        status = specs.RetirementRequestStatus.model_validate(_own_status(self.body.get("status")))
+        raw = _own_status(self.body.get("status"))
+        try:
+            status = specs.RetirementRequestStatus.model_validate(raw)
+        except pydantic.ValidationError as exc:
+            await self.fail_unreadable(raw, exc, stopped)
+            return
+        failures = 0
         while not stopped:
             if status.phase in _TERMINAL:
                 return
             before = status.model_copy(deep=True)
             try:
                 status = await self.step(status)
-            except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
-                metrics.reconcile_error("RetirementRequest", self.namespace)
-                self.logger.warning("will retry: %s", exc)
+                failures = 0
+            except Exception as exc:  # every failure ends in the status: never a crash loop
+                failures += 1
+                status = await self.trouble(status, exc)
+            else:
+                if conditions.is_true(status.conditions, "Retrying"):
+                    status = await self.recovered(status)
             if status.phase in _TERMINAL:
                 return
-            if status == before:  # no progress: wait before trying again; progress goes on at once
-                await stopped.wait(_RETRY_SECONDS)
+            if failures or status == before:  # no progress: wait before trying again; progress goes on at once
+                await stopped.wait(min(_RETRY_SECONDS * max(failures, 1), _MAX_RETRY_SECONDS))
+
+    async def trouble(
+        self, status: specs.RetirementRequestStatus, exc: Exception
+    ) -> specs.RetirementRequestStatus:
+        """A step raised: say so in a condition and retry; past the deadline, fail (and keep the pods).
+
+        The API server and the scheduler may come back, so their errors are retried for as long
+        as it takes (a drain that already started must still finish its removals); anything
+        else (a missing Secret, a bug) is retried until the request's deadline only.
+        """
+        metrics.reconcile_error("RetirementRequest", self.namespace)
+        reason, message, transient = _explain(exc)
+        if transient:
+            self.logger.warning("will retry: %s", message)
+        else:  # a traceback only for what memops did not foresee
+            self.logger.error(
+                "will retry until the deadline: %s", message, exc_info=exc if reason == "InternalError" else None
+            )
+        generation = status.observedGeneration or int(self.body.metadata.get("generation", 1))
+        try:
+            deadline = self.deadline(status)
+            if not transient and (deadline is None or timestamps.now() >= deadline):
+                return await self.fail(status, reason, f"{message}; gave up at spec.timeout", generation)
+            until = f"; retrying until {timestamps.render(deadline)}" if deadline and not transient else "; retrying"
+            status.conditions = conditions.set_condition(
+                status.conditions, "Retrying", True, reason=reason, message=message + until, generation=generation
+            )
+            await self.write(status)
+        except Exception as again:  # the status cannot be written either: the next attempt tries again
+            self.logger.warning("could not record the failure: %s", again)
+        return status
+
+    async def recovered(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
+        status.conditions = conditions.set_condition(
+            status.conditions, "Retrying", False, reason="Recovered", generation=status.observedGeneration
+        )
+        try:
+            await self.write(status)
+        except Exception as exc:
+            self.logger.warning("could not record the recovery: %s", exc)
+        return status
+
+    def deadline(self, status: specs.RetirementRequestStatus) -> datetime.datetime | None:
+        """The accepted deadline; before the start, creation plus spec.timeout (None if unreadable)."""
+        try:
+            if status.deadline:
+                return timestamps.parse(status.deadline)
+            created = timestamps.parse(str(self.body.metadata["creationTimestamp"]))
+            return created + specs.parse_duration(str(self.body.spec.get("timeout", "10m")), specs.MAX_DURATION)
+        except (KeyError, ValueError):
+            return None
+
+    async def fail_unreadable(
+        self, raw: dict[str, Any], error: pydantic.ValidationError, stopped: kopf.DaemonStopped
+    ) -> None:
+        """A status this operator cannot read (written by another version, or by hand): fail the
+        request, touching no pod. Only phase, message and conditions are written; the rest stays."""
+        if raw.get("phase") in _TERMINAL:
+            return
+        problems = retirement.explain_invalid(error, "status")
+        message = f"the request's status cannot be read, so memops does nothing more: {problems}"
+        generation = int(self.body.metadata.get("generation", 1))
+        failed = conditions.set_condition(
+            [], "Failed", True, reason="InvalidStatus", message=message, generation=generation
+        )
+        patch = {
+            "phase": specs.Phase.FAILED.value,
+            "message": message,
+            "completionTime": timestamps.render(timestamps.now()),
+            "conditions": [c.model_dump(mode="json") for c in failed],
+        }
+        while not stopped:
+            try:
+                await self.client.merge_patch(self.path + "/status", {"status": patch})
+            except Exception as exc:
+                self.logger.warning("could not record the failure: %s", exc)
+                await stopped.wait(_MAX_RETRY_SECONDS)
+            else:
+                kopf.event(self.body, type="Warning", reason="InvalidStatus", message=message)
+                return
 
     async def step(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
         generation = int(self.body.metadata.get("generation", 1))
@@ -86,9 +198,22 @@ class Retirement:
                 f"{spec.workload.name!r} not found in namespace {self.namespace}",
                 generation,
             )
+        try:
+            workloads.selector(workload)
+        except selectors.InvalidSelector as exc:
+            message = f"{spec.workload.kind} {spec.workload.name!r}: {exc}"
+            return await self.fail(status, "InvalidSelector", message, generation)
         security = await self.security(spec)
         try:
             wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
+            # Identity only (no code sent) until the scheduler is shown to be this namespace's.
+            identity = await daskrpc.fetch_snapshot(
+                spec.scheduler.address, security=security, keys=False, processing=False, timeout=wait
+            )
+            namespace_pods = await workloads.namespace_pods(self.client, self.namespace)
+            verdict = tenancy.check(identity.workers, namespace_pods, self.namespace)
+            if not verdict.allowed:
+                return await self.refuse_scheduler(status, verdict, deadline, generation)
             snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security, timeout=wait)
         except daskrpc.SchedulerMisbehaved as exc:  # not a Dask scheduler, or a hostile one: never retried
             return await self.fail(status, "SchedulerMisbehaved", f"spec.scheduler.address: {exc}", generation)
@@ -105,9 +230,16 @@ class Retirement:
                 return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
             await self.write(status)
             return status
+        # A worker that joined between the two calls is checked too: nothing is written about
+        # a scheduler that has a foreign worker now.
+        verdict = tenancy.check(snapshot.workers, namespace_pods, self.namespace)
+        if not verdict.allowed:
+            return await self.refuse_scheduler(status, verdict, deadline, generation)
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         pod_names = [p["metadata"]["name"] for p in pods]
-        snapshot = snapshot.named_by_pod(workloads.worker_names(pods))
+        infos = [workloads.pod_info(p) for p in pods]
+        located = planning.workers_by_pod(infos, snapshot.workers)
+        unknown = planning.unidentified(infos, located)
         taken = retirement.claimed_by_others(pods, self.name)
         if spec.workers is not None:
             for index, pod in enumerate(spec.workers):
@@ -126,15 +258,27 @@ class Retirement:
                         f"spec.workers[{index}]: pod {pod!r} is already being retired by another RetirementRequest",
                         generation,
                     )
-            chosen = list(spec.workers)
+            chosen = list(dict.fromkeys(spec.workers))  # a set, whatever let a repeat through
         else:
             assert spec.count is not None
             with metrics.deciding("choose_workers"):
-                chosen = planning.choose_workers(pod_names, snapshot, spec.count, exclude=taken)
-        if not chosen:
-            return await self.fail(
-                status, "NoWorkers", "no worker could be chosen: every pod is taken or none exists", generation
+                chosen = planning.choose_workers(
+                    pod_names, snapshot, spec.count, exclude=taken | set(unknown), located=located
+                )
+        if unknown:
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "WorkersUnidentified",
+                True,
+                reason="NoWorkerAtPodAddress",
+                message=retirement.unidentified_message(unknown),
+                generation=generation,
             )
+        if not chosen:
+            message = "no worker could be chosen: every pod is taken or none exists"
+            if unknown:
+                message += f"; {retirement.unidentified_message(unknown)}"
+            return await self.fail(status, "NoWorkers", message, generation)
         for pod_object in pods:
             if pod_object["metadata"]["name"] in chosen:
                 await workloads.claim_pod(self.client, pod_object, self.name)  # 409/422: another request won; retry
@@ -148,7 +292,7 @@ class Retirement:
                 "onTimeout": spec.onTimeout,
                 "acceptedSpec": spec,
                 "requested": spec.count if spec.count is not None else len(chosen),
-                "workers": [self._entry(pod, snapshot) for pod in chosen],
+                "workers": [retirement.entry(pod, located.get(pod, ()), unknown=pod in unknown) for pod in chosen],
             }
         )
         status.conditions = conditions.set_condition(
@@ -172,20 +316,29 @@ class Retirement:
         )
         return status
 
-    @staticmethod
-    def _entry(pod: str, snapshot: planning.SchedulerSnapshot) -> specs.WorkerStatus:
-        worker = snapshot.by_name(pod)
-        if worker is None:
-            return specs.WorkerStatus(
-                pod=pod, state=specs.WorkerState.DRAINING, message="no connected worker: nothing to drain"
-            )
-        return specs.WorkerStatus(
-            pod=pod,
-            address=worker.address,
-            state=specs.WorkerState.DRAINING,
-            uniqueBytes=worker.unique_bytes,
-            message="draining",
+    async def refuse_scheduler(
+        self,
+        status: specs.RetirementRequestStatus,
+        verdict: tenancy.Verdict,
+        deadline: datetime.datetime,
+        generation: int,
+    ) -> specs.RetirementRequestStatus:
+        """The scheduler is not shown to be this namespace's: nothing is asked of it or written
+        about it. Retried until the deadline, as an unreachable scheduler is (a worker may be
+        joining, or its pod just gone), then Failed."""
+        status.conditions = conditions.set_condition(
+            status.conditions,
+            "SchedulerReachable",
+            False,
+            reason=verdict.reason.value,
+            message=f"spec.scheduler.address: {verdict.message}; retrying until {timestamps.render(deadline)}",
+            generation=generation,
         )
+        if timestamps.now() >= deadline:
+            message = f"spec.scheduler.address: {verdict.message}"
+            return await self.fail(status, verdict.reason.value, message, generation)
+        await self.write(status)
+        return status
 
     # -- draining -------------------------------------------------------------------------------
 
@@ -215,7 +368,14 @@ class Retirement:
         on_timeout: specs.OnTimeout,
     ) -> specs.RetirementRequestStatus:
         try:
-            addresses = [w.address for w in draining if w.address]
+            identity = await daskrpc.fetch_snapshot(
+                address, security=security, keys=False, processing=False, timeout=_RPC_SECONDS
+            )
+            namespace_pods = await workloads.namespace_pods(self.client, self.namespace)
+            verdict = tenancy.check(identity.workers, namespace_pods, self.namespace)
+            if not verdict.allowed:
+                return await self.refuse_drain(status, verdict, deadline, on_timeout)
+            addresses = [a for w in draining for a in (w.addresses or ([w.address] if w.address else []))]
             if self.before is None:
                 # Who holds each key of these workers now, to tell afterwards what moved.
                 self.before = await daskrpc.fetch_snapshot(
@@ -248,6 +408,7 @@ class Retirement:
             retired=outcome.retired,
             timed_out=outcome.timed_out,
             on_timeout=on_timeout,
+            located=planning.workers_by_pod(namespace_pods, after.workers),
         )
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration
@@ -258,6 +419,31 @@ class Retirement:
                 kopf.event(self.body, type="Warning", reason="WorkerKept", message=f"{worker.pod}: {worker.message}")
             elif worker.state == specs.WorkerState.FORCED:
                 kopf.event(self.body, type="Warning", reason="WorkerForced", message=f"{worker.pod}: {worker.message}")
+        return status
+
+    async def refuse_drain(
+        self,
+        status: specs.RetirementRequestStatus,
+        verdict: tenancy.Verdict,
+        deadline: datetime.datetime,
+        on_timeout: specs.OnTimeout,
+    ) -> specs.RetirementRequestStatus:
+        """The scheduler stopped being shown as this namespace's mid-drain: retire nothing there;
+        at the deadline judge the pods as with an unreachable scheduler."""
+        if timestamps.now() < deadline:
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "SchedulerReachable",
+                False,
+                reason=verdict.reason.value,
+                message=f"{verdict.message}; retrying until {status.deadline}",
+                generation=status.observedGeneration,
+            )
+        else:
+            status.workers = retirement.judge_unreachable(
+                status.workers, on_timeout=on_timeout, reason=verdict.message
+            )
+        await self.write(status)
         return status
 
     async def remove(
@@ -289,6 +475,20 @@ class Retirement:
                 )
                 await self.write(status)
                 return status
+            try:
+                deployments = await workloads.worker_deployments(self.client, self.namespace, workload_ref, pods)
+            except workloads.ForeignDeployment as exc:
+                status.workers = retirement.keep_blocked(status.workers, f"waiting: {exc}")
+                status.conditions = conditions.set_condition(
+                    status.conditions,
+                    "Draining",
+                    True,
+                    reason="ForeignDeployment",
+                    message=f"refused to delete: {exc}",
+                    generation=status.observedGeneration,
+                )
+                await self.write(status)
+                return status
             await workloads.mark_for_deletion(self.client, self.namespace, workload_ref, pods)
             replicas = await workloads.replicas(self.client, self.namespace, workload_ref)
             # Recorded before the scale-down is ordered: a restarted operator must not lower it twice.
@@ -296,7 +496,7 @@ class Retirement:
                 pods=pods,
                 replicasFrom=replicas,
                 replicasTo=max(replicas - len(pods), 0),
-                deployments=await workloads.worker_deployments(self.client, self.namespace, workload_ref, pods),
+                deployments=deployments,
             )
             await self.write(status)
         assert status.scaleDown is not None
@@ -338,7 +538,11 @@ class Retirement:
                 generation=status.observedGeneration,
             )
         await workloads.release_claims(
-            self.client, self.namespace, [w.pod for w in status.workers if not w.podRemoved], self.name
+            self.client,
+            self.namespace,
+            [w.pod for w in status.workers if not w.podRemoved],
+            self.name,
+            keep_cost=status.scaleDown.pods if status.scaleDown is not None else (),
         )
         await self.write(status)
         metrics.drain_finished(
@@ -358,18 +562,27 @@ class Retirement:
     async def fail(
         self, status: specs.RetirementRequestStatus, reason: str, message: str, generation: int
     ) -> specs.RetirementRequestStatus:
+        ordered = set(status.scaleDown.pods) if status.scaleDown is not None else set()
         status = status.model_copy(
             update={
                 "phase": specs.Phase.FAILED,
                 "message": message,
                 "observedGeneration": generation,
                 "completionTime": timestamps.render(timestamps.now()),
+                # A drain that had started: every pod whose removal was not ordered is kept.
+                "workers": retirement.keep_unfinished(status.workers, f"{reason}: {message}", ordered=ordered),
             }
         )
         status.conditions = conditions.set_condition(
             status.conditions, "Failed", True, reason=reason, message=message, generation=generation
         )
         await self.write(status)
+        kept = [w.pod for w in status.workers if w.state == specs.WorkerState.KEPT]
+        if kept:
+            try:
+                await workloads.release_claims(self.client, self.namespace, kept, self.name)
+            except kube.ApiError as exc:  # the request is Failed already; a stale claim only blocks others
+                self.logger.warning("could not release the claims on %s: %s", ", ".join(kept), exc)
         metrics.drain_finished(self.namespace, status, reason, _seconds(status.startTime, status.completionTime))
         kopf.event(self.body, type="Warning", reason=reason, message=message)
         return status
@@ -394,10 +607,18 @@ class Retirement:
     async def security(self, spec: specs.RetirementRequestSpec) -> Any:
         if spec.scheduler.tls is None:
             return None
-        secret = await self.client.get(
-            kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
-        )
-        return daskrpc.security_from_secret(secret.get("data", {}))
+        name = spec.scheduler.tls.secretName
+        try:
+            secret = await self.client.get(kube.resource_path("", "v1", "secrets", self.namespace, name))
+            security: Any = daskrpc.security_from_secret(secret.get("data") or {})
+            security.get_connection_args("client")  # loads the certificates: a broken one fails here
+        except kube.ApiError as exc:
+            if exc.code not in (401, 403, 404):
+                raise  # the API server's own trouble: retried as any other
+            raise SecretUnusable(name, self.namespace, exc) from exc
+        except Exception as exc:
+            raise SecretUnusable(name, self.namespace, exc) from exc
+        return security
 
     async def write(self, status: specs.RetirementRequestStatus) -> None:
         status.conditions = conditions.request_summary(status)
@@ -452,4 +673,29 @@ def register(registry: kopf.OperatorRegistry) -> None:
         stopped: kopf.DaemonStopped,
         **_: Any,
     ) -> None:
-        await Retirement(client=memo.kube, body=body, logger=logger).run(stopped)
+        uid = str(body.metadata.uid)
+        memo.retirement_daemons.add(uid)
+        try:
+            await Retirement(client=memo.kube, body=body, logger=logger).run(stopped)
+        finally:
+            memo.retirement_daemons.discard(uid)
+
+    # The finalizer step: a request deleted mid-drain (or with its policy) gives its pods back,
+    # so that another request can choose them and the ReplicaSet no longer ranks them first.
+    @kopf.on.delete(specs.GROUP, specs.VERSION, "retirementrequests", registry=registry, id="release-claims")
+    async def release_claims(
+        body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any
+    ) -> None:
+        if str(body.metadata.uid) in memo.retirement_daemons:
+            # Released after the daemon has stopped: it could otherwise claim a pod after this.
+            raise kopf.TemporaryError("waiting for the request's drain to stop", delay=1)
+        status = specs.RetirementRequestStatus.model_validate(_own_status(body.get("status")))
+        released = await workloads.release_claims(
+            memo.kube,
+            str(body.metadata.namespace),
+            None,
+            str(body.metadata.name),
+            keep_cost=status.scaleDown.pods if status.scaleDown is not None else (),
+        )
+        if released:
+            logger.info("released the claim on pods %s", ", ".join(released))

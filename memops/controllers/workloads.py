@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from typing import Any
 
-from memops import kube, retirement, specs
+from memops import kube, planning, retirement, selectors, specs
 
 Obj = dict[str, Any]
 
@@ -60,16 +61,23 @@ def replicas_of(workload: Obj) -> int:
     return int(spec.get("replicas", 1))
 
 
-def selector_labels(workload: Obj) -> dict[str, str]:
-    """The labels that select the workload's worker pods."""
+def selector_of(workload: Obj) -> Any:
+    """The LabelSelector of the workload's worker pods, as the workload writes it."""
     if _is_group(workload):
         # The labels dask-kubernetes puts on every worker Deployment and its pods.
-        return {"dask.org/component": "worker", "dask.org/workergroup-name": str(workload["metadata"]["name"])}
-    return dict(workload.get("spec", {}).get("selector", {}).get("matchLabels", {}))
+        return {
+            "matchLabels": {
+                "dask.org/component": "worker",
+                "dask.org/workergroup-name": str(workload["metadata"]["name"]),
+            }
+        }
+    return workload.get("spec", {}).get("selector")
 
 
 def selector(workload: Obj) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(workload).items()))
+    """The selector as a ``labelSelector``; raises :class:`memops.selectors.InvalidSelector`
+    for an empty or missing one, which memops never reads as "every pod"."""
+    return selectors.render(selector_of(workload))
 
 
 def worker_names(pods: list[Obj]) -> dict[str, str]:
@@ -85,6 +93,24 @@ def worker_names(pods: list[Obj]) -> dict[str, str]:
                 if variable.get("name") == WORKER_NAME_ENV and variable.get("value"):
                     names[str(variable["value"])] = str(pod["metadata"]["name"])
     return names
+
+
+def pod_info(pod: Obj) -> planning.PodInfo:
+    """What :func:`memops.planning.workers_by_pod` and :func:`memops.tenancy.check` read of a pod."""
+    status = pod.get("status") or {}
+    ips = [str(status["podIP"])] if status.get("podIP") else []
+    ips += [str(entry["ip"]) for entry in status.get("podIPs") or [] if entry.get("ip")]
+    return planning.PodInfo(
+        name=str(pod["metadata"]["name"]),
+        ips=tuple(dict.fromkeys(ips)),
+        worker_names=tuple(worker_names([pod])),
+        phase=str(status.get("phase", "Pending")),
+    )
+
+
+async def namespace_pods(client: kube.Kube, namespace: str) -> list[planning.PodInfo]:
+    """Every pod of the namespace, for the tenancy check (:mod:`memops.tenancy`)."""
+    return [pod_info(p) for p in await client.list(kube.resource_path("", "v1", "pods", namespace))]
 
 
 async def owning_deployment(client: kube.Kube, pod: Obj) -> str | None:
@@ -131,14 +157,33 @@ async def claim_pod(client: kube.Kube, pod: Obj, request: str) -> None:
     await client.json_patch(_pod_path(meta["namespace"], meta["name"]), operations)
 
 
-async def release_claims(client: kube.Kube, namespace: str, names: list[str], request: str) -> None:
-    for name in names:
-        pod = await client.get_or_none(_pod_path(namespace, name))
-        annotations = (pod or {}).get("metadata", {}).get("annotations") or {}
-        if annotations.get(retirement.CLAIM_ANNOTATION) == request:
-            await client.merge_patch(
-                _pod_path(namespace, name), {"metadata": {"annotations": {retirement.CLAIM_ANNOTATION: None}}}
-            )
+async def release_claims(
+    client: kube.Kube, namespace: str, names: list[str] | None, request: str, *, keep_cost: Collection[str] = ()
+) -> list[str]:
+    """Take this request's claim off these pods (``None``: every pod it claimed), and the lowest
+    deletion cost it set with it, except on ``keep_cost`` (pods whose scale-down is ordered).
+    Idempotent; returns the pods released."""
+    if names is None:
+        listed = await client.list(kube.resource_path("", "v1", "pods", namespace))
+        claimed = [p for p in listed if (p["metadata"].get("annotations") or {}).get(retirement.CLAIM_ANNOTATION)]
+    else:
+        claimed = [p for p in [await client.get_or_none(_pod_path(namespace, n)) for n in names] if p is not None]
+    released = []
+    for pod in claimed:
+        name = str(pod["metadata"]["name"])
+        annotations = pod["metadata"].get("annotations") or {}
+        if annotations.get(retirement.CLAIM_ANNOTATION) != request:
+            continue
+        change: dict[str, str | None] = {retirement.CLAIM_ANNOTATION: None}
+        if name not in keep_cost and annotations.get(retirement.POD_DELETION_COST) == retirement.LOWEST_DELETION_COST:
+            change[retirement.POD_DELETION_COST] = None
+        try:
+            await client.merge_patch(_pod_path(namespace, name), {"metadata": {"annotations": change}})
+        except kube.ApiError as exc:
+            if exc.code != 404:  # gone meanwhile: nothing left to release
+                raise
+        released.append(name)
+    return released
 
 
 def _ready(pod: Obj) -> bool:
@@ -178,15 +223,48 @@ async def replicas(client: kube.Kube, namespace: str, ref: specs.WorkloadRef) ->
     return int(scale.get("spec", {}).get("replicas", 0))
 
 
+class ForeignDeployment(Exception):
+    """A pod's owning Deployment is not a worker Deployment of the group memops was asked about."""
+
+
+def foreign_deployment(deployment: Obj | None, group: Obj) -> str | None:
+    """Why this Deployment is not one of the group's worker Deployments, or None if it is.
+
+    dask-kubernetes labels each worker Deployment with its group and cluster; a pod's
+    ownerReferences name a Deployment, but only these labels say that it is the group's.
+    """
+    if deployment is None:
+        return None  # gone already: nothing will be deleted
+    name = deployment["metadata"]["name"]
+    labels = deployment["metadata"].get("labels") or {}
+    wanted = {
+        "dask.org/workergroup-name": str(group["metadata"]["name"]),
+        "dask.org/cluster-name": str(group.get("spec", {}).get("cluster", "")),
+    }
+    wrong = [f"{k}={labels.get(k)!r} (want {v!r})" for k, v in wanted.items() if labels.get(k) != v]
+    if wrong:
+        group_name = wanted["dask.org/workergroup-name"]
+        return f"Deployment {name!r} is not a worker Deployment of DaskWorkerGroup {group_name!r}: {', '.join(wrong)}"
+    return None
+
+
 async def worker_deployments(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, pods: list[str]) -> list[str]:
-    """DaskWorkerGroup: the worker Deployments of these pods (none for a Deployment workload)."""
+    """DaskWorkerGroup: the worker Deployments of these pods (none for a Deployment workload).
+
+    Raises :class:`ForeignDeployment` if an owning Deployment does not carry the group's labels:
+    memops deletes only Deployments that belong to the group it was asked about.
+    """
     if ref.kind != specs.WorkloadKind.DASK_WORKER_GROUP:
         return []
+    group = await client.get(_path(namespace, ref))
     found = []
     for name in pods:
         pod = await client.get_or_none(_pod_path(namespace, name))
         deployment = await owning_deployment(client, pod) if pod is not None else None
         if deployment is not None:
+            why = foreign_deployment(await client.get_or_none(_deployment_path(namespace, deployment)), group)
+            if why is not None:
+                raise ForeignDeployment(f"pod {name}: {why}")
             found.append(deployment)
     return found
 

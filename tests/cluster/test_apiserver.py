@@ -343,3 +343,26 @@ async def test_discovery_answers_with_a_trailing_slash(api: Any, path: str) -> N
     async with http.get(path) as response:
         assert response.status == 200
         assert await response.json()
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "detail"),
+    [
+        pytest.param({"workers": ["p", "q", "p"]}, "spec.workers[2]", 'Duplicate value: "p"', id="set"),
+        pytest.param(
+            {"count": 1, "workload": {"kind": "Deployment", "name": "../../kube-system/deployments/coredns"}},
+            "spec.workload.name",
+            "should match",
+            id="name",
+        ),
+    ],
+)
+async def test_names_and_sets_are_refused_naming_the_field(
+    api: Any, spec: dict[str, Any], field: str, detail: str
+) -> None:
+    _, http = api
+    body = request_body(**spec)
+    async with http.post(RR, json=body) as response:
+        assert response.status == 422
+        causes = (await response.json())["details"]["causes"]
+    assert any(c["field"] == field and detail in c["message"] for c in causes), causes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import sys
 import time
@@ -162,3 +163,120 @@ def test_env_from_a_secret_key_is_decoded_and_a_missing_key_fails_the_start() ->
     missing = {"env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "tls", "key": "tls.key"}}}]}
     with pytest.raises(ValueError, match=r"has no key 'tls\.key'"):
         kubelet.container_env(pod, missing, lambda name: secret)
+
+
+async def test_each_pod_gets_its_own_ip_before_its_container_starts(node: Any, tmp_path: Path) -> None:
+    """As on a cluster: status.podIP is set before the container runs (fieldRef status.podIP
+    sees it), two pods never share one, and a deleted pod's IP is not handed out again at once."""
+    store, local = node
+    serve = (
+        "import os,socket,time; s=socket.socket(); s.bind((os.environ['IP'], 0)); s.listen();"
+        " print('bound', os.environ['IP'], flush=True); time.sleep(60)"
+    )
+    ip_env = {"env": [{"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}
+    for name in ("a", "b"):
+        await store.create("pods", "default", python_pod(name, serve, container=ip_env))
+    ips = {}
+    for name in ("a", "b"):
+        log = tmp_path / "pods" / f"default_{name}.log"
+        await wait_for(lambda: log.exists() and "bound" in log.read_text())  # noqa: B023
+        pod = store.get("pods", "default", name)
+        ips[name] = pod["status"]["podIP"]
+        assert pod["status"]["podIPs"] == [{"ip": ips[name]}]
+        assert f"bound {ips[name]}" in log.read_text(), "the container listened on its own pod IP"
+    assert ips["a"] != ips["b"] and all(ip.startswith("127.1.") for ip in ips.values())
+    await store.delete("pods", "default", "a", grace_period_seconds=0)
+    await wait_for(lambda: ips["a"] not in local.ips_in_use)
+    assert local.allocate_ip() not in ips.values()
+
+
+@pytest.fixture
+async def node_with_env(tmp_path: Path) -> AsyncIterator[tuple[memstore.MemoryStore, kubelet.Kubelet]]:
+    """A node whose containers get an environment of their own (as an image's ENV would give)."""
+    store = memstore.MemoryStore()
+    for kind in BUILTIN_KINDS:
+        store.register(kind)
+    local = kubelet.Kubelet(store, run_dir=tmp_path, env={"FROM_THE_IMAGE": "only-in-the-container"})
+    task = asyncio.create_task(local.run())
+    yield store, local
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def dump_env(path: Path) -> str:
+    return f"import json,os; open({str(path)!r}, 'w').write(json.dumps(dict(os.environ)))"
+
+
+async def test_prestop_hook_and_probe_run_with_exactly_the_containers_environment(
+    node_with_env: Any, tmp_path: Path
+) -> None:
+    """The hook execs in the container: same variables, same PATH (so a bare ``python`` is the
+    container's), not the node agent's environment."""
+    store, _ = node_with_env
+    container_env, hook_env = tmp_path / "container.json", tmp_path / "hook.json"
+    body = python_pod(
+        "p",
+        dump_env(container_env) + "; import time; time.sleep(60)",
+        terminationGracePeriodSeconds=5,
+        container={
+            # A bare name, resolved on the container's PATH; the probe passes only where the
+            # container's own variable is set.
+            "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", dump_env(hook_env)]}}},
+            "readinessProbe": {
+                "exec": {"command": ["python", "-c", "import os; assert os.environ['FROM_THE_IMAGE']"]},
+                "periodSeconds": 0.2,
+            },
+        },
+    )
+    await store.create("pods", "default", body)
+    await wait_for(
+        lambda: any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in store.get("pods", "default", "p").get("status", {}).get("conditions", [])
+        )
+    )
+    await store.delete("pods", "default", "p")
+    await wait_for(lambda: store.get("pods", "default", "p") is None, timeout=10)
+    seen = json.loads(hook_env.read_text())
+    assert seen == json.loads(container_env.read_text())
+    assert seen["FROM_THE_IMAGE"] == "only-in-the-container"
+    assert not store.list("events", "default"), "a hook that succeeds is not reported"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(["python", "-c", "raise SystemExit(1)"], id="exits-non-zero"),
+        pytest.param(["memops-no-such-command"], id="cannot-start"),
+    ],
+)
+async def test_a_failed_prestop_hook_is_an_event_and_the_grace_period_still_applies(
+    node: Any, tmp_path: Path, command: list[str]
+) -> None:
+    store, _ = node
+    # The container ignores SIGTERM: only SIGKILL at the end of the grace period stops it.
+    code = "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    body = python_pod(
+        "p", code, terminationGracePeriodSeconds=3, container={"lifecycle": {"preStop": {"exec": {"command": command}}}}
+    )
+    created = await store.create("pods", "default", body)
+    await wait_for(lambda: (tmp_path / "pods" / "default_p.pid").exists())
+    await asyncio.sleep(0.3)  # let the interpreter install its handler
+    started = time.monotonic()
+    await store.delete("pods", "default", "p")
+    events = await wait_for(lambda: store.list("events", "default"))
+    assert store.get("pods", "default", "p") is not None, "the event comes while the pod terminates"
+    await wait_for(lambda: store.get("pods", "default", "p") is None, timeout=10)
+    assert time.monotonic() - started > 2.5, "a failed hook does not shorten the grace period"
+    [event] = events
+    assert (event["type"], event["reason"], event["message"]) == ("Warning", "FailedPreStopHook", "PreStopHook failed")
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": "default",
+        "name": "p",
+        "uid": created["metadata"]["uid"],
+        "fieldPath": "spec.containers{c}",
+    }
+    assert event["source"] == {"component": "kubelet", "host": "local"}

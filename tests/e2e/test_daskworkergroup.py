@@ -14,7 +14,6 @@ import importlib.resources
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +63,10 @@ def dask_cluster(port: int, workers: int) -> dict[str, Any]:
                                 "$(DASK_SCHEDULER_ADDRESS)",
                                 "--name",
                                 "$(DASK_WORKER_NAME)",
+                                # On a cluster a worker's address is its pod's IP by default (the
+                                # address on its way to the scheduler); here it must be said.
+                                "--host",
+                                "$(POD_IP)",
                                 "--nthreads",
                                 "1",
                                 "--memory-limit",
@@ -71,7 +74,10 @@ def dask_cluster(port: int, workers: int) -> dict[str, Any]:
                                 "--no-dashboard",
                             ],
                             # Pods here run on this machine, not behind the scheduler's Service name.
-                            "env": [{"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address}],
+                            "env": [
+                                {"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address},
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            ],
                         }
                     ]
                 },
@@ -165,8 +171,8 @@ def test_policy_scales_a_daskworkergroup_without_dask_kubernetes_choosing(
             lambda: "Scaled worker group dk-default up to 1 workers" in controller_log(sandbox),
             what="dask-kubernetes' replica handler to run",
         )
+        # That log line is written once the handler is done: nothing it did is still on its way.
         assert "Workers to close" not in controller_log(sandbox)
-        time.sleep(2)
         assert worker_deployments(sandbox) == names[:1]
 
         # Scale-up goes through the group: dask-kubernetes creates the new worker's Deployment,

@@ -7,7 +7,6 @@ Every test scatters unique (unrecomputable) data onto real workers and checks, w
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -203,30 +202,37 @@ def test_scheduler_stopped_mid_drain_keeps_the_pod(sandbox_factory: Callable[...
 
 
 def test_worker_killed_mid_drain(sandbox_factory: Callable[..., Sandbox]) -> None:
+    """Killed while the scheduler drains it (seen as closing_gracefully), with every recipient
+    frozen so that nothing has moved yet: all its keys die with it, the status says so exactly,
+    and its pod (restarted empty by the kubelet) is removed; the other pods' data is intact."""
     sandbox = sandbox_factory(3)
     pods = sandbox.pods()
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         holdings = scatter_unique(client, {pods[0]: 4, pods[1]: 2})
-        frozen = _freeze_recipients(sandbox, keep_running=[pods[0], pods[1]])
+        victim = workers_by_name(client)[pods[0]]
+        frozen = _freeze_recipients(sandbox, keep_running=[pods[0]])
         try:
             sandbox.apply(
                 retirement_request(
                     "crash", scheduler={"address": sandbox.scheduler_address}, workers=[pods[0]], timeout="60s"
                 )
             )
-            sandbox.wait_phase("crash", "Draining")
-            time.sleep(0.5)
+            sandbox.wait_for(
+                lambda: client.scheduler_info(n_workers=-1)["workers"].get(victim, {}).get("status")
+                == "closing_gracefully",
+                timeout=60,
+                what="the scheduler to be draining the worker",
+            )
             sandbox.signal_pod(pods[0], signal.SIGKILL)  # the kubelet restarts it, empty
         finally:
             _thaw(sandbox, frozen)
         done = sandbox.wait_phase("crash", "Failed", "Succeeded")
         worker = done["status"]["workers"][0]
-        assert "left the scheduler" in worker["message"] or worker["state"] == "Retired", worker
-        # The crash lost what had not moved yet; memops removed the pod only once it held nothing.
-        assert set(holdings.lost()) <= set(holdings.keys_of(pods[0]))
-        assert not [k for k in holdings.keys_of(pods[1]) if k in holdings.lost()]
-        if worker["state"] == "Retired":
-            assert pods[0] not in sandbox.pods()
+        assert done["status"]["phase"] == "Succeeded", done["status"]
+        assert (worker["state"], worker["keysLost"], worker["bytesLost"]) == ("Retired", 4, 4 * 256 * 1024), worker
+        assert worker["message"].startswith("the worker left the scheduler during the drain (it died)"), worker
+        assert sorted(holdings.lost()) == sorted(holdings.keys_of(pods[0]))
+        assert pods[0] not in sandbox.pods()
 
 
 def test_operator_restart_mid_drain_carries_on(sandbox_factory: Callable[..., Sandbox]) -> None:

@@ -8,8 +8,10 @@ the CRD schema shipped here (Kopf's peering) or named in ``FOREIGN_KINDS`` with 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,17 @@ def kustomize(path: Path) -> list[Obj]:
     result = subprocess.run([str(KUBECTL), "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"kubectl kustomize {path} failed: {result.stderr}"
     return documents(result.stdout)
+
+
+def kustomize_with(tree: Path, components: Iterable[str]) -> list[Obj]:
+    """``tree`` with some of deploy/kustomize/components, as a user's own kustomization has them."""
+    with tempfile.TemporaryDirectory() as directory:
+        # kustomize takes relative paths only.
+        relative = [os.path.relpath(tree, directory)]
+        parts = [os.path.relpath(KUSTOMIZE / "components" / name, directory) for name in components]
+        text = yaml.safe_dump({"resources": relative, "components": parts})
+        (Path(directory) / "kustomization.yaml").write_text(text)
+        return kustomize(Path(directory))
 
 
 def crd_schemas(objects: Iterable[Obj]) -> dict[tuple[str, str], Obj]:
@@ -126,7 +139,9 @@ def expand(rules: Iterable[Obj]) -> Iterator[Triple]:
 
 def granted(objects: list[Obj], *, namespace: str | None = None) -> set[Triple]:
     """What the operator's ServiceAccount may do: its ClusterRoles, plus the Roles in ``namespace``
-    (or in every namespace when None), each reached through a binding to the ServiceAccount."""
+    (or in every namespace when None; none when ""), each reached through a binding to the
+    ServiceAccount. ``namespace=""`` is what a cluster-wide request (a list or watch across all
+    namespaces, or a cluster-scoped object) may use: ClusterRoleBindings only."""
     roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects}
     result: set[Triple] = set()
     for binding in find(objects, "ClusterRoleBinding") + find(objects, "RoleBinding"):

@@ -28,6 +28,12 @@ VALUE_SETS = {
     },
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
     "minimal": {"webhook": {"enabled": False}, "metrics": {"enabled": False}, "peering": {"create": False}},
+    "features": {"rbac": {"schedulerTLS": True, "daskWorkerGroups": True}, "watchNamespaces": ["dask"]},
+    "network-policy-peers": {
+        "webhook": {"networkPolicy": {"from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]}},
+        "metrics": {"networkPolicy": {"from": []}},
+    },
+    "no-network-policy": {"networkPolicy": {"enabled": False}},
 }
 
 
@@ -80,6 +86,17 @@ def test_validation_catches_an_unknown_field() -> None:
             id="bad-interval",
         ),
         pytest.param({"replica": 1}, "replica", id="misspelt-key"),
+        pytest.param({"rbac": {"schedulerTLS": "yes"}}, "/rbac/schedulerTLS", id="feature-not-a-boolean"),
+        pytest.param(
+            {"webhook": {"networkPolicy": {"from": [{"ipBlock": {}}]}}},
+            "/webhook/networkPolicy/from/0/ipBlock",
+            id="ip-block-without-cidr",
+        ),
+        pytest.param(
+            {"metrics": {"networkPolicy": {"from": [{"namespace": "monitoring"}]}}},
+            "/metrics/networkPolicy/from/0",
+            id="not-a-network-policy-peer",
+        ),
     ],
 )
 def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None:
@@ -177,6 +194,24 @@ def test_namespaced_mode_watches_only_its_namespaces() -> None:
     assert hook["namespaceSelector"]["matchExpressions"] == [
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["dask", "ml"]}
     ]
+
+
+def test_network_policy_admits_only_the_webhook_and_metrics_ports() -> None:
+    default = manifests.render_chart()
+    policy = manifests.one(default, "NetworkPolicy")["spec"]
+    pod = manifests.one(default, "Deployment")["spec"]["template"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    webhook, metrics = policy["ingress"]
+    assert webhook == {"ports": [{"port": 9443, "protocol": "TCP"}]}, "any source by default: see values.yaml"
+    assert metrics["ports"] == [{"port": 9090, "protocol": "TCP"}]
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    peers = manifests.one(manifests.render_chart(VALUE_SETS["network-policy-peers"]), "NetworkPolicy")["spec"]
+    assert peers["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/24"}}]
+    assert "from" not in peers["ingress"][1], "an empty list admits any source"
+    closed = manifests.one(manifests.render_chart(VALUE_SETS["minimal"]), "NetworkPolicy")["spec"]
+    assert closed["ingress"] == [], "no server, no port open"
+    assert manifests.find(manifests.render_chart(VALUE_SETS["no-network-policy"]), "NetworkPolicy") == []
 
 
 def _certificate(data: str) -> x509.Certificate:

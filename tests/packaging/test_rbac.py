@@ -1,18 +1,23 @@
-"""The shipped RBAC grants exactly what the operator uses: no less, and no more than a short,
-justified list.
+"""The shipped RBAC grants exactly what the operator uses, in the namespace where it uses it,
+and the feature-gated permissions only with their feature.
 
 What the operator uses comes from the emulated API server's audit log (one line per request,
-in RBAC terms; :mod:`memops.cluster.audit`). Every sandbox of the test session writes to it
-(``tests/conftest.py``), so after ``tests/e2e`` it holds the operator's requests in every
-end-to-end scenario. This module always adds its own scenario, run the way the chart runs the
-operator: its ``memops run`` arguments taken from the rendered Deployment (Kopf peering, not
-``--standalone``; the webhook over TLS with a certificate from files and ``--webhook-unmanaged``;
-the liveness probe), the chart's MutatingWebhookConfiguration and ClusterKopfPeering, then a
-RetirementRequest, a MemoryPolicy scale-up through the safety net and a scale-down.
+in RBAC terms, with its namespace; :mod:`memops.cluster.audit`). Every sandbox of the test
+session writes to it (``tests/conftest.py``), so after ``tests/e2e`` it holds the operator's
+requests in every end-to-end scenario. This module always adds its own scenario, run the way the
+chart runs the operator: its ``memops run`` arguments taken from the rendered Deployment (Kopf
+peering, not ``--standalone``; the webhook over TLS with a certificate from files and
+``--webhook-unmanaged``; the liveness probe), the chart's MutatingWebhookConfiguration and
+ClusterKopfPeering, then a RetirementRequest, a MemoryPolicy scale-up through the safety net and
+a scale-down. A request in namespace X needs the grant in X; a cluster-wide request (a list or
+watch across namespaces, a cluster-scoped object) needs a ClusterRole. Nothing is exempt: a
+permission that the emulated cluster cannot make the operator use is exercised by calling the
+operator's own code against the emulated API server (see ``owner_lookup``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import ipaddress
@@ -33,8 +38,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from memops import kube, permissions
 from memops import sandbox as sandbox_cli
 from memops.cluster import apiserver, audit
+from memops.controllers import workloads
 from tests.e2e.conftest import Sandbox
 from tests.packaging import argocd, manifests
 
@@ -51,33 +58,58 @@ SANDBOX_ONLY = {
     for verb in ("create", "patch")
 }
 
-# Granted, and never seen in the emulated cluster, for the reason given.
-GRANTED_UNSEEN = {
-    ("apps", "replicasets", "get"): (
-        "a real ReplicaSet owns a Deployment's pods, and memops reads it to find the Deployment"
-        " (memops/controllers/workloads.py owning_deployment); the emulated pods are owned by the Deployment"
-    ),
-    ("", "secrets", "get"): (
-        "the client certificate of a tls:// scheduler (spec.scheduler.tls.secretName); the TLS paths are"
-        " tested against real schedulers in tests/scheduler, not through a sandbox"
-    ),
-}
-
 # Exercised only by a module of tests/e2e (this module's scenario does not reach them). When
 # that module ran in this session they must be in the log; otherwise they are reported, unchecked.
 E2E_ONLY = {
     ("kubernetes.dask.org", "daskworkergroups", "get"): "tests/e2e/test_daskworkergroup.py",
     ("kubernetes.dask.org", "daskworkergroups", "patch"): "tests/e2e/test_daskworkergroup.py",
     ("apps", "deployments", "delete"): "tests/e2e/test_daskworkergroup.py",
-    ("apps", "deployments", "list"): "tests/e2e/test_daskworkergroup.py",
     ("", "pods", "get"): "tests/e2e/test_daskworkergroup.py",
     ("", "nodes", "get"): "tests/e2e/test_replication.py",
+    ("", "secrets", "get"): "tests/e2e/test_safety_net.py",
 }
+
+# Every feature on: what the operator may use at most.
+FEATURES = {key.split("=")[0].removeprefix("rbac."): True for key in permissions.FEATURE_GATED.values()}
+COMPONENTS = {"schedulerTLS": "scheduler-tls", "daskWorkerGroups": "daskworkergroups"}
+CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces"}
+# Namespaced mode peers through a KopfPeering in each watched namespace instead.
+PEERING_SWAP = {"clusterkopfpeerings": "kopfpeerings"}
+
+Request = tuple[str, str, str, str]  # (apiGroup, resource[/subresource], verb, namespace or "")
 
 
 def _triple(entry: dict[str, Any]) -> manifests.Triple:
     resource = entry["resource"] + (f"/{entry['subresource']}" if entry["subresource"] else "")
     return entry["group"], resource, entry["verb"]
+
+
+def _request(entry: dict[str, Any]) -> Request:
+    group, resource, verb = _triple(entry)
+    return group, resource, verb, entry["namespace"]
+
+
+def owner_lookup(kubeconfig: Path) -> None:
+    """The DaskWorkerGroup path from a worker's pod to its Deployment goes through the pod's
+    ReplicaSet. The emulated Deployment controller owns pods directly and makes no ReplicaSets, so
+    no scenario makes the operator take that path: run its code for a ReplicaSet-owned pod against
+    the emulated API server (which answers 404, after auditing the request as RBAC sees it)."""
+    pod = {
+        "metadata": {
+            "name": "dk-default-worker-0a1b2c3d4e-6c8d9f-x2k4q",
+            "namespace": "default",
+            "ownerReferences": [{"kind": "ReplicaSet", "name": "dk-default-worker-0a1b2c3d4e-6c8d9f"}],
+        }
+    }
+
+    async def look_up() -> str | None:
+        client = kube.Kube(kube.load_connection(str(kubeconfig)))
+        try:
+            return await workloads.owning_deployment(client, pod)
+        finally:
+            await client.close()
+
+    assert asyncio.run(look_up()) is None, "the emulated cluster has no ReplicaSets"
 
 
 def _webhook_certificate(directory: Path) -> tuple[Path, Path, bytes]:
@@ -204,6 +236,7 @@ def chart_scenario(tmp_path_factory: pytest.TempPathFactory, audit_log: Path) ->
                 return False
 
         sandbox.wait_for(healthy, timeout=60, what="the operator's liveness probe")
+        owner_lookup(kubeconfig)
         peers = sandbox.wait_for(
             lambda: sandbox.get("clusterkopfpeering", "memops").get("status"), timeout=30, what="a peering keep-alive"
         )
@@ -257,34 +290,84 @@ def test_chart_mode_operator_peers_serves_the_webhook_and_drains(chart_scenario:
     assert argocd.health(chart_scenario["policy"])["status"] == "Healthy"
 
 
-def test_rbac_grants_what_the_operator_uses(
-    chart_scenario: dict[str, Any], audit_log: Path, request: pytest.FixtureRequest
-) -> None:
+def _used(audit_log: Path, request: pytest.FixtureRequest) -> tuple[set[Request], set[manifests.Triple]]:
+    """The operator's requests in this session, and the E2E_ONLY permissions left unchecked."""
     entries = audit.read(audit_log)
-    chart_mode = {_triple(e) for e in entries if e["user"] == CHART_USER}
-    e2e = {_triple(e) for e in entries if e["user"] == E2E_USER}
+    chart_mode = {_request(e) for e in entries if e["user"] == CHART_USER}
+    e2e = {_request(e) for e in entries if e["user"] == E2E_USER}
     assert chart_mode, "the chart-mode scenario made no requests"
-    assert not chart_mode & SANDBOX_ONLY.keys(), "with --webhook-unmanaged Kopf must not touch webhook configurations"
-    used = (chart_mode | e2e) - SANDBOX_ONLY.keys()
+    assert not {r[:3] for r in chart_mode} & SANDBOX_ONLY.keys(), (
+        "with --webhook-unmanaged Kopf must not touch webhook configurations"
+    )
+    used = {r for r in chart_mode | e2e if r[:3] not in SANDBOX_ONLY}
     ran = {item.path.relative_to(manifests.ROOT).as_posix() for item in request.session.items}
     expected = {t for t, module in E2E_ONLY.items() if module in ran}
-    unseen = sorted(expected - used)
+    unseen = sorted(expected - {r[:3] for r in used})
     assert not unseen, f"expected from tests/e2e modules that ran in this session, not in the log: {unseen}"
     unchecked = set(E2E_ONLY) - expected
     if unchecked:
         print("their tests/e2e modules did not run: not checked for use:", sorted(unchecked))
+    return used, unchecked
+
+
+def _not_granted(objects: list[manifests.Obj], used: set[Request]) -> list[Request]:
+    """The requests that the objects do not allow where they were made."""
+    return sorted(r for r in used if r[:3] not in manifests.granted(objects, namespace=r[3]))
+
+
+def test_rbac_grants_what_the_operator_uses(
+    chart_scenario: dict[str, Any], audit_log: Path, request: pytest.FixtureRequest
+) -> None:
+    """Cluster-wide (the operator's mode in every scenario): each request allowed in its own
+    namespace, cluster-wide ones by a ClusterRole; and nothing granted that is never used."""
+    used, unchecked = _used(audit_log, request)
+    every_component = list(COMPONENTS.values())
     for name, objects in (
-        ("helm/memops", manifests.render_chart()),
-        ("deploy/kustomize/base", manifests.kustomize(manifests.KUSTOMIZE / "base")),
+        ("helm/memops", manifests.render_chart({"rbac": FEATURES})),
+        ("deploy/kustomize/base", manifests.kustomize_with(manifests.KUSTOMIZE / "base", every_component)),
     ):
-        granted = manifests.granted(objects)
-        missing = used - granted
+        missing = _not_granted(objects, used)
         assert not missing, (
-            f"{name} does not grant what the operator uses: {sorted(missing)}; add it to the rules in"
+            f"{name} does not grant what the operator uses, where it uses it: {missing}; add it to the rules in"
             " helm/memops/templates/_helpers.tpl, deploy/kustomize/base/rbac.yaml and"
-            " deploy/kustomize/overlays/namespaced/role.yaml"
+            " deploy/kustomize/overlays/namespaced/role.yaml (or a feature's block and component)"
         )
-        extra = granted - used - set(GRANTED_UNSEEN) - unchecked
+        extra = manifests.granted(objects) - {r[:3] for r in used} - unchecked
         assert not extra, f"{name} grants what the operator never uses: {sorted(extra)}"
-        print(f"{name}: grants {len(granted)} (group, resource, verb); used {len(used & granted)}")
+        print(f"{name}: grants {len(manifests.granted(objects))} (group, resource, verb); requests seen {len(used)}")
     print("operator requests, as RBAC sees them:", json.dumps(sorted(used)))
+
+
+def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
+    chart_scenario: dict[str, Any], audit_log: Path, request: pytest.FixtureRequest
+) -> None:
+    """Watching only "default", the operator makes the same requests there: each namespaced one
+    (and each cluster-wide list or watch of a namespaced kind, which becomes one in "default")
+    must be allowed in "default", and no namespace it does not watch grants it anything."""
+    used, _ = _used(audit_log, request)
+    objects = manifests.render_chart({"rbac": FEATURES, "watchNamespaces": ["default"]})
+    cluster_scoped = CLUSTER_SCOPED - set(PEERING_SWAP)
+    as_namespaced = {
+        (group, PEERING_SWAP.get(resource, resource), verb, "" if resource in cluster_scoped else "default")
+        for group, resource, verb, _namespace in used
+    }
+    missing = _not_granted(objects, as_namespaced)
+    assert not missing, f"watchNamespaces=[default] does not grant, where it is needed: {missing}"
+    cluster_wide = manifests.granted(objects, namespace="")
+    assert manifests.granted(objects, namespace="other") == cluster_wide, "nothing in a namespace not watched"
+    assert {resource for _, resource, _ in cluster_wide} == {"customresourcedefinitions"}
+
+
+@pytest.mark.parametrize("namespaces", [[], ["dask"]], ids=["cluster-wide", "namespaced"])
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_feature_gated_permissions_only_with_their_value(feature: str, namespaces: list[str]) -> None:
+    gated = {p for p, value in permissions.FEATURE_GATED.items() if value == f"rbac.{feature}=true"}
+    others = {name: True for name in FEATURES if name != feature}
+    on = manifests.render_chart({"rbac": {**others, feature: True}, "watchNamespaces": namespaces})
+    off = manifests.render_chart({"rbac": {**others, feature: False}, "watchNamespaces": namespaces})
+    assert manifests.granted(on) - manifests.granted(off) == set(gated), f"exactly what rbac.{feature} grants"
+    default = manifests.render_chart({"watchNamespaces": namespaces})
+    assert not manifests.granted(default) & set(gated), f"rbac.{feature} is off by default"
+    tree = manifests.KUSTOMIZE / ("overlays/namespaced" if namespaces else "base")
+    with_component = manifests.granted(manifests.kustomize_with(tree, [COMPONENTS[feature]]))
+    assert with_component - manifests.granted(manifests.kustomize(tree)) == set(gated)

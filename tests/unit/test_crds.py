@@ -68,3 +68,50 @@ def test_memory_policy_has_scale_subresource() -> None:
         "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector",
     }
+
+
+def _spec_schema(kind: specs.ResourceKind) -> dict[str, Any]:
+    schema: dict[str, Any] = crds.crd_for(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+@pytest.mark.parametrize("kind", specs.KINDS, ids=lambda k: k.kind)
+def test_every_name_in_an_api_path_is_a_dns_subdomain(kind: specs.ResourceKind) -> None:
+    spec = _spec_schema(kind)["properties"]["spec"]["properties"]
+    names = [spec["workload"]["properties"]["name"], spec["scheduler"]["properties"]["tls"]["properties"]["secretName"]]
+    if "workers" in spec:
+        names.append(spec["workers"]["items"])
+    for name in names:
+        assert name["pattern"] == specs.DNS_SUBDOMAIN_PATTERN
+        assert name["maxLength"] == 253
+
+
+def test_workers_are_a_bounded_set() -> None:
+    workers = _spec_schema(specs.RETIREMENT_REQUEST)["properties"]["spec"]["properties"]["workers"]
+    assert workers["x-kubernetes-list-type"] == "set"
+    assert workers["maxItems"] == specs.MAX_WORKERS == 1000
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "maximum"),
+    [
+        pytest.param(specs.RETIREMENT_REQUEST, ("timeout",), "168h", id="timeout"),
+        pytest.param(specs.MEMORY_POLICY, ("drain", "timeout"), "168h", id="drain"),
+        pytest.param(specs.MEMORY_POLICY, ("recycle", "unmanagedMemory", "for"), "168h", id="for"),
+        pytest.param(specs.MEMORY_POLICY, ("recycle", "growth", "window"), "168h", id="window"),
+        pytest.param(specs.MEMORY_POLICY, ("recycle", "maxAge"), "8760h", id="max-age"),
+    ],
+)
+def test_durations_have_a_maximum_in_the_schema(kind: specs.ResourceKind, path: tuple[str, ...], maximum: str) -> None:
+    node = _spec_schema(kind)["properties"]["spec"]
+    for part in path:
+        node = node["properties"][part]
+    assert node["maxLength"] == specs.DURATION_MAX_LENGTH
+    assert node["x-kubernetes-validations"] == [
+        {"rule": f"duration(self) <= duration('{maximum}')", "message": f"must be at most {maximum}"}
+    ]
+
+
+def test_a_policy_name_fits_in_a_label_value() -> None:
+    rules = _spec_schema(specs.MEMORY_POLICY)["x-kubernetes-validations"]
+    assert rules[0]["rule"] == "self.metadata.name.size() <= 63"

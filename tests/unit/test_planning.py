@@ -135,3 +135,57 @@ def test_workers_in_a_shuffle_come_last_when_another_would_do() -> None:
 )
 def test_in_shuffle(keys: list[str], expected: bool) -> None:
     assert planning.in_shuffle(keys) is expected
+
+
+PODS = [
+    planning.PodInfo("by-ip", ips=("10.0.0.1",)),
+    planning.PodInfo("two", ips=("10.0.0.2",)),
+    planning.PodInfo("by-name", ips=("10.0.0.3",), worker_names=("group-worker-x",)),
+    planning.PodInfo("silent", ips=("10.0.0.4",)),
+    planning.PodInfo("pending", ips=("10.0.0.5",), phase="Pending"),
+    planning.PodInfo("old", ips=("10.0.0.6",), phase="Failed"),
+]
+
+
+@pytest.mark.parametrize(
+    ("worker", "pod"),
+    [
+        pytest.param(planning.WorkerInfo("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4000"), "by-ip", id="unnamed-by-ip"),
+        pytest.param(planning.WorkerInfo("two-0", "tcp://10.0.0.2:4000"), "two", id="nworkers-first"),
+        pytest.param(planning.WorkerInfo("two-1", "tcp://10.0.0.2:4001"), "two", id="nworkers-second"),
+        pytest.param(planning.WorkerInfo("silent", "tcp://10.0.0.1:4002"), "by-ip", id="address-beats-name"),
+        pytest.param(planning.WorkerInfo("group-worker-x", "tcp://127.0.0.1:1"), "by-name", id="dask-worker-name"),
+        pytest.param(planning.WorkerInfo("x", "tcp://10.0.0.6:4000"), None, id="terminated-pod-owns-no-ip"),
+    ],
+)
+def test_workers_by_pod(worker: planning.WorkerInfo, pod: str | None) -> None:
+    located = planning.workers_by_pod(PODS, [worker])
+    assert [p for p, ws in located.items() if worker in ws] == ([pod] if pod else [])
+
+
+def test_a_running_pod_without_an_identifiable_worker_is_never_chosen_as_empty() -> None:
+    workers = [
+        planning.WorkerInfo("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4000", unique_bytes=10),
+        planning.WorkerInfo("two-0", "tcp://10.0.0.2:4000", unique_bytes=3),
+        planning.WorkerInfo("two-1", "tcp://10.0.0.2:4001", unique_bytes=9),
+        planning.WorkerInfo("group-worker-x", "tcp://10.0.0.3:4000", unique_bytes=1),
+    ]
+    located = planning.workers_by_pod(PODS, workers)
+    unknown = planning.unidentified(PODS, located)
+    assert unknown == ["silent"], "Pending and terminated pods run no worker; only a Running one may hide data"
+    names = [p.name for p in PODS if p.phase != "Failed"]
+    chosen = planning.choose_workers(names, planning.SchedulerSnapshot(tuple(workers)), 5, unknown, located=located)
+    # The pending pod holds nothing; a pod with two workers costs their sum (12 > 10).
+    assert chosen == ["pending", "by-name", "by-ip", "two"]
+
+
+@pytest.mark.parametrize(
+    ("address", "host"),
+    [
+        pytest.param("tcp://10.0.0.1:8786", "10.0.0.1", id="tcp"),
+        pytest.param("tls://[fd00::0:1]:8786", "fd00::1", id="ipv6-canonical"),
+        pytest.param("tcp://dask-worker-0:8786", "dask-worker-0", id="hostname"),
+    ],
+)
+def test_address_host(address: str, host: str) -> None:
+    assert planning.address_host(address) == host

@@ -164,3 +164,77 @@ def test_pods_blocked_until_the_deadline_are_kept_with_the_reason() -> None:
     [kept] = retirement.keep_blocked(workers, "waiting: pods x are not ready")
     assert kept.state == specs.WorkerState.KEPT and not kept.removable
     assert kept.message == "drained: retired; pod kept at spec.timeout, pods x are not ready"
+
+
+def test_a_pod_named_twice_is_removed_once() -> None:
+    twice = [
+        specs.WorkerStatus(pod="p", state=specs.WorkerState.DRAINING, removable=True),
+        specs.WorkerStatus(pod="p", state=specs.WorkerState.DRAINING, removable=True),
+        specs.WorkerStatus(pod="q", state=specs.WorkerState.DRAINING, removable=True),
+    ]
+    assert retirement.to_remove(twice) == ["p", "q"]
+
+
+def test_a_failed_request_keeps_every_pod_whose_removal_was_not_ordered() -> None:
+    workers = [
+        draining("a", A, 10),
+        specs.WorkerStatus(pod="b", state=specs.WorkerState.DRAINING, removable=True, message="drained"),
+        specs.WorkerStatus(pod="c", state=specs.WorkerState.DRAINING, removable=True, message="drained"),
+        specs.WorkerStatus(pod="d", state=specs.WorkerState.RETIRED, removable=True, podRemoved=True),
+    ]
+    kept = retirement.keep_unfinished(workers, "SecretUnusable: gone", ordered=["c"])
+    assert [(w.pod, w.state, w.removable) for w in kept] == [
+        ("a", specs.WorkerState.KEPT, False),
+        ("b", specs.WorkerState.KEPT, False),
+        ("c", specs.WorkerState.DRAINING, True),
+        ("d", specs.WorkerState.RETIRED, True),
+    ]
+    assert kept[1].message == "drained; pod kept: SecretUnusable: gone"
+
+C0, C1 = "tcp://10.0.0.3:4000", "tcp://10.0.0.3:4001"  # one pod, dask worker --nworkers 2, no --name
+PODS = [planning.PodInfo("pc", ips=("10.0.0.3",)), planning.PodInfo("pb", ips=("10.0.0.2",))]
+TWO_BEFORE = snap([(C0, C0, 10, 1), (C1, C1, 20, 1), ("pb", B, 0, 0)], {"x": (C0,), "y": (C1,)}, {"x": 10, "y": 20})
+
+
+@pytest.mark.parametrize(
+    ("after", "retired", "state", "removable", "moved"),
+    [
+        pytest.param(
+            snap([("pb", B, 30, 2)], {"x": (B,), "y": (B,)}, {"x": 10, "y": 20}),
+            [C0, C1],
+            specs.WorkerState.DRAINING,
+            True,
+            30,
+            id="both-retired",
+        ),
+        pytest.param(
+            snap([(C1, C1, 20, 1), ("pb", B, 10, 1)], {"x": (B,), "y": (C1,)}, {"x": 10, "y": 20}),
+            [C0],
+            specs.WorkerState.KEPT,
+            False,
+            10,
+            id="one-left-holding-data",
+        ),
+    ],
+)
+def test_a_pod_with_several_workers_is_removable_only_when_all_are_drained(
+    after: planning.SchedulerSnapshot, retired: list[str], state: specs.WorkerState, removable: bool, moved: int
+) -> None:
+    [entry] = [retirement.entry("pc", planning.workers_by_pod(PODS, TWO_BEFORE.workers)["pc"])]
+    assert (entry.address, entry.addresses, entry.uniqueBytes) == (C0, [C0, C1], 30)
+    [worker] = retirement.judge_drain(
+        [entry],
+        before=TWO_BEFORE,
+        after=after,
+        retired=retired,
+        timed_out=False,
+        on_timeout=specs.OnTimeout.ABORT,
+        located=planning.workers_by_pod(PODS, after.workers),
+    )
+    assert (worker.state, worker.removable, worker.bytesMoved) == (state, removable, moved)
+
+
+def test_a_chosen_running_pod_without_an_identifiable_worker_is_kept_with_the_cause() -> None:
+    entry = retirement.entry("silent", (), unknown=True)
+    assert entry.state == specs.WorkerState.KEPT and not entry.removable
+    assert "no connected worker has their IP" in entry.message

@@ -2,6 +2,8 @@
 
 from typing import Any
 
+import pytest
+
 from memops import safetynet, specs
 
 SPEC = specs.MemoryPolicySpec.model_validate(
@@ -25,7 +27,7 @@ def test_prestop_drain_and_a_grace_period_that_covers_the_drain() -> None:
     container = change["spec"]["containers"][0]
     assert change["spec"]["terminationGracePeriodSeconds"] == 120 + safetynet.GRACE_MARGIN_SECONDS
     assert container["lifecycle"]["preStop"]["exec"]["command"][:2] == ["python", "-c"]
-    assert "retire_workers(names=" in container["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert 'call("retire_workers", names=[name]' in container["lifecycle"]["preStop"]["exec"]["command"][2]
     env = {e["name"]: e for e in container["env"]}
     assert env["KEEP"]["value"] == "1"
     assert env["MEMOPS_SCHEDULER_ADDRESS"]["value"] == "tcp://dask-scheduler:8786"
@@ -47,12 +49,6 @@ def test_prestop_script_compiles() -> None:
     compile(safetynet.PRE_STOP_SCRIPT, "<preStop>", "exec")
 
 
-def test_selects() -> None:
-    assert safetynet.selects({"app": "w"}, {"app": "w", "x": "y"})
-    assert not safetynet.selects({"app": "w"}, {"app": "v"})
-    assert not safetynet.selects({}, {"app": "w"}), "an empty selector selects nothing here"
-
-
 def test_a_tls_scheduler_gets_the_policys_client_certificate_from_its_secret() -> None:
     spec = SPEC.model_copy(
         update={"scheduler": specs.SchedulerRef(address="tls://dask-scheduler:8786", tls={"secretName": "dask-tls"})}
@@ -70,3 +66,89 @@ def test_a_tls_scheduler_gets_the_policys_client_certificate_from_its_secret() -
     assert "preStop" in container["lifecycle"]
     plain = safetynet.plan_injection(pod(), "analytics", SPEC)["spec"]["containers"][0]
     assert not any(e["name"].startswith("MEMOPS_TLS") for e in plain["env"])
+
+
+def test_the_grace_period_has_a_maximum() -> None:
+    longest = SPEC.model_copy(update={"drain": specs.DrainSpec(timeout="168h")})
+    change = safetynet.plan_injection(pod(), "analytics", longest)
+    assert change["spec"]["terminationGracePeriodSeconds"] == safetynet.MAX_GRACE_SECONDS == 7 * 86400 + 30
+
+
+DEPLOYMENT = specs.WorkloadRef(kind=specs.WorkloadKind.DEPLOYMENT, name="dask-worker")
+GROUP = specs.WorkloadRef(kind=specs.WorkloadKind.DASK_WORKER_GROUP, name="dk-default")
+
+
+@pytest.mark.parametrize(
+    ("pod_name", "workload", "expected"),
+    [
+        pytest.param("dask-worker-7d9f6b-x2k4q", DEPLOYMENT, True, id="deployment-pod"),
+        pytest.param("dask-worker-big-7d9f6b-x2k4q", DEPLOYMENT, False, id="another-deployment-with-the-prefix"),
+        pytest.param("dask-worker-x2k4q", DEPLOYMENT, False, id="not-through-a-replicaset"),
+        pytest.param("dask-worker", DEPLOYMENT, False, id="the-name-alone"),
+        pytest.param("dk-default-worker-0a1b2c3d4e-6c8d9f-x2k4q", GROUP, True, id="group-worker-pod"),
+        pytest.param("dk-default-7d9f6b-x2k4q", GROUP, False, id="group-name-but-not-a-worker"),
+    ],
+)
+def test_a_gone_pod_is_recognised_by_its_name(pod_name: str, workload: specs.WorkloadRef, expected: bool) -> None:
+    assert safetynet.is_workload_pod(pod_name, workload) is expected
+
+
+def hook_event(pod_name: str, when: str, reason: str = "FailedPreStopHook", kind: str = "Pod") -> dict[str, Any]:
+    return {
+        "reason": reason,
+        "message": "PreStopHook failed",
+        "involvedObject": {"kind": kind, "name": pod_name, "fieldPath": "spec.containers{worker}"},
+        "lastTimestamp": when,
+    }
+
+
+@pytest.mark.parametrize(
+    ("events", "previous", "limit", "expected"),
+    [
+        pytest.param([], [], 10, [], id="none"),
+        pytest.param(
+            [hook_event("dask-worker-a1-bbbbb", "T2"), hook_event("dask-worker-a1-ccccc", "T1")],
+            [],
+            10,
+            [("dask-worker-a1-ccccc", "T1"), ("dask-worker-a1-bbbbb", "T2")],
+            id="oldest-first",
+        ),
+        pytest.param(
+            [
+                hook_event("other-a1-bbbbb", "T1"),
+                hook_event("dask-worker-a1-bbbbb", "T1", reason="FailedPostStartHook"),
+                hook_event("dask-worker-a1-bbbbb", "T1", kind="Node"),
+            ],
+            [],
+            10,
+            [],
+            id="other-workloads-reasons-and-kinds-ignored",
+        ),
+        pytest.param(
+            [hook_event("dask-worker-a1-bbbbb", "T2")],
+            [specs.FailedHook(pod="dask-worker-a1-ccccc", time="T1", message="PreStopHook failed")],
+            10,
+            [("dask-worker-a1-ccccc", "T1"), ("dask-worker-a1-bbbbb", "T2")],
+            id="kept-after-its-event-expired",
+        ),
+        pytest.param(
+            [hook_event("dask-worker-a1-bbbbb", "T1")],
+            [specs.FailedHook(pod="dask-worker-a1-bbbbb", time="T1", message="PreStopHook failed")],
+            10,
+            [("dask-worker-a1-bbbbb", "T1")],
+            id="listed-once",
+        ),
+        pytest.param(
+            [hook_event(f"dask-worker-a1-p{i:04d}", f"T{i:02d}") for i in range(15)],
+            [],
+            3,
+            [(f"dask-worker-a1-p{i:04d}", f"T{i:02d}") for i in (12, 13, 14)],
+            id="bounded-to-the-latest",
+        ),
+    ],
+)
+def test_failed_hooks_of_the_workload_from_the_kubelets_events(
+    events: list[dict[str, Any]], previous: list[specs.FailedHook], limit: int, expected: list[tuple[str, str]]
+) -> None:
+    hooks = safetynet.failed_hooks(events, DEPLOYMENT, previous, limit)
+    assert [(h.pod, h.time) for h in hooks] == expected

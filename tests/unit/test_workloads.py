@@ -2,6 +2,8 @@
 
 from typing import Any
 
+import pytest
+
 from memops import planning
 from memops.controllers import workloads
 
@@ -29,10 +31,7 @@ def test_replicas_and_selector_of_either_kind() -> None:
     assert workloads.replicas_of(group(3)) == 3
     assert workloads.selector(deployment(4)) == "app=dask-worker"
     # The labels dask-kubernetes puts on each worker Deployment's pods.
-    assert workloads.selector_labels(group(3)) == {
-        "dask.org/component": "worker",
-        "dask.org/workergroup-name": "dk-default",
-    }
+    assert workloads.selector(group(3)) == "dask.org/component=worker,dask.org/workergroup-name=dk-default"
 
 
 def pod(name: str, env: list[dict[str, Any]]) -> dict[str, Any]:
@@ -56,3 +55,45 @@ def test_dask_kubernetes_workers_are_named_after_their_deployment_and_map_back_t
     assert worker is not None and worker.address == "tcp://a:1" and worker.unique_bytes == 5
     assert named.by_name("dask-worker-7d-abcde") is not None
     assert named.by_name("dk-default-worker-aa") is None
+
+
+def worker_deployment(labels: dict[str, str]) -> dict[str, Any]:
+    return {"metadata": {"name": "dk-default-worker-aa", "labels": labels}}
+
+
+@pytest.mark.parametrize(
+    ("labels", "refused"),
+    [
+        pytest.param(
+            {"dask.org/workergroup-name": "dk-default", "dask.org/cluster-name": "dk"}, None, id="the-group's"
+        ),
+        pytest.param(
+            {"dask.org/workergroup-name": "other", "dask.org/cluster-name": "dk"},
+            "dask.org/workergroup-name='other' (want 'dk-default')",
+            id="another-group",
+        ),
+        pytest.param(
+            {"dask.org/workergroup-name": "dk-default"},
+            "dask.org/cluster-name=None (want 'dk')",
+            id="no-cluster-label",
+        ),
+        pytest.param({}, "is not a worker Deployment of DaskWorkerGroup 'dk-default'", id="unlabelled"),
+    ],
+)
+def test_only_deployments_labelled_as_the_groups_are_deleted(labels: dict[str, str], refused: str | None) -> None:
+    why = workloads.foreign_deployment(worker_deployment(labels), group(1))
+    assert why is None if refused is None else refused in (why or "")
+
+
+def test_pod_info_reads_the_pod_ips_and_the_dask_worker_name() -> None:
+    body = pod("dk-default-worker-aa-x1", [{"name": "DASK_WORKER_NAME", "value": "dk-default-worker-aa"}])
+    body["status"] = {"phase": "Running", "podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}
+    assert workloads.pod_info(body) == planning.PodInfo(
+        "dk-default-worker-aa-x1", ("10.0.0.1", "fd00::1"), ("dk-default-worker-aa",), "Running"
+    )
+
+
+def test_a_selector_with_match_expressions_selects_only_its_pods() -> None:
+    mexp = deployment(1)
+    mexp["spec"]["selector"] = {"matchExpressions": [{"key": "app", "operator": "In", "values": ["mexp", "m2"]}]}
+    assert workloads.selector(mexp) == "app in (m2,mexp)", "never empty: that would list every pod"

@@ -75,31 +75,40 @@ tests/packaging/test_rbac.py checks it against the requests the operator really 
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, patch]
-# Workloads: read, scaled through /scale; a DaskWorkerGroup's drained workers' Deployments deleted.
+# Workloads: read (a Kopf index), scaled through /scale.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, delete]
+  verbs: [get, list, watch]
 - apiGroups: [apps]
   resources: [deployments/scale]
-  verbs: [get, patch]
-# A pod's owner: the ReplicaSet, to find its Deployment.
-- apiGroups: [apps]
-  resources: [replicasets]
-  verbs: [get]
-# dask-kubernetes' worker groups: read, and spec.worker.replicas lowered after a drain.
-- apiGroups: [kubernetes.dask.org]
-  resources: [daskworkergroups]
   verbs: [get, patch]
 # HPAs that scale a policy's workload directly: a Conflict condition (a Kopf index).
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [list, watch]
-# The client certificate of a tls:// scheduler (spec.scheduler.tls.secretName).
+# Kubernetes Events on memops' objects; the kubelet's FailedPreStopHook events, read with a
+# field selector, for a policy's status.safetyNet.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, list]
+{{- if .Values.rbac.daskWorkerGroups }}
+# rbac.daskWorkerGroups: dask-kubernetes' worker groups read, spec.worker.replicas lowered after a
+# drain, and the drained workers' own Deployments deleted; each found from its pod through the
+# pod's owner, the ReplicaSet.
+- apiGroups: [kubernetes.dask.org]
+  resources: [daskworkergroups]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [delete]
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [get]
+{{- end }}
+{{- if .Values.rbac.schedulerTLS }}
+# rbac.schedulerTLS: the client certificate of a tls:// scheduler (spec.scheduler.tls.secretName).
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
-# Kubernetes Events on memops' objects.
-- apiGroups: [""]
-  resources: [events]
-  verbs: [create]
+{{- end }}
 {{- end }}

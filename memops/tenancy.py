@@ -1,0 +1,64 @@
+"""Which scheduler a memops resource may act on: the tenancy rule, as one pure function.
+
+A MemoryPolicy or RetirementRequest in namespace N acts only on a scheduler that has at least
+one worker and all of whose workers are pods of N, matched by address: the host of each
+worker's comm address is the IP (``status.podIP`` or one of ``status.podIPs``) of a pod of N
+that has not terminated. Pod IPs are unique in a cluster, and only the network gives them out;
+pod names are not (another tenant may name its pods like yours), so the address is the proof.
+Until the rule holds, the controllers ask the scheduler for nothing but ``identity`` (no code
+sent, no holdings read, no retirement, no relief) and write no worker name or memory figure
+into a status. Called by :mod:`memops.controllers.retirement` and
+:mod:`memops.controllers.policy` with the workers of an identity-only snapshot and the pods of
+the resource's own namespace.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from memops import planning
+
+SHOWN = 3
+"""How many foreign addresses a message names (the count is always given)."""
+
+
+class Reason(enum.StrEnum):
+    TENANT = "TenantScheduler"
+    FOREIGN = "ForeignScheduler"
+    NO_WORKERS = "NoWorkers"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reason: Reason
+    message: str
+    foreign: tuple[str, ...] = ()  # addresses of the workers that are not pods of the namespace
+
+    @property
+    def allowed(self) -> bool:
+        return self.reason == Reason.TENANT
+
+
+def check(
+    workers: Sequence[planning.WorkerInfo], pods: Sequence[planning.PodInfo], namespace: str
+) -> Verdict:
+    """Whether a resource in ``namespace``, whose pods are ``pods``, may act on this scheduler."""
+    if not workers:
+        return Verdict(
+            Reason.NO_WORKERS,
+            f"the scheduler has no worker, so none can be shown to be a pod of namespace {namespace}",
+        )
+    ips = {planning.canonical_ip(ip) for pod in pods if not pod.terminated for ip in pod.ips}
+    foreign = tuple(sorted(w.address for w in workers if planning.address_host(w.address) not in ips))
+    if foreign:
+        shown = ", ".join(foreign[:SHOWN]) + (", ..." if len(foreign) > SHOWN else "")
+        return Verdict(
+            Reason.FOREIGN,
+            f"{len(foreign)} of the scheduler's {len(workers)} workers are not pods of namespace {namespace}"
+            f" (no pod there has their address' IP): {shown}; memops acts only on a scheduler whose"
+            " workers are all pods of the resource's own namespace",
+            foreign,
+        )
+    return Verdict(Reason.TENANT, f"all {len(workers)} workers are pods of namespace {namespace}")

@@ -1,0 +1,137 @@
+"""The safety net around scale-downs that memops does not make: what the webhook costs, and what
+the policy says when a pod's preStop hook failed.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import distributed
+
+from memops import sandbox as sandbox_cli
+from memops.cluster import audit
+from tests.e2e.conftest import BIN, Sandbox
+from tests.e2e.test_policy import condition, memory_policy
+
+
+def operator_reads(since: int) -> list[tuple[str, str, str]]:
+    """The operator's reads (get, list) in the audit log after its first ``since`` lines."""
+    entries = audit.read(Path(os.environ[sandbox_cli.AUDIT_LOG_ENV]))[since:]
+    return [
+        (e["resource"], e["verb"], e["namespace"])
+        for e in entries
+        if e["user"] == sandbox_cli.OPERATOR_USER and e["verb"] in ("get", "list")
+    ]
+
+
+def audit_length() -> int:
+    return len(audit.read(Path(os.environ[sandbox_cli.AUDIT_LOG_ENV])))
+
+
+def test_webhook_answers_pod_creations_from_the_operators_caches(sandbox: Sandbox) -> None:
+    """Four pods through the webhook cost no request: the policies and the Deployment come from
+    the indexes the policy controller keeps. (Before: a list of policies and a GET of the workload
+    per pod.)"""
+    sandbox.apply(memory_policy("cached", sandbox.scheduler_address))  # adopts the count: no scaling
+    sandbox.wait_for(lambda: (c := condition(sandbox, "cached", "Ready")) and c["status"] == "True", what="Ready")
+    before = sandbox.pods()
+    mark = audit_length()
+    sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=8")
+    new = sandbox.wait_for(lambda: len(p := sandbox.pods()) == 8 and [n for n in p if n not in before], what="pods")
+    for pod in new:
+        annotations = sandbox.get("pod", pod)["metadata"].get("annotations") or {}
+        assert annotations.get("memops.dev/safety-net") == "cached", "each new pod went through the webhook"
+    reads = operator_reads(mark)
+    webhook_kinds = {"memorypolicies", "deployments", "daskworkergroups", "secrets"}
+    assert [r for r in reads if r[0] in webhook_kinds] == [], "the webhook read the API on pod creation"
+
+
+def unpathed_workers(scheduler_address: str) -> dict[str, Any]:
+    """Workers whose container has no ``python`` on its PATH, as in an image without one: the
+    ``dask`` entry point runs by its full path, the hook's bare ``python`` is not found."""
+    deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0))
+    deployment["metadata"] = {"name": "bare", "namespace": "default", "labels": {"app": "bare"}}
+    deployment["spec"]["selector"] = {"matchLabels": {"app": "bare"}}
+    template = deployment["spec"]["template"]
+    template["metadata"] = {"labels": {"app": "bare"}}
+    container = template["spec"]["containers"][0]
+    container["command"] = [str(BIN / "dask"), "worker"]
+    container["env"].append({"name": "PATH", "value": "/nonexistent"})
+    return deployment
+
+
+def test_a_pod_that_left_with_a_failed_hook_is_in_the_policys_status(sandbox: Sandbox) -> None:
+    assert shutil.which("dask", path=str(BIN)), "the workers' entry point"
+    sandbox.apply(unpathed_workers(sandbox.scheduler_address))
+    sandbox.apply(memory_policy("bare", sandbox.scheduler_address, workload="bare"))
+    sandbox.wait_for(lambda: (c := condition(sandbox, "bare", "Ready")) and c["status"] == "True", what="Ready")
+    sandbox.kubectl("scale", "deployment/bare", "--replicas=2")
+
+    def bare_pods() -> list[str]:
+        items = sandbox.get("pods", "-l", "app=bare")["items"]
+        return sorted(p["metadata"]["name"] for p in items if not p["metadata"].get("deletionTimestamp"))
+
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        sandbox.wait_for(
+            lambda: {str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+            >= set(bare_pods())
+            and len(bare_pods()) == 2,
+            what="the two bare workers",
+        )
+        pods = bare_pods()
+        assert all(sandbox.get("pod", p)["metadata"]["annotations"]["memops.dev/safety-net"] == "bare" for p in pods)
+        sandbox.kubectl("scale", "deployment/bare", "--replicas=1")
+        gone = sandbox.wait_for(lambda: [p for p in pods if p not in bare_pods()], what="a pod removed")
+        status = sandbox.wait_for(
+            lambda: (s := sandbox.get("mempol", "bare").get("status", {})).get("safetyNet") and s,
+            timeout=60,
+            what="the failed hook in the policy's status",
+        )
+    [hook] = status["safetyNet"]["failedHooks"]
+    assert hook["pod"] == gone[0] and hook["message"] == "PreStopHook failed" and hook["time"]
+    events = sandbox.get("events", "--field-selector", "involvedObject.name=bare,reason=FailedPreStopHook")["items"]
+    assert events and gone[0] in events[0]["message"], "a Warning event on the policy names the pod"
+
+
+def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox: Sandbox) -> None:
+    """The operator reads the client certificate from the policy's Secret (the permission that
+    rbac.schedulerTLS grants); the webhook puts only a secretKeyRef to that Secret, in the pod's
+    own namespace, into the pod: never the certificate, never another namespace's Secret."""
+    security = distributed.Security.temporary()
+    pems = {"ca.crt": security.tls_ca_file, "tls.crt": security.tls_client_cert, "tls.key": security.tls_client_key}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "scheduler-tls", "namespace": "default"},
+        "data": {key: base64.b64encode(value.encode()).decode() for key, value in pems.items()},
+    }
+    sandbox.apply(secret)
+    with distributed.LocalCluster(
+        n_workers=0, processes=True, dashboard_address=":0", security=security, protocol="tls://"
+    ) as tls_cluster:
+        address = tls_cluster.scheduler_address
+        policy = memory_policy("secure", address)
+        policy["spec"]["scheduler"]["tls"] = {"secretName": "scheduler-tls"}
+        mark = audit_length()
+        sandbox.apply(policy)
+        # The scheduler has no workers, so the tenancy rule refuses it (NoWorkers): a verdict that
+        # needs its identity, read over TLS with the Secret's certificate (a bad certificate would
+        # leave it SchedulerUnreachable).
+        reached = sandbox.wait_for(
+            lambda: (c := condition(sandbox, "secure", "SchedulerReachable")) and c["reason"] == "NoWorkers" and c,
+            what="the TLS scheduler reached with the Secret's certificate",
+        )
+        assert reached["status"] == "False"
+        assert ("secrets", "get", "default") in operator_reads(mark)
+        before = sandbox.pods()
+        sandbox.kubectl("scale", "deployment/dask-worker", f"--replicas={len(before) + 1}")
+        [new] = sandbox.wait_for(lambda: [p for p in sandbox.pods() if p not in before], what="a new pod")
+        env = {e["name"]: e for e in sandbox.get("pod", new)["spec"]["containers"][0]["env"]}
+        for name, key in (("MEMOPS_TLS_CA", "ca.crt"), ("MEMOPS_TLS_CERT", "tls.crt"), ("MEMOPS_TLS_KEY", "tls.key")):
+            assert env[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "scheduler-tls", "key": key}}}
+        assert env["MEMOPS_SCHEDULER_ADDRESS"]["value"] == address
