@@ -1,0 +1,781 @@
+"""The node agent against an upstream control plane: real kube-apiserver, controllers, scheduler,
+and the pods as real processes.
+
+The plane and one agent (serving two nodes, as ``python -m memops_sandbox.nodeagent``) are shared
+by the module; each test works in its own namespace. The pure parts (expansion, fieldRef,
+phase) have table tests at the top. Skipped, with the reason, where the Kubernetes binaries
+(kube-apiserver, kube-controller-manager, kube-scheduler, etcd) cannot be found.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SANDBOX = Path(__file__).resolve().parents[2] / "sandbox"
+if str(SANDBOX) not in sys.path:  # until the sandbox package is installed with the project
+    sys.path.insert(0, str(SANDBOX))
+
+from memops_sandbox import nodeagent_env as envs  # noqa: E402
+from memops_sandbox import nodeagent_status as statuses  # noqa: E402
+
+NODES = ["node-a", "node-b"]
+MONITOR_GRACE = 20  # --node-monitor-grace-period of the plane below, in seconds
+
+
+# -- pure parts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "variables", "expected"),
+    [
+        pytest.param("--name $(POD)", {"POD": "w-1"}, "--name w-1", id="expand"),
+        pytest.param("$$(POD)", {"POD": "w-1"}, "$(POD)", id="escape"),
+        pytest.param("$(MISSING)", {}, "$(MISSING)", id="unknown-stays"),
+        pytest.param("$(A", {"A": "x"}, "$(A", id="unclosed-stays"),
+        pytest.param("a$b$", {}, "a$b$", id="bare-dollar-stays"),
+        pytest.param("$(A)$(B)", {"A": "1", "B": "2"}, "12", id="adjacent"),
+        pytest.param("$(a b)", {"a b": "odd"}, "odd", id="any-name-up-to-closer"),
+    ],
+)
+def test_expand_as_upstream(text: str, variables: dict[str, str], expected: str) -> None:
+    assert envs.expand(text, variables) == expected
+
+
+POD = {
+    "metadata": {
+        "name": "w-1",
+        "namespace": "ns",
+        "uid": "u-1",
+        "labels": {"app": "dask", "tier": "w"},
+        "annotations": {"a/b": "c"},
+    },
+    "spec": {"nodeName": "node-a", "serviceAccountName": "sa"},
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        pytest.param("metadata.name", "w-1", id="name"),
+        pytest.param("metadata.namespace", "ns", id="namespace"),
+        pytest.param("metadata.uid", "u-1", id="uid"),
+        pytest.param("metadata.labels['app']", "dask", id="label"),
+        pytest.param("metadata.labels['missing']", "", id="label-missing"),
+        pytest.param("metadata.annotations['a/b']", "c", id="annotation"),
+        pytest.param("metadata.labels", 'app="dask"\ntier="w"', id="labels-formatted"),
+        pytest.param("spec.nodeName", "node-a", id="node"),
+        pytest.param("spec.serviceAccountName", "sa", id="service-account"),
+        pytest.param("status.podIP", "127.100.0.2", id="pod-ip"),
+        pytest.param("status.hostIP", "127.100.0.1", id="host-ip"),
+    ],
+)
+def test_field_ref(path: str, expected: str) -> None:
+    assert envs.field_value(POD, path, pod_ip="127.100.0.2", host_ip="127.100.0.1") == expected
+
+
+def test_env_order_and_sources() -> None:
+    container = {
+        "name": "c",
+        "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}],
+        "env": [
+            {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "GREETING", "value": "hello $(ME) $(LATER)"},
+            {"name": "LATER", "value": "x"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}},
+            {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "mode"}}},
+            {"name": "GONE", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "k", "optional": True}}},
+            {"name": "RAW", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['a/b']"}}},
+        ],
+    }
+    env = envs.container_env(
+        POD,
+        container,
+        pod_ip="127.100.0.2",
+        host_ip="127.100.0.1",
+        secrets={"s": {"data": {"t": "c2VjcmV0"}}, "nope": None},
+        config_maps={"cm": {"data": {"mode": "fast"}}},
+    )
+    assert env == {
+        "CM_mode": "fast",
+        "ME": "w-1",
+        "GREETING": "hello w-1 $(LATER)",
+        "LATER": "x",
+        "TOKEN": "secret",
+        "MODE": "fast",
+        "RAW": "c",
+    }
+    with pytest.raises(envs.ConfigError, match="couldn't find key t"):
+        envs.container_env(
+            POD,
+            {"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]},
+            pod_ip="",
+            host_ip="",
+            secrets={"s": {"data": {}}},
+            config_maps={},
+        )
+
+
+def container(state: str, code: int | None = None, last: int | None = None) -> statuses.Container:
+    result = statuses.Container(name="c", state=state, exit_code=code)
+    if last is not None:
+        result.last_terminated = {"exitCode": last}
+    return result
+
+
+@pytest.mark.parametrize(
+    ("policy", "state", "terminal", "expected"),
+    [
+        pytest.param("Always", container("waiting"), False, "Pending", id="creating"),
+        pytest.param("Always", container("running"), False, "Running", id="running"),
+        pytest.param("Always", container("waiting", last=1), False, "Running", id="crash-loop"),
+        pytest.param("Always", container("terminated", 0), False, "Running", id="always-restarts-success"),
+        pytest.param("OnFailure", container("terminated", 0), False, "Succeeded", id="on-failure-done"),
+        pytest.param("OnFailure", container("terminated", 2), False, "Running", id="on-failure-retries"),
+        pytest.param("Never", container("terminated", 0), False, "Succeeded", id="never-succeeded"),
+        pytest.param("Never", container("terminated", 2), False, "Failed", id="never-failed"),
+        pytest.param("Always", container("terminated", 143), True, "Failed", id="deleted-sigterm"),
+        pytest.param("Always", container("terminated", 0), True, "Succeeded", id="deleted-clean-exit"),
+    ],
+)
+def test_phase(policy: str, state: statuses.Container, terminal: bool, expected: str) -> None:
+    assert statuses.phase(policy, state, terminal=terminal) == expected
+
+
+def test_conditions_keep_transition_time() -> None:
+    running = statuses.Container(name="c", state="running", ready=True)
+    first = statuses.conditions([], running, "Running")
+    assert {c["type"]: c["status"] for c in first}["Ready"] == "True"
+    old = [{**c, "lastTransitionTime": "2020-01-01T00:00:00Z"} for c in first]
+    again = statuses.conditions(old, running, "Running")
+    assert all(c["lastTransitionTime"] == "2020-01-01T00:00:00Z" for c in again)
+    running.ready = False
+    flipped = {c["type"]: c for c in statuses.conditions(old, running, "Running")}
+    assert flipped["Ready"]["status"] == "False"
+    assert flipped["Ready"]["reason"] == "ContainersNotReady"
+    assert flipped["Ready"]["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+
+
+# -- a control plane -------------------------------------------------------------------------
+
+
+def find_binaries() -> Path | None:
+    names = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd")
+    candidates = [os.environ.get("MEMOPS_KUBERNETES_BIN", "")]
+    candidates += [str(Path(found).parent) for found in [shutil.which("kube-apiserver")] if found]
+    for candidate in candidates:
+        if candidate and all((Path(candidate) / name).exists() for name in names):
+            return Path(candidate)
+    return None
+
+
+def make_pki(directory: Path) -> dict[str, Path]:
+    """A CA, the API server's serving certificate, and client certificates for the admin
+    (group system:masters) and for each node (system:node:<name>, group system:nodes)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(tz=datetime.UTC)
+
+    def write_key(name: str, key: Any) -> Path:
+        path = directory / f"{name}.key"
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        return path
+
+    def issue(name: str, subject: x509.Name, *, ca: bool = False, server: bool = False) -> Path:
+        key = ec.generate_private_key(ec.SECP256R1())
+        write_key(name, key)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject if ca else ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if server:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [
+                        x509.DNSName("localhost"),
+                        x509.DNSName("kubernetes.default.svc"),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        x509.IPAddress(ipaddress.ip_address("10.96.0.1")),
+                    ]
+                ),
+                critical=False,
+            )
+        cert = builder.sign(key if ca else ca_key, hashes.SHA256())
+        path = directory / f"{name}.crt"
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return path
+
+    def name_of(cn: str, org: str | None = None) -> x509.Name:
+        parts = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+        if org:
+            parts.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+        return x509.Name(parts)
+
+    ca_name = name_of("memops-test-ca")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    write_key("ca", ca_key)
+    files = {"ca": issue_ca(directory, ca_key, ca_name, now)}
+    files["apiserver"] = issue("apiserver", name_of("kube-apiserver"), server=True)
+    files["admin"] = issue("admin", name_of("admin", "system:masters"))
+    for node in NODES:
+        files[node] = issue(node, name_of(f"system:node:{node}", "system:nodes"))
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    files["sa"] = write_key("sa", sa_key)
+    return files
+
+
+def issue_ca(directory: Path, key: Any, name: Any, now: datetime.datetime) -> Path:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    path = directory / "ca.crt"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def kubeconfig(path: Path, server: str, ca: Path, users: dict[str, str], current: str) -> Path:
+    """One context per user, named as the user; ``users`` maps a name to its cert/key stem."""
+    directory = ca.parent
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "plane", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [
+            {
+                "name": name,
+                "user": {
+                    "client-certificate": str(directory / f"{stem}.crt"),
+                    "client-key": str(directory / f"{stem}.key"),
+                },
+            }
+            for name, stem in users.items()
+        ],
+        "contexts": [{"name": name, "context": {"cluster": "plane", "user": name}} for name in users],
+        "current-context": current,
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
+@dataclass
+class Plane:
+    admin: Path
+    nodes: Path
+    directory: Path
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["kubectl", "--kubeconfig", str(self.admin), *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+        )
+
+    def get(self, *what: str) -> Any:
+        return json.loads(self.kubectl("get", *what, "-o", "json").stdout)
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        subprocess.run(
+            ["kubectl", "--kubeconfig", str(self.admin), "apply", "-f", "-"],
+            input=json.dumps(manifest),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float = 60, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
+    from memops.sandbox import free_port
+
+    binaries = find_binaries()
+    if binaries is None:
+        reason = "Kubernetes binaries not found (set MEMOPS_KUBERNETES_BIN to a directory with kube-apiserver, "
+        reason += "kube-controller-manager, kube-scheduler and etcd)"
+        print(reason)
+        pytest.skip(reason)
+    directory = tmp_path_factory.mktemp("plane")
+    pki = directory / "pki"
+    pki.mkdir()
+    files = make_pki(pki)
+    etcd_port = free_port()
+    peer_port = free_port(etcd_port)
+    api_port = free_port(etcd_port, peer_port)
+    server = f"https://127.0.0.1:{api_port}"
+    admin = kubeconfig(directory / "admin.kubeconfig", server, files["ca"], {"admin": "admin"}, "admin")
+    nodes = kubeconfig(
+        directory / "nodes.kubeconfig",
+        server,
+        files["ca"],
+        {f"system:node:{node}": node for node in NODES},
+        f"system:node:{NODES[0]}",
+    )
+    logs = directory / "logs"
+    logs.mkdir()
+    commands = {
+        "etcd": [
+            str(binaries / "etcd"),
+            f"--data-dir={directory / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+            f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-cluster=default=http://127.0.0.1:{peer_port}",
+            "--quota-backend-bytes=0",
+            "--unsafe-no-fsync",
+        ],
+        "kube-apiserver": [
+            str(binaries / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            f"--secure-port={api_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            "--endpoint-reconciler-type=none",
+            f"--tls-cert-file={pki / 'apiserver.crt'}",
+            f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={files['ca']}",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            f"--service-account-key-file={files['sa']}",
+            f"--service-account-signing-key-file={files['sa']}",
+            "--service-account-issuer=https://kubernetes.default.svc",
+        ],
+        "kube-controller-manager": [
+            str(binaries / "kube-controller-manager"),
+            f"--kubeconfig={admin}",
+            "--leader-elect=false",
+            "--secure-port=0",
+            f"--service-account-private-key-file={files['sa']}",
+            f"--root-ca-file={files['ca']}",
+            f"--node-monitor-grace-period={MONITOR_GRACE}s",
+            "--node-monitor-period=2s",
+            "--controllers=*",
+        ],
+        "kube-scheduler": [str(binaries / "kube-scheduler"), f"--kubeconfig={admin}", "--leader-elect=false"],
+    }
+    processes: list[subprocess.Popen[bytes]] = []
+    result = Plane(admin=admin, nodes=nodes, directory=directory)
+    try:
+        for name, command in commands.items():
+            with (logs / f"{name}.log").open("wb") as log:
+                processes.append(subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True))
+            if name == "kube-apiserver":
+                wait_for(
+                    lambda: result.kubectl("get", "--raw=/readyz", check=False).returncode == 0,
+                    timeout=120,
+                    what="the API server",
+                )
+        wait_for(
+            lambda: result.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
+            timeout=60,
+            what="the default service account",
+        )
+        yield result
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@dataclass
+class Agent:
+    process: subprocess.Popen[bytes]
+    run_dir: Path
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def agent(plane: Plane) -> Iterator[Agent]:
+    run_dir = plane.directory / "run"
+    run_dir.mkdir()
+    log = plane.directory / "logs" / "nodeagent.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SANDBOX), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "memops_sandbox.nodeagent", f"--kubeconfig={plane.nodes}", f"--run-dir={run_dir}"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*command, *NODES],
+            stdout=out,
+            stderr=out,
+            env=env,
+        )
+    try:
+        yield Agent(process=process, run_dir=run_dir, log=log)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def namespace(plane: Plane, request: pytest.FixtureRequest) -> str:
+    name = request.node.name.replace("_", "-").lower()[:50]
+    plane.kubectl("create", "namespace", name)
+    wait_for(
+        lambda: plane.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+        what="the namespace's default service account",
+    )
+    return name
+
+
+def taints(node: dict[str, Any]) -> set[str]:
+    return {taint["key"] for taint in node["spec"].get("taints") or []}
+
+
+def ready(obj: dict[str, Any]) -> bool:
+    conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions") or []}
+    return conditions.get("Ready") == "True"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited: its parent (the agent) has not reaped it yet.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def pod_program(body: str) -> str:
+    """A tiny Python container: prints its environment, handles SIGTERM, then runs ``body``."""
+    return textwrap.dedent(
+        """
+        import json, os, signal, sys, time
+        def term(*_):
+            print("SIGTERM", time.time(), flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, term)
+        print("ENV", json.dumps({k: v for k, v in os.environ.items() if k.startswith("T_")}), flush=True)
+        """
+    ) + textwrap.dedent(body)
+
+
+def env_of(agent: Agent, namespace: str, name: str) -> dict[str, str]:
+    log = agent.run_dir / "pods" / f"{namespace}_{name}.log"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        if line.startswith("ENV "):
+            return dict(json.loads(line[4:]))
+    return {}
+
+
+def events(plane: Plane, namespace: str, reason: str) -> list[dict[str, Any]]:
+    return list(plane.get("events", "-n", namespace, "--field-selector", f"reason={reason}")["items"])
+
+
+# -- nodes -----------------------------------------------------------------------------------
+
+
+def test_nodes_register_and_stay_ready(plane: Plane, agent: Agent) -> None:
+    """Both nodes register with capacity, lose the not-ready taint the admission plugin gives
+    new nodes, and keep it off for longer than the node monitor's grace period."""
+
+    def both_ready() -> bool:
+        found = {n["metadata"]["name"]: n for n in plane.get("nodes")["items"]}
+        return all(name in found and ready(found[name]) and not taints(found[name]) for name in NODES)
+
+    wait_for(both_ready, timeout=60, what="both nodes Ready without taints")
+    leases = {item["metadata"]["name"]: item for item in plane.get("leases", "-n", "kube-node-lease")["items"]}
+    assert {lease["spec"]["holderIdentity"] for name, lease in leases.items() if name in NODES} == set(NODES)
+    node = plane.get("node", NODES[0])
+    assert node["status"]["capacity"] == {"cpu": "8", "memory": "16Gi", "pods": "110"}
+    assert node["metadata"]["annotations"]["memops.dev/tmpfs-dir"].startswith("/dev/shm/")
+    assert Path(node["metadata"]["annotations"]["memops.dev/tmpfs-dir"]).is_dir()
+    first_renewal = leases[NODES[0]]["spec"]["renewTime"]
+    deadline = time.monotonic() + MONITOR_GRACE + 10
+    while time.monotonic() < deadline:
+        for item in plane.get("nodes")["items"]:
+            if item["metadata"]["name"] in NODES:
+                assert ready(item), item["status"]["conditions"]
+                assert not taints(item) & {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
+        time.sleep(2)
+    assert plane.get("lease", "-n", "kube-node-lease", NODES[0])["spec"]["renewTime"] != first_renewal
+
+
+# -- pods ------------------------------------------------------------------------------------
+
+
+def deployment(name: str, replicas: int, program: str, **container: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 10,
+                    "containers": [
+                        {"name": "main", "image": "python", "command": ["python", "-c", program], **container}
+                    ],
+                },
+            },
+        },
+    }
+
+
+def pods_of(plane: Plane, namespace: str, app: str) -> list[dict[str, Any]]:
+    return list(plane.get("pods", "-n", namespace, "-l", f"app={app}")["items"])
+
+
+def test_deployment_runs_with_distinct_ips_env_and_readiness(plane: Plane, agent: Agent, namespace: str) -> None:
+    """A Deployment's pods run as processes with the container's environment (fieldRef,
+    secretKeyRef, configMapKeyRef, $(VAR)), each on its own pod IP, where the worker binds;
+    a readiness probe that runs in that environment gates Ready."""
+    plane.kubectl("create", "secret", "generic", "s", "--from-literal=token=sesame", "-n", namespace)
+    plane.kubectl("create", "configmap", "cm", "--from-literal=mode=fast", "-n", namespace)
+    markers = agent.run_dir / "markers"
+    markers.mkdir(exist_ok=True)
+    program = pod_program(
+        """
+        import socket
+        server = socket.create_server((os.environ["T_IP"], 8786))
+        print("BOUND", server.getsockname(), flush=True)
+        while True:
+            time.sleep(1)
+        """
+    )
+    env = [
+        {"name": "T_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "T_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "T_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "T_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+        {"name": "T_APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+        {"name": "T_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
+        {"name": "T_MODE", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "mode"}}},
+        {"name": "T_MARKER", "value": f"{markers}/$(T_NAME)"},
+    ]
+    probe = "import os, sys; sys.exit(not os.path.exists(os.environ['T_MARKER']))"
+    plane.apply(
+        deployment(
+            "workers",
+            2,
+            program,
+            env=env,
+            readinessProbe={"exec": {"command": ["python", "-c", probe]}, "periodSeconds": 1, "failureThreshold": 1},
+        )
+        | {"metadata": {"name": "workers", "namespace": namespace}}
+    )
+
+    def running() -> list[dict[str, Any]] | None:
+        pods = pods_of(plane, namespace, "workers")
+        if len(pods) == 2 and all(p["status"].get("phase") == "Running" for p in pods):
+            return pods
+        return None
+
+    pods = wait_for(running, timeout=60, what="2 Running pods")
+    ips = {p["status"]["podIP"] for p in pods}
+    assert len(ips) == 2 and all(ip.startswith("127.") for ip in ips)
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        got = wait_for(lambda name=name: env_of(agent, namespace, name), what=f"{name}'s environment")
+        assert got == {
+            "T_NAME": name,
+            "T_IP": pod["status"]["podIP"],
+            "T_NODE": pod["spec"]["nodeName"],
+            "T_HOST": pod["status"]["hostIP"],
+            "T_APP": "workers",
+            "T_TOKEN": "sesame",
+            "T_MODE": "fast",
+            "T_MARKER": f"{markers}/{name}",
+        }
+        assert not ready(pod), "Ready before its readiness probe passed"
+        assert pod["status"]["containerStatuses"][0]["started"] is True
+    first, second = (p["metadata"]["name"] for p in pods)
+    (markers / first).touch()
+    wait_for(lambda: ready(plane.get("pod", "-n", namespace, first)), timeout=30, what="the probed pod Ready")
+    assert not ready(plane.get("pod", "-n", namespace, second))
+    assert events(plane, namespace, "Unhealthy"), "a failed readiness probe is an Unhealthy event"
+    assert events(plane, namespace, "Started") and events(plane, namespace, "Created")
+
+
+def test_delete_runs_prestop_in_container_env_then_sigterm(plane: Plane, agent: Agent, namespace: str) -> None:
+    """``kubectl delete pod``: preStop runs with the container's environment, then SIGTERM,
+    then the agent's final delete removes the pod."""
+    out = agent.run_dir / f"prestop-{namespace}"
+    program = pod_program("while True: time.sleep(1)\n")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": namespace},
+        "spec": {
+            "terminationGracePeriodSeconds": 20,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python",
+                    "command": ["python", "-c", program],
+                    "env": [{"name": "T_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                    "lifecycle": {
+                        "preStop": {"exec": {"command": ["sh", "-c", f'echo "$T_NAME $(date +%s.%N)" > {out}']}}
+                    },
+                }
+            ],
+        },
+    }
+    plane.apply(pod)
+    wait_for(lambda: plane.get("pod", "-n", namespace, "p")["status"].get("phase") == "Running", what="Running")
+    pid = int(wait_for(lambda: (agent.run_dir / "pods" / f"{namespace}_p.pid").read_text(), what="the pid"))
+    started = time.monotonic()
+    plane.kubectl("delete", "pod", "p", "-n", namespace, "--wait=true", timeout=60)
+    assert time.monotonic() - started < 15, "the pod handled SIGTERM: no wait for the grace period"
+    assert not alive(pid)
+    name, hooked = out.read_text().split()
+    assert name == "p", "the hook ran in the container's environment"
+    log = (agent.run_dir / "pods" / f"{namespace}_p.log").read_text()
+    term = float(next(line.split()[1] for line in log.splitlines() if line.startswith("SIGTERM")))
+    assert float(hooked) <= term, "preStop ran before SIGTERM"
+    assert events(plane, namespace, "Killing")
+
+
+def test_failing_prestop_is_an_event_and_the_kill_goes_on(plane: Plane, agent: Agent, namespace: str) -> None:
+    program = pod_program("while True: time.sleep(1)\n")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "bad-hook", "namespace": namespace},
+        "spec": {
+            "terminationGracePeriodSeconds": 20,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python",
+                    "command": ["python", "-c", program],
+                    "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", "exit 3"]}}},
+                }
+            ],
+        },
+    }
+    plane.apply(pod)
+    wait_for(lambda: plane.get("pod", "-n", namespace, "bad-hook")["status"].get("phase") == "Running", what="Running")
+    plane.kubectl("delete", "pod", "bad-hook", "-n", namespace, "--wait=true", timeout=60)
+    [event] = events(plane, namespace, "FailedPreStopHook")
+    assert event["type"] == "Warning"
+    assert event["message"] == "PreStopHook failed"
+    assert event["source"] == {"component": "kubelet", "host": event["source"]["host"]}
+    assert event["involvedObject"]["fieldPath"] == "spec.containers{main}"
+
+
+def test_exited_container_restarts_with_backoff(plane: Plane, agent: Agent, namespace: str) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "crash", "namespace": namespace},
+        "spec": {
+            "containers": [{"name": "main", "image": "python", "command": ["python", "-c", "raise SystemExit(3)"]}]
+        },
+    }
+    plane.apply(pod)
+
+    def restarted() -> dict[str, Any] | None:
+        status = plane.get("pod", "-n", namespace, "crash")["status"]
+        containers = status.get("containerStatuses") or [{}]
+        return containers[0] if containers[0].get("restartCount", 0) >= 2 else None
+
+    container_status = wait_for(restarted, timeout=60, what="two restarts")
+    assert container_status["lastState"]["terminated"]["exitCode"] == 3
+    assert container_status["lastState"]["terminated"]["reason"] == "Error"
+    assert plane.get("pod", "-n", namespace, "crash")["status"]["phase"] == "Running"
+    assert events(plane, namespace, "BackOff")
+
+
+def test_scale_down_removes_pods_and_ends_their_processes(plane: Plane, agent: Agent, namespace: str) -> None:
+    program = pod_program("while True: time.sleep(1)\n")
+    plane.apply(deployment("scaled", 3, program) | {"metadata": {"name": "scaled", "namespace": namespace}})
+
+    def running() -> list[dict[str, Any]] | None:
+        pods = pods_of(plane, namespace, "scaled")
+        return pods if len(pods) == 3 and all(p["status"].get("phase") == "Running" for p in pods) else None
+
+    pods = wait_for(running, timeout=60, what="3 Running pods")
+    pids = {
+        p["metadata"]["name"]: int((agent.run_dir / "pods" / f"{namespace}_{p['metadata']['name']}.pid").read_text())
+        for p in pods
+    }
+    assert len({p["spec"]["nodeName"] for p in pods} | set()) >= 1
+    plane.kubectl("scale", "deployment", "scaled", "--replicas=1", "-n", namespace)
+    left = wait_for(
+        lambda: (names := [p["metadata"]["name"] for p in pods_of(plane, namespace, "scaled")]) and len(names) == 1
+        and names,
+        timeout=60,
+        what="one pod left",
+    )
+    gone = set(pids) - set(left)
+    assert len(gone) == 2
+    wait_for(lambda: not any(alive(pids[name]) for name in gone), timeout=15, what="the removed pods' processes")
+    assert alive(pids[left[0]])
