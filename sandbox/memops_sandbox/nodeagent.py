@@ -162,7 +162,7 @@ class PodWorker:
 
     # -- API ---------------------------------------------------------------------------------
 
-    async def report(self, *, terminal: bool = False, reason: str = "", message: str = "") -> None:
+    async def report(self, *, terminal: bool = False, node_shutdown: bool = False) -> None:
         """Patch the pod's status; the uid in the patch makes it a precondition, as the status
         manager's ``PatchPodStatus`` does, so a new pod with this name is never touched."""
         async with self.report_lock:
@@ -173,17 +173,15 @@ class PodWorker:
                 host_ip=self.node.host_ip,
                 start_time=self.start_time,
                 terminal=terminal,
-                reason=reason,
-                message=message,
+                node_shutdown=node_shutdown,
             )
             try:
                 self.pod = await self.node.api.patch(
                     f"{self.path}/status", {"metadata": {"uid": self.uid}, "status": status}
                 )
-            except api.ApiError as exc:
-                if exc.status not in (404, 409, 422):
-                    raise
-                logger.debug("pod %s/%s: status not written: %s", self.namespace, self.name, exc)
+            except api.TRANSIENT as exc:
+                # The pod may be gone; otherwise the next change writes the whole status again.
+                logger.info("pod %s/%s: status not written: %s", self.namespace, self.name, exc)
 
     async def event(self, kind: str, reason: str, message: str) -> None:
         """A core/v1 Event about the container, as ``recordContainerEvent`` writes it
@@ -237,7 +235,7 @@ class PodWorker:
         while not self.deleting.is_set():
             try:
                 argv = await self.prepare()
-            except envs.ConfigError as exc:
+            except api.TRANSIENT as exc:  # ConfigError is a ValueError
                 # CreateContainerConfigError: the kubelet retries each sync until it works.
                 self.state.reason, self.state.message = "CreateContainerConfigError", str(exc)
                 await self.event("Warning", "Failed", f"Error: {exc}")
@@ -447,7 +445,7 @@ class PodWorker:
     def remaining(self) -> float:
         return max((self.deadline or time.monotonic()) - time.monotonic(), 0.0)
 
-    async def terminate(self, *, reason: str = "", message: str = "", delete: bool = True) -> None:
+    async def terminate(self, *, node_shutdown: bool = False) -> None:
         """``killContainer`` (pkg/kubelet/kuberuntime/kuberuntime_container.go): a Killing
         event, the preStop hook within the grace period (a failed hook is a Warning
         ``FailedPreStopHook`` event, "PreStopHook failed", and the kill goes on), then
@@ -490,8 +488,8 @@ class PodWorker:
             self.signal(signal.SIGKILL)
             self.stopped(exit_code(self.process.returncode or 0))
         self.files.with_suffix(".pid").unlink(missing_ok=True)
-        await self.report(terminal=True, reason=reason, message=message)
-        if delete:
+        await self.report(terminal=True, node_shutdown=node_shutdown)
+        if not node_shutdown:
             await self.agent.delete_pod(self.node, self.namespace, self.name, self.uid)
 
 
@@ -517,6 +515,7 @@ class NodeAgent:
         self.nodes: dict[str, Node] = {}
         self.tasks: list[asyncio.Task[None]] = []
         self.closed = False
+        self.events: dict[tuple[str, ...], tuple[str, int]] = {}
 
     # -- API helpers -------------------------------------------------------------------------
 
@@ -529,33 +528,55 @@ class NodeAgent:
             raise
 
     async def post_event(self, node: Node, involved: Obj, kind: str, reason: str, message: str) -> None:
+        """Write an Event; a repeat of the same one (same object, reason and message) bumps the
+        first one's count and lastTimestamp instead, as client-go's EventCorrelator does
+        (``eventObserve``, staging/src/k8s.io/client-go/tools/record/events_cache.go)."""
         stamp = statuses.now()
-        body = {
-            "metadata": {"name": f"{involved['name']}.{time.time_ns():x}", "namespace": involved["namespace"]},
-            "involvedObject": involved,
-            "reason": reason,
-            "message": message,
-            "type": kind,
-            "source": {"component": "kubelet", "host": node.name},
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-            "reportingComponent": "kubelet",
-            "reportingInstance": node.name,
-        }
+        namespace = involved["namespace"]
+        key = (node.name, involved["uid"], involved.get("fieldPath", ""), kind, reason, message)
         try:
-            await node.api.create(f"/api/v1/namespaces/{involved['namespace']}/events", body)
-        except (api.ApiError, OSError, TimeoutError) as exc:
+            if key in self.events:
+                name, count = self.events[key]
+                body: Obj = {"count": count + 1, "lastTimestamp": stamp}
+                await node.api.patch(f"/api/v1/namespaces/{namespace}/events/{name}", body)
+                self.events[key] = (name, count + 1)
+                return
+            name = f"{involved['name']}.{time.time_ns():x}"
+            body = {
+                "metadata": {"name": name, "namespace": namespace},
+                "involvedObject": involved,
+                "reason": reason,
+                "message": message,
+                "type": kind,
+                "source": {"component": "kubelet", "host": node.name},
+                "firstTimestamp": stamp,
+                "lastTimestamp": stamp,
+                "count": 1,
+                "reportingComponent": "kubelet",
+                "reportingInstance": node.name,
+            }
+            await node.api.create(f"/api/v1/namespaces/{namespace}/events", body)
+            self.events[key] = (name, 1)
+        except api.TRANSIENT as exc:
             # The kubelet's event broadcaster drops what it cannot write, too.
             logger.warning("event %s for %s not written: %s", reason, involved["name"], exc)
+            self.events.pop(key, None)
 
     async def delete_pod(self, node: Node, namespace: str, name: str, uid: str) -> None:
+        """The final delete (grace 0, this uid only); retried, as the status manager retries."""
         body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
-        try:
-            await node.api.delete(f"/api/v1/namespaces/{namespace}/pods/{name}", body)
-        except api.ApiError as exc:
-            if exc.status not in (404, 409):
-                raise
+        for attempt in range(10):
+            try:
+                await node.api.delete(f"/api/v1/namespaces/{namespace}/pods/{name}", body)
+                return
+            except api.ApiError as exc:
+                if exc.status in (404, 409):
+                    return
+                failure: BaseException = exc
+            except api.TRANSIENT as exc:
+                failure = exc
+            logger.warning("pod %s/%s: delete failed (attempt %d): %s", namespace, name, attempt + 1, failure)
+            await asyncio.sleep(1)
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -634,7 +655,7 @@ class NodeAgent:
                     await self.post_node_status(node, transition=True)
                 node.uid = created["metadata"]["uid"]
                 return
-            except (api.ApiError, OSError, TimeoutError) as exc:
+            except api.TRANSIENT as exc:
                 logger.warning("node %s: registration failed, retrying: %s", node.name, exc)
                 await asyncio.sleep(1)
 
@@ -671,7 +692,7 @@ class NodeAgent:
                         spec = {}
                 if spec:
                     lease = await node.api.put(f"{path}/{node.name}", {**lease, "spec": {**lease["spec"], **spec}})
-            except (api.ApiError, OSError, TimeoutError) as exc:
+            except api.TRANSIENT as exc:
                 logger.warning("node %s: lease not renewed: %s", node.name, exc)
                 lease = None  # a conflict or a missing lease: read it again
             await asyncio.sleep(self.timing.lease_renew)
@@ -681,7 +702,7 @@ class NodeAgent:
             await asyncio.sleep(self.timing.status_report)
             try:
                 await self.post_node_status(node)
-            except (api.ApiError, OSError, TimeoutError) as exc:
+            except api.TRANSIENT as exc:
                 logger.warning("node %s: status not posted: %s", node.name, exc)
 
     # -- pods --------------------------------------------------------------------------------
@@ -715,7 +736,7 @@ class NodeAgent:
                     await self.sync(node, obj, deleted=event["type"] == "DELETED")
             except api.Gone:
                 version = ""
-            except (api.ApiError, OSError, TimeoutError, ValueError) as exc:
+            except api.TRANSIENT as exc:
                 logger.warning("node %s: pod watch failed, listing again: %s", node.name, exc)
                 version = ""
                 await asyncio.sleep(1)
@@ -754,10 +775,13 @@ class NodeAgent:
             raise
         except Exception:
             logger.exception("pod %s/%s failed in the node agent", worker.namespace, worker.name)
+            worker.signal(signal.SIGKILL)  # never leave a process nobody supervises
         finally:
             if node.pods.get(worker.uid) is worker and not self.closed:
                 del node.pods[worker.uid]
                 node.ips.discard(worker.ip)
+                for key in [key for key in self.events if key[1] == worker.uid]:
+                    del self.events[key]
 
     # -- the agent ---------------------------------------------------------------------------
 
@@ -792,7 +816,8 @@ class NodeAgent:
         """Stop as a node shutdown does (pkg/kubelet/nodeshutdown/nodeshutdown_manager_linux.go):
         stop supervising first, so that no container is restarted meanwhile, then give every
         container its grace period (``terminationGracePeriodSeconds``, preStop included) at once,
-        and mark the pods Failed, "Terminated", as upstream does; they are not deleted."""
+        and mark the pods Failed, "Terminated", as upstream does; they are not deleted. Upstream
+        caps each grace by the shutdown's own period (``shutdownGracePeriod``); here there is none."""
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -807,11 +832,7 @@ class NodeAgent:
             worker.deadline = time.monotonic() + float(worker.spec.get("terminationGracePeriodSeconds", 30))
             try:
                 async with asyncio.timeout(worker.remaining() + 10):
-                    await worker.terminate(
-                        reason="Terminated",
-                        message="Pod was terminated in response to imminent node shutdown.",
-                        delete=False,
-                    )
+                    await worker.terminate(node_shutdown=True)
             except Exception as exc:  # the API server may be gone already: the processes matter
                 logger.info("pod %s/%s: shutdown: %s", worker.namespace, worker.name, exc)
                 worker.signal(signal.SIGKILL)
@@ -843,8 +864,12 @@ async def _main(argv: list[str]) -> None:  # pragma: no cover - for ``python -m`
     running = asyncio.create_task(agent.run())
     await asyncio.wait({running, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     running.cancel()
-    await asyncio.gather(running, return_exceptions=True)
-    await agent.shutdown()
+    try:
+        await running
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await agent.shutdown()
 
 
 if __name__ == "__main__":  # pragma: no cover

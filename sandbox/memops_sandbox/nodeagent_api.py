@@ -36,6 +36,10 @@ class Gone(ApiError):
     """410: the resourceVersion a watch started from is compacted away; list again."""
 
 
+TRANSIENT: tuple[type[BaseException], ...] = (ApiError, aiohttp.ClientError, OSError, TimeoutError, ValueError)
+"""What a call may raise when the API server refuses, is unreachable or answers nonsense."""
+
+
 @dataclass(frozen=True)
 class Credentials:
     """Where the API server is and who we are to it, from one context of a kubeconfig."""

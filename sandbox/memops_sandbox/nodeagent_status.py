@@ -93,13 +93,13 @@ def phase(restart_policy: str, container: Container, *, terminal: bool) -> str:
     """
     if container.state == "running":
         return "Running"
+    if terminal:
+        return "Succeeded" if container.state == "terminated" and container.exit_code == 0 else "Failed"
     stopped = container.state == "terminated" or (container.state == "waiting" and container.last_terminated)
     if not stopped:
         return "Pending"
     last = container.terminated() if container.state == "terminated" else container.last_terminated or {}
     succeeded = last.get("exitCode") == 0
-    if terminal:
-        return "Succeeded" if succeeded and container.state == "terminated" else "Failed"
     if restart_policy == "Always":
         return "Running"
     if restart_policy == "OnFailure":
@@ -143,15 +143,34 @@ def pod_status(
     host_ip: str,
     start_time: str,
     terminal: bool = False,
-    reason: str = "",
-    message: str = "",
+    node_shutdown: bool = False,
 ) -> Obj:
-    """The status the kubelet's ``generateAPIPodStatus`` (pkg/kubelet/kubelet_pods.go) would write."""
+    """The status the kubelet's ``generateAPIPodStatus`` (pkg/kubelet/kubelet_pods.go) would write.
+
+    ``node_shutdown``: the pod was stopped by the node's shutdown; upstream's shutdown manager
+    (``processShutdownEvent``, pkg/kubelet/nodeshutdown/nodeshutdown_manager.go) makes it
+    Failed unless it had Succeeded, with reason Terminated and a DisruptionTarget condition.
+    """
     spec = pod.get("spec") or {}
-    pod_phase = phase(str(spec.get("restartPolicy", "Always")), container, terminal=terminal)
+    previous = pod.get("status") or {}
+    pod_phase = phase(str(spec.get("restartPolicy", "Always")), container, terminal=terminal or node_shutdown)
+    pod_conditions = conditions(previous.get("conditions") or [], container, pod_phase)
+    reason = message = ""
+    if node_shutdown:
+        pod_phase = "Succeeded" if previous.get("phase") == "Succeeded" else "Failed"
+        reason, message = "Terminated", "Pod was terminated in response to imminent node shutdown."
+        pod_conditions.append(
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "TerminationByKubelet",
+                "message": message,
+                "lastTransitionTime": now(),
+            }
+        )
     status: Obj = {
         "phase": pod_phase,
-        "conditions": conditions((pod.get("status") or {}).get("conditions") or [], container, pod_phase),
+        "conditions": pod_conditions,
         "hostIP": host_ip,
         "hostIPs": [{"ip": host_ip}],
         "podIP": pod_ip,

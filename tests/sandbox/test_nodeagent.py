@@ -33,6 +33,7 @@ from memops_sandbox import nodeagent_env as envs  # noqa: E402
 from memops_sandbox import nodeagent_status as statuses  # noqa: E402
 
 NODES = ["node-a", "node-b"]
+LONE_NODE = "node-c"  # served by an agent of its own, that the shutdown test stops
 MONITOR_GRACE = 20  # --node-monitor-grace-period of the plane below, in seconds
 
 
@@ -149,6 +150,7 @@ def container(state: str, code: int | None = None, last: int | None = None) -> s
         pytest.param("Never", container("terminated", 2), False, "Failed", id="never-failed"),
         pytest.param("Always", container("terminated", 143), True, "Failed", id="deleted-sigterm"),
         pytest.param("Always", container("terminated", 0), True, "Succeeded", id="deleted-clean-exit"),
+        pytest.param("Always", container("waiting"), True, "Failed", id="deleted-before-start"),
     ],
 )
 def test_phase(policy: str, state: statuses.Container, terminal: bool, expected: str) -> None:
@@ -245,7 +247,7 @@ def make_pki(directory: Path) -> dict[str, Path]:
     files = {"ca": issue_ca(directory, ca_key, ca_name, now)}
     files["apiserver"] = issue("apiserver", name_of("kube-apiserver"), server=True)
     files["admin"] = issue("admin", name_of("admin", "system:masters"))
-    for node in NODES:
+    for node in [*NODES, LONE_NODE]:
         files[node] = issue(node, name_of(f"system:node:{node}", "system:nodes"))
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     files["sa"] = write_key("sa", sa_key)
@@ -329,14 +331,14 @@ class Plane:
         return json.loads(self.kubectl("get", *what, "-o", "json").stdout)
 
     def apply(self, manifest: dict[str, Any]) -> None:
-        subprocess.run(
+        done = subprocess.run(
             ["kubectl", "--kubeconfig", str(self.admin), "apply", "-f", "-"],
             input=json.dumps(manifest),
             capture_output=True,
             text=True,
-            check=True,
             timeout=60,
         )
+        assert done.returncode == 0, done.stderr
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float = 60, what: str) -> Any:
@@ -372,7 +374,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         directory / "nodes.kubeconfig",
         server,
         files["ca"],
-        {f"system:node:{node}": node for node in NODES},
+        {f"system:node:{node}": node for node in [*NODES, LONE_NODE]},
         f"system:node:{NODES[0]}",
     )
     logs = directory / "logs"
@@ -455,29 +457,33 @@ class Agent:
     log: Path
 
 
+def start_agent(plane: Plane, run_dir: Path, nodes: list[str]) -> subprocess.Popen[bytes]:
+    run_dir.mkdir(exist_ok=True)
+    log = plane.directory / "logs" / f"nodeagent-{'-'.join(nodes)}.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SANDBOX), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "memops_sandbox.nodeagent", f"--kubeconfig={plane.nodes}", f"--run-dir={run_dir}"]
+    with log.open("ab") as out:
+        return subprocess.Popen([*command, *nodes], stdout=out, stderr=out, env=env)
+
+
+def stop_agent(process: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+
+
 @pytest.fixture(scope="module")
 def agent(plane: Plane) -> Iterator[Agent]:
     run_dir = plane.directory / "run"
-    run_dir.mkdir()
-    log = plane.directory / "logs" / "nodeagent.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SANDBOX), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "memops_sandbox.nodeagent", f"--kubeconfig={plane.nodes}", f"--run-dir={run_dir}"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [*command, *NODES],
-            stdout=out,
-            stderr=out,
-            env=env,
-        )
+    process = start_agent(plane, run_dir, NODES)
     try:
-        yield Agent(process=process, run_dir=run_dir, log=log)
+        yield Agent(process=process, run_dir=run_dir, log=plane.directory / "logs")
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_agent(process)
 
 
 @pytest.fixture
@@ -779,3 +785,59 @@ def test_scale_down_removes_pods_and_ends_their_processes(plane: Plane, agent: A
     assert len(gone) == 2
     wait_for(lambda: not any(alive(pids[name]) for name in gone), timeout=15, what="the removed pods' processes")
     assert alive(pids[left[0]])
+
+
+def test_shutdown_gives_every_container_its_grace_with_prestop(plane: Plane, namespace: str) -> None:
+    """On SIGTERM the agent stops as a node shutdown does: every container's preStop, then
+    SIGTERM, within its grace period, all at once; the pods end Failed, "Terminated"."""
+    run_dir = plane.directory / "run-lone"
+    process = start_agent(plane, run_dir, [LONE_NODE])
+    try:
+        wait_for(
+            lambda: any(
+                n["metadata"]["name"] == LONE_NODE and ready(n) for n in plane.get("nodes")["items"]
+            ),
+            what="the lone node Ready",
+        )
+        program = pod_program("while True: time.sleep(1)\n")
+        for name in ("s1", "s2"):
+            hook = f'echo "$T_NAME $(date +%s.%N)" > {run_dir}/hook-{name}; sleep 1'
+            plane.apply(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": name, "namespace": namespace},
+                    "spec": {
+                        "nodeName": LONE_NODE,
+                        "terminationGracePeriodSeconds": 5,
+                        "containers": [
+                            {
+                                "name": "main",
+                                "image": "python",
+                                "command": ["python", "-c", program],
+                                "env": [{"name": "T_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                                "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", hook]}}},
+                            }
+                        ],
+                    },
+                }
+            )
+        for name in ("s1", "s2"):
+            wait_for(
+                lambda name=name: plane.get("pod", "-n", namespace, name)["status"].get("phase") == "Running",
+                what=f"{name} Running",
+            )
+        pids = [int((run_dir / "pods" / f"{namespace}_{name}.pid").read_text()) for name in ("s1", "s2")]
+    finally:
+        stop_agent(process)
+    assert not any(alive(pid) for pid in pids)
+    hooked = {}
+    for name in ("s1", "s2"):
+        who, when = (run_dir / f"hook-{name}").read_text().split()
+        assert who == name, "the hook ran in the container's environment"
+        hooked[name] = float(when)
+    # Each hook takes 1 s: one after the other, the second would start 1 s after the first.
+    assert abs(hooked["s1"] - hooked["s2"]) < 0.8
+    for name in ("s1", "s2"):
+        status = plane.get("pod", "-n", namespace, name)["status"]
+        assert (status["phase"], status.get("reason")) == ("Failed", "Terminated")
