@@ -709,6 +709,37 @@ def test_delete_runs_prestop_in_container_env_then_sigterm(plane: Plane, agent: 
     assert events(plane, namespace, "Killing")
 
 
+def test_grace_period_counts_from_the_deletion_hook_included(plane: Plane, agent: Agent, namespace: str) -> None:
+    """A container that ignores SIGTERM is killed when the grace period ends; the time its
+    preStop hook took is taken from that period, not added to it (``killContainer``)."""
+    program = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)\n"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "stubborn", "namespace": namespace},
+        "spec": {
+            "terminationGracePeriodSeconds": 6,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python",
+                    "command": ["python", "-c", program],
+                    "lifecycle": {"preStop": {"exec": {"command": ["sleep", "3"]}}},
+                }
+            ],
+        },
+    }
+    plane.apply(pod)
+    wait_for(lambda: plane.get("pod", "-n", namespace, "stubborn")["status"].get("phase") == "Running", what="Running")
+    pid = int((agent.run_dir / "pods" / f"{namespace}_stubborn.pid").read_text())
+    started = time.monotonic()
+    plane.kubectl("delete", "pod", "stubborn", "-n", namespace, "--wait=true", timeout=60)
+    took = time.monotonic() - started
+    assert not alive(pid)
+    # 6 s from the deletion: not 3 s (the hook's own time), nor 9 s (the grace after the hook).
+    assert 5.0 <= took < 8.5, took
+
+
 def test_failing_prestop_is_an_event_and_the_kill_goes_on(plane: Plane, agent: Agent, namespace: str) -> None:
     program = pod_program("while True: time.sleep(1)\n")
     pod = {
@@ -841,3 +872,29 @@ def test_shutdown_gives_every_container_its_grace_with_prestop(plane: Plane, nam
     for name in ("s1", "s2"):
         status = plane.get("pod", "-n", namespace, name)["status"]
         assert (status["phase"], status.get("reason")) == ("Failed", "Terminated")
+
+
+def test_failing_liveness_probe_restarts_the_container(plane: Plane, agent: Agent, namespace: str) -> None:
+    program = pod_program("while True: time.sleep(1)\n")
+    liveness = {"exec": {"command": ["sh", "-c", "exit 1"]}, "periodSeconds": 1, "failureThreshold": 2}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "unwell", "namespace": namespace},
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {"name": "main", "image": "python", "command": ["python", "-c", program], "livenessProbe": liveness}
+            ],
+        },
+    }
+    plane.apply(pod)
+
+    def restarted() -> bool:
+        statuses = plane.get("pod", "-n", namespace, "unwell")["status"].get("containerStatuses") or [{}]
+        return int(statuses[0].get("restartCount", 0)) >= 1
+
+    wait_for(restarted, timeout=60, what="a restart after the liveness probe failed")
+    killing = [e["message"] for e in events(plane, namespace, "Killing")]
+    assert "Container main failed liveness probe, will be restarted" in killing
+    assert any(e["message"].startswith("Liveness probe failed") for e in events(plane, namespace, "Unhealthy"))
