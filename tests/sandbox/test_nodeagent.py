@@ -818,6 +818,32 @@ def test_scale_down_removes_pods_and_ends_their_processes(plane: Plane, agent: A
     assert alive(pids[left[0]])
 
 
+def test_failing_liveness_probe_restarts_the_container(plane: Plane, agent: Agent, namespace: str) -> None:
+    program = pod_program("while True: time.sleep(1)\n")
+    liveness = {"exec": {"command": ["sh", "-c", "exit 1"]}, "periodSeconds": 1, "failureThreshold": 2}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "unwell", "namespace": namespace},
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {"name": "main", "image": "python", "command": ["python", "-c", program], "livenessProbe": liveness}
+            ],
+        },
+    }
+    plane.apply(pod)
+
+    def restarted() -> bool:
+        statuses = plane.get("pod", "-n", namespace, "unwell")["status"].get("containerStatuses") or [{}]
+        return int(statuses[0].get("restartCount", 0)) >= 1
+
+    wait_for(restarted, timeout=60, what="a restart after the liveness probe failed")
+    killing = [e["message"] for e in events(plane, namespace, "Killing")]
+    assert "Container main failed liveness probe, will be restarted" in killing
+    assert any(e["message"].startswith("Liveness probe failed") for e in events(plane, namespace, "Unhealthy"))
+
+
 def test_shutdown_gives_every_container_its_grace_with_prestop(plane: Plane, namespace: str) -> None:
     """On SIGTERM the agent stops as a node shutdown does: every container's preStop, then
     SIGTERM, within its grace period, all at once; the pods end Failed, "Terminated"."""
@@ -861,6 +887,8 @@ def test_shutdown_gives_every_container_its_grace_with_prestop(plane: Plane, nam
         pids = [int((run_dir / "pods" / f"{namespace}_{name}.pid").read_text()) for name in ("s1", "s2")]
     finally:
         stop_agent(process)
+        # The node is gone for good: no later pod may be scheduled to it before it turns NotReady.
+        plane.kubectl("delete", "node", LONE_NODE, "--wait=false", check=False)
     assert not any(alive(pid) for pid in pids)
     hooked = {}
     for name in ("s1", "s2"):
@@ -872,29 +900,3 @@ def test_shutdown_gives_every_container_its_grace_with_prestop(plane: Plane, nam
     for name in ("s1", "s2"):
         status = plane.get("pod", "-n", namespace, name)["status"]
         assert (status["phase"], status.get("reason")) == ("Failed", "Terminated")
-
-
-def test_failing_liveness_probe_restarts_the_container(plane: Plane, agent: Agent, namespace: str) -> None:
-    program = pod_program("while True: time.sleep(1)\n")
-    liveness = {"exec": {"command": ["sh", "-c", "exit 1"]}, "periodSeconds": 1, "failureThreshold": 2}
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "unwell", "namespace": namespace},
-        "spec": {
-            "terminationGracePeriodSeconds": 5,
-            "containers": [
-                {"name": "main", "image": "python", "command": ["python", "-c", program], "livenessProbe": liveness}
-            ],
-        },
-    }
-    plane.apply(pod)
-
-    def restarted() -> bool:
-        statuses = plane.get("pod", "-n", namespace, "unwell")["status"].get("containerStatuses") or [{}]
-        return int(statuses[0].get("restartCount", 0)) >= 1
-
-    wait_for(restarted, timeout=60, what="a restart after the liveness probe failed")
-    killing = [e["message"] for e in events(plane, namespace, "Killing")]
-    assert "Container main failed liveness probe, will be restarted" in killing
-    assert any(e["message"].startswith("Liveness probe failed") for e in events(plane, namespace, "Unhealthy"))
