@@ -44,7 +44,7 @@ from memops_sandbox import nodeagent_env as envs
 from memops_sandbox import nodeagent_status as statuses
 
 Obj = dict[str, Any]
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("memops_sandbox.nodeagent")  # the same name when run with -m
 
 SCRATCH_ANNOTATION = "memops.dev/scratch-dir"
 TMPFS_ANNOTATION = "memops.dev/tmpfs-dir"

@@ -177,6 +177,12 @@ def test_conditions_keep_transition_time() -> None:
 def find_binaries() -> Path | None:
     names = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd")
     candidates = [os.environ.get("MEMOPS_KUBERNETES_BIN", "")]
+    try:  # where ``memops-sandbox build`` caches them
+        from memops_sandbox import build
+
+        candidates.append(str(build.cached().directory))
+    except Exception:  # no sandbox build module, or a bad version in the environment: look elsewhere
+        pass
     candidates += [str(Path(found).parent) for found in [shutil.which("kube-apiserver")] if found]
     for candidate in candidates:
         if candidate and all((Path(candidate) / name).exists() for name in names):
