@@ -891,11 +891,20 @@ def test_shutdown_gives_every_container_its_grace_with_prestop(plane: Plane, nam
                 what=f"{name} Running",
             )
         pids = [int((run_dir / "pods" / f"{namespace}_{name}.pid").read_text()) for name in ("s1", "s2")]
+        stop_agent(process)
+        assert not any(alive(pid) for pid in pids)
+        # A restarted agent takes its existing Node over and renews the same Lease.
+        renewed = plane.get("lease", "-n", "kube-node-lease", LONE_NODE)["spec"]["renewTime"]
+        process = start_agent(plane, run_dir, [LONE_NODE])
+        wait_for(
+            lambda: plane.get("lease", "-n", "kube-node-lease", LONE_NODE)["spec"]["renewTime"] != renewed,
+            what="the restarted agent's first renewal",
+        )
+        assert ready(plane.get("node", LONE_NODE))
     finally:
         stop_agent(process)
         # The node is gone for good: no later pod may be scheduled to it before it turns NotReady.
         plane.kubectl("delete", "node", LONE_NODE, "--wait=false", check=False)
-    assert not any(alive(pid) for pid in pids)
     hooked = {}
     for name in ("s1", "s2"):
         who, when = (run_dir / f"hook-{name}").read_text().split()
