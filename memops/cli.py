@@ -44,9 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     sandbox.add_argument(
         "--plane",
         choices=("emulated", "upstream"),
-        default="emulated",
+        default=os.environ.get("MEMOPS_SANDBOX_PLANE") or "emulated",
         help="the control plane: upstream kube-apiserver, etcd, controller-manager and scheduler (built from"
-        " the Kubernetes Go modules on first use), or memops' emulated API server (default)",
+        " the Kubernetes Go modules on first use), or memops' emulated API server (default: $MEMOPS_SANDBOX_PLANE,"
+        " else emulated)",
     )
     sandbox.add_argument("--nodes", type=int, default=2, help="Nodes of the upstream plane (default 2)")
     sandbox.add_argument(
@@ -86,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if args.workers < 1:
             print("memops sandbox: --workers must be at least 1", file=sys.stderr)
+            return 2
+        if args.plane not in ("emulated", "upstream"):  # argparse does not check a default from the environment
+            print(f"memops sandbox: $MEMOPS_SANDBOX_PLANE={args.plane!r}: not emulated or upstream", file=sys.stderr)
             return 2
         if args.nodes < 1:
             print("memops sandbox: --nodes must be at least 1", file=sys.stderr)

@@ -9,6 +9,7 @@ log line and time instead of hiding inside the first test that starts a sandbox.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import tempfile
@@ -65,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C: a build in progress stops its compiler and removes its files.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.command == "plane":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from memops_sandbox import upstream
 
         return upstream.run_until_signalled(upstream.serve_plane(args.state_dir), args.state_dir)

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import logging
 import signal
 import ssl
 import time
@@ -33,6 +34,7 @@ import yaml
 from memops import sandbox as common
 from memops_sandbox import build, certs
 
+logger = logging.getLogger(__name__)
 CLUSTER_NAME = "memops-sandbox"
 SERVICE_CIDR = "10.96.0.0/16"  # only ever allocated, never routed: nothing listens there
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -337,6 +339,7 @@ async def stop_all(processes: dict[str, asyncio.subprocess.Process]) -> None:
 @contextlib.asynccontextmanager
 async def running(state_dir: Path, binaries: build.Binaries, *, timeout: float = 120) -> AsyncIterator[Plane]:
     """Run the control plane until the block exits; see the module's docstring."""
+    started = time.monotonic()
     state_dir.mkdir(parents=True, exist_ok=True)
     pki = certs.make_pki(state_dir / "pki")
     (state_dir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
@@ -361,6 +364,8 @@ async def running(state_dir: Path, binaries: build.Binaries, *, timeout: float =
                 return bool(await api.request("GET", "/readyz") == "ok")
 
             await _poll(ready, what="kube-apiserver /readyz", timeout=timeout, processes=processes, logs=logs)
+            logger.info("kube-apiserver ready at %s after %.1f s", server, time.monotonic() - started)
+            # Not before: the controller-manager gives the API server only 10 s to become healthy.
             processes["kube-controller-manager"] = await spawn(
                 "kube-controller-manager", controller_manager_argv(binaries, pki, state_dir), logs
             )
@@ -372,6 +377,7 @@ async def running(state_dir: Path, binaries: build.Binaries, *, timeout: float =
             await _poll(
                 default_account, what="the default ServiceAccount", timeout=timeout, processes=processes, logs=logs
             )
+            logger.info("controllers working after %.1f s", time.monotonic() - started)
         # Written last, when it works: whoever waits for the file can use it at once.
         admin.replace(plane.kubeconfig)
         yield plane

@@ -149,7 +149,7 @@ def test_rbac_denies_the_operator_what_the_chart_does_not_grant(plane: RunningPl
             e
             for e in events
             if e["user"]["username"] == OPERATOR
-            and e["objectRef"].get("resource") == "secrets"
+            and e.get("objectRef", {}).get("resource") == "secrets"
             and e["responseStatus"]["code"] == 403
         ]
 
