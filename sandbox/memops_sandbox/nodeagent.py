@@ -803,6 +803,8 @@ class NodeAgent:
             if name not in self.nodes:
                 self.nodes[name] = self.make_node(index, name)
         await asyncio.gather(*(self.register(node) for node in self.nodes.values()))
+        if self.closed:  # shut down while registering
+            return
         for node in self.nodes.values():
             self.tasks += [
                 asyncio.create_task(self.keep_lease(node), name=f"lease {node.name}"),

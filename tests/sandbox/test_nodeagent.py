@@ -1,15 +1,15 @@
 """The node agent against an upstream control plane: real kube-apiserver, controllers, scheduler,
 and the pods as real processes.
 
-The plane and one agent (serving two nodes, as ``python -m memops_sandbox.nodeagent``) are shared
-by the module; each test works in its own namespace. The pure parts (expansion, fieldRef,
-phase) have table tests at the top. Skipped, with the reason, where the Kubernetes binaries
-(kube-apiserver, kube-controller-manager, kube-scheduler, etcd) cannot be found.
+The plane (``memops_sandbox.controlplane``, as the sandbox starts it) and one agent (serving two
+nodes, as ``python -m memops_sandbox.nodeagent``) are shared by the module; each test works in
+its own namespace. The pure parts (expansion, fieldRef, phase) have table tests at the top.
+Skipped, with the reason, only where the Kubernetes binaries are neither cached nor buildable.
 """
 
 from __future__ import annotations
 
-import datetime
+import asyncio
 import json
 import os
 import shutil
@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,17 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from memops_sandbox import build, controlplane
+from memops_sandbox import nodeagent_env as envs
+from memops_sandbox import nodeagent_status as statuses
 
-SANDBOX = Path(__file__).resolve().parents[2] / "sandbox"
-if str(SANDBOX) not in sys.path:  # until the sandbox package is installed with the project
-    sys.path.insert(0, str(SANDBOX))
-
-from memops_sandbox import nodeagent_env as envs  # noqa: E402
-from memops_sandbox import nodeagent_status as statuses  # noqa: E402
-
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"
 NODES = ["node-a", "node-b"]
 LONE_NODE = "node-c"  # served by an agent of its own, that the shutdown test stops
-MONITOR_GRACE = 20  # --node-monitor-grace-period of the plane below, in seconds
+# The node lifecycle controller's --node-monitor-grace-period: the plane keeps the default
+# (pkg/controller/nodelifecycle/config/v1alpha1/defaults.go), after which a silent node is NotReady.
+MONITOR_GRACE = 50
 
 
 # -- pure parts ------------------------------------------------------------------------------
@@ -174,148 +174,61 @@ def test_conditions_keep_transition_time() -> None:
 # -- a control plane -------------------------------------------------------------------------
 
 
-def find_binaries() -> Path | None:
-    names = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd")
-    candidates = [os.environ.get("MEMOPS_KUBERNETES_BIN", "")]
-    try:  # where ``memops-sandbox build`` caches them
-        from memops_sandbox import build
-
-        candidates.append(str(build.cached().directory))
-    except Exception:  # no sandbox build module, or a bad version in the environment: look elsewhere
-        pass
-    candidates += [str(Path(found).parent) for found in [shutil.which("kube-apiserver")] if found]
-    for candidate in candidates:
-        if candidate and all((Path(candidate) / name).exists() for name in names):
-            return Path(candidate)
-    return None
-
-
-def make_pki(directory: Path) -> dict[str, Path]:
-    """A CA, the API server's serving certificate, and client certificates for the admin
-    (group system:masters) and for each node (system:node:<name>, group system:nodes)."""
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec, rsa
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(tz=datetime.UTC)
-
-    def write_key(name: str, key: Any) -> Path:
-        path = directory / f"{name}.key"
-        path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-        return path
-
-    def issue(name: str, subject: x509.Name, *, ca: bool = False, server: bool = False) -> Path:
-        key = ec.generate_private_key(ec.SECP256R1())
-        write_key(name, key)
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject if ca else ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if server:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName(
-                    [
-                        x509.DNSName("localhost"),
-                        x509.DNSName("kubernetes.default.svc"),
-                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                        x509.IPAddress(ipaddress.ip_address("10.96.0.1")),
-                    ]
-                ),
-                critical=False,
-            )
-        cert = builder.sign(key if ca else ca_key, hashes.SHA256())
-        path = directory / f"{name}.crt"
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        return path
-
-    def name_of(cn: str, org: str | None = None) -> x509.Name:
-        parts = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
-        if org:
-            parts.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
-        return x509.Name(parts)
-
-    ca_name = name_of("memops-test-ca")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    write_key("ca", ca_key)
-    files = {"ca": issue_ca(directory, ca_key, ca_name, now)}
-    files["apiserver"] = issue("apiserver", name_of("kube-apiserver"), server=True)
-    files["admin"] = issue("admin", name_of("admin", "system:masters"))
-    for node in [*NODES, LONE_NODE]:
-        files[node] = issue(node, name_of(f"system:node:{node}", "system:nodes"))
-    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    files["sa"] = write_key("sa", sa_key)
-    return files
+def find_binaries() -> build.Binaries:
+    """``$MEMOPS_KUBERNETES_BIN`` if set, else the sandbox's cache (built there if need be)."""
+    directory = os.environ.get("MEMOPS_KUBERNETES_BIN")
+    if directory:
+        binaries = build.Binaries(version=build.kubernetes_version(), directory=Path(directory))
+        if binaries.complete():
+            return binaries
+    try:
+        return build.ensure()
+    except build.BuildError as error:
+        reason = f"the control plane's binaries are not available: {error}"
+        print(reason)
+        pytest.skip(reason)
 
 
-def issue_ca(directory: Path, key: Any, name: Any, now: datetime.datetime) -> Path:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+class PlaneThread:
+    """``controlplane.running`` in an event loop of its own, for the module's synchronous tests."""
 
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    path = directory / "ca.crt"
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return path
+    def __init__(self, state_dir: Path, binaries: build.Binaries):
+        self.state_dir = state_dir
+        self.binaries = binaries
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.stop: asyncio.Event | None = None
+        self.error: BaseException | None = None
+        self.nodes: Path | None = None
+        self.admin: Path | None = None
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.main(),), daemon=True)
 
+    async def main(self) -> None:
+        self.stop = asyncio.Event()
+        try:
+            async with controlplane.running(self.state_dir, self.binaries) as plane:
+                self.admin = plane.kubeconfig
+                self.nodes = plane.nodes_kubeconfig([*NODES, LONE_NODE])
+                self.started.set()
+                await self.stop.wait()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.started.set()
 
-def kubeconfig(path: Path, server: str, ca: Path, users: dict[str, str], current: str) -> Path:
-    """One context per user, named as the user; ``users`` maps a name to its cert/key stem."""
-    directory = ca.parent
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "plane", "cluster": {"server": server, "certificate-authority": str(ca)}}],
-        "users": [
-            {
-                "name": name,
-                "user": {
-                    "client-certificate": str(directory / f"{stem}.crt"),
-                    "client-key": str(directory / f"{stem}.key"),
-                },
-            }
-            for name, stem in users.items()
-        ],
-        "contexts": [{"name": name, "context": {"cluster": "plane", "user": name}} for name in users],
-        "current-context": current,
-    }
-    path.write_text(json.dumps(config))
-    return path
+    def __enter__(self) -> PlaneThread:
+        self.thread.start()
+        self.started.wait(300)
+        if self.error is not None or self.admin is None:
+            self.__exit__()
+            raise RuntimeError(f"the control plane did not start: {self.error!r}")
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.stop is not None:
+            self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(120)
+        self.loop.close()
 
 
 @dataclass
@@ -326,7 +239,7 @@ class Plane:
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["kubectl", "--kubeconfig", str(self.admin), *args],
+            [KUBECTL, "--kubeconfig", str(self.admin), *args],
             capture_output=True,
             text=True,
             check=check,
@@ -338,7 +251,7 @@ class Plane:
 
     def apply(self, manifest: dict[str, Any]) -> None:
         done = subprocess.run(
-            ["kubectl", "--kubeconfig", str(self.admin), "apply", "-f", "-"],
+            [KUBECTL, "--kubeconfig", str(self.admin), "apply", "-f", "-"],
             input=json.dumps(manifest),
             capture_output=True,
             text=True,
@@ -359,101 +272,12 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = 60, what: str) ->
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    from memops.sandbox import free_port
-
     binaries = find_binaries()
-    if binaries is None:
-        reason = "Kubernetes binaries not found (set MEMOPS_KUBERNETES_BIN to a directory with kube-apiserver, "
-        reason += "kube-controller-manager, kube-scheduler and etcd)"
-        print(reason)
-        pytest.skip(reason)
     directory = tmp_path_factory.mktemp("plane")
-    pki = directory / "pki"
-    pki.mkdir()
-    files = make_pki(pki)
-    etcd_port = free_port()
-    peer_port = free_port(etcd_port)
-    api_port = free_port(etcd_port, peer_port)
-    server = f"https://127.0.0.1:{api_port}"
-    admin = kubeconfig(directory / "admin.kubeconfig", server, files["ca"], {"admin": "admin"}, "admin")
-    nodes = kubeconfig(
-        directory / "nodes.kubeconfig",
-        server,
-        files["ca"],
-        {f"system:node:{node}": node for node in [*NODES, LONE_NODE]},
-        f"system:node:{NODES[0]}",
-    )
-    logs = directory / "logs"
-    logs.mkdir()
-    commands = {
-        "etcd": [
-            str(binaries / "etcd"),
-            f"--data-dir={directory / 'etcd'}",
-            f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
-            f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
-            f"--initial-cluster=default=http://127.0.0.1:{peer_port}",
-            "--quota-backend-bytes=0",
-            "--unsafe-no-fsync",
-        ],
-        "kube-apiserver": [
-            str(binaries / "kube-apiserver"),
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            f"--secure-port={api_port}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
-            "--endpoint-reconciler-type=none",
-            f"--tls-cert-file={pki / 'apiserver.crt'}",
-            f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--client-ca-file={files['ca']}",
-            "--authorization-mode=Node,RBAC",
-            "--enable-admission-plugins=NodeRestriction",
-            "--service-cluster-ip-range=10.96.0.0/16",
-            f"--service-account-key-file={files['sa']}",
-            f"--service-account-signing-key-file={files['sa']}",
-            "--service-account-issuer=https://kubernetes.default.svc",
-        ],
-        "kube-controller-manager": [
-            str(binaries / "kube-controller-manager"),
-            f"--kubeconfig={admin}",
-            "--leader-elect=false",
-            "--secure-port=0",
-            f"--service-account-private-key-file={files['sa']}",
-            f"--root-ca-file={files['ca']}",
-            f"--node-monitor-grace-period={MONITOR_GRACE}s",
-            "--node-monitor-period=2s",
-            "--controllers=*",
-        ],
-        "kube-scheduler": [str(binaries / "kube-scheduler"), f"--kubeconfig={admin}", "--leader-elect=false"],
-    }
-    processes: list[subprocess.Popen[bytes]] = []
-    result = Plane(admin=admin, nodes=nodes, directory=directory)
-    try:
-        for name, command in commands.items():
-            with (logs / f"{name}.log").open("wb") as log:
-                processes.append(subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True))
-            if name == "kube-apiserver":
-                wait_for(
-                    lambda: result.kubectl("get", "--raw=/readyz", check=False).returncode == 0,
-                    timeout=120,
-                    what="the API server",
-                )
-        wait_for(
-            lambda: result.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
-            timeout=60,
-            what="the default service account",
-        )
-        yield result
-    finally:
-        for process in reversed(processes):
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with PlaneThread(directory / "state", binaries) as running:
+        assert running.admin is not None and running.nodes is not None
+        (directory / "logs").mkdir()
+        yield Plane(admin=running.admin, nodes=running.nodes, directory=directory)
 
 
 @dataclass
@@ -466,10 +290,9 @@ class Agent:
 def start_agent(plane: Plane, run_dir: Path, nodes: list[str]) -> subprocess.Popen[bytes]:
     run_dir.mkdir(exist_ok=True)
     log = plane.directory / "logs" / f"nodeagent-{'-'.join(nodes)}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SANDBOX), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "memops_sandbox.nodeagent", f"--kubeconfig={plane.nodes}", f"--run-dir={run_dir}"]
     with log.open("ab") as out:
-        return subprocess.Popen([*command, *nodes], stdout=out, stderr=out, env=env)
+        return subprocess.Popen([*command, *nodes], stdout=out, stderr=out)
 
 
 def stop_agent(process: subprocess.Popen[bytes], timeout: float = 60) -> None:
