@@ -24,7 +24,7 @@ import logging
 import signal
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -337,8 +337,19 @@ async def stop_all(processes: dict[str, asyncio.subprocess.Process]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running(state_dir: Path, binaries: build.Binaries, *, timeout: float = 120) -> AsyncIterator[Plane]:
-    """Run the control plane until the block exits; see the module's docstring."""
+async def running(
+    state_dir: Path,
+    binaries: build.Binaries,
+    *,
+    timeout: float = 120,
+    meanwhile: Callable[[Plane, Api], Awaitable[None]] | None = None,
+) -> AsyncIterator[Plane]:
+    """Run the control plane until the block exits; see the module's docstring.
+
+    ``meanwhile`` runs as soon as the API server is ready, while the controllers start (they
+    take seconds to create the first ServiceAccounts): installing what needs only the API server
+    then costs no start-up time.
+    """
     started = time.monotonic()
     state_dir.mkdir(parents=True, exist_ok=True)
     pki = certs.make_pki(state_dir / "pki")
@@ -374,25 +385,16 @@ async def running(state_dir: Path, binaries: build.Binaries, *, timeout: float =
             async def default_account() -> Any:
                 return await api.get("/api/v1/namespaces/default/serviceaccounts/default")
 
-            await _poll(
-                default_account, what="the default ServiceAccount", timeout=timeout, processes=processes, logs=logs
-            )
-            logger.info("controllers working after %.1f s", time.monotonic() - started)
+            async def controllers() -> None:
+                await _poll(
+                    default_account, what="the default ServiceAccount", timeout=timeout, processes=processes, logs=logs
+                )
+                logger.info("controllers working after %.1f s", time.monotonic() - started)
+
+            await asyncio.gather(controllers(), *([meanwhile(plane, api)] if meanwhile else []))
         # Written last, when it works: whoever waits for the file can use it at once.
         admin.replace(plane.kubeconfig)
         yield plane
     finally:
         await stop_all(processes)
 
-
-def _resident_kib(pid: int) -> int:
-    """VmRSS of one process (for the figures: what the plane costs at rest)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-def resident_memory(plane: Plane) -> dict[str, int]:
-    """Resident memory of each component in KiB."""
-    return {name: _resident_kib(p.pid) for name, p in plane.processes.items() if p.returncode is None}

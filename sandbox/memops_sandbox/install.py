@@ -119,10 +119,14 @@ async def install(plane: controlplane.Plane, api: controlplane.Api, objects: lis
     """Apply the chart's objects and write the operator's kubeconfig (its ServiceAccount's token)
     to ``DIR/operator-kubeconfig``; return its path."""
     await api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    crds = [obj for obj in applied(objects) if obj["kind"] == "CustomResourceDefinition"]
+    for crd in crds:
+        await api.create(path_of(crd), crd)
+    # Objects of these kinds (the Kopf peering) can be created once their CRDs serve.
+    await asyncio.gather(*(_wait_established(api, crd) for crd in crds))
     for obj in applied(objects):
-        await api.create(path_of(obj), obj)
-        if obj["kind"] == "CustomResourceDefinition":
-            await _wait_established(api, obj)
+        if obj["kind"] != "CustomResourceDefinition":
+            await api.create(path_of(obj), obj)
     account = service_account(objects)
     request = {
         "apiVersion": "authentication.k8s.io/v1",

@@ -77,12 +77,19 @@ async def plane_with_operator_access(state_dir: Path) -> AsyncIterator[tuple[con
     """The control plane with the chart's CRDs, ServiceAccount and RBAC applied and
     ``DIR/operator-kubeconfig`` written; yields the plane and the rendered chart."""
     binaries = await asyncio.to_thread(build.ensure)
-    async with controlplane.running(state_dir, binaries) as plane, plane.session() as api:
+    # Helm's library renders the chart while the control plane starts.
+    rendering = asyncio.create_task(asyncio.to_thread(install.render_chart))
+
+    async def apply(plane: controlplane.Plane, api: controlplane.Api) -> None:
         started = time.monotonic()
-        objects = install.render_chart()
-        await install.install(plane, api, objects)
+        await install.install(plane, api, await rendering)
         logger.info("the chart's CRDs and RBAC applied in %.1f s", time.monotonic() - started)
-        yield plane, objects
+
+    try:
+        async with controlplane.running(state_dir, binaries, meanwhile=apply) as plane:
+            yield plane, await rendering
+    finally:
+        rendering.cancel()
 
 
 @contextlib.asynccontextmanager
