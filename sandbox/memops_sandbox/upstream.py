@@ -21,12 +21,12 @@ import os
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 from memops import sandbox as common
-from memops_sandbox import build, controlplane, install
+from memops_sandbox import build, controlplane, install, nodeagent
 
 logger = logging.getLogger(__name__)
 NODE_PREFIX = "node-"
@@ -123,10 +123,6 @@ async def serve(
     memory_limit: str = "1GiB",
 ) -> None:
     """Run the sandbox until cancelled."""
-    try:
-        from memops_sandbox import nodeagent
-    except ImportError:
-        raise RuntimeError("this memops-sandbox has no node agent yet: use --plane emulated") from None
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
     names = node_names(nodes)
@@ -138,18 +134,37 @@ async def serve(
             async with plane.session() as api:
                 deployment = common.worker_deployment(address, workers, memory_limit)
                 await api.create(install.path_of(deployment), deployment)
-            await common._wait_for_workers(address, workers, common.start_allowance(workers))
+            await _unless_done(
+                agent_task, common._wait_for_workers(address, workers, common.start_allowance(workers))
+            )
             if operator:
                 await stack.enter_async_context(_operator(plane, objects, state_dir))
             (state_dir / "scheduler-address").write_text(address + "\n")
             (state_dir / "ready").write_text("ready\n")
-            await asyncio.Event().wait()
+            # The node agent runs until cancelled: if it ends, the sandbox has no kubelet left.
+            await agent_task
+            raise RuntimeError("the node agent stopped")
+
+
+async def _unless_done(task: asyncio.Task[None], awaitable: Awaitable[None]) -> None:
+    """Await ``awaitable``, failing at once (with the task's exception) if ``task`` ends first."""
+    waiting = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            task.result()  # raises what the task raised
+            raise RuntimeError("the node agent stopped")
+        waiting.result()
+    finally:
+        waiting.cancel()
 
 
 async def _stop_agent(agent: Any, task: asyncio.Task[None]) -> None:
+    """Stop the node agent's pods (grace periods honoured), then its task. A task that failed
+    has raised its error to the sandbox already (see :func:`serve`)."""
     await agent.shutdown()
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
 
 

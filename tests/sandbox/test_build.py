@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,20 @@ def test_the_pki_names_what_the_api_server_and_its_clients_check(tmp_path: Path)
     for leaf in (serving, admin, node):
         leaf.verify_directly_issued_by(pki.ca.certificate)
     assert (tmp_path / "admin.key").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.timeout(180)
+def test_the_wheel_ships_the_go_module(tmp_path: Path) -> None:
+    """Installed from a wheel, the sandbox can still build: go.mod, go.sum and the Go sources are
+    package data."""
+    project = build.MODULE.parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(project)],
+        check=True,
+        timeout=170,
+    )
+    (wheel,) = tmp_path.glob("memops_sandbox-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    module = [p.relative_to(build.MODULE) for p in build.MODULE.rglob("*") if p.is_file()]
+    shipped = {f"memops_sandbox/kubernetes/{path}" for path in module}
+    assert shipped and shipped <= names, shipped - names
