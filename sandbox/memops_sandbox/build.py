@@ -147,10 +147,14 @@ def build_commands(version: str, output: Path) -> list[tuple[str, list[str]]]:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path, stream: TextIO) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"memops-sandbox: another process is building into {path.parent}; waiting for it", file=stream)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -211,7 +215,7 @@ def ensure(version: str | None = None, *, stream: TextIO = sys.stderr) -> Binari
     binaries = cached(version)
     if binaries.complete():
         return binaries
-    with _locked(cache_root() / f"{version}.lock"):
+    with _locked(cache_root() / f"{version}.lock", stream):
         if binaries.complete():  # another process built it while we waited for the lock
             return binaries
         go, go_env = go_command()

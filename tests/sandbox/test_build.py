@@ -163,3 +163,34 @@ def test_the_wheel_ships_the_go_module(tmp_path: Path) -> None:
     module = [p.relative_to(build.MODULE) for p in build.MODULE.rglob("*") if p.is_file()]
     shipped = {f"memops_sandbox/kubernetes/{path}" for path in module}
     assert shipped and shipped <= names, shipped - names
+
+
+def test_a_second_run_waits_for_the_first_build_and_does_not_build_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import fcntl
+    import io
+    import threading
+    import time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "go_command", lambda *_: pytest.fail("built a second time"))
+    lock = tmp_path / "memops" / "kubernetes" / "v1.36.4.lock"
+    lock.parent.mkdir(parents=True)
+    output = io.StringIO()
+    result: list[build.Binaries] = []
+    with lock.open("a") as first:
+        fcntl.flock(first, fcntl.LOCK_EX)  # the first run, building
+        second = threading.Thread(target=lambda: result.append(build.ensure("v1.36.4", stream=output)))
+        second.start()
+        deadline = time.monotonic() + 10
+        while "waiting for it" not in output.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "another process is building" in output.getvalue()
+        binaries = build.cached("v1.36.4")
+        binaries.directory.mkdir(parents=True)
+        for name in build.BINARIES:
+            (binaries.directory / name).write_bytes(b"")
+        fcntl.flock(first, fcntl.LOCK_UN)
+    second.join(10)
+    assert result == [binaries]
