@@ -51,6 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     sandbox.add_argument("--nodes", type=int, default=2, help="Nodes of the upstream plane (default 2)")
     sandbox.add_argument(
+        "--set",
+        dest="chart_settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Helm value of the chart the upstream plane installs the operator's RBAC from, e.g."
+        " rbac.daskWorkerGroups=true (repeatable)",
+    )
+    sandbox.add_argument(
         "--build-only", action="store_true", help="build the upstream plane's binaries into the cache, then exit"
     )
     sandbox.add_argument("--port", type=int, help="the emulated API server's port (default: any free port)")
@@ -60,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
         "--audit-log",
         metavar="PATH",
         default=os.environ.get("MEMOPS_AUDIT_LOG") or None,
-        help="append every API request as a JSON line: user, verb, resource (default: $MEMOPS_AUDIT_LOG)",
+        help="append every API request as a JSON line: user, verb, resource (upstream: the API server's own"
+        " audit events, appended when the sandbox stops) (default: $MEMOPS_AUDIT_LOG)",
     )
 
     crds = commands.add_parser("crds", help="write the CRD manifests generated from the spec models")
@@ -104,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 operator=not args.no_operator,
                 memory_limit=args.worker_memory,
                 build_only=args.build_only,
+                audit_log=args.audit_log,
+                chart_settings=args.chart_settings,
             )
         from memops import sandbox
 

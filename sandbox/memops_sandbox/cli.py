@@ -28,6 +28,8 @@ def sandbox(
     operator: bool,
     memory_limit: str,
     build_only: bool,
+    audit_log: str | None = None,
+    chart_settings: list[str] | None = None,
 ) -> int:
     """``memops sandbox --plane upstream`` (or ``--build-only``), with arguments checked by memops' CLI."""
     try:
@@ -38,8 +40,13 @@ def sandbox(
     if build_only:
         print(f"memops sandbox: Kubernetes {binaries.version} in {binaries.directory}")
         return 0
-    from memops_sandbox import upstream
+    from memops_sandbox import install, upstream
 
+    try:
+        values = install.chart_values(chart_settings or [])
+    except ValueError as error:
+        print(f"memops sandbox: {error}", file=sys.stderr)
+        return 2
     directory = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
     if not state_dir:
         print(
@@ -47,7 +54,15 @@ def sandbox(
             f"  export KUBECONFIG={directory / 'kubeconfig'}\nStop with Ctrl-C.",
             flush=True,
         )
-    serving = upstream.serve(workers, directory, nodes=nodes, operator=operator, memory_limit=memory_limit)
+    serving = upstream.serve(
+        workers,
+        directory,
+        nodes=nodes,
+        operator=operator,
+        memory_limit=memory_limit,
+        audit_log=Path(audit_log) if audit_log else None,
+        values=values,
+    )
     return upstream.run_until_signalled(serving, directory)
 
 

@@ -82,6 +82,23 @@ def render_chart(values: dict[str, Any] | None = None, *, chart: Path | None = N
     return crds + objects
 
 
+def chart_values(settings: list[str]) -> dict[str, Any]:
+    """Helm's ``--set a.b=value`` as a values dict; each value is read as YAML (``true``, ``3``)."""
+    values: dict[str, Any] = {}
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ValueError(f"--set {setting!r}: not KEY=VALUE (KEY a dotted path, as Helm's --set)")
+        *parents, leaf = key.split(".")
+        node = values
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {setting!r}: {part} is set to a value already")
+        node[leaf] = yaml.safe_load(text)
+    return values
+
+
 def path_of(obj: dict[str, Any], *, named: bool = False) -> str:
     """The REST path that creates ``obj`` (or, ``named``, reads it)."""
     prefix, plural, namespaced = RESOURCES[obj["kind"]]

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import ssl
 import subprocess
 import time
@@ -73,12 +74,14 @@ async def _wait_for_tls(
 
 
 @contextlib.asynccontextmanager
-async def plane_with_operator_access(state_dir: Path) -> AsyncIterator[tuple[controlplane.Plane, list[dict[str, Any]]]]:
-    """The control plane with the chart's CRDs, ServiceAccount and RBAC applied and
-    ``DIR/operator-kubeconfig`` written; yields the plane and the rendered chart."""
+async def plane_with_operator_access(
+    state_dir: Path, values: dict[str, Any] | None = None
+) -> AsyncIterator[tuple[controlplane.Plane, list[dict[str, Any]]]]:
+    """The control plane with the chart's CRDs, ServiceAccount and RBAC (rendered with ``values``)
+    applied and ``DIR/operator-kubeconfig`` written; yields the plane and the rendered chart."""
     binaries = await asyncio.to_thread(build.ensure)
     # Helm's library renders the chart while the control plane starts.
-    rendering = asyncio.create_task(asyncio.to_thread(install.render_chart))
+    rendering = asyncio.create_task(asyncio.to_thread(install.render_chart, values))
 
     async def apply(plane: controlplane.Plane, api: controlplane.Api) -> None:
         started = time.monotonic()
@@ -121,12 +124,36 @@ async def serve(
     nodes: int = 2,
     operator: bool = True,
     memory_limit: str = "1GiB",
+    audit_log: Path | None = None,
+    values: dict[str, Any] | None = None,
 ) -> None:
-    """Run the sandbox until cancelled."""
+    """Run the sandbox until cancelled. With ``audit_log``, the API server's audit events
+    (``DIR/audit.log``, upstream JSON lines) are appended to it once the plane has stopped, so
+    that one file gathers every sandbox of a test session. ``values`` are the chart's (Helm
+    values, as ``--set`` gives them): ``rbac.daskWorkerGroups``, say, grants what that feature needs."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
+    try:
+        await _serve(workers, state_dir, nodes=nodes, operator=operator, memory_limit=memory_limit, values=values)
+    finally:
+        if audit_log is not None:
+            append_audit(state_dir / "audit.log", audit_log)
+
+
+def append_audit(source: Path, target: Path) -> None:
+    """Append the lines of ``source`` (if it exists) to ``target``."""
+    if not source.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with source.open("rb") as lines, target.open("ab") as out:
+        shutil.copyfileobj(lines, out)
+
+
+async def _serve(
+    workers: int, state_dir: Path, *, nodes: int, operator: bool, memory_limit: str, values: dict[str, Any] | None
+) -> None:
     names = node_names(nodes)
-    async with plane_with_operator_access(state_dir) as (plane, objects):
+    async with plane_with_operator_access(state_dir, values) as (plane, objects):
         agent = nodeagent.NodeAgent(plane.nodes_kubeconfig(names), names, state_dir)
         async with common.dask_scheduler(state_dir) as (address, _), contextlib.AsyncExitStack() as stack:
             agent_task = asyncio.create_task(agent.run())
