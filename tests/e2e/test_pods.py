@@ -115,7 +115,7 @@ def test_a_selector_with_match_expressions_never_claims_an_unrelated_pod(sandbox
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": "unrelated", "namespace": "default", "labels": {"app": "other"}},
-            "spec": {"containers": [{"name": "c", "command": ["sleep", "600"]}]},
+            "spec": {"containers": [{"name": "c", "image": "busybox:1.37", "command": ["sleep", "600"]}]},
         }
     )
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
@@ -226,18 +226,21 @@ def test_deleting_the_policy_mid_drain_gives_its_pod_back(sandbox: Sandbox) -> N
 
 
 def test_a_scheduler_whose_workers_are_another_namespaces_is_left_alone(sandbox: Sandbox) -> None:
-    """kube-system points at the scheduler of default's workers: it reads nothing of them, installs
-    nothing, retires nothing, and says why."""
-    # kube-system stands for the other tenant: the sandbox's API serves no namespace creation.
+    """Another tenant's namespace points at the scheduler of default's workers: it reads nothing of
+    them, installs nothing, retires nothing, and says why."""
+    tenant = "tenant-b"
+    sandbox.kubectl("create", "namespace", tenant)
+    sandbox.kubectl("create", "serviceaccount", "dask-worker", "-n", tenant)
     workers = sandbox_cli.worker_deployment(sandbox.scheduler_address, 0)
-    workers["metadata"]["namespace"] = "kube-system"
+    workers["metadata"]["namespace"] = tenant
+    workers["spec"]["template"]["spec"]["serviceAccountName"] = "dask-worker"
     sandbox.apply(workers)
     scheduler = {"address": sandbox.scheduler_address}
     sandbox.apply(
         {
             "apiVersion": "memops.dev/v1alpha1",
             "kind": "MemoryPolicy",
-            "metadata": {"name": "b", "namespace": "kube-system"},
+            "metadata": {"name": "b", "namespace": tenant},
             "spec": {
                 "scheduler": scheduler,
                 "workload": {"kind": "Deployment", "name": "dask-worker"},
@@ -246,11 +249,11 @@ def test_a_scheduler_whose_workers_are_another_namespaces_is_left_alone(sandbox:
         }
     )
     request = retirement_request("b", scheduler=scheduler, count=1, timeout="5s")
-    request["metadata"]["namespace"] = "kube-system"
+    request["metadata"]["namespace"] = tenant
     sandbox.apply(request)
 
     def refused(kind: str) -> dict[str, Any] | None:
-        status: dict[str, Any] = sandbox.get(kind, "b", "-n", "kube-system").get("status", {})
+        status: dict[str, Any] = sandbox.get(kind, "b", "-n", tenant).get("status", {})
         reachable = [c for c in status.get("conditions", []) if c["type"] == "SchedulerReachable"]
         return status if reachable and reachable[0]["reason"] == "ForeignScheduler" else None
 
@@ -259,10 +262,10 @@ def test_a_scheduler_whose_workers_are_another_namespaces_is_left_alone(sandbox:
     [condition] = [c for c in policy["conditions"] if c["type"] == "SchedulerReachable"]
     assert condition["status"] == "False"
     assert condition["message"].startswith(
-        "spec.scheduler.address: 4 of the scheduler's 4 workers are not pods of namespace kube-system"
+        f"spec.scheduler.address: 4 of the scheduler's 4 workers are not pods of namespace {tenant}"
     )
     failed = sandbox.wait_for(
-        lambda: (r := sandbox.get("retire", "b", "-n", "kube-system")).get("status", {}).get("phase") == "Failed" and r,
+        lambda: (r := sandbox.get("retire", "b", "-n", tenant)).get("status", {}).get("phase") == "Failed" and r,
         what="the request to fail",
     )
     [reason] = [c["reason"] for c in failed["status"]["conditions"] if c["type"] == "Failed"]

@@ -6,31 +6,29 @@ from __future__ import annotations
 
 import base64
 import copy
-import os
 import shutil
-from pathlib import Path
 from typing import Any
 
 import distributed
 
 from memops import sandbox as sandbox_cli
-from memops.cluster import audit
+from tests.e2e import audit
 from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.test_policy import condition, memory_policy
 
 
-def operator_reads(since: int) -> list[tuple[str, str, str]]:
-    """The operator's reads (get, list) in the audit log after its first ``since`` lines."""
-    entries = audit.read(Path(os.environ[sandbox_cli.AUDIT_LOG_ENV]))[since:]
+def operator_reads(sandbox: Sandbox, since: int) -> list[tuple[str, str, str]]:
+    """The operator's reads (get, list) in the sandbox's audit log after its first ``since`` lines."""
+    user = audit.kubeconfig_user(sandbox.state_dir / "operator-kubeconfig")
     return [
-        (e["resource"], e["verb"], e["namespace"])
-        for e in entries
-        if e["user"] == sandbox_cli.OPERATOR_USER and e["verb"] in ("get", "list")
+        (resource, verb, namespace)
+        for _, resource, verb, namespace in audit.requests(sandbox.audit_log, user, since=since)
+        if verb in ("get", "list")
     ]
 
 
-def audit_length() -> int:
-    return len(audit.read(Path(os.environ[sandbox_cli.AUDIT_LOG_ENV])))
+def audit_length(sandbox: Sandbox) -> int:
+    return len(audit.lines(sandbox.audit_log))
 
 
 def test_webhook_answers_pod_creations_from_the_operators_caches(sandbox: Sandbox) -> None:
@@ -40,13 +38,13 @@ def test_webhook_answers_pod_creations_from_the_operators_caches(sandbox: Sandbo
     sandbox.apply(memory_policy("cached", sandbox.scheduler_address))  # adopts the count: no scaling
     sandbox.wait_for(lambda: (c := condition(sandbox, "cached", "Ready")) and c["status"] == "True", what="Ready")
     before = sandbox.pods()
-    mark = audit_length()
+    mark = audit_length(sandbox)
     sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=8")
     new = sandbox.wait_for(lambda: len(p := sandbox.pods()) == 8 and [n for n in p if n not in before], what="pods")
     for pod in new:
         annotations = sandbox.get("pod", pod)["metadata"].get("annotations") or {}
         assert annotations.get("memops.dev/safety-net") == "cached", "each new pod went through the webhook"
-    reads = operator_reads(mark)
+    reads = operator_reads(sandbox, mark)
     webhook_kinds = {"memorypolicies", "deployments", "daskworkergroups", "secrets"}
     assert [r for r in reads if r[0] in webhook_kinds] == [], "the webhook read the API on pod creation"
 
@@ -117,7 +115,7 @@ def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox
         address = tls_cluster.scheduler_address
         policy = memory_policy("secure", address)
         policy["spec"]["scheduler"]["tls"] = {"secretName": "scheduler-tls"}
-        mark = audit_length()
+        mark = audit_length(sandbox)
         sandbox.apply(policy)
         # The scheduler has no workers, so the tenancy rule refuses it (NoWorkers): a verdict that
         # needs its identity, read over TLS with the Secret's certificate (a bad certificate would
@@ -127,7 +125,7 @@ def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox
             what="the TLS scheduler reached with the Secret's certificate",
         )
         assert reached["status"] == "False"
-        assert ("secrets", "get", "default") in operator_reads(mark)
+        assert ("secrets", "get", "default") in operator_reads(sandbox, mark)
         before = sandbox.pods()
         sandbox.kubectl("scale", "deployment/dask-worker", f"--replicas={len(before) + 1}")
         [new] = sandbox.wait_for(lambda: [p for p in sandbox.pods() if p not in before], what="a new pod")

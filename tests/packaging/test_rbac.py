@@ -1,18 +1,26 @@
 """The shipped RBAC grants exactly what the operator uses, in the namespace where it uses it,
 and the feature-gated permissions only with their feature.
 
-What the operator uses comes from the emulated API server's audit log (one line per request,
-in RBAC terms, with its namespace; :mod:`memops.cluster.audit`). Every sandbox of the test
-session writes to it (``tests/conftest.py``), so after ``tests/e2e`` it holds the operator's
-requests in every end-to-end scenario. This module always adds its own scenario, run the way the
-chart runs the operator: its ``memops run`` arguments taken from the rendered Deployment (Kopf
-peering, not ``--standalone``; the webhook over TLS with a certificate from files and
-``--webhook-unmanaged``; the liveness probe), the chart's MutatingWebhookConfiguration and
-ClusterKopfPeering, then a RetirementRequest, a MemoryPolicy scale-up through the safety net and
-a scale-down. A request in namespace X needs the grant in X; a cluster-wide request (a list or
-watch across namespaces, a cluster-scoped object) needs a ClusterRole. Nothing is exempt: a
-permission that the emulated cluster cannot make the operator use is exercised by calling the
-operator's own code against the emulated API server (see ``owner_lookup``).
+Every sandbox runs on the upstream control plane, where RBAC is enforced: the operator holds
+its ServiceAccount's token and the chart's rules, so a permission the chart lacks already fails
+the end-to-end test that needs it (a 403, and the behaviour does not happen). What this module
+adds is the other direction and the other installers: it catches over-granting (a permission
+the chart or kustomize grants that nothing uses), a grant made in the wrong place (a namespaced
+request allowed only cluster-wide, or the reverse), the namespaced mode (``watchNamespaces``),
+kustomize's rules, and each feature-gated permission granted by its feature alone.
+
+What the operator uses comes from the API server's own audit log (upstream JSON lines:
+``user.username``, ``verb``, ``objectRef.apiGroup/resource/subresource/namespace``). Every
+sandbox of the test session appends its ``DIR/audit.log`` to one file when it stops
+(``tests/conftest.py``), so after ``tests/e2e`` that file holds the operator's requests in every
+end-to-end scenario. This module always adds its own scenario, run the way the chart runs the
+operator: its ``memops run`` arguments taken from the rendered Deployment (Kopf peering, not
+``--standalone``; the webhook over TLS with a certificate from files and ``--webhook-unmanaged``;
+the liveness probe), the chart's MutatingWebhookConfiguration registered with a ``caBundle``,
+then a RetirementRequest, a MemoryPolicy scale-up through the safety net and a scale-down. A
+request in namespace X needs the grant in X; a cluster-wide request (a list or watch across
+namespaces, a cluster-scoped object) needs a ClusterRole. A request the API server refused
+(403) counts as used: it is a permission missing.
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -40,17 +47,15 @@ from cryptography.x509.oid import NameOID
 
 from memops import kube, permissions
 from memops import sandbox as sandbox_cli
-from memops.cluster import apiserver, audit
 from memops.controllers import workloads
-from tests.e2e.conftest import Sandbox
+from tests.e2e import audit
+from tests.e2e.conftest import EVERY_FEATURE, Sandbox
 from tests.packaging import argocd, manifests
 
-CHART_USER = "memops-chart"  # the token of this module's operator, as the chart runs it
-E2E_USER = sandbox_cli.OPERATOR_USER
-
-# Used only where Kopf manages the webhook configuration: the sandbox (the emulated API has no
-# Services to route a webhook to). The chart and kustomize ship their own configuration and run
-# `memops run --webhook-unmanaged`; this module's scenario checks that it then never asks.
+# Used only where Kopf manages the webhook configuration (``memops run`` without
+# --webhook-unmanaged, as a developer may run it). The chart and kustomize ship their own
+# configuration and run `memops run --webhook-unmanaged`; this module's scenario checks that it
+# then never asks.
 SANDBOX_ONLY = {
     (group, resource, verb): "Kopf registers the webhook in the sandbox; the installers run --webhook-unmanaged"
     for group in ("admissionregistration.k8s.io",)
@@ -76,24 +81,14 @@ CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespace
 # Namespaced mode peers through a KopfPeering in each watched namespace instead.
 PEERING_SWAP = {"clusterkopfpeerings": "kopfpeerings"}
 
-Request = tuple[str, str, str, str]  # (apiGroup, resource[/subresource], verb, namespace or "")
-
-
-def _triple(entry: dict[str, Any]) -> manifests.Triple:
-    resource = entry["resource"] + (f"/{entry['subresource']}" if entry["subresource"] else "")
-    return entry["group"], resource, entry["verb"]
-
-
-def _request(entry: dict[str, Any]) -> Request:
-    group, resource, verb = _triple(entry)
-    return group, resource, verb, entry["namespace"]
+Request = audit.Request
 
 
 def owner_lookup(kubeconfig: Path) -> None:
     """The DaskWorkerGroup path from a worker's pod to its Deployment goes through the pod's
-    ReplicaSet. The emulated Deployment controller owns pods directly and makes no ReplicaSets, so
-    no scenario makes the operator take that path: run its code for a ReplicaSet-owned pod against
-    the emulated API server (which answers 404, after auditing the request as RBAC sees it)."""
+    ReplicaSet; only tests/e2e/test_daskworkergroup.py takes it. Run the operator's code for a
+    ReplicaSet-owned pod whose ReplicaSet does not exist, so that the request is in this
+    scenario's log (the API server answers 404 once RBAC has allowed it) whichever modules ran."""
     pod = {
         "metadata": {
             "name": "dk-default-worker-0a1b2c3d4e-6c8d9f-x2k4q",
@@ -109,7 +104,7 @@ def owner_lookup(kubeconfig: Path) -> None:
         finally:
             await client.close()
 
-    assert asyncio.run(look_up()) is None, "the emulated cluster has no ReplicaSets"
+    assert asyncio.run(look_up()) is None, "no such ReplicaSet"
 
 
 def _webhook_certificate(directory: Path) -> tuple[Path, Path, bytes]:
@@ -181,31 +176,32 @@ def chart_scenario(tmp_path_factory: pytest.TempPathFactory, audit_log: Path) ->
     """Run the operator as the chart runs it through a short scenario; yields what it observed."""
     directory = tmp_path_factory.mktemp("chart-mode")
     state_dir = directory / "sandbox"
-    process = sandbox_cli.launch(state_dir, 3, "--no-operator", "--audit-log", str(audit_log))
+    process = sandbox_cli.launch(
+        state_dir, 3, "--plane", "upstream", *EVERY_FEATURE, "--no-operator", "--audit-log", str(audit_log)
+    )
     sandbox = Sandbox(state_dir, process)
     operator: subprocess.Popen[bytes] | None = None
     try:
+        # The sandbox applied the chart's CRDs, ServiceAccount, RBAC and peering, and wrote the
+        # ServiceAccount's token to operator-kubeconfig; the webhook is this module's to register.
         objects = manifests.render_chart(namespace="default")
         cert_file, key_file, ca = _webhook_certificate(directory)
         webhook_port = sandbox_cli.free_port()
         health_port = sandbox_cli.free_port(webhook_port)
         metrics_port = sandbox_cli.free_port(webhook_port, health_port)
-        # The chart's own peering CRDs and peering object, and its webhook configuration with the
-        # Service reference replaced by a URL (the emulated API server calls URLs only).
-        sandbox.kubectl("apply", "-f", str(manifests.CHART / "crds" / "kopf-peering.yaml"))
-        sandbox.apply(manifests.one(objects, "ClusterKopfPeering"))
+        # The chart's webhook configuration with the Service reference replaced by a URL (the
+        # operator runs on this machine, not behind a Service); the API server calls it over TLS.
         config = manifests.one(objects, "MutatingWebhookConfiguration")
         for hook in config["webhooks"]:
             path = hook["clientConfig"]["service"]["path"]
             hook["clientConfig"] = {
-                "url": f"https://localhost:{webhook_port}{path}",
+                "url": f"https://127.0.0.1:{webhook_port}{path}",
                 "caBundle": base64.b64encode(ca).decode(),
             }
         sandbox.apply(config)
 
-        kubeconfig = state_dir / "chart-kubeconfig"
-        server = yaml.safe_load(sandbox.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
-        kubeconfig.write_text(apiserver.kubeconfig(server, token=CHART_USER))
+        kubeconfig = state_dir / "operator-kubeconfig"
+        user = audit.kubeconfig_user(kubeconfig)
         health_url = f"http://127.0.0.1:{health_port}/healthz"
         args = _chart_arguments(
             manifests.one(objects, "Deployment"),
@@ -274,7 +270,14 @@ def chart_scenario(tmp_path_factory: pytest.TempPathFactory, audit_log: Path) ->
             timeout=60,
             what="the policy to settle",
         )
-        yield {"peers": peers, "request": request, "policy": policy, "netted": netted, "operator_log": directory}
+        yield {
+            "peers": peers,
+            "request": request,
+            "policy": policy,
+            "netted": netted,
+            "user": user,
+            "audit_log": state_dir / "audit.log",
+        }
     finally:
         if operator is not None and operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)
@@ -290,11 +293,12 @@ def test_chart_mode_operator_peers_serves_the_webhook_and_drains(chart_scenario:
     assert argocd.health(chart_scenario["policy"])["status"] == "Healthy"
 
 
-def _used(audit_log: Path, request: pytest.FixtureRequest) -> tuple[set[Request], set[manifests.Triple]]:
+def _used(
+    scenario: dict[str, Any], audit_log: Path, request: pytest.FixtureRequest
+) -> tuple[set[Request], set[manifests.Triple]]:
     """The operator's requests in this session, and the E2E_ONLY permissions left unchecked."""
-    entries = audit.read(audit_log)
-    chart_mode = {_request(e) for e in entries if e["user"] == CHART_USER}
-    e2e = {_request(e) for e in entries if e["user"] == E2E_USER}
+    chart_mode = set(audit.requests(scenario["audit_log"], scenario["user"]))
+    e2e = set(audit.requests(audit_log, scenario["user"]))
     assert chart_mode, "the chart-mode scenario made no requests"
     assert not {r[:3] for r in chart_mode} & SANDBOX_ONLY.keys(), (
         "with --webhook-unmanaged Kopf must not touch webhook configurations"
@@ -320,7 +324,7 @@ def test_rbac_grants_what_the_operator_uses(
 ) -> None:
     """Cluster-wide (the operator's mode in every scenario): each request allowed in its own
     namespace, cluster-wide ones by a ClusterRole; and nothing granted that is never used."""
-    used, unchecked = _used(audit_log, request)
+    used, unchecked = _used(chart_scenario, audit_log, request)
     every_component = list(COMPONENTS.values())
     for name, objects in (
         ("helm/memops", manifests.render_chart({"rbac": FEATURES})),
@@ -344,7 +348,7 @@ def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
     """Watching only "default", the operator makes the same requests there: each namespaced one
     (and each cluster-wide list or watch of a namespaced kind, which becomes one in "default")
     must be allowed in "default", and no namespace it does not watch grants it anything."""
-    used, _ = _used(audit_log, request)
+    used, _ = _used(chart_scenario, audit_log, request)
     objects = manifests.render_chart({"rbac": FEATURES, "watchNamespaces": ["default"]})
     cluster_scoped = CLUSTER_SCOPED - set(PEERING_SWAP)
     as_namespaced = {

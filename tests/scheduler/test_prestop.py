@@ -53,3 +53,26 @@ async def test_the_hook_retires_its_own_worker_and_the_data_moves(protocol: str)
             who_has = await client.who_has(list(futures.values()))
             assert all(holders == (staying,) for holders in who_has.values()), who_has
             assert leaving not in (await client.scheduler.identity())["workers"]
+
+
+async def test_the_hook_waits_for_a_worker_to_take_the_data() -> None:
+    """The only worker holds unique data: the scheduler cannot retire it (it returns nothing), so
+    the hook asks again until a second worker connects, then the data moves there. (Before: the
+    hook returned at once and the kubelet killed the worker with its data, as in a rollout whose
+    new pods were Ready before their workers connected.)"""
+    async with LocalCluster(
+        n_workers=1, processes=True, threads_per_worker=1, dashboard_address=None, asynchronous=True
+    ) as local:
+        async with Client(local, asynchronous=True) as client:
+            info = await client.scheduler.identity()
+            [leaving] = info["workers"]
+            name = str(info["workers"][leaving]["name"])
+            futures = await client.scatter({f"k{i}": os.urandom(1024) for i in range(10)}, workers=[leaving])
+            hook = asyncio.create_task(run_hook(local.scheduler_address, name, {}))
+            await asyncio.sleep(3)
+            assert not hook.done(), "the hook returned while its worker held the only copy"
+            assert leaving in (await client.scheduler.identity())["workers"]
+            local.scale(2)
+            assert await hook == 0
+            who_has = await client.who_has(list(futures.values()))
+            assert all(holders and leaving not in holders for holders in who_has.values()), who_has
