@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import sys
@@ -40,6 +41,18 @@ def _parser() -> argparse.ArgumentParser:
     sandbox = commands.add_parser("sandbox", help="a local cluster with real Dask workers and the operator")
     sandbox.add_argument("--workers", type=int, default=4, help="number of dask-worker pods (default 4)")
     sandbox.add_argument("--state-dir", help="where to write kubeconfig, scheduler-address and ready")
+    sandbox.add_argument(
+        "--plane",
+        choices=("emulated", "upstream"),
+        default=os.environ.get("MEMOPS_SANDBOX_PLANE") or "emulated",
+        help="the control plane: upstream kube-apiserver, etcd, controller-manager and scheduler (built from"
+        " the Kubernetes Go modules on first use), or memops' emulated API server (default: $MEMOPS_SANDBOX_PLANE,"
+        " else emulated)",
+    )
+    sandbox.add_argument("--nodes", type=int, default=2, help="Nodes of the upstream plane (default 2)")
+    sandbox.add_argument(
+        "--build-only", action="store_true", help="build the upstream plane's binaries into the cache, then exit"
+    )
     sandbox.add_argument("--port", type=int, help="the emulated API server's port (default: any free port)")
     sandbox.add_argument("--no-operator", action="store_true", help="start everything but the operator")
     sandbox.add_argument("--worker-memory", default="1GiB", help="each worker's --memory-limit (default 1GiB)")
@@ -65,11 +78,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "sandbox":
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        from memops import sandbox
-
+        if importlib.util.find_spec("memops_sandbox") is None:
+            print(
+                "memops sandbox needs the memops-sandbox package: pip install 'memops[sandbox]'"
+                " (from a checkout: pip install -e ./sandbox -e .)",
+                file=sys.stderr,
+            )
+            return 2
         if args.workers < 1:
             print("memops sandbox: --workers must be at least 1", file=sys.stderr)
             return 2
+        if args.plane not in ("emulated", "upstream"):  # argparse does not check a default from the environment
+            print(f"memops sandbox: $MEMOPS_SANDBOX_PLANE={args.plane!r}: not emulated or upstream", file=sys.stderr)
+            return 2
+        if args.nodes < 1:
+            print("memops sandbox: --nodes must be at least 1", file=sys.stderr)
+            return 2
+        if args.build_only or args.plane == "upstream":
+            from memops_sandbox import cli as sandbox_cli
+
+            return sandbox_cli.sandbox(
+                args.workers,
+                args.state_dir,
+                nodes=args.nodes,
+                operator=not args.no_operator,
+                memory_limit=args.worker_memory,
+                build_only=args.build_only,
+            )
+        from memops import sandbox
+
         return sandbox.main(
             args.workers,
             args.state_dir,

@@ -11,6 +11,7 @@ import site
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,14 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
         timeout=180,
     )
     (wheel,) = wheels.glob("memops-*.whl")
+    # The operator's image carries the operator only: the sandbox's emulated API server (kmock,
+    # jsonschema, jsonpatch), certificates and Helm come with memops-sandbox, an extra.
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+        requires = re.findall(r"^Requires-Dist: (.+)$", archive.read(metadata).decode(), flags=re.MULTILINE)
+    runtime = {re.split(r"[<>=!~ ;\[]", line, maxsplit=1)[0].lower() for line in requires if "extra ==" not in line}
+    assert not runtime & {"kmock", "jsonschema", "jsonpatch", "cryptography", "helm-python-sdk", "memops-sandbox"}
+    assert "memops-sandbox; extra == \"sandbox\"" in requires
     # A fresh environment that borrows this one's dependencies (no download) but not its memops:
     # a .pth line puts this environment's site-packages after the fresh one's, and the .pth
     # files in there (this checkout's editable install among them) are not run.
@@ -95,7 +104,7 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
         timeout=120,
     )
     where = subprocess.run(
-        [str(python), "-c", "import memops.controllers, memops.scheduler, memops.cluster; print(memops.__file__)"],
+        [str(python), "-c", "import memops.controllers, memops.scheduler; print(memops.__file__)"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -106,6 +115,9 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
     memops = env_dir / "bin" / "memops"
     helped = subprocess.run([str(memops), "run", "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert helped.returncode == 0 and "--webhook-cert-file" in helped.stdout
+    # The sandbox is not in the image: the command says how to get it.
+    sandbox = subprocess.run([str(memops), "sandbox"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert sandbox.returncode == 2 and "pip install 'memops[sandbox]'" in sandbox.stderr, sandbox.stderr
     out = tmp_path / "crds"
     subprocess.run(
         [str(memops), "crds", "--output", str(out)], check=True, capture_output=True, timeout=60, cwd=tmp_path

