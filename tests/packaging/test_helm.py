@@ -176,7 +176,12 @@ def test_namespaced_mode_watches_only_its_namespaces() -> None:
     assert sorted(p["metadata"]["namespace"] for p in manifests.find(objects, "KopfPeering")) == ["dask", "ml"]
     assert manifests.find(objects, "ClusterKopfPeering") == []
     cluster_wide = set(manifests.expand(manifests.one(objects, "ClusterRole")["rules"]))
-    assert cluster_wide == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+    # Nodes are cluster-scoped: the node signals (spec.eviction.nodeSignals) read them in either mode.
+    assert cluster_wide == {
+        (group, plural, v)
+        for group, plural in (("apiextensions.k8s.io", "customresourcedefinitions"), ("", "nodes"))
+        for v in ("list", "watch")
+    }
     # Each namespace gets exactly what the cluster-wide mode grants everywhere, with the
     # namespaced peering in place of the cluster one.
     everywhere = manifests.granted(manifests.render_chart())

@@ -66,12 +66,15 @@ E2E_ONLY = {
     ("apps", "deployments", "delete"): "tests/e2e/test_daskworkergroup.py",
     ("", "pods", "get"): "tests/e2e/test_daskworkergroup.py",
     ("", "secrets", "get"): "tests/e2e/test_safety_net.py",
+    # Nodes: served by the upstream plane only (the node signals watch them).
+    ("", "nodes", "list"): "tests/e2e/test_eviction.py",
+    ("", "nodes", "watch"): "tests/e2e/test_eviction.py",
 }
 
 # Every feature on: what the operator may use at most.
 FEATURES = {key.split("=")[0].removeprefix("rbac."): True for key in permissions.FEATURE_GATED.values()}
 COMPONENTS = {"schedulerTLS": "scheduler-tls", "daskWorkerGroups": "daskworkergroups"}
-CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces"}
+CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces", "nodes"}
 # Namespaced mode peers through a KopfPeering in each watched namespace instead.
 PEERING_SWAP = {"clusterkopfpeerings": "kopfpeerings"}
 
