@@ -135,7 +135,7 @@ def test_cordon_starts_the_drain_before_the_eviction(upstream: Any) -> None:
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         node, pods, holdings = setup(sandbox, client)
         sandbox.kubectl("cordon", node)
-        (request,) = sandbox.wait_for(eviction_requests, 30, "the cordon's Eviction request")
+        (request,) = sandbox.wait_for(lambda: eviction_requests(sandbox), 30, "the cordon's Eviction request")
         assert sorted(request["spec"]["workers"]) == pods
         assert "taint node.kubernetes.io/unschedulable" in request["metadata"]["annotations"]["memops.dev/why"]
         time.sleep(10)  # the scenario: the eviction comes 10 s after the cordon
