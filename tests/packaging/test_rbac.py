@@ -357,7 +357,8 @@ def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
     assert not missing, f"watchNamespaces=[default] does not grant, where it is needed: {missing}"
     cluster_wide = manifests.granted(objects, namespace="")
     assert manifests.granted(objects, namespace="other") == cluster_wide, "nothing in a namespace not watched"
-    assert {resource for _, resource, _ in cluster_wide} == {"customresourcedefinitions"}
+    # Nodes are cluster-scoped: the node signals (spec.eviction.nodeSignals) read them in either mode.
+    assert {resource for _, resource, _ in cluster_wide} == {"customresourcedefinitions", "nodes"}
 
 
 @pytest.mark.parametrize("namespaces", [[], ["dask"]], ids=["cluster-wide", "namespaced"])
