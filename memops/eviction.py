@@ -55,6 +55,7 @@ class RequestView:
     deadline: str = ""
     bytes_lost: int = 0
     message: str = ""
+    on_timeout: specs.OnTimeout = specs.OnTimeout.ABORT
 
     @property
     def finished(self) -> bool:
@@ -107,6 +108,22 @@ def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None) -
         )
     if unique_bytes == 0:
         return Decision(Verdict.ALLOW, f"{pod} holds no data that exists nowhere else")
+    if request is not None and request.phase == specs.Phase.FAILED and request.state is None:
+        # The drain never started (the scheduler unreachable or refused until the deadline):
+        # nothing confirms what the pod holds, and the request's onTimeout decides.
+        if request.on_timeout == specs.OnTimeout.FORCE:
+            return Decision(
+                Verdict.ALLOW,
+                f"the drain of {pod} could not start before its deadline (RetirementRequest {request.name}:"
+                f" {request.message}); drain.onTimeout is Force: evicted, whatever it held is lost",
+            )
+        return Decision(
+            Verdict.REFUSE,
+            f"the drain of {pod} could not start before its deadline (RetirementRequest {request.name}:"
+            f" {request.message}); the policy's drain.onTimeout is Abort, so memops keeps refusing: make the"
+            " scheduler reachable and delete that request to try again, or set drain.onTimeout: Force",
+            warning=True,
+        )
     if unique_bytes is None and request is not None and request.state == specs.WorkerState.RETIRED:
         return Decision(Verdict.ALLOW, f"{pod} was drained (RetirementRequest {request.name})")
     why = (
@@ -178,13 +195,18 @@ def latest_request(pod: str, requests: Sequence[Mapping[str, Any]]) -> RequestVi
             state = specs.WorkerState(entry.get("state", "Pending"))
         except ValueError:
             state = None
+    try:
+        on_timeout = specs.OnTimeout((chosen.get("spec") or {}).get("onTimeout", "Abort"))
+    except ValueError:
+        on_timeout = specs.OnTimeout.ABORT
     return RequestView(
         name=str(chosen["metadata"]["name"]),
+        on_timeout=on_timeout,
         phase=phase,
         state=state,
         deadline=str(status.get("deadline", "")),
         bytes_lost=int((entry or {}).get("bytesLost", 0) or 0),
-        message=str((entry or {}).get("message", "")),
+        message=str((entry or {}).get("message", "") or status.get("message", "")),
     )
 
 

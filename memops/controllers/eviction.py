@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import kopf
 import pydantic
 
-from memops import daskrpc, eviction, kube, planning, specs, tenancy
+from memops import daskrpc, eviction, kube, planning, specs, tenancy, timestamps
 from memops.controllers import admission, policy, workloads
 
 ASK_SECONDS = 4.0
@@ -128,6 +128,33 @@ async def request_drain(
     return request_name
 
 
+async def warn(client: kube.Kube, pod: Mapping[str, Any], reason: str, message: str) -> None:
+    """A Warning event on the pod, posted directly: Kopf's ``kopf.event`` works in resource
+    handlers only, not in admission handlers."""
+    meta = pod["metadata"]
+    now = timestamps.render(timestamps.now())
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid", ""),
+        },
+        "type": "Warning",
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": "memops"},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    await client.request("POST", kube.resource_path("", "v1", "events", str(meta["namespace"])), body=event)
+
+
 def _policies(cache: policy.Cache) -> list[Mapping[str, Any]]:
     return [p for bodies in cache.of("memorypolicies").values() for p in bodies]
 
@@ -182,21 +209,27 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
             if policy_body is not None:
                 unfinished = [r for r in requests if (r.get("status") or {}).get("phase") not in _FINISHED]
                 busy = {w for r in unfinished for w in (r.get("spec") or {}).get("workers") or []}
-                pods = await workloads.pods(client, namespace, spec.workload)
-                chosen = sorted({name, *eviction.pods_to_drain(pods, node, busy)})
-                created = await request_drain(
-                    client,
-                    policy_body=policy_body,
-                    spec=spec,
-                    node=node,
-                    pods=chosen,
-                    earlier=len(requests),
-                    why=f"eviction of pod {name}",
-                )
-                logger.info("eviction of %s refused; draining %s in RetirementRequest %s", name, chosen, created)
+                try:
+                    pods = await workloads.pods(client, namespace, spec.workload)
+                    chosen = sorted({name, *eviction.pods_to_drain(pods, node, busy)})
+                    created = await request_drain(
+                        client,
+                        policy_body=policy_body,
+                        spec=spec,
+                        node=node,
+                        pods=chosen,
+                        earlier=len(requests),
+                        why=f"eviction of pod {name}",
+                    )
+                except kube.ApiError as exc:  # still refused (429): the next attempt creates it
+                    logger.warning("could not start the drain of %s: %s", name, exc)
+                else:
+                    logger.info("eviction of %s refused; draining %s in %s", name, chosen, created)
         if decision.warning and not dryrun:
-            on_pod = kopf.Body(cast(kopf.RawBody, pod))
-            kopf.event(on_pod, type="Warning", reason="EvictionRefused", message=decision.message)
+            try:
+                await warn(client, pod, "EvictionRefused", decision.message)
+            except kube.ApiError as exc:  # the answer matters more than its event
+                logger.warning("could not post the EvictionRefused event on %s: %s", name, exc)
         if not decision.allowed:
             raise kopf.AdmissionError(decision.message, code=decision.code)
         logger.info("eviction of %s admitted: %s", name, decision.message)

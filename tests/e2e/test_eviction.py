@@ -34,10 +34,10 @@ def upstream(tmp_path: Path) -> Iterator[Any]:
         pytest.skip(f"the control plane's binaries cannot be built here: {error}")
     started: list[Sandbox] = []
 
-    def start(operator: bool = True) -> Sandbox:
+    def start(operator: bool = True, workers: int = WORKERS) -> Sandbox:
         state_dir = tmp_path / f"upstream{len(started)}"
         args = ["--plane", "upstream", "--nodes", "2", *([] if operator else ["--no-operator"])]
-        sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, WORKERS, *args))
+        sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args))
         started.append(sandbox)
         return sandbox
 
@@ -81,11 +81,11 @@ def setup(sandbox: Sandbox, client: distributed.Client) -> tuple[str, list[str],
     return node, pods, scatter_unique(client, dict.fromkeys(placed, 3))
 
 
-def drain(sandbox: Sandbox, node: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def drain(sandbox: Sandbox, node: str, timeout: int = 170) -> tuple[subprocess.CompletedProcess[str], float]:
     """``kubectl drain`` as an operator of the cluster runs it, with its own retry loop."""
     began = time.monotonic()
     result = subprocess.run(
-        [str(BIN / "kubectl"), "drain", node, "--ignore-daemonsets", "--timeout=170s"],
+        [str(BIN / "kubectl"), "drain", node, "--ignore-daemonsets", f"--timeout={timeout}s"],
         capture_output=True,
         text=True,
         env=sandbox.env,
@@ -144,3 +144,30 @@ def test_cordon_starts_the_drain_before_the_eviction(upstream: Any) -> None:
         assert holdings.lost() == []
     names = [r["metadata"]["name"] for r in eviction_requests(sandbox)]
     assert names == [request["metadata"]["name"]], "the eviction found the cordon's drain under way"
+
+
+@pytest.mark.parametrize("on_timeout", ["Abort", "Force"])
+def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout: str) -> None:
+    """One worker: its data has nowhere to go. Abort keeps refusing (an event on the pod says so);
+    Force lets the eviction through and the request records the bytes lost."""
+    sandbox = upstream(workers=1)
+    policy(sandbox, drain={"timeout": "20s", "onTimeout": on_timeout})
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        sandbox.wait_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 1, 120, "the worker")
+        ((pod, node),) = nodes_of(sandbox).items()
+        holdings = scatter_unique(client, {pod: 3})
+        result, _ = drain(sandbox, node, timeout=45)
+        (request,) = eviction_requests(sandbox)
+        (worker,) = request["status"]["workers"]
+        if on_timeout == "Abort":
+            assert result.returncode != 0, "kubectl drain must give up at its own --timeout"
+            assert "onTimeout is Abort" in result.stderr, result.stderr
+            assert request["status"]["phase"] == "Failed" and worker["state"] == "Kept"
+            events = sandbox.get("events", "--field-selector", f"involvedObject.name={pod}")["items"]
+            assert any(e["reason"] == "EvictionRefused" for e in events)
+            assert holdings.lost() == []
+        else:
+            assert result.returncode == 0, result.stderr
+            assert worker["state"] == "Forced" and worker["bytesLost"] == 3 * 256 * 1024
+            lost = sandbox.wait_for(holdings.lost, 60, "the forced worker's keys to be lost")
+            assert sorted(lost) == sorted(holdings.keys_of(pod))

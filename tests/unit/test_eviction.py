@@ -11,8 +11,15 @@ from memops import eviction, specs
 Phase, State = specs.Phase, specs.WorkerState
 
 
-def view(phase: specs.Phase, state: specs.WorkerState | None = None, lost: int = 0) -> eviction.RequestView:
-    return eviction.RequestView(name="evict-n1-abc", phase=phase, state=state, deadline="T", bytes_lost=lost)
+def view(
+    phase: specs.Phase,
+    state: specs.WorkerState | None = None,
+    lost: int = 0,
+    on_timeout: specs.OnTimeout = specs.OnTimeout.ABORT,
+) -> eviction.RequestView:
+    return eviction.RequestView(
+        name="evict-n1-abc", phase=phase, state=state, deadline="T", bytes_lost=lost, on_timeout=on_timeout
+    )
 
 
 @pytest.mark.parametrize(
@@ -32,6 +39,11 @@ def view(phase: specs.Phase, state: specs.WorkerState | None = None, lost: int =
         pytest.param(None, view(Phase.FAILED, State.KEPT), False, False, True, id="abort-scheduler-gone"),
         pytest.param(0, view(Phase.FAILED, State.KEPT), True, False, False, id="abort-but-data-gone-since"),
         pytest.param(7, view(Phase.SUCCEEDED, State.RETIRED), False, True, False, id="data-again-drains-again"),
+        pytest.param(None, view(Phase.FAILED), False, False, True, id="never-started-abort-keeps-refusing"),
+        pytest.param(
+            None, view(Phase.FAILED, on_timeout=specs.OnTimeout.FORCE), True, False, False, id="never-started-force"
+        ),
+        pytest.param(0, view(Phase.FAILED), True, False, False, id="never-started-but-nothing-unique"),
     ],
 )
 def test_decide(
