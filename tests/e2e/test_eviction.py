@@ -8,6 +8,7 @@ its own. Without memops the same drain loses the node's keys.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -72,11 +73,40 @@ def nodes_of(sandbox: Sandbox) -> dict[str, str]:
     }
 
 
+SPREAD = {
+    "spec": {
+        "template": {
+            "spec": {
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "DoNotSchedule",
+                        "labelSelector": {"matchLabels": {"app": "dask-worker"}},
+                    }
+                ]
+            }
+        }
+    }
+}
+
+
 def setup(sandbox: Sandbox, client: distributed.Client) -> tuple[str, list[str], Holdings]:
-    """The node with the most workers, its pods, and unique data on every worker."""
-    sandbox.wait_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == WORKERS, 120, "the workers")
-    placed = nodes_of(sandbox)
-    node = max(sorted(set(placed.values())), key=lambda n: list(placed.values()).count(n))
+    """A node with workers while the other has some too (room for the data), the node's pods,
+    and unique data on every worker."""
+
+    def settled() -> dict[str, str] | None:
+        placed = nodes_of(sandbox)
+        names = {str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        return placed if len(placed) == WORKERS and names == set(placed) else None
+
+    placed = sandbox.wait_for(settled, 120, "the workers")
+    if len(set(placed.values())) < 2:  # the scheduler's spreading is a preference: make it a rule
+        sandbox.kubectl("patch", "deployment/dask-worker", "--type=merge", "-p", json.dumps(SPREAD))
+        placed = sandbox.wait_for(
+            lambda: (found := settled()) and len(set(found.values())) == 2 and found, 180, "spread workers"
+        )
+    node = sorted(set(placed.values()))[0]
     pods = sorted(p for p, n in placed.items() if n == node)
     return node, pods, scatter_unique(client, dict.fromkeys(placed, 3))
 
