@@ -26,6 +26,36 @@ import yaml
 KUBECTL = str(Path(sys.executable).parent / "kubectl")
 
 
+SPREAD = (
+    '{"spec":{"template":{"spec":{"topologySpreadConstraints":[{"maxSkew":1,"topologyKey":"kubernetes.io/hostname",'
+    '"whenUnsatisfiable":"DoNotSchedule","labelSelector":{"matchLabels":{"app":"dask-worker"}}}]}}}}'
+)
+
+
+def placement(sandbox: benchkit.Sandbox) -> dict[str, str]:
+    pods = yaml.safe_load(benchkit.kubectl(sandbox.env, "get", "pods", "-l", "app=dask-worker", "-o", "yaml"))
+    return {
+        p["metadata"]["name"]: p["spec"]["nodeName"]
+        for p in pods["items"]
+        if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+    }
+
+
+def spread(sandbox: benchkit.Sandbox, client: distributed.Client, workers: int) -> None:
+    """Workers on both nodes, so that the drained node's data has somewhere to go: kube-scheduler's
+    spreading is only a preference, and on a busy machine it may put every pod on one node."""
+    if len(set(placement(sandbox).values())) > 1:
+        return
+    benchkit.kubectl(sandbox.env, "patch", "deployment/dask-worker", "--type=merge", "-p", SPREAD)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        placed = placement(sandbox)
+        if len(placed) == workers and len(set(placed.values())) == 2 and set(benchkit.workers(client)) == set(placed):
+            return
+        time.sleep(1)
+    raise RuntimeError("the workers did not spread over both nodes")
+
+
 def one_run(workers: int, keys: int, *, memops: bool) -> tuple[int, int, float]:
     """(keys scattered, keys lost, seconds kubectl drain took)."""
     args = ["--plane", "upstream", "--nodes", "2", *([] if memops else ["--no-operator"])]
@@ -44,14 +74,13 @@ def one_run(workers: int, keys: int, *, memops: bool) -> tuple[int, int, float]:
             benchkit.kubectl(sandbox.env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
         with distributed.Client(sandbox.address, timeout=30) as client:
             client.wait_for_workers(workers, timeout=120)
+            spread(sandbox, client, workers)
             names = benchkit.workers(client)
             futures = []
             for name, address in names.items():
                 values = {f"{name}-{i}": os.urandom(256 * 1024) for i in range(keys)}
                 futures += list(client.scatter(values, workers=[address], hash=False, broadcast=False).values())
-            pods = yaml.safe_load(benchkit.kubectl(sandbox.env, "get", "pods", "-l", "app=dask-worker", "-o", "yaml"))
-            placed = [p["spec"]["nodeName"] for p in pods["items"] if p["metadata"]["name"] in names]
-            node = max(sorted(set(placed)), key=placed.count)
+            node = sorted(set(placement(sandbox).values()))[0]
             began = time.monotonic()
             subprocess.run(
                 [KUBECTL, "drain", node, "--ignore-daemonsets", "--timeout=170s"],
