@@ -235,6 +235,13 @@ class RetirementRequestSpec(Model):
             " Abort: keep its pod. Force: remove it anyway, and record the bytes lost in the status."
         ),
     )
+    removePods: bool = pydantic.Field(
+        default=True,
+        description=(
+            "true: memops removes the drained pods (a scale-down of the workload). false: drain only; the"
+            " pods are left to whoever evicts them (a node drain), whose evictions memops then admits."
+        ),
+    )
 
     # The API server can check "exactly one of" structurally; pydantic checks it again below.
     model_config = pydantic.ConfigDict(
@@ -364,6 +371,61 @@ class DrainSpec(Model):
     timeout: Duration = pydantic.Field(default="10m", description="How long one drain may take, at most 168h.")
     onTimeout: OnTimeout = pydantic.Field(
         default=OnTimeout.ABORT, description="Abort: keep pods that still hold unique data. Force: remove them."
+    )
+
+
+DEFAULT_NODE_TAINTS = (
+    "node.kubernetes.io/unschedulable",  # kubectl cordon / drain
+    "ToBeDeletedByClusterAutoscaler",  # cluster-autoscaler, just before it drains the node
+    "karpenter.sh/disrupted",  # Karpenter v1, when it disrupts the node
+    "karpenter.sh/disruption",  # Karpenter before v1 (value "disrupting")
+    "aws-node-termination-handler/spot-itn",  # AWS Node Termination Handler: spot interruption notice
+    "aws-node-termination-handler/scheduled-maintenance",
+    "cloud.google.com/impending-node-termination",  # GKE's node termination handler
+)
+
+# Taint and label keys are qualified names: an optional DNS prefix and a name of at most 63.
+QUALIFIED_NAME_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+QualifiedName = Annotated[str, pydantic.Field(min_length=1, max_length=316, pattern=QUALIFIED_NAME_PATTERN)]
+
+
+class NodeSignals(Model):
+    """Taints and labels that announce a Node's end: memops drains its workers there at once."""
+
+    taints: list[QualifiedName] = pydantic.Field(
+        default_factory=lambda: list(DEFAULT_NODE_TAINTS),
+        max_length=64,
+        description=(
+            "Taint keys (any value, any effect). Defaults: cordon's node.kubernetes.io/unschedulable,"
+            " cluster-autoscaler's ToBeDeletedByClusterAutoscaler, Karpenter's karpenter.sh/disrupted"
+            " (and karpenter.sh/disruption before v1), AWS Node Termination Handler's spot-itn and"
+            " scheduled-maintenance, GKE's cloud.google.com/impending-node-termination."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    labels: list[QualifiedName] = pydantic.Field(
+        default_factory=list,
+        max_length=64,
+        description="Label keys (any value) that termination handlers of your platform set on a Node.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+
+
+class EvictionSpec(Model):
+    """How the workers' evictions (kubectl drain, cluster-autoscaler, Karpenter) are answered."""
+
+    gate: bool = pydantic.Field(
+        default=True,
+        description=(
+            "Answer evictions of the workers: one that holds data existing nowhere else is refused"
+            " with 429 (which evicting clients retry) while memops drains it; a drained one is admitted."
+        ),
+    )
+    nodeSignals: NodeSignals = pydantic.Field(
+        default_factory=NodeSignals,
+        description="Start draining a Node's workers as soon as the Node is marked for its end.",
     )
 
 
@@ -633,6 +695,10 @@ class MemoryPolicySpec(Model):
     )
     replication: ReplicationSpec | None = pydantic.Field(
         default=None, description="Keep N copies of the keys that matter, on other nodes; re-replicate after a loss."
+    )
+    eviction: EvictionSpec = pydantic.Field(
+        default_factory=EvictionSpec,
+        description="Node drains and evictions: drain the workers first, and never block for ever.",
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any, cast
 import kopf
 
 from memops import kube
-from memops.controllers import admission, policy, retirement
+from memops.controllers import admission, eviction, policy, retirement
 
 PREFIX = "memops.dev"
 
@@ -112,8 +112,10 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
 
     retirement.register(registry)
     policy.register(registry)
+    eviction.register_node_signals(registry)
     if webhook is not None:
         admission.register(registry)
+        eviction.register_gate(registry)
     return registry
 
 

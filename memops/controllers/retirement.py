@@ -16,7 +16,19 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import conditions, daskrpc, kube, metrics, planning, retirement, selectors, specs, tenancy, timestamps
+from memops import (
+    conditions,
+    daskrpc,
+    eviction,
+    kube,
+    metrics,
+    planning,
+    retirement,
+    selectors,
+    specs,
+    tenancy,
+    timestamps,
+)
 from memops.controllers import workloads
 
 _RETRY_SECONDS = 2.0
@@ -353,7 +365,11 @@ class Retirement:
         if draining:
             status = await self.retire(address, security, status, draining, deadline, on_timeout)
         if retirement.to_remove(status.workers):
-            status = await self.remove(spec, status, deadline)
+            if spec.removePods:
+                status = await self.remove(spec, status, deadline)
+            else:  # an eviction's drain: the evicting client removes the pods, which the gate now admits
+                status.workers = eviction.mark_drained(status.workers)
+                await self.write(status)
         if any(w.state == specs.WorkerState.DRAINING for w in status.workers):
             return status
         return await self.finish(status)

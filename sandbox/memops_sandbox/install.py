@@ -6,7 +6,7 @@ rendered, so the operator is held to exactly the permissions that users grant it
 Deployment, Services and Secret are not: the operator runs as a local process instead, under
 its ServiceAccount's token (TokenRequest API, as ``kubectl create token``), serving its webhook
 over TLS on 127.0.0.1 with a certificate of the sandbox's CA. The chart's
-MutatingWebhookConfiguration is applied with ``clientConfig.url`` pointing there and
+Mutating and ValidatingWebhookConfigurations are applied with ``clientConfig.url`` pointing there and
 ``caBundle`` the sandbox's CA, so the API server calls it over TLS as it would call the Service.
 """
 
@@ -51,6 +51,11 @@ RESOURCES = {
     "MutatingWebhookConfiguration": (
         "/apis/admissionregistration.k8s.io/v1",
         "mutatingwebhookconfigurations",
+        False,
+    ),
+    "ValidatingWebhookConfiguration": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingwebhookconfigurations",
         False,
     ),
     "Deployment": ("/apis/apps/v1", "deployments", True),
@@ -162,9 +167,10 @@ async def install(plane: controlplane.Plane, api: controlplane.Api, objects: lis
 
 
 async def register_webhook(api: controlplane.Api, objects: list[dict[str, Any]], url: str, ca_bundle: bytes) -> None:
-    """Apply the chart's webhook configuration, pointed at the local operator."""
+    """Apply the chart's webhook configurations (the safety net, the eviction gate), pointed at the
+    local operator."""
     for obj in objects:
-        if obj["kind"] == "MutatingWebhookConfiguration":
+        if obj["kind"] in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
             await api.create(path_of(obj), local_webhook(obj, url, ca_bundle))
 
 

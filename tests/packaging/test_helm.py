@@ -176,9 +176,10 @@ def test_namespaced_mode_watches_only_its_namespaces() -> None:
     assert sorted(p["metadata"]["namespace"] for p in manifests.find(objects, "KopfPeering")) == ["dask", "ml"]
     assert manifests.find(objects, "ClusterKopfPeering") == []
     cluster_wide = set(manifests.expand(manifests.one(objects, "ClusterRole")["rules"]))
-    # Nodes are cluster-scoped: replication targets read their labels (a pod rule's nodeSelector, the zone).
+    # Nodes are cluster-scoped: replication targets read their labels, the node signals
+    # (spec.eviction.nodeSignals) watch them, in either mode.
     assert cluster_wide == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} | {
-        ("", "nodes", "get")
+        ("", "nodes", v) for v in ("get", "list", "watch")
     }
     # Each namespace gets exactly what the cluster-wide mode grants everywhere, with the
     # namespaced peering in place of the cluster one.

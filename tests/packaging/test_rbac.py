@@ -72,12 +72,15 @@ E2E_ONLY = {
     ("", "pods", "get"): "tests/e2e/test_daskworkergroup.py",
     ("", "nodes", "get"): "tests/e2e/test_replication.py",
     ("", "secrets", "get"): "tests/e2e/test_safety_net.py",
+    # Nodes: served by the upstream plane only (the node signals watch them).
+    ("", "nodes", "list"): "tests/e2e/test_eviction.py",
+    ("", "nodes", "watch"): "tests/e2e/test_eviction.py",
 }
 
 # Every feature on: what the operator may use at most.
 FEATURES = {key.split("=")[0].removeprefix("rbac."): True for key in permissions.FEATURE_GATED.values()}
 COMPONENTS = {"schedulerTLS": "scheduler-tls", "daskWorkerGroups": "daskworkergroups"}
-CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces"}
+CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces", "nodes"}
 # Namespaced mode peers through a KopfPeering in each watched namespace instead.
 PEERING_SWAP = {"clusterkopfpeerings": "kopfpeerings"}
 
@@ -359,7 +362,7 @@ def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
     assert not missing, f"watchNamespaces=[default] does not grant, where it is needed: {missing}"
     cluster_wide = manifests.granted(objects, namespace="")
     assert manifests.granted(objects, namespace="other") == cluster_wide, "nothing in a namespace not watched"
-    # Nodes are cluster-scoped: replication targets read their labels (a pod rule's nodeSelector, the zone).
+    # Nodes are cluster-scoped: replication targets and the node signals read them in either mode.
     assert {resource for _, resource, _ in cluster_wide} == {"customresourcedefinitions", "nodes"}
 
 

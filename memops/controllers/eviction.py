@@ -1,0 +1,272 @@
+"""The eviction gate (a validating webhook on ``pods/eviction``) and the node signals.
+
+The gate answers each eviction of a MemoryPolicy's worker pod by :func:`memops.eviction.decide`:
+admitted when the pod holds nothing unique, else refused with 429, which ``kubectl drain``,
+cluster-autoscaler and Karpenter retry, while the node's workers drain in one RetirementRequest
+with ``removePods: false``. The node handler starts that request as soon as a Node is tainted or
+labelled for its end (:func:`memops.eviction.node_signal`), before any eviction arrives.
+
+The webhook must answer within its ``timeoutSeconds``: the scheduler is given
+:data:`ASK_SECONDS`, and one that does not answer in time counts as unknown (refused while the
+drain's deadline has not passed). State lives in the RetirementRequests only; their names are
+the idempotency keys (:func:`memops.eviction.request_name`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import kopf
+import pydantic
+
+from memops import daskrpc, eviction, kube, planning, specs, tenancy, timestamps
+from memops.controllers import admission, policy, workloads
+
+ASK_SECONDS = 4.0
+"""The scheduler's share of the webhook's time (the chart's timeoutSeconds is 10)."""
+
+Obj = dict[str, Any]
+_FINISHED = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
+
+
+def _policy_body(policies: Iterable[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:
+    return next((p for p in policies if p["metadata"]["name"] == name), None)
+
+
+def eviction_requests(requests: Iterable[Mapping[str, Any]], node: str) -> list[Mapping[str, Any]]:
+    """The policy's Eviction RetirementRequests for ``node``."""
+    return [
+        r
+        for r in requests
+        if (r["metadata"].get("labels") or {}).get(eviction.REASON_LABEL) == eviction.EVICTION
+        and (r["metadata"].get("labels") or {}).get(eviction.NODE_LABEL) == eviction.node_label(node)
+    ]
+
+
+async def unique_bytes(client: kube.Kube, namespace: str, spec: specs.MemoryPolicySpec, pod: Obj) -> int | None:
+    """What the pod's workers hold alone, by the scheduler; None if it cannot be told in time."""
+
+    async def ask() -> int | None:
+        security: Any = None
+        if spec.scheduler.tls is not None:
+            secret = await client.get(kube.resource_path("", "v1", "secrets", namespace, spec.scheduler.tls.secretName))
+            security = daskrpc.security_from_secret(secret.get("data") or {})
+        address = spec.scheduler.address
+        # Identity only (no code sent) until the scheduler is shown to be this namespace's.
+        identity = await daskrpc.fetch_snapshot(
+            address, security=security, keys=False, processing=False, timeout=ASK_SECONDS
+        )
+        if not tenancy.check(identity.workers, await workloads.namespace_pods(client, namespace), namespace).allowed:
+            return None
+        snapshot = await daskrpc.fetch_snapshot(address, security=security, processing=False, timeout=ASK_SECONDS)
+        info = workloads.pod_info(pod)
+        located = planning.workers_by_pod([info], snapshot.workers)
+        return sum(w.unique_bytes for w in located.get(info.name, ()))
+
+    try:
+        return await asyncio.wait_for(ask(), timeout=ASK_SECONDS)
+    except (TimeoutError, daskrpc.SchedulerUnreachable, daskrpc.SchedulerMisbehaved, kube.ApiError, ValueError):
+        return None
+
+
+async def request_drain(
+    client: kube.Kube,
+    *,
+    policy_body: Mapping[str, Any],
+    spec: specs.MemoryPolicySpec,
+    node: str,
+    pods: list[str],
+    earlier: int,
+    why: str,
+) -> str:
+    """Create the node's Eviction RetirementRequest for these pods (a 409 means it exists: the
+    same pods, the same name); return its name."""
+    namespace, name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
+    request_name = eviction.request_name(name, node, pods, earlier)
+    body = {
+        "apiVersion": specs.API_VERSION,
+        "kind": "RetirementRequest",
+        "metadata": {
+            "name": request_name,
+            "namespace": namespace,
+            "labels": {
+                policy.POLICY_LABEL: name,
+                eviction.REASON_LABEL: eviction.EVICTION,
+                eviction.NODE_LABEL: eviction.node_label(node),
+            },
+            "annotations": {"memops.dev/why": why[:1024]},
+            "ownerReferences": [
+                {
+                    "apiVersion": specs.API_VERSION,
+                    "kind": "MemoryPolicy",
+                    "name": name,
+                    "uid": str(policy_body["metadata"]["uid"]),
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "scheduler": spec.scheduler.model_dump(mode="json", exclude_none=True),
+            "workload": spec.workload.model_dump(mode="json"),
+            "workers": pods,
+            "timeout": spec.drain.timeout,
+            "onTimeout": spec.drain.onTimeout.value,
+            "removePods": False,
+        },
+    }
+    try:
+        await client.request(
+            "POST", kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace), body=body
+        )
+    except kube.ApiError as exc:
+        if exc.code != 409:
+            raise
+    return request_name
+
+
+async def warn(client: kube.Kube, pod: Mapping[str, Any], reason: str, message: str) -> None:
+    """A Warning event on the pod, posted directly: Kopf's ``kopf.event`` works in resource
+    handlers only, not in admission handlers."""
+    meta = pod["metadata"]
+    now = timestamps.render(timestamps.now())
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid", ""),
+        },
+        "type": "Warning",
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": "memops"},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    await client.request("POST", kube.resource_path("", "v1", "events", str(meta["namespace"])), body=event)
+
+
+def _policies(cache: policy.Cache) -> list[Mapping[str, Any]]:
+    return [p for bodies in cache.of("memorypolicies").values() for p in bodies]
+
+
+def _spec(body: Mapping[str, Any]) -> specs.MemoryPolicySpec | None:
+    try:
+        return specs.MemoryPolicySpec.model_validate(body.get("spec", {}))
+    except pydantic.ValidationError:
+        return None
+
+
+def register_gate(registry: kopf.OperatorRegistry) -> None:
+    """The webhook; registered only where the operator serves webhooks."""
+
+    @kopf.on.validate(
+        "pods",
+        subresource="eviction",
+        operations=["CREATE"],
+        registry=registry,
+        id="eviction-gate",
+        ignore_failures=True,
+    )
+    async def gate(
+        body: kopf.Body,
+        memo: kopf.Memo,
+        dryrun: bool,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        **kwargs: Any,
+    ) -> None:
+        namespace, name = str(body.metadata.namespace or "default"), str(body.metadata.name)
+        cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
+        client: kube.Kube = memo.kube
+        try:
+            pod = await client.get(kube.resource_path("", "v1", "pods", namespace, name))
+        except kube.ApiError:
+            return  # the API server answers for a pod that does not exist
+        found = admission.policy_for(
+            namespace,
+            dict((pod.get("metadata") or {}).get("labels") or {}),
+            policies=cache.of("memorypolicies").get((namespace,), []),
+            deployments=cache.of("deployments"),
+        )
+        node = str((pod.get("spec") or {}).get("nodeName") or "")
+        if found is None or not found[1].eviction.gate or not node:
+            return
+        policy_name, spec = found
+        requests = eviction_requests(cache.of("retirementrequests").get((namespace, policy_name), []), node)
+        held = await unique_bytes(client, namespace, spec, pod)
+        decision = eviction.decide(pod=name, unique_bytes=held, request=eviction.latest_request(name, requests))
+        if decision.start_drain and not dryrun:
+            policy_body = _policy_body(cache.of("memorypolicies").get((namespace,), []), policy_name)
+            if policy_body is not None:
+                unfinished = [r for r in requests if (r.get("status") or {}).get("phase") not in _FINISHED]
+                busy = {w for r in unfinished for w in (r.get("spec") or {}).get("workers") or []}
+                try:
+                    pods = await workloads.pods(client, namespace, spec.workload)
+                    chosen = sorted({name, *eviction.pods_to_drain(pods, node, busy)})
+                    created = await request_drain(
+                        client,
+                        policy_body=policy_body,
+                        spec=spec,
+                        node=node,
+                        pods=chosen,
+                        earlier=len(requests),
+                        why=f"eviction of pod {name}",
+                    )
+                except kube.ApiError as exc:  # still refused (429): the next attempt creates it
+                    logger.warning("could not start the drain of %s: %s", name, exc)
+                else:
+                    logger.info("eviction of %s refused; draining %s in %s", name, chosen, created)
+        if decision.warning and not dryrun:
+            try:
+                await warn(client, pod, "EvictionRefused", decision.message)
+            except kube.ApiError as exc:  # the answer matters more than its event
+                logger.warning("could not post the EvictionRefused event on %s: %s", name, exc)
+        if not decision.allowed:
+            raise kopf.AdmissionError(decision.message, code=decision.code)
+        logger.info("eviction of %s admitted: %s", name, decision.message)
+
+
+
+def register_node_signals(registry: kopf.OperatorRegistry) -> None:
+    @kopf.on.event("", "v1", "nodes", registry=registry, id="node-signals")
+    async def node_signals(
+        body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | logging.LoggerAdapter[Any], **kwargs: Any
+    ) -> None:
+        node = str(body.metadata.name)
+        cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
+        for policy_body in _policies(cache):
+            spec = _spec(policy_body)
+            if spec is None:
+                continue
+            signal = eviction.node_signal(dict(body), spec.eviction.nodeSignals)
+            if signal is None:
+                continue
+            namespace, policy_name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
+            requests = eviction_requests(cache.of("retirementrequests").get((namespace, policy_name), []), node)
+            # Pods already in any of the node's Eviction requests were drained once: the gate
+            # handles what they hold again, when their eviction comes.
+            done = {w for r in requests for w in (r.get("spec") or {}).get("workers") or []}
+            try:
+                pods = eviction.pods_to_drain(await workloads.pods(memo.kube, namespace, spec.workload), node, done)
+            except kube.ApiError as exc:
+                raise kopf.TemporaryError(f"cannot list the workers on node {node}: {exc}", delay=5) from exc
+            if pods:
+                created = await request_drain(
+                    memo.kube,
+                    policy_body=policy_body,
+                    spec=spec,
+                    node=node,
+                    pods=pods,
+                    earlier=len(requests),
+                    why=f"node {node}: {signal}",
+                )
+                logger.info("node %s has %s: draining %s in RetirementRequest %s", node, signal, pods, created)

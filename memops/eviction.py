@@ -1,0 +1,247 @@
+"""The eviction gate's decisions, and the node signals that start a drain before the eviction.
+
+Pure: :mod:`memops.controllers.eviction` gathers the inputs (the pod, the policy, what the
+scheduler says the pod's workers hold alone, the pod's Eviction RetirementRequest) and acts on
+the :class:`Decision`.
+
+How a node drain goes with memops (the README's "Node drains and evictions"):
+
+1. An evicting client (``kubectl drain``, cluster-autoscaler, Karpenter) POSTs
+   ``pods/<name>/eviction``. The API server calls memops' validating webhook on that subresource.
+2. A worker holding data that exists nowhere else is refused with **429 TooManyRequests**, the
+   code of a PodDisruptionBudget refusal, which those clients retry; memops at once creates one
+   RetirementRequest (``removePods: false``, label ``memops.dev/reason: eviction``) for every
+   worker of the policy on that node, so a node's workers drain together.
+3. The request drains and does not scale the workload down: the evicting client removes the pod
+   and the ReplicaSet starts its replacement elsewhere. A drained worker has left the scheduler,
+   so it holds nothing: the next attempt is admitted.
+4. A drain that cannot finish ends at the policy's ``drain.timeout`` in its ``onTimeout``:
+   Force admits the eviction (the request records the bytes lost); Abort keeps refusing, and
+   says so on the pod (an event) and in the request (its Failed condition).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+from memops import specs
+
+REASON_LABEL = "memops.dev/reason"
+"""On a RetirementRequest: why it exists. ``eviction`` for the gate's and the node signals' drains."""
+EVICTION = "eviction"
+NODE_LABEL = "memops.dev/node"
+"""On an Eviction RetirementRequest: the node whose workers it drains (a digest if over 63 characters)."""
+TOO_MANY_REQUESTS = 429
+"""What the Eviction API answers for a PodDisruptionBudget refusal, and what evicting clients retry."""
+CORDON_TAINT = "node.kubernetes.io/unschedulable"
+
+
+class Verdict(enum.StrEnum):
+    ALLOW = "Allow"
+    REFUSE = "Refuse"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestView:
+    """What the gate reads of the pod's latest Eviction RetirementRequest."""
+
+    name: str
+    phase: specs.Phase
+    state: specs.WorkerState | None = None  # this pod's entry, once the drain has started
+    deadline: str = ""
+    bytes_lost: int = 0
+    message: str = ""
+    on_timeout: specs.OnTimeout = specs.OnTimeout.ABORT
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in (specs.Phase.SUCCEEDED, specs.Phase.FAILED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    message: str
+    start_drain: bool = False  # create the node's Eviction RetirementRequest (idempotent by name)
+    warning: bool = False  # post a Warning event on the pod: the eviction is refused for good
+    code: int = TOO_MANY_REQUESTS
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict == Verdict.ALLOW
+
+
+def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None) -> Decision:
+    """Admit or refuse one eviction of a policy's worker pod.
+
+    ``unique_bytes``: what the pod's workers hold that no other worker holds, by the scheduler;
+    0 also when no worker of the pod is connected (a drained worker has left the scheduler);
+    None when the scheduler could not be asked in time. ``request``: the pod's latest Eviction
+    RetirementRequest, if any. A refusal always says why and what happens next.
+    """
+    if request is not None and not request.finished:
+        if unique_bytes == 0:
+            return Decision(Verdict.ALLOW, f"{pod} holds no unique data now (RetirementRequest {request.name})")
+        left = "unknown: the scheduler did not answer" if unique_bytes is None else f"{unique_bytes} bytes"
+        return Decision(
+            Verdict.REFUSE,
+            f"memops is draining pod {pod} (RetirementRequest {request.name}, until {request.deadline or 'its'}"
+            f" deadline); unique data left: {left}; retry the eviction",
+        )
+    if request is not None and request.state == specs.WorkerState.FORCED:
+        return Decision(
+            Verdict.ALLOW,
+            f"drain of {pod} timed out and the policy's drain.onTimeout is Force: evicted with"
+            f" {request.bytes_lost} bytes lost (RetirementRequest {request.name})",
+        )
+    if request is not None and request.state == specs.WorkerState.KEPT and unique_bytes != 0:
+        return Decision(
+            Verdict.REFUSE,
+            f"pod {pod} still holds data that exists nowhere else and its drain ended without moving it"
+            f" (RetirementRequest {request.name}: {request.message}); the policy's drain.onTimeout is Abort,"
+            " so memops keeps refusing: make room for the data, or set drain.onTimeout: Force",
+            warning=True,
+        )
+    if unique_bytes == 0:
+        return Decision(Verdict.ALLOW, f"{pod} holds no data that exists nowhere else")
+    if request is not None and request.phase == specs.Phase.FAILED and request.state is None:
+        # The drain never started (the scheduler unreachable or refused until the deadline):
+        # nothing confirms what the pod holds, and the request's onTimeout decides.
+        if request.on_timeout == specs.OnTimeout.FORCE:
+            return Decision(
+                Verdict.ALLOW,
+                f"the drain of {pod} could not start before its deadline (RetirementRequest {request.name}:"
+                f" {request.message}); drain.onTimeout is Force: evicted, whatever it held is lost",
+            )
+        return Decision(
+            Verdict.REFUSE,
+            f"the drain of {pod} could not start before its deadline (RetirementRequest {request.name}:"
+            f" {request.message}); the policy's drain.onTimeout is Abort, so memops keeps refusing: make the"
+            " scheduler reachable and delete that request to try again, or set drain.onTimeout: Force",
+            warning=True,
+        )
+    if unique_bytes is None and request is not None and request.state == specs.WorkerState.RETIRED:
+        return Decision(Verdict.ALLOW, f"{pod} was drained (RetirementRequest {request.name})")
+    why = (
+        "the scheduler could not be asked what it holds, so memops drains it first (its drain decides by"
+        " the policy's drain.timeout)"
+        if unique_bytes is None
+        else f"it holds {unique_bytes} bytes that exist nowhere else"
+    )
+    return Decision(
+        Verdict.REFUSE, f"pod {pod}: {why}; memops started draining it: retry the eviction", start_drain=True
+    )
+
+
+def node_signal(node: Mapping[str, Any], signals: specs.NodeSignals) -> str | None:
+    """The taint or label of ``node`` that announces its end, by ``signals``; None if none does.
+
+    A cordoned node (``spec.unschedulable``) counts as its taint: the node lifecycle controller
+    adds the taint, but a moment later.
+    """
+    spec = node.get("spec") or {}
+    taints = {str(t.get("key", "")) for t in spec.get("taints") or [] if isinstance(t, Mapping)}
+    if spec.get("unschedulable"):
+        taints.add(CORDON_TAINT)
+    for key in signals.taints:
+        if key in taints:
+            return f"taint {key}"
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    for key in signals.labels:
+        if key in labels:
+            return f"label {key}"
+    return None
+
+
+def node_label(node: str) -> str:
+    """A label value naming the node: its name, or a digest of a name longer than 63 characters."""
+    return node if len(node) <= 63 else "sha256-" + hashlib.sha256(node.encode()).hexdigest()[:40]
+
+
+def request_name(policy: str, node: str, pods: Iterable[str], earlier: int = 0) -> str:
+    """The name of the Eviction RetirementRequest for these pods: the same inputs, the same name,
+    so that an eviction retried (or several of one node at once) creates one request. ``earlier``:
+    the pods' Eviction requests that already exist, so that a second drain gets a new name."""
+    text = "\n".join([policy, node, *sorted(set(pods)), str(earlier)])
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    return f"evict-{node[:200].strip('.-')}-{digest}"
+
+
+def latest_request(pod: str, requests: Sequence[Mapping[str, Any]]) -> RequestView | None:
+    """The pod's Eviction RetirementRequest that counts: one still running, else the newest."""
+    mine = [r for r in requests if pod in ((r.get("spec") or {}).get("workers") or [])]
+    if not mine:
+        return None
+    mine.sort(
+        key=lambda r: (
+            (r.get("status") or {}).get("phase", "Pending") not in ("Succeeded", "Failed"),
+            str(r["metadata"].get("creationTimestamp", "")),
+        )
+    )
+    chosen = mine[-1]
+    status = chosen.get("status") or {}
+    try:
+        phase = specs.Phase(status.get("phase", "Pending"))
+    except ValueError:
+        phase = specs.Phase.PENDING
+    entry = next((w for w in status.get("workers") or [] if w.get("pod") == pod), None)
+    state: specs.WorkerState | None = None
+    if entry is not None:
+        try:
+            state = specs.WorkerState(entry.get("state", "Pending"))
+        except ValueError:
+            state = None
+    try:
+        on_timeout = specs.OnTimeout((chosen.get("spec") or {}).get("onTimeout", "Abort"))
+    except ValueError:
+        on_timeout = specs.OnTimeout.ABORT
+    return RequestView(
+        name=str(chosen["metadata"]["name"]),
+        on_timeout=on_timeout,
+        phase=phase,
+        state=state,
+        deadline=str(status.get("deadline", "")),
+        bytes_lost=int((entry or {}).get("bytesLost", 0) or 0),
+        message=str((entry or {}).get("message", "") or status.get("message", "")),
+    )
+
+
+def pods_to_drain(pods: Sequence[Mapping[str, Any]], node: str, busy: Collection[str]) -> list[str]:
+    """The workload's pods on ``node`` that a new Eviction request should drain together: running,
+    not being deleted, and not in ``busy`` (pods that another Eviction request has)."""
+    chosen = []
+    for pod in pods:
+        meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+        if spec.get("nodeName") != node or meta.get("deletionTimestamp") or status.get("phase") != "Running":
+            continue
+        if meta["name"] not in busy:
+            chosen.append(str(meta["name"]))
+    return sorted(chosen)
+
+
+def mark_drained(workers: Sequence[specs.WorkerStatus]) -> list[specs.WorkerStatus]:
+    """``removePods: false``: the drained workers are done; their pods are left to the evicting
+    client. A Forced one stays Forced (the gate admits its eviction, with its loss recorded)."""
+    result = []
+    for w in workers:
+        if w.removable and not w.podRemoved and w.state == specs.WorkerState.DRAINING:
+            w = w.model_copy(
+                update={
+                    "state": specs.WorkerState.RETIRED,
+                    "removable": False,
+                    "message": w.message.replace("; removing its pod", "; its pod is left to the eviction"),
+                }
+            )
+        elif w.removable and not w.podRemoved and w.state == specs.WorkerState.FORCED:
+            w = w.model_copy(
+                update={
+                    "removable": False,
+                    "message": w.message.replace("removing the pod", "admitting the pod's eviction"),
+                }
+            )
+        result.append(w)
+    return result

@@ -1,0 +1,164 @@
+"""The eviction gate's decisions and the node signals (:mod:`memops.eviction`): pure, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from memops import eviction, specs
+
+Phase, State = specs.Phase, specs.WorkerState
+
+
+def view(
+    phase: specs.Phase,
+    state: specs.WorkerState | None = None,
+    lost: int = 0,
+    on_timeout: specs.OnTimeout = specs.OnTimeout.ABORT,
+) -> eviction.RequestView:
+    return eviction.RequestView(
+        name="evict-n1-abc", phase=phase, state=state, deadline="T", bytes_lost=lost, on_timeout=on_timeout
+    )
+
+
+@pytest.mark.parametrize(
+    ("unique", "request_", "allowed", "start", "warning"),
+    [
+        pytest.param(0, None, True, False, False, id="nothing-unique-evicted-at-once"),
+        pytest.param(1000, None, False, True, False, id="unique-data-refused-and-drain-started"),
+        pytest.param(None, None, False, True, False, id="scheduler-unknown-refused-and-drain-started"),
+        pytest.param(1000, view(Phase.DRAINING, State.DRAINING), False, False, False, id="draining-refused"),
+        pytest.param(None, view(Phase.PENDING), False, False, False, id="pending-scheduler-unknown-refused"),
+        pytest.param(0, view(Phase.DRAINING, State.DRAINING), True, False, False, id="drain-moved-all-admitted"),
+        pytest.param(0, view(Phase.SUCCEEDED, State.RETIRED), True, False, False, id="drained-admitted"),
+        pytest.param(None, view(Phase.SUCCEEDED, State.RETIRED), True, False, False, id="drained-scheduler-gone"),
+        pytest.param(5, view(Phase.SUCCEEDED, State.FORCED, 5), True, False, False, id="force-lets-it-through"),
+        pytest.param(None, view(Phase.SUCCEEDED, State.FORCED, 5), True, False, False, id="force-scheduler-gone"),
+        pytest.param(5, view(Phase.FAILED, State.KEPT), False, False, True, id="abort-keeps-refusing"),
+        pytest.param(None, view(Phase.FAILED, State.KEPT), False, False, True, id="abort-scheduler-gone"),
+        pytest.param(0, view(Phase.FAILED, State.KEPT), True, False, False, id="abort-but-data-gone-since"),
+        pytest.param(7, view(Phase.SUCCEEDED, State.RETIRED), False, True, False, id="data-again-drains-again"),
+        pytest.param(None, view(Phase.FAILED), False, False, True, id="never-started-abort-keeps-refusing"),
+        pytest.param(
+            None, view(Phase.FAILED, on_timeout=specs.OnTimeout.FORCE), True, False, False, id="never-started-force"
+        ),
+        pytest.param(0, view(Phase.FAILED), True, False, False, id="never-started-but-nothing-unique"),
+    ],
+)
+def test_decide(
+    unique: int | None, request_: eviction.RequestView | None, allowed: bool, start: bool, warning: bool
+) -> None:
+    decision = eviction.decide(pod="w-1", unique_bytes=unique, request=request_)
+    assert (decision.allowed, decision.start_drain, decision.warning) == (allowed, start, warning)
+    assert decision.code == 429
+    assert "w-1" in decision.message
+
+
+def test_refusal_says_why_and_what_next() -> None:
+    refused = eviction.decide(pod="w-1", unique_bytes=None, request=None)
+    assert "scheduler could not be asked" in refused.message and "retry" in refused.message
+    kept = eviction.decide(pod="w-1", unique_bytes=5, request=view(Phase.FAILED, State.KEPT))
+    assert "onTimeout is Abort" in kept.message and "onTimeout: Force" in kept.message
+    forced = eviction.decide(pod="w-1", unique_bytes=5, request=view(Phase.SUCCEEDED, State.FORCED, 5))
+    assert "5 bytes lost" in forced.message
+
+
+def node(
+    taints: tuple[str, ...] | list[str] = (), labels: dict[str, str] | None = None, cordoned: bool = False
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"taints": [{"key": k, "effect": "NoSchedule"} for k in taints]}
+    if cordoned:
+        spec["unschedulable"] = True
+    return {"metadata": {"name": "n1", "labels": labels or {}}, "spec": spec}
+
+
+@pytest.mark.parametrize(
+    ("obj", "signals", "expected"),
+    [
+        pytest.param(node(), specs.NodeSignals(), None, id="plain-node"),
+        pytest.param(node(cordoned=True), specs.NodeSignals(), "taint node.kubernetes.io/unschedulable", id="cordon"),
+        pytest.param(
+            node(["ToBeDeletedByClusterAutoscaler"]),
+            specs.NodeSignals(),
+            "taint ToBeDeletedByClusterAutoscaler",
+            id="cluster-autoscaler",
+        ),
+        pytest.param(
+            node(["karpenter.sh/disrupted"]), specs.NodeSignals(), "taint karpenter.sh/disrupted", id="karpenter"
+        ),
+        pytest.param(node(["example.com/other"]), specs.NodeSignals(), None, id="unrelated-taint"),
+        pytest.param(node(cordoned=True), specs.NodeSignals(taints=[]), None, id="signals-turned-off"),
+        pytest.param(
+            node(labels={"example.com/terminating": "true"}),
+            specs.NodeSignals(labels=["example.com/terminating"]),
+            "label example.com/terminating",
+            id="label-from-the-list",
+        ),
+    ],
+)
+def test_node_signal(obj: dict[str, Any], signals: specs.NodeSignals, expected: str | None) -> None:
+    assert eviction.node_signal(obj, signals) == expected
+
+
+def test_node_signals_refuse_bad_keys() -> None:
+    with pytest.raises(ValueError, match="taints"):
+        specs.NodeSignals.model_validate({"taints": ["not a key!"]})
+
+
+def test_request_name_is_an_idempotency_key() -> None:
+    one = eviction.request_name("pol", "node-1", ["b", "a"])
+    assert one == eviction.request_name("pol", "node-1", ["a", "b", "a"])
+    assert one != eviction.request_name("pol", "node-1", ["a"])
+    assert one != eviction.request_name("pol", "node-1", ["a", "b"], earlier=1)
+    assert one.startswith("evict-node-1-")
+    long = eviction.request_name("pol", "n" * 253, ["a"])
+    assert len(long) <= 253
+    assert len(eviction.node_label("n" * 253)) <= 63
+
+
+def pod(name: str, node_name: str, phase: str = "Running", deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {"nodeName": node_name}, "status": {"phase": phase}}
+
+
+def test_pods_to_drain_takes_the_nodes_running_unclaimed_workers_together() -> None:
+    pods = [
+        pod("c", "n1"),
+        pod("a", "n1"),
+        pod("b", "n2"),
+        pod("d", "n1", phase="Pending"),
+        pod("e", "n1", deleting=True),
+        pod("f", "n1"),
+    ]
+    assert eviction.pods_to_drain(pods, "n1", busy={"f"}) == ["a", "c"]
+
+
+def test_latest_request_prefers_the_unfinished_one() -> None:
+    def request(name: str, phase: str, created: str, state: str = "Retired") -> dict[str, Any]:
+        return {
+            "metadata": {"name": name, "creationTimestamp": created},
+            "spec": {"workers": ["w-1"]},
+            "status": {"phase": phase, "workers": [{"pod": "w-1", "state": state, "bytesLost": 3}]},
+        }
+
+    found = eviction.latest_request(
+        "w-1", [request("old", "Succeeded", "2"), request("new", "Draining", "1", "Draining")]
+    )
+    assert found is not None and found.name == "new" and found.state == State.DRAINING
+    assert eviction.latest_request("w-2", [request("old", "Succeeded", "2")]) is None
+
+
+def test_mark_drained_leaves_the_pods_to_the_eviction() -> None:
+    workers = [
+        specs.WorkerStatus(pod="a", state=State.DRAINING, removable=True, message="drained; removing its pod"),
+        specs.WorkerStatus(pod="b", state=State.FORCED, removable=True, bytesLost=5, message="removing the pod"),
+        specs.WorkerStatus(pod="c", state=State.DRAINING),
+    ]
+    a, b, c = eviction.mark_drained(workers)
+    assert (a.state, a.removable, a.podRemoved) == (State.RETIRED, False, False)
+    assert "left to the eviction" in a.message
+    assert (b.state, b.removable, b.bytesLost) == (State.FORCED, False, 5)
+    assert c == workers[2]
