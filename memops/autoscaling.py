@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from memops import planning, specs
+from memops import snapshots, specs
 
 TOLERANCE = 0.1
 
@@ -38,7 +38,7 @@ class Usage:
         return 100.0 * self.held / self.limit if self.limit else 0.0
 
 
-def usage_of(workers: Sequence[planning.WorkerInfo]) -> Usage:
+def usage_of(workers: Sequence[snapshots.WorkerInfo]) -> Usage:
     return Usage(
         workers=len(workers),
         held=sum(w.process_bytes + w.spilled_bytes for w in workers),

@@ -18,7 +18,7 @@ from typing import Any, cast
 import kopf
 
 from memops import kube
-from memops.controllers import admission, policy, retirement
+from memops.controllers import policy, retirement, safetynet_webhook
 
 PREFIX = "memops.dev"
 
@@ -92,7 +92,7 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings)
         if webhook is not None:
-            admission.configure(
+            safetynet_webhook.configure(
                 settings,
                 port=webhook.port,
                 host=webhook.host,
@@ -113,7 +113,7 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
     retirement.register(registry)
     policy.register(registry)
     if webhook is not None:
-        admission.register(registry)
+        safetynet_webhook.register(registry)
     return registry
 
 

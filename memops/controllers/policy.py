@@ -25,19 +25,19 @@ from memops import (
     autoscaling,
     conditions,
     daskrpc,
+    drain_decisions,
     kube,
     metrics,
-    planning,
-    recycling,
-    retirement,
+    recycle_decisions,
     safetynet,
     scaling,
     selectors,
+    snapshots,
     specs,
     tenancy,
     timestamps,
 )
-from memops.controllers import recycle, relief, workloads
+from memops.controllers import recycle, relief_install, workloads
 
 POLICY_LABEL = "memops.dev/policy"
 GENERATION_ANNOTATION = "memops.dev/policy-generation"
@@ -80,7 +80,7 @@ class Policy:
         self.namespace = str(body.metadata.namespace)
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
-        self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
+        self.window: recycle_decisions.Window | None = None  # memory samples for recycling
         self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
@@ -93,7 +93,7 @@ class Policy:
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
         except pydantic.ValidationError as exc:
-            await self.not_ready(old, status, "InvalidSpec", retirement.explain_invalid(exc), generation)
+            await self.not_ready(old, status, "InvalidSpec", drain_decisions.explain_invalid(exc), generation)
             return
         if len(self.name) > _MAX_NAME_LENGTH:
             message = (
@@ -151,7 +151,7 @@ class Policy:
         snapshot = await self.check_scheduler(spec, status, generation)
         if snapshot is not None:
             status.memory = _memory_status(snapshot)
-            status.pressure = await relief.reconcile(
+            status.pressure = await relief_install.reconcile(
                 spec=spec,
                 old=status.pressure,
                 security=self.security,
@@ -285,7 +285,7 @@ class Policy:
         self,
         spec: specs.MemoryPolicySpec,
         workload: dict[str, Any],
-        snapshot: planning.SchedulerSnapshot | None,
+        snapshot: snapshots.SchedulerSnapshot | None,
         requests: list[dict[str, Any]],
         running: list[dict[str, Any]],
         desired: int,
@@ -294,7 +294,7 @@ class Policy:
     ) -> recycle.Step | None:
         if spec.recycle is None or snapshot is None:
             return None
-        window = recycling.window_for(spec.recycle)
+        window = recycle_decisions.window_for(spec.recycle)
         if self.window is None or (self.window.seconds, self.window.spacing) != (window.seconds, window.spacing):
             self.window = window
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
@@ -332,7 +332,7 @@ class Policy:
 
     async def check_scheduler(
         self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
-    ) -> planning.SchedulerSnapshot | None:
+    ) -> snapshots.SchedulerSnapshot | None:
         """The workers and their memory (no keys: cheap), or None with the reason in a condition."""
         field = "spec.scheduler.address"
         try:
@@ -389,7 +389,7 @@ class Policy:
         # Each worker under its pod's name, found by address (status.memory, recycling).
         return snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
 
-    async def verify_tenancy(self, workers: Sequence[planning.WorkerInfo]) -> tenancy.Verdict:
+    async def verify_tenancy(self, workers: Sequence[snapshots.WorkerInfo]) -> tenancy.Verdict:
         """:func:`memops.tenancy.check` against the namespace's pods, listed only when a worker
         is not among those the last check showed to be pods here, or that check is old: a
         listing of the namespace's pods on every pass of every policy would cost more API
@@ -400,7 +400,7 @@ class Policy:
             return tenancy.Verdict(tenancy.Reason.TENANT, "the workers of the last check")
         pods = await workloads.namespace_pods(self.client, self.namespace)
         verdict = tenancy.check(workers, pods, self.namespace)
-        located = planning.workers_by_pod(pods, workers) if verdict.allowed else {}
+        located = snapshots.workers_by_pod(pods, workers) if verdict.allowed else {}
         self.tenants = {w.address: pod for pod, found in located.items() for w in found}
         self.tenants_checked = time.monotonic()
         return verdict
@@ -530,7 +530,7 @@ class Policy:
         self.written = time.monotonic()
 
 
-def _memory_status(snapshot: planning.SchedulerSnapshot) -> specs.MemoryStatus:
+def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
     usage = autoscaling.usage_of(snapshot.workers)
     return specs.MemoryStatus(
         bytes=usage.held,
@@ -683,7 +683,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
             memo.policy_wakers.pop(uid, None)
             if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
                 if (body.get("status") or {}).get("pressure") and await reconciler.scheduler_is_tenant():
-                    await relief.remove(body, security=reconciler.security, logger=logger)
+                    await relief_install.remove(body, security=reconciler.security, logger=logger)
 
 
 async def _loop(

@@ -5,7 +5,7 @@ matters lives in Kubernetes objects: a worker being recycled carries the
 ``memops.dev/recycle`` annotation (why, and since when); its drain is a RetirementRequest that
 the policy owns, labelled ``memops.dev/purpose: recycle``; a finished one is recorded in the
 policy's ``status.recycle`` and then annotated as recorded. A restarted operator finds all of
-it and carries on. Only the memory samples live in the daemon (:class:`memops.recycling.Window`).
+it and carries on. Only the memory samples live in the daemon (:class:`memops.recycle_decisions.Window`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from memops import kube, metrics, planning, recycling, specs, timestamps
+from memops import kube, metrics, recycle_decisions, snapshots, specs, timestamps
 
 RECYCLE_ANNOTATION = "memops.dev/recycle"
 UNMANAGED_ANNOTATION = "memops.dev/unmanaged-memory"
@@ -70,8 +70,8 @@ async def reconcile(
     body: kopf.Body,
     spec: specs.MemoryPolicySpec,
     pods: list[Obj],
-    snapshot: planning.SchedulerSnapshot,
-    window: recycling.Window,
+    snapshot: snapshots.SchedulerSnapshot,
+    window: recycle_decisions.Window,
     requests: list[Obj],
     desired: int,
     busy: bool,
@@ -99,10 +99,14 @@ async def reconcile(
                 verdict
                 for name in ages
                 if name not in marked
-                and (verdict := recycling.detect(name, window.samples.get(name, []), spec.recycle, now, ages[name]))
+                and (
+                    verdict := recycle_decisions.detect(
+                        name, window.samples.get(name, []), spec.recycle, now, ages[name]
+                    )
+                )
             ]
         shuffling = {w.name for w in snapshot.workers if w.in_shuffle}
-        for verdict in recycling.plan_recycle(
+        for verdict in recycle_decisions.plan_recycle(
             verdicts, recycling=len(marked), max_unavailable=spec.recycle.maxUnavailable, in_shuffle=shuffling
         ):
             mark = {"reason": verdict.reason, "message": verdict.message, "startTime": _render(now)}
@@ -118,7 +122,7 @@ async def reconcile(
     }
     attempts = collections.Counter(_pod_of(r) for r in mine)
     connected = {w.name for w in snapshot.workers if w.status == "running"}
-    plan = recycling.plan_replacement(
+    plan = recycle_decisions.plan_replacement(
         marked=sorted(marked),
         requested=requested,
         connected_unmarked=len([p for p in pods if p["metadata"]["name"] in connected - set(marked)]),
@@ -167,12 +171,12 @@ async def mark_recorded(client: kube.Kube, namespace: str, names: tuple[str, ...
 
 
 async def _annotate_unmanaged(
-    client: kube.Kube, namespace: str, pods: list[Obj], window: recycling.Window, now: float
+    client: kube.Kube, namespace: str, pods: list[Obj], window: recycle_decisions.Window, now: float
 ) -> None:
     """Show each worker's unmanaged memory on its pod, written only when the whole percent changes."""
     for pod in pods:
         name = str(pod["metadata"]["name"])
-        shown = recycling.annotation_percent(window.samples, name, now)
+        shown = recycle_decisions.annotation_percent(window.samples, name, now)
         if shown is not None and (pod["metadata"].get("annotations") or {}).get(UNMANAGED_ANNOTATION) != shown:
             try:
                 await client.merge_patch(

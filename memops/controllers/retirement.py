@@ -3,8 +3,8 @@
 One Kopf daemon per request. Kopf starts it when the request appears and again for every
 request after an operator restart; the daemon reads the request's status and the scheduler
 and carries on from there, so nothing lives only in this process. It exits once the phase
-is Succeeded or Failed. The decisions are pure functions in :mod:`memops.planning` and
-:mod:`memops.retirement`; this module reads, calls them, and writes.
+is Succeeded or Failed. The decisions are pure functions in :mod:`memops.snapshots` and
+:mod:`memops.drain_decisions`; this module reads, calls them, and writes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import conditions, daskrpc, kube, metrics, planning, retirement, selectors, specs, tenancy, timestamps
+from memops import conditions, daskrpc, drain_decisions, kube, metrics, selectors, snapshots, specs, tenancy, timestamps
 from memops.controllers import workloads
 
 _RETRY_SECONDS = 2.0
@@ -56,7 +56,7 @@ class Retirement:
         self.namespace = str(body.metadata.namespace)
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace, self.name)
-        self.before: planning.SchedulerSnapshot | None = None
+        self.before: snapshots.SchedulerSnapshot | None = None
         self._rejected_generation = 0
 
     # -- the loop -----------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class Retirement:
         request, touching no pod. Only phase, message and conditions are written; the rest stays."""
         if raw.get("phase") in _TERMINAL:
             return
-        problems = retirement.explain_invalid(error, "status")
+        problems = drain_decisions.explain_invalid(error, "status")
         message = f"the request's status cannot be read, so memops does nothing more: {problems}"
         generation = int(self.body.metadata.get("generation", 1))
         failed = conditions.set_condition(
@@ -175,7 +175,7 @@ class Retirement:
             try:
                 spec = specs.RetirementRequestSpec.model_validate(dict(self.body.spec))
             except pydantic.ValidationError as exc:
-                return await self.fail(status, "InvalidSpec", retirement.explain_invalid(exc), generation)
+                return await self.fail(status, "InvalidSpec", drain_decisions.explain_invalid(exc), generation)
             return await self.start(spec, status, generation)
         await self.refuse_spec_changes(status, generation)
         # Once started, only the spec accepted at the start counts: a request is one-shot.
@@ -238,9 +238,9 @@ class Retirement:
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         pod_names = [p["metadata"]["name"] for p in pods]
         infos = [workloads.pod_info(p) for p in pods]
-        located = planning.workers_by_pod(infos, snapshot.workers)
-        unknown = planning.unidentified(infos, located)
-        taken = retirement.claimed_by_others(pods, self.name)
+        located = snapshots.workers_by_pod(infos, snapshot.workers)
+        unknown = snapshots.unidentified(infos, located)
+        taken = drain_decisions.claimed_by_others(pods, self.name)
         if spec.workers is not None:
             for index, pod in enumerate(spec.workers):
                 if pod not in pod_names:
@@ -262,7 +262,7 @@ class Retirement:
         else:
             assert spec.count is not None
             with metrics.deciding("choose_workers"):
-                chosen = planning.choose_workers(
+                chosen = snapshots.choose_workers(
                     pod_names, snapshot, spec.count, exclude=taken | set(unknown), located=located
                 )
         if unknown:
@@ -271,13 +271,13 @@ class Retirement:
                 "WorkersUnidentified",
                 True,
                 reason="NoWorkerAtPodAddress",
-                message=retirement.unidentified_message(unknown),
+                message=drain_decisions.unidentified_message(unknown),
                 generation=generation,
             )
         if not chosen:
             message = "no worker could be chosen: every pod is taken or none exists"
             if unknown:
-                message += f"; {retirement.unidentified_message(unknown)}"
+                message += f"; {drain_decisions.unidentified_message(unknown)}"
             return await self.fail(status, "NoWorkers", message, generation)
         for pod_object in pods:
             if pod_object["metadata"]["name"] in chosen:
@@ -292,7 +292,7 @@ class Retirement:
                 "onTimeout": spec.onTimeout,
                 "acceptedSpec": spec,
                 "requested": spec.count if spec.count is not None else len(chosen),
-                "workers": [retirement.entry(pod, located.get(pod, ()), unknown=pod in unknown) for pod in chosen],
+                "workers": [drain_decisions.entry(pod, located.get(pod, ()), unknown=pod in unknown) for pod in chosen],
             }
         )
         status.conditions = conditions.set_condition(
@@ -352,7 +352,7 @@ class Retirement:
         draining = [w for w in status.workers if w.state == specs.WorkerState.DRAINING and not w.removable]
         if draining:
             status = await self.retire(address, security, status, draining, deadline, on_timeout)
-        if retirement.to_remove(status.workers):
+        if drain_decisions.to_remove(status.workers):
             status = await self.remove(spec, status, deadline)
         if any(w.state == specs.WorkerState.DRAINING for w in status.workers):
             return status
@@ -398,17 +398,17 @@ class Retirement:
                 )
                 await self.write(status)
                 return status
-            status.workers = retirement.judge_unreachable(status.workers, on_timeout=on_timeout, reason=str(exc))
+            status.workers = drain_decisions.judge_unreachable(status.workers, on_timeout=on_timeout, reason=str(exc))
             await self.write(status)
             return status
-        status.workers = retirement.judge_drain(
+        status.workers = drain_decisions.judge_drain(
             status.workers,
             before=self.before,
             after=after,
             retired=outcome.retired,
             timed_out=outcome.timed_out,
             on_timeout=on_timeout,
-            located=planning.workers_by_pod(namespace_pods, after.workers),
+            located=snapshots.workers_by_pod(namespace_pods, after.workers),
         )
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration
@@ -440,7 +440,7 @@ class Retirement:
                 generation=status.observedGeneration,
             )
         else:
-            status.workers = retirement.judge_unreachable(
+            status.workers = drain_decisions.judge_unreachable(
                 status.workers, on_timeout=on_timeout, reason=verdict.message
             )
         await self.write(status)
@@ -453,7 +453,7 @@ class Retirement:
         deadline: datetime.datetime,
     ) -> specs.RetirementRequestStatus:
         workload_ref = spec.workload
-        pods = retirement.to_remove(status.workers)
+        pods = drain_decisions.to_remove(status.workers)
         if status.scaleDown is None or not set(pods) <= set(status.scaleDown.pods):
             blockers = await workloads.outranking_pods(self.client, self.namespace, workload_ref, pods)
             if blockers:
@@ -462,7 +462,7 @@ class Retirement:
                     " them before the drained ones"
                 )
                 if timestamps.now() >= deadline:
-                    status.workers = retirement.keep_blocked(status.workers, message)
+                    status.workers = drain_decisions.keep_blocked(status.workers, message)
                     await self.write(status)
                     return status
                 status.conditions = conditions.set_condition(
@@ -478,7 +478,7 @@ class Retirement:
             try:
                 deployments = await workloads.worker_deployments(self.client, self.namespace, workload_ref, pods)
             except workloads.ForeignDeployment as exc:
-                status.workers = retirement.keep_blocked(status.workers, f"waiting: {exc}")
+                status.workers = drain_decisions.keep_blocked(status.workers, f"waiting: {exc}")
                 status.conditions = conditions.set_condition(
                     status.conditions,
                     "Draining",
@@ -502,7 +502,7 @@ class Retirement:
         assert status.scaleDown is not None
         await workloads.remove(self.client, self.namespace, workload_ref, status.scaleDown)
         gone = await workloads.wait_pods_gone(self.client, self.namespace, pods, timeout=60)
-        status.workers = retirement.mark_removed(status.workers, gone)
+        status.workers = drain_decisions.mark_removed(status.workers, gone)
         await self.write(status)
         for pod in gone:
             kopf.event(self.body, type="Normal", reason="PodRemoved", message=f"{pod}: drained and removed")
@@ -510,7 +510,7 @@ class Retirement:
 
     async def finish(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
         requested = status.requested or len(status.workers)
-        status = retirement.conclude(status, requested=requested, at=timestamps.render(timestamps.now()))
+        status = drain_decisions.conclude(status, requested=requested, at=timestamps.render(timestamps.now()))
         succeeded = status.phase == specs.Phase.SUCCEEDED
         status.conditions = conditions.set_condition(
             status.conditions,
@@ -570,7 +570,7 @@ class Retirement:
                 "observedGeneration": generation,
                 "completionTime": timestamps.render(timestamps.now()),
                 # A drain that had started: every pod whose removal was not ordered is kept.
-                "workers": retirement.keep_unfinished(status.workers, f"{reason}: {message}", ordered=ordered),
+                "workers": drain_decisions.keep_unfinished(status.workers, f"{reason}: {message}", ordered=ordered),
             }
         )
         status.conditions = conditions.set_condition(

@@ -26,7 +26,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from memops import kube, planning, retirement, selectors, specs
+from memops import drain_decisions, kube, selectors, snapshots, specs
 
 Obj = dict[str, Any]
 
@@ -95,12 +95,12 @@ def worker_names(pods: list[Obj]) -> dict[str, str]:
     return names
 
 
-def pod_info(pod: Obj) -> planning.PodInfo:
-    """What :func:`memops.planning.workers_by_pod` and :func:`memops.tenancy.check` read of a pod."""
+def pod_info(pod: Obj) -> snapshots.PodInfo:
+    """What :func:`memops.snapshots.workers_by_pod` and :func:`memops.tenancy.check` read of a pod."""
     status = pod.get("status") or {}
     ips = [str(status["podIP"])] if status.get("podIP") else []
     ips += [str(entry["ip"]) for entry in status.get("podIPs") or [] if entry.get("ip")]
-    return planning.PodInfo(
+    return snapshots.PodInfo(
         name=str(pod["metadata"]["name"]),
         ips=tuple(dict.fromkeys(ips)),
         worker_names=tuple(worker_names([pod])),
@@ -108,7 +108,7 @@ def pod_info(pod: Obj) -> planning.PodInfo:
     )
 
 
-async def namespace_pods(client: kube.Kube, namespace: str) -> list[planning.PodInfo]:
+async def namespace_pods(client: kube.Kube, namespace: str) -> list[snapshots.PodInfo]:
     """Every pod of the namespace, for the tenancy check (:mod:`memops.tenancy`)."""
     return [pod_info(p) for p in await client.list(kube.resource_path("", "v1", "pods", namespace))]
 
@@ -148,11 +148,11 @@ async def claim_pod(client: kube.Kube, pod: Obj, request: str) -> None:
     meta = pod["metadata"]
     operations: list[Obj] = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}]
     if meta.get("annotations"):
-        key = retirement.CLAIM_ANNOTATION.replace("~", "~0").replace("/", "~1")
+        key = drain_decisions.CLAIM_ANNOTATION.replace("~", "~0").replace("/", "~1")
         operations.append({"op": "add", "path": f"/metadata/annotations/{key}", "value": request})
     else:
         operations.append(
-            {"op": "add", "path": "/metadata/annotations", "value": {retirement.CLAIM_ANNOTATION: request}}
+            {"op": "add", "path": "/metadata/annotations", "value": {drain_decisions.CLAIM_ANNOTATION: request}}
         )
     await client.json_patch(_pod_path(meta["namespace"], meta["name"]), operations)
 
@@ -165,18 +165,19 @@ async def release_claims(
     Idempotent; returns the pods released."""
     if names is None:
         listed = await client.list(kube.resource_path("", "v1", "pods", namespace))
-        claimed = [p for p in listed if (p["metadata"].get("annotations") or {}).get(retirement.CLAIM_ANNOTATION)]
+        claimed = [p for p in listed if (p["metadata"].get("annotations") or {}).get(drain_decisions.CLAIM_ANNOTATION)]
     else:
         claimed = [p for p in [await client.get_or_none(_pod_path(namespace, n)) for n in names] if p is not None]
     released = []
     for pod in claimed:
         name = str(pod["metadata"]["name"])
         annotations = pod["metadata"].get("annotations") or {}
-        if annotations.get(retirement.CLAIM_ANNOTATION) != request:
+        if annotations.get(drain_decisions.CLAIM_ANNOTATION) != request:
             continue
-        change: dict[str, str | None] = {retirement.CLAIM_ANNOTATION: None}
-        if name not in keep_cost and annotations.get(retirement.POD_DELETION_COST) == retirement.LOWEST_DELETION_COST:
-            change[retirement.POD_DELETION_COST] = None
+        change: dict[str, str | None] = {drain_decisions.CLAIM_ANNOTATION: None}
+        cost = annotations.get(drain_decisions.POD_DELETION_COST)
+        if name not in keep_cost and cost == drain_decisions.LOWEST_DELETION_COST:
+            change[drain_decisions.POD_DELETION_COST] = None
         try:
             await client.merge_patch(_pod_path(namespace, name), {"metadata": {"annotations": change}})
         except kube.ApiError as exc:
@@ -207,7 +208,7 @@ async def outranking_pods(client: kube.Kube, namespace: str, ref: specs.Workload
 async def mark_for_deletion(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, names: list[str]) -> None:
     if ref.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
         return  # no ReplicaSet chooses among a group's pods
-    patch = {"metadata": {"annotations": {retirement.POD_DELETION_COST: retirement.LOWEST_DELETION_COST}}}
+    patch = {"metadata": {"annotations": {drain_decisions.POD_DELETION_COST: drain_decisions.LOWEST_DELETION_COST}}}
     for name in names:
         try:
             await client.merge_patch(_pod_path(namespace, name), patch)
