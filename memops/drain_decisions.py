@@ -9,11 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import pydantic
 
-from memops import snapshots, specs
-
-POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-LOWEST_DELETION_COST = str(-(2**31))  # the annotation is an int32; lower is deleted first
-CLAIM_ANNOTATION = "memops.dev/retirement-request"
+from memops import objects, snapshots, specs
 
 
 def explain_invalid(error: pydantic.ValidationError, prefix: str = "spec") -> str:
@@ -32,7 +28,7 @@ def claimed_by_others(pods: Iterable[Mapping[str, object]], me: str) -> set[str]
     for pod in pods:
         meta = pod.get("metadata", {})
         assert isinstance(meta, dict)
-        owner = (meta.get("annotations") or {}).get(CLAIM_ANNOTATION)
+        owner = (meta.get("annotations") or {}).get(objects.CLAIM_ANNOTATION)
         if owner and owner != me:
             result.add(str(meta["name"]))
     return result
@@ -279,8 +275,25 @@ def conclude(status: specs.RetirementRequestStatus, *, requested: int, at: str) 
             "kept": kept,
             "forced": forced,
             "bytesMoved": moved,
+            "moved": quantity(moved),
             "bytesLost": lost,
             "message": message,
             "completionTime": at,
         }
     )
+
+
+def quantity(nbytes: int) -> str:
+    """Bytes as a person reads them, in Kubernetes' binary units: 134217728 is ``128Mi``.
+
+    Three significant figures at most (``1.5Gi``, ``143Mi``); below 1Ki the plain number.
+    """
+    value, unit = float(nbytes), ""
+    for suffix in ("Ki", "Mi", "Gi", "Ti", "Pi"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, suffix
+    if not unit:
+        return str(nbytes)
+    text = f"{value:.1f}" if abs(value) < 10 else f"{value:.0f}"
+    return text.removesuffix(".0") + unit

@@ -21,9 +21,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from memops import daskcomm, specs
+from memops import daskcomm, objects, specs
 
-ANNOTATION = "memops.dev/safety-net"
+ANNOTATION = objects.SAFETY_NET_ANNOTATION
 FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
 """The kubelet's event reason (kubernetes ``pkg/kubelet/events/event.go``) for a preStop hook that failed."""
 FAILED_HOOKS_KEPT = 10

@@ -16,23 +16,24 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import conditions, daskrpc, drain_decisions, kube, metrics, selectors, snapshots, specs, tenancy, timestamps
-from memops.controllers import workloads
+from memops import (
+    conditions,
+    daskrpc,
+    drain_decisions,
+    kube,
+    metrics,
+    objects,
+    selectors,
+    snapshots,
+    specs,
+    tenancy,
+    timestamps,
+)
+from memops.controllers import scheduler_tls, workloads
 
 _RETRY_SECONDS = 2.0
 _MAX_RETRY_SECONDS = 30.0  # the wait grows with each failure in a row, up to this
 _RPC_SECONDS = 10.0  # one call to the scheduler; a drain's own wait is bounded by spec.timeout
-_TERMINAL = (specs.Phase.SUCCEEDED, specs.Phase.FAILED)
-
-
-class SecretUnusable(Exception):
-    """The scheduler's TLS Secret is missing, or holds no usable client certificate."""
-
-    def __init__(self, name: str, namespace: str, cause: BaseException):
-        detail = str(cause) if isinstance(cause, kube.ApiError) else f"{type(cause).__name__}: {cause}"
-        super().__init__(
-            f"spec.scheduler.tls.secretName: Secret {name!r} in namespace {namespace} is unusable: {detail}"
-        )
 
 
 def _explain(exc: Exception) -> tuple[str, str, bool]:
@@ -41,7 +42,7 @@ def _explain(exc: Exception) -> tuple[str, str, bool]:
         return "ApiError", f"Kubernetes API: {exc}", True
     if isinstance(exc, daskrpc.SchedulerUnreachable):
         return "SchedulerUnreachable", f"spec.scheduler.address: {exc}", True
-    if isinstance(exc, SecretUnusable):
+    if isinstance(exc, scheduler_tls.SecretUnusable):
         return "SecretUnusable", str(exc), False
     return "InternalError", f"{type(exc).__name__}: {exc}", False
 
@@ -72,7 +73,7 @@ class Retirement:
             return
         failures = 0
         while not stopped:
-            if status.phase in _TERMINAL:
+            if status.phase in objects.TERMINAL_PHASES:
                 return
             before = status.model_copy(deep=True)
             try:
@@ -84,7 +85,7 @@ class Retirement:
             else:
                 if conditions.is_true(status.conditions, "Retrying"):
                     status = await self.recovered(status)
-            if status.phase in _TERMINAL:
+            if status.phase in objects.TERMINAL_PHASES:
                 return
             if failures or status == before:  # no progress: wait before trying again; progress goes on at once
                 await stopped.wait(min(_RETRY_SECONDS * max(failures, 1), _MAX_RETRY_SECONDS))
@@ -145,7 +146,7 @@ class Retirement:
     ) -> None:
         """A status this operator cannot read (written by another version, or by hand): fail the
         request, touching no pod. Only phase, message and conditions are written; the rest stays."""
-        if raw.get("phase") in _TERMINAL:
+        if raw.get("phase") in objects.TERMINAL_PHASES:
             return
         problems = drain_decisions.explain_invalid(error, "status")
         message = f"the request's status cannot be read, so memops does nothing more: {problems}"
@@ -203,7 +204,7 @@ class Retirement:
         except selectors.InvalidSelector as exc:
             message = f"{spec.workload.kind} {spec.workload.name!r}: {exc}"
             return await self.fail(status, "InvalidSelector", message, generation)
-        security = await self.security(spec)
+        security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
         try:
             wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
             # Identity only (no code sent) until the scheduler is shown to be this namespace's.
@@ -346,7 +347,7 @@ class Retirement:
         self, spec: specs.RetirementRequestSpec, status: specs.RetirementRequestStatus
     ) -> specs.RetirementRequestStatus:
         address = spec.scheduler.address
-        security = await self.security(spec)
+        security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
         on_timeout = status.onTimeout or specs.OnTimeout.ABORT
         deadline = timestamps.parse(status.deadline)
         draining = [w for w in status.workers if w.state == specs.WorkerState.DRAINING and not w.removable]
@@ -604,22 +605,6 @@ class Retirement:
 
     # -- I/O helpers ----------------------------------------------------------------------------
 
-    async def security(self, spec: specs.RetirementRequestSpec) -> Any:
-        if spec.scheduler.tls is None:
-            return None
-        name = spec.scheduler.tls.secretName
-        try:
-            secret = await self.client.get(kube.resource_path("", "v1", "secrets", self.namespace, name))
-            security: Any = daskrpc.security_from_secret(secret.get("data") or {})
-            security.get_connection_args("client")  # loads the certificates: a broken one fails here
-        except kube.ApiError as exc:
-            if exc.code not in (401, 403, 404):
-                raise  # the API server's own trouble: retried as any other
-            raise SecretUnusable(name, self.namespace, exc) from exc
-        except Exception as exc:
-            raise SecretUnusable(name, self.namespace, exc) from exc
-        return security
-
     async def write(self, status: specs.RetirementRequestStatus) -> None:
         status.conditions = conditions.request_summary(status)
         body = status.model_dump(mode="json", exclude_none=True)
@@ -641,7 +626,7 @@ def _own_status(raw: Any) -> dict[str, Any]:
 def refused_change(raw_status: Any, generation: int) -> list[dict[str, Any]] | None:
     """Conditions to write when a finished request's spec changes (its daemon has exited)."""
     status = specs.RetirementRequestStatus.model_validate(_own_status(raw_status))
-    if status.phase not in _TERMINAL or generation <= status.observedGeneration:
+    if status.phase not in objects.TERMINAL_PHASES or generation <= status.observedGeneration:
         return None  # Pending: the daemon acts on the new spec; Draining: the daemon refuses it
     message = (
         f"spec changed at generation {generation} after the request finished ({status.phase});"

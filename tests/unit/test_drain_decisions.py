@@ -2,7 +2,7 @@
 
 import pytest
 
-from memops import drain_decisions, snapshots, specs
+from memops import drain_decisions, objects, snapshots, specs
 
 A, B = "tcp://a", "tcp://b"
 
@@ -137,8 +137,8 @@ def test_conclude(states: list[str], requested: int, phase: str, fragment: str) 
 
 def test_claims_by_other_requests() -> None:
     pods = [
-        {"metadata": {"name": "a", "annotations": {drain_decisions.CLAIM_ANNOTATION: "mine"}}},
-        {"metadata": {"name": "b", "annotations": {drain_decisions.CLAIM_ANNOTATION: "theirs"}}},
+        {"metadata": {"name": "a", "annotations": {objects.CLAIM_ANNOTATION: "mine"}}},
+        {"metadata": {"name": "b", "annotations": {objects.CLAIM_ANNOTATION: "theirs"}}},
         {"metadata": {"name": "c"}},
     ]
     assert drain_decisions.claimed_by_others(pods, "mine") == {"b"}
@@ -238,3 +238,20 @@ def test_a_chosen_running_pod_without_an_identifiable_worker_is_kept_with_the_ca
     entry = drain_decisions.entry("silent", (), unknown=True)
     assert entry.state == specs.WorkerState.KEPT and not entry.removable
     assert "no connected worker has their IP" in entry.message
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "shown"),
+    [
+        pytest.param(0, "0", id="nothing"),
+        pytest.param(512, "512", id="bytes"),
+        pytest.param(134217728, "128Mi", id="exact-mebibytes"),
+        pytest.param(3 * 2**29, "1.5Gi", id="one-decimal-below-ten"),
+        pytest.param(150_000_000, "143Mi", id="rounded"),
+        pytest.param(5 * 2**40, "5Ti", id="tebibytes"),
+    ],
+)
+def test_moved_bytes_are_shown_as_a_quantity(nbytes: int, shown: str) -> None:
+    assert drain_decisions.quantity(nbytes) == shown
+    status = specs.RetirementRequestStatus(workers=[specs.WorkerStatus(pod="a", bytesMoved=nbytes)])
+    assert drain_decisions.conclude(status, requested=1, at="2026-01-01T00:00:00Z").moved == shown
