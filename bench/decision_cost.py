@@ -22,7 +22,7 @@ the median of several runs of the same call on the same state, measured in this 
 Replication targets: memops has no pure function that decides them yet (the only replication
 memops orders is pressure relief's, which runs inside the scheduler), so there is no column.
 
-    python bench/decision_cost.py --output bench/results/decision_cost.md   # the README's table
+    python bench/decision_cost.py --output bench/results/decision_cost.md   # the table in docs/performance.md
     python bench/decision_cost.py --keys 100000                            # the small pass CI runs
 """
 
