@@ -2,12 +2,12 @@
 
 One Kopf daemon per policy. Each pass reads the workload, the policy's own RetirementRequests,
 the scheduler and what else touches the workload into one :class:`memops.policy_decisions.Inputs`,
-decides with :func:`memops.policy_decisions.decide`, then applies the decision once: scale-up raises the workload's replicas directly; scale-down creates a
-RetirementRequest that the policy owns (visible with ``kubectl get retire``), which drains
-the chosen workers and removes exactly their pods. ``kubectl scale mempol/NAME``, an HPA or
-KEDA whose target is the policy, and a GitOps change of ``spec.replicas`` all land here.
-The daemon keeps nothing that matters in memory: a restarted operator sees the requests and
-carries on.
+decides with :func:`memops.policy_decisions.decide`, then applies the decision once: scale-up
+raises the workload's replicas directly; scale-down creates a RetirementRequest that the policy
+owns (visible with ``kubectl get retire``), which drains the chosen workers and removes exactly
+their pods. ``kubectl scale mempol/NAME``, an HPA or KEDA whose target is the policy, and a
+GitOps change of ``spec.replicas`` all land here. The daemon keeps nothing that matters in
+memory: a restarted operator sees the requests and carries on.
 """
 
 from __future__ import annotations
