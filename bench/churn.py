@@ -11,7 +11,7 @@ restored to the policy's count). After
 each step the data is topped up on every worker, and at the end the keys that no worker
 holds any more are counted, and the persisted results that the scheduler had to compute again.
 
-    python bench/churn.py --workers 8                 # the figure in the README
+    python bench/churn.py --workers 8                 # the figure in docs/performance.md
     python bench/churn.py --workers 4 --steps 3       # the small pass CI runs
 """
 

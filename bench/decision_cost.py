@@ -8,7 +8,7 @@ the median of several runs of the same call on the same state, measured in this 
   :func:`memops.scheduler.holdings.holdings` sums them inside the scheduler, here on
   distributed's own ``WorkerState`` and ``TaskState`` objects holding the synthetic placement
   (its cost follows the replicated keys: one key in ten has two copies here);
-- ``planning.holdings``, the fallback: the same figures summed in the operator from
+- ``snapshots.holdings``, the fallback: the same figures summed in the operator from
   ``who_has`` of every key, for a scheduler that refuses ``run_function`` (not in "slowest");
 - ``bytes_moved``: a finished drain's report for one worker, over the placement the operator
   fetches for it (the keys of that worker);
@@ -30,7 +30,7 @@ the median of several runs of the same call on the same state, measured in this 
   Not in "slowest": it runs in the scheduler, not in the operator's decision, and it spaces its
   passes so as to take at most 5% of the scheduler's time.
 
-    python bench/decision_cost.py --output bench/results/decision_cost.md   # the README's table
+    python bench/decision_cost.py --output bench/results/decision_cost.md   # the table in docs/performance.md
     python bench/decision_cost.py --keys 100000                            # the small pass CI runs
 """
 
@@ -49,7 +49,7 @@ from pathlib import Path
 from distributed.core import Status
 from distributed.scheduler import TaskGroup, TaskPrefix, TaskState, WorkerState
 
-from memops import autoscaling, planning, recycling, specs
+from memops import autoscaling, recycle_decisions, snapshots, specs
 from memops.scheduler import holdings, replication
 from memops.scheduler import rules as replication_rules
 
@@ -60,11 +60,11 @@ MEMORY_LIMIT = 4 * 2**30
 
 @dataclass
 class State:
-    snapshot: planning.SchedulerSnapshot  # every key placed: the fallback's input
+    snapshot: snapshots.SchedulerSnapshot  # every key placed: the fallback's input
     pods: list[str]
     scheduler_workers: list[WorkerState]  # distributed's own objects, as the scheduler holds them
     replicated: set[TaskState]
-    drained: planning.SchedulerSnapshot  # the placement the operator fetches to report one worker's drain
+    drained: snapshots.SchedulerSnapshot  # the placement the operator fetches to report one worker's drain
     tasks: list[TaskState]  # every key in memory, as scheduler.tasks holds them
 
 
@@ -107,9 +107,9 @@ def synthetic(workers: int, keys: int, replicated_every: int = 10, seed: int = 0
             by_address[address].add_replica(ts)  # as the scheduler does: has_what, nbytes, who_has
         if len(holders) > 1:
             replicated.add(ts)
-    figures = planning.holdings(who_has, nbytes)
+    figures = snapshots.holdings(who_has, nbytes)
     infos = tuple(
-        planning.WorkerInfo(
+        snapshots.WorkerInfo(
             name=f"w-{i}",
             address=a,
             memory_limit=MEMORY_LIMIT,
@@ -123,8 +123,8 @@ def synthetic(workers: int, keys: int, replicated_every: int = 10, seed: int = 0
     pods = [w.name for w in infos] + [f"pending-{i}" for i in range(workers // 20)]
     first = by_address[addresses[0]]
     placed = {ts.key: who_has[ts.key] for ts in first.has_what}
-    drained = planning.SchedulerSnapshot(infos, placed, {k: nbytes[k] for k in placed})
-    snapshot = planning.SchedulerSnapshot(infos, who_has, nbytes)
+    drained = snapshots.SchedulerSnapshot(infos, placed, {k: nbytes[k] for k in placed})
+    snapshot = snapshots.SchedulerSnapshot(infos, who_has, nbytes)
     return State(snapshot, pods, scheduler_workers, replicated, drained, tasks)
 
 
@@ -145,7 +145,7 @@ def autoscale_inputs(workers: int, now: float) -> tuple[list[specs.Recommendatio
 
 
 def desired(
-    snapshot: planning.SchedulerSnapshot,
+    snapshot: snapshots.SchedulerSnapshot,
     history: list[specs.Recommendation],
     events: list[specs.ScaleEvent],
     now: float,
@@ -160,14 +160,14 @@ def desired(
     )
 
 
-def full_window(snapshot: planning.SchedulerSnapshot, now: float) -> recycling.Window:
+def full_window(snapshot: snapshots.SchedulerSnapshot, now: float) -> recycle_decisions.Window:
     """A window as a policy's daemon holds it after half an hour: flat, noisy unmanaged memory,
     under every threshold, so ``detect`` evaluates every rule without a verdict."""
-    window = recycling.window_for(RECYCLE)
+    window = recycle_decisions.window_for(RECYCLE)
     rng = random.Random(2)
     for worker in snapshot.workers:
         window.samples[worker.name] = [
-            recycling.Sample(
+            recycle_decisions.Sample(
                 time=now - window.seconds - window.spacing + i * window.spacing,
                 unmanaged=int(MEMORY_LIMIT * rng.uniform(0.05, 0.1)),
                 limit=MEMORY_LIMIT,
@@ -177,14 +177,14 @@ def full_window(snapshot: planning.SchedulerSnapshot, now: float) -> recycling.W
     return window
 
 
-def recycle_pass(snapshot: planning.SchedulerSnapshot, window: recycling.Window, now: float) -> None:
+def recycle_pass(snapshot: snapshots.SchedulerSnapshot, window: recycle_decisions.Window, now: float) -> None:
     window.add(snapshot.workers, now)
     verdicts = [
         verdict
         for worker in snapshot.workers
-        if (verdict := recycling.detect(worker.name, window.samples.get(worker.name, []), RECYCLE, now, 3600.0))
+        if (verdict := recycle_decisions.detect(worker.name, window.samples.get(worker.name, []), RECYCLE, now, 3600.0))
     ]
-    recycling.plan_recycle(verdicts, recycling=0, max_unavailable=1)
+    recycle_decisions.plan_recycle(verdicts, recycling=0, max_unavailable=1)
 
 
 def median_ms(call: Callable[[], object], runs: int = 5) -> float:
@@ -197,7 +197,7 @@ def median_ms(call: Callable[[], object], runs: int = 5) -> float:
 
 
 COLUMNS = ("choose_workers", "holdings, in the scheduler", "bytes_moved", "desired_replicas", "recycle pass")
-FALLBACK = "planning.holdings (fallback)"
+FALLBACK = "snapshots.holdings (fallback)"
 REPLICATION = "replication pass, all under target (scheduler)"
 REPLICATION_STEADY = "replication pass, at target (scheduler)"
 
@@ -211,17 +211,17 @@ def measure(workers: int, keys: int, replicated_every: int = 10) -> dict[str, fl
     windows = iter([full_window(snapshot, now) for _ in range(5)])  # one fresh window per timed run
     return {
         "choose_workers": median_ms(
-            functools.partial(planning.choose_workers, state.pods, snapshot, max(workers // 10, 1))
+            functools.partial(snapshots.choose_workers, state.pods, snapshot, max(workers // 10, 1))
         ),
         "holdings, in the scheduler": median_ms(
             functools.partial(holdings.holdings, state.scheduler_workers, state.replicated)
         ),
         "bytes_moved": median_ms(
-            functools.partial(planning.bytes_moved, drained.who_has, drained.who_has, drained.nbytes, address)
+            functools.partial(snapshots.bytes_moved, drained.who_has, drained.who_has, drained.nbytes, address)
         ),
         "desired_replicas": median_ms(functools.partial(desired, snapshot, history, events, now)),
         "recycle pass": median_ms(lambda: recycle_pass(snapshot, next(windows), now + 20)),
-        FALLBACK: median_ms(functools.partial(planning.holdings, snapshot.who_has, snapshot.nbytes)),
+        FALLBACK: median_ms(functools.partial(snapshots.holdings, snapshot.who_has, snapshot.nbytes)),
         REPLICATION: statistics.median(replication_pass(state) for _ in range(3)),
         REPLICATION_STEADY: statistics.median(replication_pass(state, at_target=True) for _ in range(3)),
     }

@@ -9,7 +9,7 @@ from it to its peers as it fills. Printed for each: the loaded worker's peak pro
 (as the scheduler saw it), its peers' peak, bytes it spilled to disk, whether it paused or was
 killed, keys lost, and keys moved by relief.
 
-    python bench/pressure.py                                       # the figures in the README
+    python bench/pressure.py                                       # the figures in docs/performance.md
     python bench/pressure.py --load 1.0 --limit-mib 256 --settle 2 # the small pass CI runs
 """
 

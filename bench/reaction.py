@@ -10,7 +10,7 @@ Goals: under 1 s, under 2 s, under 1 s. The anchor is the goal; each figure incl
 the workers (``throughput.TransferClock``); the API is polled directly (HTTP) so that polling
 costs milliseconds, not a kubectl start.
 
-    python bench/reaction.py --runs 20   # the figures in the README
+    python bench/reaction.py --runs 20   # the figures in docs/performance.md
     python bench/reaction.py --runs 2    # the small pass CI runs
 """
 

@@ -16,7 +16,7 @@ Printed: keys lost (unique scattered data that no worker holds), tasks recompute
 results computed more than once), whether the nanny killed a worker, the leaky worker's peak
 process memory, and workers recycled.
 
-    python bench/recycle.py                      # the figures in the README
+    python bench/recycle.py                      # the figures in docs/performance.md
     python bench/recycle.py --leak-seconds 40    # a shorter pass
 """
 

@@ -19,7 +19,7 @@ be lost: after each phase every key must be held by a worker that stays.
 With ``count: N`` memops chooses the workers that hold the fewest unique bytes, so for N > 1
 the other workers hold a ballast a little larger than SIZE (in both stock and memops phases).
 
-    python bench/throughput.py                      # the matrix in the README (15-20 min)
+    python bench/throughput.py                      # the matrix in docs/performance.md (15-20 min)
     python bench/throughput.py --small              # the small pass CI runs
     python bench/throughput.py --scenarios 1024:16384:1 --runs 5   # SIZE_MIB:KEY_KIB:N
     python bench/throughput.py --knobs              # stock retire of 1 GiB under Dask config knobs

@@ -16,10 +16,11 @@ and returned: the controller keeps it in the MemoryPolicy's status, not in memor
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Sequence
 
-from memops import planning, specs
+from memops import snapshots, specs
 
 TOLERANCE = 0.1
 
@@ -38,7 +39,7 @@ class Usage:
         return 100.0 * self.held / self.limit if self.limit else 0.0
 
 
-def usage_of(workers: Sequence[planning.WorkerInfo]) -> Usage:
+def usage_of(workers: Sequence[snapshots.WorkerInfo]) -> Usage:
     return Usage(
         workers=len(workers),
         held=sum(w.process_bytes + w.spilled_bytes for w in workers),
@@ -122,11 +123,22 @@ def rate_limits(
     return min(lowest, current), max(highest, current)
 
 
+class Limit(enum.StrEnum):
+    """What held a recommendation back from the metric's count (stabilization is not a limit)."""
+
+    SCALE_UP_POLICIES = "ScaleUpPolicies"
+    SCALE_DOWN_POLICIES = "ScaleDownPolicies"
+    MEMORY_IN_USE = "MemoryInUse"  # the memory in use needs more workers than the metric asks for
+    MAX_REPLICAS = "MaxReplicas"
+    MIN_REPLICAS = "MinReplicas"
+
+
 @dataclasses.dataclass(frozen=True)
 class Recommendation:
     replicas: int
-    reason: str
+    reason: str  # for people: the metric, and each step that changed the count
     raw: int  # before stabilization, to be kept in the history
+    limits: tuple[Limit, ...] = ()  # what held the count back, in the order applied
 
 
 def desired_replicas(
@@ -146,20 +158,26 @@ def desired_replicas(
         stabilized,
         f"memory at {usage.utilization:.0f}% of the limit, target {spec.targetMemoryUtilization}%",
     )
+    limits: list[Limit] = []
     if stabilized != raw:
         reason += f"; stabilized from {raw}"
     if desired > highest:
         desired, reason = highest, reason + f"; limited to {highest} by the scale-up policies"
+        limits.append(Limit.SCALE_UP_POLICIES)
     if desired < lowest:
         desired, reason = lowest, reason + f"; limited to {lowest} by the scale-down policies"
+        limits.append(Limit.SCALE_DOWN_POLICIES)
     floor = fit_floor(usage, spec.targetMemoryUtilization)
     if desired < current and desired < floor:
         desired, reason = min(floor, current), reason + f"; the memory in use needs {floor} workers"
+        limits.append(Limit.MEMORY_IN_USE)
     if desired > spec.maxReplicas:
         desired, reason = spec.maxReplicas, reason + f"; capped at maxReplicas {spec.maxReplicas}"
+        limits.append(Limit.MAX_REPLICAS)
     if desired < spec.minReplicas:
         desired, reason = spec.minReplicas, reason + f"; raised to minReplicas {spec.minReplicas}"
-    return Recommendation(desired, reason, raw)
+        limits.append(Limit.MIN_REPLICAS)
+    return Recommendation(desired, reason, raw, tuple(limits))
 
 
 def with_relief(desired: int, connected: int, starved: int, spec: specs.AutoscaleSpec | None) -> tuple[int, str]:

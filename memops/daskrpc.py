@@ -63,7 +63,7 @@ import cloudpickle
 from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
-from memops import daskcomm, planning
+from memops import daskcomm, snapshots
 from memops.scheduler import agent, holdings, relief, replication, rules
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ async def fetch_snapshot(
     processing: bool | None = None,
     placement_of: Collection[str] = (),
     placement: Collection[Hashable] = (),
-) -> planning.SchedulerSnapshot:
+) -> snapshots.SchedulerSnapshot:
     """The workers and their memory, from one connection.
 
     With ``keys`` (the default) also the bytes and keys each worker holds, and holds alone, and
@@ -230,7 +230,7 @@ async def fetch_snapshot(
         workers = _workers(_mapping(address, identity.get("workers", {}), "identity's workers"), figures, running, keys)
     except (TypeError, ValueError, AttributeError) as exc:
         raise SchedulerMisbehaved(address, f"a reply of the wrong shape: {type(exc).__name__}: {exc}") from exc
-    return planning.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)
+    return snapshots.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)
 
 
 _Figures = dict[str, tuple[int, ...]]
@@ -251,12 +251,12 @@ def _from_who_has(
     """``who_has`` and ``nbytes`` of every key as (figures, who_has, nbytes); cost grows with the keys."""
     who_has = {k: tuple(str(h) for h in v) for k, v in who_has_raw.items()}
     nbytes = {k: int(v) for k, v in nbytes_raw.items()}
-    return dict(planning.holdings(who_has, nbytes)), who_has, nbytes
+    return dict(snapshots.holdings(who_has, nbytes)), who_has, nbytes
 
 
 def _workers(
     identities: Mapping[Any, Any], figures: _Figures, running: Mapping[Any, Any], keys: bool
-) -> list[planning.WorkerInfo]:
+) -> list[snapshots.WorkerInfo]:
     workers = []
     for worker_address, info in identities.items():
         metrics = info.get("metrics", {})
@@ -266,7 +266,7 @@ def _workers(
         in_memory = int(metrics.get("managed_bytes", 0)) - int(spilled.get("memory", 0))
         held_bytes, held_keys, unique_bytes, unique_keys = figures.get(worker_address, (0, 0, 0, 0))
         workers.append(
-            planning.WorkerInfo(
+            snapshots.WorkerInfo(
                 name=str(info.get("name", worker_address)),
                 address=worker_address,
                 memory_limit=int(info.get("memory_limit") or 0),
@@ -278,7 +278,7 @@ def _workers(
                 process_bytes=int(metrics.get("memory", 0)),
                 spilled_bytes=int(spilled.get("disk", 0)),
                 unmanaged_bytes=max(0, int(metrics.get("memory", 0)) - in_memory),
-                in_shuffle=planning.in_shuffle([str(k) for k in running.get(worker_address, ())]),
+                in_shuffle=snapshots.in_shuffle([str(k) for k in running.get(worker_address, ())]),
             )
         )
     return workers

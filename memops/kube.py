@@ -24,9 +24,7 @@ import aiohttp
 import kopf
 import yaml
 
-from memops import permissions
-
-Obj = dict[str, Any]
+from memops import objects, permissions
 
 _SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -203,7 +201,7 @@ class Kube:
         body: Any = None,
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
-    ) -> Obj:
+    ) -> objects.Obj:
         kwargs: dict[str, Any] = {"params": dict(params or {})}
         if body is not None:
             kwargs["data"] = json.dumps(body)
@@ -224,10 +222,10 @@ class Kube:
                 raise ApiError(response.status, "InvalidResponse", f"not JSON: {_truncated(text)}") from None
             return payload if isinstance(payload, dict) else {}
 
-    async def get(self, path: str, **params: str) -> Obj:
+    async def get(self, path: str, **params: str) -> objects.Obj:
         return await self.request("GET", path, params=params)
 
-    async def get_or_none(self, path: str) -> Obj | None:
+    async def get_or_none(self, path: str) -> objects.Obj | None:
         try:
             return await self.get(path)
         except ApiError as exc:
@@ -237,20 +235,20 @@ class Kube:
 
     async def list(
         self, path: str, *, label_selector: str | None = None, field_selector: str | None = None
-    ) -> builtins.list[Obj]:
+    ) -> builtins.list[objects.Obj]:
         params = {"labelSelector": label_selector} if label_selector else {}
         if field_selector:
             params["fieldSelector"] = field_selector
-        items: builtins.list[Obj] = (await self.request("GET", path, params=params)).get("items", [])
+        items: builtins.list[objects.Obj] = (await self.request("GET", path, params=params)).get("items", [])
         return items
 
-    async def merge_patch(self, path: str, patch: Obj) -> Obj:
+    async def merge_patch(self, path: str, patch: objects.Obj) -> objects.Obj:
         return await self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
 
-    async def json_patch(self, path: str, operations: builtins.list[Obj]) -> Obj:
+    async def json_patch(self, path: str, operations: builtins.list[objects.Obj]) -> objects.Obj:
         return await self.request("PATCH", path, body=operations, content_type="application/json-patch+json")
 
-    async def delete(self, path: str, *, propagation_policy: str = "Background") -> Obj:
+    async def delete(self, path: str, *, propagation_policy: str = "Background") -> objects.Obj:
         return await self.request(
             "DELETE", path, body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation_policy}
         )

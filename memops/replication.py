@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.retirement import POD_DELETION_COST
+from memops.objects import POD_DELETION_COST
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
 UNIQUE_BYTES = "memops.dev/unique-bytes"

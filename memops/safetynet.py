@@ -2,7 +2,7 @@
 
 Someone lowers a Deployment's replicas directly, a rollout replaces pods, a node drains: the
 kubelet then runs the container's ``preStop`` hook before SIGTERM. For the workers of a
-MemoryPolicy's workload, memops' mutating admission webhook (:mod:`memops.controllers.admission`)
+MemoryPolicy's workload, memops' mutating admission webhook (:mod:`memops.controllers.safetynet_webhook`)
 adds a ``preStop`` hook that asks the scheduler to retire this worker, and a grace period long
 enough for the drain. The pods are mutated, never the user's Deployment, so GitOps tools see
 no drift. The hook uses only what ``distributed`` ships (msgpack), so a stock Dask image works,
@@ -21,9 +21,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from memops import daskcomm, specs
+from memops import daskcomm, objects, specs
 
-ANNOTATION = "memops.dev/safety-net"
+ANNOTATION = objects.SAFETY_NET_ANNOTATION
 FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
 """The kubelet's event reason (kubernetes ``pkg/kubelet/events/event.go``) for a preStop hook that failed."""
 FAILED_HOOKS_KEPT = 10

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -225,8 +226,9 @@ async def serve(
     port: int | None = None,
     memory_limit: str = "1GiB",
     audit_log: Path | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> None:
-    """Run the sandbox until cancelled."""
+    """Run the sandbox until cancelled; ``on_ready`` is called once ``ready`` is written."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
     api = apiserver.ApiServer(audit_log=audit_log)
@@ -261,6 +263,8 @@ async def serve(
                 await _wait_for_webhook(api)
             (state_dir / "scheduler-address").write_text(address + "\n")
             (state_dir / "ready").write_text("ready\n")
+            if on_ready is not None:
+                on_ready()
             try:
                 await asyncio.Event().wait()
             finally:
@@ -283,7 +287,9 @@ def launch(state_dir: Path, workers: int, *args: str, log: Path | None = None) -
     while not (state_dir / "ready").exists():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError("the sandbox did not become ready:\n" + log.read_text()[-3000:])
+            inside = state_dir / "sandbox.log"
+            detail = log.read_text()[-3000:] + (inside.read_text()[-3000:] if inside.exists() else "")
+            raise RuntimeError("the sandbox did not become ready:\n" + detail)
         time.sleep(0.1)
     return process
 
@@ -298,14 +304,26 @@ def main(
     audit_log: str | None = None,
 ) -> int:
     directory = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
-    if not state_dir:
+    directory.mkdir(parents=True, exist_ok=True)
+    # The terminal is for the person who typed the command: what the API server, the kubelet and
+    # the Deployment controller log (an access line per request) goes to a file beside the
+    # operator's, the scheduler's and the pods' own logs.
+    log = directory / "sandbox.log"
+    _log_to(log)
+    print(
+        f"memops sandbox: starting the API server, a Dask scheduler, {workers} workers"
+        f"{' and the operator' if operator else ''} (logs in {directory})...",
+        flush=True,
+    )
+
+    def announce() -> None:
         print(
-            f"memops sandbox: state in {directory}; once {directory / 'ready'} exists:\n"
+            "memops sandbox: ready. In another terminal:\n"
             f"  export KUBECONFIG={directory / 'kubeconfig'}\n"
             "  kubectl get pods,retire\n"
             "  kubectl apply -f deploy/examples/retirementrequest.yaml\n"
             "  kubectl get retire -w\n"
-            "Stop with Ctrl-C.",
+            f"Logs: {log}, {directory / 'operator.log'}, {directory / 'scheduler.log'}. Stop with Ctrl-C.",
             flush=True,
         )
 
@@ -323,8 +341,28 @@ def main(
                 port=port,
                 memory_limit=memory_limit,
                 audit_log=Path(audit_log) if audit_log else None,
+                on_ready=announce,
             )
 
-    asyncio.run(runner())
-    (directory / "ready").unlink(missing_ok=True)
+    try:
+        asyncio.run(runner())
+    except Exception as exc:
+        print(f"memops sandbox: failed: {type(exc).__name__}: {exc}; see {log}", file=sys.stderr, flush=True)
+        logging.getLogger(__name__).exception("the sandbox failed")
+        return 1
+    finally:
+        (directory / "ready").unlink(missing_ok=True)
+    print("memops sandbox: stopped.", flush=True)
     return 0
+
+
+def _log_to(path: Path) -> None:
+    """Send every log record of this process to ``path`` instead of the terminal."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)

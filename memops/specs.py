@@ -356,6 +356,9 @@ class RetirementRequestStatus(Model):
     kept: int = pydantic.Field(default=0, description="Workers whose pods were kept.")
     forced: int = pydantic.Field(default=0, description="Workers removed while still holding unique data.")
     bytesMoved: int = pydantic.Field(default=0, description="Unique bytes moved to other workers, in total.")
+    moved: str = pydantic.Field(
+        default="", description="bytesMoved for people, in binary units as kubectl shows quantities (128Mi)."
+    )
     bytesLost: int = pydantic.Field(default=0, description="Bytes lost by forced removals, in total.")
     workers: list[WorkerStatus] = pydantic.Field(default_factory=list, description="One entry per chosen worker.")
     scaleDown: ScaleDown | None = pydantic.Field(default=None, description="The scale-down memops ordered.")
@@ -828,7 +831,7 @@ RETIREMENT_REQUEST = ResourceKind(
         {"name": "Count", "type": "integer", "jsonPath": ".spec.count"},
         {"name": "Retired", "type": "integer", "jsonPath": ".status.retired"},
         {"name": "Kept", "type": "integer", "jsonPath": ".status.kept"},
-        {"name": "Moved", "type": "integer", "jsonPath": ".status.bytesMoved", "description": "Bytes moved"},
+        {"name": "Moved", "type": "string", "jsonPath": ".status.moved", "description": "Bytes moved"},
         {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ),

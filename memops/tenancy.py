@@ -18,7 +18,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memops import planning
+from memops import snapshots
 
 SHOWN = 3
 """How many foreign addresses a message names (the count is always given)."""
@@ -42,7 +42,7 @@ class Verdict:
 
 
 def check(
-    workers: Sequence[planning.WorkerInfo], pods: Sequence[planning.PodInfo], namespace: str
+    workers: Sequence[snapshots.WorkerInfo], pods: Sequence[snapshots.PodInfo], namespace: str
 ) -> Verdict:
     """Whether a resource in ``namespace``, whose pods are ``pods``, may act on this scheduler."""
     if not workers:
@@ -50,8 +50,8 @@ def check(
             Reason.NO_WORKERS,
             f"the scheduler has no worker, so none can be shown to be a pod of namespace {namespace}",
         )
-    ips = {planning.canonical_ip(ip) for pod in pods if not pod.terminated for ip in pod.ips}
-    foreign = tuple(sorted(w.address for w in workers if planning.address_host(w.address) not in ips))
+    ips = {snapshots.canonical_ip(ip) for pod in pods if not pod.terminated for ip in pod.ips}
+    foreign = tuple(sorted(w.address for w in workers if snapshots.address_host(w.address) not in ips))
     if foreign:
         shown = ", ".join(foreign[:SHOWN]) + (", ..." if len(foreign) > SHOWN else "")
         return Verdict(

@@ -18,7 +18,7 @@ from typing import Any, cast
 import kopf
 
 from memops import kube
-from memops.controllers import admission, eviction, policy, retirement
+from memops.controllers import eviction, policy, retirement, safetynet_webhook
 
 PREFIX = "memops.dev"
 
@@ -92,7 +92,7 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings)
         if webhook is not None:
-            admission.configure(
+            safetynet_webhook.configure(
                 settings,
                 port=webhook.port,
                 host=webhook.host,
@@ -114,7 +114,7 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
     policy.register(registry)
     eviction.register_node_signals(registry)
     if webhook is not None:
-        admission.register(registry)
+        safetynet_webhook.register(registry)
         eviction.register_gate(registry)
     return registry
 

@@ -22,8 +22,8 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import daskrpc, eviction, kube, planning, specs, tenancy, timestamps
-from memops.controllers import admission, policy, workloads
+from memops import daskrpc, eviction, kube, objects, snapshots, specs, tenancy, timestamps
+from memops.controllers import policy, safetynet_webhook, workloads
 
 ASK_SECONDS = 4.0
 """The scheduler's share of the webhook's time (the chart's timeoutSeconds is 10)."""
@@ -63,7 +63,7 @@ async def unique_bytes(client: kube.Kube, namespace: str, spec: specs.MemoryPoli
             return None
         snapshot = await daskrpc.fetch_snapshot(address, security=security, processing=False, timeout=ASK_SECONDS)
         info = workloads.pod_info(pod)
-        located = planning.workers_by_pod([info], snapshot.workers)
+        located = snapshots.workers_by_pod([info], snapshot.workers)
         return sum(w.unique_bytes for w in located.get(info.name, ()))
 
     try:
@@ -86,38 +86,17 @@ async def request_drain(
     same pods, the same name); return its name."""
     namespace, name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
     request_name = eviction.request_name(name, node, pods, earlier)
-    body = {
-        "apiVersion": specs.API_VERSION,
-        "kind": "RetirementRequest",
-        "metadata": {
-            "name": request_name,
-            "namespace": namespace,
-            "labels": {
-                policy.POLICY_LABEL: name,
-                eviction.REASON_LABEL: eviction.EVICTION,
-                eviction.NODE_LABEL: eviction.node_label(node),
-            },
-            "annotations": {"memops.dev/why": why[:1024]},
-            "ownerReferences": [
-                {
-                    "apiVersion": specs.API_VERSION,
-                    "kind": "MemoryPolicy",
-                    "name": name,
-                    "uid": str(policy_body["metadata"]["uid"]),
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-        },
-        "spec": {
-            "scheduler": spec.scheduler.model_dump(mode="json", exclude_none=True),
-            "workload": spec.workload.model_dump(mode="json"),
-            "workers": pods,
-            "timeout": spec.drain.timeout,
-            "onTimeout": spec.drain.onTimeout.value,
-            "removePods": False,
-        },
-    }
+    owner = objects.Owner(name=name, namespace=namespace, uid=str(policy_body["metadata"]["uid"]))
+    body = objects.policy_request(
+        owner,
+        spec,
+        name=request_name,
+        workers=tuple(pods),
+        labels={eviction.REASON_LABEL: eviction.EVICTION, eviction.NODE_LABEL: eviction.node_label(node)},
+        annotations={"memops.dev/why": why[:1024]},
+    )
+    # An eviction's drain: the evicting client removes the pods, which the gate then admits.
+    body["spec"]["removePods"] = False
     try:
         await client.request(
             "POST", kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace), body=body
@@ -191,7 +170,7 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
             pod = await client.get(kube.resource_path("", "v1", "pods", namespace, name))
         except kube.ApiError:
             return  # the API server answers for a pod that does not exist
-        found = admission.policy_for(
+        found = safetynet_webhook.policy_for(
             namespace,
             dict((pod.get("metadata") or {}).get("labels") or {}),
             policies=cache.of("memorypolicies").get((namespace,), []),

@@ -1,13 +1,13 @@
 """MemoryPolicy: keep a workload at the policy's replicas; every scale-down drains first.
 
-One Kopf daemon per policy. Each pass reads the workload, the policy's own RetirementRequests
-and what else touches the workload, asks :func:`memops.scaling.plan_scale` what to do, then
-does it: scale-up raises the workload's replicas directly; scale-down creates a
-RetirementRequest that the policy owns (visible with ``kubectl get retire``), which drains
-the chosen workers and removes exactly their pods. ``kubectl scale mempol/NAME``, an HPA or
-KEDA whose target is the policy, and a GitOps change of ``spec.replicas`` all land here.
-The daemon keeps nothing that matters in memory: a restarted operator sees the requests and
-carries on.
+One Kopf daemon per policy. Each pass reads the workload, the policy's own RetirementRequests,
+the scheduler and what else touches the workload into one :class:`memops.policy_decisions.Inputs`,
+decides with :func:`memops.policy_decisions.decide`, then applies the decision once: scale-up
+raises the workload's replicas directly; scale-down creates a RetirementRequest that the policy
+owns (visible with ``kubectl get retire``), which drains the chosen workers and removes exactly
+their pods. ``kubectl scale mempol/NAME``, an HPA or KEDA whose target is the policy, and a
+GitOps change of ``spec.replicas`` all land here. The daemon keeps nothing that matters in
+memory: a restarted operator sees the requests and carries on.
 """
 
 from __future__ import annotations
@@ -25,22 +25,21 @@ from memops import (
     autoscaling,
     conditions,
     daskrpc,
+    drain_decisions,
     kube,
     metrics,
-    planning,
-    recycling,
-    retirement,
+    objects,
+    policy_decisions,
+    recycle_decisions,
     safetynet,
     scaling,
     selectors,
+    snapshots,
     specs,
     tenancy,
-    timestamps,
 )
-from memops.controllers import recycle, relief, replication, workloads
+from memops.controllers import recycle, relief_install, replication, scheduler_tls, workloads
 
-POLICY_LABEL = "memops.dev/policy"
-GENERATION_ANNOTATION = "memops.dev/policy-generation"
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
 _MEMORY_REFRESH_SECONDS = 15.0
@@ -51,7 +50,6 @@ _HOOK_EVENTS_SECONDS = 15.0
 One list with a field selector (``reason=FailedPreStopHook``), which the API server filters: far
 cheaper than a watch on every event of the cluster, which Kopf would have to filter itself.
 """
-_TERMINAL = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
 _MAX_RETRY_SECONDS = 30.0
 _MAX_NAME_LENGTH = 63
 """A policy's name is a label value on its RetirementRequests (``memops.dev/policy``): 63 characters at most."""
@@ -80,28 +78,40 @@ class Policy:
         self.namespace = str(body.metadata.namespace)
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
-        self.window: recycling.Window | None = None  # memory samples for recycling; see memops.recycling
+        self.window: recycle_decisions.Window | None = None  # memory samples for recycling
         self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
 
     async def reconcile(self) -> None:
+        """One pass: read, decide (:func:`memops.policy_decisions.decide`), apply."""
         self.steady = False
+        read = await self.read()
+        if read is None:
+            return  # not Ready, and the status says why
+        old, inputs = read
+        with metrics.deciding("policy"):
+            decision = policy_decisions.decide(inputs)
+        await self.apply(old, inputs, decision)
+
+    async def read(self) -> tuple[specs.MemoryPolicyStatus, policy_decisions.Inputs] | None:
+        """The status as written last, and everything the pass decides from; None (with the
+        policy marked not Ready) when the policy cannot act."""
         generation = int(self.body.metadata.get("generation", 1))
         old = specs.MemoryPolicyStatus.model_validate(_own(self.body.get("status")))
         status = old.model_copy(deep=True, update={"observedGeneration": generation})
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
         except pydantic.ValidationError as exc:
-            await self.not_ready(old, status, "InvalidSpec", retirement.explain_invalid(exc), generation)
-            return
+            await self.not_ready(old, status, "InvalidSpec", drain_decisions.explain_invalid(exc), generation)
+            return None
         if len(self.name) > _MAX_NAME_LENGTH:
             message = (
                 f"metadata.name: at most {_MAX_NAME_LENGTH} characters, as it labels the policy's"
-                f" RetirementRequests ({POLICY_LABEL}); this policy does nothing"
+                f" RetirementRequests ({objects.POLICY_LABEL}); this policy does nothing"
             )
             await self.not_ready(old, status, "InvalidName", message, generation)
-            return
+            return None
         try:
             workload = await self.workload(spec.workload)
         except kube.ApiError as exc:
@@ -109,17 +119,17 @@ class Policy:
                 raise
             # A DaskWorkerGroup without rbac.daskWorkerGroups: the message names the value.
             await self.not_ready(old, status, "Forbidden", f"spec.workload: {exc.message}", generation)
-            return
+            return None
         if workload is None:
             message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
             await self.not_ready(old, status, "WorkloadNotFound", message, generation)
-            return
+            return None
         try:
             status.selector = workloads.selector(workload)
         except selectors.InvalidSelector as exc:
             message = f"spec.workload: {spec.workload.kind} {spec.workload.name!r}: {exc}"
             await self.not_ready(old, status, "InvalidSelector", message, generation)
-            return
+            return None
         policies = await self.listed("memorypolicies", (self.namespace,))
         older = scaling.competing_policies(dict(self.body), policies)
         if older:
@@ -131,27 +141,12 @@ class Policy:
                 status.conditions, "Conflict", True, reason="AnotherPolicy", message=message, generation=generation
             )
             await self.not_ready(old, status, "Conflict", message, generation)
-            return
+            return None
         hpas = await self.listed("horizontalpodautoscalers", (self.namespace,))
-        direct = scaling.autoscalers_on(spec.workload, hpas)
-        status.conditions = conditions.set_condition(
-            status.conditions,
-            "Conflict",
-            bool(direct),
-            reason="AutoscalerOnWorkload" if direct else "NoConflict",
-            message=(
-                f"HorizontalPodAutoscaler {', '.join(direct)} scales {spec.workload.kind} {spec.workload.name!r}"
-                f" directly, so its scale-downs are not drained: point its scaleTargetRef at MemoryPolicy"
-                f" {self.name!r} instead"
-            )
-            if direct
-            else "",
-            generation=generation,
-        )
         snapshot = await self.check_scheduler(spec, status, generation)
         if snapshot is not None:
             status.memory = _memory_status(snapshot)
-            status.pressure = await relief.reconcile(
+            status.pressure = await relief_install.reconcile(
                 spec=spec,
                 old=status.pressure,
                 security=self.security,
@@ -172,157 +167,76 @@ class Policy:
                 logger=self.logger,
             )
 
-        current = workloads.replicas_of(workload)
-        desired = spec.replicas if spec.replicas is not None else current
         now = time.time()
-        limited = ""
-        if spec.autoscale is not None and snapshot is not None:
-            with metrics.deciding("desired_replicas"):
-                recommended = autoscaling.desired_replicas(
-                    current=current,
-                    usage=autoscaling.usage_of(snapshot.workers),
-                    spec=spec.autoscale,
-                    history=status.recommendations,
-                    events=status.scaleEvents,
-                    now=now,
-                )
-            desired = recommended.replicas
-            status.recommendations = _remember(status.recommendations, now, recommended.raw, spec.autoscale)
-            if any(word in recommended.reason for word in ("limited", "capped", "raised", "needs")):
-                limited = recommended.reason
-            starved = len(status.pressure.starved) if status.pressure is not None else 0
-            desired, relief_reason = autoscaling.with_relief(desired, len(snapshot.workers), starved, spec.autoscale)
-            limited = relief_reason or limited
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
-        running = [r for r in requests if r.get("status", {}).get("phase") not in _TERMINAL]
-        draining = sum(_request_size(r) for r in running)
-        step = await self.recycle(spec, workload, snapshot, requests, running, desired, status, now)
-        target = desired + (step.extra if step is not None else 0)
-        failed = _latest_failure(requests)
-        decision = scaling.plan_scale(
-            current=current,
-            desired=target,
-            draining=draining,
-            last_failure_age=timestamps.age_seconds(failed.get("status", {}).get("completionTime")) if failed else None,
-            failed_generation=int(failed["metadata"].get("annotations", {}).get(GENERATION_ANNOTATION, 0))
-            if failed
-            else None,
-            generation=generation,
-        )
-        if decision.action == scaling.Action.SCALE_UP:
-            await workloads.scale_up_to(self.client, self.namespace, spec.workload, decision.replicas)
-        elif decision.action == scaling.Action.SCALE_DOWN:
-            await self.create_request(spec, decision.replicas, generation, attempt=len(requests))
-        if decision.action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN):
-            event = specs.ScaleEvent(time=now, change=desired - current)
-            status.scaleEvents = _recent_events([*status.scaleEvents, event], now, spec)
-            status.lastScaleTime = timestamps.render(timestamps.now())
-            status.lastScaleReason = decision.reason
-            kopf.event(self.body, type="Normal", reason=decision.reason, message=decision.message)
-        status.replicas = int(workload.get("status", {}).get("replicas", current))
-        status.desiredReplicas = desired
-        status.message = decision.message
-        if step is not None and step.message and decision.action in (scaling.Action.NONE, scaling.Action.WAIT):
-            status.message = step.message
-        status.conditions = conditions.set_condition(
-            status.conditions,
-            "ScalingActive",
-            decision.action != scaling.Action.NONE,
-            reason=decision.reason,
-            message=decision.message,
-            generation=generation,
-        )
-        limited = decision.message if decision.reason == "DrainFailed" else limited
-        status.conditions = conditions.set_condition(
-            status.conditions,
-            "ScalingLimited",
-            bool(limited),
-            reason=decision.reason if decision.reason == "DrainFailed" else ("Limited" if limited else "NotLimited"),
-            message=limited,
-            generation=generation,
-        )
-        working = decision.action != scaling.Action.NONE or (step is not None and bool(step.message))
-        unreachable = conditions.get_condition(status.conditions, "SchedulerReachable")
-        if unreachable is not None and unreachable.status == "False":
-            # Without the scheduler no scale-down can drain and no memory is known: not Ready.
-            status.conditions = conditions.with_kstatus(
-                status.conditions, generation=generation, stalled=(unreachable.reason, unreachable.message)
-            )
-            status.conditions = conditions.set_condition(
-                status.conditions,
-                "Ready",
-                False,
-                reason=unreachable.reason,
-                message=unreachable.message,
-                generation=generation,
-            )
-        else:
-            status.conditions = conditions.with_kstatus(
-                status.conditions,
-                generation=generation,
-                reconciling=(decision.reason, status.message) if working else None,
-            )
-            status.conditions = conditions.set_condition(
-                status.conditions,
-                "Ready",
-                True,
-                reason="Managing",
-                message=f"managing {spec.workload.kind} {spec.workload.name!r}",
-                generation=generation,
-            )
         status.safetyNet = await self.safety_net(spec, status.safetyNet)
-        await self.write(old, status)
+        current = workloads.replicas_of(workload)
+        inputs = policy_decisions.Inputs(
+            owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
+            generation=generation,
+            spec=spec,
+            status=status,
+            current=current,
+            replicas=int(workload.get("status", {}).get("replicas", current)),
+            now=now,
+            autoscalers=tuple(scaling.autoscalers_on(spec.workload, hpas)),
+            usage=autoscaling.usage_of(snapshot.workers) if snapshot is not None else None,
+            connected=len(snapshot.workers) if snapshot is not None else 0,
+            requests=tuple(requests),
+            recycling=await self.read_recycling(spec, workload, snapshot, requests, status, now),
+        )
+        return old, inputs
+
+    async def apply(
+        self, old: specs.MemoryPolicyStatus, inputs: policy_decisions.Inputs, decision: policy_decisions.Decision
+    ) -> None:
+        """Do what the pass decided, each effect once; the status last but one, so that a
+        finished drain is annotated as recorded only once the status holds it."""
+        for mark in decision.marks:
+            await recycle.mark(self.client, self.namespace, mark.pod, mark.mark)
+            self.logger.info("recycling %s: %s", mark.pod, mark.message)
+        for request in decision.create:
+            await self.create(request)
+        if decision.scale_up_to is not None:
+            await workloads.scale_to(self.client, self.namespace, inputs.spec.workload, decision.scale_up_to, up=True)
+        for event in decision.events:
+            kopf.event(self.body, type=event.type, reason=event.reason, message=event.message)
+        await self.write(old, decision.status)
+        memory = decision.status.memory
         metrics.policy_observed(
             self.namespace,
             self.name,
             action=decision.action.value,
-            desired=desired,
-            replicas=status.replicas,
-            utilization=status.memory.percent / 100 if status.memory is not None and snapshot is not None else None,
+            desired=decision.desired,
+            replicas=decision.status.replicas or 0,
+            utilization=memory.percent / 100 if memory is not None and inputs.usage is not None else None,
         )
-        if step is not None:
-            await recycle.mark_recorded(self.client, self.namespace, step.recorded)
-        # Memory-driven features sample the scheduler on every short pass; a plain policy that is
-        # where it should be only watches for drift, and its own spec changes wake it at once.
-        self.steady = (
-            decision.action == scaling.Action.NONE
-            and not running
-            and snapshot is not None
-            and spec.autoscale is None
-            and spec.recycle is None
-            and spec.pressure is None
-            and spec.replication is None
-        )
+        await recycle.mark_recorded(self.client, self.namespace, decision.recorded)
+        self.steady = decision.steady
 
-    async def recycle(
+    async def read_recycling(
         self,
         spec: specs.MemoryPolicySpec,
         workload: dict[str, Any],
-        snapshot: planning.SchedulerSnapshot | None,
+        snapshot: snapshots.SchedulerSnapshot | None,
         requests: list[dict[str, Any]],
-        running: list[dict[str, Any]],
-        desired: int,
         status: specs.MemoryPolicyStatus,
         now: float,
-    ) -> recycle.Step | None:
+    ) -> policy_decisions.RecycleSeen | None:
         if spec.recycle is None or snapshot is None:
             return None
-        window = recycling.window_for(spec.recycle)
+        window = recycle_decisions.window_for(spec.recycle)
         if self.window is None or (self.window.seconds, self.window.spacing) != (window.seconds, window.spacing):
             self.window = window
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
-        return await recycle.reconcile(
+        return await recycle.observe(
             self.client,
             body=self.body,
-            spec=spec,
             pods=pods,
             snapshot=snapshot.named_by_pod(workloads.worker_names(pods)),
             window=self.window,
             requests=requests,
-            desired=desired,
-            # A scale-down of the policy is draining: no new recycling starts meanwhile.
-            busy=any((r["metadata"].get("labels") or {}).get(recycle.PURPOSE_LABEL) != "recycle" for r in running),
-            status=status,
+            record=status.recycle or specs.RecycleStatus(),
             now=now,
             logger=self.logger,
         )
@@ -340,24 +254,30 @@ class Policy:
             return [dict(body) for body in self.cache.of(plural).get(key, [])]
         group, version = _LISTED[plural]
         path = kube.resource_path(group, version, plural, self.namespace)
-        selector = f"{POLICY_LABEL}={self.name}" if plural == "retirementrequests" else None
+        selector = f"{objects.POLICY_LABEL}={self.name}" if plural == "retirementrequests" else None
         return await self.client.list(path, label_selector=selector)
 
     async def check_scheduler(
         self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
-    ) -> planning.SchedulerSnapshot | None:
+    ) -> snapshots.SchedulerSnapshot | None:
         """The workers and their memory (no keys: cheap), or None with the reason in a condition."""
-        field = "spec.scheduler.address"
         try:
-            security = None
-            if spec.scheduler.tls is not None:
-                field = "spec.scheduler.tls.secretName"
-                secret = await self.client.get(
-                    kube.resource_path("", "v1", "secrets", self.namespace, spec.scheduler.tls.secretName)
-                )
-                security = daskrpc.security_from_secret(secret.get("data") or {})
-                field = "spec.scheduler.address"
-            self.security = security
+            self.security = security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
+        except (scheduler_tls.SecretUnusable, kube.ApiError) as exc:
+            # The chart grants Secrets only with rbac.schedulerTLS: a 403's message says so.
+            cause = exc.cause if isinstance(exc, scheduler_tls.SecretUnusable) else exc
+            forbidden = isinstance(cause, kube.ApiError) and cause.code == 403
+            detail = cause.message if isinstance(cause, kube.ApiError) and forbidden else str(cause)
+            status.conditions = conditions.set_condition(
+                status.conditions,
+                "SchedulerReachable",
+                False,
+                reason="Forbidden" if forbidden else "SecretUnusable",
+                message=f"spec.scheduler.tls.secretName: {detail}",
+                generation=generation,
+            )
+            return None
+        try:
             # Identity only (no code sent) until the scheduler is shown to be this namespace's.
             snapshot = await daskrpc.fetch_snapshot(
                 spec.scheduler.address, security=security, keys=False, processing=False, timeout=5
@@ -369,18 +289,15 @@ class Policy:
                 )
                 verdict = await self.verify_tenancy(snapshot.workers)
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
-            # The chart grants Secrets only with rbac.schedulerTLS: a 403's message says so.
             forbidden = isinstance(exc, kube.ApiError) and exc.code == 403
             status.conditions = conditions.set_condition(
                 status.conditions,
                 "SchedulerReachable",
                 False,
-                reason="Forbidden"
-                if forbidden
-                else ("SchedulerUnreachable" if field == "spec.scheduler.address" else "SecretUnusable"),
+                reason="Forbidden" if forbidden else "SchedulerUnreachable",
                 message=f"spec.scheduler.tls.secretName: {exc.message}"
                 if isinstance(exc, kube.ApiError) and forbidden
-                else f"{field}: {exc}",
+                else f"spec.scheduler.address: {exc}",
                 generation=generation,
             )
             return None
@@ -402,7 +319,7 @@ class Policy:
         # Each worker under its pod's name, found by address (status.memory, recycling).
         return snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
 
-    async def verify_tenancy(self, workers: Sequence[planning.WorkerInfo]) -> tenancy.Verdict:
+    async def verify_tenancy(self, workers: Sequence[snapshots.WorkerInfo]) -> tenancy.Verdict:
         """:func:`memops.tenancy.check` against the namespace's pods, listed only when a worker
         is not among those the last check showed to be pods here, or that check is old: a
         listing of the namespace's pods on every pass of every policy would cost more API
@@ -413,7 +330,7 @@ class Policy:
             return tenancy.Verdict(tenancy.Reason.TENANT, "the workers of the last check")
         pods = await workloads.namespace_pods(self.client, self.namespace)
         verdict = tenancy.check(workers, pods, self.namespace)
-        located = planning.workers_by_pod(pods, workers) if verdict.allowed else {}
+        located = snapshots.workers_by_pod(pods, workers) if verdict.allowed else {}
         self.tenants = {w.address: pod for pod, found in located.items() for w in found}
         self.tenants_checked = time.monotonic()
         return verdict
@@ -464,39 +381,13 @@ class Policy:
                 )
         return specs.SafetyNetStatus(failedHooks=hooks) if hooks else current
 
-    async def create_request(self, spec: specs.MemoryPolicySpec, count: int, generation: int, *, attempt: int) -> None:
-        body = {
-            "apiVersion": specs.API_VERSION,
-            "kind": "RetirementRequest",
-            "metadata": {
-                # Named by the policy's generation and attempt: a pass that is repeated after a
-                # restart gets 409 for the request it already made, instead of making a second.
-                "name": f"{self.name}-g{generation}-{attempt}",
-                "namespace": self.namespace,
-                "labels": {POLICY_LABEL: self.name},
-                "annotations": {GENERATION_ANNOTATION: str(generation)},
-                "ownerReferences": [
-                    {
-                        "apiVersion": specs.API_VERSION,
-                        "kind": "MemoryPolicy",
-                        "name": self.name,
-                        "uid": str(self.body.metadata.uid),
-                        "controller": True,
-                        "blockOwnerDeletion": True,
-                    }
-                ],
-            },
-            "spec": {
-                "scheduler": spec.scheduler.model_dump(mode="json", exclude_none=True),
-                "workload": spec.workload.model_dump(mode="json"),
-                "count": count,
-                "timeout": spec.drain.timeout,
-                "onTimeout": spec.drain.onTimeout.value,
-            },
-        }
+    async def create(self, request: dict[str, Any]) -> None:
+        """Create one of the policy's RetirementRequests; one that exists already (a repeated pass) stays."""
         try:
             await self.client.request(
-                "POST", kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace), body=body
+                "POST",
+                kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace),
+                body=request,
             )
         except kube.ApiError as exc:
             if exc.code != 409:
@@ -543,7 +434,7 @@ class Policy:
         self.written = time.monotonic()
 
 
-def _memory_status(snapshot: planning.SchedulerSnapshot) -> specs.MemoryStatus:
+def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
     usage = autoscaling.usage_of(snapshot.workers)
     return specs.MemoryStatus(
         bytes=usage.held,
@@ -561,20 +452,6 @@ def _memory_status(snapshot: planning.SchedulerSnapshot) -> specs.MemoryStatus:
     )
 
 
-def _remember(
-    history: list[specs.Recommendation], now: float, replicas: int, spec: specs.AutoscaleSpec
-) -> list[specs.Recommendation]:
-    """Keep, for each recommended count, only when it was last recommended within the windows:
-    that is all the stabilization (a min and a max over a window) needs."""
-    window = max(spec.behavior.scaleUp.stabilizationWindowSeconds, spec.behavior.scaleDown.stabilizationWindowSeconds)
-    kept = [r for r in history if r.replicas != replicas and r.time > now - window]
-    return [*kept, specs.Recommendation(time=now, replicas=replicas)]
-
-
-def _recent_events(events: list[specs.ScaleEvent], now: float, spec: specs.MemoryPolicySpec) -> list[specs.ScaleEvent]:
-    rules = spec.autoscale.behavior if spec.autoscale is not None else specs.Behavior()
-    period = max((p.periodSeconds for r in (rules.scaleUp, rules.scaleDown) for p in r.policies), default=0)
-    return [e for e in events if e.time > now - period]
 
 
 def _own(raw: Any) -> dict[str, Any]:
@@ -582,17 +459,6 @@ def _own(raw: Any) -> dict[str, Any]:
     return {k: v for k, v in dict(raw or {}).items() if k in fields}
 
 
-def _request_size(request: dict[str, Any]) -> int:
-    workers = request.get("status", {}).get("workers")
-    return len(workers) if workers else int(request.get("spec", {}).get("count") or 1)
-
-
-def _latest_failure(requests: list[dict[str, Any]]) -> dict[str, Any] | None:
-    finished = sorted(
-        (r for r in requests if r.get("status", {}).get("phase") in _TERMINAL),
-        key=lambda r: r.get("status", {}).get("completionTime", ""),
-    )
-    return finished[-1] if finished and finished[-1]["status"]["phase"] == specs.Phase.FAILED.value else None
 
 
 _LISTED = {
@@ -662,12 +528,12 @@ def register(registry: kopf.OperatorRegistry) -> None:
         "retirementrequests",
         registry=registry,
         id="memops_policy_requests",
-        labels={POLICY_LABEL: kopf.PRESENT},
+        labels={objects.POLICY_LABEL: kopf.PRESENT},
     )
     def memops_policy_requests(
         namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, ...], dict[str, Any]]:
-        return {(namespace or "", labels[POLICY_LABEL]): _slim(body)}
+        return {(namespace or "", labels[objects.POLICY_LABEL]): _slim(body)}
 
     # The backoff lets a deleted policy's daemon finish removing its relief before it is cancelled.
     @kopf.daemon(
@@ -696,7 +562,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
             memo.policy_wakers.pop(uid, None)
             if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
                 if (body.get("status") or {}).get("pressure") and await reconciler.scheduler_is_tenant():
-                    await relief.remove(body, security=reconciler.security, logger=logger)
+                    await relief_install.remove(body, security=reconciler.security, logger=logger)
                 if (body.get("status") or {}).get("replication") and await reconciler.scheduler_is_tenant():
                     await replication.remove(body, security=reconciler.security, logger=logger)
 

@@ -19,8 +19,8 @@ from typing import Any
 import kopf
 from distributed.security import Security
 
-from memops import daskrpc, kube, metrics, planning, replication, specs
-from memops.controllers import relief, workloads
+from memops import daskrpc, kube, metrics, replication, snapshots, specs
+from memops.controllers import relief_install, workloads
 
 DEFAULT_CEILING = 0.7
 """No copy may push a worker over this share of its limit when pressure relief is off (relief's
@@ -35,13 +35,13 @@ async def reconcile(
     security: Security | None,
     namespace: str,
     policy: str,
-    snapshot: planning.SchedulerSnapshot,
+    snapshot: snapshots.SchedulerSnapshot,
     workload: dict[str, Any],
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> specs.ReplicationStatus | None:
     if spec.replication is None and old is None:
         return None
-    owner = relief.owner_of(namespace, policy)
+    owner = relief_install.owner_of(namespace, policy)
     if spec.replication is None:
         await _configure(spec, security, None, {}, owner, logger)
         return None
@@ -131,7 +131,7 @@ async def remove(
         return
     try:
         address = str(body.spec["scheduler"]["address"])
-        owner = relief.owner_of(str(body.metadata.namespace), str(body.metadata.name))
+        owner = relief_install.owner_of(str(body.metadata.namespace), str(body.metadata.name))
         await daskrpc.configure_replication(address, security=security, rules=None, places={}, owner=owner)
     except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
         logger.warning("replication left in the scheduler: %s", exc)

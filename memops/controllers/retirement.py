@@ -3,8 +3,8 @@
 One Kopf daemon per request. Kopf starts it when the request appears and again for every
 request after an operator restart; the daemon reads the request's status and the scheduler
 and carries on from there, so nothing lives only in this process. It exits once the phase
-is Succeeded or Failed. The decisions are pure functions in :mod:`memops.planning` and
-:mod:`memops.retirement`; this module reads, calls them, and writes.
+is Succeeded or Failed. The decisions are pure functions in :mod:`memops.snapshots` and
+:mod:`memops.drain_decisions`; this module reads, calls them, and writes.
 """
 
 from __future__ import annotations
@@ -19,32 +19,22 @@ import pydantic
 from memops import (
     conditions,
     daskrpc,
+    drain_decisions,
     eviction,
     kube,
     metrics,
-    planning,
-    retirement,
+    objects,
     selectors,
+    snapshots,
     specs,
     tenancy,
     timestamps,
 )
-from memops.controllers import workloads
+from memops.controllers import scheduler_tls, workloads
 
 _RETRY_SECONDS = 2.0
 _MAX_RETRY_SECONDS = 30.0  # the wait grows with each failure in a row, up to this
 _RPC_SECONDS = 10.0  # one call to the scheduler; a drain's own wait is bounded by spec.timeout
-_TERMINAL = (specs.Phase.SUCCEEDED, specs.Phase.FAILED)
-
-
-class SecretUnusable(Exception):
-    """The scheduler's TLS Secret is missing, or holds no usable client certificate."""
-
-    def __init__(self, name: str, namespace: str, cause: BaseException):
-        detail = str(cause) if isinstance(cause, kube.ApiError) else f"{type(cause).__name__}: {cause}"
-        super().__init__(
-            f"spec.scheduler.tls.secretName: Secret {name!r} in namespace {namespace} is unusable: {detail}"
-        )
 
 
 def _explain(exc: Exception) -> tuple[str, str, bool]:
@@ -53,7 +43,7 @@ def _explain(exc: Exception) -> tuple[str, str, bool]:
         return "ApiError", f"Kubernetes API: {exc}", True
     if isinstance(exc, daskrpc.SchedulerUnreachable):
         return "SchedulerUnreachable", f"spec.scheduler.address: {exc}", True
-    if isinstance(exc, SecretUnusable):
+    if isinstance(exc, scheduler_tls.SecretUnusable):
         return "SecretUnusable", str(exc), False
     return "InternalError", f"{type(exc).__name__}: {exc}", False
 
@@ -68,7 +58,7 @@ class Retirement:
         self.namespace = str(body.metadata.namespace)
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace, self.name)
-        self.before: planning.SchedulerSnapshot | None = None
+        self.before: snapshots.SchedulerSnapshot | None = None
         self._rejected_generation = 0
 
     # -- the loop -----------------------------------------------------------------------------
@@ -84,7 +74,7 @@ class Retirement:
             return
         failures = 0
         while not stopped:
-            if status.phase in _TERMINAL:
+            if status.phase in objects.TERMINAL_PHASES:
                 return
             before = status.model_copy(deep=True)
             try:
@@ -96,7 +86,7 @@ class Retirement:
             else:
                 if conditions.is_true(status.conditions, "Retrying"):
                     status = await self.recovered(status)
-            if status.phase in _TERMINAL:
+            if status.phase in objects.TERMINAL_PHASES:
                 return
             if failures or status == before:  # no progress: wait before trying again; progress goes on at once
                 await stopped.wait(min(_RETRY_SECONDS * max(failures, 1), _MAX_RETRY_SECONDS))
@@ -157,9 +147,9 @@ class Retirement:
     ) -> None:
         """A status this operator cannot read (written by another version, or by hand): fail the
         request, touching no pod. Only phase, message and conditions are written; the rest stays."""
-        if raw.get("phase") in _TERMINAL:
+        if raw.get("phase") in objects.TERMINAL_PHASES:
             return
-        problems = retirement.explain_invalid(error, "status")
+        problems = drain_decisions.explain_invalid(error, "status")
         message = f"the request's status cannot be read, so memops does nothing more: {problems}"
         generation = int(self.body.metadata.get("generation", 1))
         failed = conditions.set_condition(
@@ -187,7 +177,7 @@ class Retirement:
             try:
                 spec = specs.RetirementRequestSpec.model_validate(dict(self.body.spec))
             except pydantic.ValidationError as exc:
-                return await self.fail(status, "InvalidSpec", retirement.explain_invalid(exc), generation)
+                return await self.fail(status, "InvalidSpec", drain_decisions.explain_invalid(exc), generation)
             return await self.start(spec, status, generation)
         await self.refuse_spec_changes(status, generation)
         # Once started, only the spec accepted at the start counts: a request is one-shot.
@@ -215,7 +205,7 @@ class Retirement:
         except selectors.InvalidSelector as exc:
             message = f"{spec.workload.kind} {spec.workload.name!r}: {exc}"
             return await self.fail(status, "InvalidSelector", message, generation)
-        security = await self.security(spec)
+        security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
         try:
             wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
             # Identity only (no code sent) until the scheduler is shown to be this namespace's.
@@ -250,9 +240,9 @@ class Retirement:
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         pod_names = [p["metadata"]["name"] for p in pods]
         infos = [workloads.pod_info(p) for p in pods]
-        located = planning.workers_by_pod(infos, snapshot.workers)
-        unknown = planning.unidentified(infos, located)
-        taken = retirement.claimed_by_others(pods, self.name)
+        located = snapshots.workers_by_pod(infos, snapshot.workers)
+        unknown = snapshots.unidentified(infos, located)
+        taken = drain_decisions.claimed_by_others(pods, self.name)
         if spec.workers is not None:
             for index, pod in enumerate(spec.workers):
                 if pod not in pod_names:
@@ -274,7 +264,7 @@ class Retirement:
         else:
             assert spec.count is not None
             with metrics.deciding("choose_workers"):
-                chosen = planning.choose_workers(
+                chosen = snapshots.choose_workers(
                     pod_names, snapshot, spec.count, exclude=taken | set(unknown), located=located
                 )
         if unknown:
@@ -283,13 +273,13 @@ class Retirement:
                 "WorkersUnidentified",
                 True,
                 reason="NoWorkerAtPodAddress",
-                message=retirement.unidentified_message(unknown),
+                message=drain_decisions.unidentified_message(unknown),
                 generation=generation,
             )
         if not chosen:
             message = "no worker could be chosen: every pod is taken or none exists"
             if unknown:
-                message += f"; {retirement.unidentified_message(unknown)}"
+                message += f"; {drain_decisions.unidentified_message(unknown)}"
             return await self.fail(status, "NoWorkers", message, generation)
         for pod_object in pods:
             if pod_object["metadata"]["name"] in chosen:
@@ -304,7 +294,7 @@ class Retirement:
                 "onTimeout": spec.onTimeout,
                 "acceptedSpec": spec,
                 "requested": spec.count if spec.count is not None else len(chosen),
-                "workers": [retirement.entry(pod, located.get(pod, ()), unknown=pod in unknown) for pod in chosen],
+                "workers": [drain_decisions.entry(pod, located.get(pod, ()), unknown=pod in unknown) for pod in chosen],
             }
         )
         status.conditions = conditions.set_condition(
@@ -358,13 +348,13 @@ class Retirement:
         self, spec: specs.RetirementRequestSpec, status: specs.RetirementRequestStatus
     ) -> specs.RetirementRequestStatus:
         address = spec.scheduler.address
-        security = await self.security(spec)
+        security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
         on_timeout = status.onTimeout or specs.OnTimeout.ABORT
         deadline = timestamps.parse(status.deadline)
         draining = [w for w in status.workers if w.state == specs.WorkerState.DRAINING and not w.removable]
         if draining:
             status = await self.retire(address, security, status, draining, deadline, on_timeout)
-        if retirement.to_remove(status.workers):
+        if drain_decisions.to_remove(status.workers):
             if spec.removePods:
                 status = await self.remove(spec, status, deadline)
             else:  # an eviction's drain: the evicting client removes the pods, which the gate now admits
@@ -414,17 +404,17 @@ class Retirement:
                 )
                 await self.write(status)
                 return status
-            status.workers = retirement.judge_unreachable(status.workers, on_timeout=on_timeout, reason=str(exc))
+            status.workers = drain_decisions.judge_unreachable(status.workers, on_timeout=on_timeout, reason=str(exc))
             await self.write(status)
             return status
-        status.workers = retirement.judge_drain(
+        status.workers = drain_decisions.judge_drain(
             status.workers,
             before=self.before,
             after=after,
             retired=outcome.retired,
             timed_out=outcome.timed_out,
             on_timeout=on_timeout,
-            located=planning.workers_by_pod(namespace_pods, after.workers),
+            located=snapshots.workers_by_pod(namespace_pods, after.workers),
         )
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration
@@ -456,7 +446,7 @@ class Retirement:
                 generation=status.observedGeneration,
             )
         else:
-            status.workers = retirement.judge_unreachable(
+            status.workers = drain_decisions.judge_unreachable(
                 status.workers, on_timeout=on_timeout, reason=verdict.message
             )
         await self.write(status)
@@ -469,7 +459,7 @@ class Retirement:
         deadline: datetime.datetime,
     ) -> specs.RetirementRequestStatus:
         workload_ref = spec.workload
-        pods = retirement.to_remove(status.workers)
+        pods = drain_decisions.to_remove(status.workers)
         if status.scaleDown is None or not set(pods) <= set(status.scaleDown.pods):
             blockers = await workloads.outranking_pods(self.client, self.namespace, workload_ref, pods)
             if blockers:
@@ -478,7 +468,7 @@ class Retirement:
                     " them before the drained ones"
                 )
                 if timestamps.now() >= deadline:
-                    status.workers = retirement.keep_blocked(status.workers, message)
+                    status.workers = drain_decisions.keep_blocked(status.workers, message)
                     await self.write(status)
                     return status
                 status.conditions = conditions.set_condition(
@@ -494,7 +484,7 @@ class Retirement:
             try:
                 deployments = await workloads.worker_deployments(self.client, self.namespace, workload_ref, pods)
             except workloads.ForeignDeployment as exc:
-                status.workers = retirement.keep_blocked(status.workers, f"waiting: {exc}")
+                status.workers = drain_decisions.keep_blocked(status.workers, f"waiting: {exc}")
                 status.conditions = conditions.set_condition(
                     status.conditions,
                     "Draining",
@@ -518,7 +508,7 @@ class Retirement:
         assert status.scaleDown is not None
         await workloads.remove(self.client, self.namespace, workload_ref, status.scaleDown)
         gone = await workloads.wait_pods_gone(self.client, self.namespace, pods, timeout=60)
-        status.workers = retirement.mark_removed(status.workers, gone)
+        status.workers = drain_decisions.mark_removed(status.workers, gone)
         await self.write(status)
         for pod in gone:
             kopf.event(self.body, type="Normal", reason="PodRemoved", message=f"{pod}: drained and removed")
@@ -526,7 +516,7 @@ class Retirement:
 
     async def finish(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
         requested = status.requested or len(status.workers)
-        status = retirement.conclude(status, requested=requested, at=timestamps.render(timestamps.now()))
+        status = drain_decisions.conclude(status, requested=requested, at=timestamps.render(timestamps.now()))
         succeeded = status.phase == specs.Phase.SUCCEEDED
         status.conditions = conditions.set_condition(
             status.conditions,
@@ -586,7 +576,7 @@ class Retirement:
                 "observedGeneration": generation,
                 "completionTime": timestamps.render(timestamps.now()),
                 # A drain that had started: every pod whose removal was not ordered is kept.
-                "workers": retirement.keep_unfinished(status.workers, f"{reason}: {message}", ordered=ordered),
+                "workers": drain_decisions.keep_unfinished(status.workers, f"{reason}: {message}", ordered=ordered),
             }
         )
         status.conditions = conditions.set_condition(
@@ -620,22 +610,6 @@ class Retirement:
 
     # -- I/O helpers ----------------------------------------------------------------------------
 
-    async def security(self, spec: specs.RetirementRequestSpec) -> Any:
-        if spec.scheduler.tls is None:
-            return None
-        name = spec.scheduler.tls.secretName
-        try:
-            secret = await self.client.get(kube.resource_path("", "v1", "secrets", self.namespace, name))
-            security: Any = daskrpc.security_from_secret(secret.get("data") or {})
-            security.get_connection_args("client")  # loads the certificates: a broken one fails here
-        except kube.ApiError as exc:
-            if exc.code not in (401, 403, 404):
-                raise  # the API server's own trouble: retried as any other
-            raise SecretUnusable(name, self.namespace, exc) from exc
-        except Exception as exc:
-            raise SecretUnusable(name, self.namespace, exc) from exc
-        return security
-
     async def write(self, status: specs.RetirementRequestStatus) -> None:
         status.conditions = conditions.request_summary(status)
         body = status.model_dump(mode="json", exclude_none=True)
@@ -657,7 +631,7 @@ def _own_status(raw: Any) -> dict[str, Any]:
 def refused_change(raw_status: Any, generation: int) -> list[dict[str, Any]] | None:
     """Conditions to write when a finished request's spec changes (its daemon has exited)."""
     status = specs.RetirementRequestStatus.model_validate(_own_status(raw_status))
-    if status.phase not in _TERMINAL or generation <= status.observedGeneration:
+    if status.phase not in objects.TERMINAL_PHASES or generation <= status.observedGeneration:
         return None  # Pending: the daemon acts on the new spec; Draining: the daemon refuses it
     message = (
         f"spec changed at generation {generation} after the request finished ({status.phase});"

@@ -26,10 +26,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from memops import kube, planning, retirement, selectors, specs
-
-Obj = dict[str, Any]
-
+from memops import kube, objects, selectors, snapshots, specs
 
 DASK_GROUP, DASK_VERSION = "kubernetes.dask.org", "v1"
 WORKER_NAME_ENV = "DASK_WORKER_NAME"
@@ -45,15 +42,15 @@ def _path(namespace: str, ref: specs.WorkloadRef) -> str:
     return _deployment_path(namespace, ref.name)
 
 
-def _is_group(workload: Obj) -> bool:
+def _is_group(workload: objects.Obj) -> bool:
     return str(workload.get("kind")) == specs.WorkloadKind.DASK_WORKER_GROUP.value
 
 
-async def get(client: kube.Kube, namespace: str, ref: specs.WorkloadRef) -> Obj | None:
+async def get(client: kube.Kube, namespace: str, ref: specs.WorkloadRef) -> objects.Obj | None:
     return await client.get_or_none(_path(namespace, ref))
 
 
-def replicas_of(workload: Obj) -> int:
+def replicas_of(workload: objects.Obj) -> int:
     """The workload's desired replicas as its spec says."""
     spec = workload.get("spec", {})
     if _is_group(workload):
@@ -61,7 +58,7 @@ def replicas_of(workload: Obj) -> int:
     return int(spec.get("replicas", 1))
 
 
-def selector_of(workload: Obj) -> Any:
+def selector_of(workload: objects.Obj) -> Any:
     """The LabelSelector of the workload's worker pods, as the workload writes it."""
     if _is_group(workload):
         # The labels dask-kubernetes puts on every worker Deployment and its pods.
@@ -74,13 +71,13 @@ def selector_of(workload: Obj) -> Any:
     return workload.get("spec", {}).get("selector")
 
 
-def selector(workload: Obj) -> str:
+def selector(workload: objects.Obj) -> str:
     """The selector as a ``labelSelector``; raises :class:`memops.selectors.InvalidSelector`
     for an empty or missing one, which memops never reads as "every pod"."""
     return selectors.render(selector_of(workload))
 
 
-def worker_names(pods: list[Obj]) -> dict[str, str]:
+def worker_names(pods: list[objects.Obj]) -> dict[str, str]:
     """Dask worker name -> pod name, where they differ.
 
     memops names a worker by its pod. dask-kubernetes names it by its Deployment, through a
@@ -95,12 +92,12 @@ def worker_names(pods: list[Obj]) -> dict[str, str]:
     return names
 
 
-def pod_info(pod: Obj) -> planning.PodInfo:
-    """What :func:`memops.planning.workers_by_pod` and :func:`memops.tenancy.check` read of a pod."""
+def pod_info(pod: objects.Obj) -> snapshots.PodInfo:
+    """What :func:`memops.snapshots.workers_by_pod` and :func:`memops.tenancy.check` read of a pod."""
     status = pod.get("status") or {}
     ips = [str(status["podIP"])] if status.get("podIP") else []
     ips += [str(entry["ip"]) for entry in status.get("podIPs") or [] if entry.get("ip")]
-    return planning.PodInfo(
+    return snapshots.PodInfo(
         name=str(pod["metadata"]["name"]),
         ips=tuple(dict.fromkeys(ips)),
         worker_names=tuple(worker_names([pod])),
@@ -108,12 +105,12 @@ def pod_info(pod: Obj) -> planning.PodInfo:
     )
 
 
-async def namespace_pods(client: kube.Kube, namespace: str) -> list[planning.PodInfo]:
+async def namespace_pods(client: kube.Kube, namespace: str) -> list[snapshots.PodInfo]:
     """Every pod of the namespace, for the tenancy check (:mod:`memops.tenancy`)."""
     return [pod_info(p) for p in await client.list(kube.resource_path("", "v1", "pods", namespace))]
 
 
-async def owning_deployment(client: kube.Kube, pod: Obj) -> str | None:
+async def owning_deployment(client: kube.Kube, pod: objects.Obj) -> str | None:
     """The Deployment that runs this pod: its owner, or its ReplicaSet's owner."""
     meta = pod["metadata"]
     for owner in meta.get("ownerReferences", []) or []:
@@ -129,7 +126,9 @@ async def owning_deployment(client: kube.Kube, pod: Obj) -> str | None:
     return None
 
 
-async def pods(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, workload: Obj | None = None) -> list[Obj]:
+async def pods(
+    client: kube.Kube, namespace: str, ref: specs.WorkloadRef, workload: objects.Obj | None = None
+) -> list[objects.Obj]:
     """The workload's pods that are not being deleted."""
     workload = workload or await get(client, namespace, ref)
     if workload is None:
@@ -143,16 +142,18 @@ def _pod_path(namespace: str, name: str) -> str:
     return kube.resource_path("", "v1", "pods", namespace, name)
 
 
-async def claim_pod(client: kube.Kube, pod: Obj, request: str) -> None:
+async def claim_pod(client: kube.Kube, pod: objects.Obj, request: str) -> None:
     """Annotate the pod as this request's, atomically: a concurrent claim fails the ``test``."""
     meta = pod["metadata"]
-    operations: list[Obj] = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}]
+    operations: list[objects.Obj] = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}
+    ]
     if meta.get("annotations"):
-        key = retirement.CLAIM_ANNOTATION.replace("~", "~0").replace("/", "~1")
+        key = objects.CLAIM_ANNOTATION.replace("~", "~0").replace("/", "~1")
         operations.append({"op": "add", "path": f"/metadata/annotations/{key}", "value": request})
     else:
         operations.append(
-            {"op": "add", "path": "/metadata/annotations", "value": {retirement.CLAIM_ANNOTATION: request}}
+            {"op": "add", "path": "/metadata/annotations", "value": {objects.CLAIM_ANNOTATION: request}}
         )
     await client.json_patch(_pod_path(meta["namespace"], meta["name"]), operations)
 
@@ -165,18 +166,19 @@ async def release_claims(
     Idempotent; returns the pods released."""
     if names is None:
         listed = await client.list(kube.resource_path("", "v1", "pods", namespace))
-        claimed = [p for p in listed if (p["metadata"].get("annotations") or {}).get(retirement.CLAIM_ANNOTATION)]
+        claimed = [p for p in listed if (p["metadata"].get("annotations") or {}).get(objects.CLAIM_ANNOTATION)]
     else:
         claimed = [p for p in [await client.get_or_none(_pod_path(namespace, n)) for n in names] if p is not None]
     released = []
     for pod in claimed:
         name = str(pod["metadata"]["name"])
         annotations = pod["metadata"].get("annotations") or {}
-        if annotations.get(retirement.CLAIM_ANNOTATION) != request:
+        if annotations.get(objects.CLAIM_ANNOTATION) != request:
             continue
-        change: dict[str, str | None] = {retirement.CLAIM_ANNOTATION: None}
-        if name not in keep_cost and annotations.get(retirement.POD_DELETION_COST) == retirement.LOWEST_DELETION_COST:
-            change[retirement.POD_DELETION_COST] = None
+        change: dict[str, str | None] = {objects.CLAIM_ANNOTATION: None}
+        cost = annotations.get(objects.POD_DELETION_COST)
+        if name not in keep_cost and cost == objects.LOWEST_DELETION_COST:
+            change[objects.POD_DELETION_COST] = None
         try:
             await client.merge_patch(_pod_path(namespace, name), {"metadata": {"annotations": change}})
         except kube.ApiError as exc:
@@ -186,7 +188,7 @@ async def release_claims(
     return released
 
 
-def _ready(pod: Obj) -> bool:
+def _ready(pod: objects.Obj) -> bool:
     return any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", [])
     )
@@ -207,7 +209,7 @@ async def outranking_pods(client: kube.Kube, namespace: str, ref: specs.Workload
 async def mark_for_deletion(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, names: list[str]) -> None:
     if ref.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
         return  # no ReplicaSet chooses among a group's pods
-    patch = {"metadata": {"annotations": {retirement.POD_DELETION_COST: retirement.LOWEST_DELETION_COST}}}
+    patch = {"metadata": {"annotations": {objects.POD_DELETION_COST: objects.LOWEST_DELETION_COST}}}
     for name in names:
         try:
             await client.merge_patch(_pod_path(namespace, name), patch)
@@ -227,7 +229,7 @@ class ForeignDeployment(Exception):
     """A pod's owning Deployment is not a worker Deployment of the group memops was asked about."""
 
 
-def foreign_deployment(deployment: Obj | None, group: Obj) -> str | None:
+def foreign_deployment(deployment: objects.Obj | None, group: objects.Obj) -> str | None:
     """Why this Deployment is not one of the group's worker Deployments, or None if it is.
 
     dask-kubernetes labels each worker Deployment with its group and cluster; a pod's
@@ -272,7 +274,7 @@ async def worker_deployments(client: kube.Kube, namespace: str, ref: specs.Workl
 async def remove(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, scale_down: specs.ScaleDown) -> None:
     """Carry out the recorded scale-down; idempotent, so a restarted operator can repeat it."""
     if ref.kind != specs.WorkloadKind.DASK_WORKER_GROUP:
-        await scale_down_to(client, namespace, ref, scale_down.replicasTo)
+        await scale_to(client, namespace, ref, scale_down.replicasTo, up=False)
         return
     for name in scale_down.deployments:
         try:
@@ -316,47 +318,24 @@ async def _lower_group_replicas(
             raise
 
 
-async def scale_down_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, target: int) -> None:
-    """Lower replicas to ``target`` unless they already are at or below it (idempotent)."""
-    path = _deployment_path(namespace, ref.name, "scale")
-    scale = await client.get(path)
-    if int(scale.get("spec", {}).get("replicas", 0)) <= target:
-        return
-    await client.merge_patch(
-        path,
-        {
-            "metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]},
-            "spec": {"replicas": target},
-        },
-    )
-
-
-async def scale_up_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, target: int) -> None:
-    """Raise replicas to ``target`` unless they already are at or above it (idempotent)."""
+async def scale_to(client: kube.Kube, namespace: str, ref: specs.WorkloadRef, target: int, *, up: bool) -> None:
+    """Raise (``up``) or lower the workload's replicas to ``target``, unless they already are there
+    or beyond (idempotent). The resourceVersion makes it a compare-and-swap: a change by someone
+    else meanwhile fails with 409, and the next pass looks again."""
+    change: dict[str, Any]
     if ref.kind == specs.WorkloadKind.DASK_WORKER_GROUP:
-        group = await client.get(_path(namespace, ref))
-        if replicas_of(group) >= target:
-            return
         # dask-kubernetes' handler creates the new workers' Deployments.
-        await client.merge_patch(
-            _path(namespace, ref),
-            {
-                "metadata": {"resourceVersion": group["metadata"]["resourceVersion"]},
-                "spec": {"worker": {"replicas": target}},
-            },
-        )
+        path = _path(namespace, ref)
+        found = await client.get(path)
+        current, change = replicas_of(found), {"worker": {"replicas": target}}
+    else:
+        path = _deployment_path(namespace, ref.name, "scale")
+        found = await client.get(path)
+        current, change = int(found.get("spec", {}).get("replicas", 0)), {"replicas": target}
+    if (current >= target) if up else (current <= target):
         return
-    path = _deployment_path(namespace, ref.name, "scale")
-    scale = await client.get(path)
-    if int(scale.get("spec", {}).get("replicas", 0)) >= target:
-        return
-    await client.merge_patch(
-        path,
-        {
-            "metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]},
-            "spec": {"replicas": target},
-        },
-    )
+    version = found["metadata"]["resourceVersion"]
+    await client.merge_patch(path, {"metadata": {"resourceVersion": version}, "spec": change})
 
 
 async def wait_pods_gone(client: kube.Kube, namespace: str, names: list[str], *, timeout: float) -> list[str]:

@@ -303,9 +303,9 @@ def test_service_monitor_scrapes_the_metrics_service() -> None:
 
 
 def test_readme_values_summary_names_real_values() -> None:
-    """Each `key` the README's install section lists is a value of the chart."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Install on a cluster", 1)[1].split("\n## ", 1)[0]
+    """Each `key` the install guide's values table lists is a value of the chart."""
+    guide = (ROOT / "docs" / "install.md").read_text()
+    section = guide.split("## Helm values", 1)[1].split("\n## ", 1)[0]
     defaults = yaml.safe_load((manifests.CHART / "values.yaml").read_text())
     rows = [
         key
@@ -313,9 +313,9 @@ def test_readme_values_summary_names_real_values() -> None:
         if line.startswith("| `")
         for key in re.findall(r"`([^`]+)`", line.split("|")[1])
     ]
-    assert rows, "no values table in the README's install section"
+    assert rows, "no values table in the install guide's Helm values section"
     for key in rows:
         node: Any = defaults
         for part in key.split("."):
-            assert isinstance(node, dict) and part in node, f"README lists `{key}`, which values.yaml does not have"
+            assert isinstance(node, dict) and part in node, f"install.md lists `{key}`, not in values.yaml"
             node = node[part]

@@ -24,7 +24,7 @@ import pytest
 from distributed import Client, Future, LocalCluster
 from distributed.security import Security
 
-from memops import daskrpc, planning
+from memops import daskrpc, snapshots
 
 MiB = 2**20
 
@@ -104,7 +104,7 @@ async def test_snapshot_counts_unique_bytes(cluster: LocalCluster, client: Clien
     assert on_a.name == str(cluster.scheduler.workers[a].name) and snapshot.by_name(on_a.name) == on_a
     assert on_a.status == "running" and on_a.memory_limit > 0
     # What the operator would retire first: the empty worker, then the one whose data has copies.
-    assert planning.choose_workers([on_a.name, on_b.name, on_c.name], snapshot, 3) == [on_c.name, on_b.name, on_a.name]
+    assert snapshots.choose_workers([on_a.name, on_b.name, on_c.name], snapshot, 3) == [on_c.name, on_b.name, on_a.name]
     # A deadline already past starts nothing.
     outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=0)
     assert outcome.timed_out and outcome.not_retired == (a,)
@@ -154,8 +154,8 @@ async def test_retire_moves_unique_data_worker_to_worker(cluster: LocalCluster, 
     assert (outcome.retired, outcome.not_retired, outcome.timed_out, outcome.absent) == ((a,), (), False, ())
     after = await daskrpc.fetch_snapshot(cluster.scheduler_address, placement=list(before.who_has))
     assert after.by_address(a) is None
-    assert planning.bytes_moved(before.who_has, after.who_has, before.nbytes, a) == (worker.unique_bytes, 5)
-    assert planning.bytes_lost(before.who_has, after.who_has, before.nbytes, a) == (0, 0)
+    assert snapshots.bytes_moved(before.who_has, after.who_has, before.nbytes, a) == (worker.unique_bytes, 5)
+    assert snapshots.bytes_lost(before.who_has, after.who_has, before.nbytes, a) == (0, 0)
     assert await all_intact(client, data)
     # Again, as an operator would after a restart: the worker is known to be gone, nothing is done.
     again = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=30)

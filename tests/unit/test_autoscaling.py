@@ -100,6 +100,7 @@ def test_desired_replicas_is_clamped_to_min_and_max() -> None:
         current=8, usage=usage(100, workers=8), spec=autoscale(), history=[], events=[], now=1000
     )
     assert high.replicas == 10 and "maxReplicas" in high.reason
+    assert high.limits == (autoscaling.Limit.MAX_REPLICAS,)
     idle = autoscale(
         minReplicas=3,
         behavior={
@@ -111,6 +112,9 @@ def test_desired_replicas_is_clamped_to_min_and_max() -> None:
     )
     low = autoscaling.desired_replicas(current=4, usage=usage(1), spec=idle, history=[], events=[], now=1000)
     assert low.replicas == 3 and "minReplicas" in low.reason
+    assert low.limits == (autoscaling.Limit.MIN_REPLICAS,)
+    steady = autoscaling.desired_replicas(current=4, usage=usage(50), spec=autoscale(), history=[], events=[], now=1000)
+    assert (steady.replicas, steady.limits) == (4, ())
 
 
 def test_never_fewer_workers_than_the_memory_in_use_needs() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memops import planning
+from memops import snapshots
 from memops.scheduler import holdings
 
 
@@ -63,7 +63,7 @@ def test_the_same_figures_as_summing_who_has_key_by_key() -> None:
     workers, _, replicated = state(PLACEMENT)
     who_has = {k: tuple(h) for k, (_, h) in PLACEMENT.items()}
     nbytes = {k: size if size >= 0 else 95 for k, (size, _) in PLACEMENT.items()}
-    assert holdings.holdings(workers, replicated) == planning.holdings(who_has, nbytes)
+    assert holdings.holdings(workers, replicated) == snapshots.holdings(who_has, nbytes)
 
 
 def test_a_worker_holding_nothing_or_only_copies_holds_nothing_unique() -> None:

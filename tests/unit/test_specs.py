@@ -5,7 +5,7 @@ import datetime
 import pydantic
 import pytest
 
-from memops import retirement, specs
+from memops import drain_decisions, specs
 
 
 @pytest.mark.parametrize(
@@ -51,14 +51,14 @@ def test_defaults() -> None:
 def test_invalid_specs_name_the_field(extra: dict[str, object], field: str) -> None:
     with pytest.raises(pydantic.ValidationError) as info:
         specs.RetirementRequestSpec.model_validate({**BASE, **extra})
-    assert field in retirement.explain_invalid(info.value)
+    assert field in drain_decisions.explain_invalid(info.value)
 
 
 def test_tls_address_needs_a_secret() -> None:
     body = {**BASE, "count": 1, "scheduler": {"address": "tls://dask-scheduler:8786"}}
     with pytest.raises(pydantic.ValidationError) as info:
         specs.RetirementRequestSpec.model_validate(body)
-    assert "scheduler.tls.secretName is required" in retirement.explain_invalid(info.value)
+    assert "scheduler.tls.secretName is required" in drain_decisions.explain_invalid(info.value)
     body["scheduler"] = {"address": "tls://dask-scheduler:8786", "tls": {"secretName": "dask-client"}}
     assert specs.RetirementRequestSpec.model_validate(body).scheduler.tls is not None
 
@@ -92,7 +92,7 @@ ESCAPE = "../../kube-system/deployments/coredns"
 def test_names_sets_and_durations_are_bounded(extra: dict[str, object], field: str) -> None:
     with pytest.raises(pydantic.ValidationError) as info:
         specs.RetirementRequestSpec.model_validate({**BASE, **extra})
-    assert field in retirement.explain_invalid(info.value)
+    assert field in drain_decisions.explain_invalid(info.value)
 
 
 @pytest.mark.parametrize(
@@ -143,7 +143,7 @@ POLICY = {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deploy
 def test_policy_names_and_durations_are_bounded(extra: dict[str, object], field: str) -> None:
     with pytest.raises(pydantic.ValidationError) as info:
         specs.MemoryPolicySpec.model_validate({**POLICY, **extra})
-    assert field in retirement.explain_invalid(info.value)
+    assert field in drain_decisions.explain_invalid(info.value)
 
 
 def test_a_policy_may_recycle_after_a_year() -> None:

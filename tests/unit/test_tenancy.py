@@ -2,13 +2,13 @@
 
 import pytest
 
-from memops import planning, tenancy
+from memops import snapshots, tenancy
 
-W = planning.WorkerInfo
+W = snapshots.WorkerInfo
 
 
-def pod(name: str, *ips: str, phase: str = "Running") -> planning.PodInfo:
-    return planning.PodInfo(name=name, ips=ips, phase=phase)
+def pod(name: str, *ips: str, phase: str = "Running") -> snapshots.PodInfo:
+    return snapshots.PodInfo(name=name, ips=ips, phase=phase)
 
 
 MINE = [pod("w-a", "10.0.0.1"), pod("w-b", "10.0.0.2")]
@@ -54,7 +54,7 @@ MINE = [pod("w-a", "10.0.0.1"), pod("w-b", "10.0.0.2")]
     ],
 )
 def test_check(
-    workers: list[planning.WorkerInfo], pods: list[planning.PodInfo], reason: str, foreign: tuple[str, ...]
+    workers: list[snapshots.WorkerInfo], pods: list[snapshots.PodInfo], reason: str, foreign: tuple[str, ...]
 ) -> None:
     verdict = tenancy.check(workers, pods, "team-a")
     assert (verdict.reason.value, verdict.foreign) == (reason, foreign)

@@ -6,12 +6,12 @@ import kopf
 import pytest
 
 from memops import cli
-from memops.controllers import admission
+from memops.controllers import safetynet_webhook
 
 
 def test_certificate_files_and_an_unmanaged_configuration() -> None:
     settings = kopf.OperatorSettings()
-    admission.configure(
+    safetynet_webhook.configure(
         settings, port=9443, host="0.0.0.0", insecure=False, certfile="/c/tls.crt", pkeyfile="/c/tls.key", managed=False
     )
     server = settings.admission.server
@@ -22,8 +22,8 @@ def test_certificate_files_and_an_unmanaged_configuration() -> None:
 
 def test_kopf_manages_the_configuration_by_default() -> None:
     settings = kopf.OperatorSettings()
-    admission.configure(settings, port=9443, host="127.0.0.1", insecure=True)
-    assert settings.admission.managed == admission.CONFIGURATION
+    safetynet_webhook.configure(settings, port=9443, host="127.0.0.1", insecure=True)
+    assert settings.admission.managed == safetynet_webhook.CONFIGURATION
     assert settings.admission.server.certfile is None
 
 

@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from memops import planning
+from memops import snapshots
 from memops.controllers import workloads
 
 
@@ -44,10 +44,10 @@ def test_dask_kubernetes_workers_are_named_after_their_deployment_and_map_back_t
         pod("dask-worker-7d-abcde", [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
     ]
     assert workloads.worker_names(pods) == {"dk-default-worker-aa": "dk-default-worker-aa-5f9c-x1"}
-    snapshot = planning.SchedulerSnapshot(
+    snapshot = snapshots.SchedulerSnapshot(
         (
-            planning.WorkerInfo("dk-default-worker-aa", "tcp://a:1", unique_bytes=5),
-            planning.WorkerInfo("dask-worker-7d-abcde", "tcp://b:1"),
+            snapshots.WorkerInfo("dk-default-worker-aa", "tcp://a:1", unique_bytes=5),
+            snapshots.WorkerInfo("dask-worker-7d-abcde", "tcp://b:1"),
         )
     )
     named = snapshot.named_by_pod(workloads.worker_names(pods))
@@ -88,7 +88,7 @@ def test_only_deployments_labelled_as_the_groups_are_deleted(labels: dict[str, s
 def test_pod_info_reads_the_pod_ips_and_the_dask_worker_name() -> None:
     body = pod("dk-default-worker-aa-x1", [{"name": "DASK_WORKER_NAME", "value": "dk-default-worker-aa"}])
     body["status"] = {"phase": "Running", "podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}
-    assert workloads.pod_info(body) == planning.PodInfo(
+    assert workloads.pod_info(body) == snapshots.PodInfo(
         "dk-default-worker-aa-x1", ("10.0.0.1", "fd00::1"), ("dk-default-worker-aa",), "Running"
     )
 

@@ -9,11 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import pydantic
 
-from memops import planning, specs
-
-POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-LOWEST_DELETION_COST = str(-(2**31))  # the annotation is an int32; lower is deleted first
-CLAIM_ANNOTATION = "memops.dev/retirement-request"
+from memops import objects, snapshots, specs
 
 
 def explain_invalid(error: pydantic.ValidationError, prefix: str = "spec") -> str:
@@ -32,13 +28,13 @@ def claimed_by_others(pods: Iterable[Mapping[str, object]], me: str) -> set[str]
     for pod in pods:
         meta = pod.get("metadata", {})
         assert isinstance(meta, dict)
-        owner = (meta.get("annotations") or {}).get(CLAIM_ANNOTATION)
+        owner = (meta.get("annotations") or {}).get(objects.CLAIM_ANNOTATION)
         if owner and owner != me:
             result.add(str(meta["name"]))
     return result
 
 
-def entry(pod: str, workers: Sequence[planning.WorkerInfo], *, unknown: bool = False) -> specs.WorkerStatus:
+def entry(pod: str, workers: Sequence[snapshots.WorkerInfo], *, unknown: bool = False) -> specs.WorkerStatus:
     """The status of a chosen pod when the drain starts, from the workers that run in it."""
     if unknown:
         return specs.WorkerStatus(pod=pod, state=specs.WorkerState.KEPT, message=unidentified_message([pod]))
@@ -67,12 +63,12 @@ def unidentified_message(pods: Sequence[str]) -> str:
 def judge_drain(
     workers: Sequence[specs.WorkerStatus],
     *,
-    before: planning.SchedulerSnapshot | None,
-    after: planning.SchedulerSnapshot,
+    before: snapshots.SchedulerSnapshot | None,
+    after: snapshots.SchedulerSnapshot,
     retired: Iterable[str],
     timed_out: bool,
     on_timeout: specs.OnTimeout,
-    located: Mapping[str, Sequence[planning.WorkerInfo]] | None = None,
+    located: Mapping[str, Sequence[snapshots.WorkerInfo]] | None = None,
 ) -> list[specs.WorkerStatus]:
     """Decide each draining worker's fate once the scheduler has answered.
 
@@ -83,7 +79,7 @@ def judge_drain(
     unique data is ``Kept``, or with ``onTimeout: Force`` marked ``Forced`` with the bytes its
     removal loses. A pod that ran several workers (``--nworkers``) is removable only when all of
     them are. ``located`` maps each pod to the workers that run in it now
-    (:func:`memops.planning.workers_by_pod` over ``after``); without it a worker is its pod's by
+    (:func:`memops.snapshots.workers_by_pod` over ``after``); without it a worker is its pod's by
     name. ``before`` is the snapshot taken when this process began the drain; after an operator
     restart it may not know the workers any more, and the status' own figures stand.
     """
@@ -95,7 +91,7 @@ def judge_drain(
             continue
         recorded = tuple(worker.addresses) or ((worker.address,) if worker.address else ())
         if located is not None:
-            current: Sequence[planning.WorkerInfo] = located.get(worker.pod, ())
+            current: Sequence[snapshots.WorkerInfo] = located.get(worker.pod, ())
         else:
             found = after.by_name(worker.pod)
             current = () if found is None else (found,)
@@ -107,8 +103,8 @@ def judge_drain(
         if known and before is not None:
             moved = lost = lost_keys = 0
             for address in known:
-                moved += planning.bytes_moved(before.who_has, after.who_has, before.nbytes, address)[0]
-                some_bytes, some_keys = planning.bytes_lost(before.who_has, after.who_has, before.nbytes, address)
+                moved += snapshots.bytes_moved(before.who_has, after.who_has, before.nbytes, address)[0]
+                some_bytes, some_keys = snapshots.bytes_lost(before.who_has, after.who_has, before.nbytes, address)
                 lost += some_bytes
                 lost_keys += some_keys
         if not recorded:
@@ -279,8 +275,25 @@ def conclude(status: specs.RetirementRequestStatus, *, requested: int, at: str) 
             "kept": kept,
             "forced": forced,
             "bytesMoved": moved,
+            "moved": quantity(moved),
             "bytesLost": lost,
             "message": message,
             "completionTime": at,
         }
     )
+
+
+def quantity(nbytes: int) -> str:
+    """Bytes as a person reads them, in Kubernetes' binary units: 134217728 is ``128Mi``.
+
+    Three significant figures at most (``1.5Gi``, ``143Mi``); below 1Ki the plain number.
+    """
+    value, unit = float(nbytes), ""
+    for suffix in ("Ki", "Mi", "Gi", "Ti", "Pi"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, suffix
+    if not unit:
+        return str(nbytes)
+    text = f"{value:.1f}" if abs(value) < 10 else f"{value:.0f}"
+    return text.removesuffix(".0") + unit

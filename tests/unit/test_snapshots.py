@@ -2,16 +2,16 @@
 
 import pytest
 
-from memops import planning
+from memops import snapshots
 
 
 def snapshot(
     *workers: tuple[str, int, int], who_has: dict[str, tuple[str, ...]] | None = None
-) -> planning.SchedulerSnapshot:
+) -> snapshots.SchedulerSnapshot:
     """Workers as (name, unique bytes, managed bytes); the address is tcp://<name>."""
-    return planning.SchedulerSnapshot(
+    return snapshots.SchedulerSnapshot(
         workers=tuple(
-            planning.WorkerInfo(name=n, address=f"tcp://{n}", unique_bytes=u, managed_bytes=m) for n, u, m in workers
+            snapshots.WorkerInfo(name=n, address=f"tcp://{n}", unique_bytes=u, managed_bytes=m) for n, u, m in workers
         ),
         who_has=who_has or {},
     )
@@ -41,13 +41,13 @@ def snapshot(
 def test_choose_workers(
     pods: list[str], workers: list[tuple[str, int, int]], count: int, exclude: tuple[str, ...], expected: list[str]
 ) -> None:
-    assert planning.choose_workers(pods, snapshot(*workers), count, exclude=exclude) == expected
+    assert snapshots.choose_workers(pods, snapshot(*workers), count, exclude=exclude) == expected
 
 
 def test_holdings_count_only_single_copies_as_unique() -> None:
     who_has = {"x": ("tcp://a",), "y": ("tcp://a", "tcp://b"), "z": ("tcp://b",), "gone": ()}
     nbytes = {"x": 10, "y": 100, "z": 7}
-    assert planning.holdings(who_has, nbytes) == {"tcp://a": (110, 2, 10, 1), "tcp://b": (107, 2, 7, 1)}
+    assert snapshots.holdings(who_has, nbytes) == {"tcp://a": (110, 2, 10, 1), "tcp://b": (107, 2, 7, 1)}
 
 
 BEFORE = {"x": ("tcp://a",), "y": ("tcp://a",), "z": ("tcp://a", "tcp://b"), "w": ("tcp://b",)}
@@ -80,15 +80,15 @@ NBYTES = {"x": 10, "y": 20, "z": 40, "w": 80}
     ],
 )
 def test_bytes_moved_and_lost(after: dict[str, tuple[str, ...]], moved: tuple[int, int], lost: tuple[int, int]) -> None:
-    assert planning.bytes_moved(BEFORE, after, NBYTES, "tcp://a") == moved
-    assert planning.bytes_lost(BEFORE, after, NBYTES, "tcp://a") == lost
+    assert snapshots.bytes_moved(BEFORE, after, NBYTES, "tcp://a") == moved
+    assert snapshots.bytes_lost(BEFORE, after, NBYTES, "tcp://a") == lost
 
 
 def test_bytes_moved_ignores_keys_that_had_replicas_before() -> None:
     """Key z had a copy on b before: retiring a never put it at risk, so it is neither moved nor lost."""
     after = {"z": ("tcp://b",)}
-    assert planning.bytes_moved(BEFORE, after, NBYTES, "tcp://a") == (0, 0)
-    assert planning.bytes_lost({"z": BEFORE["z"]}, {}, NBYTES, "tcp://a") == (0, 0)
+    assert snapshots.bytes_moved(BEFORE, after, NBYTES, "tcp://a") == (0, 0)
+    assert snapshots.bytes_lost({"z": BEFORE["z"]}, {}, NBYTES, "tcp://a") == (0, 0)
 
 
 def test_lookups_by_name_and_address() -> None:
@@ -101,12 +101,12 @@ def test_choose_workers_at_a_thousand_workers() -> None:
     """Pods without a worker first, claimed pods never; its cost is measured in bench/decision_cost.py."""
     names = [f"w-{i}" for i in range(1000)]
     workers = tuple(
-        planning.WorkerInfo(name=n, address=f"tcp://{n}", unique_bytes=1000 * (i * 7919 % 1000), unique_keys=1000)
+        snapshots.WorkerInfo(name=n, address=f"tcp://{n}", unique_bytes=1000 * (i * 7919 % 1000), unique_keys=1000)
         for i, n in enumerate(names)
     )
-    snap = planning.SchedulerSnapshot(workers=workers)
+    snap = snapshots.SchedulerSnapshot(workers=workers)
     pods = [*names, *(f"pending-{i}" for i in range(50))]
-    chosen = planning.choose_workers(pods, snap, 100, exclude=names[:10])
+    chosen = snapshots.choose_workers(pods, snap, 100, exclude=names[:10])
     assert chosen[:50] == sorted(f"pending-{i}" for i in range(50))
     assert len(chosen) == 100 and not set(chosen) & set(names[:10])
     cheapest = sorted(names[10:], key=lambda n: (snap.by_name(n).unique_bytes, n))  # type: ignore[union-attr]
@@ -114,14 +114,14 @@ def test_choose_workers_at_a_thousand_workers() -> None:
 
 
 def test_workers_in_a_shuffle_come_last_when_another_would_do() -> None:
-    snap = planning.SchedulerSnapshot(
+    snap = snapshots.SchedulerSnapshot(
         workers=(
-            planning.WorkerInfo(name="busy", address="tcp://busy", unique_bytes=0, in_shuffle=True),
-            planning.WorkerInfo(name="full", address="tcp://full", unique_bytes=10**9),
+            snapshots.WorkerInfo(name="busy", address="tcp://busy", unique_bytes=0, in_shuffle=True),
+            snapshots.WorkerInfo(name="full", address="tcp://full", unique_bytes=10**9),
         )
     )
-    assert planning.choose_workers(["busy", "full"], snap, 1) == ["full"]
-    assert planning.choose_workers(["busy", "full"], snap, 2) == ["full", "busy"], "when needed, it is still chosen"
+    assert snapshots.choose_workers(["busy", "full"], snap, 1) == ["full"]
+    assert snapshots.choose_workers(["busy", "full"], snap, 2) == ["full", "busy"], "when needed, it is still chosen"
 
 
 @pytest.mark.parametrize(
@@ -134,47 +134,47 @@ def test_workers_in_a_shuffle_come_last_when_another_would_do() -> None:
     ],
 )
 def test_in_shuffle(keys: list[str], expected: bool) -> None:
-    assert planning.in_shuffle(keys) is expected
+    assert snapshots.in_shuffle(keys) is expected
 
 
 PODS = [
-    planning.PodInfo("by-ip", ips=("10.0.0.1",)),
-    planning.PodInfo("two", ips=("10.0.0.2",)),
-    planning.PodInfo("by-name", ips=("10.0.0.3",), worker_names=("group-worker-x",)),
-    planning.PodInfo("silent", ips=("10.0.0.4",)),
-    planning.PodInfo("pending", ips=("10.0.0.5",), phase="Pending"),
-    planning.PodInfo("old", ips=("10.0.0.6",), phase="Failed"),
+    snapshots.PodInfo("by-ip", ips=("10.0.0.1",)),
+    snapshots.PodInfo("two", ips=("10.0.0.2",)),
+    snapshots.PodInfo("by-name", ips=("10.0.0.3",), worker_names=("group-worker-x",)),
+    snapshots.PodInfo("silent", ips=("10.0.0.4",)),
+    snapshots.PodInfo("pending", ips=("10.0.0.5",), phase="Pending"),
+    snapshots.PodInfo("old", ips=("10.0.0.6",), phase="Failed"),
 ]
 
 
 @pytest.mark.parametrize(
     ("worker", "pod"),
     [
-        pytest.param(planning.WorkerInfo("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4000"), "by-ip", id="unnamed-by-ip"),
-        pytest.param(planning.WorkerInfo("two-0", "tcp://10.0.0.2:4000"), "two", id="nworkers-first"),
-        pytest.param(planning.WorkerInfo("two-1", "tcp://10.0.0.2:4001"), "two", id="nworkers-second"),
-        pytest.param(planning.WorkerInfo("silent", "tcp://10.0.0.1:4002"), "by-ip", id="address-beats-name"),
-        pytest.param(planning.WorkerInfo("group-worker-x", "tcp://127.0.0.1:1"), "by-name", id="dask-worker-name"),
-        pytest.param(planning.WorkerInfo("x", "tcp://10.0.0.6:4000"), None, id="terminated-pod-owns-no-ip"),
+        pytest.param(snapshots.WorkerInfo("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4000"), "by-ip", id="unnamed-by-ip"),
+        pytest.param(snapshots.WorkerInfo("two-0", "tcp://10.0.0.2:4000"), "two", id="nworkers-first"),
+        pytest.param(snapshots.WorkerInfo("two-1", "tcp://10.0.0.2:4001"), "two", id="nworkers-second"),
+        pytest.param(snapshots.WorkerInfo("silent", "tcp://10.0.0.1:4002"), "by-ip", id="address-beats-name"),
+        pytest.param(snapshots.WorkerInfo("group-worker-x", "tcp://127.0.0.1:1"), "by-name", id="dask-worker-name"),
+        pytest.param(snapshots.WorkerInfo("x", "tcp://10.0.0.6:4000"), None, id="terminated-pod-owns-no-ip"),
     ],
 )
-def test_workers_by_pod(worker: planning.WorkerInfo, pod: str | None) -> None:
-    located = planning.workers_by_pod(PODS, [worker])
+def test_workers_by_pod(worker: snapshots.WorkerInfo, pod: str | None) -> None:
+    located = snapshots.workers_by_pod(PODS, [worker])
     assert [p for p, ws in located.items() if worker in ws] == ([pod] if pod else [])
 
 
 def test_a_running_pod_without_an_identifiable_worker_is_never_chosen_as_empty() -> None:
     workers = [
-        planning.WorkerInfo("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4000", unique_bytes=10),
-        planning.WorkerInfo("two-0", "tcp://10.0.0.2:4000", unique_bytes=3),
-        planning.WorkerInfo("two-1", "tcp://10.0.0.2:4001", unique_bytes=9),
-        planning.WorkerInfo("group-worker-x", "tcp://10.0.0.3:4000", unique_bytes=1),
+        snapshots.WorkerInfo("tcp://10.0.0.1:4000", "tcp://10.0.0.1:4000", unique_bytes=10),
+        snapshots.WorkerInfo("two-0", "tcp://10.0.0.2:4000", unique_bytes=3),
+        snapshots.WorkerInfo("two-1", "tcp://10.0.0.2:4001", unique_bytes=9),
+        snapshots.WorkerInfo("group-worker-x", "tcp://10.0.0.3:4000", unique_bytes=1),
     ]
-    located = planning.workers_by_pod(PODS, workers)
-    unknown = planning.unidentified(PODS, located)
+    located = snapshots.workers_by_pod(PODS, workers)
+    unknown = snapshots.unidentified(PODS, located)
     assert unknown == ["silent"], "Pending and terminated pods run no worker; only a Running one may hide data"
     names = [p.name for p in PODS if p.phase != "Failed"]
-    chosen = planning.choose_workers(names, planning.SchedulerSnapshot(tuple(workers)), 5, unknown, located=located)
+    chosen = snapshots.choose_workers(names, snapshots.SchedulerSnapshot(tuple(workers)), 5, unknown, located=located)
     # The pending pod holds nothing; a pod with two workers costs their sum (12 > 10).
     assert chosen == ["pending", "by-name", "by-ip", "two"]
 
@@ -188,4 +188,4 @@ def test_a_running_pod_without_an_identifiable_worker_is_never_chosen_as_empty()
     ],
 )
 def test_address_host(address: str, host: str) -> None:
-    assert planning.address_host(address) == host
+    assert snapshots.address_host(address) == host

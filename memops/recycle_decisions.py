@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from memops import planning, specs
+from memops import snapshots, specs
 
 RECENT_TO_OLD_SECONDS = 30.0
 """The scheduler's default ``recent-to-old-time``: unmanaged memory older than this is "old"."""
@@ -62,7 +62,7 @@ class Window:
         self.spacing = spacing
         self.samples: dict[str, list[Sample]] = {}
 
-    def add(self, workers: Iterable[planning.WorkerInfo], now: float) -> None:
+    def add(self, workers: Iterable[snapshots.WorkerInfo], now: float) -> None:
         seen = set()
         for worker in workers:
             seen.add(worker.name)

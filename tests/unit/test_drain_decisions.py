@@ -2,7 +2,7 @@
 
 import pytest
 
-from memops import planning, retirement, specs
+from memops import drain_decisions, objects, snapshots, specs
 
 A, B = "tcp://a", "tcp://b"
 
@@ -13,9 +13,9 @@ def draining(pod: str, address: str, unique: int = 0) -> specs.WorkerStatus:
 
 def snap(
     workers: list[tuple[str, str, int, int]], who_has: dict[str, tuple[str, ...]], nbytes: dict[str, int]
-) -> planning.SchedulerSnapshot:
-    return planning.SchedulerSnapshot(
-        workers=tuple(planning.WorkerInfo(name=n, address=a, unique_bytes=u, unique_keys=k) for n, a, u, k in workers),
+) -> snapshots.SchedulerSnapshot:
+    return snapshots.SchedulerSnapshot(
+        workers=tuple(snapshots.WorkerInfo(name=n, address=a, unique_bytes=u, unique_keys=k) for n, a, u, k in workers),
         who_has=who_has,
         nbytes=nbytes,
     )
@@ -25,12 +25,12 @@ BEFORE = snap([("pa", A, 30, 2), ("pb", B, 0, 0)], {"x": (A,), "y": (A,)}, {"x":
 
 
 def judge(
-    after: planning.SchedulerSnapshot,
+    after: snapshots.SchedulerSnapshot,
     retired: list[str],
     on_timeout: specs.OnTimeout = specs.OnTimeout.ABORT,
     timed_out: bool = False,
 ) -> specs.WorkerStatus:
-    [worker] = retirement.judge_drain(
+    [worker] = drain_decisions.judge_drain(
         [draining("pa", A, 30)], before=BEFORE, after=after, retired=retired, timed_out=timed_out, on_timeout=on_timeout
     )
     return worker
@@ -72,7 +72,7 @@ def test_a_restarted_worker_holding_new_data_keeps_the_pod() -> None:
 
 
 def test_unconnected_pod_is_removable_at_once() -> None:
-    [worker] = retirement.judge_drain(
+    [worker] = drain_decisions.judge_drain(
         [draining("fresh", "")],
         before=BEFORE,
         after=BEFORE,
@@ -91,7 +91,7 @@ def test_unconnected_pod_is_removable_at_once() -> None:
 def test_unreachable_scheduler_at_the_deadline(
     on_timeout: specs.OnTimeout, state: specs.WorkerState, lost: int
 ) -> None:
-    [worker] = retirement.judge_unreachable([draining("pa", A, 30)], on_timeout=on_timeout, reason="gone")
+    [worker] = drain_decisions.judge_unreachable([draining("pa", A, 30)], on_timeout=on_timeout, reason="gone")
     assert (worker.state, worker.bytesLost) == (state, lost)
     assert "unreachable" in worker.message
 
@@ -102,15 +102,15 @@ def test_removal_bookkeeping() -> None:
         specs.WorkerStatus(pod="b", state=specs.WorkerState.FORCED, removable=True, message="x: removing the pod"),
         specs.WorkerStatus(pod="c", state=specs.WorkerState.KEPT),
     ]
-    assert retirement.to_remove(workers) == ["a", "b"]
-    after = retirement.mark_removed(workers, ["a", "b"])
+    assert drain_decisions.to_remove(workers) == ["a", "b"]
+    after = drain_decisions.mark_removed(workers, ["a", "b"])
     assert [(w.state, w.podRemoved) for w in after] == [
         (specs.WorkerState.RETIRED, True),
         (specs.WorkerState.FORCED, True),
         (specs.WorkerState.KEPT, False),
     ]
     assert after[0].message == "drained; its pod was removed"
-    assert retirement.to_remove(after) == []
+    assert drain_decisions.to_remove(after) == []
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_conclude(states: list[str], requested: int, phase: str, fragment: str) 
             for i, s in enumerate(states)
         ]
     )
-    concluded = retirement.conclude(status, requested=requested, at="2026-01-01T00:00:00Z")
+    concluded = drain_decisions.conclude(status, requested=requested, at="2026-01-01T00:00:00Z")
     assert concluded.phase == phase
     assert fragment in concluded.message
     assert concluded.completionTime == "2026-01-01T00:00:00Z"
@@ -137,11 +137,11 @@ def test_conclude(states: list[str], requested: int, phase: str, fragment: str) 
 
 def test_claims_by_other_requests() -> None:
     pods = [
-        {"metadata": {"name": "a", "annotations": {retirement.CLAIM_ANNOTATION: "mine"}}},
-        {"metadata": {"name": "b", "annotations": {retirement.CLAIM_ANNOTATION: "theirs"}}},
+        {"metadata": {"name": "a", "annotations": {objects.CLAIM_ANNOTATION: "mine"}}},
+        {"metadata": {"name": "b", "annotations": {objects.CLAIM_ANNOTATION: "theirs"}}},
         {"metadata": {"name": "c"}},
     ]
-    assert retirement.claimed_by_others(pods, "mine") == {"b"}
+    assert drain_decisions.claimed_by_others(pods, "mine") == {"b"}
 
 
 def test_spec_change_on_a_finished_request_is_refused() -> None:
@@ -161,7 +161,7 @@ def test_spec_change_on_a_finished_request_is_refused() -> None:
 
 def test_pods_blocked_until_the_deadline_are_kept_with_the_reason() -> None:
     workers = [draining("a", A).model_copy(update={"removable": True, "message": "drained: retired; removing its pod"})]
-    [kept] = retirement.keep_blocked(workers, "waiting: pods x are not ready")
+    [kept] = drain_decisions.keep_blocked(workers, "waiting: pods x are not ready")
     assert kept.state == specs.WorkerState.KEPT and not kept.removable
     assert kept.message == "drained: retired; pod kept at spec.timeout, pods x are not ready"
 
@@ -172,7 +172,7 @@ def test_a_pod_named_twice_is_removed_once() -> None:
         specs.WorkerStatus(pod="p", state=specs.WorkerState.DRAINING, removable=True),
         specs.WorkerStatus(pod="q", state=specs.WorkerState.DRAINING, removable=True),
     ]
-    assert retirement.to_remove(twice) == ["p", "q"]
+    assert drain_decisions.to_remove(twice) == ["p", "q"]
 
 
 def test_a_failed_request_keeps_every_pod_whose_removal_was_not_ordered() -> None:
@@ -182,7 +182,7 @@ def test_a_failed_request_keeps_every_pod_whose_removal_was_not_ordered() -> Non
         specs.WorkerStatus(pod="c", state=specs.WorkerState.DRAINING, removable=True, message="drained"),
         specs.WorkerStatus(pod="d", state=specs.WorkerState.RETIRED, removable=True, podRemoved=True),
     ]
-    kept = retirement.keep_unfinished(workers, "SecretUnusable: gone", ordered=["c"])
+    kept = drain_decisions.keep_unfinished(workers, "SecretUnusable: gone", ordered=["c"])
     assert [(w.pod, w.state, w.removable) for w in kept] == [
         ("a", specs.WorkerState.KEPT, False),
         ("b", specs.WorkerState.KEPT, False),
@@ -192,7 +192,7 @@ def test_a_failed_request_keeps_every_pod_whose_removal_was_not_ordered() -> Non
     assert kept[1].message == "drained; pod kept: SecretUnusable: gone"
 
 C0, C1 = "tcp://10.0.0.3:4000", "tcp://10.0.0.3:4001"  # one pod, dask worker --nworkers 2, no --name
-PODS = [planning.PodInfo("pc", ips=("10.0.0.3",)), planning.PodInfo("pb", ips=("10.0.0.2",))]
+PODS = [snapshots.PodInfo("pc", ips=("10.0.0.3",)), snapshots.PodInfo("pb", ips=("10.0.0.2",))]
 TWO_BEFORE = snap([(C0, C0, 10, 1), (C1, C1, 20, 1), ("pb", B, 0, 0)], {"x": (C0,), "y": (C1,)}, {"x": 10, "y": 20})
 
 
@@ -218,23 +218,40 @@ TWO_BEFORE = snap([(C0, C0, 10, 1), (C1, C1, 20, 1), ("pb", B, 0, 0)], {"x": (C0
     ],
 )
 def test_a_pod_with_several_workers_is_removable_only_when_all_are_drained(
-    after: planning.SchedulerSnapshot, retired: list[str], state: specs.WorkerState, removable: bool, moved: int
+    after: snapshots.SchedulerSnapshot, retired: list[str], state: specs.WorkerState, removable: bool, moved: int
 ) -> None:
-    [entry] = [retirement.entry("pc", planning.workers_by_pod(PODS, TWO_BEFORE.workers)["pc"])]
+    [entry] = [drain_decisions.entry("pc", snapshots.workers_by_pod(PODS, TWO_BEFORE.workers)["pc"])]
     assert (entry.address, entry.addresses, entry.uniqueBytes) == (C0, [C0, C1], 30)
-    [worker] = retirement.judge_drain(
+    [worker] = drain_decisions.judge_drain(
         [entry],
         before=TWO_BEFORE,
         after=after,
         retired=retired,
         timed_out=False,
         on_timeout=specs.OnTimeout.ABORT,
-        located=planning.workers_by_pod(PODS, after.workers),
+        located=snapshots.workers_by_pod(PODS, after.workers),
     )
     assert (worker.state, worker.removable, worker.bytesMoved) == (state, removable, moved)
 
 
 def test_a_chosen_running_pod_without_an_identifiable_worker_is_kept_with_the_cause() -> None:
-    entry = retirement.entry("silent", (), unknown=True)
+    entry = drain_decisions.entry("silent", (), unknown=True)
     assert entry.state == specs.WorkerState.KEPT and not entry.removable
     assert "no connected worker has their IP" in entry.message
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "shown"),
+    [
+        pytest.param(0, "0", id="nothing"),
+        pytest.param(512, "512", id="bytes"),
+        pytest.param(134217728, "128Mi", id="exact-mebibytes"),
+        pytest.param(3 * 2**29, "1.5Gi", id="one-decimal-below-ten"),
+        pytest.param(150_000_000, "143Mi", id="rounded"),
+        pytest.param(5 * 2**40, "5Ti", id="tebibytes"),
+    ],
+)
+def test_moved_bytes_are_shown_as_a_quantity(nbytes: int, shown: str) -> None:
+    assert drain_decisions.quantity(nbytes) == shown
+    status = specs.RetirementRequestStatus(workers=[specs.WorkerStatus(pod="a", bytesMoved=nbytes)])
+    assert drain_decisions.conclude(status, requested=1, at="2026-01-01T00:00:00Z").moved == shown

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from memops.controllers import admission
+from memops.controllers import safetynet_webhook
 
 
 def policy(name: str, namespace: str, workload: str, created: str, kind: str = "Deployment", **spec: Any) -> Any:
@@ -67,7 +67,7 @@ DEPLOYMENTS = {**deployment("a", "workers", {"app": "w"}), **deployment("b", "wo
 def test_policy_for_reads_the_caches(
     namespace: str, labels: dict[str, str], policies: list[Any], expected: str | None
 ) -> None:
-    found = admission.policy_for(namespace, labels, policies=policies, deployments=DEPLOYMENTS)
+    found = safetynet_webhook.policy_for(namespace, labels, policies=policies, deployments=DEPLOYMENTS)
     assert (found[0] if found else None) == expected
     if found is not None:
         tls = found[1].scheduler.tls

@@ -1,0 +1,360 @@
+"""One MemoryPolicy pass, decided: from what the pass read to what it does and what its status says.
+
+Pure: no I/O, and time is ``Inputs.now`` (only a condition that changes is stamped with the
+clock, by :func:`memops.conditions.set_condition`). :class:`memops.controllers.policy.Policy`
+reads the cluster and the scheduler into one :class:`Inputs`, calls :func:`decide`, and
+applies the :class:`Decision` it returns once (marks, requests, the scale-up, events, the status), as
+:func:`memops.conditions.request_summary` does for a RetirementRequest's conditions.
+
+The order inside :func:`decide` is the order of the policy's promises: the count to steer towards
+(``spec.replicas``, or memory-driven autoscaling raised for starved workers), then recycling
+(which may ask for workers above that count while replacements start), then one scaling step
+(:func:`memops.scaling.plan_scale`), then the conditions, derived from the final state.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from memops import autoscaling, conditions, objects, recycle_decisions, scaling, specs, timestamps
+
+
+@dataclasses.dataclass(frozen=True)
+class PodSeen:
+    """A worker pod of the workload, as the recycling pass needs it."""
+
+    name: str
+    age: float | None  # seconds since its creation
+    mark: Mapping[str, Any] | None  # its memops.dev/recycle annotation, parsed
+
+
+@dataclasses.dataclass(frozen=True)
+class RecycleSeen:
+    """What the recycling pass read: only when ``spec.recycle`` is set and the scheduler answered."""
+
+    pods: tuple[PodSeen, ...]
+    samples: Mapping[str, Sequence[recycle_decisions.Sample]]  # the memory window, per pod
+    shuffling: frozenset[str] = frozenset()  # pods whose workers take part in a shuffle
+    connected: frozenset[str] = frozenset()  # pods whose workers are running
+    record: specs.RecycleStatus = dataclasses.field(default_factory=specs.RecycleStatus)
+    recorded: tuple[str, ...] = ()  # finished drains now in ``record``, to annotate once it is written
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """Everything one pass decides from."""
+
+    owner: objects.Owner
+    generation: int
+    spec: specs.MemoryPolicySpec
+    status: specs.MemoryPolicyStatus  # as read, with the read's findings: selector, scheduler, memory, relief
+    current: int  # the replicas the workload is asked for
+    replicas: int  # the replicas the workload reports
+    now: float  # unix seconds
+    autoscalers: tuple[str, ...] = ()  # HPAs that scale the workload directly
+    usage: autoscaling.Usage | None = None  # the workers' memory; None when the scheduler did not answer
+    connected: int = 0  # workers connected to the scheduler
+    requests: tuple[objects.Obj, ...] = ()  # the policy's RetirementRequests
+    recycling: RecycleSeen | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    type: str
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """A worker to recycle: its pod gets ``mark`` as its memops.dev/recycle annotation."""
+
+    pod: str
+    mark: Mapping[str, str]
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    status: specs.MemoryPolicyStatus
+    action: scaling.Action
+    desired: int
+    scale_up_to: int | None = None
+    marks: tuple[Mark, ...] = ()
+    create: tuple[objects.Obj, ...] = ()  # RetirementRequests: recycling drains, then a scale-down
+    events: tuple[Event, ...] = ()
+    recorded: tuple[str, ...] = ()  # recycling drains to annotate as recorded after the status is written
+    steady: bool = False  # nothing to do and nothing that samples memory: the next pass may wait longer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recycle:
+    extra: int
+    message: str
+    marks: tuple[Mark, ...]
+    create: tuple[objects.Obj, ...]
+    record: specs.RecycleStatus
+
+
+def decide(inputs: Inputs) -> Decision:
+    spec, generation, now = inputs.spec, inputs.generation, inputs.now
+    status = inputs.status.model_copy(deep=True)
+    running = [r for r in inputs.requests if not objects.is_finished(r)]
+
+    desired, limited = _aim(inputs, status)
+    recycle = _recycle(inputs, running, desired) if inputs.recycling is not None else None
+    if recycle is not None:
+        status.recycle = recycle.record
+    failed = _latest_failure(inputs.requests)
+    decision = scaling.plan_scale(
+        current=inputs.current,
+        desired=desired + (recycle.extra if recycle is not None else 0),
+        draining=sum(_request_size(r) for r in running),
+        last_failure_age=_age(failed.get("status", {}).get("completionTime"), now) if failed else None,
+        failed_generation=int(failed["metadata"].get("annotations", {}).get(objects.GENERATION_ANNOTATION, 0))
+        if failed
+        else None,
+        generation=generation,
+    )
+    create = list(recycle.create) if recycle is not None else []
+    events = [Event("Normal", "Recycling", f"recycling {m.pod}: {m.message}") for m in recycle.marks] if recycle else []
+    acting = decision.action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN)
+    if decision.action == scaling.Action.SCALE_DOWN:
+        create.append(
+            objects.policy_request(
+                inputs.owner,
+                spec,
+                # Named by the policy's generation and attempt: a pass that is repeated after a
+                # restart gets 409 for the request it already made, instead of making a second.
+                name=f"{inputs.owner.name}-g{generation}-{len(inputs.requests)}",
+                count=decision.replicas,
+                annotations={objects.GENERATION_ANNOTATION: str(generation)},
+            )
+        )
+    if acting:
+        event = specs.ScaleEvent(time=now, change=desired - inputs.current)
+        status.scaleEvents = _recent_events([*status.scaleEvents, event], now, spec)
+        status.lastScaleTime = _render(now)
+        status.lastScaleReason = decision.reason
+        events.append(Event("Normal", decision.reason, decision.message))
+
+    status.replicas = inputs.replicas
+    status.desiredReplicas = desired
+    status.message = decision.message
+    recycling_message = recycle.message if recycle is not None else ""
+    if recycling_message and decision.action in (scaling.Action.NONE, scaling.Action.WAIT):
+        status.message = recycling_message
+    working = decision.action != scaling.Action.NONE or bool(recycling_message)
+    status.conditions = _conditions(inputs, status, decision, limited, working)
+    return Decision(
+        status=status,
+        action=decision.action,
+        desired=desired,
+        scale_up_to=decision.replicas if decision.action == scaling.Action.SCALE_UP else None,
+        marks=recycle.marks if recycle is not None else (),
+        create=tuple(create),
+        events=tuple(events),
+        recorded=inputs.recycling.recorded if inputs.recycling is not None else (),
+        # Memory-driven features sample the scheduler on every short pass; a plain policy that is
+        # where it should be only watches for drift, and its own spec changes wake it at once.
+        steady=decision.action == scaling.Action.NONE
+        and not running
+        and inputs.usage is not None
+        and spec.autoscale is None
+        and spec.recycle is None
+        and spec.pressure is None
+        and spec.replication is None,
+    )
+
+
+def _aim(inputs: Inputs, status: specs.MemoryPolicyStatus) -> tuple[int, str]:
+    """The count to steer towards, and what limited it ("" if nothing did). Updates the
+    autoscaler's recommendation history in ``status``."""
+    spec = inputs.spec
+    desired = spec.replicas if spec.replicas is not None else inputs.current
+    if spec.autoscale is None or inputs.usage is None:
+        return desired, ""
+    recommended = autoscaling.desired_replicas(
+        current=inputs.current,
+        usage=inputs.usage,
+        spec=spec.autoscale,
+        history=status.recommendations,
+        events=status.scaleEvents,
+        now=inputs.now,
+    )
+    status.recommendations = _remember(status.recommendations, inputs.now, recommended.raw, spec.autoscale)
+    limited = recommended.reason if recommended.limits else ""
+    starved = len(status.pressure.starved) if status.pressure is not None else 0
+    desired, relief_reason = autoscaling.with_relief(recommended.replicas, inputs.connected, starved, spec.autoscale)
+    return desired, relief_reason or limited
+
+
+def _recycle(inputs: Inputs, running: Sequence[objects.Obj], desired: int) -> _Recycle:
+    """Which workers to mark for recycling, which marked ones to drain now, and how many to surge."""
+    seen, spec, now = inputs.recycling, inputs.spec.recycle, inputs.now
+    assert seen is not None and spec is not None
+    mine = [r for r in inputs.requests if _labels(r).get(objects.PURPOSE_LABEL) == "recycle"]
+    marked: dict[str, Mapping[str, Any]] = {p.name: p.mark for p in seen.pods if p.mark is not None}
+    marks: list[Mark] = []
+    # A scale-down of the policy is draining: no new recycling starts meanwhile.
+    if not any(_labels(r).get(objects.PURPOSE_LABEL) != "recycle" for r in running):
+        verdicts = [
+            verdict
+            for pod in seen.pods
+            if pod.name not in marked
+            and (verdict := recycle_decisions.detect(pod.name, seen.samples.get(pod.name, []), spec, now, pod.age))
+        ]
+        for verdict in recycle_decisions.plan_recycle(
+            verdicts, recycling=len(marked), max_unavailable=spec.maxUnavailable, in_shuffle=seen.shuffling
+        ):
+            mark = {"reason": verdict.reason, "message": verdict.message, "startTime": _render(now)}
+            marks.append(Mark(verdict.pod, mark, verdict.message))
+            marked[verdict.pod] = mark
+    requested = {_recycled_pod(r): str(r["metadata"]["name"]) for r in mine if not objects.is_finished(r)}
+    attempts = collections.Counter(_recycled_pod(r) for r in mine)
+    plan = recycle_decisions.plan_replacement(
+        marked=sorted(marked),
+        requested=requested,
+        connected_unmarked=len([p for p in seen.pods if p.name in seen.connected - set(marked)]),
+        desired=desired,
+        surge=spec.surge,
+    )
+    create = []
+    for pod in plan.drain:
+        requested[pod] = recycle_request_name(inputs.owner.name, pod, attempts[pod])
+        create.append(
+            objects.policy_request(
+                inputs.owner,
+                inputs.spec,
+                name=requested[pod],
+                workers=(pod,),
+                labels={objects.PURPOSE_LABEL: "recycle"},
+                annotations={objects.RECYCLE_ANNOTATION: json.dumps(marked[pod]), objects.POD_ANNOTATION: pod},
+            )
+        )
+    record = seen.record.model_copy(deep=True)
+    record.recycling = [
+        specs.Recycling(
+            pod=pod,
+            reason=str(mark.get("reason", "")),
+            message=str(mark.get("message", "")),
+            startTime=str(mark.get("startTime", "")),
+            request=requested.get(pod, ""),
+        )
+        for pod, mark in sorted(marked.items())
+    ]
+    return _Recycle(extra=plan.extra, message=plan.message, marks=tuple(marks), create=tuple(create), record=record)
+
+
+def _conditions(
+    inputs: Inputs, status: specs.MemoryPolicyStatus, decision: scaling.Decision, limited: str, working: bool
+) -> list[specs.Condition]:
+    """The policy's conditions, from the pass' final state."""
+    generation, workload, found = inputs.generation, inputs.spec.workload, status.conditions
+    direct = inputs.autoscalers
+    found = conditions.set_condition(
+        found,
+        "Conflict",
+        bool(direct),
+        reason="AutoscalerOnWorkload" if direct else "NoConflict",
+        message=(
+            f"HorizontalPodAutoscaler {', '.join(direct)} scales {workload.kind} {workload.name!r}"
+            f" directly, so its scale-downs are not drained: point its scaleTargetRef at MemoryPolicy"
+            f" {inputs.owner.name!r} instead"
+        )
+        if direct
+        else "",
+        generation=generation,
+    )
+    found = conditions.set_condition(
+        found,
+        "ScalingActive",
+        decision.action != scaling.Action.NONE,
+        reason=decision.reason,
+        message=decision.message,
+        generation=generation,
+    )
+    drain_failed = decision.reason == "DrainFailed"
+    limited = decision.message if drain_failed else limited
+    found = conditions.set_condition(
+        found,
+        "ScalingLimited",
+        bool(limited),
+        reason=decision.reason if drain_failed else ("Limited" if limited else "NotLimited"),
+        message=limited,
+        generation=generation,
+    )
+    unreachable = conditions.get_condition(found, "SchedulerReachable")
+    if unreachable is not None and unreachable.status == "False":
+        # Without the scheduler no scale-down can drain and no memory is known: not Ready.
+        found = conditions.with_kstatus(found, generation=generation, stalled=(unreachable.reason, unreachable.message))
+        return conditions.set_condition(
+            found, "Ready", False, reason=unreachable.reason, message=unreachable.message, generation=generation
+        )
+    found = conditions.with_kstatus(
+        found, generation=generation, reconciling=(decision.reason, status.message) if working else None
+    )
+    return conditions.set_condition(
+        found,
+        "Ready",
+        True,
+        reason="Managing",
+        message=f"managing {workload.kind} {workload.name!r}",
+        generation=generation,
+    )
+
+
+def recycle_request_name(policy: str, pod: str, attempt: int) -> str:
+    # One name per worker and attempt: a pass repeated after a restart gets 409, not a second request.
+    # Cut to an object name's 253 characters from the left; a name starts with a letter or digit.
+    return f"{policy}-recycle-{pod}-{attempt}"[-253:].lstrip("-.")
+
+
+def _labels(request: objects.Obj) -> Mapping[str, str]:
+    return request["metadata"].get("labels") or {}
+
+
+def _recycled_pod(request: objects.Obj) -> str:
+    return str((request["metadata"].get("annotations") or {}).get(objects.POD_ANNOTATION, ""))
+
+
+def _render(unix: float) -> str:
+    return timestamps.render(datetime.datetime.fromtimestamp(unix, tz=datetime.UTC))
+
+
+def _age(text: str | None, now: float) -> float | None:
+    return now - timestamps.parse(text).timestamp() if text else None
+
+
+def _remember(
+    history: list[specs.Recommendation], now: float, replicas: int, spec: specs.AutoscaleSpec
+) -> list[specs.Recommendation]:
+    """Keep, for each recommended count, only when it was last recommended within the windows:
+    that is all the stabilization (a min and a max over a window) needs."""
+    window = max(spec.behavior.scaleUp.stabilizationWindowSeconds, spec.behavior.scaleDown.stabilizationWindowSeconds)
+    kept = [r for r in history if r.replicas != replicas and r.time > now - window]
+    return [*kept, specs.Recommendation(time=now, replicas=replicas)]
+
+
+def _recent_events(events: list[specs.ScaleEvent], now: float, spec: specs.MemoryPolicySpec) -> list[specs.ScaleEvent]:
+    rules = spec.autoscale.behavior if spec.autoscale is not None else specs.Behavior()
+    period = max((p.periodSeconds for r in (rules.scaleUp, rules.scaleDown) for p in r.policies), default=0)
+    return [e for e in events if e.time > now - period]
+
+
+def _request_size(request: objects.Obj) -> int:
+    workers = request.get("status", {}).get("workers")
+    return len(workers) if workers else int(request.get("spec", {}).get("count") or 1)
+
+
+def _latest_failure(requests: Sequence[objects.Obj]) -> objects.Obj | None:
+    finished = sorted(
+        (r for r in requests if objects.is_finished(r)),
+        key=lambda r: r.get("status", {}).get("completionTime", ""),
+    )
+    return finished[-1] if finished and finished[-1]["status"]["phase"] == specs.Phase.FAILED.value else None

@@ -1,0 +1,280 @@
+"""One MemoryPolicy pass, decided: the actions, the status fields and the conditions, from what the pass read."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+
+from memops import autoscaling, conditions, objects, policy_decisions, scaling, specs, timestamps
+
+NOW = 1_800_000_000.0
+OWNER = objects.Owner(name="p", namespace="dask", uid="u-1")
+GIB = 2**30
+
+
+def _spec(**fields: Any) -> specs.MemoryPolicySpec:
+    return specs.MemoryPolicySpec.model_validate(
+        {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deployment", "name": "w"}} | fields
+    )
+
+
+def _at(seconds_ago: float) -> str:
+    return timestamps.render(datetime.datetime.fromtimestamp(NOW - seconds_ago, tz=datetime.UTC))
+
+
+def _request(name: str, phase: str | None, *, generation: int = 3, count: int = 1, **labels: str) -> objects.Obj:
+    status: dict[str, Any] = {"phase": phase, "completionTime": _at(10)} if phase else {}
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {objects.POLICY_LABEL: "p", **labels},
+            "annotations": {objects.GENERATION_ANNOTATION: str(generation)},
+        },
+        "spec": {"count": count},
+        "status": status,
+    }
+
+
+def _reachable(ok: bool) -> specs.MemoryPolicyStatus:
+    found = conditions.set_condition(
+        [],
+        "SchedulerReachable",
+        ok,
+        reason="Connected" if ok else "SchedulerUnreachable",
+        message="" if ok else "spec.scheduler.address: no answer",
+        generation=3,
+    )
+    return specs.MemoryPolicyStatus(conditions=found)
+
+
+def _inputs(spec: specs.MemoryPolicySpec, current: int = 4, **fields: Any) -> policy_decisions.Inputs:
+    values: dict[str, Any] = {
+        "owner": OWNER,
+        "generation": 3,
+        "spec": spec,
+        "status": _reachable(True),
+        "current": current,
+        "replicas": current,
+        "now": NOW,
+        "usage": autoscaling.Usage(workers=current, held=current * GIB, limit=current * 2 * GIB),
+        "connected": current,
+    }
+    return policy_decisions.Inputs(**(values | fields))
+
+
+def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, str]:
+    found = conditions.get_condition(decision.status.conditions, type_)
+    assert found is not None, type_
+    return found.status, found.reason
+
+
+@pytest.mark.parametrize(
+    ("inputs", "action", "desired", "active", "limited", "ready"),
+    [
+        pytest.param(
+            _inputs(_spec(replicas=4)),
+            scaling.Action.NONE,
+            4,
+            ("False", "Steady"),
+            ("False", "NotLimited"),
+            ("True", "Managing"),
+            id="steady",
+        ),
+        pytest.param(
+            _inputs(_spec(replicas=6)),
+            scaling.Action.SCALE_UP,
+            6,
+            ("True", "ScaleUp"),
+            ("False", "NotLimited"),
+            ("True", "Managing"),
+            id="scale-up",
+        ),
+        pytest.param(
+            _inputs(_spec(replicas=2)),
+            scaling.Action.SCALE_DOWN,
+            2,
+            ("True", "ScaleDown"),
+            ("False", "NotLimited"),
+            ("True", "Managing"),
+            id="scale-down",
+        ),
+        pytest.param(
+            _inputs(_spec(replicas=2), requests=(_request("p-g3-0", None, count=2),)),
+            scaling.Action.WAIT,
+            2,
+            ("True", "Draining"),
+            ("False", "NotLimited"),
+            ("True", "Managing"),
+            id="one-drain-at-a-time",
+        ),
+        pytest.param(
+            _inputs(_spec(replicas=2), requests=(_request("p-g3-0", "Failed"),)),
+            scaling.Action.WAIT,
+            2,
+            ("True", "DrainFailed"),
+            ("True", "DrainFailed"),
+            ("True", "Managing"),
+            id="failed-drain-limits",
+        ),
+        pytest.param(
+            _inputs(_spec(replicas=2), requests=(_request("p-g2-0", "Failed", generation=2),)),
+            scaling.Action.SCALE_DOWN,
+            2,
+            ("True", "ScaleDown"),
+            ("False", "NotLimited"),
+            ("True", "Managing"),
+            id="spec-changed-since-the-failure",
+        ),
+        pytest.param(
+            # 90% of the limit with a 50% target asks for 8 workers; maxReplicas caps it at 5.
+            _inputs(
+                _spec(autoscale={"maxReplicas": 5, "targetMemoryUtilization": 50}),
+                usage=autoscaling.Usage(workers=4, held=int(7.2 * GIB), limit=8 * GIB),
+            ),
+            scaling.Action.SCALE_UP,
+            5,
+            ("True", "ScaleUp"),
+            ("True", "Limited"),
+            ("True", "Managing"),
+            id="autoscale-capped-by-max",
+        ),
+        pytest.param(
+            _inputs(_spec(autoscale={"maxReplicas": 8, "targetMemoryUtilization": 50})),
+            scaling.Action.NONE,
+            4,
+            ("False", "Steady"),
+            ("False", "NotLimited"),
+            ("True", "Managing"),
+            id="autoscale-at-target",
+        ),
+        pytest.param(
+            _inputs(_spec(replicas=2), status=_reachable(False), usage=None),
+            scaling.Action.SCALE_DOWN,
+            2,
+            ("True", "ScaleDown"),
+            ("False", "NotLimited"),
+            ("False", "SchedulerUnreachable"),
+            id="scheduler-unreachable-is-not-ready",
+        ),
+    ],
+)
+def test_decide(
+    inputs: policy_decisions.Inputs,
+    action: scaling.Action,
+    desired: int,
+    active: tuple[str, str],
+    limited: tuple[str, str],
+    ready: tuple[str, str],
+) -> None:
+    decision = policy_decisions.decide(inputs)
+    assert (decision.action, decision.desired, decision.status.desiredReplicas) == (action, desired, desired)
+    assert _condition(decision, "ScalingActive") == active
+    assert _condition(decision, "ScalingLimited") == limited
+    assert _condition(decision, "Ready") == ready
+    assert decision.scale_up_to == (desired if action == scaling.Action.SCALE_UP else None)
+    scale_downs = [r for r in decision.create if "count" in r["spec"]]
+    assert [r["spec"]["count"] for r in scale_downs] == ([inputs.current - desired] if action == "ScaleDown" else [])
+    acted = action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN)
+    assert [e.reason for e in decision.events] == ([active[1]] if acted else [])
+    assert bool(decision.status.lastScaleReason) == acted
+
+
+def test_a_scale_down_request_is_owned_named_and_labelled_by_the_policy() -> None:
+    spec = _spec(replicas=1, drain={"timeout": "5m", "onTimeout": "Force"})
+    decision = policy_decisions.decide(_inputs(spec, current=3, requests=(_request("p-g2-0", "Succeeded"),)))
+    [request] = decision.create
+    assert request["metadata"]["name"] == "p-g3-1"  # generation 3, the policy's second request
+    assert request["metadata"]["labels"] == {objects.POLICY_LABEL: "p"}
+    assert request["metadata"]["annotations"] == {objects.GENERATION_ANNOTATION: "3"}
+    [owner] = request["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("MemoryPolicy", "p", "u-1", True)
+    assert request["spec"] == {
+        "scheduler": {"address": "tcp://s:8786"},
+        "workload": {"kind": "Deployment", "name": "w"},
+        "count": 2,
+        "timeout": "5m",
+        "onTimeout": "Force",
+    }
+
+
+def test_an_autoscaler_on_the_workload_is_a_conflict() -> None:
+    decision = policy_decisions.decide(_inputs(_spec(replicas=4), autoscalers=("hpa-a",)))
+    assert _condition(decision, "Conflict") == ("True", "AutoscalerOnWorkload")
+    conflict = conditions.get_condition(decision.status.conditions, "Conflict")
+    assert conflict is not None and "scaleTargetRef at MemoryPolicy 'p'" in conflict.message
+    assert _condition(policy_decisions.decide(_inputs(_spec(replicas=4))), "Conflict") == ("False", "NoConflict")
+
+
+def test_a_plain_policy_at_rest_is_steady_and_memory_features_are_not() -> None:
+    assert policy_decisions.decide(_inputs(_spec(replicas=4))).steady
+    assert not policy_decisions.decide(_inputs(_spec(replicas=4), usage=None)).steady
+    assert not policy_decisions.decide(_inputs(_spec(replicas=4, pressure={"relieveAbove": "80%"}))).steady
+
+
+def _recycling(marks: dict[str, Any], connected: tuple[str, ...] = ()) -> policy_decisions.RecycleSeen:
+    pods = tuple(
+        policy_decisions.PodSeen(name=f"w-{i}", age=48 * 3600.0 if i == 0 else 60.0, mark=marks.get(f"w-{i}"))
+        for i in range(5)  # w-4: the replacement, once it has started
+    )
+    return policy_decisions.RecycleSeen(pods=pods, samples={}, connected=frozenset(connected), recorded=("old-drain",))
+
+
+@pytest.mark.parametrize(
+    ("marks", "connected", "requests", "marked", "drains", "action", "replicas"),
+    [
+        pytest.param({}, (), (), ["w-0"], [], scaling.Action.SCALE_UP, 5, id="mark-the-oldest-and-surge"),
+        pytest.param(
+            {"w-0": {"reason": "MaxAge", "message": "old", "startTime": _at(60)}},
+            ("w-1", "w-2", "w-3"),
+            (),
+            [],
+            [],
+            scaling.Action.SCALE_UP,
+            5,
+            id="wait-for-the-replacement",
+        ),
+        pytest.param(
+            {"w-0": {"reason": "MaxAge", "message": "old", "startTime": _at(60)}},
+            ("w-1", "w-2", "w-3", "w-4"),
+            (),
+            [],
+            ["w-0"],
+            scaling.Action.SCALE_UP,
+            5,
+            id="drain-once-replaced",
+        ),
+        pytest.param(
+            {},
+            (),
+            (_request("p-g3-0", None, count=1),),
+            [],
+            [],
+            scaling.Action.WAIT,
+            0,
+            id="no-marks-during-a-scale-down",
+        ),
+    ],
+)
+def test_recycling(
+    marks: dict[str, Any],
+    connected: tuple[str, ...],
+    requests: tuple[objects.Obj, ...],
+    marked: list[str],
+    drains: list[str],
+    action: scaling.Action,
+    replicas: int,
+) -> None:
+    spec = _spec(replicas=4, recycle={"maxAge": "24h", "surge": 1})
+    inputs = _inputs(spec, recycling=_recycling(marks, connected), requests=requests)
+    decision = policy_decisions.decide(inputs)
+    assert [m.pod for m in decision.marks] == marked
+    assert [m.mark["reason"] for m in decision.marks] == ["MaxAge"] * len(marked)
+    recycle = [r for r in decision.create if r["metadata"]["labels"].get(objects.PURPOSE_LABEL) == "recycle"]
+    assert [r["spec"]["workers"] for r in recycle] == [[pod] for pod in drains]
+    assert [r["metadata"]["annotations"][objects.POD_ANNOTATION] for r in recycle] == drains
+    assert (decision.action, decision.scale_up_to or 0) == (action, replicas)
+    assert decision.recorded == ("old-drain",)
+    assert decision.status.recycle is not None
+    assert [r.pod for r in decision.status.recycle.recycling] == sorted(set(marks) | set(marked))
