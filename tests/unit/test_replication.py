@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from memops import replication, specs
-from memops.retirement import POD_DELETION_COST
+from memops.objects import POD_DELETION_COST
 
 MiB = 2**20
 
