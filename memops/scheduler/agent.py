@@ -15,13 +15,19 @@ Operations (``operation``, its arguments, what ``result`` holds):
   the keys that ``workers`` hold and of ``keys``;
 - ``relief`` (``above``, ``to``, ``owner``): :func:`memops.scheduler.relief.configure`:
   installs, retunes or removes pressure relief; its state, or ``{}`` once removed;
+- ``drain`` (``workers`` or ``names``, ``deadline`` seconds, ``nodes``, ``close_workers``, ``restore``):
+  :func:`memops.scheduler.drain.start`: starts draining these workers by value, with a deadline,
+  and returns at once with their ``drain_status``;
+- ``drain_status`` (``workers`` or ``names``, or neither for all): :func:`memops.scheduler.drain.status`:
+  per drained worker its state, the keys and bytes still held nowhere else, moved, on their way,
+  and lost at the deadline;
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
 for an operation it does not know. An agent of another version (installed by an older or
 newer operator) is replaced by the operator that finds it, as a missing one is installed.
 
-Like :mod:`holdings` and :mod:`relief`, this imports nothing from memops beyond its siblings in
+Like :mod:`holdings`, :mod:`relief` and :mod:`drain`, this imports nothing from memops beyond its siblings in
 this package, which the operator sends by value with it.
 """
 
@@ -30,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from memops.scheduler import holdings, relief
+from memops.scheduler import drain, holdings, relief
 
 NAME = "memops_agent"
 VERSION = 1
@@ -52,11 +58,41 @@ def _relief(
     return {str(k): list(v) if isinstance(v, (list, tuple)) else v for k, v in state.items()}
 
 
+def _drain(
+    dask_scheduler: Any,
+    workers: Sequence[str] = (),
+    names: Sequence[str] = (),
+    deadline: float = 60.0,
+    nodes: dict[str, str] | None = None,
+    close_workers: bool = True,
+    restore: bool = False,
+) -> dict[str, Any]:
+    return drain.start(
+        dask_scheduler,
+        workers=[str(w) for w in workers],
+        names=[str(n) for n in names],
+        deadline=float(deadline),
+        nodes={str(a): str(n) for a, n in (nodes or {}).items()},
+        close=bool(close_workers),
+        restore=bool(restore),
+    )
+
+
+def _drain_status(dask_scheduler: Any, workers: Sequence[str] = (), names: Sequence[str] = ()) -> dict[str, Any]:
+    return drain.status(dask_scheduler, workers=[str(w) for w in workers], names=[str(n) for n in names])
+
+
 def _hello(dask_scheduler: Any) -> dict[str, Any]:
     return {"version": VERSION}
 
 
-OPERATIONS: dict[str, Callable[..., Any]] = {"holdings": _plain_holdings, "relief": _relief, "hello": _hello}
+OPERATIONS: dict[str, Callable[..., Any]] = {
+    "holdings": _plain_holdings,
+    "relief": _relief,
+    "drain": _drain,
+    "drain_status": _drain_status,
+    "hello": _hello,
+}
 
 
 def handler(dask_scheduler: Any) -> Callable[..., dict[str, Any]]:
