@@ -328,6 +328,7 @@ async def start_drain(
     nodes: Mapping[str, str] | None = None,
     close_workers: bool = True,
     restore: bool = False,
+    window: int = drain.WINDOW_BYTES,
     security: Security | None = None,
     timeout: float = 10,
 ) -> dict[str, Any]:
@@ -345,6 +346,7 @@ async def start_drain(
                 nodes=dict(nodes or {}),
                 close_workers=close_workers,
                 restore=restore,
+                window=window,
             )
     return dict(_mapping(address, state, "the agent's drain state"))
 

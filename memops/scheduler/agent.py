@@ -15,7 +15,8 @@ Operations (``operation``, its arguments, what ``result`` holds):
   the keys that ``workers`` hold and of ``keys``;
 - ``relief`` (``above``, ``to``, ``owner``): :func:`memops.scheduler.relief.configure`:
   installs, retunes or removes pressure relief; its state, or ``{}`` once removed;
-- ``drain`` (``workers`` or ``names``, ``deadline`` seconds, ``nodes``, ``close_workers``, ``restore``):
+- ``drain`` (``workers`` or ``names``, ``deadline`` seconds, ``nodes``, ``close_workers``, ``restore``,
+  ``window``):
   :func:`memops.scheduler.drain.start`: starts draining these workers by value, with a deadline,
   and returns at once with their ``drain_status``;
 - ``drain_status`` (``workers`` or ``names``, or neither for all): :func:`memops.scheduler.drain.status`:
@@ -66,6 +67,7 @@ def _drain(
     nodes: dict[str, str] | None = None,
     close_workers: bool = True,
     restore: bool = False,
+    window: int = drain.WINDOW_BYTES,
 ) -> dict[str, Any]:
     return drain.start(
         dask_scheduler,
@@ -75,6 +77,7 @@ def _drain(
         nodes={str(a): str(n) for a, n in (nodes or {}).items()},
         close=bool(close_workers),
         restore=bool(restore),
+        window=int(window),
     )
 
 

@@ -91,7 +91,7 @@ class Recipient:
     name: str
     node: str | None  # None: not known, counts as another node than the dying ones
     headroom: int  # bytes it can still take (memory limit minus memory and what is coming)
-    window: int  # bytes that may still be sent its way now (WINDOW_BYTES minus what is on its way)
+    window: int  # bytes that may still be sent its way now (the window minus what is on its way)
 
 
 def value(key: Key) -> tuple[int, float, int, str]:
@@ -107,7 +107,7 @@ def rank(keys: Iterable[Key]) -> list[Key]:
 
 
 def assign(
-    keys: Sequence[Key], recipients: Sequence[Recipient], dying_nodes: Collection[str]
+    keys: Sequence[Key], recipients: Sequence[Recipient], dying_nodes: Collection[str], window: int = WINDOW_BYTES
 ) -> tuple[list[tuple[str, str]], list[str]]:
     """(key, recipient) for the ranked ``keys``, in their order, and the keys that fit nowhere.
 
@@ -133,13 +133,13 @@ def assign(
         placed = False
         for heap in tiers:
             while heap and heap[0][0] + key.nbytes <= 0:  # the roomiest one of this tier has room
-                minus_room, name, window = heap[0]
-                if window < key.nbytes and window < WINDOW_BYTES:
+                minus_room, name, left = heap[0]
+                if left < key.nbytes and left < window:
                     heapq.heappop(heap)  # its window is full: it takes nothing more in this pass
                     full = True
                     continue
                 chosen.append((key.key, name))
-                heapq.heapreplace(heap, (minus_room + key.nbytes, name, window - key.nbytes))
+                heapq.heapreplace(heap, (minus_room + key.nbytes, name, left - key.nbytes))
                 placed = True
                 break
             if placed:
@@ -156,6 +156,7 @@ class Copy:
     target: str
     nbytes: int
     asked: float  # monotonic
+    source: str = ""  # the drained worker it is counted for (its replica may be dropped before we look)
 
     def expired(self, now: float) -> bool:
         return now > self.asked + IN_FLIGHT_SECONDS + self.nbytes / TRANSFER_BYTES_PER_SECOND
@@ -219,6 +220,7 @@ class DrainPlugin(SchedulerPlugin):
         self.nodes: dict[str, str] = {}
         self.copies: dict[Any, Copy] = {}  # by task key
         self.task: asyncio.Task[None] | None = None
+        self.window = WINDOW_BYTES
 
     async def close(self) -> None:
         if self.task is not None:
@@ -289,20 +291,16 @@ class DrainPlugin(SchedulerPlugin):
                 continue
             if target is not None and target in ts.who_has:
                 del self.copies[key]
-                for ws in ts.who_has:
-                    owner = active.get(ws.address)
-                    if owner is not None:
-                        owner.keys_moved += 1
-                        owner.bytes_moved += copy.nbytes
-                        break
+                owner = self.workers.get(copy.source)
+                if owner is not None:
+                    owner.keys_moved += 1
+                    owner.bytes_moved += copy.nbytes
                 continue
             if target is None or target not in scheduler.running or copy.expired(now):
                 del self.copies[key]  # asked again below, if still held only by drained workers
-                for ws in ts.who_has:
-                    owner = active.get(ws.address)
-                    if owner is not None:
-                        owner.order.insert(0, key)
-                        break
+                owner = active.get(copy.source)
+                if owner is not None:
+                    owner.order.insert(0, key)
                 continue
             on_way[copy.target] += copy.nbytes
         # Recipients: running, not drained, with headroom.
@@ -317,7 +315,7 @@ class DrainPlugin(SchedulerPlugin):
                     ws.address,
                     self.nodes.get(ws.address),
                     (limit - used) if limit else UNLIMITED,
-                    WINDOW_BYTES - on_way[ws.address],
+                    self.window - on_way[ws.address],
                 )
             )
         dying_nodes = {d.node for d in active.values() if d.node}
@@ -357,12 +355,12 @@ class DrainPlugin(SchedulerPlugin):
                 budget -= nbytes
             else:
                 index = len(drained.order)
-            chosen, _unplaced = assign(pending, recipients, dying_nodes)  # the unplaced wait in order
+            chosen, _unplaced = assign(pending, recipients, dying_nodes, self.window)  # the unplaced wait in order
             taken: defaultdict[str, int] = defaultdict(int)
             for name, target in chosen:
                 key = tasks[name]
                 nbytes = _nbytes(scheduler.tasks[key])
-                self.copies[key] = Copy(target, nbytes, now)
+                self.copies[key] = Copy(target, nbytes, now, source=address)
                 batches[target].append(key)
                 taken[target] += nbytes
                 drained.asked += 1
@@ -499,6 +497,7 @@ def start(
     nodes: Mapping[str, str] | None = None,
     close: bool = True,
     restore: bool = False,
+    window: int = WINDOW_BYTES,
 ) -> dict[str, Any]:
     """Run on the scheduler (by the agent's ``drain`` operation): start draining these workers
     (by address, or by name), each with ``deadline`` seconds from now; returns at once, with
@@ -508,11 +507,13 @@ def start(
     the drained ones. ``close``: close and remove a worker once drained. ``restore``: at the
     deadline, set a worker back to the status it had (so that a worker that stays is used
     again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
-    already being drained keeps its drain, with the earlier of the two deadlines.
+    already being drained keeps its drain, with the earlier of the two deadlines. ``window``:
+    bytes on their way to one recipient at a time (:data:`WINDOW_BYTES`), for every drain.
     """
     by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
     addresses = [str(a) for a in workers] + [by_name[str(n)] for n in names if str(n) in by_name]
     plugin = _plugin(dask_scheduler)
+    plugin.window = max(int(window), 1)
     plugin.add(addresses, float(deadline), dict(nodes or {}), bool(close), bool(restore))
     return plugin.report(addresses)
 
