@@ -186,6 +186,7 @@ class Drained:
     lost_bytes: int = 0
     lost_irreplaceable: int = 0
     lost: list[str] = dataclasses.field(default_factory=list)  # the first few, for the report
+    lost_cause: str = "deadline"
 
 
 LOST_NAMED = 20
@@ -280,7 +281,7 @@ class DrainPlugin(SchedulerPlugin):
         draining_ws |= leaving
         for address, drained in active.items():
             if address not in scheduler.workers:
-                drained.state, drained.ended = State.GONE, now
+                self._gone(drained, now)
         # Copies: landed, or to be asked again.
         on_way: defaultdict[str, int] = defaultdict(int)
         for key, copy in list(self.copies.items()):
@@ -412,6 +413,22 @@ class DrainPlugin(SchedulerPlugin):
         if drained.restore:
             self._set_status(ws, drained.previous)
 
+    def _gone(self, drained: Drained, now: float) -> None:
+        """The worker left mid-drain (its pod killed at the end of a short grace period): what it
+        alone held and the drain had not moved is lost, cause ``worker left``."""
+        drained.state, drained.ended = State.GONE, now
+        left = list(drained.order) + [k for k, c in self.copies.items() if c.source == drained.address]
+        for key in left:
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and ts.who_has:
+                continue  # a copy elsewhere (or recomputed since)
+            drained.lost_keys += 1
+            drained.lost_bytes += max(int(ts.nbytes), 0) if ts is not None else 0
+            drained.lost_irreplaceable += ts is None or ts.run_spec is None
+            if len(drained.lost) < LOST_NAMED:
+                drained.lost.append(str(key))
+        drained.lost_cause = "worker left"
+
     async def _no_recipients(self, drained: Drained, ws: Any, now: float) -> None:
         drained.state, drained.ended = State.NO_RECIPIENTS, now
         self._set_status(ws, drained.previous)
@@ -473,9 +490,9 @@ class DrainPlugin(SchedulerPlugin):
                     "bytes": drained.lost_bytes,
                     "irreplaceableKeys": drained.lost_irreplaceable,
                     "someKeys": list(drained.lost),
-                    "cause": "deadline",
+                    "cause": drained.lost_cause,
                 }
-                if drained.state == State.DEADLINE
+                if drained.state in (State.DEADLINE, State.GONE)
                 else None,
             }
         return result
@@ -503,8 +520,8 @@ def start(
     (by address, or by name), each with ``deadline`` seconds from now; returns at once, with
     :func:`status` of the workers started.
 
-    ``nodes``: worker address -> its node; a worker not in it counts as on another node than
-    the drained ones. ``close``: close and remove a worker once drained. ``restore``: at the
+    ``nodes``: worker address (or name) -> its node; a worker not in it counts as on another
+    node than the drained ones. ``close``: close and remove a worker once drained. ``restore``: at the
     deadline, set a worker back to the status it had (so that a worker that stays is used
     again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
     already being drained keeps its drain, with the earlier of the two deadlines. ``window``:
@@ -512,9 +529,11 @@ def start(
     """
     by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
     addresses = [str(a) for a in workers] + [by_name[str(n)] for n in names if str(n) in by_name]
+    # A preStop hook knows its worker's name, not its address.
+    located = {by_name.get(str(w), str(w)): str(node) for w, node in (nodes or {}).items()}
     plugin = _plugin(dask_scheduler)
     plugin.window = max(int(window), 1)
-    plugin.add(addresses, float(deadline), dict(nodes or {}), bool(close), bool(restore))
+    plugin.add(addresses, float(deadline), located, bool(close), bool(restore))
     return plugin.report(addresses)
 
 
