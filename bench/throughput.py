@@ -385,7 +385,7 @@ async def drain_until_done(address: str, workers: Sequence[str], timeout: float 
             states = await daskrpc.drain_status(address, workers)
             if all(s["state"] != "draining" for s in states.values()):
                 return states
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.05)
 
 
 def start(client: distributed.Client) -> None:

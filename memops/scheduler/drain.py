@@ -284,6 +284,7 @@ class DrainPlugin(SchedulerPlugin):
                 self._gone(drained, now)
         # Copies: landed, or to be asked again.
         on_way: defaultdict[str, int] = defaultdict(int)
+        from_source: defaultdict[str, int] = defaultdict(int)  # copies on their way, by drained worker
         for key, copy in list(self.copies.items()):
             ts = scheduler.tasks.get(key)
             target = scheduler.workers.get(copy.target)
@@ -304,6 +305,7 @@ class DrainPlugin(SchedulerPlugin):
                     owner.order.insert(0, key)
                 continue
             on_way[copy.target] += copy.nbytes
+            from_source[copy.source] += 1
         # Recipients: running, not drained, with headroom.
         recipients = []
         for ws in scheduler.running:
@@ -330,7 +332,8 @@ class DrainPlugin(SchedulerPlugin):
                 continue
             if now - drained.scanned > RESCAN_SECONDS:
                 self._scan(drained, ws, draining_ws, now)
-            if self._drained(ws, draining_ws):
+            # Read every key of the worker only once nothing is left to ask for or on its way.
+            if not drained.order and not from_source[address] and self._drained(ws, draining_ws):
                 await self._finish(drained, ws, now)
                 continue
             if not recipients and drained.restore and not self.copies:
