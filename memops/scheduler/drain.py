@@ -49,10 +49,12 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 logger = logging.getLogger(__name__)
 
 NAME = "memops-drain"
-WINDOW_BYTES = 256 * 2**20
-"""Bytes on their way to one recipient at a time. Enough to keep a transfer going (a worker
-gathers up to 50 MB per message from a peer), few enough that under a deadline the keys worth
-most are the ones on their way, not whichever the recipient fetches first."""
+WINDOW_BYTES = 2**30
+"""Bytes on their way to one recipient at a time. A recipient fetches the keys of one request
+in the order asked (the worker breaks ties between equal priorities oldest first), so that the
+keys worth most land first even when all are asked at once; the window only bounds what is
+committed to one recipient before it shows that it takes them (a smaller one costs throughput:
+each key that lands frees room a pass later)."""
 INTERVAL = 0.02
 """Seconds between two passes: what it costs is the keys on their way, a few thousand at most."""
 IN_FLIGHT_SECONDS = 10.0
