@@ -7,7 +7,10 @@ ways in the same sandbox and the same run:
   copy them with no AMM in between (one ``get_data`` message per recipient and sender);
 - stock (anchor): the scheduler's ``retire_workers`` of those N workers, called directly;
 - memops: one RetirementRequest (``workers: [pod]`` for one worker, ``count: N`` for several),
-  applied with kubectl; the operator calls the same ``retire_workers``.
+  applied with kubectl; the operator drains with memops' drain where its agent runs (it does here);
+- drain: memops' drain (``memops.scheduler.drain``) started directly at the scheduler through the
+  agent (``daskrpc.start_drain``), polled until its workers are closed: the drain policy's own
+  rate beside stock ``retire_workers``, without the operator and the API server around it.
 
 Every phase is timed inside the workers, by a worker plugin that records when a key of the
 phase goes into flight and reaches memory on its recipient: "drain" is first byte in flight ->
@@ -28,6 +31,7 @@ the other workers hold a ballast a little larger than SIZE (in both stock and me
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -48,6 +52,8 @@ import cloudpickle
 import distributed
 import yaml
 from distributed.diagnostics.plugin import WorkerPlugin
+
+from memops import daskrpc
 
 MIB = 2**20
 GIB = 2**30
@@ -218,6 +224,10 @@ class Phases:
     memops_cpu: float = 0.0  # the same, from kubectl apply to Succeeded (kubectl itself not counted)
     stock_received: int = 0  # keys that landed on a recipient: more than the keys when some moved twice
     memops_received: int = 0
+    drain_first: float = 0.0  # memops' drain, started at the scheduler: call -> first byte in flight
+    drain_drain: float = 0.0
+    drain_return: float = 0.0  # call -> every drained worker closed and removed
+    drain_received: int = 0
 
 
 class Bench:
@@ -262,7 +272,9 @@ class Bench:
         elif run % 2:
             self.memops(scenario, run, phases)
             self.stock(scenario, run, phases)
+            self.drain(scenario, run, phases)
         else:
+            self.drain(scenario, run, phases)
             self.stock(scenario, run, phases)
             self.memops(scenario, run, phases)
         return phases
@@ -299,6 +311,27 @@ class Bench:
         # Replace the retired pods, as the memops phase does (its pods are deleted, then the
         # Deployment is scaled back up): both phases then leave the same history behind, a new
         # pod with a new name and a new worker process, for whichever phase comes next.
+        benchkit.kubectl(self.box.env, "delete", "pod", *retiring, "--wait=false")
+        wait_workers(client, WORKERS, gone=retiring)
+        time.sleep(0.5)
+
+    def drain(self, scenario: Scenario, run: int, phases: Phases) -> None:
+        """memops' drain of the same workers, started at the scheduler through memops' agent."""
+        client = self.client
+        tag = f"tp-{run}-drain"
+        retiring, data, ballast = self.loaded(scenario, tag)
+        addresses = [benchkit.workers(client)[p] for p in retiring]
+        collect(client)
+        # The agent is installed before the clock starts (the operator does it once per scheduler).
+        asyncio.run(daskrpc.drain_status(self.box.address))
+        started = time.time()
+        states = asyncio.run(drain_until_done(self.box.address, addresses))
+        returned = time.time()
+        assert all(s["state"] == "done" for s in states.values()), states
+        first, last, phases.drain_received = transfers(client, started, tag)
+        phases.drain_first, phases.drain_drain, phases.drain_return = first - started, last - first, returned - started
+        check_kept(client, data, addresses)
+        del data, ballast
         benchkit.kubectl(self.box.env, "delete", "pod", *retiring, "--wait=false")
         wait_workers(client, WORKERS, gone=retiring)
         time.sleep(0.5)
@@ -342,6 +375,17 @@ class Bench:
         benchkit.kubectl(self.box.env, "scale", "deployment/dask-worker", f"--replicas={WORKERS}")
         wait_workers(client, WORKERS)
         time.sleep(0.5)
+
+
+async def drain_until_done(address: str, workers: Sequence[str], timeout: float = 600) -> dict[str, Any]:
+    """Start memops' drain of ``workers`` and poll its status until none is draining."""
+    await daskrpc.start_drain(address, workers, deadline=timeout)
+    async with asyncio.timeout(timeout):
+        while True:
+            states = await daskrpc.drain_status(address, workers)
+            if all(s["state"] != "draining" for s in states.values()):
+                return states
+            await asyncio.sleep(0.05)
 
 
 def start(client: distributed.Client) -> None:
@@ -450,14 +494,18 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
                 f"{median(moved / p.raw for p in phases):.2f}",
                 f"{median(moved / p.stock_drain for p in phases):.2f}",
                 f"{median(moved / p.memops_drain for p in phases):.2f}",
+                f"{median(moved / p.drain_drain for p in phases):.2f}" if phases[0].drain_drain else "-",
                 f"{median(p.raw / p.stock_drain for p in phases):.2f}",
                 f"{median(p.raw / p.memops_drain for p in phases):.2f}",
+                f"{median(p.raw / p.drain_drain for p in phases):.2f}" if phases[0].drain_drain else "-",
                 f"{median(p.stock_drain / p.memops_drain for p in phases):.2f}",
+                f"{median(p.stock_drain / p.drain_drain for p in phases):.2f}" if phases[0].drain_drain else "-",
                 f"{min(p.stock_drain / p.memops_drain for p in phases):.2f}"
                 f" to {max(p.stock_drain / p.memops_drain for p in phases):.2f}",
             ]
         )
-    headers = ["scenario", "raw GiB/s", "stock GiB/s", "memops GiB/s", "stock/raw", "memops/raw", "memops/stock"]
+    headers = ["scenario", "raw GiB/s", "stock GiB/s", "memops GiB/s", "drain GiB/s", "stock/raw", "memops/raw"]
+    headers += ["drain/raw", "memops/stock", "drain/stock"]
     headers.append("memops/stock, runs' range")
     print(markdown(headers, rows))
     print(
@@ -477,11 +525,15 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
             f"{median(p.memops_cpu for p in phases):.2f}",
             f"{median(p.stock_received / (scenario.keys * scenario.retiring) for p in phases):.2f}",
             f"{median(p.memops_received / (scenario.keys * scenario.retiring) for p in phases):.2f}",
+            f"{median(p.drain_first for p in phases):.3f}",
+            f"{median(p.drain_return for p in phases):.3f}",
+            f"{median(p.drain_received / (scenario.keys * scenario.retiring) for p in phases):.3f}",
         ]
         for scenario, phases in results.items()
     ]
     headers = ["scenario", "stock: 1st byte", "stock: returned", "stock: CPU s", "memops: 1st byte"]
     headers += ["memops: Succeeded", "memops: CPU s", "stock: keys received/moved", "memops: keys received/moved"]
+    headers += ["drain: 1st byte", "drain: closed", "drain: keys received/moved"]
     print(markdown(headers, rows))
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Collection, Hashable, Mapping, Sequence
@@ -64,12 +65,12 @@ from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
 from memops import daskcomm, snapshots
-from memops.scheduler import agent, holdings, relief, replication, rules
+from memops.scheduler import agent, drain, holdings, relief, replication, rules
 
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-for _module in (agent, holdings, relief, replication, rules):
+for _module in (agent, drain, holdings, relief, replication, rules):
     cloudpickle.register_pickle_by_value(_module)
 
 
@@ -111,6 +112,11 @@ class RetireOutcome:
     seconds: float
     absent: tuple[str, ...] = ()
     """Unknown to the scheduler when we asked: retired earlier, or died. Nothing to do."""
+    lost_at_deadline: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Address -> (keys, bytes) held by that worker alone when memops' drain reached its
+    deadline (``timed_out``): what its pod would lose if it went now. Empty with the stock path."""
+    by_memops: bool = False
+    """Drained by memops' own drain (:mod:`memops.scheduler.drain`), not stock ``retire_workers``."""
 
 
 _COMM_ERRORS = (OSError, TimeoutError)
@@ -313,8 +319,103 @@ async def _statuses(comm: daskcomm.Comm) -> dict[str, str]:
     }
 
 
+async def start_drain(
+    address: str,
+    worker_addresses: Sequence[str] = (),
+    *,
+    names: Sequence[str] = (),
+    deadline: float,
+    nodes: Mapping[str, str] | None = None,
+    close_workers: bool = True,
+    restore: bool = False,
+    window: int = drain.WINDOW_BYTES,
+    security: Security | None = None,
+    timeout: float = 10,
+) -> dict[str, Any]:
+    """Start memops' drain with a deadline (:mod:`memops.scheduler.drain`) of these workers; returns
+    at once with each one's :func:`drain_status`. Raises :class:`SchedulerRefused` when the
+    scheduler does not run memops' agent."""
+    async with _session(address, security, timeout) as comm:
+        async with asyncio.timeout(timeout):
+            state = await _agent(
+                comm,
+                "drain",
+                workers=list(worker_addresses),
+                names=list(names),
+                deadline=float(deadline),
+                nodes=dict(nodes or {}),
+                close_workers=close_workers,
+                restore=restore,
+                window=window,
+            )
+    return dict(_mapping(address, state, "the agent's drain state"))
+
+
+async def drain_status(
+    address: str, worker_addresses: Sequence[str] = (), *, security: Security | None = None, timeout: float = 10
+) -> dict[str, Any]:
+    """Each drained worker's state and figures (all of them without ``worker_addresses``)."""
+    async with _session(address, security, timeout) as comm:
+        async with asyncio.timeout(timeout):
+            state = await _agent(comm, "drain_status", workers=list(worker_addresses))
+    return dict(_mapping(address, state, "the agent's drain status"))
+
+
+FINISHED = {drain.State.DONE, drain.State.GONE}
+"""Drain states of a worker that has left: retired."""
+STOPPED = {drain.State.DEADLINE, drain.State.NO_RECIPIENTS}
+"""Drain states of a worker that stays, set back to the status it had: not retired."""
+
+
+async def _drain_by_memops(
+    comm: daskcomm.Comm, fresh: Sequence[str], deadline: float, nodes: Mapping[str, str]
+) -> tuple[set[str], set[str], dict[str, tuple[int, int]]] | None:
+    """Drain ``fresh`` with memops' drain, polling until each has left or stopped; None when the
+    scheduler does not run memops' agent (the caller then uses stock ``retire_workers``).
+
+    The drain's deadline is the caller's: at it the drain stops asking for copies and sets the
+    workers back to the status they had, so that no worker is left ``closing_gracefully`` with
+    nothing draining it (stock ``retire_workers`` cannot be stopped)."""
+    remaining = deadline - time.monotonic()
+    # The drain stops a little before the caller stops waiting, so that its report is read.
+    seconds = max(remaining - min(1.0, remaining / 10), 0.0)
+    try:
+        await _agent(
+            comm, "drain", workers=list(fresh), deadline=seconds, nodes=dict(nodes), close_workers=True, restore=True
+        )
+    except SchedulerRefused as exc:
+        logger.info("retiring with the scheduler's retire_workers instead of memops' drain: %s", exc)
+        return None
+    retired: set[str] = set()
+    stopped: set[str] = set()
+    lost: dict[str, tuple[int, int]] = {}
+    while True:
+        state = _mapping(comm.address, await _agent(comm, "drain_status", workers=list(fresh)), "drain status")
+        for worker in fresh:
+            entry = state.get(worker)
+            if not isinstance(entry, Mapping):
+                retired.add(worker)  # not drained by memops: it left before the drain began
+                continue
+            if entry.get("state") in FINISHED:
+                retired.add(worker)
+            elif entry.get("state") in STOPPED:
+                stopped.add(worker)
+                figures = entry.get("lostAtDeadline")
+                if entry.get("state") == drain.State.DEADLINE and isinstance(figures, Mapping):
+                    lost[worker] = (int(figures.get("keys", 0)), int(figures.get("bytes", 0)))
+        if retired | stopped >= set(fresh):
+            return retired, stopped, lost
+        await asyncio.sleep(POLL_SECONDS / 5)
+
+
 async def retire_workers(
-    address: str, worker_addresses: Sequence[str], *, security: Security | None = None, timeout: float
+    address: str,
+    worker_addresses: Sequence[str],
+    *,
+    security: Security | None = None,
+    timeout: float,
+    nodes: Mapping[str, str] | None = None,
+    memops_drain: bool = True,
 ) -> RetireOutcome:
     """Drain and close these workers through the scheduler's AMM; stop waiting after ``timeout``.
 
@@ -333,9 +434,19 @@ async def retire_workers(
     exits, and restarts unless the pod is deleted), or set back to running or paused if the
     data has nowhere to go. A ``timeout`` of 0 starts no retirement and only reports.
 
+    Where the scheduler runs memops' agent, workers that are running or paused are drained by
+    memops' drain (:mod:`memops.scheduler.drain`: each key moved once, the keys worth most first,
+    recipients spread and, with ``nodes`` (worker address -> node), off the drained workers'
+    nodes) with ``timeout`` as its deadline: at it the drain stops and sets them back to the
+    status they had (``lost_at_deadline`` says what each still held alone), so nothing goes on
+    draining them after we stop waiting. Elsewhere (or with ``memops_drain=False``) stock
+    ``retire_workers`` does it, as follows.
+
     Raises :class:`SchedulerUnreachable` when the scheduler does not answer.
     """
     start = time.monotonic()
+    lost: dict[str, tuple[int, int]] = {}
+    by_memops = False
     wanted = list(dict.fromkeys(worker_addresses))
     if not wanted:
         return RetireOutcome((), (), False, 0.0)
@@ -352,6 +463,16 @@ async def retire_workers(
         deadline = start + timeout
 
         async def retire_fresh() -> None:
+            nonlocal by_memops
+            drained = await _drain_by_memops(comm, fresh, deadline, nodes or {}) if memops_drain else None
+            if drained is not None:
+                by_memops = True
+                retired.update(drained[0])
+                not_retired.update(drained[1])
+                lost.update(drained[2])
+                if drained[2]:
+                    raise TimeoutError  # stopped at its deadline: the caller's timeout, reached
+                return
             result = await comm.call(
                 "retire_workers",
                 workers=fresh,
@@ -400,6 +521,8 @@ async def retire_workers(
         timed_out=timed_out,
         seconds=time.monotonic() - start,
         absent=absent,
+        lost_at_deadline=lost,
+        by_memops=by_memops,
     )
 
 
@@ -519,6 +642,10 @@ async def _agent(comm: daskcomm.Comm, operation: str, *, install: bool = True, *
         except daskcomm.RemoteError as exc:
             raise SchedulerRefused(f"memops' agent refused {operation}: {exc}") from exc
         if isinstance(reply, Mapping) and reply.get("agent") == agent.VERSION:
+            if "error" in reply and not attempt and install and str(reply["error"]).startswith("unknown operation"):
+                # An agent of this version from before the operation was added: install this one.
+                await _install_agent(comm)
+                continue
             if "error" in reply:
                 raise SchedulerRefused(f"memops' agent refused {operation}: {reply['error']}")
             return reply.get("result")

@@ -69,6 +69,7 @@ def judge_drain(
     timed_out: bool,
     on_timeout: specs.OnTimeout,
     located: Mapping[str, Sequence[snapshots.WorkerInfo]] | None = None,
+    lost_at_deadline: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[specs.WorkerStatus]:
     """Decide each draining worker's fate once the scheduler has answered.
 
@@ -82,8 +83,11 @@ def judge_drain(
     (:func:`memops.snapshots.workers_by_pod` over ``after``); without it a worker is its pod's by
     name. ``before`` is the snapshot taken when this process began the drain; after an operator
     restart it may not know the workers any more, and the status' own figures stand.
+    ``lost_at_deadline``: by worker address, (keys, bytes) that memops' drain left on it at its
+    deadline; a kept or forced pod's workers' figures are recorded as its ``lostAtDeadline``.
     """
     retired_set = set(retired)
+    stopped = lost_at_deadline or {}
     result = []
     for worker in workers:
         if worker.state != specs.WorkerState.DRAINING or worker.removable:
@@ -144,6 +148,11 @@ def judge_drain(
                 "message": f"{_why(timed_out)}; kept its pod, which holds {holding} bytes ({holding_keys} keys)"
                 " that exist nowhere else",
             }
+        left = [stopped[a] for a in recorded if a in stopped]
+        if left and update.get("state") in (specs.WorkerState.KEPT, specs.WorkerState.FORCED):
+            update["lostAtDeadline"] = specs.LostAtDeadline(
+                keys=sum(k for k, _ in left), bytes=sum(b for _, b in left), cause="deadline"
+            )
         result.append(worker.model_copy(update=update))
     return result
 

@@ -47,6 +47,13 @@ BYTES_LOST = prometheus_client.Counter(
     ["namespace"],
     registry=REGISTRY,
 )
+LOST_AT_DEADLINE = prometheus_client.Counter(
+    "memops_drain_deadline_left_bytes_total",
+    "Unique bytes that memops' drain had not moved when a RetirementRequest's timeout came"
+    " (kept with the pod, or lost with onTimeout: Force).",
+    ["namespace"],
+    registry=REGISTRY,
+)
 WORKERS = prometheus_client.Counter(
     "memops_drained_workers_total",
     "Workers at the end of a drain, by state (Retired, Kept, Forced).",
@@ -178,6 +185,8 @@ def drain_finished(namespace: str, status: specs.RetirementRequestStatus, reason
     BYTES_LOST.labels(namespace).inc(status.bytesLost)
     for worker in status.workers:
         WORKERS.labels(namespace, worker.state.value).inc()
+        if worker.lostAtDeadline is not None:
+            LOST_AT_DEADLINE.labels(namespace).inc(worker.lostAtDeadline.bytes)
 
 
 def policy_observed(

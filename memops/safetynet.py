@@ -3,8 +3,9 @@
 Someone lowers a Deployment's replicas directly, a rollout replaces pods, a node drains: the
 kubelet then runs the container's ``preStop`` hook before SIGTERM. For the workers of a
 MemoryPolicy's workload, memops' mutating admission webhook (:mod:`memops.controllers.safetynet_webhook`)
-adds a ``preStop`` hook that asks the scheduler to retire this worker, and a grace period long
-enough for the drain. The pods are mutated, never the user's Deployment, so GitOps tools see
+adds a ``preStop`` hook that asks the scheduler to drain this worker (memops' drain with a
+deadline where the operator's agent runs, stock ``retire_workers`` elsewhere), and a grace
+period long enough for the drain. The pods are mutated, never the user's Deployment, so GitOps tools see
 no drift. The hook uses only what ``distributed`` ships (msgpack), so a stock Dask image works,
 and speaks to the scheduler through :mod:`memops.daskcomm`'s client, carried as source.
 
@@ -36,7 +37,7 @@ MAX_GRACE_SECONDS = int(specs.parse_duration(specs.MAX_DURATION).total_seconds()
 
 _PRE_STOP_MAIN = """
 
-# -- the preStop hook: retire this worker through the scheduler ------------------------------
+# -- the preStop hook: drain this worker through the scheduler -------------------------------
 
 LEAVING = {"closing_gracefully", "closing", "closed"}
 
@@ -53,7 +54,29 @@ async def _statuses(comm, name):
     }
 
 
-async def _main():
+async def _drain_by_memops(comm, name, deadline):
+    # memops' drain (the operator's agent in the scheduler): the keys worth most first, off
+    # this node, each asked once, stopped at the deadline. Not installed (or an agent without
+    # it): None, and stock retire_workers does it.
+    node = os.environ.get("MEMOPS_NODE_NAME", "")
+    reply = await comm.call(
+        "memops_agent", operation="drain", names=[name], deadline=deadline, nodes={name: node} if node else {}
+    )
+    if not isinstance(reply, dict) or not isinstance(reply.get("result"), dict) or not reply["result"]:
+        return None
+    while True:
+        reply = await comm.call("memops_agent", operation="drain_status", names=[name])
+        states = reply.get("result") if isinstance(reply, dict) else None
+        if not isinstance(states, dict) or not states:
+            return None
+        state = next(iter(states.values()))
+        if not isinstance(state, dict) or state.get("state") != "draining":
+            print("memops drain:", state, flush=True)
+            return state
+        await asyncio.sleep(0.2)
+
+
+async def _main(deadline):
     # dask-kubernetes names a worker by DASK_WORKER_NAME (its Deployment); otherwise the pod's name.
     name = os.environ.get("DASK_WORKER_NAME") or os.environ["MEMOPS_POD_NAME"]
     context = None
@@ -71,16 +94,23 @@ async def _main():
                 await asyncio.sleep(0.5)
                 statuses = await _statuses(comm, name)
             return
-        # The scheduler retires nobody when no other worker can take the unique data (say, in a
-        # rollout, before the new pods' workers have connected): the kubelet would then kill the
-        # worker with its data. Ask again until it is retired, or gone, or the timeout ends.
-        while not await comm.call("retire_workers", names=[name], close_workers=True, remove=True):
-            if not await _statuses(comm, name):
-                return
-            await asyncio.sleep(1)
+        if await _drain_by_memops(comm, name, deadline) is None:
+            # No memops agent: stock retire_workers. The scheduler retires nobody when no other
+            # worker can take the unique data (say, in a rollout, before the new pods' workers have
+            # connected): the kubelet would then kill the worker with its data. Ask again until it
+            # is retired, or gone, or the timeout ends.
+            while not await comm.call("retire_workers", names=[name], close_workers=True, remove=True):
+                if not await _statuses(comm, name):
+                    return
+                await asyncio.sleep(1)
 
 
-asyncio.run(asyncio.wait_for(_main(), float(os.environ["MEMOPS_DRAIN_TIMEOUT"])))
+# The pod's grace period, and a shorter one given at deletion (kubectl delete --grace-period,
+# a preemption), are not visible in the container: the hook's deadline is what the webhook
+# set (MEMOPS_DRAIN_DEADLINE) and no later than the drain's timeout. A shorter window ends the
+# hook with SIGKILL; memops' drain has moved the keys worth most by then.
+_DEADLINE = min(float(os.environ["MEMOPS_DRAIN_TIMEOUT"]), float(os.environ.get("MEMOPS_DRAIN_DEADLINE") or "inf"))
+asyncio.run(asyncio.wait_for(_main(_DEADLINE), _DEADLINE + 5))
 """
 
 PRE_STOP_SCRIPT = inspect.getsource(daskcomm) + _PRE_STOP_MAIN
@@ -123,7 +153,9 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
             *env,
             {"name": "MEMOPS_SCHEDULER_ADDRESS", "value": spec.scheduler.address},
             {"name": "MEMOPS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "MEMOPS_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "MEMOPS_DRAIN_TIMEOUT", "value": str(timeout)},
+            {"name": "MEMOPS_DRAIN_DEADLINE", "value": str(max(grace - GRACE_MARGIN_SECONDS, 1))},
             *_tls_env(spec),
         ]
         container.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT]}}

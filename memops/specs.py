@@ -292,6 +292,14 @@ class Condition(Model):
     )
 
 
+class LostAtDeadline(Model):
+    """What memops' drain had not moved off a worker when its deadline came."""
+
+    keys: int = pydantic.Field(default=0, description="Keys held by this worker alone at the deadline.")
+    bytes: int = pydantic.Field(default=0, description="Their bytes.")
+    cause: str = pydantic.Field(default="deadline", description="Why the drain stopped: deadline.")
+
+
 class WorkerStatus(Model):
     """What happened to one chosen worker."""
 
@@ -321,6 +329,12 @@ class WorkerStatus(Model):
         default=False, description="memops decided to remove this pod: it is drained, or forced."
     )
     podRemoved: bool = pydantic.Field(default=False, description="The pod is gone.")
+    lostAtDeadline: LostAtDeadline | None = pydantic.Field(
+        default=None,
+        description="memops' drain stopped at spec.timeout with keys that had not moved: what this worker"
+        " then held alone (the drain moves the keys that cannot be recomputed first). Kept, these stay with"
+        " the pod; Forced, they are lost (bytesLost).",
+    )
 
 
 class ScaleDown(Model):

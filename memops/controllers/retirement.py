@@ -415,6 +415,7 @@ class Retirement:
             timed_out=outcome.timed_out,
             on_timeout=on_timeout,
             located=snapshots.workers_by_pod(namespace_pods, after.workers),
+            lost_at_deadline=outcome.lost_at_deadline,
         )
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration

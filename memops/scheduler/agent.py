@@ -18,13 +18,20 @@ Operations (``operation``, its arguments, what ``result`` holds):
 - ``replication`` (``rules``, ``places``, ``owner``): :func:`memops.scheduler.replication.configure`:
   installs, retunes or (``rules`` None) removes replication targets; its figures, or ``{}``
   once removed; a refused rule is an ``error`` naming its field;
+- ``drain`` (``workers`` or ``names``, ``deadline`` seconds, ``nodes``, ``close_workers``, ``restore``,
+  ``window``):
+  :func:`memops.scheduler.drain.start`: starts draining these workers by value, with a deadline,
+  and returns at once with their ``drain_status``;
+- ``drain_status`` (``workers`` or ``names``, or neither for all): :func:`memops.scheduler.drain.status`:
+  per drained worker its state, the keys and bytes still held nowhere else, moved, on their way,
+  and lost at the deadline;
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
 for an operation it does not know. An agent of another version (installed by an older or
 newer operator) is replaced by the operator that finds it, as a missing one is installed.
 
-Like :mod:`holdings` and :mod:`relief`, this imports nothing from memops beyond its siblings in
+Like :mod:`holdings`, :mod:`relief` and :mod:`drain`, this imports nothing from memops beyond its siblings in
 this package, which the operator sends by value with it.
 """
 
@@ -33,10 +40,10 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from memops.scheduler import holdings, relief, replication, rules
+from memops.scheduler import drain, holdings, relief, replication, rules
 
 NAME = "memops_agent"
-VERSION = 2
+VERSION = 3
 """Bumped when an operation's arguments or reply change."""
 
 
@@ -64,6 +71,32 @@ def _replication(
     return replication.configure(dask_scheduler, rules, places, owner) or {}
 
 
+def _drain(
+    dask_scheduler: Any,
+    workers: Sequence[str] = (),
+    names: Sequence[str] = (),
+    deadline: float = 60.0,
+    nodes: dict[str, str] | None = None,
+    close_workers: bool = True,
+    restore: bool = False,
+    window: int = drain.WINDOW_BYTES,
+) -> dict[str, Any]:
+    return drain.start(
+        dask_scheduler,
+        workers=[str(w) for w in workers],
+        names=[str(n) for n in names],
+        deadline=float(deadline),
+        nodes={str(a): str(n) for a, n in (nodes or {}).items()},
+        close=bool(close_workers),
+        restore=bool(restore),
+        window=int(window),
+    )
+
+
+def _drain_status(dask_scheduler: Any, workers: Sequence[str] = (), names: Sequence[str] = ()) -> dict[str, Any]:
+    return drain.status(dask_scheduler, workers=[str(w) for w in workers], names=[str(n) for n in names])
+
+
 def _hello(dask_scheduler: Any) -> dict[str, Any]:
     return {"version": VERSION}
 
@@ -72,6 +105,8 @@ OPERATIONS: dict[str, Callable[..., Any]] = {
     "holdings": _plain_holdings,
     "relief": _relief,
     "replication": _replication,
+    "drain": _drain,
+    "drain_status": _drain_status,
     "hello": _hello,
 }
 

@@ -179,12 +179,13 @@ async def test_retiring_every_worker_retires_none_and_loses_nothing(cluster: Loc
 
 
 async def test_timeout_returns_promptly_and_the_scheduler_finishes_alone(cluster: LocalCluster, client: Client) -> None:
-    """Recipients that stop answering make the drain hang; we stop waiting, the scheduler does not."""
+    """Stock retire_workers (a scheduler without memops' agent): recipients that stop answering
+    make the drain hang; we stop waiting, the scheduler does not."""
     a, *others = sorted(cluster.scheduler.workers)
     data = await scatter(client, a, 2)
     pids = await client.run(os.getpid, workers=others)
     with frozen(list(pids.values())):
-        outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1.5)
+        outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1.5, memops_drain=False)
         assert outcome.timed_out and outcome.retired == () and outcome.not_retired == (a,)
         assert 1.4 < outcome.seconds < 4
         assert (await statuses(cluster.scheduler_address))[a] == "closing_gracefully"
@@ -200,7 +201,8 @@ async def test_timeout_returns_promptly_and_the_scheduler_finishes_alone(cluster
 async def test_retire_again_waits_for_the_retirement_in_progress(
     cluster: LocalCluster, client: Client, room: bool
 ) -> None:
-    """An operator restarted mid-drain calls again: it must wait for the first retirement, not stack one.
+    """An operator restarted mid-drain calls again: it must wait for the first retirement, not stack one
+    (the first by stock retire_workers, which goes on after the caller's timeout).
 
     Two stacked ``retire_workers`` calls that both find no recipients leave the worker
     ``closing_gracefully`` for good about half the time (each restores the status it saw).
@@ -209,7 +211,7 @@ async def test_retire_again_waits_for_the_retirement_in_progress(
     data = await scatter(client, a, 3)
     pid = (await client.run(os.getpid, workers=[a]))[a]
     with frozen([pid]):  # a sends nothing: its drain stays in progress
-        first = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1)
+        first = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1, memops_drain=False)
         assert first.timed_out and first.not_retired == (a,)
         if not room:
             await client.run(pause, workers=others)

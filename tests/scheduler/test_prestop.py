@@ -10,7 +10,7 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.security import Security
 
-from memops import safetynet
+from memops import daskrpc, safetynet
 
 
 async def run_hook(address: str, name: str, extra_env: dict[str, str]) -> int:
@@ -76,3 +76,25 @@ async def test_the_hook_waits_for_a_worker_to_take_the_data() -> None:
             assert await hook == 0
             who_has = await client.who_has(list(futures.values()))
             assert all(holders and leaving not in holders for holders in who_has.values()), who_has
+
+
+async def test_the_hook_drains_with_memops_where_the_agent_runs() -> None:
+    """With memops' agent in the scheduler (the operator installs it), the hook starts memops'
+    drain of its worker by name, with its node, and waits for it: the worker is drained by value
+    and closed, each key received once."""
+    async with LocalCluster(
+        n_workers=3, processes=True, threads_per_worker=1, dashboard_address=None, asynchronous=True
+    ) as local:
+        async with Client(local, asynchronous=True) as client:
+            info = await client.scheduler.identity()
+            leaving, *_ = sorted(info["workers"])
+            name = str(info["workers"][leaving]["name"])
+            futures = await client.scatter({f"k{i}": os.urandom(4096) for i in range(100)}, workers=[leaving])
+            assert await daskrpc.drain_status(local.scheduler_address) == {}  # installs the agent
+            env = {"MEMOPS_NODE_NAME": "node-a", "MEMOPS_DRAIN_DEADLINE": "25"}
+            assert await run_hook(local.scheduler_address, name, env) == 0
+            state = (await daskrpc.drain_status(local.scheduler_address))[leaving]
+            assert state["state"] == "done" and state["node"] == "node-a" and state["keysMoved"] == 100
+            assert state["asked"] == 100 and 20 < state["deadlineIn"] + state["seconds"] <= 25
+            assert leaving not in (await client.scheduler.identity())["workers"]
+            assert len(await client.gather(list(futures.values()))) == 100

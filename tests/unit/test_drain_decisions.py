@@ -66,6 +66,42 @@ def test_force_removes_and_records_the_loss() -> None:
     assert (worker.bytesLost, worker.keysLost) == (30, 2)
 
 
+@pytest.mark.parametrize(
+    "on_timeout, state",
+    [(specs.OnTimeout.ABORT, specs.WorkerState.KEPT), (specs.OnTimeout.FORCE, specs.WorkerState.FORCED)],
+    ids=["kept", "forced"],
+)
+def test_what_memops_drain_left_at_its_deadline_is_recorded(
+    on_timeout: specs.OnTimeout, state: specs.WorkerState
+) -> None:
+    after = snap([("pa", A, 20, 1), ("pb", B, 10, 1)], {"x": (B,), "y": (A,)}, {"x": 10, "y": 20})
+    [worker] = drain_decisions.judge_drain(
+        [draining("pa", A, 30)],
+        before=BEFORE,
+        after=after,
+        retired=[],
+        timed_out=True,
+        on_timeout=on_timeout,
+        lost_at_deadline={A: (1, 20), B: (5, 50)},
+    )
+    assert worker.state == state
+    assert worker.lostAtDeadline == specs.LostAtDeadline(keys=1, bytes=20, cause="deadline")
+
+
+def test_a_retired_worker_has_nothing_left_at_a_deadline() -> None:
+    after = snap([("pb", B, 30, 2)], {"x": (B,), "y": (B,)}, {"x": 10, "y": 20})
+    [worker] = drain_decisions.judge_drain(
+        [draining("pa", A, 30)],
+        before=BEFORE,
+        after=after,
+        retired=[A],
+        timed_out=False,
+        on_timeout=specs.OnTimeout.ABORT,
+        lost_at_deadline={B: (1, 1)},
+    )
+    assert worker.removable and worker.lostAtDeadline is None
+
+
 def test_a_restarted_worker_holding_new_data_keeps_the_pod() -> None:
     after = snap([("pb", B, 30, 2), ("pa", "tcp://a2", 5, 1)], {"x": (B,), "y": (B,), "n": ("tcp://a2",)}, {"n": 5})
     assert judge(after, [A]).state == specs.WorkerState.KEPT

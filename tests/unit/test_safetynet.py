@@ -33,6 +33,10 @@ def test_prestop_drain_and_a_grace_period_that_covers_the_drain() -> None:
     assert env["MEMOPS_SCHEDULER_ADDRESS"]["value"] == "tcp://dask-scheduler:8786"
     assert env["MEMOPS_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["MEMOPS_DRAIN_TIMEOUT"]["value"] == "120"
+    # The hook's deadline: the grace period less the margin to close (it cannot see the pod's).
+    assert env["MEMOPS_DRAIN_DEADLINE"]["value"] == "120"
+    assert env["MEMOPS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert 'operation="drain", names=[name]' in container["lifecycle"]["preStop"]["exec"]["command"][2]
     assert change["annotations"] == {safetynet.ANNOTATION: "analytics"}
 
 

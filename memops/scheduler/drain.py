@@ -1,0 +1,556 @@
+"""Drains with a deadline: memops' own retirement, run on the scheduler's event loop.
+
+Stock ``Scheduler.retire_workers`` adds one AMM ``RetireWorker`` policy per worker. On every
+AMM cycle that policy suggests a ``replicate`` for every unique key still on the worker, so a
+key whose copy is still on its way is asked for again (only ``manager.pending`` of the *same*
+cycle is checked): a recipient can receive a key twice (a measured run received 1,314 keys for
+1,024 moved). Its recipients are chosen per suggestion by the manager (the least memory, this
+cycle only), not spread, and it neither knows a deadline nor which keys are worth most.
+
+This module is a drain loop on the scheduler's event loop instead of an AMM policy, because
+what it must control is what the AMM does not let a policy control: *when* a key is asked for
+again (the manager forgets a suggestion after the cycle that made it), *how many* bytes are on
+their way at once (so that, under a deadline, the keys worth most move first rather than in the
+order the recipients happen to fetch them), and *which* recipient takes a key (all the
+recipients of one pass, spread by headroom). It issues ``acquire-replicas`` through the
+scheduler's own ``request_acquire_replicas``, exactly what the AMM's ``_enact_suggestions``
+sends, and marks the workers ``closing_gracefully`` as stock does (they take no new tasks, are
+never recipients, and the AMM's ReduceReplicas drops their replicas first once copied).
+
+For each worker being drained: its keys held nowhere else are ranked by value (:func:`rank`:
+keys that cannot be recomputed first, then by recompute seconds per byte), sent in that order to
+recipients off the dying workers' nodes, spread by headroom (:func:`assign`), at most
+:data:`WINDOW_BYTES` on their way to one recipient at a time. Each key is asked for once; again
+only if its recipient leaves or stops running, or :data:`IN_FLIGHT_SECONDS` (plus its transfer
+time) pass. At the deadline nothing more is asked for, and what is still held only by the
+drained workers is reported lost (cause ``deadline``). A worker whose keys all have a copy
+elsewhere is closed and removed (``close``), as stock does.
+
+:func:`rank` and :func:`assign` are pure and decide everything; :class:`DrainPlugin` only reads
+the scheduler's state for them. Like :mod:`relief`, this imports nothing from memops beyond
+this package: the operator sends it by value with the agent (:mod:`memops.scheduler.agent`),
+whose ``drain`` and ``drain_status`` operations call :func:`start` and :func:`status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import heapq
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+from distributed.core import Status
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+logger = logging.getLogger(__name__)
+
+NAME = "memops-drain"
+WINDOW_BYTES = 2**30
+"""Bytes on their way to one recipient at a time. A recipient fetches the keys of one request
+in the order asked (the worker breaks ties between equal priorities oldest first), so that the
+keys worth most land first even when all are asked at once; the window only bounds what is
+committed to one recipient before it shows that it takes them (a smaller one costs throughput:
+each key that lands frees room a pass later)."""
+INTERVAL = 0.02
+"""Seconds between two passes: what it costs is the keys on their way, a few thousand at most."""
+IN_FLIGHT_SECONDS = 10.0
+"""How long a requested copy may take, plus its transfer time below, before it is asked again."""
+TRANSFER_BYTES_PER_SECOND = 50 * 2**20
+"""A slow worker-to-worker copy: a large key counts as on its way for this much longer."""
+RESCAN_SECONDS = 1.0
+"""How often a draining worker's keys are read again for keys that appeared since (tasks that
+were running on it when the drain began)."""
+UNLIMITED = 2**62
+"""A recipient's headroom when it has no memory limit."""
+
+
+class State:
+    """A drained worker's state, as :func:`status` reports it."""
+
+    DRAINING = "draining"
+    DONE = "done"  # every key held only here has a copy elsewhere (closed, with ``close``)
+    DEADLINE = "deadline"  # the deadline passed first; ``lost`` says what stayed
+    NO_RECIPIENTS = "no-recipients"  # nothing could take its keys; set back to its old status
+    GONE = "gone"  # left the scheduler before it was drained (died, or closed by someone else)
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """A key held only by workers being drained, as :func:`rank` sees it."""
+
+    key: str
+    nbytes: int
+    irreplaceable: bool  # scattered, or its inputs are released: it cannot be recomputed cheaply
+    seconds: float = 0.0  # what recomputing it costs (its prefix' average duration; 0: unknown)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipient:
+    name: str
+    node: str | None  # None: not known, counts as another node than the dying ones
+    headroom: int  # bytes it can still take (memory limit minus memory and what is coming)
+    window: int  # bytes that may still be sent its way now (the window minus what is on its way)
+
+
+def value(key: Key) -> tuple[int, float, int, str]:
+    """Sort key, the most valuable first: irreplaceable keys, then the most recompute seconds
+    per byte moved, then the smallest (more keys per second), then by name (stable tables)."""
+    per_byte = key.seconds / max(key.nbytes, 1) if key.seconds > 0 else 0.0
+    return (0 if key.irreplaceable else 1, -per_byte, key.nbytes, key.key)
+
+
+def rank(keys: Iterable[Key]) -> list[Key]:
+    """The keys in the order a drain with a deadline moves them (see :func:`value`)."""
+    return sorted(keys, key=value)
+
+
+def assign(
+    keys: Sequence[Key], recipients: Sequence[Recipient], dying_nodes: Collection[str], window: int = WINDOW_BYTES
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """(key, recipient) for the ranked ``keys``, in their order, and the keys that fit nowhere.
+
+    Recipients on nodes other than ``dying_nodes`` (or on no known node) first; those on a dying
+    node only when no other has room. Among them, each key goes to the one with the most
+    headroom, counting the keys given before it, so that one pass spreads its keys over every
+    recipient with room instead of filling the emptiest one. A recipient's ``window`` bounds
+    what it is given in this pass (a key larger than a whole window still goes to an idle
+    recipient, alone); once a window is full, keys that find no room wait for the next pass.
+    Unplaced keys: larger than every recipient's headroom (a smaller key after it may still fit).
+    """
+    tiers: list[list[tuple[int, str, int]]] = [[], []]
+    for r in recipients:
+        same_node = r.node is not None and r.node in dying_nodes
+        # (-headroom, name, window left): a heap on headroom, the largest first.
+        tiers[1 if same_node else 0].append((-r.headroom, r.name, r.window))
+    for heap in tiers:
+        heapq.heapify(heap)
+    chosen: list[tuple[str, str]] = []
+    unplaced: list[str] = []
+    full = False  # some recipient's window is full: keys that find no room may wait for the next pass
+    for key in keys:
+        placed = False
+        for heap in tiers:
+            while heap and heap[0][0] + key.nbytes <= 0:  # the roomiest one of this tier has room
+                minus_room, name, left = heap[0]
+                if left < key.nbytes and left < window:
+                    heapq.heappop(heap)  # its window is full: it takes nothing more in this pass
+                    full = True
+                    continue
+                chosen.append((key.key, name))
+                heapq.heapreplace(heap, (minus_room + key.nbytes, name, left - key.nbytes))
+                placed = True
+                break
+            if placed:
+                break
+        if not placed and not full:
+            unplaced.append(key.key)
+    return chosen, unplaced
+
+
+@dataclasses.dataclass
+class Copy:
+    """A key asked of a recipient, followed until it lands."""
+
+    target: str
+    nbytes: int
+    asked: float  # monotonic
+    source: str = ""  # the drained worker it is counted for (its replica may be dropped before we look)
+
+    def expired(self, now: float) -> bool:
+        return now > self.asked + IN_FLIGHT_SECONDS + self.nbytes / TRANSFER_BYTES_PER_SECOND
+
+
+@dataclasses.dataclass
+class Drained:
+    """One worker being drained."""
+
+    address: str
+    name: str  # the worker's name, by which a preStop hook finds it (also once it is gone)
+    node: str | None
+    deadline: float  # monotonic
+    previous: str  # its status when the drain began, restored if nothing can take its keys
+    close: bool
+    restore: bool  # at the deadline: set back to ``previous`` (else it stays closing_gracefully)
+    state: str = State.DRAINING
+    order: list[Any] = dataclasses.field(default_factory=list)  # its keys, ranked, not yet asked for
+    seen: set[Any] = dataclasses.field(default_factory=set)
+    scanned: float = 0.0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    ended: float = 0.0
+    keys_moved: int = 0
+    bytes_moved: int = 0
+    asked: int = 0  # acquire-replicas asked, a key asked twice counting twice
+    lost_keys: int = 0
+    lost_bytes: int = 0
+    lost_irreplaceable: int = 0
+    lost: list[str] = dataclasses.field(default_factory=list)  # the first few, for the report
+    lost_cause: str = "deadline"
+
+
+LOST_NAMED = 20
+"""The status names this many of the keys lost at the deadline."""
+
+
+def _irreplaceable(ts: Any) -> bool:
+    if ts.run_spec is None:
+        return True  # scattered (or its spec is gone): nothing to recompute it from
+    deps = ts.dependencies
+    return bool(deps) and all(dep.state != "memory" for dep in deps)
+
+
+def _seconds(ts: Any) -> float:
+    prefix = getattr(ts, "prefix", None)
+    duration = float(getattr(prefix, "duration_average", -1) or -1)
+    return duration if duration > 0 else 0.0
+
+
+def _nbytes(ts: Any) -> int:
+    return int(ts.nbytes) if ts.nbytes >= 0 else int(ts.get_nbytes())
+
+
+class DrainPlugin(SchedulerPlugin):
+    """The drains of one scheduler: one loop, every worker being drained, in ``scheduler.plugins``."""
+
+    name = NAME
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.workers: dict[str, Drained] = {}
+        self.nodes: dict[str, str] = {}
+        self.copies: dict[Any, Copy] = {}  # by task key
+        self.task: asyncio.Task[None] | None = None
+        self.window = WINDOW_BYTES
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def add(
+        self, addresses: Iterable[str], deadline: float, nodes: Mapping[str, str], close: bool, restore: bool
+    ) -> None:
+        scheduler = self.scheduler
+        self.nodes.update({str(a): str(n) for a, n in nodes.items() if n})
+        now = time.monotonic()
+        stimulus_id = f"memops-drain-{time.time()}"
+        for address in addresses:
+            ws = scheduler.workers.get(address)
+            known = self.workers.get(address)
+            if ws is None or (known is not None and known.state == State.DRAINING):
+                if known is not None:  # asked again (the operator and a preStop hook): the earlier deadline
+                    known.deadline = min(known.deadline, now + deadline)
+                continue
+            previous = ws.status.name
+            if previous not in ("running", "paused"):
+                previous = "running"
+            self.workers[address] = Drained(
+                address, str(ws.name), self.nodes.get(address), now + deadline, previous, close=close, restore=restore
+            )
+            # As Scheduler.retire_workers: the scheduler's state at once, then the worker's.
+            scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
+            scheduler.stream_comms[address].send(
+                {"op": "worker-status-change", "status": "closing_gracefully", "stimulus_id": stimulus_id}
+            )
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self.loop())
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def loop(self) -> None:
+        while any(d.state == State.DRAINING for d in self.workers.values()):
+            try:
+                await self.step()
+            except Exception:  # a pass that failed is tried again; the scheduler must go on
+                logger.exception("memops drain pass failed")
+            await asyncio.sleep(INTERVAL)
+
+    def _safe(self, ts: Any, draining: Collection[Any]) -> bool:
+        """Held by a worker that is not being drained (or forgotten: nothing to move)."""
+        return ts is None or not ts.who_has or any(ws not in draining for ws in ts.who_has)
+
+    async def step(self) -> None:
+        scheduler = self.scheduler
+        now = time.monotonic()
+        active = {a: d for a, d in self.workers.items() if d.state == State.DRAINING}
+        draining_ws = {scheduler.workers[a] for a in active if a in scheduler.workers}
+        # Every worker drained, or in any other way leaving, holds no safe copy.
+        leaving = {ws for ws in scheduler.workers.values() if ws.status.name not in ("running", "paused")}
+        draining_ws |= leaving
+        for address, drained in active.items():
+            if address not in scheduler.workers:
+                self._gone(drained, now)
+        # Copies: landed, or to be asked again.
+        on_way: defaultdict[str, int] = defaultdict(int)
+        from_source: defaultdict[str, int] = defaultdict(int)  # copies on their way, by drained worker
+        for key, copy in list(self.copies.items()):
+            ts = scheduler.tasks.get(key)
+            target = scheduler.workers.get(copy.target)
+            if ts is None or not ts.who_has:
+                del self.copies[key]
+                continue
+            if target is not None and target in ts.who_has:
+                del self.copies[key]
+                owner = self.workers.get(copy.source)
+                if owner is not None:
+                    owner.keys_moved += 1
+                    owner.bytes_moved += copy.nbytes
+                continue
+            if target is None or target not in scheduler.running or copy.expired(now):
+                del self.copies[key]  # asked again below, if still held only by drained workers
+                owner = active.get(copy.source)
+                if owner is not None:
+                    owner.order.insert(0, key)
+                continue
+            on_way[copy.target] += copy.nbytes
+            from_source[copy.source] += 1
+        # Recipients: running, not drained, with headroom.
+        recipients = []
+        for ws in scheduler.running:
+            if ws in draining_ws:
+                continue
+            limit = int(ws.memory_limit or 0)
+            used = max(int(ws.memory.process), int(ws.memory.optimistic)) + on_way[ws.address]
+            recipients.append(
+                Recipient(
+                    ws.address,
+                    self.nodes.get(ws.address),
+                    (limit - used) if limit else UNLIMITED,
+                    self.window - on_way[ws.address],
+                )
+            )
+        dying_nodes = {d.node for d in active.values() if d.node}
+        batches: defaultdict[str, list[Any]] = defaultdict(list)
+        for address, drained in active.items():
+            if drained.state != State.DRAINING:
+                continue
+            ws = scheduler.workers[address]
+            if now >= drained.deadline:
+                self._stop_at_deadline(drained, ws, draining_ws, now)
+                continue
+            if now - drained.scanned > RESCAN_SECONDS:
+                self._scan(drained, ws, draining_ws, now)
+            # Read every key of the worker only once nothing is left to ask for or on its way.
+            if not drained.order and not from_source[address] and self._drained(ws, draining_ws):
+                await self._finish(drained, ws, now)
+                continue
+            if not recipients and drained.restore and not self.copies:
+                await self._no_recipients(drained, ws, now)  # as stock: nothing can take its keys
+                continue
+            # Keys still to ask for, in rank order: held only by drained workers, not on their
+            # way; as many as the recipients' windows take (the rest wait, in order).
+            budget = sum(max(r.window, 0) for r in recipients)
+            pending: list[Key] = []
+            tasks: dict[str, Any] = {}
+            kept: list[Any] = []
+            index = 0
+            for index, key in enumerate(drained.order):  # noqa: B007 (read after the loop)
+                if budget <= 0:
+                    break
+                ts = scheduler.tasks.get(key)
+                if self._safe(ts, draining_ws) or key in self.copies or ws not in ts.who_has:
+                    continue  # moved, forgotten, asked for, or left this worker: out of its order
+                nbytes = _nbytes(ts)
+                pending.append(Key(str(key), nbytes, False))  # already ranked: names and sizes suffice
+                tasks[str(key)] = key
+                kept.append(key)
+                budget -= nbytes
+            else:
+                index = len(drained.order)
+            chosen, _unplaced = assign(pending, recipients, dying_nodes, self.window)  # the unplaced wait in order
+            taken: defaultdict[str, int] = defaultdict(int)
+            for name, target in chosen:
+                key = tasks[name]
+                nbytes = _nbytes(scheduler.tasks[key])
+                self.copies[key] = Copy(target, nbytes, now, source=address)
+                batches[target].append(key)
+                taken[target] += nbytes
+                drained.asked += 1
+            chosen_keys = {tasks[name] for name, _ in chosen}
+            drained.order = [k for k in kept if k not in chosen_keys] + drained.order[index:]
+            # The next worker's keys see these recipients' new headroom and windows.
+            recipients = [
+                dataclasses.replace(r, headroom=r.headroom - taken[r.name], window=r.window - taken[r.name])
+                for r in recipients
+            ]
+        stimulus_id = f"memops-drain-{time.time()}"
+        for target, keys in batches.items():
+            scheduler.request_acquire_replicas(target, keys, stimulus_id=stimulus_id)
+
+    def _drained(self, ws: Any, draining: Collection[Any]) -> bool:
+        return all(self._safe(ts, draining) for ts in ws.has_what)
+
+    def _scan(self, drained: Drained, ws: Any, draining: Collection[Any], now: float) -> None:
+        """Rank the keys held only by drained workers that this drain has not ranked yet."""
+        drained.scanned = now
+        fresh = []
+        for ts in ws.has_what:
+            if ts.key in drained.seen or ts.actor or self._safe(ts, draining):
+                continue
+            drained.seen.add(ts.key)
+            fresh.append(Key(str(ts.key), _nbytes(ts), _irreplaceable(ts), _seconds(ts)))
+        if fresh:
+            by_name = {str(ts.key): ts.key for ts in ws.has_what}
+            ranked = [by_name[k.key] for k in rank(fresh)]
+            # Appended: keys ranked earlier go first (they were worth the most when the drain began).
+            drained.order.extend(ranked)
+
+    def _stop_at_deadline(self, drained: Drained, ws: Any, draining: Collection[Any], now: float) -> None:
+        drained.state, drained.ended = State.DEADLINE, now
+        for ts in ws.has_what:
+            if self._safe(ts, draining):
+                continue
+            drained.lost_keys += 1
+            drained.lost_bytes += _nbytes(ts)
+            drained.lost_irreplaceable += _irreplaceable(ts)
+            if len(drained.lost) < LOST_NAMED:
+                drained.lost.append(str(ts.key))
+        logger.warning(
+            "memops drain of %s stopped at its deadline: %d keys (%d bytes) held nowhere else",
+            drained.address,
+            drained.lost_keys,
+            drained.lost_bytes,
+        )
+        if drained.restore:
+            self._set_status(ws, drained.previous)
+
+    def _gone(self, drained: Drained, now: float) -> None:
+        """The worker left mid-drain (its pod killed at the end of a short grace period): what it
+        alone held and the drain had not moved is lost, cause ``worker left``."""
+        drained.state, drained.ended = State.GONE, now
+        left = list(drained.order) + [k for k, c in self.copies.items() if c.source == drained.address]
+        for key in left:
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and ts.who_has:
+                continue  # a copy elsewhere (or recomputed since)
+            drained.lost_keys += 1
+            drained.lost_bytes += max(int(ts.nbytes), 0) if ts is not None else 0
+            drained.lost_irreplaceable += ts is None or ts.run_spec is None
+            if len(drained.lost) < LOST_NAMED:
+                drained.lost.append(str(key))
+        drained.lost_cause = "worker left"
+
+    async def _no_recipients(self, drained: Drained, ws: Any, now: float) -> None:
+        drained.state, drained.ended = State.NO_RECIPIENTS, now
+        self._set_status(ws, drained.previous)
+
+    def _set_status(self, ws: Any, status: str) -> None:
+        stimulus_id = f"memops-drain-{time.time()}"
+        self.scheduler.handle_worker_status_change(status, ws, stimulus_id)
+        self.scheduler.stream_comms[ws.address].send(
+            {"op": "worker-status-change", "status": status, "stimulus_id": stimulus_id}
+        )
+
+    async def _finish(self, drained: Drained, ws: Any, now: float) -> None:
+        drained.state, drained.ended = State.DONE, now
+        if drained.close:
+            stimulus_id = f"memops-drain-{time.time()}"
+            # As Scheduler._track_retire_worker once RetireWorker is done: closed, nanny included.
+            await self.scheduler.remove_worker(ws.address, expected=True, close=True, stimulus_id=stimulus_id)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def report(self, addresses: Collection[str] = ()) -> dict[str, Any]:
+        scheduler = self.scheduler
+        draining = {
+            ws for a, d in self.workers.items() if d.state == State.DRAINING and (ws := scheduler.workers.get(a))
+        }
+        draining |= {ws for ws in scheduler.workers.values() if ws.status.name not in ("running", "paused")}
+        now = time.monotonic()
+        result: dict[str, Any] = {}
+        for address, drained in self.workers.items():
+            if addresses and address not in addresses:
+                continue
+            ws = scheduler.workers.get(address)
+            unique_keys = unique_bytes = flight_keys = flight_bytes = 0
+            if ws is not None:
+                for ts in ws.has_what:
+                    if self._safe(ts, draining):
+                        continue
+                    unique_keys += 1
+                    unique_bytes += _nbytes(ts)
+                    copy = self.copies.get(ts.key)
+                    if copy is not None:
+                        flight_keys += 1
+                        flight_bytes += copy.nbytes
+            result[address] = {
+                "state": drained.state,
+                "node": drained.node or "",
+                "connected": ws is not None,
+                "uniqueKeys": unique_keys,
+                "uniqueBytes": unique_bytes,
+                "inFlightKeys": flight_keys,
+                "inFlightBytes": flight_bytes,
+                "keysMoved": drained.keys_moved,
+                "bytesMoved": drained.bytes_moved,
+                "asked": drained.asked,
+                "seconds": round((drained.ended or now) - drained.started, 3),
+                "deadlineIn": round(drained.deadline - now, 3),
+                "lostAtDeadline": {
+                    "keys": drained.lost_keys,
+                    "bytes": drained.lost_bytes,
+                    "irreplaceableKeys": drained.lost_irreplaceable,
+                    "someKeys": list(drained.lost),
+                    "cause": drained.lost_cause,
+                }
+                if drained.state in (State.DEADLINE, State.GONE)
+                else None,
+            }
+        return result
+
+
+def _plugin(dask_scheduler: Any) -> DrainPlugin:
+    plugin = dask_scheduler.plugins.get(NAME)
+    if plugin is None:
+        plugin = DrainPlugin(dask_scheduler)
+        dask_scheduler.add_plugin(plugin, name=NAME)
+    return plugin  # type: ignore[no-any-return]
+
+
+def start(
+    dask_scheduler: Any,
+    workers: Sequence[str] = (),
+    names: Sequence[str] = (),
+    deadline: float = 60.0,
+    nodes: Mapping[str, str] | None = None,
+    close: bool = True,
+    restore: bool = False,
+    window: int = WINDOW_BYTES,
+) -> dict[str, Any]:
+    """Run on the scheduler (by the agent's ``drain`` operation): start draining these workers
+    (by address, or by name), each with ``deadline`` seconds from now; returns at once, with
+    :func:`status` of the workers started.
+
+    ``nodes``: worker address (or name) -> its node; a worker not in it counts as on another
+    node than the drained ones. ``close``: close and remove a worker once drained. ``restore``: at the
+    deadline, set a worker back to the status it had (so that a worker that stays is used
+    again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
+    already being drained keeps its drain, with the earlier of the two deadlines. ``window``:
+    bytes on their way to one recipient at a time (:data:`WINDOW_BYTES`), for every drain.
+    """
+    by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
+    addresses = [str(a) for a in workers] + [by_name[str(n)] for n in names if str(n) in by_name]
+    # A preStop hook knows its worker's name, not its address.
+    located = {by_name.get(str(w), str(w)): str(node) for w, node in (nodes or {}).items()}
+    plugin = _plugin(dask_scheduler)
+    plugin.window = max(int(window), 1)
+    plugin.add(addresses, float(deadline), located, bool(close), bool(restore))
+    return plugin.report(addresses)
+
+
+def status(dask_scheduler: Any, workers: Sequence[str] = (), names: Sequence[str] = ()) -> dict[str, Any]:
+    """Run on the scheduler (by the agent's ``drain_status`` operation): each drained worker's
+    figures (all of them when neither ``workers`` nor ``names`` is given), as plain data."""
+    plugin: DrainPlugin | None = dask_scheduler.plugins.get(NAME)
+    if plugin is None:
+        return {}
+    by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
+    wanted = [str(a) for a in workers] + [by_name.get(str(n), "") for n in names]
+    if names:
+        # A worker gone is no longer found by name: find it among the drained by its recorded name.
+        wanted += [a for a, d in plugin.workers.items() if d.name in names]
+    return plugin.report([w for w in wanted if w]) if (workers or names) else plugin.report()
