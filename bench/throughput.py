@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
 import os
+import ssl
 import statistics
 import sys
 import time
@@ -66,13 +68,23 @@ class Api:
 
     def __init__(self, kubeconfig: Path):
         config = yaml.safe_load(kubeconfig.read_text())
-        self.server = config["clusters"][0]["cluster"]["server"]
-        self.token = config["users"][0]["user"]["token"]
+        cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
+        self.server = cluster["server"]
+        self.headers = {"Authorization": f"Bearer {user['token']}"} if "token" in user else {}
+        self.context: ssl.SSLContext | None = None
+        if "certificate-authority-data" in cluster:  # the upstream plane: TLS, a client certificate
+            ca = base64.b64decode(cluster["certificate-authority-data"]).decode()
+            self.context = ssl.create_default_context(cadata=ca)
+            if "client-certificate-data" in user:
+                pem = kubeconfig.with_name(kubeconfig.name + ".client.pem")
+                parts = (base64.b64decode(user[key]) for key in ("client-certificate-data", "client-key-data"))
+                pem.write_bytes(b"".join(parts))
+                self.context.load_cert_chain(pem)
 
     def get(self, path: str) -> dict[str, Any] | None:
-        request = urllib.request.Request(self.server + path, headers={"Authorization": f"Bearer {self.token}"})
+        request = urllib.request.Request(self.server + path, headers=self.headers)
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
+            with urllib.request.urlopen(request, timeout=10, context=self.context) as response:
                 result: dict[str, Any] = json.loads(response.read())
                 return result
         except urllib.error.HTTPError as exc:
@@ -87,10 +99,8 @@ class Api:
         query = urllib.parse.urlencode(
             {"watch": "true", "fieldSelector": f"metadata.name={name}", "timeoutSeconds": str(int(timeout))}
         )
-        request = urllib.request.Request(
-            f"{self.server}{path}?{query}", headers={"Authorization": f"Bearer {self.token}"}
-        )
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        request = urllib.request.Request(f"{self.server}{path}?{query}", headers=self.headers)
+        with urllib.request.urlopen(request, timeout=timeout, context=self.context) as response:
             for line in response:
                 event = json.loads(line)
                 status: dict[str, Any] = event.get("object", {}).get("status") or {}

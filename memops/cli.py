@@ -44,10 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     sandbox.add_argument(
         "--plane",
         choices=("emulated", "upstream"),
-        default=os.environ.get("MEMOPS_SANDBOX_PLANE") or "emulated",
+        default=os.environ.get("MEMOPS_SANDBOX_PLANE") or "upstream",
         help="the control plane: upstream kube-apiserver, etcd, controller-manager and scheduler (built from"
         " the Kubernetes Go modules on first use), or memops' emulated API server (default: $MEMOPS_SANDBOX_PLANE,"
-        " else emulated)",
+        " else upstream)",
     )
     sandbox.add_argument("--nodes", type=int, default=2, help="Nodes of the upstream plane (default 2)")
     sandbox.add_argument(

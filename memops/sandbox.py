@@ -1,4 +1,8 @@
-"""``memops sandbox``: a whole cluster on a laptop, with real Dask workers and no Kubernetes.
+"""``memops sandbox --plane emulated``: a whole cluster on a laptop, with real Dask workers and
+memops' emulated API server instead of Kubernetes; and what both planes share (the worker
+Deployment, the Dask scheduler, ports, ``launch``). The default plane is the upstream one
+(``memops_sandbox.upstream``); this one stays while tests and benchmarks that run the emulated
+API server in-process need it (see the README).
 
 Starts, in this order: the emulated API server (with memops' CRDs), a real ``dask
 scheduler``, the local kubelet and Deployment controller, a Deployment ``dask-worker`` in

@@ -1,9 +1,10 @@
 """MemoryPolicy on a dask-kubernetes DaskWorkerGroup, with dask-kubernetes' real controller.
 
 dask-kubernetes' operator (its own Kopf controller, with kr8s as its client) runs as a process
-against the sandbox's emulated API, as it would against a cluster. It creates the DaskCluster's
-scheduler and one one-replica Deployment per worker; the sandbox's kubelet runs them as real
-``dask scheduler`` and ``dask worker`` processes. memops scales the group through the policy:
+against the sandbox's API server (with the admin's credentials), as it would against a cluster.
+It creates the DaskCluster's scheduler and one one-replica Deployment per worker; the real
+ReplicaSet controller makes their pods and the node agent runs them as real ``dask scheduler``
+and ``dask worker`` processes. memops scales the group through the policy:
 the drained workers' Deployments are deleted and ``spec.worker.replicas`` lowered after, so
 dask-kubernetes' replica handler has nothing left to choose and retires nobody.
 """
@@ -26,6 +27,7 @@ from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import scatter_unique
 
 GROUP = "dk-default"
+IMAGE = "ghcr.io/dask/dask:2026.8.0"  # required by the API server; the node agent runs the command
 
 
 def dask_cluster(port: int, workers: int) -> dict[str, Any]:
@@ -40,6 +42,7 @@ def dask_cluster(port: int, workers: int) -> dict[str, Any]:
                     "containers": [
                         {
                             "name": "scheduler",
+                            "image": IMAGE,
                             "command": ["dask", "scheduler"],
                             "args": ["--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"],
                         }
@@ -57,6 +60,7 @@ def dask_cluster(port: int, workers: int) -> dict[str, Any]:
                     "containers": [
                         {
                             "name": "worker",
+                            "image": IMAGE,
                             "command": ["dask", "worker"],
                             # dask-kubernetes' own arguments: the worker is named by its Deployment.
                             "args": [

@@ -201,7 +201,11 @@ def test_safety_net_drains_pods_that_a_direct_scale_down_removes(sandbox: Sandbo
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         sandbox.wait_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 6, what="six workers")
         holdings = scatter_unique(client, dict.fromkeys(new, 6))
-        # The ReplicaSet removes the newest pods first (all else equal): exactly the two with the net.
+        # The ReplicaSet controller ranks pods by pod-deletion-cost, then by how many of its pods
+        # share their node, and only then removes the newest: the old pods cost more, so it removes
+        # exactly the two new ones, those with the net, wherever the scheduler placed them.
+        for pod in before:
+            sandbox.kubectl("annotate", "pod", pod, "controller.kubernetes.io/pod-deletion-cost=100")
         sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=4")
         sandbox.wait_for(lambda: sorted(sandbox.pods()) == sorted(before), timeout=120, what="the new pods gone")
         holdings.assert_all_correct()
