@@ -137,6 +137,7 @@ NAMES = frozenset(
         DRAIN_SECONDS,
         BYTES_MOVED,
         BYTES_LOST,
+        LOST_AT_DEADLINE,
         WORKERS,
         DECISIONS,
         DESIRED,
