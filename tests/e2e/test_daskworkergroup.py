@@ -96,6 +96,9 @@ def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
     sandbox: Sandbox = sandbox_factory(1)
     charts = importlib.resources.files("dask_kubernetes") / "operator/deployment/helm/dask-kubernetes-operator/crds"
     sandbox.kubectl("apply", "-f", str(charts))
+    # A Kopf operator started before a CRD is Established may never serve it ("Unresolved resources
+    # cannot be served"): on the real API server establishing takes a moment after the create.
+    sandbox.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
     log = (sandbox.state_dir / "dask-kubernetes.log").open("ab")
     controller = subprocess.Popen(
         [str(BIN / "kopf"), "run", "--standalone", "--all-namespaces", "-m", "dask_kubernetes.operator.controller"],
