@@ -23,6 +23,7 @@ from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import Holdings, scatter_unique
 
 WORKERS = 4
+OPERATOR = "system:serviceaccount:memops-system:memops"
 
 
 @pytest.fixture
@@ -144,6 +145,16 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
         holdings.assert_all_correct()
     (request,) = eviction_requests(sandbox)
     assert sorted(request["spec"]["workers"]) == pods, "the node's workers drain together, in one request"
+    # The node signals list and watch Nodes, allowed by the chart's RBAC (tests/packaging/test_rbac.py
+    # leaves these two to this check: only the upstream plane serves Nodes).
+    node_reads = {
+        (e["verb"], e["responseStatus"]["code"])
+        for e in map(json.loads, (sandbox.state_dir / "audit.log").read_text().splitlines())
+        if e.get("user", {}).get("username") == OPERATOR
+        and e.get("objectRef", {}).get("resource") == "nodes"
+        and "responseStatus" in e
+    }
+    assert {("list", 200), ("watch", 200)} <= node_reads, node_reads
     assert request["spec"]["removePods"] is False
     assert request["status"]["phase"] == "Succeeded"
     assert request["metadata"]["ownerReferences"][0]["kind"] == "MemoryPolicy"
