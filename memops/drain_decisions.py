@@ -37,19 +37,19 @@ def claimed_by_others(pods: Iterable[Mapping[str, object]], me: str) -> set[str]
 def entry(pod: str, workers: Sequence[snapshots.WorkerInfo], *, unknown: bool = False) -> specs.WorkerStatus:
     """The status of a chosen pod when the drain starts, from the workers that run in it."""
     if unknown:
-        return specs.WorkerStatus(pod=pod, state=specs.WorkerState.KEPT, message=unidentified_message([pod]))
+        return _with(specs.WorkerStatus(pod=pod, state=specs.WorkerState.KEPT), _cause(specs.WorkerReason.UNIDENTIFIED))
     if not workers:
-        return specs.WorkerStatus(
-            pod=pod, state=specs.WorkerState.DRAINING, message="no connected worker: nothing to drain"
+        return _with(
+            specs.WorkerStatus(pod=pod, state=specs.WorkerState.DRAINING), _cause(specs.WorkerReason.NO_WORKER)
         )
-    return specs.WorkerStatus(
+    started = specs.WorkerStatus(
         pod=pod,
         address=workers[0].address,
         addresses=[w.address for w in workers],
         state=specs.WorkerState.DRAINING,
         uniqueBytes=sum(w.unique_bytes for w in workers),
-        message="draining",
     )
+    return _with(started, _cause(specs.WorkerReason.DRAINING))
 
 
 def unidentified_message(pods: Sequence[str]) -> str:
@@ -58,6 +58,59 @@ def unidentified_message(pods: Sequence[str]) -> str:
         " their name: memops cannot tell what they hold, so it keeps them (is the worker still starting,"
         " or does it listen on another address than the pod's IP?)"
     )
+
+
+def render(worker: specs.WorkerStatus) -> str:
+    """The worker's message, from its cause, its state and whether its pod is removed.
+
+    The one place where a worker's outcome becomes words. A status written before causes were
+    recorded has none: its message stands as it was written.
+    """
+    cause = worker.cause
+    if cause is None:
+        return worker.message
+    reason = specs.WorkerReason
+    alone = f"{cause.bytes} bytes ({cause.keys} keys) that exist nowhere else"
+    removal = "removed" if worker.podRemoved else "removing"
+    head = {
+        reason.UNIDENTIFIED: unidentified_message([worker.pod]),
+        reason.NO_WORKER: "no connected worker, nothing to drain",
+        reason.DRAINING: "draining",
+        reason.DRAINED: "drained: the scheduler retired the worker",
+        reason.DIED: f"the worker left the scheduler during the drain (it died): {cause.bytes} bytes"
+        f" ({cause.keys} keys) that had not moved yet were lost with it",
+        reason.NOWHERE_TO_GO: "the scheduler could not retire the worker: its unique data had nowhere to go",
+        reason.TIMED_OUT: "the drain did not finish within spec.timeout (the scheduler may still finish it)",
+        reason.UNREACHABLE: f"the scheduler was unreachable until spec.timeout ({cause.detail})",
+    }[cause.reason]
+    if cause.kept == specs.KeptReason.REQUEST_FAILED:
+        return f"{head}; pod kept: {cause.keptDetail}"
+    if cause.kept == specs.KeptReason.REMOVAL_BLOCKED:
+        return f"{head}; pod kept at spec.timeout, {cause.keptDetail}"
+    if worker.state == specs.WorkerState.FORCED:
+        lost = f"; up to {cause.bytes} bytes may be lost" if cause.reason == reason.UNREACHABLE else f" with {alone}"
+        return f"{head}; onTimeout is Force: {removal} the pod{lost}"
+    if worker.state == specs.WorkerState.KEPT and cause.reason == reason.UNREACHABLE:
+        return f"{head}; kept the pod, since nothing confirms that its data moved"
+    if worker.state == specs.WorkerState.KEPT and cause.reason != reason.UNIDENTIFIED:
+        return f"{head}; kept its pod, which holds {alone}"
+    if not worker.removable:
+        return head
+    if cause.reason == reason.DIED:
+        head += "; its pod holds no unique data now"
+    return f"{head}; {'its pod was removed' if worker.podRemoved else 'removing its pod'}"
+
+
+def _cause(reason: specs.WorkerReason, *, nbytes: int = 0, keys: int = 0, detail: str = "") -> specs.WorkerCause:
+    return specs.WorkerCause(reason=reason, bytes=nbytes, keys=keys, detail=detail)
+
+
+def _with(worker: specs.WorkerStatus, cause: specs.WorkerCause | None = None, **update: object) -> specs.WorkerStatus:
+    """The worker with these fields changed (and this cause, if given), its message rendered anew."""
+    if cause is not None:
+        update["cause"] = cause
+    changed = worker.model_copy(update=update)
+    return changed.model_copy(update={"message": render(changed)})
 
 
 def judge_drain(
@@ -111,49 +164,34 @@ def judge_drain(
                 some_bytes, some_keys = snapshots.bytes_lost(before.who_has, after.who_has, before.nbytes, address)
                 lost += some_bytes
                 lost_keys += some_keys
+        stuck = specs.WorkerReason.TIMED_OUT if timed_out else specs.WorkerReason.NOWHERE_TO_GO
         if not recorded:
-            update: dict[str, object] = {
-                "removable": True,
-                "message": "no connected worker, nothing to drain; removing its pod",
-            }
+            cause = _cause(specs.WorkerReason.NO_WORKER)
+            update: dict[str, object] = {"removable": True}
         elif gone and holding == 0 and (retired_set.issuperset(recorded) and lost == 0):
-            update = {
-                "removable": True,
-                "bytesMoved": moved,
-                "message": "drained: the scheduler retired the worker; removing its pod",
-            }
+            cause = _cause(specs.WorkerReason.DRAINED)
+            update = {"removable": True, "bytesMoved": moved}
         elif gone and holding == 0:
-            update = {
-                "removable": True,
-                "bytesMoved": moved,
-                "bytesLost": lost,
-                "keysLost": lost_keys,
-                "message": f"the worker left the scheduler during the drain (it died): {lost} bytes ({lost_keys} keys)"
-                " that had not moved yet were lost with it; its pod holds no unique data now; removing its pod",
-            }
+            cause = _cause(specs.WorkerReason.DIED, nbytes=lost, keys=lost_keys)
+            update = {"removable": True, "bytesMoved": moved, "bytesLost": lost, "keysLost": lost_keys}
         elif on_timeout == specs.OnTimeout.FORCE:
+            cause = _cause(stuck, nbytes=holding, keys=holding_keys)
             update = {
                 "state": specs.WorkerState.FORCED,
                 "removable": True,
                 "bytesMoved": max(moved, 0),
                 "bytesLost": holding,
                 "keysLost": holding_keys,
-                "message": f"{_why(timed_out)}; onTimeout is Force: removing the pod with {holding} bytes"
-                f" ({holding_keys} keys) that exist nowhere else",
             }
         else:
-            update = {
-                "state": specs.WorkerState.KEPT,
-                "bytesMoved": max(moved, 0),
-                "message": f"{_why(timed_out)}; kept its pod, which holds {holding} bytes ({holding_keys} keys)"
-                " that exist nowhere else",
-            }
+            cause = _cause(stuck, nbytes=holding, keys=holding_keys)
+            update = {"state": specs.WorkerState.KEPT, "bytesMoved": max(moved, 0)}
         left = [stopped[a] for a in recorded if a in stopped]
         if left and update.get("state") in (specs.WorkerState.KEPT, specs.WorkerState.FORCED):
             update["lostAtDeadline"] = specs.LostAtDeadline(
                 keys=sum(k for k, _ in left), bytes=sum(b for _, b in left), cause="deadline"
             )
-        result.append(worker.model_copy(update=update))
+        result.append(_with(worker, cause, **update))
     return result
 
 
@@ -169,40 +207,28 @@ def judge_unreachable(
     for worker in workers:
         if worker.state != specs.WorkerState.DRAINING or worker.removable:
             result.append(worker)
-        elif on_timeout == specs.OnTimeout.FORCE:
+            continue
+        cause = _cause(specs.WorkerReason.UNREACHABLE, nbytes=worker.uniqueBytes, detail=reason)
+        if on_timeout == specs.OnTimeout.FORCE:
             result.append(
-                worker.model_copy(
-                    update={
-                        "state": specs.WorkerState.FORCED,
-                        "removable": True,
-                        "bytesLost": worker.uniqueBytes,
-                        "message": f"the scheduler was unreachable until spec.timeout ({reason}); onTimeout is Force:"
-                        f" removing the pod; up to {worker.uniqueBytes} bytes may be lost",
-                    }
-                )
+                _with(worker, cause, state=specs.WorkerState.FORCED, removable=True, bytesLost=worker.uniqueBytes)
             )
         else:
-            result.append(
-                worker.model_copy(
-                    update={
-                        "state": specs.WorkerState.KEPT,
-                        "message": f"the scheduler was unreachable until spec.timeout ({reason}); kept the pod, since"
-                        " nothing confirms that its data moved",
-                    }
-                )
-            )
+            result.append(_with(worker, cause, state=specs.WorkerState.KEPT))
     return result
-
-
-def _why(timed_out: bool) -> str:
-    if timed_out:
-        return "the drain did not finish within spec.timeout (the scheduler may still finish it)"
-    return "the scheduler could not retire the worker: its unique data had nowhere to go"
 
 
 def to_remove(workers: Sequence[specs.WorkerStatus]) -> list[str]:
     """Pods whose removal is decided but not yet done, each once."""
     return list(dict.fromkeys(w.pod for w in workers if w.removable and not w.podRemoved))
+
+
+def _kept(worker: specs.WorkerStatus, why: specs.KeptReason, detail: str) -> specs.WorkerStatus:
+    """The worker's pod is kept after all; its cause records why, beside what its drain came to."""
+    update: dict[str, object] = {"state": specs.WorkerState.KEPT, "removable": False}
+    if worker.cause is None:  # written before causes were recorded: its message stands
+        return worker.model_copy(update=update)
+    return _with(worker, worker.cause.model_copy(update={"kept": why, "keptDetail": detail}), **update)
 
 
 def keep_unfinished(
@@ -215,9 +241,7 @@ def keep_unfinished(
     """
     ordered_set = set(ordered)
     return [
-        w.model_copy(
-            update={"state": specs.WorkerState.KEPT, "removable": False, "message": f"{w.message}; pod kept: {why}"}
-        )
+        _kept(w, specs.KeptReason.REQUEST_FAILED, why)
         if w.state == specs.WorkerState.DRAINING and not w.podRemoved and w.pod not in ordered_set
         else w
         for w in workers
@@ -227,13 +251,7 @@ def keep_unfinished(
 def keep_blocked(workers: Sequence[specs.WorkerStatus], why: str) -> list[specs.WorkerStatus]:
     """The deadline passed before the pods could be removed safely: keep them, and say why."""
     return [
-        w.model_copy(
-            update={
-                "state": specs.WorkerState.KEPT,
-                "removable": False,
-                "message": f"{w.message.split(';')[0]}; pod kept at spec.timeout, {why.removeprefix('waiting: ')}",
-            }
-        )
+        _kept(w, specs.KeptReason.REMOVAL_BLOCKED, why.removeprefix("waiting: "))
         if w.removable and not w.podRemoved
         else w
         for w in workers
@@ -243,20 +261,16 @@ def keep_blocked(workers: Sequence[specs.WorkerStatus], why: str) -> list[specs.
 def mark_removed(workers: Sequence[specs.WorkerStatus], gone: Iterable[str]) -> list[specs.WorkerStatus]:
     """Record that these pods are gone: a drained worker is now Retired."""
     gone_set = set(gone)
-    result = []
-    for w in workers:
-        if w.removable and not w.podRemoved and w.pod in gone_set:
-            w = w.model_copy(
-                update={
-                    "podRemoved": True,
-                    "state": specs.WorkerState.RETIRED if w.state == specs.WorkerState.DRAINING else w.state,
-                    "message": w.message.replace("; removing its pod", "; its pod was removed").replace(
-                        "removing the pod", "removed the pod"
-                    ),
-                }
-            )
-        result.append(w)
-    return result
+    return [
+        _with(
+            w,
+            podRemoved=True,
+            state=specs.WorkerState.RETIRED if w.state == specs.WorkerState.DRAINING else w.state,
+        )
+        if w.removable and not w.podRemoved and w.pod in gone_set
+        else w
+        for w in workers
+    ]
 
 
 def conclude(status: specs.RetirementRequestStatus, *, requested: int, at: str) -> specs.RetirementRequestStatus:

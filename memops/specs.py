@@ -224,8 +224,7 @@ class RetirementRequestSpec(Model):
     timeout: Duration = pydantic.Field(
         default="10m",
         description=(
-            "How long the drain may take, as a duration (90s, 10m, 1h), at most 168h."
-            " Counted from the drain's start."
+            "How long the drain may take, as a duration (90s, 10m, 1h), at most 168h. Counted from the drain's start."
         ),
     )
     onTimeout: OnTimeout = pydantic.Field(
@@ -300,6 +299,52 @@ class LostAtDeadline(Model):
     cause: str = pydantic.Field(default="deadline", description="Why the drain stopped: deadline.")
 
 
+class WorkerReason(enum.StrEnum):
+    """Why a chosen worker is in its state; the worker's message is rendered from it."""
+
+    UNIDENTIFIED = "Unidentified"
+    NO_WORKER = "NoWorker"
+    DRAINING = "Draining"
+    DRAINED = "Drained"
+    DIED = "Died"
+    NOWHERE_TO_GO = "NowhereToGo"
+    TIMED_OUT = "TimedOut"
+    UNREACHABLE = "Unreachable"
+
+
+class KeptReason(enum.StrEnum):
+    """Why a pod that was to be removed was kept after all."""
+
+    REQUEST_FAILED = "RequestFailed"
+    REMOVAL_BLOCKED = "RemovalBlocked"
+
+
+class WorkerCause(Model):
+    """What a chosen worker's drain came to, as data: its message is rendered from this."""
+
+    reason: WorkerReason = pydantic.Field(
+        description=(
+            "Unidentified: no connected worker could be matched to the pod. NoWorker: no worker, nothing to"
+            " drain. Draining: its data is moving. Drained: the scheduler retired it. Died: it left the"
+            " scheduler during the drain. NowhereToGo: its unique data had nowhere to go. TimedOut: the drain"
+            " did not finish within spec.timeout. Unreachable: the scheduler was unreachable until spec.timeout."
+        )
+    )
+    bytes: int = pydantic.Field(
+        default=0,
+        description="Died: the bytes lost with it. NowhereToGo, TimedOut: the bytes its pod held alone."
+        " Unreachable: its unique bytes when the drain began.",
+    )
+    keys: int = pydantic.Field(default=0, description="The keys of those bytes (Unreachable: not known, 0).")
+    detail: str = pydantic.Field(default="", description="Unreachable: the scheduler's error.")
+    kept: KeptReason | None = pydantic.Field(
+        default=None,
+        description="Set when a pod that was to be removed was kept after all. RequestFailed: the request"
+        " failed; RemovalBlocked: spec.timeout passed before the pod could be removed safely.",
+    )
+    keptDetail: str = pydantic.Field(default="", description="Why it was kept, in words.")
+
+
 class WorkerStatus(Model):
     """What happened to one chosen worker."""
 
@@ -325,6 +370,9 @@ class WorkerStatus(Model):
     )
     keysLost: int = pydantic.Field(default=0, description="Keys that exist nowhere any more (see bytesLost).")
     message: str = pydantic.Field(default="", description="Why the worker is in this state.")
+    cause: WorkerCause | None = pydantic.Field(
+        default=None, description="Why the worker is in this state, as data; message is rendered from it."
+    )
     removable: bool = pydantic.Field(
         default=False, description="memops decided to remove this pod: it is drained, or forced."
     )
@@ -596,7 +644,7 @@ class KeySelector(Model):
     """Which keys: exactly one of a Dask key prefix, a pattern over it, or scattered data."""
 
     prefix: str | None = pydantic.Field(
-        default=None, max_length=256, description="A Dask key prefix, as key_split gives it (\"load-parquet\")."
+        default=None, max_length=256, description='A Dask key prefix, as key_split gives it ("load-parquet").'
     )
     pattern: str | None = pydantic.Field(
         default=None,

@@ -21,6 +21,20 @@ def snap(
     )
 
 
+TIMED_OUT = specs.WorkerReason.TIMED_OUT
+
+
+def cause(reason: specs.WorkerReason, nbytes: int = 0, **fields: object) -> specs.WorkerCause:
+    return specs.WorkerCause.model_validate({"reason": reason, "bytes": nbytes, "keys": 1 if nbytes else 0, **fields})
+
+
+def drained(pod: str) -> specs.WorkerStatus:
+    worker = specs.WorkerStatus(
+        pod=pod, state=specs.WorkerState.DRAINING, removable=True, cause=cause(specs.WorkerReason.DRAINED)
+    )
+    return worker.model_copy(update={"message": drain_decisions.render(worker)})
+
+
 BEFORE = snap([("pa", A, 30, 2), ("pb", B, 0, 0)], {"x": (A,), "y": (A,)}, {"x": 10, "y": 20})
 
 
@@ -134,8 +148,8 @@ def test_unreachable_scheduler_at_the_deadline(
 
 def test_removal_bookkeeping() -> None:
     workers = [
-        draining("a", A).model_copy(update={"removable": True, "message": "drained; removing its pod"}),
-        specs.WorkerStatus(pod="b", state=specs.WorkerState.FORCED, removable=True, message="x: removing the pod"),
+        drained("a"),
+        specs.WorkerStatus(pod="b", state=specs.WorkerState.FORCED, removable=True, cause=cause(TIMED_OUT, 5)),
         specs.WorkerStatus(pod="c", state=specs.WorkerState.KEPT),
     ]
     assert drain_decisions.to_remove(workers) == ["a", "b"]
@@ -145,7 +159,11 @@ def test_removal_bookkeeping() -> None:
         (specs.WorkerState.FORCED, True),
         (specs.WorkerState.KEPT, False),
     ]
-    assert after[0].message == "drained; its pod was removed"
+    assert after[0].message == "drained: the scheduler retired the worker; its pod was removed"
+    assert after[1].message == (
+        "the drain did not finish within spec.timeout (the scheduler may still finish it); onTimeout is Force:"
+        " removed the pod with 5 bytes (1 keys) that exist nowhere else"
+    )
     assert drain_decisions.to_remove(after) == []
 
 
@@ -196,10 +214,10 @@ def test_spec_change_on_a_finished_request_is_refused() -> None:
 
 
 def test_pods_blocked_until_the_deadline_are_kept_with_the_reason() -> None:
-    workers = [draining("a", A).model_copy(update={"removable": True, "message": "drained: retired; removing its pod"})]
+    workers = [drained("a")]
     [kept] = drain_decisions.keep_blocked(workers, "waiting: pods x are not ready")
     assert kept.state == specs.WorkerState.KEPT and not kept.removable
-    assert kept.message == "drained: retired; pod kept at spec.timeout, pods x are not ready"
+    assert kept.message == "drained: the scheduler retired the worker; pod kept at spec.timeout, pods x are not ready"
 
 
 def test_a_pod_named_twice_is_removed_once() -> None:
@@ -214,8 +232,8 @@ def test_a_pod_named_twice_is_removed_once() -> None:
 def test_a_failed_request_keeps_every_pod_whose_removal_was_not_ordered() -> None:
     workers = [
         draining("a", A, 10),
-        specs.WorkerStatus(pod="b", state=specs.WorkerState.DRAINING, removable=True, message="drained"),
-        specs.WorkerStatus(pod="c", state=specs.WorkerState.DRAINING, removable=True, message="drained"),
+        drained("b"),
+        drained("c"),
         specs.WorkerStatus(pod="d", state=specs.WorkerState.RETIRED, removable=True, podRemoved=True),
     ]
     kept = drain_decisions.keep_unfinished(workers, "SecretUnusable: gone", ordered=["c"])
@@ -225,7 +243,8 @@ def test_a_failed_request_keeps_every_pod_whose_removal_was_not_ordered() -> Non
         ("c", specs.WorkerState.DRAINING, True),
         ("d", specs.WorkerState.RETIRED, True),
     ]
-    assert kept[1].message == "drained; pod kept: SecretUnusable: gone"
+    assert kept[1].message == "drained: the scheduler retired the worker; pod kept: SecretUnusable: gone"
+
 
 C0, C1 = "tcp://10.0.0.3:4000", "tcp://10.0.0.3:4001"  # one pod, dask worker --nworkers 2, no --name
 PODS = [snapshots.PodInfo("pc", ips=("10.0.0.3",)), snapshots.PodInfo("pb", ips=("10.0.0.2",))]
@@ -291,3 +310,158 @@ def test_moved_bytes_are_shown_as_a_quantity(nbytes: int, shown: str) -> None:
     assert drain_decisions.quantity(nbytes) == shown
     status = specs.RetirementRequestStatus(workers=[specs.WorkerStatus(pod="a", bytesMoved=nbytes)])
     assert drain_decisions.conclude(status, requested=1, at="2026-01-01T00:00:00Z").moved == shown
+
+
+R, S = specs.WorkerReason, specs.WorkerState
+WHY_TIMEOUT = "the drain did not finish within spec.timeout (the scheduler may still finish it)"
+WHY_NOWHERE = "the scheduler could not retire the worker: its unique data had nowhere to go"
+DIED = (
+    "the worker left the scheduler during the drain (it died): 7 bytes (1 keys) that had not moved yet were"
+    " lost with it"
+)
+
+
+@pytest.mark.parametrize(
+    ("state", "removable", "removed", "worker_cause", "message"),
+    [
+        pytest.param(S.DRAINING, False, False, cause(R.DRAINING), "draining", id="draining"),
+        pytest.param(
+            S.DRAINING, False, False, cause(R.NO_WORKER), "no connected worker, nothing to drain", id="no-worker"
+        ),
+        pytest.param(
+            S.DRAINING,
+            True,
+            False,
+            cause(R.NO_WORKER),
+            "no connected worker, nothing to drain; removing its pod",
+            id="no-worker-removing",
+        ),
+        pytest.param(
+            S.DRAINING,
+            True,
+            False,
+            cause(R.DRAINED),
+            "drained: the scheduler retired the worker; removing its pod",
+            id="drained-removing",
+        ),
+        pytest.param(
+            S.RETIRED,
+            True,
+            True,
+            cause(R.DRAINED),
+            "drained: the scheduler retired the worker; its pod was removed",
+            id="drained-removed",
+        ),
+        pytest.param(
+            S.DRAINING,
+            True,
+            False,
+            cause(R.DIED, 7),
+            f"{DIED}; its pod holds no unique data now; removing its pod",
+            id="died-removing",
+        ),
+        pytest.param(
+            S.RETIRED,
+            True,
+            True,
+            cause(R.DIED, 7),
+            f"{DIED}; its pod holds no unique data now; its pod was removed",
+            id="died-removed",
+        ),
+        pytest.param(
+            S.KEPT,
+            False,
+            False,
+            cause(R.NOWHERE_TO_GO, 30),
+            f"{WHY_NOWHERE}; kept its pod, which holds 30 bytes (1 keys) that exist nowhere else",
+            id="kept-nowhere-to-go",
+        ),
+        pytest.param(
+            S.KEPT,
+            False,
+            False,
+            cause(R.TIMED_OUT, 30),
+            f"{WHY_TIMEOUT}; kept its pod, which holds 30 bytes (1 keys) that exist nowhere else",
+            id="kept-timed-out",
+        ),
+        pytest.param(
+            S.FORCED,
+            True,
+            False,
+            cause(R.TIMED_OUT, 30),
+            f"{WHY_TIMEOUT}; onTimeout is Force: removing the pod with 30 bytes (1 keys) that exist nowhere else",
+            id="forced-removing",
+        ),
+        pytest.param(
+            S.FORCED,
+            True,
+            True,
+            cause(R.NOWHERE_TO_GO, 30),
+            f"{WHY_NOWHERE}; onTimeout is Force: removed the pod with 30 bytes (1 keys) that exist nowhere else",
+            id="forced-removed",
+        ),
+        pytest.param(
+            S.KEPT,
+            False,
+            False,
+            cause(R.UNREACHABLE, 30, detail="refused"),
+            "the scheduler was unreachable until spec.timeout (refused); kept the pod, since nothing confirms"
+            " that its data moved",
+            id="unreachable-kept",
+        ),
+        pytest.param(
+            S.FORCED,
+            True,
+            True,
+            cause(R.UNREACHABLE, 30, detail="refused"),
+            "the scheduler was unreachable until spec.timeout (refused); onTimeout is Force: removed the pod;"
+            " up to 30 bytes may be lost",
+            id="unreachable-forced-removed",
+        ),
+        pytest.param(
+            S.KEPT,
+            False,
+            False,
+            cause(R.DRAINED, kept=specs.KeptReason.REQUEST_FAILED, keptDetail="SecretUnusable: gone"),
+            "drained: the scheduler retired the worker; pod kept: SecretUnusable: gone",
+            id="kept-request-failed",
+        ),
+        pytest.param(
+            S.KEPT,
+            False,
+            False,
+            cause(R.DIED, 7, kept=specs.KeptReason.REMOVAL_BLOCKED, keptDetail="pods x are not ready"),
+            f"{DIED}; pod kept at spec.timeout, pods x are not ready",
+            id="kept-removal-blocked",
+        ),
+        pytest.param(
+            S.KEPT,
+            False,
+            False,
+            cause(R.UNIDENTIFIED),
+            drain_decisions.unidentified_message(["p"]),
+            id="unidentified",
+        ),
+    ],
+)
+def test_a_workers_message_is_rendered_from_its_cause(
+    state: specs.WorkerState, removable: bool, removed: bool, worker_cause: specs.WorkerCause, message: str
+) -> None:
+    worker = specs.WorkerStatus(pod="p", state=state, removable=removable, podRemoved=removed, cause=worker_cause)
+    assert drain_decisions.render(worker) == message
+
+
+def test_a_status_written_before_causes_keeps_its_message() -> None:
+    legacy = specs.WorkerStatus(pod="p", state=S.DRAINING, removable=True, message="drained; removing its pod")
+    [removed] = drain_decisions.mark_removed([legacy], ["p"])
+    assert (removed.state, removed.podRemoved, removed.message) == (S.RETIRED, True, "drained; removing its pod")
+    [kept] = drain_decisions.keep_blocked([legacy], "waiting: pods x are not ready")
+    assert (kept.state, kept.removable, kept.message) == (S.KEPT, False, "drained; removing its pod")
+
+
+def test_the_cause_survives_a_round_trip_through_the_status() -> None:
+    [worker] = drain_decisions.judge_unreachable([draining("pa", A, 30)], on_timeout=specs.OnTimeout.FORCE, reason="x")
+    again = specs.WorkerStatus.model_validate(worker.model_dump(mode="json", exclude_none=True))
+    [removed] = drain_decisions.mark_removed([again], ["pa"])
+    assert removed.cause == specs.WorkerCause(reason=R.UNREACHABLE, bytes=30, detail="x")
+    assert "removed the pod; up to 30 bytes may be lost" in removed.message
