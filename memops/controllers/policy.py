@@ -38,7 +38,7 @@ from memops import (
     specs,
     tenancy,
 )
-from memops.controllers import recycle, relief_install, replication, scheduler_tls, workloads
+from memops.controllers import loop, recycle, relief_install, replication, scheduler_tls, workloads
 
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
@@ -575,27 +575,33 @@ async def _loop(
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> None:
     """Reconcile, then wait for a spec change (woken by the policies index) or the idle time."""
-    failures = 0
-    while not stopped:
+    generation = body.metadata.get("generation")
+
+    def idle() -> float:
+        # Every few seconds to follow drains and drift; every 10 s for a plain policy at rest
+        # (see Policy.steady). The loop lengthens it after failures in a row.
+        return _STEADY_SECONDS if reconciler.steady else _IDLE_SECONDS
+
+    async def one_pass() -> loop.Next:
+        nonlocal generation
         generation = body.metadata.get("generation")
-        try:
-            await reconciler.reconcile()
-            failures = 0
-        except (kube.ApiError, daskrpc.SchedulerUnreachable) as exc:
-            metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
+        await reconciler.reconcile()
+        return loop.Next(seconds=idle())
+
+    async def on_error(exc: Exception) -> loop.Next:
+        metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
+        if isinstance(exc, (kube.ApiError, daskrpc.SchedulerUnreachable)):
             logger.warning("will retry: %s", exc)
-        except Exception as exc:  # anything else becomes the policy's condition, never a crash loop
-            failures += 1
-            metrics.reconcile_error("MemoryPolicy", reconciler.namespace)
-            logger.error("will retry: %s: %s", type(exc).__name__, exc, exc_info=exc)
-            await reconciler.report_error(exc)
+            return loop.Next(seconds=idle(), failures=loop.Failures.KEEP)
+        # Anything else becomes the policy's condition, never a crash loop.
+        logger.error("will retry: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        await reconciler.report_error(exc)
+        return loop.Next(seconds=idle(), failures=loop.Failures.COUNT)
+
+    async def wait(seconds: float) -> None:
         # Wake at once when the spec changes (kubectl scale, an HPA, a GitOps commit: Kopf
-        # keeps the body current), else every few seconds to follow drains and drift
-        # (every 10 s for a plain policy at rest: see Policy.steady); after failures in a
-        # row, a little longer each time.
-        idle = _STEADY_SECONDS if reconciler.steady else _IDLE_SECONDS
-        idle = min(idle * max(failures, 1), _MAX_RETRY_SECONDS)
-        deadline = time.monotonic() + idle
+        # keeps the body current, and the policies index sets the waker).
+        deadline = time.monotonic() + seconds
         while not stopped and body.metadata.get("generation") == generation:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -608,3 +614,5 @@ async def _loop(
             finally:
                 woken.cancel()
                 stopping.cancel()
+
+    await loop.run(one_pass, on_error, stopped=stopped, max_seconds=_MAX_RETRY_SECONDS, wait=wait)

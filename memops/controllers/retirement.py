@@ -30,7 +30,7 @@ from memops import (
     tenancy,
     timestamps,
 )
-from memops.controllers import scheduler_tls, workloads
+from memops.controllers import loop, scheduler_tls, workloads
 
 _RETRY_SECONDS = 2.0
 _MAX_RETRY_SECONDS = 30.0  # the wait grows with each failure in a row, up to this
@@ -72,24 +72,28 @@ class Retirement:
         except pydantic.ValidationError as exc:
             await self.fail_unreadable(raw, exc, stopped)
             return
-        failures = 0
-        while not stopped:
+
+        async def one_pass() -> loop.Next | None:
+            nonlocal status
             if status.phase in objects.TERMINAL_PHASES:
-                return
+                return None
             before = status.model_copy(deep=True)
-            try:
-                status = await self.step(status)
-                failures = 0
-            except Exception as exc:  # every failure ends in the status: never a crash loop
-                failures += 1
-                status = await self.trouble(status, exc)
-            else:
-                if conditions.is_true(status.conditions, "Retrying"):
-                    status = await self.recovered(status)
+            status = await self.step(status)
+            if conditions.is_true(status.conditions, "Retrying"):
+                status = await self.recovered(status)
             if status.phase in objects.TERMINAL_PHASES:
-                return
-            if failures or status == before:  # no progress: wait before trying again; progress goes on at once
-                await stopped.wait(min(_RETRY_SECONDS * max(failures, 1), _MAX_RETRY_SECONDS))
+                return None
+            # Progress goes on at once; no progress waits before trying again.
+            return loop.Next(seconds=0.0 if status != before else _RETRY_SECONDS)
+
+        async def on_error(exc: Exception) -> loop.Next | None:
+            nonlocal status
+            status = await self.trouble(status, exc)
+            if status.phase in objects.TERMINAL_PHASES:
+                return None
+            return loop.Next(seconds=_RETRY_SECONDS, failures=loop.Failures.COUNT)
+
+        await loop.run(one_pass, on_error, stopped=stopped, max_seconds=_MAX_RETRY_SECONDS)
 
     async def trouble(
         self, status: specs.RetirementRequestStatus, exc: Exception
