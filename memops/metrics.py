@@ -19,141 +19,106 @@ from memops import specs
 
 REGISTRY = prometheus_client.CollectorRegistry(auto_describe=True)
 
-DRAINS_STARTED = prometheus_client.Counter(
-    "memops_drains_started_total", "RetirementRequests whose drain started.", ["namespace"], registry=REGISTRY
-)
-DRAINS_FINISHED = prometheus_client.Counter(
+_POLICY = ("namespace", "policy")
+
+
+def _counter(name: str, documentation: str, *labels: str) -> prometheus_client.Counter:
+    return prometheus_client.Counter(name, documentation, labels, registry=REGISTRY)
+
+
+def _gauge(name: str, documentation: str, *labels: str) -> prometheus_client.Gauge:
+    return prometheus_client.Gauge(name, documentation, labels, registry=REGISTRY)
+
+
+def _histogram(name: str, documentation: str, *labels: str, buckets: tuple[float, ...]) -> prometheus_client.Histogram:
+    return prometheus_client.Histogram(name, documentation, labels, buckets=buckets, registry=REGISTRY)
+
+
+DRAINS_STARTED = _counter("memops_drains_started_total", "RetirementRequests whose drain started.", "namespace")
+DRAINS_FINISHED = _counter(
     "memops_drains_finished_total",
     "RetirementRequests that finished, by outcome (Succeeded, Failed) and reason.",
-    ["namespace", "outcome", "reason"],
-    registry=REGISTRY,
+    *("namespace", "outcome", "reason"),
 )
-DRAIN_SECONDS = prometheus_client.Histogram(
+DRAIN_SECONDS = _histogram(
     "memops_drain_duration_seconds",
     "From the start of a drain to its end, pods removed.",
-    ["namespace", "outcome"],
+    *("namespace", "outcome"),
     buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
-    registry=REGISTRY,
 )
-BYTES_MOVED = prometheus_client.Counter(
-    "memops_drain_moved_bytes_total",
-    "Unique bytes that drains moved to other workers.",
-    ["namespace"],
-    registry=REGISTRY,
+BYTES_MOVED = _counter(
+    "memops_drain_moved_bytes_total", "Unique bytes that drains moved to other workers.", "namespace"
 )
-BYTES_LOST = prometheus_client.Counter(
+BYTES_LOST = _counter(
     "memops_drain_lost_bytes_total",
     "Unique bytes lost by forced removals (onTimeout: Force) or workers that died mid-drain.",
-    ["namespace"],
-    registry=REGISTRY,
+    "namespace",
 )
-LOST_AT_DEADLINE = prometheus_client.Counter(
+LOST_AT_DEADLINE = _counter(
     "memops_drain_deadline_left_bytes_total",
     "Unique bytes that memops' drain had not moved when a RetirementRequest's timeout came"
     " (kept with the pod, or lost with onTimeout: Force).",
-    ["namespace"],
-    registry=REGISTRY,
+    "namespace",
 )
-WORKERS = prometheus_client.Counter(
+WORKERS = _counter(
     "memops_drained_workers_total",
     "Workers at the end of a drain, by state (Retired, Kept, Forced).",
-    ["namespace", "state"],
-    registry=REGISTRY,
+    *("namespace", "state"),
 )
-DECISIONS = prometheus_client.Counter(
+DECISIONS = _counter(
     "memops_policy_decisions_total",
     "A MemoryPolicy's scaling decisions, by action (ScaleUp, ScaleDown, Wait).",
-    ["namespace", "policy", "action"],
-    registry=REGISTRY,
+    *_POLICY,
+    "action",
 )
-DESIRED = prometheus_client.Gauge(
-    "memops_policy_desired_replicas", "Workers the policy steers towards.", ["namespace", "policy"], registry=REGISTRY
-)
-REPLICAS = prometheus_client.Gauge(
-    "memops_policy_replicas", "Workers that exist now.", ["namespace", "policy"], registry=REGISTRY
-)
-UTILIZATION = prometheus_client.Gauge(
+DESIRED = _gauge("memops_policy_desired_replicas", "Workers the policy steers towards.", *_POLICY)
+REPLICAS = _gauge("memops_policy_replicas", "Workers that exist now.", *_POLICY)
+UTILIZATION = _gauge(
     "memops_policy_memory_utilization_ratio",
     "Memory held by the workers (process plus spilled) over their limits.",
-    ["namespace", "policy"],
-    registry=REGISTRY,
+    *_POLICY,
 )
-RECYCLED = prometheus_client.Counter(
+RECYCLED = _counter(
     "memops_recycled_workers_total",
     "Workers recycled, by reason (UnmanagedMemory, Growth, MaxAge) and outcome (Recycled, Kept).",
-    ["namespace", "policy", "reason", "outcome"],
-    registry=REGISTRY,
+    *_POLICY,
+    *("reason", "outcome"),
 )
-RELIEF_KEYS = prometheus_client.Counter(
-    "memops_relief_moved_keys_total",
-    "Keys that pressure relief moved off workers above relieveAbove.",
-    ["namespace", "policy"],
-    registry=REGISTRY,
+RELIEF_KEYS = _counter(
+    "memops_relief_moved_keys_total", "Keys that pressure relief moved off workers above relieveAbove.", *_POLICY
 )
-RELIEF_BYTES = prometheus_client.Counter(
-    "memops_relief_moved_bytes_total",
-    "Bytes that pressure relief moved off workers above relieveAbove.",
-    ["namespace", "policy"],
-    registry=REGISTRY,
+RELIEF_BYTES = _counter(
+    "memops_relief_moved_bytes_total", "Bytes that pressure relief moved off workers above relieveAbove.", *_POLICY
 )
-DECISION_SECONDS = prometheus_client.Histogram(
+DECISION_SECONDS = _histogram(
     "memops_decision_duration_seconds",
     "Time spent in the pure deciding functions, by decision.",
-    ["decision"],
+    "decision",
     buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
-    registry=REGISTRY,
 )
-ERRORS = prometheus_client.Counter(
-    "memops_reconcile_errors_total",
-    "Reconcile passes that failed and will be retried, by kind.",
-    ["kind", "namespace"],
-    registry=REGISTRY,
+ERRORS = _counter(
+    "memops_reconcile_errors_total", "Reconcile passes that failed and will be retried, by kind.", "kind", "namespace"
 )
 
-REPLICATION_KEYS = prometheus_client.Gauge(
+_REPLICATION_STATES = ("under", "over")
+_REPLICATION_KINDS = ("under", "over", "spent", "budget")
+REPLICATION_KEYS = _gauge(
     "memops_replication_keys",
     "Ruled keys under or over their replication target (state: under, over).",
-    ["namespace", "policy", "state"],
-    registry=REGISTRY,
+    *_POLICY,
+    "state",
 )
-REPLICATION_BYTES = prometheus_client.Gauge(
+REPLICATION_BYTES = _gauge(
     "memops_replication_bytes",
     "Replication's bytes (kind: under, over, spent on extra copies, budget).",
-    ["namespace", "policy", "kind"],
-    registry=REGISTRY,
+    *_POLICY,
+    "kind",
 )
-REPLICATION_COPIES = prometheus_client.Counter(
-    "memops_replication_copied_bytes_total",
-    "Bytes that replication targets copied between workers.",
-    ["namespace", "policy"],
-    registry=REGISTRY,
+REPLICATION_COPIES = _counter(
+    "memops_replication_copied_bytes_total", "Bytes that replication targets copied between workers.", *_POLICY
 )
 
-NAMES = frozenset(
-    family.name
-    for metric in (
-        DRAINS_STARTED,
-        DRAINS_FINISHED,
-        DRAIN_SECONDS,
-        BYTES_MOVED,
-        BYTES_LOST,
-        LOST_AT_DEADLINE,
-        WORKERS,
-        DECISIONS,
-        DESIRED,
-        REPLICAS,
-        UTILIZATION,
-        RECYCLED,
-        RELIEF_KEYS,
-        RELIEF_BYTES,
-        DECISION_SECONDS,
-        ERRORS,
-        REPLICATION_KEYS,
-        REPLICATION_BYTES,
-        REPLICATION_COPIES,
-    )
-    for family in metric.describe()
-)
+NAMES = frozenset(family.name for family in REGISTRY.collect())
 """Every metric family memops exports (as the exposition format names them, without suffixes)."""
 
 
@@ -206,8 +171,7 @@ def policy_gone(namespace: str, policy: str) -> None:
     for gauge in (DESIRED, REPLICAS, UTILIZATION):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, policy)
-    replication = ((REPLICATION_KEYS, ("under", "over")), (REPLICATION_BYTES, ("under", "over", "spent", "budget")))
-    for labelled, values in replication:
+    for labelled, values in ((REPLICATION_KEYS, _REPLICATION_STATES), (REPLICATION_BYTES, _REPLICATION_KINDS)):
         for value in values:
             with contextlib.suppress(KeyError):
                 labelled.remove(namespace, policy, value)
@@ -223,14 +187,10 @@ def relieved(namespace: str, policy: str, keys: int, nbytes: int) -> None:
 
 
 def replication_observed(namespace: str, policy: str, status: specs.ReplicationStatus, copied: int) -> None:
-    REPLICATION_KEYS.labels(namespace, policy, "under").set(status.keysUnder)
-    REPLICATION_KEYS.labels(namespace, policy, "over").set(status.keysOver)
-    for kind, value in (
-        ("under", status.bytesUnder),
-        ("over", status.bytesOver),
-        ("spent", status.bytesSpent),
-        ("budget", status.budgetBytes),
-    ):
+    for state, keys in zip(_REPLICATION_STATES, (status.keysUnder, status.keysOver), strict=True):
+        REPLICATION_KEYS.labels(namespace, policy, state).set(keys)
+    figures = (status.bytesUnder, status.bytesOver, status.bytesSpent, status.budgetBytes)
+    for kind, value in zip(_REPLICATION_KINDS, figures, strict=True):
         REPLICATION_BYTES.labels(namespace, policy, kind).set(value)
     REPLICATION_COPIES.labels(namespace, policy).inc(max(copied, 0))
 
