@@ -345,6 +345,9 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
 
 
+NAME_ENV = [{"name": "T_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+
+
 def pod_program(body: str) -> str:
     """A tiny Python container: prints its environment, handles SIGTERM, then runs ``body``."""
     return textwrap.dedent(
@@ -428,6 +431,24 @@ def pods_of(plane: Plane, namespace: str, app: str) -> list[dict[str, Any]]:
     return list(plane.get("pods", "-n", namespace, "-l", f"app={app}")["items"])
 
 
+def pod(
+    name: str, namespace: str, program: str, *, grace: int | None = None, node: str | None = None, **container: Any
+) -> dict[str, Any]:
+    """A Pod of one Python container, ``main``, that runs ``program``."""
+    spec: dict[str, Any] = {"containers": [{"name": "main", "image": "python", "command": ["python", "-c", program]}]}
+    spec["containers"][0].update(container)
+    if grace is not None:
+        spec["terminationGracePeriodSeconds"] = grace
+    if node is not None:
+        spec["nodeName"] = node
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+
+
+def wait_running(plane: Plane, namespace: str, name: str) -> None:
+    running = lambda: plane.get("pod", "-n", namespace, name)["status"].get("phase") == "Running"  # noqa: E731
+    wait_for(running, what=f"{name} Running")
+
+
 def test_deployment_runs_with_distinct_ips_env_and_readiness(plane: Plane, agent: Agent, namespace: str) -> None:
     """A Deployment's pods run as processes with the container's environment (fieldRef,
     secretKeyRef, configMapKeyRef, $(VAR)), each on its own pod IP, where the worker binds;
@@ -504,27 +525,9 @@ def test_delete_runs_prestop_in_container_env_then_sigterm(plane: Plane, agent: 
     then the agent's final delete removes the pod."""
     out = agent.run_dir / f"prestop-{namespace}"
     program = pod_program("while True: time.sleep(1)\n")
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "p", "namespace": namespace},
-        "spec": {
-            "terminationGracePeriodSeconds": 20,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "python",
-                    "command": ["python", "-c", program],
-                    "env": [{"name": "T_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                    "lifecycle": {
-                        "preStop": {"exec": {"command": ["sh", "-c", f'echo "$T_NAME $(date +%s.%N)" > {out}']}}
-                    },
-                }
-            ],
-        },
-    }
-    plane.apply(pod)
-    wait_for(lambda: plane.get("pod", "-n", namespace, "p")["status"].get("phase") == "Running", what="Running")
+    hook = {"preStop": {"exec": {"command": ["sh", "-c", f'echo "$T_NAME $(date +%s.%N)" > {out}']}}}
+    plane.apply(pod("p", namespace, program, grace=20, env=NAME_ENV, lifecycle=hook))
+    wait_running(plane, namespace, "p")
     pid = int(wait_for(lambda: (agent.run_dir / "pods" / f"{namespace}_p.pid").read_text(), what="the pid"))
     started = time.monotonic()
     plane.kubectl("delete", "pod", "p", "-n", namespace, "--wait=true", timeout=60)
@@ -542,24 +545,9 @@ def test_grace_period_counts_from_the_deletion_hook_included(plane: Plane, agent
     """A container that ignores SIGTERM is killed when the grace period ends; the time its
     preStop hook took is taken from that period, not added to it (``killContainer``)."""
     program = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)\n"
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "stubborn", "namespace": namespace},
-        "spec": {
-            "terminationGracePeriodSeconds": 6,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "python",
-                    "command": ["python", "-c", program],
-                    "lifecycle": {"preStop": {"exec": {"command": ["sleep", "3"]}}},
-                }
-            ],
-        },
-    }
-    plane.apply(pod)
-    wait_for(lambda: plane.get("pod", "-n", namespace, "stubborn")["status"].get("phase") == "Running", what="Running")
+    hook = {"preStop": {"exec": {"command": ["sleep", "3"]}}}
+    plane.apply(pod("stubborn", namespace, program, grace=6, lifecycle=hook))
+    wait_running(plane, namespace, "stubborn")
     pid = int((agent.run_dir / "pods" / f"{namespace}_stubborn.pid").read_text())
     started = time.monotonic()
     plane.kubectl("delete", "pod", "stubborn", "-n", namespace, "--wait=true", timeout=60)
@@ -571,24 +559,9 @@ def test_grace_period_counts_from_the_deletion_hook_included(plane: Plane, agent
 
 def test_failing_prestop_is_an_event_and_the_kill_goes_on(plane: Plane, agent: Agent, namespace: str) -> None:
     program = pod_program("while True: time.sleep(1)\n")
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "bad-hook", "namespace": namespace},
-        "spec": {
-            "terminationGracePeriodSeconds": 20,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "python",
-                    "command": ["python", "-c", program],
-                    "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", "exit 3"]}}},
-                }
-            ],
-        },
-    }
-    plane.apply(pod)
-    wait_for(lambda: plane.get("pod", "-n", namespace, "bad-hook")["status"].get("phase") == "Running", what="Running")
+    hook = {"preStop": {"exec": {"command": ["sh", "-c", "exit 3"]}}}
+    plane.apply(pod("bad-hook", namespace, program, grace=20, lifecycle=hook))
+    wait_running(plane, namespace, "bad-hook")
     plane.kubectl("delete", "pod", "bad-hook", "-n", namespace, "--wait=true", timeout=60)
     [event] = events(plane, namespace, "FailedPreStopHook")
     assert event["type"] == "Warning"
@@ -598,15 +571,7 @@ def test_failing_prestop_is_an_event_and_the_kill_goes_on(plane: Plane, agent: A
 
 
 def test_exited_container_restarts_with_backoff(plane: Plane, agent: Agent, namespace: str) -> None:
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "crash", "namespace": namespace},
-        "spec": {
-            "containers": [{"name": "main", "image": "python", "command": ["python", "-c", "raise SystemExit(3)"]}]
-        },
-    }
-    plane.apply(pod)
+    plane.apply(pod("crash", namespace, "raise SystemExit(3)"))
 
     def restarted() -> dict[str, Any] | None:
         status = plane.get("pod", "-n", namespace, "crash")["status"]
@@ -650,18 +615,7 @@ def test_scale_down_removes_pods_and_ends_their_processes(plane: Plane, agent: A
 def test_failing_liveness_probe_restarts_the_container(plane: Plane, agent: Agent, namespace: str) -> None:
     program = pod_program("while True: time.sleep(1)\n")
     liveness = {"exec": {"command": ["sh", "-c", "exit 1"]}, "periodSeconds": 1, "failureThreshold": 2}
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "unwell", "namespace": namespace},
-        "spec": {
-            "terminationGracePeriodSeconds": 5,
-            "containers": [
-                {"name": "main", "image": "python", "command": ["python", "-c", program], "livenessProbe": liveness}
-            ],
-        },
-    }
-    plane.apply(pod)
+    plane.apply(pod("unwell", namespace, program, grace=5, livenessProbe=liveness))
 
     def restarted() -> bool:
         statuses = plane.get("pod", "-n", namespace, "unwell")["status"].get("containerStatuses") or [{}]
@@ -688,31 +642,10 @@ def test_shutdown_gives_every_container_its_grace_with_prestop(plane: Plane, nam
         program = pod_program("while True: time.sleep(1)\n")
         for name in ("s1", "s2"):
             hook = f'echo "$T_NAME $(date +%s.%N)" > {run_dir}/hook-{name}; sleep 1'
-            plane.apply(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "metadata": {"name": name, "namespace": namespace},
-                    "spec": {
-                        "nodeName": LONE_NODE,
-                        "terminationGracePeriodSeconds": 5,
-                        "containers": [
-                            {
-                                "name": "main",
-                                "image": "python",
-                                "command": ["python", "-c", program],
-                                "env": [{"name": "T_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                                "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", hook]}}},
-                            }
-                        ],
-                    },
-                }
-            )
+            prestop = {"preStop": {"exec": {"command": ["sh", "-c", hook]}}}
+            plane.apply(pod(name, namespace, program, grace=5, node=LONE_NODE, env=NAME_ENV, lifecycle=prestop))
         for name in ("s1", "s2"):
-            wait_for(
-                lambda name=name: plane.get("pod", "-n", namespace, name)["status"].get("phase") == "Running",
-                what=f"{name} Running",
-            )
+            wait_running(plane, namespace, name)
         pids = [int((run_dir / "pods" / f"{namespace}_{name}.pid").read_text()) for name in ("s1", "s2")]
         stop_agent(process)
         assert not any(alive(pid) for pid in pids)
