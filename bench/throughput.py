@@ -44,7 +44,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,6 +240,17 @@ class Phases:
     drain_received: int = 0
 
 
+@dataclass(frozen=True)
+class Timed:
+    """One retirement at the scheduler; seconds, but ``received`` (keys) and ``cpu`` (CPU seconds)."""
+
+    first: float  # call -> first byte in flight
+    drain: float  # first byte -> last key in memory
+    returned: float  # call -> the call returned
+    received: int
+    cpu: float
+
+
 class Bench:
     def __init__(self, client: distributed.Client, box: benchkit.Sandbox):
         self.client = client
@@ -303,48 +314,61 @@ class Bench:
 
     def stock(self, scenario: Scenario, run: int, phases: Phases) -> None:
         """``retire_workers`` of the same workers, called directly."""
-        client = self.client
-        tag = f"tp-{run}-stock"
-        retiring, data, ballast = self.loaded(scenario, tag)
-        addresses = [benchkit.workers(client)[p] for p in retiring]
-        collect(client)
-        cpu = self.box.control_plane_cpu()
-        started = time.time()
-        retired = client.retire_workers(workers=addresses, close_workers=True)
-        returned = time.time()
-        phases.stock_cpu = self.box.control_plane_cpu() - cpu
-        assert sorted(retired) == sorted(addresses), retired
-        first, last, phases.stock_received = transfers(client, started, tag)
-        phases.stock_first, phases.stock_drain, phases.stock_return = first - started, last - first, returned - started
-        check_kept(client, data, addresses)
-        del data, ballast
-        # Replace the retired pods, as the memops phase does (its pods are deleted, then the
-        # Deployment is scaled back up): both phases then leave the same history behind, a new
-        # pod with a new name and a new worker process, for whichever phase comes next.
-        benchkit.kubectl(self.box.env, "delete", "pod", *retiring, "--wait=false")
-        wait_workers(client, WORKERS, gone=retiring)
-        time.sleep(0.5)
+
+        def retire(addresses: list[str]) -> None:
+            retired = self.client.retire_workers(workers=addresses, close_workers=True)
+            assert sorted(retired) == sorted(addresses), retired
+
+        timed = self.retire_directly(scenario, f"tp-{run}-stock", retire)
+        phases.stock_first, phases.stock_drain, phases.stock_return = timed.first, timed.drain, timed.returned
+        phases.stock_received, phases.stock_cpu = timed.received, timed.cpu
 
     def drain(self, scenario: Scenario, run: int, phases: Phases) -> None:
         """memops' drain of the same workers, started at the scheduler through memops' agent."""
+
+        def retire(addresses: list[str]) -> None:
+            states = asyncio.run(drain_until_done(self.box.address, addresses))
+            assert all(s["state"] == "done" for s in states.values()), states
+
+        # The agent is installed before the clock starts (the operator does it once per scheduler).
+        def install() -> None:
+            asyncio.run(daskrpc.drain_status(self.box.address))
+
+        timed = self.retire_directly(scenario, f"tp-{run}-drain", retire, before=install)
+        phases.drain_first, phases.drain_drain, phases.drain_return = timed.first, timed.drain, timed.returned
+        phases.drain_received = timed.received
+
+    def retire_directly(
+        self,
+        scenario: Scenario,
+        tag: str,
+        retire: Callable[[list[str]], None],
+        before: Callable[[], None] | None = None,
+    ) -> Timed:
+        """Load the workers, time ``retire`` of them at the scheduler, check that no key was lost.
+
+        Then the retired pods are replaced, as the memops phase does (its pods are deleted, then
+        the Deployment is scaled back up): every phase leaves the same history behind, a new pod
+        with a new name and a new worker process, for whichever phase comes next.
+        """
         client = self.client
-        tag = f"tp-{run}-drain"
         retiring, data, ballast = self.loaded(scenario, tag)
         addresses = [benchkit.workers(client)[p] for p in retiring]
         collect(client)
-        # The agent is installed before the clock starts (the operator does it once per scheduler).
-        asyncio.run(daskrpc.drain_status(self.box.address))
+        if before is not None:
+            before()
+        cpu = self.box.control_plane_cpu()
         started = time.time()
-        states = asyncio.run(drain_until_done(self.box.address, addresses))
+        retire(addresses)
         returned = time.time()
-        assert all(s["state"] == "done" for s in states.values()), states
-        first, last, phases.drain_received = transfers(client, started, tag)
-        phases.drain_first, phases.drain_drain, phases.drain_return = first - started, last - first, returned - started
+        cpu = self.box.control_plane_cpu() - cpu
+        first, last, received = transfers(client, started, tag)
         check_kept(client, data, addresses)
         del data, ballast
         benchkit.kubectl(self.box.env, "delete", "pod", *retiring, "--wait=false")
         wait_workers(client, WORKERS, gone=retiring)
         time.sleep(0.5)
+        return Timed(first=first - started, drain=last - first, returned=returned - started, received=received, cpu=cpu)
 
     def memops(self, scenario: Scenario, run: int, phases: Phases) -> None:
         """One RetirementRequest through kubectl; the operator calls the same ``retire_workers``."""
