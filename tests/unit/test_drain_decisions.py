@@ -313,6 +313,7 @@ def test_moved_bytes_are_shown_as_a_quantity(nbytes: int, shown: str) -> None:
 
 
 R, S = specs.WorkerReason, specs.WorkerState
+DRAINED = "drained: the scheduler retired the worker"
 WHY_TIMEOUT = "the drain did not finish within spec.timeout (the scheduler may still finish it)"
 WHY_NOWHERE = "the scheduler could not retire the worker: its unique data had nowhere to go"
 DIED = (
@@ -321,129 +322,65 @@ DIED = (
 )
 
 
-@pytest.mark.parametrize(
-    ("state", "removable", "removed", "worker_cause", "message"),
-    [
-        pytest.param(S.DRAINING, False, False, cause(R.DRAINING), "draining", id="draining"),
-        pytest.param(
-            S.DRAINING, False, False, cause(R.NO_WORKER), "no connected worker, nothing to drain", id="no-worker"
-        ),
-        pytest.param(
-            S.DRAINING,
-            True,
-            False,
-            cause(R.NO_WORKER),
-            "no connected worker, nothing to drain; removing its pod",
-            id="no-worker-removing",
-        ),
-        pytest.param(
-            S.DRAINING,
-            True,
-            False,
-            cause(R.DRAINED),
-            "drained: the scheduler retired the worker; removing its pod",
-            id="drained-removing",
-        ),
-        pytest.param(
-            S.RETIRED,
-            True,
-            True,
-            cause(R.DRAINED),
-            "drained: the scheduler retired the worker; its pod was removed",
-            id="drained-removed",
-        ),
-        pytest.param(
-            S.DRAINING,
-            True,
-            False,
-            cause(R.DIED, 7),
-            f"{DIED}; its pod holds no unique data now; removing its pod",
-            id="died-removing",
-        ),
-        pytest.param(
-            S.RETIRED,
-            True,
-            True,
-            cause(R.DIED, 7),
-            f"{DIED}; its pod holds no unique data now; its pod was removed",
-            id="died-removed",
-        ),
-        pytest.param(
-            S.KEPT,
-            False,
-            False,
-            cause(R.NOWHERE_TO_GO, 30),
-            f"{WHY_NOWHERE}; kept its pod, which holds 30 bytes (1 keys) that exist nowhere else",
-            id="kept-nowhere-to-go",
-        ),
-        pytest.param(
-            S.KEPT,
-            False,
-            False,
-            cause(R.TIMED_OUT, 30),
-            f"{WHY_TIMEOUT}; kept its pod, which holds 30 bytes (1 keys) that exist nowhere else",
-            id="kept-timed-out",
-        ),
-        pytest.param(
-            S.FORCED,
-            True,
-            False,
-            cause(R.TIMED_OUT, 30),
-            f"{WHY_TIMEOUT}; onTimeout is Force: removing the pod with 30 bytes (1 keys) that exist nowhere else",
-            id="forced-removing",
-        ),
-        pytest.param(
-            S.FORCED,
-            True,
-            True,
-            cause(R.NOWHERE_TO_GO, 30),
-            f"{WHY_NOWHERE}; onTimeout is Force: removed the pod with 30 bytes (1 keys) that exist nowhere else",
-            id="forced-removed",
-        ),
-        pytest.param(
-            S.KEPT,
-            False,
-            False,
-            cause(R.UNREACHABLE, 30, detail="refused"),
-            "the scheduler was unreachable until spec.timeout (refused); kept the pod, since nothing confirms"
-            " that its data moved",
-            id="unreachable-kept",
-        ),
-        pytest.param(
-            S.FORCED,
-            True,
-            True,
-            cause(R.UNREACHABLE, 30, detail="refused"),
-            "the scheduler was unreachable until spec.timeout (refused); onTimeout is Force: removed the pod;"
-            " up to 30 bytes may be lost",
-            id="unreachable-forced-removed",
-        ),
-        pytest.param(
-            S.KEPT,
-            False,
-            False,
-            cause(R.DRAINED, kept=specs.KeptReason.REQUEST_FAILED, keptDetail="SecretUnusable: gone"),
-            "drained: the scheduler retired the worker; pod kept: SecretUnusable: gone",
-            id="kept-request-failed",
-        ),
-        pytest.param(
-            S.KEPT,
-            False,
-            False,
-            cause(R.DIED, 7, kept=specs.KeptReason.REMOVAL_BLOCKED, keptDetail="pods x are not ready"),
-            f"{DIED}; pod kept at spec.timeout, pods x are not ready",
-            id="kept-removal-blocked",
-        ),
-        pytest.param(
-            S.KEPT,
-            False,
-            False,
-            cause(R.UNIDENTIFIED),
-            drain_decisions.unidentified_message(["p"]),
-            id="unidentified",
-        ),
-    ],
-)
+FAILED = {"kept": specs.KeptReason.REQUEST_FAILED, "keptDetail": "SecretUnusable: gone"}
+BLOCKED = {"kept": specs.KeptReason.REMOVAL_BLOCKED, "keptDetail": "pods x are not ready"}
+HELD = "30 bytes (1 keys) that exist nowhere else"
+UNREACHABLE = "the scheduler was unreachable until spec.timeout (refused)"
+# id: (state, removable, pod removed, cause, message)
+RENDERED = {
+    "draining": (S.DRAINING, False, False, cause(R.DRAINING), "draining"),
+    "no-worker": (S.DRAINING, False, False, cause(R.NO_WORKER), "no connected worker, nothing to drain"),
+    "no-worker-removing": (
+        *(S.DRAINING, True, False, cause(R.NO_WORKER)),
+        "no connected worker, nothing to drain; removing its pod",
+    ),
+    "drained-removing": (*(S.DRAINING, True, False, cause(R.DRAINED)), f"{DRAINED}; removing its pod"),
+    "drained-removed": (*(S.RETIRED, True, True, cause(R.DRAINED)), f"{DRAINED}; its pod was removed"),
+    "died-removing": (
+        *(S.DRAINING, True, False, cause(R.DIED, 7)),
+        f"{DIED}; its pod holds no unique data now; removing its pod",
+    ),
+    "died-removed": (
+        *(S.RETIRED, True, True, cause(R.DIED, 7)),
+        f"{DIED}; its pod holds no unique data now; its pod was removed",
+    ),
+    "kept-nowhere-to-go": (
+        *(S.KEPT, False, False, cause(R.NOWHERE_TO_GO, 30)),
+        f"{WHY_NOWHERE}; kept its pod, which holds {HELD}",
+    ),
+    "kept-timed-out": (
+        *(S.KEPT, False, False, cause(R.TIMED_OUT, 30)),
+        f"{WHY_TIMEOUT}; kept its pod, which holds {HELD}",
+    ),
+    "forced-removing": (
+        *(S.FORCED, True, False, cause(R.TIMED_OUT, 30)),
+        f"{WHY_TIMEOUT}; onTimeout is Force: removing the pod with {HELD}",
+    ),
+    "forced-removed": (
+        *(S.FORCED, True, True, cause(R.NOWHERE_TO_GO, 30)),
+        f"{WHY_NOWHERE}; onTimeout is Force: removed the pod with {HELD}",
+    ),
+    "unreachable-kept": (
+        *(S.KEPT, False, False, cause(R.UNREACHABLE, 30, detail="refused")),
+        f"{UNREACHABLE}; kept the pod, since nothing confirms that its data moved",
+    ),
+    "unreachable-forced-removed": (
+        *(S.FORCED, True, True, cause(R.UNREACHABLE, 30, detail="refused")),
+        f"{UNREACHABLE}; onTimeout is Force: removed the pod; up to 30 bytes may be lost",
+    ),
+    "kept-request-failed": (
+        *(S.KEPT, False, False, cause(R.DRAINED, **FAILED)),
+        f"{DRAINED}; pod kept: SecretUnusable: gone",
+    ),
+    "kept-removal-blocked": (
+        *(S.KEPT, False, False, cause(R.DIED, 7, **BLOCKED)),
+        f"{DIED}; pod kept at spec.timeout, pods x are not ready",
+    ),
+    "unidentified": (S.KEPT, False, False, cause(R.UNIDENTIFIED), drain_decisions.unidentified_message(["p"])),
+}
+
+
+@pytest.mark.parametrize(("state", "removable", "removed", "worker_cause", "message"), RENDERED.values(), ids=RENDERED)
 def test_a_workers_message_is_rendered_from_its_cause(
     state: specs.WorkerState, removable: bool, removed: bool, worker_cause: specs.WorkerCause, message: str
 ) -> None:
