@@ -18,6 +18,7 @@ cgroup's OOM killer could, and target < spill < pause < terminate keep their ord
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import enum
 import math
 import shlex
@@ -338,11 +339,11 @@ def _requests_and_limits(container: Mapping[str, Any]) -> tuple[dict[str, Any], 
     return requests, limits
 
 
-def _amount(text: Any) -> int:
+def _amount(text: Any) -> decimal.Decimal:
     try:
-        return specs.parse_quantity(str(text))
+        return specs.quantity_value(str(text))
     except ValueError:
-        return -1  # unreadable: never equal to a readable one
+        return decimal.Decimal(-1)  # unreadable: never equal to a readable one
 
 
 def _resources_qos(requests: Mapping[str, Any], limits: Mapping[str, Any]) -> QoS:

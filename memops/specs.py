@@ -701,38 +701,40 @@ class ReplicationStatus(Model):
 QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][0-9]{1,2})?$"
 QUANTITY_MAX_LENGTH = 32
 _QUANTITY_SUFFIXES = {
-    "": 1,
-    "m": 0.001,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
+    "": decimal.Decimal(1),
+    "m": decimal.Decimal("0.001"),
+    "k": decimal.Decimal(10**3),
+    "M": decimal.Decimal(10**6),
+    "G": decimal.Decimal(10**9),
+    "T": decimal.Decimal(10**12),
+    "P": decimal.Decimal(10**15),
+    "E": decimal.Decimal(10**18),
+    "Ki": decimal.Decimal(2**10),
+    "Mi": decimal.Decimal(2**20),
+    "Gi": decimal.Decimal(2**30),
+    "Ti": decimal.Decimal(2**40),
+    "Pi": decimal.Decimal(2**50),
+    "Ei": decimal.Decimal(2**60),
 }
 
 
-def parse_quantity(text: str) -> int:
-    """A quantity of bytes ("8Gi", "512M", "1e9", "1500m") as an integer, rounded up as the
-    kubelet rounds a memory quantity (``Quantity.Value()``). Negative and signed forms, which no
-    size is written as, are refused."""
+def quantity_value(text: str) -> decimal.Decimal:
+    """A quantity's exact value ("1500m" is 1.5, "1Gi" is 1073741824). Negative and signed forms,
+    which no size is written as, are refused."""
     if len(text) > QUANTITY_MAX_LENGTH or not re.fullmatch(QUANTITY_PATTERN, text):
         raise ValueError(f"{text!r} is not a quantity such as 8Gi or 512M")
     number = re.match(r"[0-9.]+", text)
     assert number is not None
     digits, suffix = number.group(), text[number.end() :]
-    value = decimal.Decimal(digits)
     if suffix[:1] in ("e", "E"):
-        value *= decimal.Decimal(10) ** int(suffix[1:])
-    else:
-        value *= decimal.Decimal(_QUANTITY_SUFFIXES[suffix])
-    return int(value.to_integral_value(rounding=decimal.ROUND_CEILING))
+        return decimal.Decimal(digits).scaleb(int(suffix[1:]))
+    return decimal.Decimal(digits) * _QUANTITY_SUFFIXES[suffix]
+
+
+def parse_quantity(text: str) -> int:
+    """A quantity of bytes ("8Gi", "512M", "1e9", "1500m") as an integer, rounded up as the
+    kubelet rounds a memory quantity (``Quantity.Value()``)."""
+    return int(quantity_value(text).to_integral_value(rounding=decimal.ROUND_CEILING))
 
 
 def _positive_quantity(text: str) -> str:
@@ -881,7 +883,7 @@ class SharedSpillSpec(Model):
         max_length=MAX_NODE_SELECTOR_LABELS,
         description=(
             "Node only: labels of the nodes that provide the tmpfs (feature.node.kubernetes.io/memory-swap.enabled:"
-            " \"true\"); the workers' pods are required to run there."
+            ' "true"); the workers\' pods are required to run there.'
         ),
     )
 
