@@ -208,7 +208,7 @@ def test_a_disabled_threshold_stays_as_the_user_has_it() -> None:
 
 def test_memory_medium_gets_a_per_pod_emptydir_and_the_dask_environment() -> None:
     pod_spec = {"containers": [worker("8Gi", env=[{"name": "DASK_TEMPORARY_DIRECTORY", "value": "/tmp"}])]}
-    verdict, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"))
+    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"))
     assert mutation is not None
     shared_spill.apply(pod_spec, mutation)
     assert pod_spec["volumes"] == [
