@@ -429,17 +429,37 @@ def condition(spill: specs.SharedSpillSpec, pod_spec: Mapping[str, Any] | None) 
         )
     if spill.medium != specs.SpillMedium.NODE:
         return Verdict(ready, None)
+    return Verdict(ready, swap_verdict(pod_spec))
+
+
+CRITICAL_PRIORITY_CLASSES = ("system-node-critical", "system-cluster-critical")
+
+
+def swap_verdict(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str]:
+    """Whether the worker container may swap under LimitedSwap, as the kubelet decides it
+    (``GetContainerSwapBehavior``, ``pkg/kubelet/kuberuntime/kuberuntime_container_linux.go``):
+    not a critical pod, a Burstable pod, and a container whose memory request is set and below its limit."""
     qos = qos_class(pod_spec)
-    if qos == QoS.BURSTABLE:
-        return Verdict(ready, (True, "Burstable", "the worker pods are Burstable: under LimitedSwap they may swap"))
-    why = "requests equal limits in every container" if qos == QoS.GUARANTEED else "no requests nor limits"
-    return Verdict(
-        ready,
-        (
+    container = worker_container(pod_spec) or {}
+    requests, limits = _requests_and_limits(container)
+    request, limit = _amount(requests.get("memory", "0")), _amount(limits.get("memory", "0"))
+    advice = "give the worker container a memory request below its memory limit"
+    if pod_spec.get("priorityClassName") in CRITICAL_PRIORITY_CLASSES:
+        why = f"the worker pods are critical ({pod_spec['priorityClassName']}), and critical pods never swap"
+        return False, "CriticalPod", f"spec.workload: {why}: their spilled pages stay in RAM"
+    if qos != QoS.BURSTABLE:
+        why = "requests equal limits in every container" if qos == QoS.GUARANTEED else "no requests nor limits"
+        return (
             False,
             f"Not{QoS.BURSTABLE.value}",
             f"spec.workload: the worker pods are {qos.value} ({why}); under NodeSwap's LimitedSwap only Burstable"
-            " pods swap, so their spilled pages stay in RAM: give the worker container a memory request below"
-            " its limit",
-        ),
-    )
+            f" pods swap, so their spilled pages stay in RAM: {advice}",
+        )
+    if request == 0 or request == limit:
+        return (
+            False,
+            "WorkerNotSwappable",
+            "spec.workload: the pods are Burstable but the worker container's memory request is unset or equal"
+            f" to its limit, and the kubelet swaps only containers whose request is below the limit: {advice}",
+        )
+    return True, "Burstable", "the worker pods are Burstable: under LimitedSwap their pages may reach swap"

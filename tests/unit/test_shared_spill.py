@@ -418,3 +418,25 @@ def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only() -> None:
     assert not any(e["name"].startswith("DASK_") for e in container["env"])
     assert "preStop" in container["lifecycle"]
     assert change["annotations"][shared_spill.ANNOTATION] == "Refused: DoesNotFit"
+
+
+SIDECAR = {"name": "sidecar", "resources": {"requests": {"memory": "64Mi"}, "limits": {"memory": "128Mi"}}}
+
+
+@pytest.mark.parametrize(
+    ("pod_spec", "swaps", "reason"),
+    [
+        pytest.param({"containers": [worker("8Gi", request="4Gi")]}, True, "Burstable", id="burstable"),
+        pytest.param({"containers": [worker("8Gi")]}, False, "NotBurstable", id="guaranteed"),
+        # The pod is Burstable through its sidecar, but the worker's request equals its limit.
+        pytest.param({"containers": [worker("8Gi"), SIDECAR]}, False, "WorkerNotSwappable", id="worker-guaranteed"),
+        pytest.param(
+            {"containers": [worker("8Gi", request="4Gi")], "priorityClassName": "system-node-critical"},
+            False,
+            "CriticalPod",
+            id="critical",
+        ),
+    ],
+)
+def test_swap_as_the_kubelet_decides_it(pod_spec: dict[str, Any], swaps: bool, reason: str) -> None:
+    assert shared_spill.swap_verdict(pod_spec)[:2] == (swaps, reason)
