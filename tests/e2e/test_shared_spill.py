@@ -67,13 +67,16 @@ def ready(sandbox: Sandbox, policy: str, kind: str, status: str) -> dict[str, An
     return found
 
 
-def fill(client: distributed.Client, address: str, pieces: int = 16, nbytes: int = 20 * MIB) -> list[Any]:
+def fill(
+    client: distributed.Client, address: str, pieces: int = 16, nbytes: int = 20 * MIB, first: int = 0
+) -> list[Any]:
     """Scatter ``pieces`` arrays of ``nbytes`` to one worker, one at a time as a computation would
     make them (all at once, the message alone could pass the nanny's terminate threshold): 320Mi
-    is over the worker's target (0.523 of 512Mi, 268Mi), so the worker spills."""
+    is over the worker's target (0.523 of 512Mi, 268Mi), so the worker spills. Pieces are named by
+    their content: ``first`` keeps two workers' pieces apart."""
     futures = []
     for i in range(pieces):
-        futures.append(client.scatter(bytes([i]) * nbytes, workers=[address]))
+        futures.append(client.scatter(bytes([first + i]) * nbytes, workers=[address]))
     return futures
 
 
@@ -172,7 +175,7 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
     assert {p["spec"]["nodeName"] for p in pods} == {swap_node}, "required node affinity to the swap node"
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         found = [sandbox.wait_for(lambda p=p: _connected(client, p["metadata"]["name"]), what="a worker") for p in pods]
-        futures = [f for address, _ in found for f in fill(client, address)]
+        futures = [f for n, (address, _) in enumerate(found) for f in fill(client, address, first=100 * n)]
         # Both workers spill into the one directory tree of the node.
         sandbox.wait_for(
             lambda: len({f.parent.parent for f in spilled_files(host_dir)}) == 2, what="two workers' spill dirs"
