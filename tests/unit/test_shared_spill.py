@@ -440,3 +440,19 @@ SIDECAR = {"name": "sidecar", "resources": {"requests": {"memory": "64Mi"}, "lim
 )
 def test_swap_as_the_kubelet_decides_it(pod_spec: dict[str, Any], swaps: bool, reason: str) -> None:
     assert shared_spill.swap_verdict(pod_spec)[:2] == (swaps, reason)
+
+
+def test_the_deployment_index_keeps_what_the_verdict_reads() -> None:
+    """The policy pass reads a Deployment from the operator's index, which drops most of the pod
+    template: what it keeps must give the verdict that the full template gives."""
+    from memops.controllers import policy
+
+    for spill_spec in (spill(size="2Gi"), spill(size="8Gi"), spill("Node", size="2Gi", **NODE)):
+        for container in (
+            worker("8Gi", "--memory-limit=6GB", request="4Gi"),
+            worker("8Gi", env=[{"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": "0.5"}]),
+            worker(None),
+        ):
+            full = {"containers": [container, SIDECAR], "initContainers": [{"name": "init", "image": "busybox"}]}
+            slim = policy._slim_pod_spec(full)
+            assert shared_spill.condition(spill_spec, slim) == shared_spill.condition(spill_spec, full)
