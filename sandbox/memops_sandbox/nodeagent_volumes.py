@@ -53,6 +53,8 @@ def mounts(pod: Obj, container: Obj, *, tmpfs: Path, scratch: Path) -> dict[str,
         volume = volumes.get(str(mount.get("name")))
         if volume is None:
             raise envs.ConfigError(f"volumeMount {mount.get('name')!r}: no such volume")
+        if "emptyDir" not in volume and "hostPath" not in volume:
+            continue  # a projected token, a Secret...: not mounted, as before
         if mount.get("subPath") or mount.get("subPathExpr"):
             raise envs.ConfigError(f"volumeMount {mount.get('name')!r}: subPath is not emulated")
         if "emptyDir" in volume:
@@ -70,8 +72,6 @@ def mounts(pod: Obj, container: Obj, *, tmpfs: Path, scratch: Path) -> dict[str,
                 raise envs.ConfigError(f"hostPath type check failed: {source.get('path')} is not a directory")
             elif kind not in ("", "Directory"):
                 raise envs.ConfigError(f"hostPath type {kind!r} is not emulated")
-        else:
-            continue
         found[str(mount["mountPath"]).rstrip("/") or "/"] = directory
     return found
 

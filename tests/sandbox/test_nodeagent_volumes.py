@@ -80,3 +80,9 @@ def test_what_is_not_emulated_is_an_error(
 def test_translate(text: str, expected: str) -> None:
     found = {"/memops-spill": Path("/node/spill"), "/data": Path("/node/data"), "/data/deeper": Path("/node/deeper")}
     assert volumes.translate(text, found) == expected
+
+
+def test_other_volumes_are_left_out_as_before(tmp_path: Path) -> None:
+    token = {"name": "kube-api-access", "projected": {"sources": []}}
+    container = mounted({"name": "kube-api-access", "mountPath": "/var/run/secrets/x", "subPath": "token"})
+    assert volumes.mounts(pod(token), container, tmpfs=tmp_path, scratch=tmp_path) == {}
