@@ -209,11 +209,12 @@ def fit(container: Mapping[str, Any], spill: specs.SharedSpillSpec) -> Fit:
     else:
         try:
             number = float(written)
-            dask = int(number * limit) if number <= 1 else int(number)
+            dask = int(number * limit) if number <= 1 else int(number) if math.isfinite(number) else None
         except ValueError:
             dask = _dask_bytes(written)
-        if dask is not None:
-            dask = min(dask, limit)  # Dask ignores a limit above the cgroup's and takes the cgroup's
+        # Dask ignores a limit above the cgroup's and takes the cgroup's. One that memops cannot
+        # read (a $(VAR) it does not know) is at most that too: planning with L is the safe side.
+        dask = limit if dask is None else min(dask, limit)
     if not dask:
         return _refuse(
             Refusal.NO_DASK_LIMIT,

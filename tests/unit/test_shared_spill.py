@@ -117,6 +117,12 @@ def test_quantities(text: str, nbytes: int) -> None:
             0.75,
             id="user-target",
         ),
+        # Unreadable (a variable): Dask would cap it at the cgroup's limit, so L is the safe side.
+        pytest.param(
+            worker("8Gi", "--memory-limit", "$(LIMIT)"), "2Gi", 6 / (8 * 0.95), 0.473, 0.75, id="unreadable-limit"
+        ),
+        # Above the cgroup's limit: Dask takes the cgroup's.
+        pytest.param(worker("8Gi", "--memory-limit", "64GiB"), "2Gi", 6 / (8 * 0.95), 0.473, 0.75, id="above-cgroup"),
         # A fraction --memory-limit is of the container's limit.
         pytest.param(worker("8Gi", "--memory-limit", "0.5"), "2Gi", 1.0, 0.6, 0.95, id="fraction-limit"),
         # Written in a shell script, as many images start workers.
