@@ -885,6 +885,16 @@ class SharedSpillSpec(Model):
             "Node only: labels of the nodes that provide the tmpfs (feature.node.kubernetes.io/memory-swap.enabled:"
             ' "true"); the workers\' pods are required to run there.'
         ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.all(k, k.size() <= 316 && k.matches('"
+                    + QUALIFIED_NAME_PATTERN.replace("\\", "\\\\")
+                    + "'))",
+                    "message": "every key must be a label key (an optional DNS prefix and a name of at most 63)",
+                }
+            ]
+        },
     )
 
     model_config = pydantic.ConfigDict(

@@ -164,6 +164,15 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
         check=False,
     )
     assert hostile.returncode != 0 and "spec.sharedSpill.hostPath" in hostile.stderr, hostile.stderr
+    bad_label = sandbox.apply(
+        memory_policy(
+            "label",
+            sandbox.scheduler_address,
+            sharedSpill={"medium": "Node", "sizeLimit": "1Gi", "hostPath": HOST_PATH, "nodeSelector": {"-x-": "true"}},
+        ),
+        check=False,
+    )
+    assert bad_label.returncode != 0 and "spec.sharedSpill.nodeSelector" in bad_label.stderr, bad_label.stderr
 
     spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": HOST_PATH, "nodeSelector": {SWAP_LABEL: "true"}}
     sandbox.apply(workers(sandbox.scheduler_address, "shared"))
