@@ -93,13 +93,17 @@ def _refuse(refusal: Refusal, message: str, *, spill: int, limit: int | None = N
 
 
 def _tokens(container: Mapping[str, Any]) -> list[str]:
-    """The container's command line, with ``sh -c "..."`` scripts split as a shell would."""
+    """The container's command line, with ``sh -c "..."`` scripts split as a shell would. Only a
+    part with options in it is a script: "4 GiB" stays one value of ``--memory-limit``."""
     found: list[str] = []
     for part in [*(container.get("command") or []), *(container.get("args") or [])]:
         text = str(part)
+        if not (" " in text and "--" in text):
+            found.append(text)
+            continue
         try:
-            found.extend(shlex.split(text) if " " in text else [text])
-        except ValueError:  # unbalanced quotes: a script, not an argument list
+            found.extend(shlex.split(text))
+        except ValueError:  # unbalanced quotes
             found.extend(text.split())
     return found
 

@@ -123,6 +123,10 @@ def test_quantities(text: str, nbytes: int) -> None:
         ),
         # Above the cgroup's limit: Dask takes the cgroup's.
         pytest.param(worker("8Gi", "--memory-limit", "64GiB"), "2Gi", 6 / (8 * 0.95), 0.473, 0.75, id="above-cgroup"),
+        # One argument with a space, as click takes it: 6 GB, not 6 bytes.
+        pytest.param(
+            worker("8Gi", "--memory-limit", "6 GB"), "3Gi", 5 * GI / (6e9 * 0.95), 0.565, 0.894, id="spaced-value"
+        ),
         # A fraction --memory-limit is of the container's limit.
         pytest.param(worker("8Gi", "--memory-limit", "0.5"), "2Gi", 1.0, 0.6, 0.95, id="fraction-limit"),
         # Written in a shell script, as many images start workers.
