@@ -189,6 +189,8 @@ class Drained:
     lost_irreplaceable: int = 0
     lost: list[str] = dataclasses.field(default_factory=list)  # the first few, for the report
     lost_cause: str = "deadline"
+    origin: str = ""  # who asked: ``preStop`` for the safety net's hook, else empty (the operator)
+    ended_at: float = 0.0  # wall clock, for the operator's record of what a hook's drain lost
 
 
 LOST_NAMED = 20
@@ -232,7 +234,13 @@ class DrainPlugin(SchedulerPlugin):
     # -- starting ------------------------------------------------------------------------------
 
     def add(
-        self, addresses: Iterable[str], deadline: float, nodes: Mapping[str, str], close: bool, restore: bool
+        self,
+        addresses: Iterable[str],
+        deadline: float,
+        nodes: Mapping[str, str],
+        close: bool,
+        restore: bool,
+        origin: str = "",
     ) -> None:
         scheduler = self.scheduler
         self.nodes.update({str(a): str(n) for a, n in nodes.items() if n})
@@ -249,7 +257,14 @@ class DrainPlugin(SchedulerPlugin):
             if previous not in ("running", "paused"):
                 previous = "running"
             self.workers[address] = Drained(
-                address, str(ws.name), self.nodes.get(address), now + deadline, previous, close=close, restore=restore
+                address,
+                str(ws.name),
+                self.nodes.get(address),
+                now + deadline,
+                previous,
+                close=close,
+                restore=restore,
+                origin=origin,
             )
             # As Scheduler.retire_workers: the scheduler's state at once, then the worker's.
             scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
@@ -400,7 +415,7 @@ class DrainPlugin(SchedulerPlugin):
             drained.order.extend(ranked)
 
     def _stop_at_deadline(self, drained: Drained, ws: Any, draining: Collection[Any], now: float) -> None:
-        drained.state, drained.ended = State.DEADLINE, now
+        drained.state, drained.ended, drained.ended_at = State.DEADLINE, now, time.time()
         for ts in ws.has_what:
             if self._safe(ts, draining):
                 continue
@@ -421,7 +436,7 @@ class DrainPlugin(SchedulerPlugin):
     def _gone(self, drained: Drained, now: float) -> None:
         """The worker left mid-drain (its pod killed at the end of a short grace period): what it
         alone held and the drain had not moved is lost, cause ``worker left``."""
-        drained.state, drained.ended = State.GONE, now
+        drained.state, drained.ended, drained.ended_at = State.GONE, now, time.time()
         left = list(drained.order) + [k for k, c in self.copies.items() if c.source == drained.address]
         for key in left:
             ts = self.scheduler.tasks.get(key)
@@ -479,6 +494,9 @@ class DrainPlugin(SchedulerPlugin):
                         flight_bytes += copy.nbytes
             result[address] = {
                 "state": drained.state,
+                "name": drained.name,
+                "origin": drained.origin,
+                "endedAt": round(drained.ended_at, 3),
                 "node": drained.node or "",
                 "connected": ws is not None,
                 "uniqueKeys": unique_keys,
@@ -520,6 +538,7 @@ def start(
     close: bool = True,
     restore: bool = False,
     window: int = WINDOW_BYTES,
+    origin: str = "",
 ) -> dict[str, Any]:
     """Run on the scheduler (by the agent's ``drain`` operation): start draining these workers
     (by address, or by name), each with ``deadline`` seconds from now; returns at once, with
@@ -531,6 +550,8 @@ def start(
     again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
     already being drained keeps its drain, with the earlier of the two deadlines. ``window``:
     bytes on their way to one recipient at a time (:data:`WINDOW_BYTES`), for every drain.
+    ``origin``: who asked, reported back (``preStop``: the safety net's hook, whose losses the
+    operator records in the policy's status, as it cannot see them in a RetirementRequest).
     """
     by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
     addresses = [str(a) for a in workers] + [by_name[str(n)] for n in names if str(n) in by_name]
@@ -538,7 +559,7 @@ def start(
     located = {by_name.get(str(w), str(w)): str(node) for w, node in (nodes or {}).items()}
     plugin = _plugin(dask_scheduler)
     plugin.window = max(int(window), 1)
-    plugin.add(addresses, float(deadline), located, bool(close), bool(restore))
+    plugin.add(addresses, float(deadline), located, bool(close), bool(restore), origin=str(origin)[:32])
     return plugin.report(addresses)
 
 
