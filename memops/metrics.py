@@ -151,6 +151,8 @@ NAMES = frozenset(
         BYTES_MOVED,
         BYTES_LOST,
         LOST_AT_DEADLINE,
+        HOOK_LOST_KEYS,
+        HOOK_LOST_BYTES,
         WORKERS,
         DECISIONS,
         DESIRED,
