@@ -76,13 +76,27 @@ class Decision:
         return self.verdict == Verdict.ALLOW
 
 
-def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None) -> Decision:
+def dry_run(eviction: Mapping[str, Any], admission_dry_run: bool) -> bool:
+    """Whether an eviction is a dry run (``kubectl drain --dry-run=server``).
+
+    The AdmissionReview's ``dryRun`` reflects only the request's own ``?dryRun=All``; kubectl
+    and client-go put it in the Eviction's ``deleteOptions.dryRun`` instead, which the API server
+    reconciles with the query only after admission (``propagateDryRun`` in kubernetes
+    ``pkg/registry/core/pod/storage/eviction.go``). So both count.
+    """
+    options = eviction.get("deleteOptions")
+    flags = options.get("dryRun") if isinstance(options, Mapping) else None
+    return admission_dry_run or (isinstance(flags, list) and "All" in flags)
+
+
+def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None, dry_run: bool = False) -> Decision:
     """Admit or refuse one eviction of a policy's worker pod.
 
     ``unique_bytes``: what the pod's workers hold that no other worker holds, by the scheduler;
     0 also when no worker of the pod is connected (a drained worker has left the scheduler);
     None when the scheduler could not be asked in time. ``request``: the pod's latest Eviction
-    RetirementRequest, if any. A refusal always says why and what happens next.
+    RetirementRequest, if any. A refusal always says why and what happens next. ``dry_run``:
+    answer as for a real eviction, but start nothing.
     """
     if request is not None and not request.finished:
         if unique_bytes == 0:
@@ -135,6 +149,8 @@ def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None) -
         if unique_bytes is None
         else f"it holds {unique_bytes} bytes that exist nowhere else"
     )
+    if dry_run:
+        return Decision(Verdict.REFUSE, f"pod {pod}: {why}; a real eviction would start draining it (dry run)")
     return Decision(
         Verdict.REFUSE, f"pod {pod}: {why}; memops started draining it: retry the eviction", start_drain=True
     )

@@ -170,6 +170,7 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         **kwargs: Any,
     ) -> None:
         namespace, name = str(body.metadata.namespace or "default"), str(body.metadata.name)
+        dryrun = eviction.dry_run(dict(body), dryrun)
         cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
         client: kube.Kube = memo.kube
         try:
@@ -188,7 +189,8 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         policy_name, spec = found
         requests = eviction_requests(cache.of("retirementrequests").get((namespace, policy_name), []), node)
         held = await unique_bytes(client, namespace, spec, pod)
-        decision = eviction.decide(pod=name, unique_bytes=held, request=eviction.latest_request(name, requests))
+        latest = eviction.latest_request(name, requests)
+        decision = eviction.decide(pod=name, unique_bytes=held, request=latest, dry_run=dryrun)
         if decision.start_drain and not dryrun:
             policy_body = _policy_body(cache.of("memorypolicies").get((namespace,), []), policy_name)
             if policy_body is not None:

@@ -189,3 +189,25 @@ SEEN = {"default/p": ("taint node.kubernetes.io/unschedulable", 100.0)}
 )
 def test_node_signals_are_acted_on_at_most_once_per_interval(policy: str, signal: str, now: float, due: bool) -> None:
     assert eviction.node_signal_due(SEEN, policy, signal, now, interval=30.0) is due
+
+
+@pytest.mark.parametrize(
+    ("body", "admission", "expected"),
+    [
+        pytest.param({"deleteOptions": {"dryRun": ["All"]}}, False, True, id="kubectl-drain-dry-run-server"),
+        pytest.param({}, True, True, id="query-dry-run"),
+        pytest.param({"deleteOptions": {}}, False, False, id="real-eviction"),
+        pytest.param({"deleteOptions": {"dryRun": "All"}}, False, False, id="not-a-list"),
+        pytest.param({"deleteOptions": None}, False, False, id="null-options"),
+    ],
+)
+def test_a_dry_run_is_read_from_the_query_or_the_evictions_delete_options(
+    body: dict[str, Any], admission: bool, expected: bool
+) -> None:
+    assert eviction.dry_run(body, admission) is expected
+
+
+def test_a_dry_run_is_answered_as_a_real_eviction_but_starts_nothing() -> None:
+    dry = eviction.decide(pod="w-1", unique_bytes=1000, request=None, dry_run=True)
+    assert not dry.allowed and dry.code == 429 and not dry.start_drain and "dry run" in dry.message
+    assert eviction.decide(pod="w-1", unique_bytes=0, request=None, dry_run=True).allowed
