@@ -56,7 +56,13 @@ keys worth most land first even when all are asked at once; the window only boun
 committed to one recipient before it shows that it takes them (a smaller one costs throughput:
 each key that lands frees room a pass later)."""
 INTERVAL = 0.02
-"""Seconds between two passes: what it costs is the keys on their way, a few thousand at most."""
+"""Seconds between two passes that changed something: what a pass costs is the keys on their way,
+a few thousand at most."""
+QUIET_INTERVAL = 0.2
+"""After passes that changed nothing (no key landed, none asked for, no drain ended), the interval
+doubles up to this: a pass reads every copy on its way, and at 50 passes a second over a thousand
+1 MiB keys the scheduler's process takes CPU that the workers' transfers need on a small machine.
+What it delays is noticing the last keys land (the worker's close), by at most this much."""
 IN_FLIGHT_SECONDS = 10.0
 """How long a requested copy may take, plus its transfer time below, before it is asked again."""
 TRANSFER_BYTES_PER_SECOND = 50 * 2**20
@@ -277,20 +283,27 @@ class DrainPlugin(SchedulerPlugin):
     # -- the loop ------------------------------------------------------------------------------
 
     async def loop(self) -> None:
+        interval = INTERVAL
         while any(d.state == State.DRAINING for d in self.workers.values()):
+            changed = True
             try:
-                await self.step()
+                changed = await self.step()
             except Exception:  # a pass that failed is tried again; the scheduler must go on
                 logger.exception("memops drain pass failed")
-            await asyncio.sleep(INTERVAL)
+            interval = INTERVAL if changed else min(interval * 2, QUIET_INTERVAL)
+            await asyncio.sleep(interval)
 
     def _safe(self, ts: Any, draining: Collection[Any]) -> bool:
         """Held by a worker that is not being drained (or forgotten: nothing to move)."""
         return ts is None or not ts.who_has or any(ws not in draining for ws in ts.who_has)
 
-    async def step(self) -> None:
+    async def step(self) -> bool:
+        """One pass; whether it changed anything (a copy landed or was given up, a key was asked
+        for, a drain ended or found new keys)."""
         scheduler = self.scheduler
         now = time.monotonic()
+        before = (len(self.copies), sum(len(d.order) for d in self.workers.values()))
+        states = [d.state for d in self.workers.values()]
         active = {a: d for a, d in self.workers.items() if d.state == State.DRAINING}
         draining_ws = {scheduler.workers[a] for a in active if a in scheduler.workers}
         # Every worker drained, or in any other way leaving, holds no safe copy.
@@ -395,6 +408,9 @@ class DrainPlugin(SchedulerPlugin):
         stimulus_id = f"memops-drain-{time.time()}"
         for target, keys in batches.items():
             scheduler.request_acquire_replicas(target, keys, stimulus_id=stimulus_id)
+        after = (len(self.copies), sum(len(d.order) for d in self.workers.values()))
+        # A key landed and another was asked for in its place leaves the counts equal: batches.
+        return bool(batches) or after != before or [d.state for d in self.workers.values()] != states
 
     def _drained(self, ws: Any, draining: Collection[Any]) -> bool:
         return all(self._safe(ts, draining) for ts in ws.has_what)
