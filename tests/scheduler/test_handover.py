@@ -274,3 +274,55 @@ async def test_without_hand_over_the_drain_copies(cluster: tuple[LocalCluster, C
     received = sum(n for _, n in (await network(client)).values())
     assert received == 10
     assert await client.gather(list(data.values())) == [value(i) for i in range(10)]
+
+
+# -- the drain's choice of recipients for spilled keys (pure) ------------------------------------
+
+
+def key(name: str, group: str | None = None) -> drain.Key:
+    return drain.Key(name, MiB, False, group=group)
+
+
+def recipient(name: str, node: str | None, group: str | None = None, headroom: int = 100 * MiB) -> drain.Recipient:
+    return drain.Recipient(name, node, headroom, drain.WINDOW_BYTES, group)
+
+
+@pytest.mark.parametrize(
+    "keys, recipients, expected",
+    [
+        pytest.param(
+            [key("k1", "fs1")],
+            [recipient("local", "n1", "fs1", headroom=MiB), recipient("roomy", "n2", headroom=1000 * MiB)],
+            [("k1", "local")],
+            id="a-spilled-key-goes-to-its-filesystem-before-a-roomier-recipient",
+        ),
+        pytest.param(
+            [key("k1", "fs1"), key("k2", "fs1"), key("k3", "fs1")],
+            [recipient("a", None, "fs1"), recipient("b", None, "fs1"), recipient("c", None, "fs2")],
+            [("k1", "a"), ("k2", "b"), ("k3", "a")],
+            id="spread-over-the-local-recipients",
+        ),
+        pytest.param(
+            [key("k1", "fs1")],
+            [recipient("local", "dying", "fs1"), recipient("far", "n2")],
+            [("k1", "far")],
+            id="never-first-on-a-dying-node",
+        ),
+        pytest.param(
+            [key("k1", "fs1")],
+            [recipient("local", "n1", "fs1", headroom=0), recipient("far", "n2")],
+            [("k1", "local")],
+            id="a-link-needs-no-headroom",
+        ),
+        pytest.param(
+            [key("k1"), key("k2", "fs1")],
+            [recipient("local", "n1", "fs1", headroom=MiB // 2), recipient("far", "n2")],
+            [("k1", "far"), ("k2", "local")],
+            id="a-key-in-memory-is-placed-as-before",
+        ),
+    ],
+)
+def test_assign_prefers_the_spill_filesystem(
+    keys: list[drain.Key], recipients: list[drain.Recipient], expected: list[tuple[str, str]]
+) -> None:
+    assert drain.assign(keys, recipients, {"dying"}) == (expected, [])
