@@ -70,6 +70,8 @@ UNLIMITED = 2**62
 """A recipient's headroom when it has no memory limit."""
 SPILL_CHECK_KEYS = 100_000
 """At most this many of a drained worker's keys are asked about at once (whether they are spilled)."""
+HOLD_SECONDS = 2.0
+"""How long a drain waits for the hand-over's first answers before it copies keys over the network."""
 
 
 class State:
@@ -209,6 +211,8 @@ class Drained:
     bytes_linked: int = 0
     spilled: set[Any] = dataclasses.field(default_factory=set)  # its keys spilled on a shared filesystem
     spill_checked: float = 0.0
+    spill_known: bool = False  # its worker has answered which keys are spilled (or could not)
+    spill_task: asyncio.Task[None] | None = None
     asked: int = 0  # acquire-replicas asked, a key asked twice counting twice
     lost_keys: int = 0
     lost_bytes: int = 0
@@ -254,12 +258,14 @@ class DrainPlugin(SchedulerPlugin):
         self.installed = False
         self.identities: dict[str, dict[str, Any]] = {}  # worker address -> its spill identity
         self.links: set[asyncio.Task[None]] = set()
+        self.identifying: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
-        for task in list(self.links):
-            task.cancel()
+        for task in [*self.links, self.identifying, *(d.spill_task for d in self.workers.values())]:
+            if task is not None:
+                task.cancel()
 
     async def _identify(self) -> None:
         """Install the hand-over handler on the workers once, and learn each new worker's spill
@@ -283,25 +289,43 @@ class DrainPlugin(SchedulerPlugin):
     def _group(self, address: str) -> str | None:
         return handover.group(self.identities.get(address)) if self.handover else None
 
-    async def _check_spilled(self, drained: Drained, now: float, groups: Collection[str | None]) -> None:
-        """Which of a drained worker's keys are spilled, when a recipient shares its spill filesystem."""
-        group = self._group(drained.address)
-        if group is None or group not in groups or now - drained.spill_checked < RESCAN_SECONDS:
-            return
-        drained.spill_checked = now
+    def _start_background(self, active: Mapping[str, Drained], groups: Collection[str], now: float) -> None:
+        """The hand-over's questions to the workers, off the drain loop, so that a worker slow
+        to answer never holds the loop: who shares a spill filesystem (new workers), and which of
+        a drained worker's keys are spilled (when a recipient shares its filesystem)."""
+        loop = asyncio.get_running_loop()
+        fresh = not self.installed or any(a not in self.identities for a in self.scheduler.workers)
+        if fresh and (self.identifying is None or self.identifying.done()):
+            self.identifying = loop.create_task(self._identify())
+        for drained in active.values():
+            group = self._group(drained.address)
+            if group is None or group not in groups:
+                drained.spill_known = self.identifying is None or self.identifying.done()
+                continue
+            busy = drained.spill_task is not None and not drained.spill_task.done()
+            if not busy and now - drained.spill_checked >= RESCAN_SECONDS:
+                drained.spill_checked = now
+                drained.spill_task = loop.create_task(self._check_spilled(drained))
+
+    def _held(self, drained: Drained, now: float) -> bool:
+        """Its keys wait for the hand-over's first answers, at most :data:`HOLD_SECONDS`: asked
+        for before, a spilled key would be copied over the network instead of linked."""
+        return self.handover and not drained.spill_known and now - drained.started < HOLD_SECONDS
+
+    async def _check_spilled(self, drained: Drained) -> None:
+        """Which of a drained worker's keys are spilled (asked of the worker)."""
         keys = [k for k in drained.order if k in self.scheduler.tasks][:SPILL_CHECK_KEYS]
-        if not keys:
+        offered: Any = None
+        if keys:
+            try:
+                offered = await handover.call(self.scheduler, drained.address, "offer", keys=keys)
+            except handover.Refused as exc:
+                logger.info("memops hand-over: no offer from %s (%s)", drained.address, exc)
+        if isinstance(offered, (list, tuple)) and len(offered) == len(keys):
+            drained.spilled = {k for k, item in zip(keys, offered, strict=True) if item is not None}
+        else:
             drained.spilled = set()
-            return
-        try:
-            offered = await handover.call(self.scheduler, drained.address, "offer", keys=keys)
-        except handover.Refused as exc:
-            logger.info("memops hand-over: no offer from %s (%s)", drained.address, exc)
-            offered = None
-        if not isinstance(offered, (list, tuple)) or len(offered) != len(keys):
-            drained.spilled = set()
-            return
-        drained.spilled = {k for k, item in zip(keys, offered, strict=True) if item is not None}
+        drained.spill_known = True
 
     async def _link(self, source: str, target: str, keys: list[Any]) -> None:
         """Hand ``keys`` over from ``source`` to ``target`` by link; the rest by the normal transfer."""
@@ -376,9 +400,6 @@ class DrainPlugin(SchedulerPlugin):
         for address, drained in active.items():
             if address not in scheduler.workers:
                 self._gone(drained, now)
-        if self.handover:
-            await self._identify()
-            now = time.monotonic()
         # Copies: landed, or to be asked again.
         on_way: defaultdict[str, int] = defaultdict(int)
         from_source: defaultdict[str, int] = defaultdict(int)  # copies on their way, by drained worker
@@ -424,6 +445,8 @@ class DrainPlugin(SchedulerPlugin):
                 )
             )
         groups = {r.group for r in recipients if r.group is not None}
+        if self.handover:
+            self._start_background(active, groups, now)
         dying_nodes = {d.node for d in active.values() if d.node}
         batches: defaultdict[str, list[Any]] = defaultdict(list)
         links: defaultdict[tuple[str, str], list[Any]] = defaultdict(list)
@@ -436,8 +459,8 @@ class DrainPlugin(SchedulerPlugin):
                 continue
             if now - drained.scanned > RESCAN_SECONDS:
                 self._scan(drained, ws, draining_ws, now)
-            if self.handover:
-                await self._check_spilled(drained, now, groups)
+            if self._held(drained, now):
+                continue
             source_group = self._group(address)
             # Node-local recipients first only where the node survives: a drain that names the
             # worker's node (a preStop hook, a node drain) keeps them last (see assign).
