@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import pathlib
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -72,10 +73,8 @@ async def spill_files(client: Client, worker: str) -> dict[str, tuple[int, int]]
 
     def files(dask_worker: Any) -> dict[str, tuple[int, int]]:
         store = dask_worker.data._slow_uncached.d
-        return {
-            str(k): (os.stat(os.path.join(store.directory, n)).st_ino, os.stat(os.path.join(store.directory, n)).st_nlink)
-            for k, n in store.filenames.items()
-        }
+        stats = {str(k): os.stat(os.path.join(store.directory, n)) for k, n in store.filenames.items()}
+        return {k: (st.st_ino, st.st_nlink) for k, st in stats.items()}
 
     return dict((await client.run(files, workers=[worker]))[worker])
 
@@ -174,8 +173,7 @@ async def test_a_receiver_links_nothing_outside_its_shared_root(cluster: tuple[L
     [[name, ino, size]] = await handover.call(scheduler, sender, "offer", keys=[future.key])
     outside = os.path.join(shm, "outside")
     os.makedirs(outside)
-    with open(os.path.join(outside, "f"), "wb") as f:
-        f.write(b"x")
+    pathlib.Path(outside, "f").write_bytes(b"x")
     link_dir = os.path.join(os.path.dirname(os.path.dirname(directory)), "sneaky")
     os.symlink(directory, link_dir)
     detour = os.path.join(directory, "..", "storage")
