@@ -69,6 +69,8 @@ class Result:
     peak: int  # bytes: RSS of the workers plus the tmpfs directory, at its highest
     network: int  # bytes received by the workers from other workers
     linked: int = 0  # keys handed over by a link
+    drain_seconds: float = 0.0  # of ``seconds``: the retirement alone
+    drain_peak: int = 0  # the peak while retiring
 
 
 def tmpfs_bytes(root: str) -> int:
@@ -173,12 +175,15 @@ async def workload(size: Size, directory: str, tmpfs: str | None, how: str) -> R
             chunks = client.map(make, range(n), nbytes=size.chunk, pure=False)
             await distributed.wait(chunks)
             address = sorted(local.scheduler.workers)[0]
-            linked = await retire(local, address, how)
+            with Sampler(tmpfs) as during:
+                begun = time.perf_counter()
+                linked = await retire(local, address, how)
+                drain_seconds = time.perf_counter() - begun
             # Each chunk read where it is (unspilled): the data itself crosses no network here.
             total = sum(await client.gather(client.map(edges, chunks)))
             seconds = time.perf_counter() - start
         assert total > 0
-        return Result(seconds, sampler.peak, await received(client), linked)
+        return Result(seconds, sampler.peak, await received(client), linked, drain_seconds, during.peak)
 
 
 async def drain_spilled(size: Size, directory: str, tmpfs: str, how: str) -> Result:
@@ -197,14 +202,17 @@ async def drain_spilled(size: Size, directory: str, tmpfs: str, how: str) -> Res
         return Result(seconds, sampler.peak, network, linked)
 
 
-def table(title: str, rows: Sequence[tuple[str, Result]], anchor: Result) -> None:
+def table(title: str, rows: Sequence[tuple[str, Result]], anchor: Result, phases: bool = False) -> None:
     print(f"\n{title}\n")
-    print("| set-up | seconds | time / anchor | peak MiB | peak / anchor | network MiB | keys linked |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    extra = " retire s | peak MiB while retiring |" if phases else ""
+    print(f"| set-up | seconds | time / anchor | peak MiB | peak / anchor | network MiB | keys linked |{extra}")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if phases else ""))
     for label, r in rows:
+        more = f" {r.drain_seconds:.2f} | {r.drain_peak / MIB:.0f} |" if phases else ""
         print(
             f"| {label} | {r.seconds:.2f} | {r.seconds / anchor.seconds:.2f} | {r.peak / MIB:.0f} | "
-            f"{r.peak / anchor.peak:.2f} | {r.network / MIB:.1f} | {r.linked} |"
+            f"{r.peak / anchor.peak:.2f} | {r.network / MIB:.1f} | {r.linked} |{more}",
+            flush=True,
         )
 
 
@@ -228,6 +236,7 @@ async def run(size: Size) -> None:
             "retire one, read every chunk",
             a,
             a[0][1],
+            phases=True,
         )
         b = [
             ("stock `retire_workers` (anchor)", await fresh(shm, drain_spilled, shm, "stock")),
