@@ -14,8 +14,10 @@ Two halves, both in this module, which imports nothing of memops (it is sent by 
 
   - ``identity``: the worker's spill directory, the shared root it lies in (the parent of the
     worker's own local directory, where every worker on the node makes its own), that root's
-    device and the kernel's boot id: two workers may link each other's files when all of these
-    but the directory are equal (:func:`same_filesystem`);
+    device and inode, and the kernel's boot id: two workers may link each other's files when all
+    of these but the directory are equal (:func:`same_filesystem`). The inode tells one shared
+    directory (a hostPath tmpfs) from two directories that look alike in two containers (two
+    emptyDirs on one node's disk, each mounted at the same path);
   - ``offer`` (``keys``): for each key, ``[file name, inode, size]`` of its spill file when it
     is spilled and not in memory, else None;
   - ``take`` (``directory``, ``entries`` of ``[key, file name, inode, size, nbytes]``): links
@@ -116,11 +118,13 @@ def identity(worker: Any) -> dict[str, Any]:
     if file is None:
         return {"version": VERSION, "directory": ""}
     root = _root(worker)
+    st = os.stat(root)
     return {
         "version": VERSION,
         "directory": os.path.realpath(file.directory),
         "root": root,
-        "device": os.stat(root).st_dev,
+        "device": st.st_dev,
+        "inode": st.st_ino,
         "boot": _boot_id(),
     }
 
@@ -293,7 +297,7 @@ def same_filesystem(a: Any, b: Any) -> bool:
     """Two identities whose spill directories are on one filesystem of one kernel."""
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
-    fields = ("root", "device", "boot")
+    fields = ("root", "device", "inode", "boot")
     return (
         bool(a.get("directory"))
         and bool(b.get("directory"))
@@ -307,7 +311,7 @@ def group(ident: Any) -> str | None:
     """A name for the filesystem of an identity (equal for workers that can link each other's files)."""
     if not isinstance(ident, dict) or not ident.get("directory") or not ident.get("boot"):
         return None
-    return f"{ident.get('boot')}:{ident.get('device')}:{ident.get('root')}"
+    return f"{ident.get('boot')}:{ident.get('device')}:{ident.get('inode')}:{ident.get('root')}"
 
 
 async def identify(scheduler: Any, address: str) -> dict[str, Any]:
