@@ -324,3 +324,15 @@ def test_assign_prefers_the_spill_filesystem(
     keys: list[drain.Key], recipients: list[drain.Recipient], expected: list[tuple[str, str]]
 ) -> None:
     assert drain.assign(keys, recipients, {"dying"}) == (expected, [])
+
+
+async def test_a_retirement_hands_spilled_keys_over(cluster: tuple[LocalCluster, Client]) -> None:
+    """``daskrpc.retire_workers``, as the RetirementRequest controller (and so scale-downs and
+    recycling) calls it: the worker retired, its spilled keys linked, none received over the network."""
+    local, client = cluster
+    retiring = sorted(local.scheduler.workers)[0]
+    data = await client.scatter({f"r{i}": value(i) for i in range(12)}, workers=[retiring], hash=False)
+    outcome = await daskrpc.retire_workers(local.scheduler_address, [retiring], timeout=60)
+    assert outcome.by_memops and outcome.retired == (retiring,) and not outcome.lost_at_deadline
+    assert sum(n for _, n in (await network(client)).values()) == 0, "no key received over the network"
+    assert await client.gather(list(data.values())) == [value(i) for i in range(12)]
