@@ -36,10 +36,10 @@ from typing import Any
 
 import kmock
 import yaml
-
-from memops import crds, sandbox, specs
 from memops.cluster import apiserver, replicaset
 from memops.cluster.store import Store
+
+from memops import crds, sandbox, specs
 
 PODS_PER_POLICY = 10
 ANCHOR_BATCH = 10

@@ -31,8 +31,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from memops import sandbox as common
-from memops_sandbox import build, certs
+from memops_sandbox import build, certs, common
 
 logger = logging.getLogger(__name__)
 CLUSTER_NAME = "memops-sandbox"
@@ -333,7 +332,7 @@ def scheduler_argv(binaries: build.Binaries, state_dir: Path) -> list[str]:
 async def stop_all(processes: dict[str, asyncio.subprocess.Process]) -> None:
     """Stop every component, last started first: SIGTERM to its process group, SIGKILL after 10 s."""
     for process in reversed(list(processes.values())):
-        await common._stop(process, grace=10)
+        await common.stop(process, grace=10)
 
 
 @contextlib.asynccontextmanager

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 import yaml
+from memops_sandbox import common as sandbox_cli
 
 from memops import permissions
-from memops import sandbox as sandbox_cli
 
 BIN = Path(sys.executable).parent
 

@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 from memops_sandbox import build
-
-from memops import sandbox as sandbox_cli
+from memops_sandbox import common as sandbox_cli
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 OPERATOR = "system:serviceaccount:memops-system:memops"
@@ -35,7 +34,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, su
     except build.BuildError as error:
         pytest.skip(f"the control plane's binaries cannot be built here: {error}")
     state_dir = tmp_path_factory.mktemp("upstream") / "state"
-    process = sandbox_cli.launch(state_dir, 2, "--plane", "upstream", "--nodes", "2")
+    process = sandbox_cli.launch(state_dir, 2, "--nodes", "2")
     try:
         yield state_dir, process
     finally:
