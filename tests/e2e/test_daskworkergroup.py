@@ -21,7 +21,7 @@ from typing import Any
 
 import distributed
 import pytest
-from memops.sandbox import free_port
+from memops_sandbox.common import free_port
 
 from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import scatter_unique
