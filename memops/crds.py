@@ -1,7 +1,7 @@
 """Generate the CustomResourceDefinitions from the pydantic models in :mod:`memops.specs`.
 
-Called by ``memops crds`` (which writes ``crds/``), by the emulated API server (which
-validates custom resources against the same schemas) and by the drift test.
+Called by ``memops crds`` (which writes ``crds/``), by the sandbox's installer (through the
+chart's copies) and by the drift test.
 
 pydantic emits JSON Schema; Kubernetes wants a *structural* OpenAPI v3 schema: no
 ``$ref``, no ``anyOf`` with ``null`` for optional fields, no ``title``, no
