@@ -5,7 +5,9 @@ chart's copies) and by the drift test.
 
 pydantic emits JSON Schema; Kubernetes wants a *structural* OpenAPI v3 schema: no
 ``$ref``, no ``anyOf`` with ``null`` for optional fields, no ``title``, no
-``additionalProperties: false``, and every node typed. This module converts one into
+``additionalProperties: false`` (a map's ``additionalProperties`` schema stays: without it the
+API server knows no key of a ``dict[str, str]`` and drops or, under strict field validation,
+refuses them all), and every node typed. This module converts one into
 the other and nothing more.
 """
 
@@ -43,7 +45,7 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
             return _inline({**branches[0], **rest}, defs)
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in _DROPPED_KEYS:
+        if key in _DROPPED_KEYS and not (key == "additionalProperties" and isinstance(value, dict)):
             continue
         if key == "properties":
             out[key] = {name: _inline(sub, defs) for name, sub in value.items()}
