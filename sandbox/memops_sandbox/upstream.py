@@ -170,19 +170,25 @@ async def _serve(
     on_ready: Callable[[], None] | None,
 ) -> None:
     names = node_names(nodes)
-    async with plane_with_operator_access(state_dir, values) as (plane, objects):
+    async with contextlib.AsyncExitStack() as outer:
+        # The Dask scheduler starts while the control plane does: neither needs the other.
+        (address, _), (plane, objects) = await _together(
+            outer.enter_async_context(common.dask_scheduler(state_dir)),
+            outer.enter_async_context(plane_with_operator_access(state_dir, values)),
+        )
         agent = nodeagent.NodeAgent(plane.nodes_kubeconfig(names), names, state_dir)
-        async with common.dask_scheduler(state_dir) as (address, _), contextlib.AsyncExitStack() as stack:
+        async with contextlib.AsyncExitStack() as stack:
             agent_task = asyncio.create_task(agent.run())
             stack.push_async_callback(_stop_agent, agent, agent_task)
             async with plane.session() as api:
                 deployment = common.worker_deployment(address, workers, memory_limit)
                 await api.create(install.path_of(deployment), deployment)
-            await _unless_done(
-                agent_task, common.wait_for_workers(address, workers, common.start_allowance(workers))
+            # The operator starts while the workers do: no MemoryPolicy exists yet, so the pods
+            # being made now have nothing to get from its webhook.
+            await _together(
+                _unless_done(agent_task, common.wait_for_workers(address, workers, common.start_allowance(workers))),
+                *([stack.enter_async_context(_operator(plane, objects, state_dir))] if operator else []),
             )
-            if operator:
-                await stack.enter_async_context(_operator(plane, objects, state_dir))
             (state_dir / "scheduler-address").write_text(address + "\n")
             (state_dir / "ready").write_text("ready\n")
             if on_ready is not None:
@@ -190,6 +196,23 @@ async def _serve(
             # The node agent runs until cancelled: if it ends, the sandbox has no kubelet left.
             await agent_task
             raise RuntimeError("the node agent stopped")
+
+
+async def _together(*awaitables: Awaitable[Any]) -> list[Any]:
+    """Await ``awaitables`` at once and return their results; at the first failure, cancel the
+    others and raise it as it is (what a context entered meanwhile started, its stack stops)."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            error = task.exception() if task.done() and not task.cancelled() else None
+            if error is not None:
+                raise error
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _unless_done(task: asyncio.Task[None], awaitable: Awaitable[None]) -> None:
