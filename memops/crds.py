@@ -21,7 +21,7 @@ import yaml
 
 from memops import specs
 
-_DROPPED_KEYS = {"title", "additionalProperties", "$defs", "example"}
+_DROPPED_KEYS = {"title", "$defs", "example"}
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
@@ -46,6 +46,10 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _DROPPED_KEYS and not (key == "additionalProperties" and isinstance(value, dict)):
+            continue
+        if key == "additionalProperties" and not isinstance(value, dict):
+            # ``false`` (extra="forbid") is pydantic's; structural schemas refuse it. A map's value
+            # schema is kept: without it the API server prunes the map's entries.
             continue
         if key == "properties":
             out[key] = {name: _inline(sub, defs) for name, sub in value.items()}

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from memops import daskcomm, objects, specs
+from memops import daskcomm, objects, shared_spill, specs
 
 ANNOTATION = objects.SAFETY_NET_ANNOTATION
 FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
@@ -138,7 +138,9 @@ def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
 
 def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryPolicySpec) -> dict[str, Any]:
     """The pod's new ``spec`` and annotations: a preStop drain on its first container, and a
-    grace period that covers ``drain.timeout``. An existing preStop hook is left alone."""
+    grace period that covers ``drain.timeout``. An existing preStop hook is left alone. With
+    ``sharedSpill``, also the spill volume, its mount and Dask's configuration
+    (:mod:`memops.shared_spill`), unless the pod's memory cannot hold it."""
     annotations = dict(pod.get("metadata", {}).get("annotations") or {})
     pod_spec = copy.deepcopy(dict(pod.get("spec", {})))
     # At most MAX_DURATION (the spec's bound, checked again), so the grace is at most MAX_GRACE_SECONDS.
@@ -160,6 +162,14 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
         ]
         container.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT]}}
     annotations[ANNOTATION] = policy_name
+    if spec.sharedSpill is not None:
+        # Refused (it cannot fit): the pod keeps its own spill directory, and only the safety net.
+        verdict, mutation = shared_spill.plan(pod_spec, spec.sharedSpill)
+        if mutation is not None:
+            shared_spill.apply(pod_spec, mutation)
+        annotations[shared_spill.ANNOTATION] = (
+            spec.sharedSpill.medium.value if mutation is not None else f"Refused: {verdict.refusal}"
+        )
     return {"spec": pod_spec, "annotations": annotations}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -34,6 +34,7 @@ from memops import (
     safetynet,
     scaling,
     selectors,
+    shared_spill,
     snapshots,
     specs,
     tenancy,
@@ -184,6 +185,7 @@ class Policy:
             connected=len(snapshot.workers) if snapshot is not None else 0,
             requests=tuple(requests),
             recycling=await self.read_recycling(spec, workload, snapshot, requests, status, now),
+            template=shared_spill.template_spec(workload) if spec.sharedSpill is not None else None,
         )
         return old, inputs
 
@@ -488,6 +490,34 @@ def _slim(body: kopf.Body) -> dict[str, Any]:
     return {"metadata": meta, "spec": dict(body.get("spec", {})), "status": dict(body.get("status", {}) or {})}
 
 
+def _slim_pod_spec(pod_spec: Any) -> dict[str, Any]:
+    """The containers' resources, and the first container's command line and literal env."""
+    if not isinstance(pod_spec, Mapping):
+        return {}
+
+    def container(found: Any, first: bool) -> dict[str, Any]:
+        if not isinstance(found, Mapping):
+            return {}
+        kept = {"resources": found.get("resources") or {}}
+        if first:
+            kept |= {"command": found.get("command") or [], "args": found.get("args") or []}
+            kept["env"] = [
+                e
+                for e in found.get("env") or []
+                if isinstance(e, Mapping) and "value" in e and str(e.get("name", "")).startswith("DASK_")
+            ]
+        return kept
+
+    containers = pod_spec.get("containers") or []
+    slim: dict[str, Any] = {
+        "containers": [container(c, i == 0) for i, c in enumerate(containers)],
+        "initContainers": [container(c, False) for c in pod_spec.get("initContainers") or []],
+    }
+    if pod_spec.get("resources"):
+        slim["resources"] = pod_spec["resources"]
+    return slim
+
+
 INDEX_NAMES = {
     "deployments": "memops_deployments",
     "memorypolicies": "memops_policies",
@@ -512,10 +542,15 @@ def register(registry: kopf.OperatorRegistry) -> None:
     def memops_deployments(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, ...], dict[str, Any]]:
-        # Only what a pass reads: the replicas, the selector and the status; not the pod template.
+        # Only what a pass reads: the replicas, the selector, the status, and of the pod template
+        # what the shared spill's verdict reads (memory, the worker's command line and env).
         spec = body.get("spec", {})
         slim = _slim(body)
-        slim["spec"] = {"replicas": spec.get("replicas", 1), "selector": spec.get("selector", {})}
+        slim["spec"] = {
+            "replicas": spec.get("replicas", 1),
+            "selector": spec.get("selector", {}),
+            "template": {"spec": _slim_pod_spec(spec.get("template", {}).get("spec", {}))},
+        }
         return {(namespace or "", name): slim}
 
     @kopf.index("autoscaling", "v2", "horizontalpodautoscalers", registry=registry, id="memops_hpas")

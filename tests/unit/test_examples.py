@@ -22,4 +22,9 @@ def test_example_is_valid(path: Path) -> None:
 
 
 def test_there_are_examples() -> None:
-    assert {p.name for p in EXAMPLES} >= {"retirementrequest.yaml", "memorypolicy.yaml"}
+    assert {p.name for p in EXAMPLES} >= {
+        "retirementrequest.yaml",
+        "memorypolicy.yaml",
+        "memorypolicy-sharedspill-memory.yaml",
+        "memorypolicy-sharedspill-node.yaml",
+    }
