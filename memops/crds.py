@@ -45,7 +45,7 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
             return _inline({**branches[0], **rest}, defs)
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in _DROPPED_KEYS and not (key == "additionalProperties" and isinstance(value, dict)):
+        if key in _DROPPED_KEYS:
             continue
         if key == "additionalProperties" and not isinstance(value, dict):
             # ``false`` (extra="forbid") is pydantic's; structural schemas refuse it. A map's value
