@@ -395,7 +395,7 @@ async def drain_until_done(address: str, workers: Sequence[str], timeout: float 
             states = await daskrpc.drain_status(address, workers)
             if all(s["state"] != "draining" for s in states.values()):
                 return states
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)  # the operator's own cadence (daskrpc.POLL_SECONDS / 5)
 
 
 def start(client: distributed.Client) -> None:

@@ -329,6 +329,7 @@ async def start_drain(
     close_workers: bool = True,
     restore: bool = False,
     window: int = drain.WINDOW_BYTES,
+    origin: str = "",
     security: Security | None = None,
     timeout: float = 10,
 ) -> dict[str, Any]:
@@ -347,6 +348,7 @@ async def start_drain(
                 close_workers=close_workers,
                 restore=restore,
                 window=window,
+                origin=origin,
             )
     return dict(_mapping(address, state, "the agent's drain state"))
 

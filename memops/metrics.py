@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import prometheus_client
 
@@ -52,6 +52,19 @@ LOST_AT_DEADLINE = prometheus_client.Counter(
     "Unique bytes that memops' drain had not moved when a RetirementRequest's timeout came"
     " (kept with the pod, or lost with onTimeout: Force).",
     ["namespace"],
+    registry=REGISTRY,
+)
+HOOK_LOST_KEYS = prometheus_client.Counter(
+    "memops_safety_net_lost_keys_total",
+    "Keys that the safety net's preStop drain had not moved when the pod's time ran out,"
+    " by cause (deadline, or worker left: killed at the end of a shorter deletion grace period).",
+    ["namespace", "policy", "cause"],
+    registry=REGISTRY,
+)
+HOOK_LOST_BYTES = prometheus_client.Counter(
+    "memops_safety_net_lost_bytes_total",
+    "Bytes of those keys.",
+    ["namespace", "policy", "cause"],
     registry=REGISTRY,
 )
 WORKERS = prometheus_client.Counter(
@@ -138,6 +151,8 @@ NAMES = frozenset(
         BYTES_MOVED,
         BYTES_LOST,
         LOST_AT_DEADLINE,
+        HOOK_LOST_KEYS,
+        HOOK_LOST_BYTES,
         WORKERS,
         DECISIONS,
         DESIRED,
@@ -188,6 +203,13 @@ def drain_finished(namespace: str, status: specs.RetirementRequestStatus, reason
         WORKERS.labels(namespace, worker.state.value).inc()
         if worker.lostAtDeadline is not None:
             LOST_AT_DEADLINE.labels(namespace).inc(worker.lostAtDeadline.bytes)
+
+
+def hook_losses(namespace: str, policy: str, losses: Iterable[specs.HookLoss]) -> None:
+    """Count losses of preStop drains that the policy's status records for the first time."""
+    for loss in losses:
+        HOOK_LOST_KEYS.labels(namespace, policy, loss.cause).inc(loss.keys)
+        HOOK_LOST_BYTES.labels(namespace, policy, loss.cause).inc(loss.bytes)
 
 
 def policy_observed(

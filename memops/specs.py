@@ -1020,9 +1020,31 @@ class FailedHook(Model):
     message: str = pydantic.Field(default="", description="The kubelet's event message.")
 
 
+class HookLoss(Model):
+    """What the safety net's preStop drain of one pod had not moved when the pod's time ran out."""
+
+    pod: str = pydantic.Field(description="The pod whose preStop hook drained it (its Dask worker's name).")
+    time: str = pydantic.Field(default="", description="When the drain stopped (the scheduler's clock).")
+    keys: int = pydantic.Field(default=0, ge=0, description="Keys held by this worker alone, lost with it.")
+    bytes: int = pydantic.Field(default=0, ge=0, description="Their bytes.")
+    irreplaceableKeys: int = pydantic.Field(
+        default=0, ge=0, description="Of those keys, how many could not be recomputed (scattered, or inputs released)."
+    )
+    cause: str = pydantic.Field(
+        default="deadline",
+        description="deadline: the drain stopped at the hook's deadline; worker left: the pod was killed first"
+        " (a deletion's grace period shorter than the pod's own).",
+    )
+
+
 class SafetyNetStatus(Model):
     failedHooks: list[FailedHook] = pydantic.Field(
         default_factory=list, description="The last pods of the workload that left with a failed preStop hook."
+    )
+    lostAtDeadline: list[HookLoss] = pydantic.Field(
+        default_factory=list,
+        description="The last pods whose preStop drain ran out of time, with what stayed on them (memops' agent's"
+        " drain status, read by the operator).",
     )
 
 

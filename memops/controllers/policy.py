@@ -39,7 +39,7 @@ from memops import (
     specs,
     tenancy,
 )
-from memops.controllers import recycle, relief_install, replication, scheduler_tls, workloads
+from memops.controllers import hook_losses, recycle, relief_install, replication, scheduler_tls, workloads
 
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
@@ -171,6 +171,10 @@ class Policy:
         now = time.time()
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
         status.safetyNet = await self.safety_net(spec, status.safetyNet)
+        if snapshot is not None:  # the namespace's scheduler: what its preStop drains lost
+            status.safetyNet = await hook_losses.read(
+                spec, status.safetyNet, security=self.security, logger=self.logger
+            )
         current = workloads.replicas_of(workload)
         inputs = policy_decisions.Inputs(
             owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
@@ -381,7 +385,9 @@ class Policy:
                     message=f"pod {hook.pod} left with a failed preStop hook at {hook.time}: the safety net did"
                     " not drain it, and data held only there may be lost",
                 )
-        return specs.SafetyNetStatus(failedHooks=hooks) if hooks else current
+        if not hooks:
+            return current
+        return (current or specs.SafetyNetStatus()).model_copy(update={"failedHooks": hooks})
 
     async def create(self, request: dict[str, Any]) -> None:
         """Create one of the policy's RetirementRequests; one that exists already (a repeated pass) stays."""
@@ -434,6 +440,8 @@ class Policy:
         patch.update({k: None for k, v in old.model_dump(exclude_none=True).items() if k not in patch})
         await self.client.merge_patch(self.path + "/status", {"status": patch})
         self.written = time.monotonic()
+        # Once the status holds them: a restart reads them back and does not count them again.
+        metrics.hook_losses(self.namespace, self.name, safetynet.new_losses(old.safetyNet, status.safetyNet))
 
 
 def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:

@@ -19,7 +19,7 @@ Operations (``operation``, its arguments, what ``result`` holds):
   installs, retunes or (``rules`` None) removes replication targets; its figures, or ``{}``
   once removed; a refused rule is an ``error`` naming its field;
 - ``drain`` (``workers`` or ``names``, ``deadline`` seconds, ``nodes``, ``close_workers``, ``restore``,
-  ``window``):
+  ``window``, ``origin``):
   :func:`memops.scheduler.drain.start`: starts draining these workers by value, with a deadline,
   and returns at once with their ``drain_status``;
 - ``drain_status`` (``workers`` or ``names``, or neither for all): :func:`memops.scheduler.drain.status`:
@@ -43,7 +43,7 @@ from typing import Any
 from memops.scheduler import drain, holdings, relief, replication, rules
 
 NAME = "memops_agent"
-VERSION = 3
+VERSION = 4
 """Bumped when an operation's arguments or reply change."""
 
 
@@ -80,6 +80,7 @@ def _drain(
     close_workers: bool = True,
     restore: bool = False,
     window: int = drain.WINDOW_BYTES,
+    origin: str = "",
 ) -> dict[str, Any]:
     return drain.start(
         dask_scheduler,
@@ -90,6 +91,7 @@ def _drain(
         close=bool(close_workers),
         restore=bool(restore),
         window=int(window),
+        origin=str(origin),
     )
 
 

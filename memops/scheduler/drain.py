@@ -56,7 +56,13 @@ keys worth most land first even when all are asked at once; the window only boun
 committed to one recipient before it shows that it takes them (a smaller one costs throughput:
 each key that lands frees room a pass later)."""
 INTERVAL = 0.02
-"""Seconds between two passes: what it costs is the keys on their way, a few thousand at most."""
+"""Seconds between two passes that changed something: what a pass costs is the keys on their way,
+a few thousand at most."""
+QUIET_INTERVAL = 0.2
+"""After passes that changed nothing (no key landed, none asked for, no drain ended), the interval
+doubles up to this: a pass reads every copy on its way, and at 50 passes a second over a thousand
+1 MiB keys the scheduler's process takes CPU that the workers' transfers need on a small machine.
+What it delays is noticing the last keys land (the worker's close), by at most this much."""
 IN_FLIGHT_SECONDS = 10.0
 """How long a requested copy may take, plus its transfer time below, before it is asked again."""
 TRANSFER_BYTES_PER_SECOND = 50 * 2**20
@@ -189,6 +195,8 @@ class Drained:
     lost_irreplaceable: int = 0
     lost: list[str] = dataclasses.field(default_factory=list)  # the first few, for the report
     lost_cause: str = "deadline"
+    origin: str = ""  # who asked: ``preStop`` for the safety net's hook, else empty (the operator)
+    ended_at: float = 0.0  # wall clock, for the operator's record of what a hook's drain lost
 
 
 LOST_NAMED = 20
@@ -232,7 +240,13 @@ class DrainPlugin(SchedulerPlugin):
     # -- starting ------------------------------------------------------------------------------
 
     def add(
-        self, addresses: Iterable[str], deadline: float, nodes: Mapping[str, str], close: bool, restore: bool
+        self,
+        addresses: Iterable[str],
+        deadline: float,
+        nodes: Mapping[str, str],
+        close: bool,
+        restore: bool,
+        origin: str = "",
     ) -> None:
         scheduler = self.scheduler
         self.nodes.update({str(a): str(n) for a, n in nodes.items() if n})
@@ -249,7 +263,14 @@ class DrainPlugin(SchedulerPlugin):
             if previous not in ("running", "paused"):
                 previous = "running"
             self.workers[address] = Drained(
-                address, str(ws.name), self.nodes.get(address), now + deadline, previous, close=close, restore=restore
+                address,
+                str(ws.name),
+                self.nodes.get(address),
+                now + deadline,
+                previous,
+                close=close,
+                restore=restore,
+                origin=origin,
             )
             # As Scheduler.retire_workers: the scheduler's state at once, then the worker's.
             scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
@@ -262,20 +283,27 @@ class DrainPlugin(SchedulerPlugin):
     # -- the loop ------------------------------------------------------------------------------
 
     async def loop(self) -> None:
+        interval = INTERVAL
         while any(d.state == State.DRAINING for d in self.workers.values()):
+            changed = True
             try:
-                await self.step()
+                changed = await self.step()
             except Exception:  # a pass that failed is tried again; the scheduler must go on
                 logger.exception("memops drain pass failed")
-            await asyncio.sleep(INTERVAL)
+            interval = INTERVAL if changed else min(interval * 2, QUIET_INTERVAL)
+            await asyncio.sleep(interval)
 
     def _safe(self, ts: Any, draining: Collection[Any]) -> bool:
         """Held by a worker that is not being drained (or forgotten: nothing to move)."""
         return ts is None or not ts.who_has or any(ws not in draining for ws in ts.who_has)
 
-    async def step(self) -> None:
+    async def step(self) -> bool:
+        """One pass; whether it changed anything (a copy landed or was given up, a key was asked
+        for, a drain ended or found new keys)."""
         scheduler = self.scheduler
         now = time.monotonic()
+        before = (len(self.copies), sum(len(d.order) for d in self.workers.values()))
+        states = [d.state for d in self.workers.values()]
         active = {a: d for a, d in self.workers.items() if d.state == State.DRAINING}
         draining_ws = {scheduler.workers[a] for a in active if a in scheduler.workers}
         # Every worker drained, or in any other way leaving, holds no safe copy.
@@ -380,6 +408,9 @@ class DrainPlugin(SchedulerPlugin):
         stimulus_id = f"memops-drain-{time.time()}"
         for target, keys in batches.items():
             scheduler.request_acquire_replicas(target, keys, stimulus_id=stimulus_id)
+        after = (len(self.copies), sum(len(d.order) for d in self.workers.values()))
+        # A key landed and another was asked for in its place leaves the counts equal: batches.
+        return bool(batches) or after != before or [d.state for d in self.workers.values()] != states
 
     def _drained(self, ws: Any, draining: Collection[Any]) -> bool:
         return all(self._safe(ts, draining) for ts in ws.has_what)
@@ -400,7 +431,7 @@ class DrainPlugin(SchedulerPlugin):
             drained.order.extend(ranked)
 
     def _stop_at_deadline(self, drained: Drained, ws: Any, draining: Collection[Any], now: float) -> None:
-        drained.state, drained.ended = State.DEADLINE, now
+        drained.state, drained.ended, drained.ended_at = State.DEADLINE, now, time.time()
         for ts in ws.has_what:
             if self._safe(ts, draining):
                 continue
@@ -421,7 +452,7 @@ class DrainPlugin(SchedulerPlugin):
     def _gone(self, drained: Drained, now: float) -> None:
         """The worker left mid-drain (its pod killed at the end of a short grace period): what it
         alone held and the drain had not moved is lost, cause ``worker left``."""
-        drained.state, drained.ended = State.GONE, now
+        drained.state, drained.ended, drained.ended_at = State.GONE, now, time.time()
         left = list(drained.order) + [k for k, c in self.copies.items() if c.source == drained.address]
         for key in left:
             ts = self.scheduler.tasks.get(key)
@@ -479,6 +510,9 @@ class DrainPlugin(SchedulerPlugin):
                         flight_bytes += copy.nbytes
             result[address] = {
                 "state": drained.state,
+                "name": drained.name,
+                "origin": drained.origin,
+                "endedAt": round(drained.ended_at, 3),
                 "node": drained.node or "",
                 "connected": ws is not None,
                 "uniqueKeys": unique_keys,
@@ -520,6 +554,7 @@ def start(
     close: bool = True,
     restore: bool = False,
     window: int = WINDOW_BYTES,
+    origin: str = "",
 ) -> dict[str, Any]:
     """Run on the scheduler (by the agent's ``drain`` operation): start draining these workers
     (by address, or by name), each with ``deadline`` seconds from now; returns at once, with
@@ -531,6 +566,8 @@ def start(
     again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
     already being drained keeps its drain, with the earlier of the two deadlines. ``window``:
     bytes on their way to one recipient at a time (:data:`WINDOW_BYTES`), for every drain.
+    ``origin``: who asked, reported back (``preStop``: the safety net's hook, whose losses the
+    operator records in the policy's status, as it cannot see them in a RetirementRequest).
     """
     by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
     addresses = [str(a) for a in workers] + [by_name[str(n)] for n in names if str(n) in by_name]
@@ -538,7 +575,7 @@ def start(
     located = {by_name.get(str(w), str(w)): str(node) for w, node in (nodes or {}).items()}
     plugin = _plugin(dask_scheduler)
     plugin.window = max(int(window), 1)
-    plugin.add(addresses, float(deadline), located, bool(close), bool(restore))
+    plugin.add(addresses, float(deadline), located, bool(close), bool(restore), origin=str(origin)[:32])
     return plugin.report(addresses)
 
 
