@@ -171,7 +171,7 @@ def one_run(mode: str, size_mib: int) -> Outcome:
     key = min(8 * MIB, max(size // 8, MIB))
     # Room on a surviving worker for its own share of both dying workers' data, and then some.
     memory = f"{2 * size_mib + 768}MiB"
-    args = ["--plane", "upstream", "--nodes", "2", "--worker-memory", memory]
+    args = ["--nodes", "2", "--worker-memory", memory]
     with benchkit.running_sandbox(4, *args, *([] if mode == "memops" else ["--no-operator"])) as sandbox:
         with distributed.Client(sandbox.address, timeout=30) as client:
             placed = prepare(sandbox, client, mode)

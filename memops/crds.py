@@ -1,11 +1,13 @@
 """Generate the CustomResourceDefinitions from the pydantic models in :mod:`memops.specs`.
 
-Called by ``memops crds`` (which writes ``crds/``), by the emulated API server (which
-validates custom resources against the same schemas) and by the drift test.
+Called by ``memops crds`` (which writes ``crds/``), by the sandbox's installer (through the
+chart's copies) and by the drift test.
 
 pydantic emits JSON Schema; Kubernetes wants a *structural* OpenAPI v3 schema: no
 ``$ref``, no ``anyOf`` with ``null`` for optional fields, no ``title``, no
-``additionalProperties: false``, and every node typed. This module converts one into
+``additionalProperties: false`` (a map's ``additionalProperties`` schema stays: without it the
+API server knows no key of a ``dict[str, str]`` and drops or, under strict field validation,
+refuses them all), and every node typed. This module converts one into
 the other and nothing more.
 """
 

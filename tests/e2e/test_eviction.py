@@ -17,8 +17,8 @@ from typing import Any
 
 import distributed
 import pytest
+from memops_sandbox import common as sandbox_cli
 
-from memops import sandbox as sandbox_cli
 from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import Holdings, scatter_unique
 
@@ -38,7 +38,7 @@ def upstream(tmp_path: Path) -> Iterator[Any]:
 
     def start(operator: bool = True, workers: int = WORKERS) -> Sandbox:
         state_dir = tmp_path / f"upstream{len(started)}"
-        args = ["--plane", "upstream", "--nodes", "2", *([] if operator else ["--no-operator"])]
+        args = ["--nodes", "2", *([] if operator else ["--no-operator"])]
         sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args))
         started.append(sandbox)
         return sandbox

@@ -24,10 +24,10 @@ from typing import Any
 
 import distributed
 import pytest
+from memops_sandbox import common as sandbox_cli
 from prometheus_client.parser import text_string_to_metric_families
 
 from memops import daskrpc
-from memops import sandbox as sandbox_cli
 from tests.e2e.conftest import Sandbox
 
 GRACE = 25
@@ -66,7 +66,7 @@ def upstream(tmp_path: Path) -> Iterator[Any]:
 
     def start(operator: bool) -> Sandbox:
         state_dir = tmp_path / f"upstream{len(started)}"
-        args = ["--plane", "upstream", "--nodes", "2", *([] if operator else ["--no-operator"])]
+        args = ["--nodes", "2", *([] if operator else ["--no-operator"])]
         sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, 4, *args))
         started.append(sandbox)
         return sandbox

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import distributed
+from memops_sandbox import common as sandbox_cli
 
-from memops import sandbox as sandbox_cli
 from memops import shared_spill
 from tests.e2e.conftest import Sandbox
 from tests.e2e.test_policy import condition, memory_policy
