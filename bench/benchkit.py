@@ -18,8 +18,9 @@ import cloudpickle
 import distributed
 import psutil
 from distributed.diagnostics.plugin import SchedulerPlugin
+from memops_sandbox import common as sandbox
 
-from memops import sandbox
+CONTROL_PLANE = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"}
 
 
 @dataclass(frozen=True)
@@ -27,17 +28,19 @@ class Sandbox:
     state: Path
     env: dict[str, str]  # KUBECONFIG and a private kubectl cache
     address: str  # the Dask scheduler's
-    pid: int = 0  # the sandbox process: the emulated API server and kubelet
+    pid: int = 0  # the sandbox process: the launcher and the node agent
 
     def control_plane_cpu(self) -> float:
-        """CPU seconds used so far by the emulated API server and kubelet, and the operator:
-        what runs besides Dask on the same cores."""
+        """CPU seconds used so far by the control plane (etcd, kube-apiserver, controller-manager,
+        scheduler), the node agent and the operator: what runs besides Dask on the same cores."""
         total = 0.0
         with contextlib.suppress(psutil.NoSuchProcess):
             root = psutil.Process(self.pid)
             for process in [root, *root.children(recursive=True)]:
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    if process is root or "run" in process.cmdline()[1:3]:  # `memops run`: the operator
+                    command = process.cmdline()
+                    # `memops run` is the operator; the node agent runs in the sandbox process.
+                    if process is root or "run" in command[1:3] or Path(command[0]).name in CONTROL_PLANE:
                         times = process.cpu_times()
                         total += times.user + times.system
         return total

@@ -27,8 +27,7 @@ import time
 import benchkit
 import distributed
 import yaml
-
-from memops import sandbox
+from memops_sandbox import common as sandbox
 
 KEYS_PER_WORKER = 5
 SIZE = 256 * 1024

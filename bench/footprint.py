@@ -1,89 +1,52 @@
-"""The operator's footprint at scale: 1,000 worker pods, 100 MemoryPolicies, 100 RetirementRequests.
+"""The operator's footprint with many MemoryPolicies over real Dask workers, on the upstream plane.
 
-In the emulated API (no worker processes: a "hollow" kubelet, as Kubernetes' own kubemark has,
-binds pods to hollow nodes, marks them Running and Ready and completes their deletion), with
-one real Dask scheduler that every policy points at. The operator runs as its own process,
-exactly as ``memops run``. Reported: its resident memory, CPU seconds per minute and API
-requests per minute at rest, then during a scale-down wave (every policy lowered by one
-worker: 100 RetirementRequests), then at rest again with the 100 finished requests present.
+One ``memops sandbox`` (kube-apiserver, etcd, controller-manager, scheduler, the node agent, a
+real Dask scheduler, the operator as ``memops run`` under its ServiceAccount). Into its
+namespace go ``--policies`` worker Deployments of ``--workers`` real, small ``dask worker``
+pods each (the tenancy rule holds: every worker of the scheduler is a pod of the namespace),
+and a MemoryPolicy on each. Reported for the operator process: resident memory, CPU seconds
+per minute and API requests per minute (the API server's audit log, by the operator's user) at
+rest, during a scale-down wave (every policy lowered by one worker: as many drained
+RetirementRequests), and at rest again with the finished requests present.
 
-Anchor, in the same run and the same emulated API: dask-kubernetes' operator (its own
-``kopf run -m dask_kubernetes.operator.controller``) with as many DaskClusters, each with a
-DaskWorkerGroup of the same number of workers, at rest. Its scale-down is not measured: it
-reaches a scheduler only through the scheduler Service's DNS name or a port-forward, neither
-of which the emulated cluster has, so its replica handler fails and retries every 60 s.
+Anchor, in the same run and the same plane: dask-kubernetes' operator (its own ``kopf run -m
+dask_kubernetes.operator.controller``, under a ServiceAccount of its own) with as many
+DaskClusters, each a real scheduler with a DaskWorkerGroup of as many real workers, at rest.
+Its scale-down is not measured: its replica handler retires workers through the scheduler
+Service's DNS name, which the sandbox's loopback pods do not have.
 
-    python bench/footprint.py                             # 1,000 pods, 100 policies
-    python bench/footprint.py --policies 10 --rest 10     # the small pass CI runs
+    python bench/footprint.py                       # 10 policies of 2 workers, 60 s at rest
+    python bench/footprint.py --small               # the small pass CI runs: 2 policies, 10 s
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import functools
-import hashlib
 import importlib.resources
+import json
 import os
 import signal
+import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import kmock
+import benchkit
+import distributed
 import yaml
+from memops_sandbox import common as sandbox
 
-from memops import crds, sandbox, specs
-from memops.cluster import apiserver, replicaset
-from memops.cluster.store import Store
+from memops import specs
 
-PODS_PER_POLICY = 10
-ANCHOR_BATCH = 10
+IMAGE = "ghcr.io/dask/dask:2026.8.0"  # required by the API server; the node agent runs the command
+NAMESPACE = "default"
+WORKER_MEMORY = "256MiB"
+DASK_KUBERNETES = "dask-kubernetes"  # its ServiceAccount, so that the audit log tells its requests apart
 Obj = dict[str, Any]
-
-
-class HollowKubelet:
-    """Pods without processes: bound to one of 100 hollow nodes, Running and Ready at once;
-    deleted at once when asked."""
-
-    def __init__(self, store: Store):
-        self.store = store
-
-    async def run(self) -> None:
-        pending: set[asyncio.Task[None]] = set()
-
-        def sync_later(pod: Obj) -> None:
-            # Off the watch loop: writing to the store from inside its own watch stalls it.
-            task = asyncio.create_task(self.sync(pod))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-
-        watch = self.store.watch()
-        for pod in self.store.list("pods"):  # list, then watch, as an informer does
-            sync_later(pod)
-        async for event in watch:
-            if event.plural == "pods" and event.type != "DELETED":
-                sync_later(event.object)
-
-    async def sync(self, pod: Obj) -> None:
-        meta = pod["metadata"]
-        namespace, name = meta.get("namespace"), meta["name"]
-        with contextlib.suppress(Exception):  # the pod may be gone already
-            if meta.get("deletionTimestamp"):
-                await self.store.delete("pods", namespace, name, grace_period_seconds=0)
-            elif pod.get("status", {}).get("phase") != "Running":
-                # Bound to a node first, as the scheduler would: the ReplicaSet's ranking (and
-                # memops, which follows it) treats unbound pods as not running.
-                node = f"hollow-{int(hashlib.sha256(name.encode()).hexdigest(), 16) % 100}"
-                await self.store.patch("pods", namespace, name, {"spec": {"nodeName": node}})
-                ready = [{"type": t, "status": "True"} for t in ("PodScheduled", "Initialized", "Ready")]
-                await self.store.patch(
-                    "pods", namespace, name, {"status": {"phase": "Running", "conditions": ready}}, subresource="status"
-                )
+Row = tuple[str, float, float, float, str]
 
 
 class Process:
@@ -103,11 +66,66 @@ class Process:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def policy(namespace: str, name: str, address: str, replicas: int) -> Obj:
+class Audit:
+    """Requests of one user, counted in the API server's audit log (one audit ID per request)."""
+
+    def __init__(self, path: Path, user: str):
+        self.path = path
+        self.user = user
+
+    def requests(self) -> int:
+        ids = set()
+        with self.path.open() as lines:
+            for line in lines:
+                if f'"{self.user}"' in line:
+                    event = json.loads(line)
+                    if event["user"]["username"] == self.user:
+                        ids.add(event["auditID"])
+        return len(ids)
+
+
+def measure(proc: Process, audit: Audit, seconds: float) -> tuple[float, float, float]:
+    """(RSS MiB at the end, CPU seconds per minute, API requests per minute) over ``seconds``."""
+    requests, cpu, start = audit.requests(), proc.cpu_seconds(), time.monotonic()
+    time.sleep(seconds)
+    minutes = (time.monotonic() - start) / 60
+    return proc.rss_mib(), (proc.cpu_seconds() - cpu) / minutes, (audit.requests() - requests) / minutes
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    progress(f"waiting for {what}")
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(1)
+
+
+def get(env: dict[str, str], *what: str) -> Any:
+    return json.loads(benchkit.kubectl(env, "get", *what, "-o", "json"))
+
+
+def apply(env: dict[str, str], *objects: Obj) -> None:
+    benchkit.kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
+
+
+def deployment(name: str, address: str, workers: int) -> Obj:
+    body = sandbox.worker_deployment(address, workers, WORKER_MEMORY)
+    body["metadata"].update({"name": name, "labels": {"app": name}})
+    body["spec"]["selector"] = {"matchLabels": {"app": name}}
+    body["spec"]["template"]["metadata"]["labels"] = {"app": name}
+    return body
+
+
+def policy(name: str, address: str, replicas: int) -> Obj:
     return {
         "apiVersion": specs.API_VERSION,
         "kind": "MemoryPolicy",
-        "metadata": {"name": name, "namespace": namespace},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
             "scheduler": {"address": address},
             "workload": {"kind": "Deployment", "name": name},
@@ -116,205 +134,181 @@ def policy(namespace: str, name: str, address: str, replicas: int) -> Obj:
     }
 
 
-def deployment(namespace: str, name: str, address: str) -> Obj:
-    body = sandbox.worker_deployment(address, PODS_PER_POLICY)
-    body["metadata"].update({"name": name, "namespace": namespace, "labels": {"app": name}})
-    body["spec"]["selector"] = {"matchLabels": {"app": name}}
-    body["spec"]["template"]["metadata"]["labels"] = {"app": name}
-    return body
-
-
-@contextlib.asynccontextmanager
-async def operator_process(kubeconfig: Path, log: Path, *argv: str) -> AsyncIterator[Process]:
-    """An operator as its own process (memops' or dask-kubernetes'), stopped on the way out."""
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    with log.open("wb") as output:
-        child = await asyncio.create_subprocess_exec(
-            sandbox._executable(argv[0]),
-            *argv[1:],
-            stdout=output,
-            stderr=output,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            yield Process(child.pid)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGTERM)
-            await child.wait()
-
-
-async def measure(api: apiserver.ApiServer, proc: Process, seconds: float) -> tuple[float, float, float]:
-    """(RSS MiB at the end, CPU seconds per minute, API requests per minute) over ``seconds``."""
-    requests, cpu, start = len(api._requests), proc.cpu_seconds(), time.monotonic()
-    await asyncio.sleep(seconds)
-    minutes = (time.monotonic() - start) / 60
-    return proc.rss_mib(), (proc.cpu_seconds() - cpu) / minutes, (len(api._requests) - requests) / minutes
-
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-async def until(predicate: Any, timeout: float, what: str, store: Store | None = None) -> None:
-    """Poll the in-process store: it is this process' own state, so polling is cheap and plain."""
-    progress(f"waiting for {what}")
-    try:
-        async with asyncio.timeout(timeout):
-            while not predicate():  # noqa: ASYNC110
-                await asyncio.sleep(0.5)
-    except TimeoutError:
-        for kind in ("memorypolicies", "retirementrequests") if store is not None else ():
-            for body in store.list(kind)[:3]:
-                status = body.get("status", {})
-                progress(f"{kind} {body['metadata']['name']}: {status.get('phase')} {status.get('conditions')}")
-        for pod in store.list("pods")[:2] if store is not None else ():
-            progress(f"pod {pod['metadata']['name']}: {pod['spec'].get('nodeName')} {pod.get('status')}")
-        raise
-
-
 def is_ready(body: Obj) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in body.get("status", {}).get("conditions", []))
 
 
-async def main_async(policies: int, rest: float) -> list[tuple[str, float, float, float, str]]:
-    state = Path(tempfile.mkdtemp(prefix="memops-footprint-"))
-    api = apiserver.ApiServer()
-    store = api.store
-    rows: list[tuple[str, float, float, float, str]] = []
-    async with api, kmock.Server(api) as server, sandbox.dask_scheduler(state) as (address, _):
-        for crd in crds.all_crds():
-            await api.create_crd(crd)
-        kubeconfig = state / "kubeconfig"
-        kubeconfig.write_text(apiserver.kubeconfig(str(server.url).rstrip("/")))
-        tasks = [
-            asyncio.create_task(replicaset.DeploymentController(store).run()),
-            asyncio.create_task(HollowKubelet(store).run()),
-        ]
-        names = [(f"team-{i % 10}", f"dask-{i}") for i in range(policies)]
-        for namespace in sorted({namespace for namespace, _ in names}):
-            if store.get("namespaces", None, namespace) is None:
-                await store.create("namespaces", None, {"metadata": {"name": namespace}})
-        for namespace, name in names:
-            await store.create("deployments", namespace, deployment(namespace, name, address))
-        total = policies * PODS_PER_POLICY
-        await until(lambda: len(store.list("pods")) == total, 300, f"{total} pods")
-        async with operator_process(
-            kubeconfig, state / "operator.log", "memops", "run", "--all-namespaces", "--standalone"
-        ) as proc:
-            for namespace, name in names:
-                await store.create("memorypolicies", namespace, policy(namespace, name, address, PODS_PER_POLICY))
+def worker_count(address: str) -> int:
+    with distributed.Client(address, timeout=30) as client:
+        return len(client.scheduler_info(n_workers=-1)["workers"])
 
-            def ready() -> bool:
-                found = store.list("memorypolicies")
-                return len(found) == policies and all(is_ready(p) for p in found)
 
-            await until(ready, 600, "every policy Ready")
-            await asyncio.sleep(5)
-            rss, cpu, api_rate = await measure(api, proc, rest)
-            rows.append((f"at rest: {total} pods, {policies} policies", rss, cpu, api_rate, ""))
+def measure_memops(box: benchkit.Sandbox, policies: int, workers: int, rest: float) -> list[Row]:
+    env, address = box.env, box.address
+    names = [f"dask-{i}" for i in range(policies)]
+    apply(env, *(deployment(name, address, workers) for name in names))
+    total = 1 + policies * workers  # the sandbox's own worker, and the Deployments'
+    until(lambda: worker_count(address) == total, 60 + sandbox.start_allowance(total), f"{total} Dask workers")
+    proc = Process(int((box.state / "operator.pid").read_text()))
+    audit = Audit(box.state / "audit.log", "system:serviceaccount:memops-system:memops")
+    apply(env, *(policy(name, address, workers) for name in names))
 
-            started = time.monotonic()
-            requests_before, cpu_before = len(api._requests), proc.cpu_seconds()
-            for namespace, name in names:
-                await store.patch("memorypolicies", namespace, name, {"spec": {"replicas": PODS_PER_POLICY - 1}})
+    def ready() -> bool:
+        found = get(env, "mempol")["items"]
+        return len(found) == policies and all(is_ready(p) for p in found)
 
-            def done() -> bool:
-                found = store.list("retirementrequests")
-                finished = [r for r in found if r.get("status", {}).get("phase") in ("Succeeded", "Failed")]
-                return len(finished) >= policies and len(store.list("pods")) == total - policies
+    until(ready, 300, "every policy Ready")
+    time.sleep(5)
+    rows: list[Row] = []
+    rss, cpu, rate = measure(proc, audit, rest)
+    rows.append((f"at rest: {policies * workers} workers, {policies} policies", rss, cpu, rate, ""))
 
-            await until(done, 900 if policies > 10 else 60, "the scale-down wave", store)
-            minutes = (time.monotonic() - started) / 60
-            rows.append(
-                (
-                    f"scale-down wave: {policies} RetirementRequests",
-                    proc.rss_mib(),
-                    (proc.cpu_seconds() - cpu_before) / minutes,
-                    (len(api._requests) - requests_before) / minutes,
-                    f"all done in {minutes * 60:.0f}s",
-                )
-            )
-            await asyncio.sleep(5)
-            rss, cpu, api_rate = await measure(api, proc, rest)
-            rows.append((f"at rest after: + {policies} finished requests", rss, cpu, api_rate, ""))
-        for task in tasks:
-            task.cancel()
+    started = time.monotonic()
+    requests_before, cpu_before = audit.requests(), proc.cpu_seconds()
+    for name in names:
+        benchkit.kubectl(env, "scale", f"mempol/{name}", f"--replicas={workers - 1}")
+
+    def done() -> bool:
+        found = get(env, "retire")["items"]
+        finished = [r for r in found if r.get("status", {}).get("phase") in ("Succeeded", "Failed")]
+        pods = get(env, "pods", "-l", "app!=dask-worker")["items"]
+        return len(finished) >= policies and len(pods) == policies * (workers - 1)
+
+    until(done, 300, "the scale-down wave")
+    minutes = (time.monotonic() - started) / 60
+    failed = [r["metadata"]["name"] for r in get(env, "retire")["items"] if r["status"]["phase"] != "Succeeded"]
+    rows.append(
+        (
+            f"scale-down wave: {policies} RetirementRequests",
+            proc.rss_mib(),
+            (proc.cpu_seconds() - cpu_before) / minutes,
+            (audit.requests() - requests_before) / minutes,
+            f"all done in {minutes * 60:.0f}s" + (f"; not Succeeded: {failed}" if failed else ""),
+        )
+    )
+    time.sleep(5)
+    rss, cpu, rate = measure(proc, audit, rest)
+    rows.append((f"at rest after: + {policies} finished requests", rss, cpu, rate, ""))
     return rows
 
 
-def dask_cluster(namespace: str, name: str) -> Obj:
-    container = {"name": "c", "command": ["dask"], "args": ["worker"]}
+def dask_cluster(name: str, port: int, workers: int) -> Obj:
+    """A DaskCluster whose scheduler listens on a loopback port its workers are told (the pods
+    here have no Service DNS); the containers are dask-kubernetes' own, with an image."""
     return {
         "apiVersion": "kubernetes.dask.org/v1",
         "kind": "DaskCluster",
-        "metadata": {"name": name, "namespace": namespace},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
             "scheduler": {
-                "spec": {"containers": [{**container, "args": ["scheduler"]}]},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "scheduler",
+                            "image": IMAGE,
+                            "command": ["dask", "scheduler"],
+                            "args": ["--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"],
+                        }
+                    ]
+                },
                 "service": {
                     "type": "ClusterIP",
                     "selector": {"dask.org/cluster-name": name, "dask.org/component": "scheduler"},
-                    "ports": [
-                        {"name": "tcp-comm", "protocol": "TCP", "port": 8786, "targetPort": "tcp-comm"},
-                        {"name": "http-dashboard", "protocol": "TCP", "port": 8787, "targetPort": "http-dashboard"},
-                    ],
+                    "ports": [{"name": "tcp-comm", "protocol": "TCP", "port": 8786, "targetPort": "tcp-comm"}],
                 },
             },
-            "worker": {"replicas": PODS_PER_POLICY, "spec": {"containers": [container]}},
+            "worker": {
+                "replicas": workers,
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "worker",
+                            "image": IMAGE,
+                            "command": ["dask", "worker"],
+                            "args": [
+                                "$(DASK_SCHEDULER_ADDRESS)",
+                                "--name",
+                                "$(DASK_WORKER_NAME)",
+                                "--host",
+                                "$(POD_IP)",
+                                "--nthreads",
+                                "1",
+                                "--memory-limit",
+                                WORKER_MEMORY,
+                                "--no-dashboard",
+                            ],
+                            "env": [
+                                {"name": "DASK_SCHEDULER_ADDRESS", "value": f"tcp://127.0.0.1:{port}"},
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            ],
+                        }
+                    ]
+                },
+            },
         },
     }
 
 
-async def anchor_async(clusters: int, rest: float) -> list[tuple[str, float, float, float, str]]:
-    """dask-kubernetes' operator with ``clusters`` DaskClusters of PODS_PER_POLICY workers, at rest."""
+@contextmanager
+def dask_kubernetes_operator(box: benchkit.Sandbox) -> Iterator[Process]:
+    """dask-kubernetes' CRDs, and its operator under a ServiceAccount of its own (cluster-admin:
+    what it may do is not what is measured)."""
+    env = box.env
     charts = importlib.resources.files("dask_kubernetes") / "operator/deployment/helm/dask-kubernetes-operator/crds"
-    state = Path(tempfile.mkdtemp(prefix="memops-footprint-anchor-"))
-    api = apiserver.ApiServer()
-    store = api.store
-    async with api, kmock.Server(api) as server:
-        for crd in sorted(charts.iterdir(), key=lambda f: f.name):
-            await api.create_crd(yaml.safe_load(crd.read_text()))
-        kubeconfig = state / "kubeconfig"
-        kubeconfig.write_text(apiserver.kubeconfig(str(server.url).rstrip("/")))
-        tasks = [
-            asyncio.create_task(replicaset.DeploymentController(store).run()),
-            asyncio.create_task(HollowKubelet(store).run()),
-        ]
-        names = [(f"team-{i % 10}", f"dk-{i}") for i in range(clusters)]
-        for namespace in sorted({namespace for namespace, _ in names}):
-            if store.get("namespaces", None, namespace) is None:
-                await store.create("namespaces", None, {"metadata": {"name": namespace}})
-        total = clusters * PODS_PER_POLICY
-        async with operator_process(
-            kubeconfig,
-            state / "operator.log",
-            *("kopf", "run", "--standalone", "--all-namespaces", "-m", "dask_kubernetes.operator.controller"),
-        ) as proc:
+    benchkit.kubectl(env, "apply", "-f", str(charts))
+    benchkit.kubectl(env, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    benchkit.kubectl(env, "create", "serviceaccount", DASK_KUBERNETES, "-n", NAMESPACE)
+    benchkit.kubectl(
+        env,
+        "create",
+        "clusterrolebinding",
+        DASK_KUBERNETES,
+        "--clusterrole=cluster-admin",
+        f"--serviceaccount={NAMESPACE}:{DASK_KUBERNETES}",
+    )
+    token = benchkit.kubectl(env, "create", "token", DASK_KUBERNETES, "-n", NAMESPACE, "--duration=2h").strip()
+    config = yaml.safe_load((box.state / "kubeconfig").read_text())
+    config["users"] = [{"name": DASK_KUBERNETES, "user": {"token": token}}]
+    for context in config["contexts"]:
+        context["context"]["user"] = DASK_KUBERNETES
+    kubeconfig = box.state / f"{DASK_KUBERNETES}.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    kopf = str(Path(sys.executable).parent / "kopf")
+    with (box.state / f"{DASK_KUBERNETES}.log").open("wb") as log:
+        child = subprocess.Popen(
+            [kopf, "run", "--standalone", "--all-namespaces", "-m", "dask_kubernetes.operator.controller"],
+            stdout=log,
+            stderr=log,
+            env={**env, "KUBECONFIG": str(kubeconfig)},
+            start_new_session=True,
+        )
+    try:
+        yield Process(child.pid)
+    finally:
+        os.killpg(child.pid, signal.SIGTERM)
+        child.wait(30)
 
-            def workers_running(count: int) -> bool:
-                pods = store.list("pods", None, {"dask.org/component": "worker"})
-                return sum(1 for p in pods if p.get("status", {}).get("phase") == "Running") >= count
 
-            # Ten clusters at a time: created all at once, its controller stalled here after about
-            # a hundred worker Deployments, every handler waiting and no CPU used.
-            note = f"+ {clusters} scheduler pods"
-            for start in range(0, clusters, ANCHOR_BATCH):
-                for namespace, name in names[start : start + ANCHOR_BATCH]:
-                    await store.create("daskclusters", namespace, dask_cluster(namespace, name))
-                wanted = min(start + ANCHOR_BATCH, clusters) * PODS_PER_POLICY
-                try:
-                    await until(functools.partial(workers_running, wanted), 300, f"{wanted} worker pods")
-                except TimeoutError:
-                    note += f"; stalled at {len(store.list('deployments')) - clusters} worker Deployments"
-                    break
-            await asyncio.sleep(5)
-            rss, cpu, api_rate = await measure(api, proc, rest)
-            return_rows = [(f"at rest: {total} pods, {clusters} DaskWorkerGroups", rss, cpu, api_rate, note)]
-        for task in tasks:
-            task.cancel()
-    return return_rows
+def measure_anchor(box: benchkit.Sandbox, clusters: int, workers: int, rest: float) -> list[Row]:
+    env = box.env
+    with dask_kubernetes_operator(box) as proc:
+        ports: list[int] = []
+        for index in range(clusters):
+            ports.append(sandbox.free_port(*ports))
+            apply(env, dask_cluster(f"dk-{index}", ports[-1], workers))
+
+        def all_workers() -> bool:
+            try:
+                return all(worker_count(f"tcp://127.0.0.1:{port}") == workers for port in ports)
+            except OSError:
+                return False
+
+        total = clusters * workers
+        until(all_workers, 60 + sandbox.start_allowance(total), f"{total} DaskCluster workers")
+        time.sleep(5)
+        audit = Audit(box.state / "audit.log", f"system:serviceaccount:{NAMESPACE}:{DASK_KUBERNETES}")
+        rss, cpu, rate = measure(proc, audit, rest)
+        return [(f"at rest: {clusters * workers} workers, {clusters} DaskWorkerGroups", rss, cpu, rate, "")]
 
 
 def ratio(ours: float, theirs: float) -> str:
@@ -326,19 +320,26 @@ def ratio(ours: float, theirs: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policies", type=int, default=100, help=f"policies, each with {PODS_PER_POLICY} pods")
+    parser.add_argument("--policies", type=int, default=10, help="MemoryPolicies, each with its own Deployment")
+    parser.add_argument("--workers", type=int, default=2, help="workers per policy (at least 2: one is retired)")
     parser.add_argument("--rest", type=float, default=60, help="seconds measured at rest")
+    parser.add_argument("--small", action="store_true", help="2 policies of 2 workers, 10 s at rest (CI)")
     args = parser.parse_args()
-    # On SIGTERM (a timeout), unwind through the context managers: they stop the operators.
+    if args.small:
+        args.policies, args.workers, args.rest = 2, 2, 10
+    if args.workers < 2 or args.policies < 1:
+        parser.error("--workers must be at least 2 and --policies at least 1")
+    # On SIGTERM (a timeout), unwind through the context managers: they stop the sandbox.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    rows = asyncio.run(main_async(args.policies, args.rest))
-    progress(
-        "memops: "
-        + "; ".join(
-            f"{label}: {rss:.0f} MiB, {cpu:.1f} CPU s/min, {rate:.0f} req/min" for label, rss, cpu, rate, _ in rows
+    with benchkit.running_sandbox(1, "--worker-memory", WORKER_MEMORY) as box:
+        rows = measure_memops(box, args.policies, args.workers, args.rest)
+        progress(
+            "memops: "
+            + "; ".join(
+                f"{label}: {rss:.0f} MiB, {cpu:.1f} CPU s/min, {rate:.0f} req/min" for label, rss, cpu, rate, _ in rows
+            )
         )
-    )
-    anchor = asyncio.run(anchor_async(args.policies, args.rest))
+        anchor = measure_anchor(box, args.policies, args.workers, args.rest)
     print(f"\n{'operator':17} {'phase':48} {'RSS MiB':>8} {'CPU s/min':>10} {'API req/min':>12}  note")
     for who, table in (("memops", rows), ("dask-kubernetes", anchor)):
         for label, rss, cpu, rate, note in table:

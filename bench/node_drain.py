@@ -58,7 +58,7 @@ def spread(sandbox: benchkit.Sandbox, client: distributed.Client, workers: int) 
 
 def one_run(workers: int, keys: int, *, memops: bool) -> tuple[int, int, float]:
     """(keys scattered, keys lost, seconds kubectl drain took)."""
-    args = ["--plane", "upstream", "--nodes", "2", *([] if memops else ["--no-operator"])]
+    args = ["--nodes", "2", *([] if memops else ["--no-operator"])]
     with benchkit.running_sandbox(workers, *args) as sandbox:
         if memops:
             policy = {

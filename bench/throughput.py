@@ -419,7 +419,7 @@ async def drain_until_done(address: str, workers: Sequence[str], timeout: float 
             states = await daskrpc.drain_status(address, workers)
             if all(s["state"] != "draining" for s in states.values()):
                 return states
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)  # the operator's own cadence (daskrpc.POLL_SECONDS / 5)
 
 
 def start(client: distributed.Client) -> None:
@@ -546,7 +546,7 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
         "\nEnd to end, seconds (median): from the call (stock) or kubectl apply (memops) to the first byte in flight,"
     )
     print("and to retire_workers returning (worker closed and removed) or the request Succeeded (pods gone);")
-    print("CPU seconds the emulated API server, kubelet and the operator used meanwhile, on the cores Dask uses;")
+    print("CPU seconds the control plane, the node agent and the operator used meanwhile, on the cores Dask uses;")
     print("keys that landed on a recipient per key moved (over 1: the AMM sent some keys to two workers).\n")
     rows = [
         [

@@ -41,36 +41,27 @@ def _parser() -> argparse.ArgumentParser:
     sandbox = commands.add_parser("sandbox", help="a local cluster with real Dask workers and the operator")
     sandbox.add_argument("--workers", type=int, default=4, help="number of dask-worker pods (default 4)")
     sandbox.add_argument("--state-dir", help="where to write kubeconfig, scheduler-address and ready")
-    sandbox.add_argument(
-        "--plane",
-        choices=("emulated", "upstream"),
-        default=os.environ.get("MEMOPS_SANDBOX_PLANE") or "upstream",
-        help="the control plane: upstream kube-apiserver, etcd, controller-manager and scheduler (built from"
-        " the Kubernetes Go modules on first use), or memops' emulated API server (default: $MEMOPS_SANDBOX_PLANE,"
-        " else upstream)",
-    )
-    sandbox.add_argument("--nodes", type=int, default=2, help="Nodes of the upstream plane (default 2)")
+    sandbox.add_argument("--nodes", type=int, default=2, help="Nodes, each run by the sandbox's node agent (default 2)")
     sandbox.add_argument(
         "--set",
         dest="chart_settings",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a Helm value of the chart the upstream plane installs the operator's RBAC from, e.g."
+        help="a Helm value of the chart the sandbox installs the operator's RBAC from, e.g."
         " rbac.daskWorkerGroups=true (repeatable)",
     )
     sandbox.add_argument(
-        "--build-only", action="store_true", help="build the upstream plane's binaries into the cache, then exit"
+        "--build-only", action="store_true", help="build the control plane's binaries into the cache, then exit"
     )
-    sandbox.add_argument("--port", type=int, help="the emulated API server's port (default: any free port)")
     sandbox.add_argument("--no-operator", action="store_true", help="start everything but the operator")
     sandbox.add_argument("--worker-memory", default="1GiB", help="each worker's --memory-limit (default 1GiB)")
     sandbox.add_argument(
         "--audit-log",
         metavar="PATH",
         default=os.environ.get("MEMOPS_AUDIT_LOG") or None,
-        help="append every API request as a JSON line: user, verb, resource (upstream: the API server's own"
-        " audit events, appended when the sandbox stops) (default: $MEMOPS_AUDIT_LOG)",
+        help="append the API server's audit events (JSON lines: user, verb, resource, response code) when the"
+        " sandbox stops (default: $MEMOPS_AUDIT_LOG)",
     )
 
     crds = commands.add_parser("crds", help="write the CRD manifests generated from the spec models")
@@ -87,7 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(path)
         return 0
     if args.command == "sandbox":
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         if importlib.util.find_spec("memops_sandbox") is None:
             print(
                 "memops sandbox needs the memops-sandbox package: pip install 'memops[sandbox]'"
@@ -98,34 +88,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.workers < 1:
             print("memops sandbox: --workers must be at least 1", file=sys.stderr)
             return 2
-        if args.plane not in ("emulated", "upstream"):  # argparse does not check a default from the environment
-            print(f"memops sandbox: $MEMOPS_SANDBOX_PLANE={args.plane!r}: not emulated or upstream", file=sys.stderr)
-            return 2
         if args.nodes < 1:
             print("memops sandbox: --nodes must be at least 1", file=sys.stderr)
             return 2
-        if args.build_only or args.plane == "upstream":
-            from memops_sandbox import cli as sandbox_cli
+        from memops_sandbox import cli as sandbox_cli
 
-            return sandbox_cli.sandbox(
-                args.workers,
-                args.state_dir,
-                nodes=args.nodes,
-                operator=not args.no_operator,
-                memory_limit=args.worker_memory,
-                build_only=args.build_only,
-                audit_log=args.audit_log,
-                chart_settings=args.chart_settings,
-            )
-        from memops import sandbox
-
-        return sandbox.main(
+        return sandbox_cli.sandbox(
             args.workers,
             args.state_dir,
+            nodes=args.nodes,
             operator=not args.no_operator,
-            port=args.port,
             memory_limit=args.worker_memory,
+            build_only=args.build_only,
             audit_log=args.audit_log,
+            chart_settings=args.chart_settings,
         )
     from memops import controllers
 

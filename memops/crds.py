@@ -1,11 +1,13 @@
 """Generate the CustomResourceDefinitions from the pydantic models in :mod:`memops.specs`.
 
-Called by ``memops crds`` (which writes ``crds/``), by the emulated API server (which
-validates custom resources against the same schemas) and by the drift test.
+Called by ``memops crds`` (which writes ``crds/``), by the sandbox's installer (through the
+chart's copies) and by the drift test.
 
 pydantic emits JSON Schema; Kubernetes wants a *structural* OpenAPI v3 schema: no
 ``$ref``, no ``anyOf`` with ``null`` for optional fields, no ``title``, no
-``additionalProperties: false``, and every node typed. This module converts one into
+``additionalProperties: false`` (a map's ``additionalProperties`` schema stays: without it the
+API server knows no key of a ``dict[str, str]`` and drops or, under strict field validation,
+refuses them all), and every node typed. This module converts one into
 the other and nothing more.
 """
 
@@ -19,7 +21,7 @@ import yaml
 
 from memops import specs
 
-_DROPPED_KEYS = {"title", "additionalProperties", "$defs", "example"}
+_DROPPED_KEYS = {"title", "$defs", "example"}
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
@@ -44,6 +46,10 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _DROPPED_KEYS:
+            continue
+        if key == "additionalProperties" and not isinstance(value, dict):
+            # ``false`` (extra="forbid") is pydantic's; structural schemas refuse it. A map's value
+            # schema is kept: without it the API server prunes the map's entries.
             continue
         if key == "properties":
             out[key] = {name: _inline(sub, defs) for name, sub in value.items()}

@@ -65,12 +65,12 @@ from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
 from memops import daskcomm, snapshots
-from memops.scheduler import agent, drain, holdings, relief, replication, rules
+from memops.scheduler import agent, drain, handover, holdings, relief, replication, rules
 
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-for _module in (agent, drain, holdings, relief, replication, rules):
+for _module in (agent, drain, handover, holdings, relief, replication, rules):
     cloudpickle.register_pickle_by_value(_module)
 
 
@@ -329,6 +329,7 @@ async def start_drain(
     close_workers: bool = True,
     restore: bool = False,
     window: int = drain.WINDOW_BYTES,
+    origin: str = "",
     security: Security | None = None,
     timeout: float = 10,
 ) -> dict[str, Any]:
@@ -347,6 +348,7 @@ async def start_drain(
                 close_workers=close_workers,
                 restore=restore,
                 window=window,
+                origin=origin,
             )
     return dict(_mapping(address, state, "the agent's drain state"))
 

@@ -69,19 +69,34 @@ class Decision:
     start_drain: bool = False  # create the node's Eviction RetirementRequest (idempotent by name)
     warning: bool = False  # post a Warning event on the pod: the eviction is refused for good
     code: int = TOO_MANY_REQUESTS
+    episode: str = ""  # the refusal's episode (its RetirementRequest): one Warning event for each
 
     @property
     def allowed(self) -> bool:
         return self.verdict == Verdict.ALLOW
 
 
-def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None) -> Decision:
+def dry_run(eviction: Mapping[str, Any], admission_dry_run: bool) -> bool:
+    """Whether an eviction is a dry run (``kubectl drain --dry-run=server``).
+
+    The AdmissionReview's ``dryRun`` reflects only the request's own ``?dryRun=All``; kubectl
+    and client-go put it in the Eviction's ``deleteOptions.dryRun`` instead, which the API server
+    reconciles with the query only after admission (``propagateDryRun`` in kubernetes
+    ``pkg/registry/core/pod/storage/eviction.go``). So both count.
+    """
+    options = eviction.get("deleteOptions")
+    flags = options.get("dryRun") if isinstance(options, Mapping) else None
+    return admission_dry_run or (isinstance(flags, list) and "All" in flags)
+
+
+def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None, dry_run: bool = False) -> Decision:
     """Admit or refuse one eviction of a policy's worker pod.
 
     ``unique_bytes``: what the pod's workers hold that no other worker holds, by the scheduler;
     0 also when no worker of the pod is connected (a drained worker has left the scheduler);
     None when the scheduler could not be asked in time. ``request``: the pod's latest Eviction
-    RetirementRequest, if any. A refusal always says why and what happens next.
+    RetirementRequest, if any. A refusal always says why and what happens next. ``dry_run``:
+    answer as for a real eviction, but start nothing.
     """
     if request is not None and not request.finished:
         if unique_bytes == 0:
@@ -105,6 +120,7 @@ def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None) -
             f" (RetirementRequest {request.name}: {request.message}); the policy's drain.onTimeout is Abort,"
             " so memops keeps refusing: make room for the data, or set drain.onTimeout: Force",
             warning=True,
+            episode=request.name,
         )
     if unique_bytes == 0:
         return Decision(Verdict.ALLOW, f"{pod} holds no data that exists nowhere else")
@@ -123,6 +139,7 @@ def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None) -
             f" {request.message}); the policy's drain.onTimeout is Abort, so memops keeps refusing: make the"
             " scheduler reachable and delete that request to try again, or set drain.onTimeout: Force",
             warning=True,
+            episode=request.name,
         )
     if unique_bytes is None and request is not None and request.state == specs.WorkerState.RETIRED:
         return Decision(Verdict.ALLOW, f"{pod} was drained (RetirementRequest {request.name})")
@@ -132,6 +149,8 @@ def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None) -
         if unique_bytes is None
         else f"it holds {unique_bytes} bytes that exist nowhere else"
     )
+    if dry_run:
+        return Decision(Verdict.REFUSE, f"pod {pod}: {why}; a real eviction would start draining it (dry run)")
     return Decision(
         Verdict.REFUSE, f"pod {pod}: {why}; memops started draining it: retry the eviction", start_drain=True
     )
@@ -155,6 +174,41 @@ def node_signal(node: Mapping[str, Any], signals: specs.NodeSignals) -> str | No
         if key in labels:
             return f"label {key}"
     return None
+
+
+REFUSED_EVENT = "EvictionRefused"
+
+
+def refusal_event_name(pod: str, episode: str) -> str:
+    """The name of the pod's ``EvictionRefused`` event for one refusal episode.
+
+    ``kubectl drain`` retries every 5 s, cluster-autoscaler and Karpenter as often: an event per
+    attempt would flood the namespace. The same pod and episode give the same name, so the
+    event is created once (a second create is a 409), across attempts and operator restarts;
+    a new episode (a new RetirementRequest) gets a new event.
+    """
+    digest = hashlib.sha256(f"{pod}\n{episode}".encode()).hexdigest()[:16]
+    return f"{pod[:200]}.memops-refused-{digest}"
+
+
+NODE_SIGNAL_SECONDS = 30.0
+"""A node's signal is acted on at most this often per policy (unless the signal changes): a Node
+is updated often (conditions, images, leases of older kubelets), and each action lists the
+workload's pods. The drain itself is idempotent by name; this bounds the requests."""
+
+
+def node_signal_due(
+    seen: Mapping[str, tuple[str, float]],
+    policy: str,
+    signal: str,
+    now: float,
+    interval: float = NODE_SIGNAL_SECONDS,
+) -> bool:
+    """Whether a Node event's ``signal`` should be acted on for ``policy`` (its namespace/name),
+    given what was acted on last (``seen``: policy -> (signal, monotonic time)): a new or changed
+    signal at once, the same one again once ``interval`` has passed."""
+    last = seen.get(policy)
+    return last is None or last[0] != signal or now - last[1] >= interval
 
 
 def node_label(node: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import prometheus_client
 
@@ -60,6 +60,14 @@ LOST_AT_DEADLINE = _counter(
     " (kept with the pod, or lost with onTimeout: Force).",
     "namespace",
 )
+HOOK_LOST_KEYS = _counter(
+    "memops_safety_net_lost_keys_total",
+    "Keys that the safety net's preStop drain had not moved when the pod's time ran out,"
+    " by cause (deadline, or worker left: killed at the end of a shorter deletion grace period).",
+    *_POLICY,
+    "cause",
+)
+HOOK_LOST_BYTES = _counter("memops_safety_net_lost_bytes_total", "Bytes of those keys.", *_POLICY, "cause")
 WORKERS = _counter(
     "memops_drained_workers_total",
     "Workers at the end of a drain, by state (Retired, Kept, Forced).",
@@ -153,6 +161,13 @@ def drain_finished(namespace: str, status: specs.RetirementRequestStatus, reason
         WORKERS.labels(namespace, worker.state.value).inc()
         if worker.lostAtDeadline is not None:
             LOST_AT_DEADLINE.labels(namespace).inc(worker.lostAtDeadline.bytes)
+
+
+def hook_losses(namespace: str, policy: str, losses: Iterable[specs.HookLoss]) -> None:
+    """Count losses of preStop drains that the policy's status records for the first time."""
+    for loss in losses:
+        HOOK_LOST_KEYS.labels(namespace, policy, loss.cause).inc(loss.keys)
+        HOOK_LOST_BYTES.labels(namespace, policy, loss.cause).inc(loss.bytes)
 
 
 def policy_observed(

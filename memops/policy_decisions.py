@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memops import autoscaling, conditions, objects, recycle_decisions, scaling, specs, timestamps
+from memops import autoscaling, conditions, objects, recycle_decisions, scaling, shared_spill, specs, timestamps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Inputs:
     connected: int = 0  # workers connected to the scheduler
     requests: tuple[objects.Obj, ...] = ()  # the policy's RetirementRequests
     recycling: RecycleSeen | None = None
+    template: Mapping[str, Any] | None = None  # the workload's pod spec (spec.sharedSpill); None: not read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +290,7 @@ def _conditions(
         message=limited,
         generation=generation,
     )
+    found = _shared_spill_conditions(inputs, found)
     unreachable = conditions.get_condition(found, "SchedulerReachable")
     if unreachable is not None and unreachable.status == "False":
         # Without the scheduler no scale-down can drain and no memory is known: not Ready.
@@ -307,6 +309,23 @@ def _conditions(
         message=f"managing {workload.kind} {workload.name!r}",
         generation=generation,
     )
+
+
+def _shared_spill_conditions(inputs: Inputs, found: list[specs.Condition]) -> list[specs.Condition]:
+    """``SharedSpillReady`` (whether the webhook injects the spill: the same verdict as it reaches
+    on each pod) and, for medium Node, ``SharedSpillSwappable``; gone when the spec has no spill."""
+    spill = inputs.spec.sharedSpill
+    verdict = shared_spill.condition(spill, inputs.template) if spill is not None else None
+    for type_ in shared_spill.CONDITIONS:
+        value = None if verdict is None else (verdict.ready if type_ == shared_spill.READY else verdict.swappable)
+        if value is None:
+            found = [c for c in found if c.type != type_]
+        else:
+            status, reason, message = value
+            found = conditions.set_condition(
+                found, type_, status, reason=reason, message=message, generation=inputs.generation
+            )
+    return found
 
 
 def recycle_request_name(policy: str, pod: str, attempt: int) -> str:

@@ -17,12 +17,13 @@ events into the policy's status, so that a pod that left undrained is seen.
 from __future__ import annotations
 
 import copy
+import datetime
 import inspect
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from memops import daskcomm, objects, specs
+from memops import daskcomm, objects, shared_spill, specs, timestamps
 
 ANNOTATION = objects.SAFETY_NET_ANNOTATION
 FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
@@ -60,7 +61,12 @@ async def _drain_by_memops(comm, name, deadline):
     # it): None, and stock retire_workers does it.
     node = os.environ.get("MEMOPS_NODE_NAME", "")
     reply = await comm.call(
-        "memops_agent", operation="drain", names=[name], deadline=deadline, nodes={name: node} if node else {}
+        "memops_agent",
+        operation="drain",
+        names=[name],
+        deadline=deadline,
+        nodes={name: node} if node else {},
+        origin="preStop",
     )
     if not isinstance(reply, dict) or not isinstance(reply.get("result"), dict) or not reply["result"]:
         return None
@@ -138,7 +144,9 @@ def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
 
 def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryPolicySpec) -> dict[str, Any]:
     """The pod's new ``spec`` and annotations: a preStop drain on its first container, and a
-    grace period that covers ``drain.timeout``. An existing preStop hook is left alone."""
+    grace period that covers ``drain.timeout``. An existing preStop hook is left alone. With
+    ``sharedSpill``, also the spill volume, its mount and Dask's configuration
+    (:mod:`memops.shared_spill`), unless the pod's memory cannot hold it."""
     annotations = dict(pod.get("metadata", {}).get("annotations") or {})
     pod_spec = copy.deepcopy(dict(pod.get("spec", {})))
     # At most MAX_DURATION (the spec's bound, checked again), so the grace is at most MAX_GRACE_SECONDS.
@@ -160,6 +168,14 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
         ]
         container.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT]}}
     annotations[ANNOTATION] = policy_name
+    if spec.sharedSpill is not None:
+        # Refused (it cannot fit): the pod keeps its own spill directory, and only the safety net.
+        verdict, mutation = shared_spill.plan(pod_spec, spec.sharedSpill)
+        if mutation is not None:
+            shared_spill.apply(pod_spec, mutation)
+        annotations[shared_spill.ANNOTATION] = (
+            spec.sharedSpill.medium.value if mutation is not None else f"Refused: {verdict.refusal}"
+        )
     return {"spec": pod_spec, "annotations": annotations}
 
 
@@ -201,3 +217,64 @@ def failed_hooks(
         when = str(event.get("lastTimestamp") or event.get("eventTime") or meta.get("creationTimestamp") or "")
         found.setdefault((pod, when), specs.FailedHook(pod=pod, time=when, message=str(event.get("message", ""))))
     return sorted(found.values(), key=lambda hook: (hook.time, hook.pod))[-limit:] if limit > 0 else []
+
+
+HOOK_LOSSES_KEPT = 10
+"""The policy's status lists this many of the latest preStop drains that ran out of time."""
+HOOK_ORIGIN = "preStop"
+"""What the hook tells memops' drain it is, so that its drains are told from the operator's."""
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def hook_losses(
+    drains: Mapping[Any, Any],
+    workload: specs.WorkloadRef,
+    previous: Iterable[specs.HookLoss] = (),
+    limit: int = HOOK_LOSSES_KEPT,
+) -> list[specs.HookLoss]:
+    """The latest ``limit`` preStop drains of the workload's pods that lost keys, oldest first.
+
+    ``drains`` is the agent's ``drain_status`` (worker address -> figures; hostile input: any
+    entry of the wrong shape is skipped). Only drains the hook started count: the operator's own
+    are in their RetirementRequests. ``previous`` is what the status listed: a pod's record is
+    keyed by its name and the time its drain stopped, so reading the same drain on every pass,
+    or after the operator restarts, adds it once. Once the list is full, a drain no later than
+    its oldest entry is one that was listed and dropped, not a new one.
+    """
+    found = {(loss.pod, loss.time): loss for loss in previous}
+    oldest = min(found, key=lambda k: k[1])[1] if len(found) >= limit > 0 else ""
+    for state in drains.values():
+        if not isinstance(state, Mapping) or state.get("origin") != HOOK_ORIGIN:
+            continue
+        lost = state.get("lostAtDeadline")
+        pod = state.get("name")
+        ended = state.get("endedAt")
+        if not isinstance(lost, Mapping) or not isinstance(pod, str) or not is_workload_pod(pod, workload):
+            continue
+        if not isinstance(ended, (int, float)) or isinstance(ended, bool) or not 0 < ended < 2**33:
+            continue
+        keys = _count(lost.get("keys"))
+        if keys == 0:
+            continue
+        when = timestamps.render(datetime.datetime.fromtimestamp(ended, datetime.UTC))
+        if (pod, when) in found or (oldest and when <= oldest):
+            continue
+        cause = lost.get("cause")
+        found[(pod, when)] = specs.HookLoss(
+            pod=pod,
+            time=when,
+            keys=keys,
+            bytes=_count(lost.get("bytes")),
+            irreplaceableKeys=min(_count(lost.get("irreplaceableKeys")), keys),
+            cause=cause if cause in ("deadline", "worker left") else "deadline",
+        )
+    return sorted(found.values(), key=lambda loss: (loss.time, loss.pod))[-limit:] if limit > 0 else []
+
+
+def new_losses(old: specs.SafetyNetStatus | None, new: specs.SafetyNetStatus | None) -> list[specs.HookLoss]:
+    """Losses in ``new`` that ``old`` did not list: what a status write records for the first time."""
+    before = {(loss.pod, loss.time) for loss in (old.lostAtDeadline if old is not None else [])}
+    return [loss for loss in (new.lostAtDeadline if new is not None else []) if (loss.pod, loss.time) not in before]

@@ -101,6 +101,7 @@ class PodInfo:
     ips: tuple[str, ...] = ()  # status.podIP and status.podIPs
     worker_names: tuple[str, ...] = ()  # the names its worker may carry: the pod's, DASK_WORKER_NAME
     phase: str = "Running"
+    node: str = ""  # spec.nodeName: where it runs, once scheduled
 
     @property
     def terminated(self) -> bool:
@@ -123,6 +124,19 @@ def canonical_ip(text: str) -> str:
         return str(ipaddress.ip_address(text))
     except ValueError:
         return text
+
+
+def nodes_of_workers(pods: Sequence[PodInfo], workers: Sequence[WorkerInfo]) -> dict[str, str]:
+    """Worker address -> the node of its pod, for every worker whose pod is scheduled: what
+    memops' drain needs to choose recipients off a dying node (a worker not in it counts as
+    on another node)."""
+    node_of = {pod.name: pod.node for pod in pods if pod.node and not pod.terminated}
+    return {
+        worker.address: node_of[pod]
+        for pod, found in workers_by_pod(pods, workers).items()
+        if pod in node_of
+        for worker in found
+    }
 
 
 def workers_by_pod(pods: Sequence[PodInfo], workers: Sequence[WorkerInfo]) -> dict[str, tuple[WorkerInfo, ...]]:

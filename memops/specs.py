@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import decimal
 import enum
 import re
 from typing import Annotated, Any, Literal
@@ -741,6 +742,240 @@ class ReplicationStatus(Model):
     message: str = pydantic.Field(default="", description="Why replication cannot do all it should, in one line.")
 
 
+# -- shared spill (spec.sharedSpill) ------------------------------------------------------------
+
+# A Kubernetes resource quantity (apimachinery's resource.Quantity), as sizes are written: a
+# plain number of bytes or one with a binary (Ki..Ei) or decimal (k..E) suffix, or an exponent.
+QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][0-9]{1,2})?$"
+QUANTITY_MAX_LENGTH = 32
+_QUANTITY_SUFFIXES = {
+    "": decimal.Decimal(1),
+    "m": decimal.Decimal("0.001"),
+    "k": decimal.Decimal(10**3),
+    "M": decimal.Decimal(10**6),
+    "G": decimal.Decimal(10**9),
+    "T": decimal.Decimal(10**12),
+    "P": decimal.Decimal(10**15),
+    "E": decimal.Decimal(10**18),
+    "Ki": decimal.Decimal(2**10),
+    "Mi": decimal.Decimal(2**20),
+    "Gi": decimal.Decimal(2**30),
+    "Ti": decimal.Decimal(2**40),
+    "Pi": decimal.Decimal(2**50),
+    "Ei": decimal.Decimal(2**60),
+}
+
+
+def quantity_value(text: str) -> decimal.Decimal:
+    """A quantity's exact value ("1500m" is 1.5, "1Gi" is 1073741824). Negative and signed forms,
+    which no size is written as, are refused."""
+    if len(text) > QUANTITY_MAX_LENGTH or not re.fullmatch(QUANTITY_PATTERN, text):
+        raise ValueError(f"{text!r} is not a quantity such as 8Gi or 512M")
+    number = re.match(r"[0-9.]+", text)
+    assert number is not None
+    digits, suffix = number.group(), text[number.end() :]
+    if suffix[:1] in ("e", "E"):
+        return decimal.Decimal(digits).scaleb(int(suffix[1:]))
+    return decimal.Decimal(digits) * _QUANTITY_SUFFIXES[suffix]
+
+
+def parse_quantity(text: str) -> int:
+    """A quantity of bytes ("8Gi", "512M", "1e9", "1500m") as an integer, rounded up as the
+    kubelet rounds a memory quantity (``Quantity.Value()``)."""
+    return int(quantity_value(text).to_integral_value(rounding=decimal.ROUND_CEILING))
+
+
+def _positive_quantity(text: str) -> str:
+    if parse_quantity(text) <= 0:
+        raise ValueError(f"{text!r} must be more than zero bytes")
+    return text
+
+
+Quantity = Annotated[
+    str,
+    pydantic.Field(pattern=QUANTITY_PATTERN, max_length=QUANTITY_MAX_LENGTH, json_schema_extra={"example": "8Gi"}),
+    pydantic.AfterValidator(_positive_quantity),
+]
+"""A size in bytes, written as Kubernetes quantities are ("8Gi", "512M")."""
+
+
+class SpillMedium(enum.StrEnum):
+    MEMORY = "Memory"  # an emptyDir of medium Memory, per pod
+    NODE = "Node"  # a tmpfs that the node provides, shared by the node's workers, reached by hostPath
+
+
+HOST_PATH_PATTERN = r"^(/[A-Za-z0-9_.-]+)+$"
+HOST_PATH_MAX_LENGTH = 255
+SENSITIVE_HOST_PATHS = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/home",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/sys",
+    "/usr",
+    "/var/lib/containerd",
+    "/var/lib/cni",
+    "/var/lib/docker",
+    "/var/lib/etcd",
+    "/var/lib/kubelet",
+    "/var/log",
+    "/var/run",
+)
+"""Host paths that a worker pod must never be given: the node's configuration, kernel interfaces,
+devices, the container runtime's and the kubelet's state (other pods' Secrets), logs, and their
+parents ("/var" would contain "/var/lib/kubelet"). ``/dev/shm``'s subdirectories are allowed: a
+node's own tmpfs is usually there."""
+ALLOWED_UNDER_SENSITIVE = ("/dev/shm",)
+"""Subdirectories (never the directory itself) of these are allowed although a parent is sensitive."""
+
+
+def check_host_path(path: str) -> str:
+    """Refuse a host path that is not a plain absolute path, or that reaches what a worker must not
+    see. The message names ``sharedSpill.hostPath``."""
+    where = "sharedSpill.hostPath"
+    if "\x00" in path or len(path) > HOST_PATH_MAX_LENGTH or not re.fullmatch(HOST_PATH_PATTERN, path):
+        raise ValueError(f"{where}: {path!r} must be an absolute path of letters, digits, '.', '_' and '-'")
+    parts = path.split("/")[1:]
+    if any(part in (".", "..") for part in parts):
+        raise ValueError(f"{where}: {path!r} must not contain '.' or '..' components")
+    if any(path.startswith(allowed + "/") for allowed in ALLOWED_UNDER_SENSITIVE):
+        return path
+    for sensitive in SENSITIVE_HOST_PATHS:
+        if path == sensitive or path.startswith(sensitive + "/") or sensitive.startswith(path + "/"):
+            raise ValueError(f"{where}: {path!r} is or contains {sensitive}, which a worker pod must not be given")
+    return path
+
+
+def _host_path_cel() -> list[dict[str, str]]:
+    """The same refusals for the API server, so that ``kubectl apply`` already fails."""
+    sensitive = "|".join(re.escape(p[1:]) for p in SENSITIVE_HOST_PATHS)
+    parents = sorted({"/".join(p.split("/")[:i]) for p in SENSITIVE_HOST_PATHS for i in range(2, p.count("/") + 1)})
+    parent = "|".join(re.escape(p[1:]) for p in parents)
+    allowed = "|".join(re.escape(p[1:]) for p in ALLOWED_UNDER_SENSITIVE)
+    return [
+        {"rule": r"!self.matches('(^|/)\\.\\.?(/|$)')", "message": "must not contain '.' or '..' components"},
+        {
+            "rule": f"self.matches('^/({allowed})/') || !self.matches('^/({sensitive})(/|$)')",
+            "message": f"must not be or be under {', '.join(SENSITIVE_HOST_PATHS)}"
+            " (subdirectories of /dev/shm are allowed)",
+        },
+        {"rule": f"!self.matches('^/({parent})$')", "message": "must not contain a sensitive host path"},
+    ]
+
+
+HostPath = Annotated[
+    str,
+    pydantic.Field(
+        pattern=HOST_PATH_PATTERN,
+        max_length=HOST_PATH_MAX_LENGTH,
+        json_schema_extra={"example": "/var/lib/memops/spill", "x-kubernetes-validations": _host_path_cel()},
+    ),
+    pydantic.AfterValidator(check_host_path),
+]
+
+# A label value: at most 63 characters, alphanumeric at both ends (apimachinery validation.IsValidLabelValue).
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+LabelValue = Annotated[str, pydantic.Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
+MAX_NODE_SELECTOR_LABELS = 16
+
+
+def check_label_key(key: str) -> str:
+    """A label key: an optional DNS-subdomain prefix (at most 253) and a name (at most 63)."""
+    prefix, _, name = key.rpartition("/")
+    if (
+        not re.fullmatch(QUALIFIED_NAME_PATTERN, key)
+        or len(name) > 63
+        or len(prefix) > DNS_SUBDOMAIN_MAX_LENGTH
+        or (bool(prefix) and not re.fullmatch(DNS_SUBDOMAIN_PATTERN, prefix))
+    ):
+        raise ValueError(f"sharedSpill.nodeSelector: {key[:80]!r} is not a label key")
+    return key
+
+
+class SharedSpillSpec(Model):
+    """Spill the workers' data to a tmpfs instead of disk: per pod (medium Memory), or a tmpfs that
+    the node provides and the node's workers share, which can reach swap (medium Node)."""
+
+    medium: SpillMedium = pydantic.Field(
+        description=(
+            "Memory: an emptyDir of medium Memory per pod (since Kubernetes 1.31 mounted noswap where the"
+            " kernel supports it: its pages never reach swap). Node: the tmpfs at hostPath that the node"
+            " provides (see the optional node DaemonSet), shared by the node's workers and swap-backed on"
+            " nodes with swap; its pods get node affinity from nodeSelector and should be Burstable."
+        )
+    )
+    sizeLimit: Quantity = pydantic.Field(
+        description=(
+            "The most spilled bytes per pod (8Gi). Tmpfs pages count against the pod's memory limit, so"
+            " memops lowers Dask's memory thresholds until Dask's data plus this fit inside the limit,"
+            " and refuses a size that cannot fit."
+        )
+    )
+    hostPath: HostPath | None = pydantic.Field(
+        default=None,
+        description=(
+            "Node only, required: the node's tmpfs directory (/var/lib/memops/spill). An absolute path,"
+            " never a system directory (/etc, /proc, /sys, /dev except /dev/shm/..., /run, the kubelet's)."
+        ),
+    )
+    nodeSelector: dict[str, LabelValue] | None = pydantic.Field(
+        default=None,
+        max_length=MAX_NODE_SELECTOR_LABELS,
+        description=(
+            "Node only: labels of the nodes that provide the tmpfs (feature.node.kubernetes.io/memory-swap.enabled:"
+            ' "true"); the workers\' pods are required to run there.'
+        ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.all(k, k.size() <= 316 && k.matches('"
+                    + QUALIFIED_NAME_PATTERN.replace("\\", "\\\\")
+                    + "'))",
+                    "message": "every key must be a label key (an optional DNS prefix and a name of at most 63)",
+                }
+            ]
+        },
+    )
+
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.medium != 'Node' || has(self.hostPath)",
+                    "message": "sharedSpill.hostPath is required for medium Node",
+                },
+                {
+                    "rule": "self.medium != 'Memory' || (!has(self.hostPath) && !has(self.nodeSelector))",
+                    "message": "sharedSpill.hostPath and sharedSpill.nodeSelector are for medium Node only",
+                },
+            ]
+        }
+    )
+
+    @pydantic.field_validator("nodeSelector")
+    @classmethod
+    def _label_keys(cls, labels: dict[str, str] | None) -> dict[str, str] | None:
+        for key in labels or {}:
+            check_label_key(key)
+        return labels
+
+    @pydantic.model_validator(mode="after")
+    def _medium_fields(self) -> SharedSpillSpec:
+        if self.medium == SpillMedium.NODE and self.hostPath is None:
+            raise ValueError("sharedSpill.hostPath is required for medium Node")
+        if self.medium == SpillMedium.MEMORY and (self.hostPath is not None or self.nodeSelector is not None):
+            raise ValueError("sharedSpill.hostPath and sharedSpill.nodeSelector are for medium Node only")
+        return self
+
+
 class MemoryPolicySpec(Model):
     """How one Dask cluster's memory is managed, for as long as the policy exists."""
 
@@ -764,6 +999,13 @@ class MemoryPolicySpec(Model):
     eviction: EvictionSpec = pydantic.Field(
         default_factory=EvictionSpec,
         description="Node drains and evictions: drain the workers first, and never block for ever.",
+    )
+    sharedSpill: SharedSpillSpec | None = pydantic.Field(
+        default=None,
+        description=(
+            "Spill to a tmpfs (per pod, or the node's, shared and swap-backed) instead of disk; the worker"
+            " pods get the volume and Dask's configuration at creation, the workload is not changed."
+        ),
     )
 
 
@@ -826,9 +1068,31 @@ class FailedHook(Model):
     message: str = pydantic.Field(default="", description="The kubelet's event message.")
 
 
+class HookLoss(Model):
+    """What the safety net's preStop drain of one pod had not moved when the pod's time ran out."""
+
+    pod: str = pydantic.Field(description="The pod whose preStop hook drained it (its Dask worker's name).")
+    time: str = pydantic.Field(default="", description="When the drain stopped (the scheduler's clock).")
+    keys: int = pydantic.Field(default=0, ge=0, description="Keys held by this worker alone, lost with it.")
+    bytes: int = pydantic.Field(default=0, ge=0, description="Their bytes.")
+    irreplaceableKeys: int = pydantic.Field(
+        default=0, ge=0, description="Of those keys, how many could not be recomputed (scattered, or inputs released)."
+    )
+    cause: str = pydantic.Field(
+        default="deadline",
+        description="deadline: the drain stopped at the hook's deadline; worker left: the pod was killed first"
+        " (a deletion's grace period shorter than the pod's own).",
+    )
+
+
 class SafetyNetStatus(Model):
     failedHooks: list[FailedHook] = pydantic.Field(
         default_factory=list, description="The last pods of the workload that left with a failed preStop hook."
+    )
+    lostAtDeadline: list[HookLoss] = pydantic.Field(
+        default_factory=list,
+        description="The last pods whose preStop drain ran out of time, with what stayed on them (memops' agent's"
+        " drain status, read by the operator).",
     )
 
 

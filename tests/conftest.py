@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from memops import sandbox
+from memops_sandbox import common as sandbox
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -107,15 +108,16 @@ async def request_drain(
     return request_name
 
 
-async def warn(client: kube.Kube, pod: Mapping[str, Any], reason: str, message: str) -> None:
+async def warn(client: kube.Kube, pod: Mapping[str, Any], reason: str, message: str, *, name: str) -> None:
     """A Warning event on the pod, posted directly: Kopf's ``kopf.event`` works in resource
-    handlers only, not in admission handlers."""
+    handlers only, not in admission handlers. ``name`` is its idempotency key: an event of
+    that name exists already (a retried eviction, the same episode) and nothing is posted."""
     meta = pod["metadata"]
     now = timestamps.render(timestamps.now())
     event = {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "metadata": {"name": name, "namespace": meta["namespace"]},
         "involvedObject": {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -131,7 +133,11 @@ async def warn(client: kube.Kube, pod: Mapping[str, Any], reason: str, message: 
         "lastTimestamp": now,
         "count": 1,
     }
-    await client.request("POST", kube.resource_path("", "v1", "events", str(meta["namespace"])), body=event)
+    try:
+        await client.request("POST", kube.resource_path("", "v1", "events", str(meta["namespace"])), body=event)
+    except kube.ApiError as exc:
+        if exc.code != 409:
+            raise
 
 
 def _policies(cache: policy.Cache) -> list[Mapping[str, Any]]:
@@ -164,6 +170,7 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         **kwargs: Any,
     ) -> None:
         namespace, name = str(body.metadata.namespace or "default"), str(body.metadata.name)
+        dryrun = eviction.dry_run(dict(body), dryrun)
         cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
         client: kube.Kube = memo.kube
         try:
@@ -182,7 +189,8 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         policy_name, spec = found
         requests = eviction_requests(cache.of("retirementrequests").get((namespace, policy_name), []), node)
         held = await unique_bytes(client, namespace, spec, pod)
-        decision = eviction.decide(pod=name, unique_bytes=held, request=eviction.latest_request(name, requests))
+        latest = eviction.latest_request(name, requests)
+        decision = eviction.decide(pod=name, unique_bytes=held, request=latest, dry_run=dryrun)
         if decision.start_drain and not dryrun:
             policy_body = _policy_body(cache.of("memorypolicies").get((namespace,), []), policy_name)
             if policy_body is not None:
@@ -206,7 +214,8 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
                     logger.info("eviction of %s refused; draining %s in %s", name, chosen, created)
         if decision.warning and not dryrun:
             try:
-                await warn(client, pod, "EvictionRefused", decision.message)
+                event = eviction.refusal_event_name(name, decision.episode)
+                await warn(client, pod, eviction.REFUSED_EVENT, decision.message, name=event)
             except kube.ApiError as exc:  # the answer matters more than its event
                 logger.warning("could not post the EvictionRefused event on %s: %s", name, exc)
         if not decision.allowed:
@@ -222,14 +231,22 @@ def register_node_signals(registry: kopf.OperatorRegistry) -> None:
     ) -> None:
         node = str(body.metadata.name)
         cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
+        # This node's memo (Kopf keeps one per object): what was acted on last, per policy, so
+        # that a storm of Node updates is not a storm of pod lists.
+        seen: dict[str, tuple[str, float]] = memo.setdefault("memops_node_signals", {})
         for policy_body in _policies(cache):
             spec = _spec(policy_body)
             if spec is None:
                 continue
             signal = eviction.node_signal(dict(body), spec.eviction.nodeSignals)
-            if signal is None:
-                continue
             namespace, policy_name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
+            key, now = f"{namespace}/{policy_name}", time.monotonic()
+            if signal is None:
+                seen.pop(key, None)  # the node is back: a new signal acts at once
+                continue
+            if not eviction.node_signal_due(seen, key, signal, now):
+                continue
+            seen[key] = (signal, now)
             requests = eviction_requests(cache.of("retirementrequests").get((namespace, policy_name), []), node)
             # Pods already in any of the node's Eviction requests were drained once: the gate
             # handles what they hold again, when their eviction comes.
@@ -237,6 +254,7 @@ def register_node_signals(registry: kopf.OperatorRegistry) -> None:
             try:
                 pods = eviction.pods_to_drain(await workloads.pods(memo.kube, namespace, spec.workload), node, done)
             except kube.ApiError as exc:
+                del seen[key]  # the next event of this node tries again
                 raise kopf.TemporaryError(f"cannot list the workers on node {node}: {exc}", delay=5) from exc
             if pods:
                 created = await request_drain(

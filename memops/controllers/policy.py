@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -34,11 +34,12 @@ from memops import (
     safetynet,
     scaling,
     selectors,
+    shared_spill,
     snapshots,
     specs,
     tenancy,
 )
-from memops.controllers import loop, recycle, relief_install, replication, scheduler_tls, workloads
+from memops.controllers import hook_losses, loop, recycle, relief_install, replication, scheduler_tls, workloads
 
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
@@ -170,6 +171,10 @@ class Policy:
         now = time.time()
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
         status.safetyNet = await self.safety_net(spec, status.safetyNet)
+        if snapshot is not None:  # the namespace's scheduler: what its preStop drains lost
+            status.safetyNet = await hook_losses.read(
+                spec, status.safetyNet, security=self.security, logger=self.logger
+            )
         current = workloads.replicas_of(workload)
         inputs = policy_decisions.Inputs(
             owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
@@ -184,6 +189,7 @@ class Policy:
             connected=len(snapshot.workers) if snapshot is not None else 0,
             requests=tuple(requests),
             recycling=await self.read_recycling(spec, workload, snapshot, requests, status, now),
+            template=shared_spill.template_spec(workload) if spec.sharedSpill is not None else None,
         )
         return old, inputs
 
@@ -379,7 +385,9 @@ class Policy:
                     message=f"pod {hook.pod} left with a failed preStop hook at {hook.time}: the safety net did"
                     " not drain it, and data held only there may be lost",
                 )
-        return specs.SafetyNetStatus(failedHooks=hooks) if hooks else current
+        if not hooks:
+            return current
+        return (current or specs.SafetyNetStatus()).model_copy(update={"failedHooks": hooks})
 
     async def create(self, request: dict[str, Any]) -> None:
         """Create one of the policy's RetirementRequests; one that exists already (a repeated pass) stays."""
@@ -432,6 +440,8 @@ class Policy:
         patch.update({k: None for k, v in old.model_dump(exclude_none=True).items() if k not in patch})
         await self.client.merge_patch(self.path + "/status", {"status": patch})
         self.written = time.monotonic()
+        # Once the status holds them: a restart reads them back and does not count them again.
+        metrics.hook_losses(self.namespace, self.name, safetynet.new_losses(old.safetyNet, status.safetyNet))
 
 
 def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
@@ -488,6 +498,34 @@ def _slim(body: kopf.Body) -> dict[str, Any]:
     return {"metadata": meta, "spec": dict(body.get("spec", {})), "status": dict(body.get("status", {}) or {})}
 
 
+def _slim_pod_spec(pod_spec: Any) -> dict[str, Any]:
+    """The containers' resources, and the first container's command line and literal env."""
+    if not isinstance(pod_spec, Mapping):
+        return {}
+
+    def container(found: Any, first: bool) -> dict[str, Any]:
+        if not isinstance(found, Mapping):
+            return {}
+        kept = {"resources": found.get("resources") or {}}
+        if first:
+            kept |= {"command": found.get("command") or [], "args": found.get("args") or []}
+            kept["env"] = [
+                e
+                for e in found.get("env") or []
+                if isinstance(e, Mapping) and "value" in e and str(e.get("name", "")).startswith("DASK_")
+            ]
+        return kept
+
+    containers = pod_spec.get("containers") or []
+    slim: dict[str, Any] = {
+        "containers": [container(c, i == 0) for i, c in enumerate(containers)],
+        "initContainers": [container(c, False) for c in pod_spec.get("initContainers") or []],
+    }
+    if pod_spec.get("resources"):
+        slim["resources"] = pod_spec["resources"]
+    return slim
+
+
 INDEX_NAMES = {
     "deployments": "memops_deployments",
     "memorypolicies": "memops_policies",
@@ -512,10 +550,15 @@ def register(registry: kopf.OperatorRegistry) -> None:
     def memops_deployments(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, ...], dict[str, Any]]:
-        # Only what a pass reads: the replicas, the selector and the status; not the pod template.
+        # Only what a pass reads: the replicas, the selector, the status, and of the pod template
+        # what the shared spill's verdict reads (memory, the worker's command line and env).
         spec = body.get("spec", {})
         slim = _slim(body)
-        slim["spec"] = {"replicas": spec.get("replicas", 1), "selector": spec.get("selector", {})}
+        slim["spec"] = {
+            "replicas": spec.get("replicas", 1),
+            "selector": spec.get("selector", {}),
+            "template": {"spec": _slim_pod_spec(spec.get("template", {}).get("spec", {}))},
+        }
         return {(namespace or "", name): slim}
 
     @kopf.index("autoscaling", "v2", "horizontalpodautoscalers", registry=registry, id="memops_hpas")

@@ -392,7 +392,11 @@ class Retirement:
                     address, security=security, placement_of=addresses, processing=False
                 )
             remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
-            outcome = await daskrpc.retire_workers(address, addresses, security=security, timeout=remaining)
+            # Every worker's node: recipients off the drained workers' nodes first (a node drain).
+            nodes = snapshots.nodes_of_workers(namespace_pods, identity.workers)
+            outcome = await daskrpc.retire_workers(
+                address, addresses, security=security, timeout=remaining, nodes=nodes
+            )
             after = await daskrpc.fetch_snapshot(
                 address, security=security, placement=list(self.before.who_has), processing=False
             )

@@ -22,7 +22,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import safetynet, selectors, specs
+from memops import safetynet, selectors, shared_spill, specs
 from memops.controllers import policy, workloads
 
 CONFIGURATION = "memops.dev"
@@ -103,3 +103,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
             name,
             change["spec"].get("terminationGracePeriodSeconds"),
         )
+        spilled = change["annotations"].get(shared_spill.ANNOTATION)
+        if spilled is not None:
+            # The reason's full text is the policy's SharedSpillReady condition.
+            log = logger.warning if spilled.startswith("Refused") else logger.info
+            log("pod of MemoryPolicy %s: shared spill: %s", name, spilled)

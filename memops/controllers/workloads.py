@@ -102,6 +102,7 @@ def pod_info(pod: objects.Obj) -> snapshots.PodInfo:
         ips=tuple(dict.fromkeys(ips)),
         worker_names=tuple(worker_names([pod])),
         phase=str(status.get("phase", "Pending")),
+        node=str((pod.get("spec") or {}).get("nodeName") or ""),
     )
 
 

@@ -19,9 +19,10 @@ Operations (``operation``, its arguments, what ``result`` holds):
   installs, retunes or (``rules`` None) removes replication targets; its figures, or ``{}``
   once removed; a refused rule is an ``error`` naming its field;
 - ``drain`` (``workers`` or ``names``, ``deadline`` seconds, ``nodes``, ``close_workers``, ``restore``,
-  ``window``):
+  ``window``, ``origin``, ``handover``):
   :func:`memops.scheduler.drain.start`: starts draining these workers by value, with a deadline,
-  and returns at once with their ``drain_status``;
+  and returns at once with their ``drain_status``; spilled keys go by link to recipients that share
+  the spill filesystem (:mod:`memops.scheduler.handover`) unless ``handover`` is false;
 - ``drain_status`` (``workers`` or ``names``, or neither for all): :func:`memops.scheduler.drain.status`:
   per drained worker its state, the keys and bytes still held nowhere else, moved, on their way,
   and lost at the deadline;
@@ -43,7 +44,7 @@ from typing import Any
 from memops.scheduler import drain, holdings, relief, replication, rules
 
 NAME = "memops_agent"
-VERSION = 3
+VERSION = 5
 """Bumped when an operation's arguments or reply change."""
 
 
@@ -80,6 +81,8 @@ def _drain(
     close_workers: bool = True,
     restore: bool = False,
     window: int = drain.WINDOW_BYTES,
+    origin: str = "",
+    handover: bool = True,
 ) -> dict[str, Any]:
     return drain.start(
         dask_scheduler,
@@ -90,6 +93,8 @@ def _drain(
         close=bool(close_workers),
         restore=bool(restore),
         window=int(window),
+        origin=str(origin),
+        handover=bool(handover),
     )
 
 

@@ -46,6 +46,8 @@ from typing import Any
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from memops.scheduler import handover
+
 logger = logging.getLogger(__name__)
 
 NAME = "memops-drain"
@@ -56,7 +58,13 @@ keys worth most land first even when all are asked at once; the window only boun
 committed to one recipient before it shows that it takes them (a smaller one costs throughput:
 each key that lands frees room a pass later)."""
 INTERVAL = 0.02
-"""Seconds between two passes: what it costs is the keys on their way, a few thousand at most."""
+"""Seconds between two passes that changed something: what a pass costs is the keys on their way,
+a few thousand at most."""
+QUIET_INTERVAL = 0.2
+"""After passes that changed nothing (no key landed, none asked for, no drain ended), the interval
+doubles up to this: a pass reads every copy on its way, and at 50 passes a second over a thousand
+1 MiB keys the scheduler's process takes CPU that the workers' transfers need on a small machine.
+What it delays is noticing the last keys land (the worker's close), by at most this much."""
 IN_FLIGHT_SECONDS = 10.0
 """How long a requested copy may take, plus its transfer time below, before it is asked again."""
 TRANSFER_BYTES_PER_SECOND = 50 * 2**20
@@ -66,6 +74,10 @@ RESCAN_SECONDS = 1.0
 were running on it when the drain began)."""
 UNLIMITED = 2**62
 """A recipient's headroom when it has no memory limit."""
+SPILL_CHECK_KEYS = 100_000
+"""At most this many of a drained worker's keys are asked about at once (whether they are spilled)."""
+HOLD_SECONDS = 2.0
+"""How long a drain waits for the hand-over's first answers before it copies keys over the network."""
 
 
 class State:
@@ -86,6 +98,7 @@ class Key:
     nbytes: int
     irreplaceable: bool  # scattered, or its inputs are released: it cannot be recomputed cheaply
     seconds: float = 0.0  # what recomputing it costs (its prefix' average duration; 0: unknown)
+    group: str | None = None  # spilled on a filesystem that these recipients share (a link moves it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +107,7 @@ class Recipient:
     node: str | None  # None: not known, counts as another node than the dying ones
     headroom: int  # bytes it can still take (memory limit minus memory and what is coming)
     window: int  # bytes that may still be sent its way now (the window minus what is on its way)
+    group: str | None = None  # its spill filesystem (:func:`handover.group`)
 
 
 def value(key: Key) -> tuple[int, float, int, str]:
@@ -120,7 +134,17 @@ def assign(
     what it is given in this pass (a key larger than a whole window still goes to an idle
     recipient, alone); once a window is full, keys that find no room wait for the next pass.
     Unplaced keys: larger than every recipient's headroom (a smaller key after it may still fit).
+
+    A key with a ``group`` (spilled where these recipients' spill directories are) goes first to
+    a recipient of that group off the dying nodes, the one given the fewest such keys: a link
+    costs neither network, nor memory (the key stays spilled), nor window. The caller gives
+    keys a group only when their worker's node survives.
     """
+    local: defaultdict[str, list[str]] = defaultdict(list)
+    for r in recipients:
+        if r.group is not None and not (r.node is not None and r.node in dying_nodes):
+            local[r.group].append(r.name)
+    linked: defaultdict[str, int] = defaultdict(int)
     tiers: list[list[tuple[int, str, int]]] = [[], []]
     for r in recipients:
         same_node = r.node is not None and r.node in dying_nodes
@@ -133,6 +157,11 @@ def assign(
     full = False  # some recipient's window is full: keys that find no room may wait for the next pass
     for key in keys:
         placed = False
+        if key.group is not None and local.get(key.group):
+            name = min(local[key.group], key=lambda n: (linked[n], n))
+            linked[name] += 1
+            chosen.append((key.key, name))
+            continue
         for heap in tiers:
             while heap and heap[0][0] + key.nbytes <= 0:  # the roomiest one of this tier has room
                 minus_room, name, left = heap[0]
@@ -159,6 +188,7 @@ class Copy:
     nbytes: int
     asked: float  # monotonic
     source: str = ""  # the drained worker it is counted for (its replica may be dropped before we look)
+    linked: bool = False  # handed over by a link on a shared spill filesystem, not copied
 
     def expired(self, now: float) -> bool:
         return now > self.asked + IN_FLIGHT_SECONDS + self.nbytes / TRANSFER_BYTES_PER_SECOND
@@ -183,12 +213,20 @@ class Drained:
     ended: float = 0.0
     keys_moved: int = 0
     bytes_moved: int = 0
+    keys_linked: int = 0  # of keys_moved: handed over by a link, no byte over the network
+    bytes_linked: int = 0
+    spilled: set[Any] = dataclasses.field(default_factory=set)  # its keys spilled on a shared filesystem
+    spill_checked: float = 0.0
+    spill_known: bool = False  # its worker has answered which keys are spilled (or could not)
+    spill_task: asyncio.Task[None] | None = None
     asked: int = 0  # acquire-replicas asked, a key asked twice counting twice
     lost_keys: int = 0
     lost_bytes: int = 0
     lost_irreplaceable: int = 0
     lost: list[str] = dataclasses.field(default_factory=list)  # the first few, for the report
     lost_cause: str = "deadline"
+    origin: str = ""  # who asked: ``preStop`` for the safety net's hook, else empty (the operator)
+    ended_at: float = 0.0  # wall clock, for the operator's record of what a hook's drain lost
 
 
 LOST_NAMED = 20
@@ -224,15 +262,107 @@ class DrainPlugin(SchedulerPlugin):
         self.copies: dict[Any, Copy] = {}  # by task key
         self.task: asyncio.Task[None] | None = None
         self.window = WINDOW_BYTES
+        self.handover = True  # hand spilled keys over by link where the recipient shares the spill filesystem
+        self.installed = False
+        self.identities: dict[str, dict[str, Any]] = {}  # worker address -> its spill identity
+        self.links: set[asyncio.Task[None]] = set()
+        self.identifying: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
+        for task in [*self.links, self.identifying, *(d.spill_task for d in self.workers.values())]:
+            if task is not None:
+                task.cancel()
+
+    async def _identify(self) -> None:
+        """Install the hand-over handler on the workers once, and learn each new worker's spill
+        identity (a worker that gives none, or no plain one, is one that nothing is linked to)."""
+        scheduler = self.scheduler
+        if not self.installed:
+            try:
+                await handover.install(scheduler)
+            except Exception:  # a worker that refuses the plugin: no hand-over, the drain goes on
+                logger.exception("memops hand-over: the worker plugin could not be installed")
+                self.handover = False
+                return
+            self.installed = True
+        for gone in set(self.identities) - set(scheduler.workers):
+            del self.identities[gone]
+        fresh = [a for a in scheduler.workers if a not in self.identities]
+        if fresh:
+            found = await asyncio.gather(*(handover.identify(scheduler, a) for a in fresh))
+            self.identities.update(zip(fresh, found, strict=True))
+
+    def _group(self, address: str) -> str | None:
+        return handover.group(self.identities.get(address)) if self.handover else None
+
+    def _start_background(self, active: Mapping[str, Drained], groups: Collection[str], now: float) -> None:
+        """The hand-over's questions to the workers, off the drain loop, so that a worker slow
+        to answer never holds the loop: who shares a spill filesystem (new workers), and which of
+        a drained worker's keys are spilled (when a recipient shares its filesystem)."""
+        loop = asyncio.get_running_loop()
+        fresh = not self.installed or any(a not in self.identities for a in self.scheduler.workers)
+        if fresh and (self.identifying is None or self.identifying.done()):
+            self.identifying = loop.create_task(self._identify())
+        for drained in active.values():
+            group = self._group(drained.address)
+            if group is None or group not in groups:
+                drained.spill_known = self.identifying is None or self.identifying.done()
+                continue
+            busy = drained.spill_task is not None and not drained.spill_task.done()
+            if not busy and now - drained.spill_checked >= RESCAN_SECONDS:
+                drained.spill_checked = now
+                drained.spill_task = loop.create_task(self._check_spilled(drained))
+
+    def _held(self, drained: Drained, now: float) -> bool:
+        """Its keys wait for the hand-over's first answers, at most :data:`HOLD_SECONDS`: asked
+        for before, a spilled key would be copied over the network instead of linked."""
+        return self.handover and not drained.spill_known and now - drained.started < HOLD_SECONDS
+
+    async def _check_spilled(self, drained: Drained) -> None:
+        """Which of a drained worker's keys are spilled (asked of the worker)."""
+        keys = [k for k in drained.order if k in self.scheduler.tasks][:SPILL_CHECK_KEYS]
+        offered: Any = None
+        if keys:
+            try:
+                offered = await handover.call(self.scheduler, drained.address, "offer", keys=keys)
+            except handover.Refused as exc:
+                logger.info("memops hand-over: no offer from %s (%s)", drained.address, exc)
+        if isinstance(offered, (list, tuple)) and len(offered) == len(keys):
+            drained.spilled = {k for k, item in zip(keys, offered, strict=True) if item is not None}
+        else:
+            drained.spilled = set()
+        drained.spill_known = True
+
+    async def _link(self, source: str, target: str, keys: list[Any]) -> None:
+        """Hand ``keys`` over from ``source`` to ``target`` by link; the rest by the normal transfer."""
+        scheduler = self.scheduler
+        directory = str(self.identities.get(source, {}).get("directory") or "")
+        try:
+            _linked, left = await handover.hand_over(scheduler, source, target, keys, directory)
+        except Exception:
+            logger.exception("memops hand-over from %s to %s failed", source, target)
+            left = list(keys)
+        now = time.monotonic()
+        for key in left:
+            copy = self.copies.get(key)
+            if copy is not None and copy.target == target:
+                self.copies[key] = dataclasses.replace(copy, linked=False, asked=now)
+        left = [k for k in left if k in scheduler.tasks]
+        if left and target in scheduler.workers:
+            scheduler.request_acquire_replicas(target, left, stimulus_id=f"memops-drain-{time.time()}")
 
     # -- starting ------------------------------------------------------------------------------
 
     def add(
-        self, addresses: Iterable[str], deadline: float, nodes: Mapping[str, str], close: bool, restore: bool
+        self,
+        addresses: Iterable[str],
+        deadline: float,
+        nodes: Mapping[str, str],
+        close: bool,
+        restore: bool,
+        origin: str = "",
     ) -> None:
         scheduler = self.scheduler
         self.nodes.update({str(a): str(n) for a, n in nodes.items() if n})
@@ -249,7 +379,14 @@ class DrainPlugin(SchedulerPlugin):
             if previous not in ("running", "paused"):
                 previous = "running"
             self.workers[address] = Drained(
-                address, str(ws.name), self.nodes.get(address), now + deadline, previous, close=close, restore=restore
+                address,
+                str(ws.name),
+                self.nodes.get(address),
+                now + deadline,
+                previous,
+                close=close,
+                restore=restore,
+                origin=origin,
             )
             # As Scheduler.retire_workers: the scheduler's state at once, then the worker's.
             scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
@@ -262,20 +399,27 @@ class DrainPlugin(SchedulerPlugin):
     # -- the loop ------------------------------------------------------------------------------
 
     async def loop(self) -> None:
+        interval = INTERVAL
         while any(d.state == State.DRAINING for d in self.workers.values()):
+            changed = True
             try:
-                await self.step()
+                changed = await self.step()
             except Exception:  # a pass that failed is tried again; the scheduler must go on
                 logger.exception("memops drain pass failed")
-            await asyncio.sleep(INTERVAL)
+            interval = INTERVAL if changed else min(interval * 2, QUIET_INTERVAL)
+            await asyncio.sleep(interval)
 
     def _safe(self, ts: Any, draining: Collection[Any]) -> bool:
         """Held by a worker that is not being drained (or forgotten: nothing to move)."""
         return ts is None or not ts.who_has or any(ws not in draining for ws in ts.who_has)
 
-    async def step(self) -> None:
+    async def step(self) -> bool:
+        """One pass; whether it changed anything (a copy landed or was given up, a key was asked
+        for, a drain ended or found new keys)."""
         scheduler = self.scheduler
         now = time.monotonic()
+        before = (len(self.copies), sum(len(d.order) for d in self.workers.values()))
+        states = [d.state for d in self.workers.values()]
         active = {a: d for a, d in self.workers.items() if d.state == State.DRAINING}
         draining_ws = {scheduler.workers[a] for a in active if a in scheduler.workers}
         # Every worker drained, or in any other way leaving, holds no safe copy.
@@ -299,6 +443,9 @@ class DrainPlugin(SchedulerPlugin):
                 if owner is not None:
                     owner.keys_moved += 1
                     owner.bytes_moved += copy.nbytes
+                    if copy.linked:
+                        owner.keys_linked += 1
+                        owner.bytes_linked += copy.nbytes
                 continue
             if target is None or target not in scheduler.running or copy.expired(now):
                 del self.copies[key]  # asked again below, if still held only by drained workers
@@ -306,7 +453,8 @@ class DrainPlugin(SchedulerPlugin):
                 if owner is not None:
                     owner.order.insert(0, key)
                 continue
-            on_way[copy.target] += copy.nbytes
+            if not copy.linked:  # a link takes neither memory nor the window
+                on_way[copy.target] += copy.nbytes
             from_source[copy.source] += 1
         # Recipients: running, not drained, with headroom.
         recipients = []
@@ -321,10 +469,15 @@ class DrainPlugin(SchedulerPlugin):
                     self.nodes.get(ws.address),
                     (limit - used) if limit else UNLIMITED,
                     self.window - on_way[ws.address],
+                    self._group(ws.address),
                 )
             )
+        groups = {r.group for r in recipients if r.group is not None}
+        if self.handover:
+            self._start_background(active, groups, now)
         dying_nodes = {d.node for d in active.values() if d.node}
         batches: defaultdict[str, list[Any]] = defaultdict(list)
+        links: defaultdict[tuple[str, str], list[Any]] = defaultdict(list)
         for address, drained in active.items():
             if drained.state != State.DRAINING:
                 continue
@@ -334,6 +487,12 @@ class DrainPlugin(SchedulerPlugin):
                 continue
             if now - drained.scanned > RESCAN_SECONDS:
                 self._scan(drained, ws, draining_ws, now)
+            if self._held(drained, now):
+                continue
+            source_group = self._group(address)
+            # Node-local recipients first only where the node survives: a drain that names the
+            # worker's node (a preStop hook, a node drain) keeps them last (see assign).
+            prefer = source_group if drained.node is None else None
             # Read every key of the worker only once nothing is left to ask for or on its way.
             if not drained.order and not from_source[address] and self._drained(ws, draining_ws):
                 await self._finish(drained, ws, now)
@@ -355,7 +514,8 @@ class DrainPlugin(SchedulerPlugin):
                 if self._safe(ts, draining_ws) or key in self.copies or ws not in ts.who_has:
                     continue  # moved, forgotten, asked for, or left this worker: out of its order
                 nbytes = _nbytes(ts)
-                pending.append(Key(str(key), nbytes, False))  # already ranked: names and sizes suffice
+                # Already ranked: names, sizes and where it is spilled suffice.
+                pending.append(Key(str(key), nbytes, False, group=prefer if key in drained.spilled else None))
                 tasks[str(key)] = key
                 kept.append(key)
                 budget -= nbytes
@@ -366,9 +526,14 @@ class DrainPlugin(SchedulerPlugin):
             for name, target in chosen:
                 key = tasks[name]
                 nbytes = _nbytes(scheduler.tasks[key])
-                self.copies[key] = Copy(target, nbytes, now, source=address)
-                batches[target].append(key)
-                taken[target] += nbytes
+                # Linked wherever the recipient shares the spill filesystem, preferred or not.
+                linked = source_group is not None and key in drained.spilled and self._group(target) == source_group
+                self.copies[key] = Copy(target, nbytes, now, source=address, linked=linked)
+                if linked:
+                    links[(address, target)].append(key)
+                else:
+                    batches[target].append(key)
+                    taken[target] += nbytes
                 drained.asked += 1
             chosen_keys = {tasks[name] for name, _ in chosen}
             drained.order = [k for k in kept if k not in chosen_keys] + drained.order[index:]
@@ -380,6 +545,13 @@ class DrainPlugin(SchedulerPlugin):
         stimulus_id = f"memops-drain-{time.time()}"
         for target, keys in batches.items():
             scheduler.request_acquire_replicas(target, keys, stimulus_id=stimulus_id)
+        for (source, target), keys in links.items():
+            task = asyncio.get_running_loop().create_task(self._link(source, target, keys))
+            self.links.add(task)
+            task.add_done_callback(self.links.discard)
+        after = (len(self.copies), sum(len(d.order) for d in self.workers.values()))
+        # A key landed and another was asked for in its place leaves the counts equal: batches.
+        return bool(batches) or bool(links) or after != before or [d.state for d in self.workers.values()] != states
 
     def _drained(self, ws: Any, draining: Collection[Any]) -> bool:
         return all(self._safe(ts, draining) for ts in ws.has_what)
@@ -400,7 +572,7 @@ class DrainPlugin(SchedulerPlugin):
             drained.order.extend(ranked)
 
     def _stop_at_deadline(self, drained: Drained, ws: Any, draining: Collection[Any], now: float) -> None:
-        drained.state, drained.ended = State.DEADLINE, now
+        drained.state, drained.ended, drained.ended_at = State.DEADLINE, now, time.time()
         for ts in ws.has_what:
             if self._safe(ts, draining):
                 continue
@@ -421,7 +593,7 @@ class DrainPlugin(SchedulerPlugin):
     def _gone(self, drained: Drained, now: float) -> None:
         """The worker left mid-drain (its pod killed at the end of a short grace period): what it
         alone held and the drain had not moved is lost, cause ``worker left``."""
-        drained.state, drained.ended = State.GONE, now
+        drained.state, drained.ended, drained.ended_at = State.GONE, now, time.time()
         left = list(drained.order) + [k for k, c in self.copies.items() if c.source == drained.address]
         for key in left:
             ts = self.scheduler.tasks.get(key)
@@ -479,6 +651,9 @@ class DrainPlugin(SchedulerPlugin):
                         flight_bytes += copy.nbytes
             result[address] = {
                 "state": drained.state,
+                "name": drained.name,
+                "origin": drained.origin,
+                "endedAt": round(drained.ended_at, 3),
                 "node": drained.node or "",
                 "connected": ws is not None,
                 "uniqueKeys": unique_keys,
@@ -487,6 +662,8 @@ class DrainPlugin(SchedulerPlugin):
                 "inFlightBytes": flight_bytes,
                 "keysMoved": drained.keys_moved,
                 "bytesMoved": drained.bytes_moved,
+                "keysLinked": drained.keys_linked,
+                "bytesLinked": drained.bytes_linked,
                 "asked": drained.asked,
                 "seconds": round((drained.ended or now) - drained.started, 3),
                 "deadlineIn": round(drained.deadline - now, 3),
@@ -520,6 +697,8 @@ def start(
     close: bool = True,
     restore: bool = False,
     window: int = WINDOW_BYTES,
+    origin: str = "",
+    handover: bool = True,
 ) -> dict[str, Any]:
     """Run on the scheduler (by the agent's ``drain`` operation): start draining these workers
     (by address, or by name), each with ``deadline`` seconds from now; returns at once, with
@@ -531,6 +710,10 @@ def start(
     again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
     already being drained keeps its drain, with the earlier of the two deadlines. ``window``:
     bytes on their way to one recipient at a time (:data:`WINDOW_BYTES`), for every drain.
+    ``origin``: who asked, reported back (``preStop``: the safety net's hook, whose losses the
+    operator records in the policy's status, as it cannot see them in a RetirementRequest).
+    ``handover``: hand spilled keys over by link to recipients that share the spill filesystem
+    (:mod:`memops.scheduler.handover`), for every drain; False: every key by the normal transfer.
     """
     by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
     addresses = [str(a) for a in workers] + [by_name[str(n)] for n in names if str(n) in by_name]
@@ -538,7 +721,8 @@ def start(
     located = {by_name.get(str(w), str(w)): str(node) for w, node in (nodes or {}).items()}
     plugin = _plugin(dask_scheduler)
     plugin.window = max(int(window), 1)
-    plugin.add(addresses, float(deadline), located, bool(close), bool(restore))
+    plugin.handover = bool(handover)
+    plugin.add(addresses, float(deadline), located, bool(close), bool(restore), origin=str(origin)[:32])
     return plugin.report(addresses)
 
 

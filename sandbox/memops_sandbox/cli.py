@@ -1,4 +1,4 @@
-"""The ``memops-sandbox`` command, and ``memops sandbox --plane upstream`` behind memops' own CLI.
+"""The ``memops-sandbox`` command, and ``memops sandbox`` behind memops' own CLI.
 
 ``memops-sandbox build`` builds (or finds in the cache) the control plane's binaries and says
 where they are and how long it took: CI runs it before the tests, so that the build has its own
@@ -31,7 +31,12 @@ def sandbox(
     audit_log: str | None = None,
     chart_settings: list[str] | None = None,
 ) -> int:
-    """``memops sandbox --plane upstream`` (or ``--build-only``), with arguments checked by memops' CLI."""
+    """``memops sandbox`` (or ``--build-only``), with arguments checked by memops' CLI.
+
+    The terminal is for the person who typed the command: a start line, a ready line and what to
+    type next. Every process' log goes to a file in the state directory: this process' own
+    (the launcher, the node agent) to ``sandbox.log``, the control plane's and the operator's to
+    ``logs/``, the Dask scheduler's to ``scheduler.log``, the pods' to ``pods/``."""
     try:
         binaries = build.ensure()
     except build.BuildError as error:
@@ -48,12 +53,29 @@ def sandbox(
         print(f"memops sandbox: {error}", file=sys.stderr)
         return 2
     directory = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
-    if not state_dir:
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / "sandbox.log"
+    log_to(log)
+    print(
+        f"memops sandbox: starting Kubernetes {binaries.version} ({nodes} node{'s' if nodes != 1 else ''}),"
+        f" a Dask scheduler, {workers} worker{'s' if workers != 1 else ''}{' and the operator' if operator else ''};"
+        f" state and logs in {directory}",
+        flush=True,
+    )
+
+    def announce() -> None:
         print(
-            f"memops sandbox: state in {directory}; once {directory / 'ready'} exists:\n"
-            f"  export KUBECONFIG={directory / 'kubeconfig'}\nStop with Ctrl-C.",
+            "memops sandbox: ready. In another terminal:\n"
+            f"  export KUBECONFIG={directory / 'kubeconfig'}\n"
+            "  kubectl get nodes,pods,mempol,retire\n"
+            f"  sed \"s|tcp://dask-scheduler:8786|$(cat {directory / 'scheduler-address'})|\""
+            " deploy/examples/retirementrequest.yaml | kubectl apply -f -\n"
+            "  kubectl get retire -w\n"
+            f"Logs: {log}, {directory / 'logs'}/, {directory / 'scheduler.log'}, {directory / 'pods'}/."
+            " Stop with Ctrl-C.",
             flush=True,
         )
+
     serving = upstream.serve(
         workers,
         directory,
@@ -62,8 +84,38 @@ def sandbox(
         memory_limit=memory_limit,
         audit_log=Path(audit_log) if audit_log else None,
         values=values,
+        on_ready=announce,
     )
-    return upstream.run_until_signalled(serving, directory)
+    try:
+        upstream.run_until_signalled(serving, directory)
+    except Exception as exc:
+        logging.getLogger(__name__).exception("the sandbox failed")
+        print(f"memops sandbox: failed: {type(exc).__name__}: {exc}; see {log}", file=sys.stderr, flush=True)
+        return 1
+    print("memops sandbox: stopped.", flush=True)
+    return 0
+
+
+def log_to(path: Path) -> None:
+    """Send every log record of this process to ``path``, none to the terminal: the root
+    logger's handlers are replaced, and libraries that log to the terminal themselves
+    (distributed installs its own stream handler when imported) propagate to the root instead."""
+    import distributed  # noqa: F401  # imported first, so that its handlers exist to be removed
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    for logger in [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)]:
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                logger.removeHandler(handler)
+                logger.propagate = True
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,9 @@ relies on it, and cites where upstream does it (kubernetes v1.37). Where it diff
 
 - no images: a pod's single container runs its ``command`` + ``args`` from PATH (this Python's
   own scripts first), in its own working directory ``RUN_DIR/nodes/<node>/pods/<ns>_<name>``;
-  no init or sidecar containers, volumes, resources or cgroups;
+  no init or sidecar containers, resources or cgroups; of volumes, ``emptyDir`` and ``hostPath``
+  only, as node directories that paths under their mount path are rewritten to
+  (:mod:`memops_sandbox.nodeagent_volumes`);
 - each pod gets its own loopback address (127.x.y.z) as ``status.podIP``, chosen before the
   container starts so that ``fieldRef: status.podIP`` works; each node's pods come from its own
   127.(100+i).0.0/16 and the node's address (``hostIP``) is 127.(100+i).0.1;
@@ -42,6 +44,7 @@ from typing import Any
 from memops_sandbox import nodeagent_api as api
 from memops_sandbox import nodeagent_env as envs
 from memops_sandbox import nodeagent_status as statuses
+from memops_sandbox import nodeagent_volumes as volumes
 
 Obj = dict[str, Any]
 logger = logging.getLogger("memops_sandbox.nodeagent")  # the same name when run with -m
@@ -219,7 +222,7 @@ class PodWorker:
             name: await self.agent.read_optional(self.node, "configmaps", self.namespace, name)
             for name in config_map_names
         }
-        self.env = envs.container_env(
+        env = envs.container_env(
             self.pod,
             self.container,
             pod_ip=self.ip,
@@ -227,7 +230,10 @@ class PodWorker:
             secrets=secrets,
             config_maps=config_maps,
         )
-        return envs.command_line(self.container, self.env)
+        # No mount namespace: paths under a volume's mountPath name its node directory instead.
+        found = volumes.mounts(self.pod, self.container, tmpfs=self.node.tmpfs, scratch=self.node.scratch)
+        self.env = {name: volumes.translate(value, found) for name, value in env.items()}
+        return [volumes.translate(part, found) for part in envs.command_line(self.container, self.env)]
 
     def process_env(self) -> dict[str, str]:
         """The environment of the container's process, of its exec probes and of its exec hooks."""
@@ -492,6 +498,7 @@ class PodWorker:
             self.signal(signal.SIGKILL)
             self.stopped(exit_code(self.process.returncode or 0))
         self.files.with_suffix(".pid").unlink(missing_ok=True)
+        volumes.remove_empty_dirs(self.pod, tmpfs=self.node.tmpfs, scratch=self.node.scratch)
         await self.report(terminal=True, node_shutdown=node_shutdown)
         if not node_shutdown:
             await self.agent.delete_pod(self.node, self.namespace, self.name, self.uid)

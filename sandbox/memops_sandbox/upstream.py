@@ -1,4 +1,4 @@
-"""``memops sandbox --plane upstream``: the sandbox on the upstream control plane.
+"""``memops sandbox``: the sandbox on the upstream control plane.
 
 Starts, in this order: the control plane (:mod:`memops_sandbox.controlplane`), the operator's
 CRDs, ServiceAccount and RBAC as the chart renders them (:mod:`memops_sandbox.install`), a real
@@ -6,7 +6,7 @@ CRDs, ServiceAccount and RBAC as the chart renders them (:mod:`memops_sandbox.in
 certificate), a Deployment ``dask-worker`` whose pods the real ReplicaSet controller makes and
 the real scheduler binds, then the operator (``memops run`` under its ServiceAccount's token,
 its webhook on TLS) and the chart's webhook configuration pointed at it. The state directory's
-contract is the emulated sandbox's: ``kubeconfig``, ``operator-kubeconfig``,
+contract, which the test suite and users rely on: ``kubeconfig``, ``operator-kubeconfig``,
 ``scheduler-address``, and ``ready`` last.
 
 ``memops-sandbox plane`` runs the first two steps alone (no Dask, no nodes, no operator).
@@ -22,12 +22,11 @@ import shutil
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from memops import sandbox as common
-from memops_sandbox import build, controlplane, install, nodeagent
+from memops_sandbox import build, common, controlplane, install, nodeagent
 
 logger = logging.getLogger(__name__)
 NODE_PREFIX = "node-"
@@ -41,7 +40,7 @@ def operator_command(webhook_port: int, metrics_port: int, cert: Path, key: Path
     """``memops run`` as the chart's Deployment runs it (all namespaces, peering, the webhook on
     TLS with the installer's certificate, left unmanaged), on loopback ports."""
     return [
-        common._executable("memops"),
+        common.executable("memops"),
         "run",
         "--all-namespaces",
         f"--webhook-port={webhook_port}",
@@ -114,7 +113,7 @@ async def _operator(
             await install.register_webhook(api, objects, f"https://127.0.0.1:{webhook_port}", plane.ca)
         yield process
     finally:
-        await common._stop(process, grace=10)
+        await common.stop(process, grace=10)
 
 
 async def serve(
@@ -126,15 +125,26 @@ async def serve(
     memory_limit: str = "1GiB",
     audit_log: Path | None = None,
     values: dict[str, Any] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> None:
-    """Run the sandbox until cancelled. With ``audit_log``, the API server's audit events
-    (``DIR/audit.log``, upstream JSON lines) are appended to it once the plane has stopped, so
-    that one file gathers every sandbox of a test session. ``values`` are the chart's (Helm
-    values, as ``--set`` gives them): ``rbac.daskWorkerGroups``, say, grants what that feature needs."""
+    """Run the sandbox until cancelled; ``on_ready`` is called once ``ready`` is written.
+
+    With ``audit_log``, the API server's audit events (``DIR/audit.log``, upstream JSON lines)
+    are appended to it once the plane has stopped, so that one file gathers every sandbox of a
+    test session. ``values`` are the chart's (Helm values, as ``--set`` gives them):
+    ``rbac.daskWorkerGroups``, say, grants what that feature needs."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
     try:
-        await _serve(workers, state_dir, nodes=nodes, operator=operator, memory_limit=memory_limit, values=values)
+        await _serve(
+            workers,
+            state_dir,
+            nodes=nodes,
+            operator=operator,
+            memory_limit=memory_limit,
+            values=values,
+            on_ready=on_ready,
+        )
     finally:
         if audit_log is not None:
             append_audit(state_dir / "audit.log", audit_log)
@@ -150,27 +160,59 @@ def append_audit(source: Path, target: Path) -> None:
 
 
 async def _serve(
-    workers: int, state_dir: Path, *, nodes: int, operator: bool, memory_limit: str, values: dict[str, Any] | None
+    workers: int,
+    state_dir: Path,
+    *,
+    nodes: int,
+    operator: bool,
+    memory_limit: str,
+    values: dict[str, Any] | None,
+    on_ready: Callable[[], None] | None,
 ) -> None:
     names = node_names(nodes)
-    async with plane_with_operator_access(state_dir, values) as (plane, objects):
+    async with contextlib.AsyncExitStack() as outer:
+        # The Dask scheduler starts while the control plane does: neither needs the other.
+        (address, _), (plane, objects) = await _together(
+            outer.enter_async_context(common.dask_scheduler(state_dir)),
+            outer.enter_async_context(plane_with_operator_access(state_dir, values)),
+        )
         agent = nodeagent.NodeAgent(plane.nodes_kubeconfig(names), names, state_dir)
-        async with common.dask_scheduler(state_dir) as (address, _), contextlib.AsyncExitStack() as stack:
+        async with contextlib.AsyncExitStack() as stack:
             agent_task = asyncio.create_task(agent.run())
             stack.push_async_callback(_stop_agent, agent, agent_task)
             async with plane.session() as api:
                 deployment = common.worker_deployment(address, workers, memory_limit)
                 await api.create(install.path_of(deployment), deployment)
-            await _unless_done(
-                agent_task, common._wait_for_workers(address, workers, common.start_allowance(workers))
+            # The operator starts while the workers do: no MemoryPolicy exists yet, so the pods
+            # being made now have nothing to get from its webhook.
+            await _together(
+                _unless_done(agent_task, common.wait_for_workers(address, workers, common.start_allowance(workers))),
+                *([stack.enter_async_context(_operator(plane, objects, state_dir))] if operator else []),
             )
-            if operator:
-                await stack.enter_async_context(_operator(plane, objects, state_dir))
             (state_dir / "scheduler-address").write_text(address + "\n")
             (state_dir / "ready").write_text("ready\n")
+            if on_ready is not None:
+                on_ready()
             # The node agent runs until cancelled: if it ends, the sandbox has no kubelet left.
             await agent_task
             raise RuntimeError("the node agent stopped")
+
+
+async def _together(*awaitables: Awaitable[Any]) -> list[Any]:
+    """Await ``awaitables`` at once and return their results; at the first failure, cancel the
+    others and raise it as it is (what a context entered meanwhile started, its stack stops)."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            error = task.exception() if task.done() and not task.cancelled() else None
+            if error is not None:
+                raise error
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _unless_done(task: asyncio.Task[None], awaitable: Awaitable[None]) -> None:
@@ -229,7 +271,7 @@ def launch_plane(state_dir: Path, *, timeout: float = 300) -> subprocess.Popen[b
     """Start ``memops-sandbox plane`` as its own process and wait for ``DIR/ready``; for tests.
     Its output goes to ``DIR/../<name>-plane.log``. Stop it with SIGTERM."""
     log = state_dir.parent / f"{state_dir.name}-plane.log"
-    command = [common._executable("memops-sandbox"), "plane", "--state-dir", str(state_dir)]
+    command = [common.executable("memops-sandbox"), "plane", "--state-dir", str(state_dir)]
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
     deadline = time.monotonic() + timeout

@@ -1,33 +1,40 @@
 """Every failure in a daemon ends in a status, never in a crash loop.
 
-Inputs: the emulated API server in this process (with memops' CRDs) and the real daemons'
-code (:class:`memops.controllers.retirement.Retirement`, :func:`memops.controllers.policy._loop`),
-run as asyncio tasks against it. No scheduler is needed: each case fails before one is
-reached. Only Kopf's event posting is switched off (it needs a running operator), and one
-case makes a memops function raise to stand for a bug.
+Inputs: the upstream control plane (``memops-sandbox plane``: etcd and kube-apiserver with
+memops' CRDs, one plane for the module, a namespace per test) and the real daemons' code
+(:class:`memops.controllers.retirement.Retirement`, :func:`memops.controllers.policy._loop`),
+run in this process as asyncio tasks against it, as the admin. No scheduler and no node are
+needed: each case fails before one is reached. Only Kopf's event posting is switched off (it
+needs a running operator), and one case makes a memops function raise to stand for a bug.
+
+Where the CRD's CEL rules refuse the bad value at the API server (a timeout past the maximum,
+in the spec or in the accepted spec of a status), the object stored is valid and the daemon is
+handed the body with the bad value, as Kopf would hand it an object stored before the rule
+existed, or by an API server older than 1.25 that does not run CEL: the operator checks the
+bounds itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import logging
+import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
-import kmock
 import kopf
 import pytest
 from kopf._core.engines import posting
+from memops_sandbox import build, upstream
 
-from memops import crds, kube, specs
-from memops.cluster import apiserver
+from memops import kube, specs
 from memops.controllers import policy, retirement, workloads
 
 LOGGER = logging.getLogger("test")
-RR = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", "default")
-POLICIES = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", "default")
 
 
 class Stopped:
@@ -47,24 +54,55 @@ class Stopped:
         return bool(self)
 
 
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The control plane's state directory (its admin kubeconfig is ``kubeconfig``)."""
+    try:
+        build.ensure()
+    except build.BuildError as error:
+        pytest.skip(f"the control plane's binaries cannot be built here: {error}")
+    state_dir = tmp_path_factory.mktemp("daemons") / "plane"
+    process = upstream.launch_plane(state_dir)
+    try:
+        yield state_dir
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+class Namespaced:
+    """This test's namespace: the paths of its requests and policies."""
+
+    def __init__(self, client: kube.Kube, namespace: str):
+        self.client = client
+        self.namespace = namespace
+        self.requests = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace)
+        self.policies = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", namespace)
+
+
 @pytest.fixture
-async def client() -> AsyncIterator[kube.Kube]:
-    handler = apiserver.ApiServer()
-    async with handler, kmock.Server(handler) as server:
-        for crd in crds.all_crds():
-            await handler.create_crd(crd)
-        client = kube.Kube(kopf.ConnectionInfo(server=str(server.url)))
-        deployment = {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "w", "namespace": "default"},
-            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "w"}}, "template": {}},
-        }
-        await client.request("POST", kube.resource_path("apps", "v1", "deployments", "default"), body=deployment)
-        try:
-            yield client
-        finally:
-            await client.close()
+async def ns(plane: Path, request: pytest.FixtureRequest) -> AsyncIterator[Namespaced]:
+    client = kube.Kube(kube.load_connection(str(plane / "kubeconfig")))
+    namespace = "t-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
+    await client.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "w", "namespace": namespace},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "w"}},
+            "template": {
+                "metadata": {"labels": {"app": "w"}},
+                "spec": {"containers": [{"name": "w", "image": "example.invalid/w:1"}]},
+            },
+        },
+    }
+    await client.request("POST", kube.resource_path("apps", "v1", "deployments", namespace), body=deployment)
+    try:
+        yield Namespaced(client, namespace)
+    finally:
+        await client.close()
 
 
 def _quiet_events() -> None:
@@ -87,56 +125,62 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), None)
 
 
-async def _run_request(client: kube.Kube, name: str, spec: dict[str, Any], status: dict[str, Any] | None = None) -> Any:
-    """Create the request and run its daemon to the end; return the request as it ends."""
+async def _run_request(
+    ns: Namespaced,
+    name: str,
+    spec: dict[str, Any],
+    status: dict[str, Any] | None = None,
+    *,
+    seen: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: body,
+) -> Any:
+    """Create the request and run its daemon to the end; return the request as it ends. The
+    daemon is handed ``seen(stored)``: the body as Kopf would deliver it."""
     _quiet_events()
     body = {"apiVersion": specs.API_VERSION, "kind": "RetirementRequest", "metadata": {"name": name}, "spec": spec}
-    created = await client.request("POST", RR, body=body)
+    created = await ns.client.request("POST", ns.requests, body=body)
     if status is not None:
-        created = await client.merge_patch(f"{RR}/{name}/status", {"status": status})
+        created = await ns.client.merge_patch(f"{ns.requests}/{name}/status", {"status": status})
     stopped = Stopped()
-    daemon = retirement.Retirement(client=client, body=kopf.Body(created), logger=LOGGER)
+    daemon = retirement.Retirement(client=ns.client, body=kopf.Body(seen(created)), logger=LOGGER)
     task = asyncio.create_task(daemon.run(cast(kopf.DaemonStopped, stopped)))
     try:
         await asyncio.wait_for(asyncio.shield(task), 20)
     finally:
         stopped.event.set()
         await task  # re-raises what the daemon raised
-    return await client.get(f"{RR}/{name}")
+    return await ns.client.get(f"{ns.requests}/{name}")
 
 
-def _secret(name: str, **data: str) -> dict[str, Any]:
+def _secret(name: str, namespace: str, **data: str) -> dict[str, Any]:
     encoded = {key: base64.b64encode(value.encode()).decode() for key, value in data.items()}
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "default"}, "data": encoded}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace}, "data": encoded}
 
 
 TLS = {"address": "tls://127.0.0.1:9", "tls": {"secretName": "dask-tls"}}
 NOT_PEM = "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n"
+SPEC = {"scheduler": {"address": "tcp://127.0.0.1:9"}, "workload": {"kind": "Deployment", "name": "w"}}
+PAST_THE_MAXIMUM = "100000000h"
 
 
 @pytest.mark.parametrize(
     ("secret", "detail"),
     [
         pytest.param(None, 'secrets "dask-tls" not found', id="missing"),
-        pytest.param(_secret("dask-tls", **{"ca.crt": NOT_PEM}), "has no 'tls.crt'", id="incomplete"),
-        pytest.param(
-            _secret("dask-tls", **{"ca.crt": NOT_PEM, "tls.crt": NOT_PEM, "tls.key": NOT_PEM}), "", id="not-pem"
-        ),
+        pytest.param({"ca.crt": NOT_PEM}, "has no 'tls.crt'", id="incomplete"),
+        pytest.param({"ca.crt": NOT_PEM, "tls.crt": NOT_PEM, "tls.key": NOT_PEM}, "", id="not-pem"),
     ],
 )
 async def test_an_unusable_secret_is_a_condition_then_a_failure_at_the_deadline(
-    client: kube.Kube, secret: dict[str, Any] | None, detail: str
+    ns: Namespaced, secret: dict[str, str] | None, detail: str
 ) -> None:
     if secret is not None:
-        await client.request("POST", kube.resource_path("", "v1", "secrets", "default"), body=secret)
+        body = _secret("dask-tls", ns.namespace, **secret)
+        await ns.client.request("POST", kube.resource_path("", "v1", "secrets", ns.namespace), body=body)
     spec = {"scheduler": TLS, "workload": {"kind": "Deployment", "name": "w"}, "count": 1, "timeout": "3s"}
     _quiet_events()
-    task = asyncio.create_task(_run_request(client, "tls", spec))
+    task = asyncio.create_task(_run_request(ns, "tls", spec))
     try:
-        retrying = await _poll(
-            "the Retrying condition",
-            lambda: _retrying(client, "tls"),
-        )
+        retrying = await _poll("the Retrying condition", lambda: _retrying(ns, "tls"))
         assert retrying["reason"] == "SecretUnusable"
         assert retrying["message"].startswith("spec.scheduler.tls.secretName: Secret 'dask-tls'")
         assert detail in retrying["message"]
@@ -150,33 +194,44 @@ async def test_an_unusable_secret_is_a_condition_then_a_failure_at_the_deadline(
     assert "spec.scheduler.tls.secretName" in ended["status"]["message"]
 
 
-async def _retrying(client: kube.Kube, name: str) -> dict[str, Any] | None:
-    request = await client.get_or_none(f"{RR}/{name}")  # None until the task has created it
+async def _retrying(ns: Namespaced, name: str) -> dict[str, Any] | None:
+    request = await ns.client.get_or_none(f"{ns.requests}/{name}")  # None until the task has created it
     condition = _condition(request, "Retrying") if request is not None else None
     return condition if condition is not None and condition["status"] == "True" else None
 
 
-async def test_a_timeout_past_the_maximum_fails_the_request_naming_the_field(client: kube.Kube) -> None:
-    # The emulated API server does not run the CRD's CEL rule, as an API server before 1.25 would
-    # not: the operator checks the bound itself instead of overflowing a datetime.
-    spec = {"scheduler": {"address": "tcp://127.0.0.1:9"}, "workload": {"kind": "Deployment", "name": "w"}}
-    ended = await _run_request(client, "forever", {**spec, "count": 1, "timeout": "100000000h"})
+async def test_the_api_server_refuses_a_timeout_past_the_maximum(ns: Namespaced) -> None:
+    body = {
+        "apiVersion": specs.API_VERSION,
+        "kind": "RetirementRequest",
+        "metadata": {"name": "forever"},
+        "spec": {**SPEC, "count": 1, "timeout": PAST_THE_MAXIMUM},
+    }
+    with pytest.raises(kube.ApiError) as refused:
+        await ns.client.request("POST", ns.requests, body=body)
+    assert refused.value.code == 422 and "spec.timeout" in refused.value.message
+
+
+async def test_a_timeout_past_the_maximum_fails_the_request_naming_the_field(ns: Namespaced) -> None:
+    def unbounded(stored: dict[str, Any]) -> dict[str, Any]:
+        return {**stored, "spec": {**stored["spec"], "timeout": PAST_THE_MAXIMUM}}
+
+    ended = await _run_request(ns, "forever", {**SPEC, "count": 1, "timeout": "1m"}, seen=unbounded)
     assert ended["status"]["phase"] == "Failed"
     assert ended["status"]["message"].startswith("spec.timeout:")
     assert _condition(ended, "Failed")["reason"] == "InvalidSpec"  # type: ignore[index]
 
 
 async def test_an_unexpected_error_is_a_condition_then_a_failure_at_the_deadline(
-    client: kube.Kube, monkeypatch: pytest.MonkeyPatch
+    ns: Namespaced, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(workloads, "get", broken)
-    spec = {"scheduler": {"address": "tcp://127.0.0.1:9"}, "workload": {"kind": "Deployment", "name": "w"}}
-    task = asyncio.create_task(_run_request(client, "bug", {**spec, "count": 1, "timeout": "3s"}))
+    task = asyncio.create_task(_run_request(ns, "bug", {**SPEC, "count": 1, "timeout": "3s"}))
     try:
-        retrying = await _poll("the Retrying condition", lambda: _retrying(client, "bug"))
+        retrying = await _poll("the Retrying condition", lambda: _retrying(ns, "bug"))
         assert (retrying["reason"], retrying["message"].split(";")[0]) == ("InternalError", "RuntimeError: a bug")
         ended = await asyncio.wait_for(task, 20)
     finally:
@@ -185,15 +240,19 @@ async def test_an_unexpected_error_is_a_condition_then_a_failure_at_the_deadline
     assert ended["status"]["message"] == "RuntimeError: a bug; gave up at spec.timeout"
 
 
-async def test_a_status_that_cannot_be_read_fails_the_request_and_touches_nothing(client: kube.Kube) -> None:
-    spec = {"scheduler": {"address": "tcp://127.0.0.1:9"}, "workload": {"kind": "Deployment", "name": "w"}}
+async def test_a_status_that_cannot_be_read_fails_the_request_and_touches_nothing(ns: Namespaced) -> None:
     # Written by an operator that accepted what this one refuses (no CEL rule held it back).
     status = {
         "phase": "Draining",
-        "acceptedSpec": {**spec, "count": 1, "timeout": "100000000h"},
+        "acceptedSpec": {**SPEC, "count": 1, "timeout": "1m"},
         "workers": [{"pod": "w-1", "state": "Draining"}],
     }
-    ended = await _run_request(client, "odd", {**spec, "count": 1}, status=status)
+
+    def unbounded(stored: dict[str, Any]) -> dict[str, Any]:
+        accepted = {**stored["status"]["acceptedSpec"], "timeout": PAST_THE_MAXIMUM}
+        return {**stored, "status": {**stored["status"], "acceptedSpec": accepted}}
+
+    ended = await _run_request(ns, "odd", {**SPEC, "count": 1}, status=status, seen=unbounded)
     assert ended["status"]["phase"] == "Failed"
     assert _condition(ended, "Failed")["reason"] == "InvalidStatus"  # type: ignore[index]
     assert "status.acceptedSpec.timeout" in ended["status"]["message"]
@@ -201,7 +260,7 @@ async def test_a_status_that_cannot_be_read_fails_the_request_and_touches_nothin
 
 
 async def test_an_unexpected_error_in_a_policy_pass_is_a_condition(
-    client: kube.Kube, monkeypatch: pytest.MonkeyPatch
+    ns: Namespaced, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _quiet_events()
 
@@ -209,15 +268,10 @@ async def test_an_unexpected_error_in_a_policy_pass_is_a_condition(
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(workloads, "get", broken)
-    body = {
-        "apiVersion": specs.API_VERSION,
-        "kind": "MemoryPolicy",
-        "metadata": {"name": "p"},
-        "spec": {"scheduler": {"address": "tcp://127.0.0.1:9"}, "workload": {"kind": "Deployment", "name": "w"}},
-    }
-    created = kopf.Body(await client.request("POST", POLICIES, body=body))
+    body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": SPEC}
+    created = kopf.Body(await ns.client.request("POST", ns.policies, body=body))
     stopped = Stopped()
-    reconciler = policy.Policy(client=client, body=created, logger=LOGGER)
+    reconciler = policy.Policy(client=ns.client, body=created, logger=LOGGER)
     task = asyncio.create_task(
         policy._loop(reconciler, created, cast(kopf.DaemonStopped, stopped), asyncio.Event(), LOGGER)
     )
@@ -225,7 +279,7 @@ async def test_an_unexpected_error_in_a_policy_pass_is_a_condition(
     async def not_ready() -> dict[str, Any] | None:
         if task.done():
             task.result()  # the loop ended: re-raise why
-        ready = _condition(await client.get(f"{POLICIES}/p"), "Ready")
+        ready = _condition(await ns.client.get(f"{ns.policies}/p"), "Ready")
         return ready if ready is not None and ready["reason"] == "InternalError" else None
 
     try:
@@ -237,30 +291,40 @@ async def test_an_unexpected_error_in_a_policy_pass_is_a_condition(
         await asyncio.wait_for(task, 10)
 
 
-async def _policy(client: kube.Kube, name: str, **spec: Any) -> policy.Policy:
+async def _policy(ns: Namespaced, name: str, **spec: Any) -> policy.Policy:
     _quiet_events()
     body = {
         "apiVersion": specs.API_VERSION,
         "kind": "MemoryPolicy",
         "metadata": {"name": name},
-        "spec": {"scheduler": {"address": "tcp://127.0.0.1:9"}, "workload": {"kind": "Deployment", "name": "w"}}
-        | spec,
+        "spec": SPEC | spec,
     }
-    created = kopf.Body(await client.request("POST", POLICIES, body=body))
-    return policy.Policy(client=client, body=created, logger=LOGGER)
+    created = kopf.Body(await ns.client.request("POST", ns.policies, body=body))
+    return policy.Policy(client=ns.client, body=created, logger=LOGGER)
 
 
-async def test_a_policy_whose_name_cannot_label_its_requests_is_not_ready(client: kube.Kube) -> None:
-    name = "p" * 64
-    await (await _policy(client, name)).reconcile()
-    ready = _condition(await client.get(f"{POLICIES}/{name}"), "Ready")
+async def test_the_api_server_refuses_a_policy_name_that_cannot_label_its_requests(ns: Namespaced) -> None:
+    body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p" * 64}, "spec": SPEC}
+    with pytest.raises(kube.ApiError) as refused:
+        await ns.client.request("POST", ns.policies, body=body)
+    assert refused.value.code == 422 and "metadata.name must be at most 63 characters" in refused.value.message
+
+
+async def test_a_policy_whose_name_cannot_label_its_requests_is_not_ready(
+    ns: Namespaced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator's own bound, for a CRD without the rule: exercised with the bound lowered,
+    since the real API server refuses a longer name (the test above)."""
+    monkeypatch.setattr(policy, "_MAX_NAME_LENGTH", 3)
+    await (await _policy(ns, "long")).reconcile()
+    ready = _condition(await ns.client.get(f"{ns.policies}/long"), "Ready")
     assert ready is not None and (ready["status"], ready["reason"]) == ("False", "InvalidName")
-    assert ready["message"].startswith("metadata.name: at most 63 characters")
+    assert ready["message"].startswith("metadata.name: at most 3 characters")
 
 
-async def test_a_policy_with_a_missing_secret_names_the_secret(client: kube.Kube) -> None:
-    reconciler = await _policy(client, "p", scheduler={"address": "tls://127.0.0.1:9", "tls": {"secretName": "gone"}})
+async def test_a_policy_with_a_missing_secret_names_the_secret(ns: Namespaced) -> None:
+    reconciler = await _policy(ns, "p", scheduler={"address": "tls://127.0.0.1:9", "tls": {"secretName": "gone"}})
     await reconciler.reconcile()
-    reachable = _condition(await client.get(f"{POLICIES}/p"), "SchedulerReachable")
+    reachable = _condition(await ns.client.get(f"{ns.policies}/p"), "SchedulerReachable")
     assert reachable is not None and (reachable["status"], reachable["reason"]) == ("False", "SecretUnusable")
     assert reachable["message"].startswith("spec.scheduler.tls.secretName: ")

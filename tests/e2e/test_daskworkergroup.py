@@ -21,8 +21,8 @@ from typing import Any
 
 import distributed
 import pytest
+from memops_sandbox.common import free_port
 
-from memops.sandbox import free_port
 from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import scatter_unique
 

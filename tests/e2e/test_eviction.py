@@ -17,8 +17,8 @@ from typing import Any
 
 import distributed
 import pytest
+from memops_sandbox import common as sandbox_cli
 
-from memops import sandbox as sandbox_cli
 from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import Holdings, scatter_unique
 
@@ -38,7 +38,7 @@ def upstream(tmp_path: Path) -> Iterator[Any]:
 
     def start(operator: bool = True, workers: int = WORKERS) -> Sandbox:
         state_dir = tmp_path / f"upstream{len(started)}"
-        args = ["--plane", "upstream", "--nodes", "2", *([] if operator else ["--no-operator"])]
+        args = ["--nodes", "2", *([] if operator else ["--no-operator"])]
         sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args))
         started.append(sandbox)
         return sandbox
@@ -135,6 +135,18 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
     policy(sandbox)
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         node, pods, holdings = setup(sandbox, client)
+        # A server-side dry run: the API server calls the gate with dryRun (its sideEffects are
+        # NoneOnDryRun), which answers as it would (429, as a PDB would) and starts nothing.
+        dry = subprocess.run(
+            [str(BIN / "kubectl"), "drain", node, "--ignore-daemonsets", "--dry-run=server", "--timeout=8s"],
+            capture_output=True,
+            text=True,
+            env=sandbox.env,
+            timeout=60,
+        )
+        assert dry.returncode != 0 and "will retry after" in dry.stderr, dry.stdout + dry.stderr
+        assert eviction_requests(sandbox) == [], "a dry-run eviction started a drain"
+        assert not sandbox.get("node", node)["spec"].get("unschedulable"), "the dry run cordoned the node"
         result, seconds = drain(sandbox, node)
         print(f"kubectl drain {node} ({len(pods)} workers): {seconds:.1f} s")
         assert result.returncode == 0, result.stdout + result.stderr + sandbox.operator_log()[-4000:]
@@ -205,7 +217,10 @@ def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout
             assert "onTimeout is Abort" in result.stderr, result.stderr
             assert request["status"]["phase"] == "Failed" and worker["state"] == "Kept"
             events = sandbox.get("events", "--field-selector", f"involvedObject.name={pod}")["items"]
-            assert any(e["reason"] == "EvictionRefused" for e in events)
+            refused = [e for e in events if e["reason"] == "EvictionRefused"]
+            # kubectl drain retried every 5 s after the drain ended: one event for the episode.
+            assert len(refused) == 1, refused
+            assert "will retry after" in result.stderr
             assert holdings.lost() == []
         else:
             assert result.returncode == 0, result.stderr

@@ -8,8 +8,8 @@ import signal
 from typing import Any
 
 import distributed
+from memops_sandbox import common as sandbox_cli
 
-from memops import sandbox as sandbox_cli
 from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.data import Holdings, scatter_unique, workers_by_name
 

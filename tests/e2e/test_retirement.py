@@ -1,4 +1,4 @@
-"""RetirementRequest end to end: kubectl, the operator process, the emulated cluster, real Dask.
+"""RetirementRequest end to end: kubectl, the operator process, the upstream control plane, real Dask.
 
 Every test scatters unique (unrecomputable) data onto real workers and checks, with a real
 ``distributed.Client``, what became of it.

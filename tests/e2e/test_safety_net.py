@@ -10,8 +10,8 @@ import shutil
 from typing import Any
 
 import distributed
+from memops_sandbox import common as sandbox_cli
 
-from memops import sandbox as sandbox_cli
 from tests.e2e import audit
 from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.test_policy import condition, memory_policy

@@ -34,6 +34,7 @@ VALUE_SETS = {
         "metrics": {"networkPolicy": {"from": []}},
     },
     "no-network-policy": {"networkPolicy": {"enabled": False}},
+    "shared-spill-node": {"sharedSpill": {"nodeDaemonSet": {"enabled": True, "size": "64g", "mode": "0770"}}},
 }
 
 
@@ -86,6 +87,24 @@ def test_validation_catches_an_unknown_field() -> None:
             id="bad-interval",
         ),
         pytest.param({"replica": 1}, "replica", id="misspelt-key"),
+        pytest.param(
+            {"sharedSpill": {"nodeDaemonSet": {"hostPath": "/etc/spill"}}},
+            "/sharedSpill/nodeDaemonSet/hostPath",
+            id="spill-under-etc",
+        ),
+        pytest.param(
+            {"sharedSpill": {"nodeDaemonSet": {"hostPath": "/spill"}}},
+            "/sharedSpill/nodeDaemonSet/hostPath",
+            id="spill-parent-is-root",
+        ),
+        pytest.param(
+            {"sharedSpill": {"nodeDaemonSet": {"size": "8g;reboot"}}},
+            "/sharedSpill/nodeDaemonSet/size",
+            id="spill-size-not-a-size",
+        ),
+        pytest.param(
+            {"sharedSpill": {"nodeDaemonSet": {"mode": "a+rwx"}}}, "/sharedSpill/nodeDaemonSet/mode", id="spill-mode"
+        ),
         pytest.param({"rbac": {"schedulerTLS": "yes"}}, "/rbac/schedulerTLS", id="feature-not-a-boolean"),
         pytest.param(
             {"webhook": {"networkPolicy": {"from": [{"ipBlock": {}}]}}},
@@ -319,3 +338,39 @@ def test_readme_values_summary_names_real_values() -> None:
         for part in key.split("."):
             assert isinstance(node, dict) and part in node, f"install.md lists `{key}`, not in values.yaml"
             node = node[part]
+
+
+def test_shared_spill_daemonset_is_off_by_default_and_least_privileged_when_on() -> None:
+    assert manifests.find(manifests.render_chart(), "DaemonSet") == []
+    values = {"sharedSpill": {"nodeDaemonSet": {"enabled": True, "size": "64g", "uid": 1000, "gid": 1000}}}
+    daemonset = manifests.one(manifests.render_chart(values), "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod)
+    assert pod["nodeSelector"] == {"feature.node.kubernetes.io/memory-swap.enabled": "true"}
+    # The node's parent directory only, and the tmpfs mounted on its child.
+    assert pod["volumes"] == [
+        {"name": "node-parent", "hostPath": {"path": "/var/lib/memops", "type": "DirectoryOrCreate"}}
+    ]
+    (init,) = pod["initContainers"]
+    env = {e["name"]: e["value"] for e in init["env"]}
+    assert env == {
+        "SPILL_DIR": "/node/spill",
+        "SPILL_OPTIONS": "size=64g,mode=1777,uid=1000,gid=1000,nosuid,nodev,noexec",
+    }
+    # Never asked for; and the script refuses a tmpfs that ended up noswap.
+    assert "noswap" not in env["SPILL_OPTIONS"] and "*noswap*) echo" in init["command"][2]
+    assert init["volumeMounts"][0]["mountPropagation"] == "Bidirectional"
+    assert init["securityContext"] == {
+        "privileged": True,
+        "runAsUser": 0,
+        "runAsNonRoot": False,
+        "readOnlyRootFilesystem": True,
+    }
+    (main,) = pod["containers"]
+    assert main["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert main["securityContext"]["allowPrivilegeEscalation"] is False
+    assert main["securityContext"]["runAsNonRoot"] is True
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "volumeMounts" not in main
+    assert all(c["resources"]["requests"] for c in (init, main))

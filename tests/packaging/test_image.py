@@ -5,6 +5,8 @@ whose ``memops`` runs."""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import re
 import shutil
 import site
@@ -14,6 +16,7 @@ import venv
 import zipfile
 from pathlib import Path
 
+import packaging.requirements
 import pytest
 
 from tests.packaging import manifests
@@ -21,6 +24,45 @@ from tests.packaging import manifests
 ROOT = manifests.ROOT
 DOCKERFILE = ROOT / "operator" / "Dockerfile"
 HADOLINT = Path(sys.executable).parent / "hadolint"
+
+
+SANDBOX_ONLY = {"kmock", "jsonschema", "cryptography", "helm-python-sdk", "helm_python", "memops-sandbox"}
+"""What only the sandbox and the tests need (jsonpatch is not among them: Kopf requires it)."""
+
+
+def dependency_closure(names: set[str]) -> set[str]:
+    """Every distribution that ``names`` require, transitively, as installed here (extras off)."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = canonical(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requirements = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in requirements:
+            requirement = packaging.requirements.Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return seen
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def imports(source: str) -> set[str]:
+    """Top-level names of the modules a Python source imports, anywhere in it."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
 
 
 def _hadolint(path: Path) -> subprocess.CompletedProcess[str]:
@@ -82,14 +124,23 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
         timeout=180,
     )
     (wheel,) = wheels.glob("memops-*.whl")
-    # The operator's image carries the operator only: the sandbox's emulated API server (kmock,
-    # jsonschema, jsonpatch), certificates and Helm come with memops-sandbox, an extra.
+    # The operator's image carries the operator only: the sandbox (the control plane's launcher,
+    # its certificates, Helm, the node agent) comes with memops-sandbox, an extra, and no API
+    # server of any kind is in the wheel or among its dependencies, however deep.
     with zipfile.ZipFile(wheel) as archive:
         (metadata,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
         requires = re.findall(r"^Requires-Dist: (.+)$", archive.read(metadata).decode(), flags=re.MULTILINE)
+        sources = {name: archive.read(name).decode() for name in archive.namelist() if name.endswith(".py")}
     runtime = {re.split(r"[<>=!~ ;\[]", line, maxsplit=1)[0].lower() for line in requires if "extra ==" not in line}
-    assert not runtime & {"kmock", "jsonschema", "jsonpatch", "cryptography", "helm-python-sdk", "memops-sandbox"}
+    assert not runtime & SANDBOX_ONLY
+    assert not dependency_closure(runtime) & SANDBOX_ONLY
     assert "memops-sandbox; extra == \"sandbox\"" in requires
+    assert {name.split("/")[0] for name in sources} == {"memops"}
+    assert not [name for name in sources if name.startswith(("memops/cluster/", "memops/sandbox"))]
+    for name, source in sources.items():
+        imported = imports(source) & (SANDBOX_ONLY | {"memops_sandbox"})
+        # `memops sandbox` imports the extra when it is installed, and says how to install it when not.
+        assert imported <= ({"memops_sandbox"} if name == "memops/cli.py" else set()), (name, imported)
     # A fresh environment that borrows this one's dependencies (no download) but not its memops:
     # a .pth line puts this environment's site-packages after the fresh one's, and the .pth
     # files in there (this checkout's editable install among them) are not run.

@@ -119,3 +119,13 @@ def test_kustomize_crds_are_the_generated_ones() -> None:
         assert copy.read_bytes() == generated.read_bytes(), f"deploy/kustomize/base/crds/{generated.name} differs"
     peering = "kopf-peering.yaml"
     assert (BASE / "crds" / peering).read_bytes() == (manifests.CHART / "crds" / peering).read_bytes()
+
+
+def test_shared_spill_component_is_the_charts_daemonset() -> None:
+    objects = manifests.kustomize_with(BASE, ["shared-spill-node"])
+    manifests.validate(objects)
+    chart = manifests.render_chart({"sharedSpill": {"nodeDaemonSet": {"enabled": True}}})
+    ours, theirs = manifests.one(objects, "DaemonSet"), manifests.one(chart, "DaemonSet")
+    assert ours["spec"] == theirs["spec"]
+    assert (ours["metadata"]["name"], ours["metadata"]["namespace"]) == ("memops-spill", "memops")
+    assert manifests.find(manifests.kustomize(BASE), "DaemonSet") == []

@@ -44,9 +44,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from memops_sandbox import common as sandbox_cli
 
 from memops import kube, permissions
-from memops import sandbox as sandbox_cli
 from memops.controllers import workloads
 from tests.e2e import audit
 from tests.e2e.conftest import EVERY_FEATURE, Sandbox
@@ -181,7 +181,7 @@ def chart_scenario(tmp_path_factory: pytest.TempPathFactory, audit_log: Path) ->
     directory = tmp_path_factory.mktemp("chart-mode")
     state_dir = directory / "sandbox"
     process = sandbox_cli.launch(
-        state_dir, 3, "--plane", "upstream", *EVERY_FEATURE, "--no-operator", "--audit-log", str(audit_log)
+        state_dir, 3, *EVERY_FEATURE, "--no-operator", "--audit-log", str(audit_log)
     )
     sandbox = Sandbox(state_dir, process)
     operator: subprocess.Popen[bytes] | None = None

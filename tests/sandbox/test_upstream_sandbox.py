@@ -1,4 +1,4 @@
-"""``memops sandbox --plane upstream``: the whole sandbox on the upstream control plane.
+"""``memops sandbox``: the whole sandbox on the upstream control plane.
 
 Real kube-apiserver, etcd, controller-manager and scheduler; the node agent serving two Nodes
 with their own client certificates; a real ``dask scheduler`` and ``dask worker`` pods made by
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,8 +21,7 @@ from typing import Any
 
 import pytest
 from memops_sandbox import build
-
-from memops import sandbox as sandbox_cli
+from memops_sandbox import common as sandbox_cli
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 OPERATOR = "system:serviceaccount:memops-system:memops"
@@ -35,7 +35,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, su
     except build.BuildError as error:
         pytest.skip(f"the control plane's binaries cannot be built here: {error}")
     state_dir = tmp_path_factory.mktemp("upstream") / "state"
-    process = sandbox_cli.launch(state_dir, 2, "--plane", "upstream", "--nodes", "2")
+    process = sandbox_cli.launch(state_dir, 2, "--nodes", "2")
     try:
         yield state_dir, process
     finally:
@@ -121,6 +121,37 @@ def test_the_api_server_calls_the_webhook_over_tls(sandbox: tuple[Path, subproce
     annotations = event["annotations"]
     assert '"webhook":"safety-net.memops.dev"' in annotations["mutation.webhook.admission.k8s.io/round_0_index_0"]
     assert not any(key.startswith("failed-open") for key in annotations), annotations
+
+
+def terminal(state_dir: Path) -> list[str]:
+    """What ``memops sandbox`` wrote to its terminal (stdout and stderr: ``launch`` sends both to one file)."""
+    return (state_dir.parent / f"{state_dir.name}-sandbox.log").read_text().splitlines()
+
+
+# A log or access line of any component: a timestamp, a level, klog's "I1123 19:59:01.123456", or an
+# aiohttp access line.
+LOG_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d|\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b"
+    r"|^[IWEF]\d{4} |\"(GET|POST|PUT|PATCH|DELETE) /"
+)
+
+
+def test_the_terminal_says_only_what_to_do_next(sandbox: tuple[Path, subprocess.Popen[bytes]]) -> None:
+    """A start line, a ready line and the commands to type; every process' log is in a file."""
+    state_dir, _ = sandbox
+    lines = terminal(state_dir)
+    print("\n".join(lines))
+    assert not [line for line in lines if LOG_LINE.search(line)], lines
+    assert lines[0].startswith("memops sandbox: starting Kubernetes ") and str(state_dir) in lines[0]
+    assert lines[1] == "memops sandbox: ready. In another terminal:"
+    assert lines[2] == f"  export KUBECONFIG={state_dir / 'kubeconfig'}"
+    assert all(line.startswith("  kubectl ") or " | kubectl " in line for line in lines[3:-1]), lines
+    assert lines[-1].startswith("Logs: ") and lines[-1].endswith("Stop with Ctrl-C.")
+    assert len(lines) <= 8
+    # The logs went to files instead.
+    for log in ("sandbox.log", "scheduler.log", "logs/kube-apiserver.log", "logs/operator.log", "logs/etcd.log"):
+        assert (state_dir / log).stat().st_size > 0, log
+    assert list((state_dir / "pods").glob("*.log"))
 
 
 def test_sigterm_stops_every_process(sandbox: tuple[Path, subprocess.Popen[bytes]]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -208,6 +209,7 @@ async def test_a_short_deadline_moves_the_keys_that_cannot_be_recomputed_first(
     lost = state["lostAtDeadline"]
     assert 0 < lost["keys"] == 155 - state["keysMoved"] and lost["irreplaceableKeys"] == 0
     assert lost["bytes"] == lost["keys"] * MiB and lost["cause"] == "deadline"
+    assert state["origin"] == "" and abs(state["endedAt"] - time.time()) < 60, "the operator's drain, stopped now"
     # What the report says is lost is what only the drained worker holds, but for the keys on
     # their way at the deadline (a 1-byte window: one per recipient), which may have landed since.
     only_there = [ts.key for ts in local.scheduler.workers[dying].has_what if len(ts.who_has) == 1]

@@ -95,6 +95,8 @@ async def test_the_hook_drains_with_memops_where_the_agent_runs() -> None:
             assert await run_hook(local.scheduler_address, name, env) == 0
             state = (await daskrpc.drain_status(local.scheduler_address))[leaving]
             assert state["state"] == "done" and state["node"] == "node-a" and state["keysMoved"] == 100
+            # Told from the operator's drains: the policy's status records what a hook's drain loses.
+            assert state["origin"] == "preStop" and state["name"] == name
             assert state["asked"] == 100 and 20 < state["deadlineIn"] + state["seconds"] <= 25
             assert leaving not in (await client.scheduler.identity())["workers"]
             assert len(await client.gather(list(futures.values()))) == 100

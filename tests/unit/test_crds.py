@@ -115,3 +115,13 @@ def test_durations_have_a_maximum_in_the_schema(kind: specs.ResourceKind, path: 
 def test_a_policy_name_fits_in_a_label_value() -> None:
     rules = _spec_schema(specs.MEMORY_POLICY)["x-kubernetes-validations"]
     assert rules[0]["rule"] == "self.metadata.name.size() <= 63"
+
+
+def test_a_map_keeps_the_schema_of_its_values() -> None:
+    """A ``dict[str, str]`` (a node selector, matchLabels) is a map to the API server only with
+    ``additionalProperties``: without it every key is unknown, dropped or (strict) refused."""
+    schema = crds.crd_for(specs.MEMORY_POLICY)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    pods = schema["properties"]["spec"]["properties"]["replication"]["properties"]["rules"]["items"]["properties"]
+    selectors = pods["pods"]["properties"]
+    assert selectors["nodeSelector"]["additionalProperties"] == {"type": "string"}
+    assert selectors["labelSelector"]["properties"]["matchLabels"]["additionalProperties"] == {"type": "string"}

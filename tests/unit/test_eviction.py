@@ -52,6 +52,8 @@ def test_decide(
     decision = eviction.decide(pod="w-1", unique_bytes=unique, request=request_)
     assert (decision.allowed, decision.start_drain, decision.warning) == (allowed, start, warning)
     assert decision.code == 429
+    # A warning belongs to its refusal episode (the request), which names its one event.
+    assert decision.episode == ("evict-n1-abc" if warning else "")
     assert "w-1" in decision.message
 
 
@@ -162,3 +164,50 @@ def test_mark_drained_leaves_the_pods_to_the_eviction() -> None:
     assert "left to the eviction" in a.message
     assert (b.state, b.removable, b.bytesLost) == (State.FORCED, False, 5)
     assert c == workers[2]
+
+
+def test_one_refusal_event_per_pod_and_episode() -> None:
+    name = eviction.refusal_event_name("w-1", "evict-n1-abc")
+    assert name == eviction.refusal_event_name("w-1", "evict-n1-abc"), "every retry: the same event"
+    assert name.startswith("w-1.memops-refused-")
+    assert name != eviction.refusal_event_name("w-1", "evict-n1-def"), "a new episode: a new event"
+    assert name != eviction.refusal_event_name("w-2", "evict-n1-abc")
+    assert len(eviction.refusal_event_name("p" * 253, "x")) <= 253
+
+
+SEEN = {"default/p": ("taint node.kubernetes.io/unschedulable", 100.0)}
+
+
+@pytest.mark.parametrize(
+    ("policy", "signal", "now", "due"),
+    [
+        pytest.param("default/p", "taint node.kubernetes.io/unschedulable", 101.0, False, id="same-signal-soon"),
+        pytest.param("default/p", "taint node.kubernetes.io/unschedulable", 130.0, True, id="same-signal-later"),
+        pytest.param("default/p", "label node.kubernetes.io/spot", 101.0, True, id="changed-signal"),
+        pytest.param("other/p", "taint node.kubernetes.io/unschedulable", 101.0, True, id="another-policy"),
+    ],
+)
+def test_node_signals_are_acted_on_at_most_once_per_interval(policy: str, signal: str, now: float, due: bool) -> None:
+    assert eviction.node_signal_due(SEEN, policy, signal, now, interval=30.0) is due
+
+
+@pytest.mark.parametrize(
+    ("body", "admission", "expected"),
+    [
+        pytest.param({"deleteOptions": {"dryRun": ["All"]}}, False, True, id="kubectl-drain-dry-run-server"),
+        pytest.param({}, True, True, id="query-dry-run"),
+        pytest.param({"deleteOptions": {}}, False, False, id="real-eviction"),
+        pytest.param({"deleteOptions": {"dryRun": "All"}}, False, False, id="not-a-list"),
+        pytest.param({"deleteOptions": None}, False, False, id="null-options"),
+    ],
+)
+def test_a_dry_run_is_read_from_the_query_or_the_evictions_delete_options(
+    body: dict[str, Any], admission: bool, expected: bool
+) -> None:
+    assert eviction.dry_run(body, admission) is expected
+
+
+def test_a_dry_run_is_answered_as_a_real_eviction_but_starts_nothing() -> None:
+    dry = eviction.decide(pod="w-1", unique_bytes=1000, request=None, dry_run=True)
+    assert not dry.allowed and dry.code == 429 and not dry.start_drain and "dry run" in dry.message
+    assert eviction.decide(pod="w-1", unique_bytes=0, request=None, dry_run=True).allowed

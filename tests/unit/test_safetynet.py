@@ -36,7 +36,8 @@ def test_prestop_drain_and_a_grace_period_that_covers_the_drain() -> None:
     # The hook's deadline: the grace period less the margin to close (it cannot see the pod's).
     assert env["MEMOPS_DRAIN_DEADLINE"]["value"] == "120"
     assert env["MEMOPS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert 'operation="drain", names=[name]' in container["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert "operation=\"drain\",\n        names=[name]," in container["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert "origin=\"preStop\"" in container["lifecycle"]["preStop"]["exec"]["command"][2]
     assert change["annotations"] == {safetynet.ANNOTATION: "analytics"}
 
 
@@ -156,3 +157,72 @@ def test_failed_hooks_of_the_workload_from_the_kubelets_events(
 ) -> None:
     hooks = safetynet.failed_hooks(events, DEPLOYMENT, previous, limit)
     assert [(h.pod, h.time) for h in hooks] == expected
+
+
+DEPLOYMENT = specs.WorkloadRef(kind=specs.WorkloadKind.DEPLOYMENT, name="dask-worker")
+T0 = 1_900_000_000.0
+
+
+def drain(pod: str, *, origin: str = "preStop", keys: Any = 3, ended: Any = T0, cause: str = "worker left") -> Any:
+    """One entry of the agent's ``drain_status``, as :mod:`memops.scheduler.drain` reports it."""
+    return {
+        "state": "gone",
+        "name": pod,
+        "origin": origin,
+        "endedAt": ended,
+        "lostAtDeadline": {"keys": keys, "bytes": 3 * 2**20, "irreplaceableKeys": 2, "cause": cause},
+    }
+
+
+@pytest.mark.parametrize(
+    ("entry", "recorded"),
+    [
+        pytest.param(drain("dask-worker-5d9c7-abcde"), True, id="a-hook-drain-that-lost-keys"),
+        pytest.param(drain("dask-worker-5d9c7-abcde", origin=""), False, id="the-operators-own-drain"),
+        pytest.param(drain("dask-worker-5d9c7-abcde", keys=0), False, id="nothing-lost"),
+        pytest.param(drain("other-5d9c7-abcde"), False, id="another-workloads-pod"),
+        pytest.param(drain("dask-worker-5d9c7-abcde", keys="3"), False, id="keys-not-a-number"),
+        pytest.param(drain("dask-worker-5d9c7-abcde", ended=True), False, id="time-not-a-number"),
+        pytest.param(drain("dask-worker-5d9c7-abcde", ended=1e300), False, id="time-out-of-range"),
+        pytest.param({**drain("dask-worker-5d9c7-abcde"), "lostAtDeadline": None}, False, id="still-draining"),
+        pytest.param("not a map", False, id="hostile-entry"),
+    ],
+)
+def test_hook_losses_records_only_the_workloads_hook_drains_that_lost_keys(entry: Any, recorded: bool) -> None:
+    losses = safetynet.hook_losses({"tcp://10.0.0.1:1": entry}, DEPLOYMENT)
+    assert len(losses) == recorded
+    if recorded:
+        (loss,) = losses
+        assert (loss.pod, loss.keys, loss.bytes, loss.irreplaceableKeys, loss.cause) == (
+            "dask-worker-5d9c7-abcde",
+            3,
+            3 * 2**20,
+            2,
+            "worker left",
+        )
+        assert loss.time == "2030-03-17T17:46:40Z"
+
+
+def test_hook_losses_are_recorded_once_across_passes_and_restarts() -> None:
+    drains = {"tcp://10.0.0.1:1": drain("dask-worker-5d9c7-aaaaa"), "tcp://10.0.0.2:1": drain("dask-worker-5d9c7-b")}
+    first = safetynet.hook_losses(drains, DEPLOYMENT)
+    assert len(first) == 2
+    # The next pass (or a restarted operator, reading the status back) finds nothing new.
+    again = safetynet.hook_losses(drains, DEPLOYMENT, first)
+    assert again == first
+    old = specs.SafetyNetStatus(lostAtDeadline=first)
+    assert safetynet.new_losses(old, specs.SafetyNetStatus(lostAtDeadline=again)) == []
+    assert safetynet.new_losses(None, old) == first
+
+
+def test_hook_losses_keep_the_latest_and_do_not_count_a_dropped_one_again() -> None:
+    drains = {f"tcp://10.0.0.{i}:1": drain(f"dask-worker-5d9c7-p{i}", ended=T0 + i) for i in range(4)}
+    kept = safetynet.hook_losses(drains, DEPLOYMENT, limit=2)
+    assert [loss.pod for loss in kept] == ["dask-worker-5d9c7-p2", "dask-worker-5d9c7-p3"]
+    # p0 and p1 fell off the list; the agent still reports them: they are not new.
+    assert safetynet.hook_losses(drains, DEPLOYMENT, kept, limit=2) == kept
+    newer = {**drains, "tcp://10.0.0.9:1": drain("dask-worker-5d9c7-p9", ended=T0 + 9)}
+    assert [loss.pod for loss in safetynet.hook_losses(newer, DEPLOYMENT, kept, limit=2)] == [
+        "dask-worker-5d9c7-p3",
+        "dask-worker-5d9c7-p9",
+    ]

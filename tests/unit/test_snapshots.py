@@ -189,3 +189,23 @@ def test_a_running_pod_without_an_identifiable_worker_is_never_chosen_as_empty()
 )
 def test_address_host(address: str, host: str) -> None:
     assert snapshots.address_host(address) == host
+
+
+def test_nodes_of_workers_for_recipients_off_a_dying_node() -> None:
+    pods = [
+        snapshots.PodInfo("a", ips=("10.0.0.1",), node="node-a"),
+        snapshots.PodInfo("b", ips=("10.0.0.2",), node="node-b"),
+        snapshots.PodInfo("unscheduled", ips=(), phase="Pending"),
+        snapshots.PodInfo("old", ips=("10.0.0.3",), phase="Failed", node="node-a"),
+    ]
+    workers = [
+        snapshots.WorkerInfo("a", "tcp://10.0.0.1:4000"),
+        snapshots.WorkerInfo("a-1", "tcp://10.0.0.1:4001"),
+        snapshots.WorkerInfo("b", "tcp://10.0.0.2:4000"),
+        snapshots.WorkerInfo("stranger", "tcp://10.9.9.9:4000"),
+    ]
+    assert snapshots.nodes_of_workers(pods, workers) == {
+        "tcp://10.0.0.1:4000": "node-a",
+        "tcp://10.0.0.1:4001": "node-a",
+        "tcp://10.0.0.2:4000": "node-b",
+    }

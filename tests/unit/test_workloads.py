@@ -88,8 +88,9 @@ def test_only_deployments_labelled_as_the_groups_are_deleted(labels: dict[str, s
 def test_pod_info_reads_the_pod_ips_and_the_dask_worker_name() -> None:
     body = pod("dk-default-worker-aa-x1", [{"name": "DASK_WORKER_NAME", "value": "dk-default-worker-aa"}])
     body["status"] = {"phase": "Running", "podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}
+    body["spec"]["nodeName"] = "node-a"
     assert workloads.pod_info(body) == snapshots.PodInfo(
-        "dk-default-worker-aa-x1", ("10.0.0.1", "fd00::1"), ("dk-default-worker-aa",), "Running"
+        "dk-default-worker-aa-x1", ("10.0.0.1", "fd00::1"), ("dk-default-worker-aa",), "Running", node="node-a"
     )
 
 

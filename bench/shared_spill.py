@@ -1,0 +1,272 @@
+"""Shared spill: disk spill, tmpfs spill, tmpfs spill with memops' hand-over by hardlink.
+
+Real Dask, no Kubernetes: a LocalCluster of worker processes on this machine, which is one node,
+so all its workers can share a tmpfs root (``/dev/shm``), as the ``Node`` medium of
+``sharedSpill`` gives the workers of one node. Two measurements, each against anchors of the
+same run:
+
+a. A workload that spills (data about twice the workers' Dask memory limits summed): make the
+   chunks, retire one worker (memops' drain), then read every chunk where it is. The hand-over
+   serves drains, not a task's inputs: the only worker-to-worker transfers here are the drain's. Three set-ups: the
+   default disk spill (the worker's local directory on disk, drain without hand-over: the
+   anchor), tmpfs spill (drain without hand-over), tmpfs spill with hand-over. Figures: peak
+   memory summed over the workers, counting the tmpfs pages (RSS of the worker processes, by
+   psutil, plus the bytes of the tmpfs directory, each inode once; a disk spill's page cache is
+   not counted), wall time, bytes received over the network by the workers.
+b. Draining one worker whose data is mostly spilled, on tmpfs: stock ``retire_workers`` (the
+   anchor), memops' drain without hand-over, memops' drain with hand-over: bytes over the
+   network, seconds, and the peak as above.
+
+    python bench/shared_spill.py            # 4 workers of 256 MiB, 2 GiB of data
+    python bench/shared_spill.py --small    # the pass CI runs: 3 workers of 96 MiB, 384 MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import dask
+import distributed
+import psutil
+from distributed import Client, LocalCluster
+
+from memops.scheduler import drain
+
+MIB = 2**20
+CONFIG = {
+    "distributed.worker.memory.target": 0.5,
+    "distributed.worker.memory.spill": 0.6,
+    "distributed.worker.memory.pause": False,  # the bench measures spilling, not pausing
+    "distributed.worker.memory.terminate": False,
+    "distributed.scheduler.active-memory-manager.start": False,
+    "distributed.admin.low-level-log-length": 1_000_000,  # every transfer stays in the log
+    "distributed.worker.memory.monitor-interval": "20ms",
+}
+
+
+@dataclass(frozen=True)
+class Size:
+    workers: int
+    limit: int  # bytes: each worker's Dask memory limit
+    data: int  # bytes made in all
+    chunk: int
+
+
+@dataclass
+class Result:
+    seconds: float
+    peak: int  # bytes: RSS of the workers plus the tmpfs directory, at its highest
+    network: int  # bytes received by the workers from other workers
+    linked: int = 0  # keys handed over by a link
+    drain_seconds: float = 0.0  # of ``seconds``: the retirement alone
+    drain_peak: int = 0  # the peak while retiring
+
+
+def tmpfs_bytes(root: str) -> int:
+    """Bytes the files under ``root`` hold, each inode once (a hardlinked file is one set of pages)."""
+    seen: set[int] = set()
+    total = 0
+    for directory, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(directory, name))
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    total += st.st_blocks * 512
+    return total
+
+
+class Sampler:
+    """Samples the worker processes' RSS plus the tmpfs directory's bytes, keeps the highest."""
+
+    def __init__(self, tmpfs: str | None, period: float = 0.05):
+        self.tmpfs, self.period = tmpfs, period
+        self.peak = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def sample(self) -> int:
+        rss = 0
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rss += child.memory_info().rss
+        return rss + (tmpfs_bytes(self.tmpfs) if self.tmpfs else 0)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            self.stop.wait(self.period)
+
+    def __enter__(self) -> Sampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+@contextlib.asynccontextmanager
+async def cluster(size: Size, directory: str) -> AsyncIterator[tuple[LocalCluster, Client]]:
+    with dask.config.set(CONFIG):
+        async with LocalCluster(
+            n_workers=size.workers,
+            processes=True,
+            threads_per_worker=1,
+            memory_limit=size.limit,
+            local_directory=directory,
+            dashboard_address=":0",
+            asynchronous=True,
+        ) as local:
+            async with Client(local, asynchronous=True) as client:
+                yield local, client
+
+
+def make(i: int, nbytes: int) -> bytes:
+    return os.urandom(nbytes)
+
+
+def edges(chunk: bytes) -> int:
+    return chunk[0] + chunk[-1]
+
+
+async def received(client: Client) -> int:
+    def incoming(dask_worker: Any) -> int:
+        return sum(int(entry["total"]) for entry in dask_worker.transfer_incoming_log)
+
+    return sum((await client.run(incoming)).values())
+
+
+async def retire(local: LocalCluster, address: str, how: str) -> int:
+    """Retire ``address``: ``stock``, ``memops`` (no hand-over) or ``handover``; keys linked."""
+    scheduler = local.scheduler
+    if how == "stock":
+        await scheduler.retire_workers(workers=[address], close_workers=True)
+        return 0
+    drain.start(scheduler, workers=[address], deadline=600, handover=how == "handover")
+    async with asyncio.timeout(600):
+        while True:  # polled, as the operator polls drain_status
+            report = drain.status(scheduler, workers=[address])[address]
+            if report["state"] != drain.State.DRAINING and address not in scheduler.workers:
+                break
+            await asyncio.sleep(0.05)
+    if report["state"] != drain.State.DONE:
+        raise RuntimeError(f"the drain of {address} ended {report['state']}: {report}")
+    return int(report["keysLinked"])
+
+
+async def workload(size: Size, directory: str, tmpfs: str | None, how: str) -> Result:
+    """(a): make the chunks (they spill), retire one worker, read every chunk."""
+    async with cluster(size, directory) as (local, client):
+        n = size.data // size.chunk
+        with Sampler(tmpfs) as sampler:
+            start = time.perf_counter()
+            chunks = client.map(make, range(n), nbytes=size.chunk, pure=False)
+            await distributed.wait(chunks)
+            address = sorted(local.scheduler.workers)[0]
+            with Sampler(tmpfs) as during:
+                begun = time.perf_counter()
+                linked = await retire(local, address, how)
+                drain_seconds = time.perf_counter() - begun
+            # Each chunk read where it is (unspilled): the data itself crosses no network here.
+            total = sum(await client.gather(client.map(edges, chunks)))
+            seconds = time.perf_counter() - start
+        assert total > 0
+        return Result(seconds, sampler.peak, await received(client), linked, drain_seconds, during.peak)
+
+
+async def drain_spilled(size: Size, directory: str, tmpfs: str, how: str) -> Result:
+    """(b): one worker holds about twice its limit (most of it spilled); retire it."""
+    async with cluster(size, directory) as (local, client):
+        address = sorted(local.scheduler.workers)[0]
+        n = 2 * size.limit // size.chunk
+        chunks = client.map(make, range(n), nbytes=size.chunk, workers=[address], pure=False)
+        await distributed.wait(chunks)
+        with Sampler(tmpfs) as sampler:
+            start = time.perf_counter()
+            linked = await retire(local, address, how)
+            seconds = time.perf_counter() - start
+        network = await received(client)
+        assert len(await client.gather(chunks[:2])) == 2
+        return Result(seconds, sampler.peak, network, linked)
+
+
+def table(title: str, rows: Sequence[tuple[str, Result]], anchor: Result, phases: bool = False) -> None:
+    print(f"\n{title}\n")
+    extra = " retire s | peak MiB while retiring |" if phases else ""
+    print(f"| set-up | seconds | time / anchor | peak MiB | peak / anchor | network MiB | keys linked |{extra}")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if phases else ""))
+    for label, r in rows:
+        more = f" {r.drain_seconds:.2f} | {r.drain_peak / MIB:.0f} |" if phases else ""
+        print(
+            f"| {label} | {r.seconds:.2f} | {r.seconds / anchor.seconds:.2f} | {r.peak / MIB:.0f} | "
+            f"{r.peak / anchor.peak:.2f} | {r.network / MIB:.1f} | {r.linked} |{more}",
+            flush=True,
+        )
+
+
+async def run(size: Size) -> None:
+    disk = tempfile.mkdtemp(prefix="memops-bench-spill-")
+    shm = tempfile.mkdtemp(prefix="memops-bench-spill-", dir="/dev/shm")
+    try:
+
+        async def fresh(where: str, step: Callable[..., Any], *args: Any) -> Result:
+            shutil.rmtree(where, ignore_errors=True)
+            os.makedirs(where)
+            return await step(size, where, *args)  # type: ignore[no-any-return]
+
+        a = [
+            ("disk spill, drain without hand-over (anchor)", await fresh(disk, workload, None, "memops")),
+            ("tmpfs spill, drain without hand-over", await fresh(shm, workload, shm, "memops")),
+            ("tmpfs spill, drain with hand-over", await fresh(shm, workload, shm, "handover")),
+        ]
+        table(
+            f"a. make {size.data // MIB} MiB on {size.workers} workers of {size.limit // MIB} MiB, "
+            "retire one, read every chunk",
+            a,
+            a[0][1],
+            phases=True,
+        )
+        b = [
+            ("stock `retire_workers` (anchor)", await fresh(shm, drain_spilled, shm, "stock")),
+            ("memops' drain, without hand-over", await fresh(shm, drain_spilled, shm, "memops")),
+            ("memops' drain, with hand-over", await fresh(shm, drain_spilled, shm, "handover")),
+        ]
+        table(
+            f"b. drain one worker holding {2 * size.limit // MIB} MiB (limit {size.limit // MIB} MiB), tmpfs spill",
+            b,
+            b[0][1],
+        )
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="3 workers of 96 MiB, 384 MiB of data (CI)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir("/dev/shm"):
+        print("no /dev/shm: this benchmark needs a tmpfs", file=sys.stderr)
+        return 1
+    if args.small:
+        size = Size(workers=3, limit=96 * MIB, data=384 * MIB, chunk=4 * MIB)
+    else:
+        size = Size(workers=4, limit=256 * MIB, data=2048 * MIB, chunk=8 * MIB)
+    asyncio.run(run(size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,470 @@
+"""Shared spill: what a worker pod gets so that Dask spills to a tmpfs, and whether it fits.
+
+Pure. :func:`memops.safetynet.plan_injection` (the mutating webhook, at pod creation) calls
+:func:`plan` on the new pod and, unless it refuses, :func:`apply` to the pod's spec; the policy
+pass calls :func:`condition` on the workload's pod template to report the same verdict in the
+policy's status. Both read the same container, so the status says what the webhook does.
+
+The arithmetic (``docs/resources.md``, "Shared spill"): tmpfs pages are charged to the memory
+cgroup of the pod that writes them and Dask's thresholds see only the process' RSS. With the
+container's memory limit ``L``, Dask's memory limit ``M`` per worker process (``--memory-limit``,
+which the webhook never rewrites), ``N`` worker processes (``--nworkers``) and the spill's size
+``S``, Dask must keep RSS at or below ``L - S``. Its thresholds are fractions of ``M``, so all four
+are scaled by one factor ``k = min(1, (L - S) / (N * M * f_top))``, ``f_top`` the highest enabled
+fraction (``terminate`` by default): the last guard (the nanny's terminate) then fires before the
+cgroup's OOM killer could, and target < spill < pause < terminate keep their order and gaps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+import enum
+import math
+import shlex
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from memops import specs
+
+MOUNT_PATH = "/memops-spill"
+"""Where the spill volume is mounted in the worker container; ``DASK_TEMPORARY_DIRECTORY`` points
+here, so distributed spills into ``MOUNT_PATH/dask-scratch-space/worker-<random>/storage``
+(``distributed/core.py`` Server.__init__, ``distributed/worker_memory.py``). With medium Node every
+worker on a node mounts the same host directory here: they share one directory tree."""
+VOLUME_NAME = "memops-spill"
+ANNOTATION = "memops.dev/shared-spill"
+"""On a mutated pod: the medium it spills to, or ``Refused`` (with the reason in the webhook's log
+and the policy's ``SharedSpillReady`` condition)."""
+READY = "SharedSpillReady"
+SWAPPABLE = "SharedSpillSwappable"
+CONDITIONS = (READY, SWAPPABLE)
+
+TEMPORARY_DIRECTORY_ENV = "DASK_TEMPORARY_DIRECTORY"
+THRESHOLDS = ("target", "spill", "pause", "terminate")
+THRESHOLD_ENV = {name: f"DASK_DISTRIBUTED__WORKER__MEMORY__{name.upper()}" for name in THRESHOLDS}
+DASK_DEFAULTS = {"target": 0.6, "spill": 0.7, "pause": 0.8, "terminate": 0.95}
+"""distributed 2026.8.0's ``distributed.yaml``: ``distributed.worker.memory.*``."""
+
+MIN_TARGET = 0.1
+"""Refused below this: a worker whose scaled ``target`` (or ``spill``, when ``target`` is off) is
+under a tenth of its Dask memory limit keeps almost nothing in memory, and spills and unspills
+every key it touches."""
+MIN_HEADROOM_BYTES = 256 * 2**20
+"""``L - S`` must leave at least this for the worker processes themselves: an idle ``dask worker``
+and its nanny take 150-200 MiB of RSS before any data."""
+
+
+class Refusal(enum.StrEnum):
+    NO_CONTAINER = "NoContainer"
+    NO_MEMORY_LIMIT = "NoMemoryLimit"
+    NO_DASK_LIMIT = "NoDaskMemoryLimit"
+    LOCAL_DIRECTORY = "LocalDirectorySet"
+    SPILL_DISABLED = "SpillDisabled"
+    DOES_NOT_FIT = "DoesNotFit"
+
+
+class QoS(enum.StrEnum):
+    GUARANTEED = "Guaranteed"
+    BURSTABLE = "Burstable"
+    BEST_EFFORT = "BestEffort"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """The verdict for one worker container: the scaled fractions, or why it is refused."""
+
+    container_limit: int | None  # L, bytes
+    dask_limit: int | None  # M per worker process, bytes
+    workers: int  # N: worker processes in the container
+    spill: int  # S, bytes
+    scale: float  # k
+    fractions: Mapping[str, float | None]  # the scaled thresholds; None: disabled (left as the user has it)
+    refusal: Refusal | None = None
+    message: str = ""
+
+    @property
+    def allowed(self) -> bool:
+        return self.refusal is None
+
+
+def _refuse(refusal: Refusal, message: str, *, spill: int, limit: int | None = None, dask: int | None = None) -> Fit:
+    return Fit(limit, dask, 1, spill, 0.0, {}, refusal, message)
+
+
+def _tokens(container: Mapping[str, Any]) -> list[str]:
+    """The container's command line, with ``sh -c "..."`` scripts split as a shell would. Only a
+    part with options in it is a script: "4 GiB" stays one value of ``--memory-limit``."""
+    found: list[str] = []
+    for part in [*(container.get("command") or []), *(container.get("args") or [])]:
+        text = str(part)
+        if not (" " in text and "--" in text):
+            found.append(text)
+            continue
+        try:
+            found.extend(shlex.split(text))
+        except ValueError:  # unbalanced quotes
+            found.extend(text.split())
+    return found
+
+
+def _option(tokens: Sequence[str], *names: str) -> str | None:
+    """The value of the last ``--name value`` or ``--name=value`` (click takes the last one)."""
+    value = None
+    for index, token in enumerate(tokens):
+        for name in names:
+            if token == name and index + 1 < len(tokens):
+                value = tokens[index + 1]
+            elif token.startswith(name + "="):
+                value = token[len(name) + 1 :]
+    return value
+
+
+def _dask_bytes(text: str) -> int | None:
+    """``dask.utils.parse_bytes`` for what ``--memory-limit`` is written as ("4GiB", "4 GB", "4e9")."""
+    units = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
+    units |= {f"{u}i": 2 ** (10 * i) for i, u in enumerate("kmgtp", start=1)}
+    units |= {f"{u}b": n for u, n in list(units.items()) if u not in ("", "b")}
+    text = text.replace(" ", "").lower()
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    suffix = text[len(digits) :]
+    try:
+        number = float(digits) if digits else 1.0
+    except ValueError:
+        return None
+    if suffix not in units or not math.isfinite(number) or number < 0:
+        return None
+    return int(number * units[suffix])
+
+
+def memory_limit_bytes(resources: Mapping[str, Any] | None) -> int | None:
+    text = ((resources or {}).get("limits") or {}).get("memory")
+    if text is None:
+        return None
+    try:
+        return specs.parse_quantity(str(text))
+    except ValueError:
+        return None
+
+
+def _fraction(text: str) -> float | None:
+    """A threshold written in the environment: a fraction, or off ("False", "0", "null")."""
+    if text.strip().lower() in ("false", "no", "off", "null", "none", "0", "0.0"):
+        return None
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError(text)
+    return value
+
+
+def base_fractions(container: Mapping[str, Any]) -> dict[str, float | None]:
+    """Dask's thresholds as this container would have them: its literal env, else Dask's defaults.
+
+    A value that is not a fraction (or comes from a Secret or ConfigMap) is Dask's default: the
+    webhook replaces the variable anyway."""
+    env = {str(e.get("name")): e.get("value") for e in container.get("env") or [] if isinstance(e, Mapping)}
+    fractions: dict[str, float | None] = {}
+    for name in THRESHOLDS:
+        text = env.get(THRESHOLD_ENV[name])
+        try:
+            fractions[name] = _fraction(str(text)) if text is not None else DASK_DEFAULTS[name]
+        except ValueError:
+            fractions[name] = DASK_DEFAULTS[name]
+    return fractions
+
+
+def worker_container(pod_spec: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The Dask worker's container: the first, as the safety net's preStop hook takes it."""
+    containers = pod_spec.get("containers") or []
+    return containers[0] if containers and isinstance(containers[0], Mapping) else None
+
+
+def fit(container: Mapping[str, Any], spill: specs.SharedSpillSpec) -> Fit:
+    """Whether Dask's data plus the spill fit in the container's memory limit, and the scaled
+    thresholds that make them fit. Every refusal names ``spec.sharedSpill``'s field to change,
+    or what of the worker's container stands in the way."""
+    size = specs.parse_quantity(spill.sizeLimit)
+    limit = memory_limit_bytes(container.get("resources"))
+    if limit is None:
+        return _refuse(
+            Refusal.NO_MEMORY_LIMIT,
+            "spec.sharedSpill: the worker container has no memory limit, so its spilled pages (charged to the"
+            " pod) cannot be budgeted; set resources.limits.memory on the workload's worker container",
+            spill=size,
+        )
+    tokens = _tokens(container)
+    if _option(tokens, "--local-directory") is not None:
+        return _refuse(
+            Refusal.LOCAL_DIRECTORY,
+            "spec.sharedSpill: the worker's --local-directory overrides the spill directory that memops sets"
+            " (DASK_TEMPORARY_DIRECTORY); remove it from the worker's arguments",
+            spill=size,
+            limit=limit,
+        )
+    try:
+        workers = max(int(_option(tokens, "--nworkers", "--nprocs") or "1"), 1)
+    except ValueError:
+        workers = 1  # "auto" or a negative count depend on the node's cores: counted as one
+    written = _option(tokens, "--memory-limit") or "auto"
+    if written == "auto":
+        # parse_memory_limit: the cgroup limit times min(1, nthreads / cores); --nworkers N
+        # gives each process cores // N threads, so about L / N each.
+        dask: int | None = limit // workers
+    else:
+        try:
+            number = float(written)
+            dask = int(number * limit) if number <= 1 else int(number) if math.isfinite(number) else None
+        except ValueError:
+            dask = _dask_bytes(written)
+        # Dask ignores a limit above the cgroup's and takes the cgroup's. One that memops cannot
+        # read (a $(VAR) it does not know) is at most that too: planning with L is the safe side.
+        dask = limit if dask is None else min(dask, limit)
+    if not dask:
+        return _refuse(
+            Refusal.NO_DASK_LIMIT,
+            f"spec.sharedSpill: the worker's --memory-limit {written!r} turns Dask's memory management off,"
+            " so it never spills",
+            spill=size,
+            limit=limit,
+        )
+    base = base_fractions(container)
+    enabled = [f for f in base.values() if f is not None]
+    floor = base["target"] if base["target"] is not None else base["spill"]
+    if floor is None or not enabled:
+        return _refuse(
+            Refusal.SPILL_DISABLED,
+            "spec.sharedSpill: the worker's environment turns Dask's target and spill thresholds off,"
+            " so it never spills",
+            spill=size,
+            limit=limit,
+            dask=dask,
+        )
+    room = limit - size
+    if room < MIN_HEADROOM_BYTES:
+        return _refuse(
+            Refusal.DOES_NOT_FIT,
+            f"spec.sharedSpill.sizeLimit: {spill.sizeLimit} leaves {_mib(room)} of the worker container's"
+            f" {_mib(limit)} memory limit for the worker processes, which need at least {_mib(MIN_HEADROOM_BYTES)}",
+            spill=size,
+            limit=limit,
+            dask=dask,
+        )
+    scale = min(1.0, room / (workers * dask * max(enabled)))
+    if floor * scale < MIN_TARGET:
+        return _refuse(
+            Refusal.DOES_NOT_FIT,
+            f"spec.sharedSpill.sizeLimit: with {spill.sizeLimit} of spill in a {_mib(limit)} limit, Dask's"
+            f" threshold would be {floor * scale:.2f} of its {_mib(dask)} memory limit, below {MIN_TARGET}:"
+            " lower sizeLimit, raise the memory limit or lower --memory-limit",
+            spill=size,
+            limit=limit,
+            dask=dask,
+        )
+    fractions = {name: None if f is None else math.floor(f * scale * 1000) / 1000 for name, f in base.items()}
+    return Fit(limit, dask, workers, size, scale, fractions)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.0f}Mi"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """What the worker pod gets: one volume, one mount, the environment, and node affinity."""
+
+    volume: Mapping[str, Any]
+    mount: Mapping[str, Any]
+    env: tuple[Mapping[str, str], ...]
+    node_requirements: tuple[Mapping[str, Any], ...]
+
+
+def plan(pod_spec: Mapping[str, Any], spill: specs.SharedSpillSpec) -> tuple[Fit, Mutation | None]:
+    """The verdict for the pod's worker container and, when it fits, the mutation."""
+    container = worker_container(pod_spec)
+    if container is None:
+        return _refuse(Refusal.NO_CONTAINER, "spec.sharedSpill: the pod has no container", spill=0), None
+    verdict = fit(container, spill)
+    if not verdict.allowed:
+        return verdict, None
+    if spill.medium == specs.SpillMedium.MEMORY:
+        volume: dict[str, Any] = {"name": VOLUME_NAME, "emptyDir": {"medium": "Memory", "sizeLimit": spill.sizeLimit}}
+    else:
+        # One directory for every worker on the node, not a subdirectory per pod: a hand-over by
+        # hardlink needs both workers on one filesystem, in one tree. Directory: it must exist
+        # (the node DaemonSet prepares it); a node without it fails the mount instead of the
+        # kubelet creating a plain directory on the root disk (DirectoryOrCreate would).
+        volume = {"name": VOLUME_NAME, "hostPath": {"path": spill.hostPath, "type": "Directory"}}
+    env = [{"name": TEMPORARY_DIRECTORY_ENV, "value": MOUNT_PATH}]
+    env += [
+        {"name": THRESHOLD_ENV[name], "value": repr(value)}
+        for name, value in verdict.fractions.items()
+        if value is not None
+    ]
+    requirements = tuple(
+        {"key": key, "operator": "In", "values": [value]} for key, value in sorted((spill.nodeSelector or {}).items())
+    )
+    return verdict, Mutation(volume, {"name": VOLUME_NAME, "mountPath": MOUNT_PATH}, tuple(env), requirements)
+
+
+def apply(pod_spec: dict[str, Any], mutation: Mutation) -> None:
+    """Change ``pod_spec`` (a copy the caller owns): the volume, the worker container's mount and
+    env, and the node affinity. Applying twice changes nothing more."""
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != VOLUME_NAME]
+    pod_spec["volumes"] = [*volumes, dict(mutation.volume)]
+    container = pod_spec["containers"][0]
+    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != VOLUME_NAME]
+    container["volumeMounts"] = [*mounts, dict(mutation.mount)]
+    ours = {e["name"] for e in mutation.env}
+    env = [e for e in container.get("env") or [] if e.get("name") not in ours]
+    container["env"] = [*env, *(dict(e) for e in mutation.env)]
+    if mutation.node_requirements:
+        _require_nodes(pod_spec, mutation.node_requirements)
+
+
+def _require_nodes(pod_spec: dict[str, Any], requirements: Sequence[Mapping[str, Any]]) -> None:
+    """AND the requirements into every term of the pod's required node affinity (terms are ORed,
+    so each must carry them), or make the one term."""
+    affinity = pod_spec.setdefault("affinity", {}) or {}
+    pod_spec["affinity"] = affinity
+    node = affinity.setdefault("nodeAffinity", {})
+    required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        expressions = list(term.get("matchExpressions") or [])
+        term["matchExpressions"] = expressions + [dict(r) for r in requirements if dict(r) not in expressions]
+    required["nodeSelectorTerms"] = terms
+
+
+def _requests_and_limits(container: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    resources = container.get("resources") or {}
+    limits = dict(resources.get("limits") or {})
+    # A pod's requests default to its limits (SetDefaults_Pod, pkg/apis/core/v1/defaults.go); a
+    # template is not defaulted until its pods are created, so do it here for both.
+    requests = {**limits, **(resources.get("requests") or {})}
+    return requests, limits
+
+
+def _amount(text: Any) -> decimal.Decimal:
+    try:
+        return specs.quantity_value(str(text))
+    except ValueError:
+        return decimal.Decimal(-1)  # unreadable: never equal to a readable one
+
+
+def _resources_qos(requests: Mapping[str, Any], limits: Mapping[str, Any]) -> QoS:
+    if not requests and not limits:
+        return QoS.BEST_EFFORT
+    found: QoS | None = None
+    for resource in ("cpu", "memory"):
+        request, limit = _amount(requests.get(resource, "0")), _amount(limits.get(resource, "0"))
+        if request != limit:
+            return QoS.BURSTABLE
+        this = QoS.BEST_EFFORT if request == 0 else QoS.GUARANTEED
+        if found is not None and this != found:
+            return QoS.BURSTABLE
+        found = this
+    assert found is not None
+    return found
+
+
+def qos_class(pod_spec: Mapping[str, Any]) -> QoS:
+    """The pod's QoS class as Kubernetes computes it (``ComputePodQOS``,
+    ``pkg/apis/core/helper/qos/qos.go``): per container over cpu and memory, init containers
+    included; pod-level ``resources``, where set, decide alone."""
+    if pod_spec.get("resources"):
+        pod_resources = pod_spec["resources"]
+        return _resources_qos(
+            {**(pod_resources.get("limits") or {}), **(pod_resources.get("requests") or {})},
+            pod_resources.get("limits") or {},
+        )
+    found: QoS | None = None
+    for container in _containers(pod_spec):
+        this = _resources_qos(*_requests_and_limits(container))
+        if this == QoS.BURSTABLE:
+            return this
+        if found is not None and this != found:
+            return QoS.BURSTABLE
+        found = this
+    return found or QoS.BEST_EFFORT
+
+
+def _containers(pod_spec: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    yield from pod_spec.get("initContainers") or []
+    yield from pod_spec.get("containers") or []
+
+
+def template_spec(workload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The pod spec that the workload's pods are made from: a Deployment's template, a
+    DaskWorkerGroup's ``spec.worker.spec``."""
+    spec = workload.get("spec") or {}
+    if workload.get("kind") == specs.WorkloadKind.DASK_WORKER_GROUP.value:
+        found = (spec.get("worker") or {}).get("spec")
+    else:
+        found = (spec.get("template") or {}).get("spec")
+    return found if isinstance(found, Mapping) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The policy's shared-spill conditions: (status, reason, message) for each."""
+
+    ready: tuple[bool | None, str, str]
+    swappable: tuple[bool | None, str, str] | None  # medium Node only
+
+
+def condition(spill: specs.SharedSpillSpec, pod_spec: Mapping[str, Any] | None) -> Verdict:
+    """What the policy's status says of its shared spill, from the workload's pod template."""
+    if pod_spec is None:
+        unknown: tuple[bool | None, str, str] = (None, "TemplateUnknown", "the workload's pod template was not read")
+        return Verdict(unknown, unknown if spill.medium == specs.SpillMedium.NODE else None)
+    verdict, _ = plan(pod_spec, spill)
+    if verdict.allowed:
+        shown = ", ".join(f"{name} {value}" for name, value in verdict.fractions.items() if value is not None)
+        ready: tuple[bool | None, str, str] = (
+            True,
+            "Injected",
+            f"new worker pods spill to {spill.medium.value} tmpfs at {MOUNT_PATH} (sizeLimit {spill.sizeLimit});"
+            f" Dask's thresholds scaled by {verdict.scale:.3f} to fit the memory limit: {shown}",
+        )
+    else:
+        ready = (
+            False,
+            verdict.refusal.value if verdict.refusal is not None else "Refused",
+            f"{verdict.message}; the webhook gives new pods the safety net but not the shared spill",
+        )
+    if spill.medium != specs.SpillMedium.NODE:
+        return Verdict(ready, None)
+    return Verdict(ready, swap_verdict(pod_spec))
+
+
+CRITICAL_PRIORITY_CLASSES = ("system-node-critical", "system-cluster-critical")
+
+
+def swap_verdict(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str]:
+    """Whether the worker container may swap under LimitedSwap, as the kubelet decides it
+    (``GetContainerSwapBehavior``, ``pkg/kubelet/kuberuntime/kuberuntime_container_linux.go``):
+    not a critical pod, a Burstable pod, and a container whose memory request is set and below its limit."""
+    qos = qos_class(pod_spec)
+    container = worker_container(pod_spec) or {}
+    requests, limits = _requests_and_limits(container)
+    request, limit = _amount(requests.get("memory", "0")), _amount(limits.get("memory", "0"))
+    advice = "give the worker container a memory request below its memory limit"
+    if pod_spec.get("priorityClassName") in CRITICAL_PRIORITY_CLASSES:
+        why = f"the worker pods are critical ({pod_spec['priorityClassName']}), and critical pods never swap"
+        return False, "CriticalPod", f"spec.workload: {why}: their spilled pages stay in RAM"
+    if qos != QoS.BURSTABLE:
+        why = "requests equal limits in every container" if qos == QoS.GUARANTEED else "no requests nor limits"
+        return (
+            False,
+            f"Not{QoS.BURSTABLE.value}",
+            f"spec.workload: the worker pods are {qos.value} ({why}); under NodeSwap's LimitedSwap only Burstable"
+            f" pods swap, so their spilled pages stay in RAM: {advice}",
+        )
+    if request == 0 or request == limit:
+        return (
+            False,
+            "WorkerNotSwappable",
+            "spec.workload: the pods are Burstable but the worker container's memory request is unset or equal"
+            f" to its limit, and the kubelet swaps only containers whose request is below the limit: {advice}",
+        )
+    return True, "Burstable", "the worker pods are Burstable: under LimitedSwap their pages may reach swap"

@@ -1,0 +1,194 @@
+"""What the sandbox's parts share, and what the test suite and the benchmarks drive it with.
+
+The worker Deployment users would write, a real ``dask scheduler`` process, free loopback ports,
+stopping a process group, and :func:`launch`, which starts ``memops sandbox`` as its own process
+and waits for its state directory's ``ready``. Used by :mod:`memops_sandbox.upstream` and
+:mod:`memops_sandbox.controlplane`, and by ``tests/`` and ``bench/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from memops import daskrpc
+
+WORKLOAD = "dask-worker"
+NAMESPACE = "default"
+AUDIT_LOG_ENV = "MEMOPS_AUDIT_LOG"
+
+
+def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str = "1GiB") -> dict[str, Any]:
+    """The Deployment users would write for Dask workers: the pod name is the worker name, and the
+    worker listens on the pod's IP (as ``dask worker`` does on a cluster, where that is the
+    address on the way to the scheduler), which is how memops tells that it is this pod's."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": WORKLOAD, "namespace": NAMESPACE, "labels": {"app": WORKLOAD}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": WORKLOAD}},
+            "template": {
+                "metadata": {"labels": {"app": WORKLOAD}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [
+                        {
+                            "name": "worker",
+                            "image": "ghcr.io/dask/dask:2026.8.0",
+                            "command": ["dask", "worker"],
+                            "args": [
+                                "$(DASK_SCHEDULER_ADDRESS)",
+                                "--name",
+                                "$(POD_NAME)",
+                                "--host",
+                                "$(POD_IP)",
+                                "--nthreads",
+                                "1",
+                                "--memory-limit",
+                                memory_limit,
+                                "--no-dashboard",
+                                "--death-timeout",
+                                "60",
+                            ],
+                            "env": [
+                                {"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address},
+                                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            ],
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def free_port(*taken: int) -> int:
+    """A local port that nothing listens on, for a server that another process will start, and
+    not one of ``taken`` (chosen already, not bound yet).
+
+    Chosen below the kernel's ephemeral range (``ip_local_port_range``), where there is room:
+    a port from that range, free when we look, can be handed to any outgoing connection or
+    port-0 bind (a Dask worker's, say) before the server binds it, and the server then fails
+    with "address already in use".
+    """
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    chooser = random.SystemRandom()
+    if low > 2048:
+        for _ in range(100):
+            candidate = chooser.randrange(max(1024, low - 16384), low)
+            if candidate in taken:
+                continue
+            with socket.socket() as sock, contextlib.suppress(OSError):
+                sock.bind(("127.0.0.1", candidate))
+                return candidate
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.asynccontextmanager
+async def dask_scheduler(state_dir: Path) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """A real ``dask scheduler`` process; yields its address."""
+    scheduler_file = state_dir / "scheduler.json"
+    scheduler_file.unlink(missing_ok=True)
+    log = (state_dir / "scheduler.log").open("wb")
+    process = await asyncio.create_subprocess_exec(
+        executable("dask"),
+        "scheduler",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--no-dashboard",
+        "--scheduler-file",
+        str(scheduler_file),
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+    (state_dir / "scheduler.pid").write_text(str(process.pid))
+    try:
+        for _ in range(600):
+            if scheduler_file.exists() and scheduler_file.stat().st_size:
+                break
+            if process.returncode is not None:
+                raise RuntimeError(f"dask scheduler exited; see {state_dir / 'scheduler.log'}")
+            await asyncio.sleep(0.05)
+        address = json.loads(scheduler_file.read_text())["address"]
+        yield address, process
+    finally:
+        await stop(process, grace=10)
+        log.close()
+
+
+def executable(name: str) -> str:
+    """Console scripts of this environment, found next to the running interpreter first."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else (shutil.which(name) or name)
+
+
+async def stop(process: asyncio.subprocess.Process, *, grace: float) -> None:
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), grace)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+
+
+def start_allowance(workers: int) -> float:
+    """Seconds the sandbox's workers get to connect: each pod starts a nanny and a worker
+    process (a second or two of CPU each), so a large sandbox on a few cores needs longer."""
+    return max(120.0, 60.0 + 5.0 * workers)
+
+
+async def wait_for_workers(address: str, count: int, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            with contextlib.suppress(daskrpc.SchedulerUnreachable):
+                snapshot = await daskrpc.fetch_snapshot(address, timeout=5)
+                if len(snapshot.workers) >= count:
+                    return
+            await asyncio.sleep(0.2)
+
+
+def launch(state_dir: Path, workers: int, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start ``memops sandbox`` as its own process and wait until it has written ``ready``.
+
+    For the test suite and the benchmarks, which drive the sandbox as a user does.
+    """
+    command = [executable("memops"), "sandbox", "--workers", str(workers), "--state-dir", str(state_dir), *args]
+    log = log or state_dir.parent / f"{state_dir.name}-sandbox.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
+    deadline = time.monotonic() + 60 + start_allowance(workers)
+    while not (state_dir / "ready").exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            inside = state_dir / "sandbox.log"
+            detail = log.read_text()[-3000:] + (inside.read_text()[-3000:] if inside.exists() else "")
+            raise RuntimeError("the sandbox did not become ready:\n" + detail)
+        time.sleep(0.1)
+    return process

@@ -1,0 +1,203 @@
+"""A preemption on the upstream control plane: ``kubectl delete pod --grace-period=25`` of a node's workers.
+
+Two Nodes of the node agent, four worker pods spread two per node, unique scattered data on the
+two of one node, then the real ``kubectl delete`` of both with a 25 s grace period, which the
+node agent honours as the kubelet does (preStop within the grace, SIGTERM, SIGKILL at its end).
+With memops, the safety net's hook drains both off the node within the window and nothing is
+lost; with no hook, the node's data is lost. ``bench/preemption_plane.py`` is the larger version,
+with stock ``retire_workers`` from a preStop hook beside them.
+
+Then what a hook's drain could not move is in the policy's status and metrics, read from memops'
+agent in the scheduler: counted once, however many passes read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import distributed
+import pytest
+from memops_sandbox import common as sandbox_cli
+from prometheus_client.parser import text_string_to_metric_families
+
+from memops import daskrpc
+from tests.e2e.conftest import Sandbox
+
+GRACE = 25
+SIZE = 96 * 2**20  # per dying worker: enough that no hook, or a slow one, shows; small for 2 cores
+KEY = 4 * 2**20
+LATE = 64 * 2**10
+SPREAD = {
+    "spec": {
+        "template": {
+            "spec": {
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "DoNotSchedule",
+                        "labelSelector": {"matchLabels": {"app": "dask-worker"}},
+                        # The rollout's own pods only: the old ones, still terminating, would skew it.
+                        "matchLabelKeys": ["pod-template-hash"],
+                    }
+                ]
+            }
+        }
+    }
+}
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Iterator[Any]:
+    from memops_sandbox import build
+
+    try:
+        build.ensure()
+    except build.BuildError as error:
+        pytest.skip(f"the control plane's binaries cannot be built here: {error}")
+    started: list[Sandbox] = []
+
+    def start(operator: bool) -> Sandbox:
+        state_dir = tmp_path / f"upstream{len(started)}"
+        args = ["--nodes", "2", *([] if operator else ["--no-operator"])]
+        sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, 4, *args))
+        started.append(sandbox)
+        return sandbox
+
+    yield start
+    for sandbox in started:
+        sandbox.stop()
+
+
+def spread(sandbox: Sandbox, client: distributed.Client, hooked: bool) -> dict[str, str]:
+    """Roll the workers out two per node (pods created now get the policy's hook); pod -> node."""
+    sandbox.kubectl("patch", "deployment/dask-worker", "--type=strategic", "-p", json.dumps(SPREAD))
+
+    def settled() -> dict[str, str] | None:
+        items = sandbox.get("pods", "-l", "app=dask-worker")["items"]
+        if len(items) != 4 or any(p["status"].get("phase") != "Running" for p in items):
+            return None
+        if any(("preStop" in (p["spec"]["containers"][0].get("lifecycle") or {})) != hooked for p in items):
+            return None
+        placed = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in items}
+        names = {str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        return (
+            placed
+            if sorted(list(placed.values()).count(n) for n in set(placed.values())) == [2, 2] and names == set(placed)
+            else None
+        )
+
+    placed: dict[str, str] = sandbox.wait_for(settled, 300, "four workers, two per node")
+    return placed
+
+
+def preempt(sandbox: Sandbox, client: distributed.Client, pods: list[str]) -> tuple[float, list[str]]:
+    """Unique data on ``pods``, then ``kubectl delete --grace-period=25`` of them: the seconds
+    until their workers left the scheduler, and the keys lost."""
+    addresses = {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    futures: list[distributed.Future] = []
+    for pod in pods:
+        values = {f"{pod}-{i}": os.urandom(KEY) for i in range(SIZE // KEY)}
+        futures += client.scatter(values, workers=[addresses[pod]], hash=False).values()
+    dying = {addresses[p] for p in pods}
+    began = time.monotonic()
+    sandbox.kubectl("delete", "pod", *pods, f"--grace-period={GRACE}", "--wait=false")
+    sandbox.wait_for(
+        lambda: not dying & set(client.scheduler_info(n_workers=-1)["workers"]), GRACE + 30, "the workers to leave"
+    )
+    seconds = time.monotonic() - began
+    who_has = client.sync(client.scheduler.who_has, keys=[f.key for f in futures])
+    return seconds, sorted(k for k, holders in who_has.items() if not holders)
+
+
+def scrape(sandbox: Sandbox, name: str, **labels: str) -> float:
+    with urllib.request.urlopen((sandbox.state_dir / "metrics-url").read_text().strip(), timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
+
+
+def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_not_move(upstream: Any) -> None:
+    sandbox = upstream(operator=True)
+    sandbox.apply(
+        {
+            "apiVersion": "memops.dev/v1alpha1",
+            "kind": "MemoryPolicy",
+            "metadata": {"name": "spot", "namespace": "default"},
+            "spec": {
+                "scheduler": {"address": sandbox.scheduler_address},
+                "workload": {"kind": "Deployment", "name": "dask-worker"},
+                "drain": {"timeout": "2m"},
+            },
+        }
+    )
+
+    def ready() -> bool:
+        conditions = sandbox.get("memorypolicy", "spot").get("status", {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    sandbox.wait_for(ready, 120, "the policy to be Ready")
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        placed = spread(sandbox, client, hooked=True)
+        node = sorted(set(placed.values()))[0]
+        pods = sorted(p for p, n in placed.items() if n == node)
+        seconds, lost = preempt(sandbox, client, pods)
+        print(f"memops: the node's workers left {seconds:.1f} s after the deletion, {len(lost)} keys lost")
+        assert lost == [], sandbox.operator_log()[-3000:]
+        assert seconds < GRACE, "drained and closed within the window, not killed at its end"
+        drains = asyncio.run(daskrpc.drain_status(sandbox.scheduler_address))
+        hooks = {d["name"]: d for d in drains.values() if d.get("origin") == "preStop"}
+        assert set(hooks) == set(pods) and all(d["state"] == "done" for d in hooks.values()), drains
+
+        # A hook's drain that runs out of time: one asked as the hook asks (by name, origin
+        # preStop), with one key on its way at a time and a 1 s deadline, on a worker of the
+        # other node.
+        survivor = sorted(p for p in placed if p not in pods)[0]
+        address = {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}[survivor]
+        # Many small keys: a round trip per key and recipient, far more than the 1 s deadline.
+        held = client.scatter({f"late-{i}": os.urandom(LATE) for i in range(400)}, workers=[address], hash=False)
+        asyncio.run(
+            daskrpc.start_drain(
+                sandbox.scheduler_address,
+                names=[survivor],
+                deadline=1.0,
+                window=1,
+                close_workers=False,
+                restore=True,
+                origin="preStop",
+            )
+        )
+
+        def recorded() -> list[dict[str, Any]]:
+            status = sandbox.get("memorypolicy", "spot").get("status", {})
+            return list((status.get("safetyNet") or {}).get("lostAtDeadline") or [])
+
+        (loss,) = sandbox.wait_for(recorded, 60, "the hook's loss in the policy's status")
+        assert loss["pod"] == survivor and loss["cause"] == "deadline"
+        assert 0 < loss["keys"] < 400 and loss["bytes"] >= loss["keys"] * LATE
+        labels = {"namespace": "default", "policy": "spot", "cause": "deadline"}
+        assert scrape(sandbox, "memops_safety_net_lost_keys_total", **labels) == loss["keys"]
+        time.sleep(10)  # several more passes read the same drain status: counted once
+        assert recorded() == [loss]
+        assert scrape(sandbox, "memops_safety_net_lost_bytes_total", **labels) == loss["bytes"]
+        assert len(client.gather(list(held.values()))) == 400  # restored: the worker kept them
+
+
+def test_with_no_hook_the_nodes_data_is_lost(upstream: Any) -> None:
+    sandbox = upstream(operator=False)
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        placed = spread(sandbox, client, hooked=False)
+        node = sorted(set(placed.values()))[0]
+        pods = sorted(p for p, n in placed.items() if n == node)
+        _, lost = preempt(sandbox, client, pods)
+        assert len(lost) == 2 * SIZE // KEY

@@ -1,0 +1,215 @@
+"""Shared spill on the upstream sandbox: the webhook gives a worker pod the tmpfs volume and Dask's
+configuration, the real worker spills into it, and what cannot work is refused where the user sees it.
+
+The node agent runs pods as processes: an emptyDir of medium Memory is a directory on the node's
+tmpfs (under /dev/shm), a hostPath one under ``<node tmpfs>/host/`` (see
+``memops_sandbox.nodeagent_volumes``), so the files Dask spills are on a real tmpfs.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import distributed
+from memops_sandbox import common as sandbox_cli
+
+from memops import shared_spill
+from tests.e2e.conftest import Sandbox
+from tests.e2e.test_policy import condition, memory_policy
+
+HOST_PATH = "/var/lib/memops/spill"
+SWAP_LABEL = "feature.node.kubernetes.io/memory-swap.enabled"
+MIB = 2**20
+
+
+def workers(
+    scheduler_address: str, name: str, *, limit: str = "1Gi", request: str = "512Mi", dask_limit: str = "512MiB"
+) -> dict[str, Any]:
+    """The sandbox's worker Deployment under another name, with a memory limit (and request) and
+    Dask's own --memory-limit, as users write them."""
+    deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0, memory_limit=dask_limit))
+    deployment["metadata"] = {"name": name, "namespace": "default", "labels": {"app": name}}
+    deployment["spec"]["selector"] = {"matchLabels": {"app": name}}
+    template = deployment["spec"]["template"]
+    template["metadata"] = {"labels": {"app": name}}
+    template["spec"]["containers"][0]["resources"] = {
+        "requests": {"memory": request, "cpu": "1"},
+        "limits": {"memory": limit, "cpu": "1"},
+    }
+    return deployment
+
+
+def running_pods(sandbox: Sandbox, app: str, count: int) -> list[dict[str, Any]]:
+    def found() -> list[dict[str, Any]] | None:
+        items = sandbox.get("pods", "-l", f"app={app}")["items"]
+        running = [p for p in items if (p.get("status") or {}).get("phase") == "Running"]
+        return running if len(running) == count else None
+
+    pods: list[dict[str, Any]] = sandbox.wait_for(found, timeout=120, what=f"{count} running pods of {app}")
+    return pods
+
+
+def node_tmpfs(sandbox: Sandbox, node: str) -> Path:
+    return Path(sandbox.get("node", node)["metadata"]["annotations"]["memops.dev/tmpfs-dir"])
+
+
+def spilled_files(root: Path) -> list[Path]:
+    """What distributed spilled under a temporary-directory: ``dask-scratch-space/worker-*/storage/*``."""
+    return [p for p in root.glob("dask-scratch-space/worker-*/storage/*") if p.is_file()]
+
+
+def ready(sandbox: Sandbox, policy: str, kind: str, status: str) -> dict[str, Any]:
+    found: dict[str, Any] = sandbox.wait_for(
+        lambda: (c := condition(sandbox, policy, kind)) and c["status"] == status and c, what=f"{kind} {status}"
+    )
+    return found
+
+
+def fill(
+    client: distributed.Client, address: str, pieces: int = 16, nbytes: int = 20 * MIB, first: int = 0
+) -> list[Any]:
+    """Scatter ``pieces`` arrays of ``nbytes`` to one worker, one at a time as a computation would
+    make them (all at once, the message alone could pass the nanny's terminate threshold): 320Mi
+    is over the worker's target (0.523 of 512Mi, 268Mi), so the worker spills. Pieces are named by
+    their content: ``first`` keeps two workers' pieces apart."""
+    futures = []
+    for i in range(pieces):
+        futures.append(client.scatter(bytes([first + i]) * nbytes, workers=[address]))
+    return futures
+
+
+def worker_of(client: distributed.Client, pod: str) -> tuple[str, dict[str, Any]]:
+    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
+        if info.get("name") == pod:
+            return address, info
+    raise AssertionError(f"no worker named {pod}")
+
+
+def test_memory_medium_worker_spills_into_its_pods_tmpfs(sandbox_factory: Any) -> None:
+    sandbox: Sandbox = sandbox_factory(1)
+    sandbox.apply(workers(sandbox.scheduler_address, "spill"))
+    sandbox.apply(
+        memory_policy(
+            "spill", sandbox.scheduler_address, workload="spill", sharedSpill={"medium": "Memory", "sizeLimit": "600Mi"}
+        )
+    )
+    # L = 1Gi, S = 600Mi, M = 512MiB: RSS must stay under 424Mi, so terminate 0.95 -> 0.828.
+    message = ready(sandbox, "spill", shared_spill.READY, "True")["message"]
+    assert "scaled by 0.872" in message, message
+    sandbox.kubectl("scale", "deployment/spill", "--replicas=1")
+    (pod,) = running_pods(sandbox, "spill", 1)
+    name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+
+    # What the webhook gave the pod; the Deployment is unchanged.
+    assert pod["metadata"]["annotations"][shared_spill.ANNOTATION] == "Memory"
+    assert {"name": "memops-spill", "emptyDir": {"medium": "Memory", "sizeLimit": "600Mi"}} in pod["spec"]["volumes"]
+    container = pod["spec"]["containers"][0]
+    assert {"name": "memops-spill", "mountPath": shared_spill.MOUNT_PATH} in container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["DASK_TEMPORARY_DIRECTORY"] == shared_spill.MOUNT_PATH
+    assert env["DASK_DISTRIBUTED__WORKER__MEMORY__TARGET"] == "0.523"
+    assert env["DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE"] == "0.828"
+    template = sandbox.get("deployment", "spill")["spec"]["template"]["spec"]
+    assert "volumes" not in template, "GitOps sees no drift: the Deployment is not changed"
+
+    # The kubelet's emptyDir of medium Memory: on the node's tmpfs, here under /dev/shm.
+    volume = node_tmpfs(sandbox, pod["spec"]["nodeName"]) / "pods" / uid / "volumes" / "kubernetes.io~empty-dir"
+    volume /= "memops-spill"
+    assert str(volume).startswith("/dev/shm/")
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        address, info = sandbox.wait_for(lambda: _connected(client, name), what="the worker")
+        assert info["memory_limit"] == 512 * MIB
+        assert Path(info["local_directory"]).is_relative_to(volume), info["local_directory"]
+        futures = fill(client, address)
+        files = sandbox.wait_for(lambda: spilled_files(volume), what="spilled files in the tmpfs volume")
+        assert sum(f.stat().st_size for f in files) >= 20 * MIB
+        # Still there: spilled, not lost, and read back from the tmpfs.
+        assert client.gather(futures[0]) == bytes(20 * MIB)
+        assert client.gather(futures[-1])[:3] == bytes([15, 15, 15])
+        del futures
+    sandbox.kubectl("scale", "deployment/spill", "--replicas=0")
+    sandbox.wait_for(lambda: not volume.exists(), what="the emptyDir removed with its pod")
+
+
+def _connected(client: distributed.Client, pod: str) -> tuple[str, dict[str, Any]] | None:
+    try:
+        return worker_of(client, pod)
+    except AssertionError:
+        return None
+
+
+def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory: Any) -> None:
+    sandbox: Sandbox = sandbox_factory(1)
+    nodes = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])
+    swap_node = nodes[-1]
+    sandbox.kubectl("label", "node", swap_node, f"{SWAP_LABEL}=true")
+    # What the node DaemonSet does on a selected node: the tmpfs at the host path.
+    host_dir = node_tmpfs(sandbox, swap_node) / "host" / HOST_PATH.lstrip("/")
+    host_dir.mkdir(parents=True)
+
+    # Refused at apply, by the CRD's schema, naming the field.
+    refused = sandbox.apply(
+        memory_policy("nohost", sandbox.scheduler_address, sharedSpill={"medium": "Node", "sizeLimit": "1Gi"}),
+        check=False,
+    )
+    assert refused.returncode != 0 and "sharedSpill.hostPath is required for medium Node" in refused.stderr
+    hostile = sandbox.apply(
+        memory_policy(
+            "etc",
+            sandbox.scheduler_address,
+            sharedSpill={"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/etc/kubernetes"},
+        ),
+        check=False,
+    )
+    assert hostile.returncode != 0 and "spec.sharedSpill.hostPath" in hostile.stderr, hostile.stderr
+    bad_label = sandbox.apply(
+        memory_policy(
+            "label",
+            sandbox.scheduler_address,
+            sharedSpill={"medium": "Node", "sizeLimit": "1Gi", "hostPath": HOST_PATH, "nodeSelector": {"-x-": "true"}},
+        ),
+        check=False,
+    )
+    assert bad_label.returncode != 0 and "spec.sharedSpill.nodeSelector" in bad_label.stderr, bad_label.stderr
+
+    spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": HOST_PATH, "nodeSelector": {SWAP_LABEL: "true"}}
+    sandbox.apply(workers(sandbox.scheduler_address, "shared"))
+    sandbox.apply(memory_policy("shared", sandbox.scheduler_address, workload="shared", sharedSpill=spill))
+    ready(sandbox, "shared", shared_spill.READY, "True")
+    assert ready(sandbox, "shared", shared_spill.SWAPPABLE, "True")["reason"] == "Burstable"
+    sandbox.kubectl("scale", "deployment/shared", "--replicas=2")
+    pods = running_pods(sandbox, "shared", 2)
+    assert {p["spec"]["nodeName"] for p in pods} == {swap_node}, "required node affinity to the swap node"
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        found = [sandbox.wait_for(lambda p=p: _connected(client, p["metadata"]["name"]), what="a worker") for p in pods]
+        futures = [f for n, (address, _) in enumerate(found) for f in fill(client, address, first=100 * n)]
+        # Both workers spill into the one directory tree of the node.
+        sandbox.wait_for(
+            lambda: len({f.parent.parent for f in spilled_files(host_dir)}) == 2, what="two workers' spill dirs"
+        )
+        assert all(Path(info["local_directory"]).is_relative_to(host_dir) for _, info in found)
+        del futures
+
+    # Guaranteed pods under the Node medium: injected, and the status warns.
+    sandbox.apply(workers(sandbox.scheduler_address, "fixed", request="1Gi"))
+    sandbox.apply(memory_policy("fixed", sandbox.scheduler_address, workload="fixed", sharedSpill=spill))
+    warning = ready(sandbox, "fixed", shared_spill.SWAPPABLE, "False")
+    assert warning["reason"] == "NotBurstable" and "Guaranteed" in warning["message"]
+
+    # A size that cannot fit: the condition names the field, and new pods get the safety net only.
+    sandbox.apply(workers(sandbox.scheduler_address, "tight"))
+    sandbox.apply(
+        memory_policy(
+            "tight", sandbox.scheduler_address, workload="tight", sharedSpill={"medium": "Memory", "sizeLimit": "1Gi"}
+        )
+    )
+    refusal = ready(sandbox, "tight", shared_spill.READY, "False")
+    assert refusal["reason"] == "DoesNotFit" and refusal["message"].startswith("spec.sharedSpill.sizeLimit")
+    assert refusal["observedGeneration"] == sandbox.get("mempol", "tight")["metadata"]["generation"]
+    sandbox.kubectl("scale", "deployment/tight", "--replicas=1")
+    (pod,) = running_pods(sandbox, "tight", 1)
+    assert pod["metadata"]["annotations"][shared_spill.ANNOTATION] == "Refused: DoesNotFit"
+    assert pod["metadata"]["annotations"]["memops.dev/safety-net"] == "tight"
+    assert "volumes" not in pod["spec"] or all(v["name"] != "memops-spill" for v in pod["spec"]["volumes"])

@@ -1,0 +1,338 @@
+"""Zero-copy hand-over of spilled keys, on a real scheduler with real worker processes.
+
+The workers spill to a directory under ``/dev/shm`` (a tmpfs, as the ``Node`` medium of
+``sharedSpill`` gives them); every key of 1 MiB goes straight to the spill store (the target is
+a few KiB). What went over the network is read from the workers' own counters
+(``transfer_outgoing_bytes_total``, ``transfer_incoming_log``), what was linked from the files'
+inodes and link counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, Nanny
+from distributed.protocol.serialize import to_serialize
+
+from memops import daskrpc
+from memops.scheduler import drain, handover
+
+MiB = 2**20
+SPILL_CONFIG = {
+    # Every key larger than the target (1e-3 of 256 MiB: 268 KB) is written straight to the spill store.
+    "distributed.worker.memory.target": 0.001,
+    "distributed.worker.memory.spill": False,
+    "distributed.worker.memory.pause": False,
+    "distributed.worker.memory.terminate": False,
+    "distributed.scheduler.active-memory-manager.start": False,
+}
+
+
+@pytest.fixture
+def shm() -> Iterator[str]:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine: the hand-over needs a tmpfs")
+    path = tempfile.mkdtemp(prefix="memops-handover-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def cluster(shm: str) -> AsyncIterator[tuple[LocalCluster, Client]]:
+    """Three worker processes that spill into one tmpfs root: one node's workers."""
+    with dask.config.set(SPILL_CONFIG):
+        async with LocalCluster(
+            n_workers=3,
+            processes=True,
+            threads_per_worker=1,
+            memory_limit="256MiB",
+            local_directory=shm,
+            dashboard_address=None,
+            asynchronous=True,
+        ) as local:
+            async with Client(local, asynchronous=True) as client:
+                await handover.install(local.scheduler)
+                yield local, client
+
+
+def value(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest() * (MiB // 32)
+
+
+async def spill_files(client: Client, worker: str) -> dict[str, tuple[int, int]]:
+    """Key -> (inode, link count) of the worker's spill files."""
+
+    def files(dask_worker: Any) -> dict[str, tuple[int, int]]:
+        store = dask_worker.data._slow_uncached.d
+        stats = {str(k): os.stat(os.path.join(store.directory, n)) for k, n in store.filenames.items()}
+        return {k: (st.st_ino, st.st_nlink) for k, st in stats.items()}
+
+    return dict((await client.run(files, workers=[worker]))[worker])
+
+
+async def network(client: Client) -> dict[str, tuple[int, int]]:
+    """Worker -> (bytes it sent to peers or clients, keys it received from peers)."""
+
+    def counters(dask_worker: Any) -> tuple[int, int]:
+        received = sum(len(entry["keys"]) for entry in dask_worker.transfer_incoming_log)
+        return int(dask_worker.transfer_outgoing_bytes_total), received
+
+    return dict(await client.run(counters))
+
+
+async def until(condition: Any, bound: float = 20) -> None:
+    async with asyncio.timeout(bound):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+async def test_a_spilled_key_is_handed_over_by_a_hardlink(cluster: tuple[LocalCluster, Client]) -> None:
+    """The receiver's spill file is the sender's (one inode, two links), the scheduler lists both
+    holders, the receiver computes on it with the right bytes, and no byte went over the network;
+    once the sender is gone, the receiver's link alone keeps the data."""
+    local, client = cluster
+    scheduler = local.scheduler
+    sender, receiver, _ = sorted(scheduler.workers)
+    [future] = await client.scatter([value(1)], workers=[sender])
+    key = future.key
+    identities = {a: await handover.identify(scheduler, a) for a in (sender, receiver)}
+    assert handover.same_filesystem(identities[sender], identities[receiver])
+    before = await network(client)
+
+    linked, left = await handover.hand_over(scheduler, sender, receiver, [key], identities[sender]["directory"])
+
+    assert (linked, left) == ([key], [])
+    sent, received = (await spill_files(client, sender))[str(key)], (await spill_files(client, receiver))[str(key)]
+    assert sent[0] == received[0] and sent[1] == received[1] == 2, "one inode, two links"
+    await until(lambda: {ws.address for ws in scheduler.tasks[key].who_has} == {sender, receiver})
+    digest = await client.submit(
+        lambda b: hashlib.sha256(b).hexdigest(), future, workers=[receiver], allow_other_workers=False, pure=False
+    )
+    assert digest == hashlib.sha256(value(1)).hexdigest()
+    after = await network(client)
+    assert after[sender][0] == before[sender][0], "the sender sent nothing"
+    assert after[receiver][1] == before[receiver][1], "the receiver received nothing from a peer"
+    await scheduler.retire_workers([sender], close_workers=True)  # the only other holder is the receiver
+    await until(lambda: sender not in scheduler.workers)
+    # The sender's spill directory goes with its process.
+    async with asyncio.timeout(20):
+        while (await spill_files(client, receiver))[str(key)][1] != 1:
+            await asyncio.sleep(0.1)
+    assert await client.gather(future) == value(1)
+
+
+async def test_a_key_in_memory_goes_by_the_normal_transfer(cluster: tuple[LocalCluster, Client]) -> None:
+    local, client = cluster
+    scheduler = local.scheduler
+    sender, receiver, _ = sorted(scheduler.workers)
+    [small] = await client.scatter([b"in memory"], workers=[sender])  # below the target: not spilled
+    directory = (await handover.identify(scheduler, sender))["directory"]
+    assert await handover.hand_over(scheduler, sender, receiver, [small.key], directory) == ([], [small.key])
+    assert str(small.key) not in await spill_files(client, receiver)
+
+
+async def test_a_receiver_on_another_filesystem_is_refused(cluster: tuple[LocalCluster, Client]) -> None:
+    """A worker that spills elsewhere (here a disk directory, not the tmpfs) shares no
+    filesystem with the others: its identity says so, and told to link anyway, it refuses."""
+    local, client = cluster
+    scheduler = local.scheduler
+    sender = sorted(scheduler.workers)[0]
+    elsewhere = tempfile.mkdtemp(prefix="memops-handover-disk-")
+    try:
+        with dask.config.set(SPILL_CONFIG):
+            async with Nanny(scheduler.address, local_directory=elsewhere, memory_limit="256MiB", nthreads=1) as nanny:
+                far = nanny.worker_address
+                await until(lambda: far in scheduler.workers)
+                [future] = await client.scatter([value(2)], workers=[sender])
+                ident = {a: await handover.identify(scheduler, a) for a in (sender, far)}
+                assert ident[far]["directory"] and not handover.same_filesystem(ident[sender], ident[far])
+                result = await handover.hand_over(scheduler, sender, far, [future.key], ident[sender]["directory"])
+                assert result == ([], [future.key])
+                assert str(future.key) not in await spill_files(client, far)
+    finally:
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
+async def test_a_receiver_links_nothing_outside_its_shared_root(cluster: tuple[LocalCluster, Client], shm: str) -> None:
+    """The receiver checks what it is told: a file outside its shared root, a '..' detour, a
+    symlink, a directory, an inode other than the one offered are all refused."""
+    local, client = cluster
+    scheduler = local.scheduler
+    sender, receiver, _ = sorted(scheduler.workers)
+    [future] = await client.scatter([value(3)], workers=[sender])
+    directory = (await handover.identify(scheduler, sender))["directory"]
+    [[name, ino, size]] = await handover.call(scheduler, sender, "offer", keys=[future.key])
+    outside = os.path.join(shm, "outside")
+    os.makedirs(outside)
+    pathlib.Path(outside, "f").write_bytes(b"x")
+    link_dir = os.path.join(os.path.dirname(os.path.dirname(directory)), "sneaky")
+    os.symlink(directory, link_dir)
+    detour = os.path.join(directory, "..", "storage")
+    outside_ino = os.stat(os.path.join(outside, "f")).st_ino
+    hostile = [
+        ["/etc", "passwd", os.stat("/etc/passwd").st_ino, os.stat("/etc/passwd").st_size],
+        [outside, "f", outside_ino, 1],  # in the tmpfs, but not under the workers' root
+        [detour, name, ino, size],
+        [link_dir, name, ino, size],  # a symlink to the right directory
+        [directory, "../storage", ino, size],
+        [directory, name, ino + 1, size],  # another inode than offered
+        [os.path.dirname(directory), "storage", os.stat(directory).st_ino, os.stat(directory).st_size],
+    ]
+    for i, (where, fname, inode, nbytes) in enumerate(hostile):
+        entries = [[f"hostile-{i}", fname, inode, nbytes, nbytes]]
+        assert await handover.call(scheduler, receiver, "take", directory=where, entries=entries) == (), (where, fname)
+    assert not await spill_files(client, receiver)
+    # The same call with the sender's own report is taken.
+    taken = await handover.call(
+        scheduler, receiver, "take", directory=directory, entries=[[future.key, name, ino, size, MiB]]
+    )
+    assert taken == (0,)
+
+
+async def test_a_hostile_reply_is_refused(cluster: tuple[LocalCluster, Client]) -> None:
+    """A worker whose handler answers with a serialized object (which would be unpickled by a
+    reader that deserializes) is refused, and counts as a worker with no hand-over."""
+    local, client = cluster
+    scheduler = local.scheduler
+    worker = sorted(scheduler.workers)[0]
+
+    def turn_hostile(dask_worker: Any) -> None:
+        dask_worker.handlers[handover.NAME] = lambda **kwargs: {"result": to_serialize(Exception("pickled"))}
+
+    await client.run(turn_hostile, workers=[worker])
+    with pytest.raises(handover.Refused, match="Serialized"):
+        await handover.call(scheduler, worker, "identity")
+    assert await handover.identify(scheduler, worker) == {}
+
+
+@pytest.mark.parametrize(
+    "value_, refused",
+    [
+        pytest.param({"a": [1, 2.0, "x", b"y", None, True]}, False, id="plain"),
+        pytest.param({"a": {1, 2}}, True, id="a-set"),
+        pytest.param({("a",): 1}, True, id="a-tuple-map-key"),
+        pytest.param([[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]], True, id="too-deep"),
+        pytest.param(object(), True, id="an-object"),
+    ],
+)
+def test_plain(value_: Any, refused: bool) -> None:
+    if refused:
+        with pytest.raises(handover.Refused):
+            handover.plain(value_)
+    else:
+        assert handover.plain(value_) is value_
+
+
+async def test_a_drain_of_spilled_data_moves_no_byte_over_the_network(cluster: tuple[LocalCluster, Client]) -> None:
+    """memops' drain (started as the operator does) of a worker whose data is spilled, with two
+    recipients on its spill filesystem: every key handed over by link, none over the network,
+    the worker closed, nothing lost."""
+    local, client = cluster
+    scheduler = local.scheduler
+    dying = sorted(scheduler.workers)[0]
+    data = await client.scatter({f"s{i}": value(i) for i in range(40)}, workers=[dying], hash=False)
+    before = await network(client)
+    await daskrpc.start_drain(local.scheduler_address, [dying], deadline=60)
+    async with asyncio.timeout(60):
+        while (state := (await daskrpc.drain_status(local.scheduler_address, [dying]))[dying])["state"] == "draining":
+            await asyncio.sleep(0.05)
+    assert state["state"] == drain.State.DONE
+    assert state["keysMoved"] == state["keysLinked"] == 40 and state["bytesLinked"] == 40 * MiB
+    await until(lambda: dying not in scheduler.workers)
+    after = await network(client)
+    assert {w: after[w] for w in after} == {w: before[w] for w in after}, "no byte over the network"
+    async with asyncio.timeout(20):  # the sender's spill directory goes with its process
+        while True:
+            links = [await spill_files(client, w) for w in after]
+            if all(n == 1 for f in links for _, n in f.values()):
+                break
+            await asyncio.sleep(0.1)
+    assert sum(len(f) for f in links) == 40
+    assert min(len(f) for f in links) >= 10, "spread over both recipients"
+    assert await client.gather(list(data.values())) == [value(i) for i in range(40)]
+
+
+async def test_without_hand_over_the_drain_copies(cluster: tuple[LocalCluster, Client]) -> None:
+    """The anchor of the test above: the same drain with ``handover`` off sends every byte."""
+    local, client = cluster
+    scheduler = local.scheduler
+    dying = sorted(scheduler.workers)[0]
+    data = await client.scatter({f"c{i}": value(i) for i in range(10)}, workers=[dying], hash=False)
+    drain.start(scheduler, workers=[dying], deadline=60, handover=False)
+    await until(lambda: dying not in scheduler.workers, bound=60)
+    received = sum(n for _, n in (await network(client)).values())
+    assert received == 10
+    assert await client.gather(list(data.values())) == [value(i) for i in range(10)]
+
+
+# -- the drain's choice of recipients for spilled keys (pure) ------------------------------------
+
+
+def key(name: str, group: str | None = None) -> drain.Key:
+    return drain.Key(name, MiB, False, group=group)
+
+
+def recipient(name: str, node: str | None, group: str | None = None, headroom: int = 100 * MiB) -> drain.Recipient:
+    return drain.Recipient(name, node, headroom, drain.WINDOW_BYTES, group)
+
+
+@pytest.mark.parametrize(
+    "keys, recipients, expected",
+    [
+        pytest.param(
+            [key("k1", "fs1")],
+            [recipient("local", "n1", "fs1", headroom=MiB), recipient("roomy", "n2", headroom=1000 * MiB)],
+            [("k1", "local")],
+            id="a-spilled-key-goes-to-its-filesystem-before-a-roomier-recipient",
+        ),
+        pytest.param(
+            [key("k1", "fs1"), key("k2", "fs1"), key("k3", "fs1")],
+            [recipient("a", None, "fs1"), recipient("b", None, "fs1"), recipient("c", None, "fs2")],
+            [("k1", "a"), ("k2", "b"), ("k3", "a")],
+            id="spread-over-the-local-recipients",
+        ),
+        pytest.param(
+            [key("k1", "fs1")],
+            [recipient("local", "dying", "fs1"), recipient("far", "n2")],
+            [("k1", "far")],
+            id="never-first-on-a-dying-node",
+        ),
+        pytest.param(
+            [key("k1", "fs1")],
+            [recipient("local", "n1", "fs1", headroom=0), recipient("far", "n2")],
+            [("k1", "local")],
+            id="a-link-needs-no-headroom",
+        ),
+        pytest.param(
+            [key("k1"), key("k2", "fs1")],
+            [recipient("local", "n1", "fs1", headroom=MiB // 2), recipient("far", "n2")],
+            [("k1", "far"), ("k2", "local")],
+            id="a-key-in-memory-is-placed-as-before",
+        ),
+    ],
+)
+def test_assign_prefers_the_spill_filesystem(
+    keys: list[drain.Key], recipients: list[drain.Recipient], expected: list[tuple[str, str]]
+) -> None:
+    assert drain.assign(keys, recipients, {"dying"}) == (expected, [])
+
+
+async def test_a_retirement_hands_spilled_keys_over(cluster: tuple[LocalCluster, Client]) -> None:
+    """``daskrpc.retire_workers``, as the RetirementRequest controller (and so scale-downs and
+    recycling) calls it: the worker retired, its spilled keys linked, none received over the network."""
+    local, client = cluster
+    retiring = sorted(local.scheduler.workers)[0]
+    data = await client.scatter({f"r{i}": value(i) for i in range(12)}, workers=[retiring], hash=False)
+    outcome = await daskrpc.retire_workers(local.scheduler_address, [retiring], timeout=60)
+    assert outcome.by_memops and outcome.retired == (retiring,) and not outcome.lost_at_deadline
+    assert sum(n for _, n in (await network(client)).values()) == 0, "no key received over the network"
+    assert await client.gather(list(data.values())) == [value(i) for i in range(12)]

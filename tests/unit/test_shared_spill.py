@@ -1,0 +1,468 @@
+"""Shared spill: the schema's refusals, the memory arithmetic, the pod mutation, the QoS class,
+the policy's conditions, and what the webhook's plan_injection does with all of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+import pytest
+
+from memops import policy_decisions, safetynet, shared_spill, specs
+from tests.unit.test_policy_decisions import _inputs, _spec
+
+GI = 2**30
+MI = 2**20
+
+
+def spill(medium: str = "Memory", size: str = "2Gi", **fields: Any) -> specs.SharedSpillSpec:
+    return specs.SharedSpillSpec.model_validate({"medium": medium, "sizeLimit": size, **fields})
+
+
+NODE = {"hostPath": "/var/lib/memops/spill", "nodeSelector": {"feature.node.kubernetes.io/memory-swap.enabled": "true"}}
+
+
+def worker(limit: str | None = "8Gi", *args: str, request: str | None = None, **container: Any) -> dict[str, Any]:
+    resources: dict[str, Any] = {}
+    if limit is not None:
+        resources["limits"] = {"memory": limit, "cpu": "2"}
+    if request is not None:
+        resources["requests"] = {"memory": request, "cpu": "2"}
+    return {"name": "worker", "command": ["dask", "worker", "tcp://s:8786", *args], "resources": resources, **container}
+
+
+# -- the schema --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi"}, "hostPath is required", id="node-without-hostpath"),
+        pytest.param({"medium": "Memory", "sizeLimit": "1Gi", **NODE}, "for medium Node only", id="memory-with-host"),
+        pytest.param({"medium": "Disk", "sizeLimit": "1Gi"}, "medium", id="unknown-medium"),
+        pytest.param({"medium": "Memory", "sizeLimit": "-1Gi"}, "sizeLimit", id="negative-size"),
+        pytest.param({"medium": "Memory", "sizeLimit": "0"}, "sizeLimit", id="zero-size"),
+        pytest.param({"medium": "Memory", "sizeLimit": "8 GiB"}, "sizeLimit", id="not-a-quantity"),
+        pytest.param({"medium": "Memory"}, "sizeLimit", id="no-size"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "spill"}, "hostPath", id="relative"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/"}, "hostPath", id="root"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/a/../etc"}, "hostPath", id="dotdot"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/a/./b"}, "hostPath", id="dot"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/a\x00b"}, "hostPath", id="nul"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/a//b"}, "hostPath", id="double-slash"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/etc/memops"}, "hostPath", id="etc"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/proc"}, "hostPath", id="proc"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/sys/fs"}, "hostPath", id="sys"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/dev/sda"}, "hostPath", id="dev"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/dev/shm"}, "hostPath", id="dev-shm-itself"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/var/run/x"}, "hostPath", id="var-run"),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/var/lib"}, "hostPath", id="kubelet-parent"),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/var/lib/kubelet/pods"}, "hostPath", id="kubelet"
+        ),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/x", "nodeSelector": {"-bad-": "v"}},
+            "nodeSelector",
+            id="label-key",
+        ),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "1Gi", "hostPath": "/x", "nodeSelector": {"a": "not valid"}},
+            "nodeSelector",
+            id="label-value",
+        ),
+    ],
+)
+def test_the_schema_refuses_and_names_the_field(fields: dict[str, Any], field: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=field):
+        specs.SharedSpillSpec.model_validate(fields)
+
+
+@pytest.mark.parametrize("path", ["/var/lib/memops/spill", "/dev/shm/memops", "/mnt/spill", "/srv/tmpfs-1"])
+def test_plain_host_paths_are_accepted(path: str) -> None:
+    assert spill("Node", hostPath=path).hostPath == path
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [("8Gi", 8 * GI), ("512M", 512 * 10**6), ("1e9", 10**9), ("1.5Gi", 3 * GI // 2), ("1500m", 2), ("100", 100)],
+)
+def test_quantities(text: str, nbytes: int) -> None:
+    assert specs.parse_quantity(text) == nbytes
+
+
+# -- the arithmetic ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("container", "size", "scale", "target", "terminate"),
+    [
+        # L = M = 8Gi, S = 2Gi: RSS must stay under 6Gi = 0.75 of M; terminate 0.95 -> 0.75.
+        pytest.param(worker("8Gi"), "2Gi", 6 / (8 * 0.95), 0.473, 0.75, id="auto-limit"),
+        # A small spill that already fits under terminate: nothing changes.
+        pytest.param(worker("8Gi"), "256Mi", 1.0, 0.6, 0.95, id="fits-unscaled"),
+        # --memory-limit 4GiB in an 8Gi container with 2Gi of spill: 4 * 0.95 < 6, unscaled.
+        pytest.param(worker("8Gi", "--memory-limit", "4GiB"), "2Gi", 1.0, 0.6, 0.95, id="explicit-limit-fits"),
+        # --memory-limit=6GB: 6e9 * 0.95 = 5.7e9 > 6Gi - ... scaled to (8Gi - 3Gi) / 5.7e9.
+        pytest.param(
+            worker("8Gi", "--memory-limit=6GB"), "3Gi", 5 * GI / (6e9 * 0.95), 0.565, 0.894, id="explicit-scaled"
+        ),
+        # Two worker processes share the container: auto gives each L / 2; together 2 * M.
+        pytest.param(worker("8Gi", "--nworkers", "2"), "2Gi", 6 / (8 * 0.95), 0.473, 0.75, id="nworkers"),
+        # The user's own fractions are the base.
+        pytest.param(
+            worker("8Gi", env=[{"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": "0.5"}]),
+            "2Gi",
+            6 / (8 * 0.95),
+            0.394,
+            0.75,
+            id="user-target",
+        ),
+        # Unreadable (a variable): Dask would cap it at the cgroup's limit, so L is the safe side.
+        pytest.param(
+            worker("8Gi", "--memory-limit", "$(LIMIT)"), "2Gi", 6 / (8 * 0.95), 0.473, 0.75, id="unreadable-limit"
+        ),
+        # Above the cgroup's limit: Dask takes the cgroup's.
+        pytest.param(worker("8Gi", "--memory-limit", "64GiB"), "2Gi", 6 / (8 * 0.95), 0.473, 0.75, id="above-cgroup"),
+        # One argument with a space, as click takes it: 6 GB, not 6 bytes.
+        pytest.param(
+            worker("8Gi", "--memory-limit", "6 GB"), "3Gi", 5 * GI / (6e9 * 0.95), 0.565, 0.894, id="spaced-value"
+        ),
+        # A fraction --memory-limit is of the container's limit.
+        pytest.param(worker("8Gi", "--memory-limit", "0.5"), "2Gi", 1.0, 0.6, 0.95, id="fraction-limit"),
+        # Written in a shell script, as many images start workers.
+        pytest.param(
+            {
+                "name": "w",
+                "command": ["sh", "-c", "exec dask worker s:8786 --memory-limit 4GiB"],
+                "resources": {"limits": {"memory": "8Gi"}},
+            },
+            "2Gi",
+            1.0,
+            0.6,
+            0.95,
+            id="shell-script",
+        ),
+    ],
+)
+def test_thresholds_are_scaled_so_that_data_plus_spill_fit(
+    container: dict[str, Any], size: str, scale: float, target: float, terminate: float
+) -> None:
+    verdict = shared_spill.fit(container, spill(size=size))
+    assert verdict.allowed, verdict.message
+    assert verdict.scale == pytest.approx(scale, abs=1e-3)
+    assert verdict.fractions["target"] == pytest.approx(target, abs=1e-3)
+    assert verdict.fractions["terminate"] == pytest.approx(terminate, abs=1e-3)
+    # The promise: every worker process at its terminate threshold, plus the spill, fits in L.
+    limit, dask, workers = verdict.container_limit, verdict.dask_limit, verdict.workers
+    assert limit is not None and dask is not None
+    assert workers * dask * (verdict.fractions["terminate"] or 0) + verdict.spill <= limit
+    order = [verdict.fractions[name] or 0 for name in shared_spill.THRESHOLDS]
+    assert order == sorted(order), "target < spill < pause < terminate must keep their order"
+
+
+@pytest.mark.parametrize(
+    ("container", "size", "refusal", "field"),
+    [
+        pytest.param(worker("8Gi"), "8Gi", shared_spill.Refusal.DOES_NOT_FIT, "spec.sharedSpill.sizeLimit", id="S=L"),
+        pytest.param(worker("8Gi"), "16Gi", shared_spill.Refusal.DOES_NOT_FIT, "spec.sharedSpill.sizeLimit", id="S>L"),
+        pytest.param(
+            worker("8Gi"), "7900Mi", shared_spill.Refusal.DOES_NOT_FIT, "spec.sharedSpill.sizeLimit", id="no-headroom"
+        ),
+        pytest.param(
+            worker("8Gi"), "7Gi", shared_spill.Refusal.DOES_NOT_FIT, "spec.sharedSpill.sizeLimit", id="target-too-low"
+        ),
+        pytest.param(worker(None), "1Gi", shared_spill.Refusal.NO_MEMORY_LIMIT, "limits.memory", id="no-limit"),
+        pytest.param(
+            worker("8Gi", "--memory-limit", "0"), "1Gi", shared_spill.Refusal.NO_DASK_LIMIT, "--memory-limit", id="off"
+        ),
+        pytest.param(
+            worker("8Gi", "--local-directory", "/scratch"),
+            "1Gi",
+            shared_spill.Refusal.LOCAL_DIRECTORY,
+            "--local-directory",
+            id="local-directory",
+        ),
+        pytest.param(
+            worker(
+                "8Gi",
+                env=[
+                    {"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": "False"},
+                    {"name": "DASK_DISTRIBUTED__WORKER__MEMORY__SPILL", "value": "false"},
+                ],
+            ),
+            "1Gi",
+            shared_spill.Refusal.SPILL_DISABLED,
+            "never spills",
+            id="spill-off",
+        ),
+    ],
+)
+def test_what_cannot_fit_is_refused_naming_the_field(
+    container: dict[str, Any], size: str, refusal: shared_spill.Refusal, field: str
+) -> None:
+    verdict = shared_spill.fit(container, spill(size=size))
+    assert verdict.refusal == refusal
+    assert field in verdict.message
+
+
+def test_a_disabled_threshold_stays_as_the_user_has_it() -> None:
+    container = worker("8Gi", env=[{"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE", "value": "False"}])
+    verdict = shared_spill.fit(container, spill(size="2Gi"))
+    assert verdict.fractions["terminate"] is None
+    # pause (0.8) is then the highest guard: scaled to (8 - 2) / 8 = 0.75.
+    assert verdict.fractions["pause"] == pytest.approx(0.75, abs=1e-3)
+
+
+# -- the mutation --------------------------------------------------------------------------------
+
+
+def test_memory_medium_gets_a_per_pod_emptydir_and_the_dask_environment() -> None:
+    pod_spec = {"containers": [worker("8Gi", env=[{"name": "DASK_TEMPORARY_DIRECTORY", "value": "/tmp"}])]}
+    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"))
+    assert mutation is not None
+    shared_spill.apply(pod_spec, mutation)
+    assert pod_spec["volumes"] == [
+        {"name": shared_spill.VOLUME_NAME, "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}
+    ]
+    container = pod_spec["containers"][0]
+    assert container["volumeMounts"] == [{"name": shared_spill.VOLUME_NAME, "mountPath": shared_spill.MOUNT_PATH}]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["DASK_TEMPORARY_DIRECTORY"] == shared_spill.MOUNT_PATH  # the user's /tmp is replaced
+    assert [e["name"] for e in container["env"]].count("DASK_TEMPORARY_DIRECTORY") == 1
+    assert env["DASK_DISTRIBUTED__WORKER__MEMORY__TARGET"] == "0.473"
+    assert env["DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE"] == "0.75"
+    assert "affinity" not in pod_spec
+    shared_spill.apply(pod_spec, mutation)  # again: nothing more
+    assert len(pod_spec["volumes"]) == 1 and len(container["volumeMounts"]) == 1
+
+
+def test_node_medium_shares_the_host_directory_and_requires_the_selected_nodes() -> None:
+    existing = {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+    pod_spec: dict[str, Any] = {
+        "containers": [worker("8Gi", request="4Gi")],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        existing,
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]},
+                    ]
+                }
+            }
+        },
+    }
+    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE))
+    assert mutation is not None
+    shared_spill.apply(pod_spec, mutation)
+    # Not a subdirectory per pod: every worker on the node sees the same tree (hand-over by hardlink).
+    assert pod_spec["volumes"] == [
+        {"name": shared_spill.VOLUME_NAME, "hostPath": {"path": "/var/lib/memops/spill", "type": "Directory"}}
+    ]
+    ours = {"key": "feature.node.kubernetes.io/memory-swap.enabled", "operator": "In", "values": ["true"]}
+    terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    # Terms are ORed: each one must carry the requirement.
+    assert all(ours in term["matchExpressions"] for term in terms)
+    assert terms[0]["matchExpressions"][0] == existing["matchExpressions"][0]
+
+
+def test_a_pod_without_affinity_gets_one_term() -> None:
+    pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
+    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE))
+    assert mutation is not None
+    shared_spill.apply(pod_spec, mutation)
+    terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert (
+        len(terms) == 1 and terms[0]["matchExpressions"][0]["key"] == "feature.node.kubernetes.io/memory-swap.enabled"
+    )
+
+
+# -- QoS, as Kubernetes computes it --------------------------------------------------------------
+
+
+def _qos_pod(*containers: dict[str, Any], init: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+    return {
+        "containers": [{"name": f"c{i}", "resources": r} for i, r in enumerate(containers)],
+        "initContainers": [{"name": f"i{i}", "resources": r} for i, r in enumerate(init)],
+    }
+
+
+G = {"limits": {"cpu": "1", "memory": "1Gi"}}  # requests default to limits
+
+
+@pytest.mark.parametrize(
+    ("pod_spec", "qos"),
+    [
+        pytest.param(_qos_pod({}), shared_spill.QoS.BEST_EFFORT, id="nothing"),
+        pytest.param(_qos_pod(G), shared_spill.QoS.GUARANTEED, id="limits-only"),
+        pytest.param(
+            _qos_pod({"requests": {"cpu": "1000m", "memory": "1024Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}),
+            shared_spill.QoS.GUARANTEED,
+            id="equal-written-differently",
+        ),
+        pytest.param(
+            _qos_pod({"requests": {"memory": "512Mi", "cpu": "1"}, "limits": {"cpu": "1", "memory": "1Gi"}}),
+            shared_spill.QoS.BURSTABLE,
+            id="request-below-limit",
+        ),
+        pytest.param(_qos_pod({"limits": {"memory": "1Gi"}}), shared_spill.QoS.BURSTABLE, id="no-cpu-limit"),
+        pytest.param(_qos_pod(G, {}), shared_spill.QoS.BURSTABLE, id="guaranteed-and-besteffort"),
+        pytest.param(_qos_pod(G, init=({},)), shared_spill.QoS.BURSTABLE, id="init-besteffort"),
+        pytest.param(
+            {**_qos_pod({}), "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}},
+            shared_spill.QoS.GUARANTEED,
+            id="pod-level",
+        ),
+    ],
+)
+def test_qos_class(pod_spec: dict[str, Any], qos: shared_spill.QoS) -> None:
+    assert shared_spill.qos_class(pod_spec) == qos
+
+
+# -- the policy's conditions ----------------------------------------------------------------------
+
+
+def _conditions(spill_spec: dict[str, Any] | None, template: dict[str, Any] | None) -> dict[str, Any]:
+    spec = _spec(**({"sharedSpill": spill_spec} if spill_spec is not None else {}))
+    decision = policy_decisions.decide(_inputs(spec, template=template))
+    return {c.type: c for c in decision.status.conditions}
+
+
+@pytest.mark.parametrize(
+    ("spill_spec", "template", "ready", "swappable"),
+    [
+        pytest.param(None, None, None, None, id="no-spill"),
+        pytest.param(
+            {"medium": "Memory", "sizeLimit": "2Gi"},
+            {"containers": [worker("8Gi")]},
+            ("True", "Injected"),
+            None,
+            id="memory-fits",
+        ),
+        pytest.param(
+            {"medium": "Memory", "sizeLimit": "8Gi"},
+            {"containers": [worker("8Gi")]},
+            ("False", "DoesNotFit"),
+            None,
+            id="memory-refused",
+        ),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "2Gi", **NODE},
+            {"containers": [worker("8Gi", request="4Gi")]},
+            ("True", "Injected"),
+            ("True", "Burstable"),
+            id="node-burstable",
+        ),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "2Gi", **NODE},
+            {"containers": [worker("8Gi")]},
+            ("True", "Injected"),
+            ("False", "NotBurstable"),
+            id="node-guaranteed",
+        ),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "2Gi", **NODE},
+            None,
+            ("Unknown", "TemplateUnknown"),
+            ("Unknown", "TemplateUnknown"),
+            id="not-read",
+        ),
+    ],
+)
+def test_the_policy_reports_the_webhooks_verdict(
+    spill_spec: dict[str, Any] | None,
+    template: dict[str, Any] | None,
+    ready: tuple[str, str] | None,
+    swappable: tuple[str, str] | None,
+) -> None:
+    found = _conditions(spill_spec, template)
+    for type_, expected in ((shared_spill.READY, ready), (shared_spill.SWAPPABLE, swappable)):
+        if expected is None:
+            assert type_ not in found
+        else:
+            assert (found[type_].status, found[type_].reason) == expected
+            assert found[type_].observedGeneration == 3
+    if ready == ("False", "DoesNotFit"):
+        assert "spec.sharedSpill.sizeLimit" in found[shared_spill.READY].message
+    if swappable == ("False", "NotBurstable"):
+        assert "Guaranteed" in found[shared_spill.SWAPPABLE].message
+
+
+def test_conditions_go_when_the_spill_goes() -> None:
+    spec = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
+    first = policy_decisions.decide(_inputs(spec, template={"containers": [worker("8Gi")]}))
+    again = policy_decisions.decide(_inputs(_spec(), status=first.status))
+    assert shared_spill.READY not in {c.type for c in again.status.conditions}
+
+
+def test_template_spec_of_each_kind() -> None:
+    pod_spec = {"containers": [worker()]}
+    assert shared_spill.template_spec({"kind": "Deployment", "spec": {"template": {"spec": pod_spec}}}) == pod_spec
+    group = {"kind": "DaskWorkerGroup", "spec": {"worker": {"spec": pod_spec}}}
+    assert shared_spill.template_spec(group) == pod_spec
+    assert shared_spill.template_spec({"kind": "Deployment", "spec": {}}) is None
+
+
+# -- the webhook's plan ---------------------------------------------------------------------------
+
+
+def _pod(container: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": "w-1"}, "spec": {"containers": [container]}}
+
+
+def test_plan_injection_adds_the_spill_beside_the_safety_net() -> None:
+    spec = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
+    change = safetynet.plan_injection(_pod(worker("8Gi")), "p", spec)
+    container = change["spec"]["containers"][0]
+    names = [e["name"] for e in container["env"]]
+    assert "MEMOPS_SCHEDULER_ADDRESS" in names and "DASK_TEMPORARY_DIRECTORY" in names
+    assert "preStop" in container["lifecycle"]
+    assert change["spec"]["volumes"][0]["name"] == shared_spill.VOLUME_NAME
+    assert change["annotations"][shared_spill.ANNOTATION] == "Memory"
+
+
+def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only() -> None:
+    spec = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "8Gi"})
+    change = safetynet.plan_injection(_pod(worker("8Gi")), "p", spec)
+    container = change["spec"]["containers"][0]
+    assert "volumes" not in change["spec"] and "volumeMounts" not in container
+    assert not any(e["name"].startswith("DASK_") for e in container["env"])
+    assert "preStop" in container["lifecycle"]
+    assert change["annotations"][shared_spill.ANNOTATION] == "Refused: DoesNotFit"
+
+
+SIDECAR = {"name": "sidecar", "resources": {"requests": {"memory": "64Mi"}, "limits": {"memory": "128Mi"}}}
+
+
+@pytest.mark.parametrize(
+    ("pod_spec", "swaps", "reason"),
+    [
+        pytest.param({"containers": [worker("8Gi", request="4Gi")]}, True, "Burstable", id="burstable"),
+        pytest.param({"containers": [worker("8Gi")]}, False, "NotBurstable", id="guaranteed"),
+        # The pod is Burstable through its sidecar, but the worker's request equals its limit.
+        pytest.param({"containers": [worker("8Gi"), SIDECAR]}, False, "WorkerNotSwappable", id="worker-guaranteed"),
+        pytest.param(
+            {"containers": [worker("8Gi", request="4Gi")], "priorityClassName": "system-node-critical"},
+            False,
+            "CriticalPod",
+            id="critical",
+        ),
+    ],
+)
+def test_swap_as_the_kubelet_decides_it(pod_spec: dict[str, Any], swaps: bool, reason: str) -> None:
+    assert shared_spill.swap_verdict(pod_spec)[:2] == (swaps, reason)
+
+
+def test_the_deployment_index_keeps_what_the_verdict_reads() -> None:
+    """The policy pass reads a Deployment from the operator's index, which drops most of the pod
+    template: what it keeps must give the verdict that the full template gives."""
+    from memops.controllers import policy
+
+    for spill_spec in (spill(size="2Gi"), spill(size="8Gi"), spill("Node", size="2Gi", **NODE)):
+        for container in (
+            worker("8Gi", "--memory-limit=6GB", request="4Gi"),
+            worker("8Gi", env=[{"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": "0.5"}]),
+            worker(None),
+        ):
+            full = {"containers": [container, SIDECAR], "initContainers": [{"name": "init", "image": "busybox"}]}
+            slim = policy._slim_pod_spec(full)
+            assert shared_spill.condition(spill_spec, slim) == shared_spill.condition(spill_spec, full)
