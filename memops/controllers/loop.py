@@ -20,12 +20,9 @@ import kopf
 class Failures(enum.Enum):
     """What a pass does to the count of failures in a row, which lengthens the next wait."""
 
-    RESET = "reset"
-    """The pass succeeded."""
-    COUNT = "count"
-    """One more failure in a row."""
-    KEEP = "keep"
-    """Neither: a transient error of the API server or the scheduler says nothing of the pass."""
+    RESET = "reset"  # the pass succeeded
+    COUNT = "count"  # one more failure in a row
+    KEEP = "keep"  # neither: a transient error of the API server or the scheduler says nothing of the pass
 
 
 @dataclasses.dataclass(frozen=True)
