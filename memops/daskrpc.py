@@ -326,6 +326,7 @@ async def start_drain(
     names: Sequence[str] = (),
     deadline: float,
     nodes: Mapping[str, str] | None = None,
+    nodes_dying: bool = True,
     close_workers: bool = True,
     restore: bool = False,
     window: int = drain.WINDOW_BYTES,
@@ -345,6 +346,7 @@ async def start_drain(
                 names=list(names),
                 deadline=float(deadline),
                 nodes=dict(nodes or {}),
+                nodes_dying=nodes_dying,
                 close_workers=close_workers,
                 restore=restore,
                 window=window,
@@ -370,7 +372,7 @@ STOPPED = {drain.State.DEADLINE, drain.State.NO_RECIPIENTS}
 
 
 async def _drain_by_memops(
-    comm: daskcomm.Comm, fresh: Sequence[str], deadline: float, nodes: Mapping[str, str]
+    comm: daskcomm.Comm, fresh: Sequence[str], deadline: float, nodes: Mapping[str, str], nodes_dying: bool
 ) -> tuple[set[str], set[str], dict[str, tuple[int, int]]] | None:
     """Drain ``fresh`` with memops' drain, polling until each has left or stopped; None when the
     scheduler does not run memops' agent (the caller then uses stock ``retire_workers``).
@@ -383,7 +385,14 @@ async def _drain_by_memops(
     seconds = max(remaining - min(1.0, remaining / 10), 0.0)
     try:
         await _agent(
-            comm, "drain", workers=list(fresh), deadline=seconds, nodes=dict(nodes), close_workers=True, restore=True
+            comm,
+            "drain",
+            workers=list(fresh),
+            deadline=seconds,
+            nodes=dict(nodes),
+            nodes_dying=nodes_dying,
+            close_workers=True,
+            restore=True,
         )
     except SchedulerRefused as exc:
         logger.info("retiring with the scheduler's retire_workers instead of memops' drain: %s", exc)
@@ -417,6 +426,7 @@ async def retire_workers(
     security: Security | None = None,
     timeout: float,
     nodes: Mapping[str, str] | None = None,
+    nodes_dying: bool = True,
     memops_drain: bool = True,
 ) -> RetireOutcome:
     """Drain and close these workers through the scheduler's AMM; stop waiting after ``timeout``.
@@ -438,10 +448,11 @@ async def retire_workers(
 
     Where the scheduler runs memops' agent, workers that are running or paused are drained by
     memops' drain (:mod:`memops.scheduler.drain`: each key moved once, the keys worth most first,
-    recipients spread and, with ``nodes`` (worker address -> node), off the drained workers'
-    nodes) with ``timeout`` as its deadline: at it the drain stops and sets them back to the
-    status they had (``lost_at_deadline`` says what each still held alone), so nothing goes on
-    draining them after we stop waiting. Elsewhere (or with ``memops_drain=False``) stock
+    recipients spread and, with ``nodes`` (worker address -> node) and ``nodes_dying``, off the
+    drained workers' nodes; without ``nodes_dying``, spilled keys to a neighbour on the same node
+    by link where the spill filesystem is shared) with ``timeout`` as its deadline: at it the
+    drain stops and sets them back to the status they had (``lost_at_deadline`` says what each
+    still held alone), so nothing goes on draining them after we stop waiting. Elsewhere (or with ``memops_drain=False``) stock
     ``retire_workers`` does it, as follows.
 
     Raises :class:`SchedulerUnreachable` when the scheduler does not answer.
@@ -466,7 +477,7 @@ async def retire_workers(
 
         async def retire_fresh() -> None:
             nonlocal by_memops
-            drained = await _drain_by_memops(comm, fresh, deadline, nodes or {}) if memops_drain else None
+            drained = await _drain_by_memops(comm, fresh, deadline, nodes or {}, nodes_dying) if memops_drain else None
             if drained is not None:
                 by_memops = True
                 retired.update(drained[0])

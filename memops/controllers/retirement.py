@@ -91,9 +91,7 @@ class Retirement:
             if failures or status == before:  # no progress: wait before trying again; progress goes on at once
                 await stopped.wait(min(_RETRY_SECONDS * max(failures, 1), _MAX_RETRY_SECONDS))
 
-    async def trouble(
-        self, status: specs.RetirementRequestStatus, exc: Exception
-    ) -> specs.RetirementRequestStatus:
+    async def trouble(self, status: specs.RetirementRequestStatus, exc: Exception) -> specs.RetirementRequestStatus:
         """A step raised: say so in a condition and retry; past the deadline, fail (and keep the pods).
 
         The API server and the scheduler may come back, so their errors are retried for as long
@@ -388,10 +386,16 @@ class Retirement:
                     address, security=security, placement_of=addresses, processing=False
                 )
             remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
-            # Every worker's node: recipients off the drained workers' nodes first (a node drain).
+            # Every worker's node: off the drained workers' nodes first where those nodes are
+            # going (a node drain); else spilled keys go to neighbours there, by link.
             nodes = snapshots.nodes_of_workers(namespace_pods, identity.workers)
             outcome = await daskrpc.retire_workers(
-                address, addresses, security=security, timeout=remaining, nodes=nodes
+                address,
+                addresses,
+                security=security,
+                timeout=remaining,
+                nodes=nodes,
+                nodes_dying=eviction.drains_node(self.body.metadata.get("labels")),
             )
             after = await daskrpc.fetch_snapshot(
                 address, security=security, placement=list(self.before.who_has), processing=False
