@@ -452,8 +452,8 @@ async def retire_workers(
     drained workers' nodes; without ``nodes_dying``, spilled keys to a neighbour on the same node
     by link where the spill filesystem is shared) with ``timeout`` as its deadline: at it the
     drain stops and sets them back to the status they had (``lost_at_deadline`` says what each
-    still held alone), so nothing goes on draining them after we stop waiting. Elsewhere (or with ``memops_drain=False``) stock
-    ``retire_workers`` does it, as follows.
+    still held alone), so nothing goes on draining them after we stop waiting. Elsewhere (or
+    with ``memops_drain=False``) stock ``retire_workers`` does it, as follows.
 
     Raises :class:`SchedulerUnreachable` when the scheduler does not answer.
     """
