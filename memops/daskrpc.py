@@ -117,6 +117,8 @@ class RetireOutcome:
     deadline (``timed_out``): what its pod would lose if it went now. Empty with the stock path."""
     by_memops: bool = False
     """Drained by memops' own drain (:mod:`memops.scheduler.drain`), not stock ``retire_workers``."""
+    linked: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Address -> (keys, bytes) that memops' drain handed over by link (:mod:`memops.scheduler.handover`)."""
 
 
 _COMM_ERRORS = (OSError, TimeoutError)
@@ -373,9 +375,10 @@ STOPPED = {drain.State.DEADLINE, drain.State.NO_RECIPIENTS}
 
 async def _drain_by_memops(
     comm: daskcomm.Comm, fresh: Sequence[str], deadline: float, nodes: Mapping[str, str], nodes_dying: bool
-) -> tuple[set[str], set[str], dict[str, tuple[int, int]]] | None:
+) -> tuple[set[str], set[str], dict[str, tuple[int, int]], dict[str, tuple[int, int]]] | None:
     """Drain ``fresh`` with memops' drain, polling until each has left or stopped; None when the
     scheduler does not run memops' agent (the caller then uses stock ``retire_workers``).
+    (retired, stopped, lost at the deadline, linked): the last two by address, (keys, bytes).
 
     The drain's deadline is the caller's: at it the drain stops asking for copies and sets the
     workers back to the status they had, so that no worker is left ``closing_gracefully`` with
@@ -400,6 +403,7 @@ async def _drain_by_memops(
     retired: set[str] = set()
     stopped: set[str] = set()
     lost: dict[str, tuple[int, int]] = {}
+    linked: dict[str, tuple[int, int]] = {}
     while True:
         state = _mapping(comm.address, await _agent(comm, "drain_status", workers=list(fresh)), "drain status")
         for worker in fresh:
@@ -407,6 +411,8 @@ async def _drain_by_memops(
             if not isinstance(entry, Mapping):
                 retired.add(worker)  # not drained by memops: it left before the drain began
                 continue
+            if _count(entry.get("keysLinked")):
+                linked[worker] = (_count(entry.get("keysLinked")), _count(entry.get("bytesLinked")))
             if entry.get("state") in FINISHED:
                 retired.add(worker)
             elif entry.get("state") in STOPPED:
@@ -415,8 +421,13 @@ async def _drain_by_memops(
                 if entry.get("state") == drain.State.DEADLINE and isinstance(figures, Mapping):
                     lost[worker] = (int(figures.get("keys", 0)), int(figures.get("bytes", 0)))
         if retired | stopped >= set(fresh):
-            return retired, stopped, lost
+            return retired, stopped, lost, linked
         await asyncio.sleep(POLL_SECONDS / 5)
+
+
+def _count(value: Any) -> int:
+    """A count or a size from the scheduler's reply: a non-negative int, anything else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 async def retire_workers(
@@ -459,6 +470,7 @@ async def retire_workers(
     """
     start = time.monotonic()
     lost: dict[str, tuple[int, int]] = {}
+    linked: dict[str, tuple[int, int]] = {}
     by_memops = False
     wanted = list(dict.fromkeys(worker_addresses))
     if not wanted:
@@ -483,6 +495,7 @@ async def retire_workers(
                 retired.update(drained[0])
                 not_retired.update(drained[1])
                 lost.update(drained[2])
+                linked.update(drained[3])
                 if drained[2]:
                     raise TimeoutError  # stopped at its deadline: the caller's timeout, reached
                 return
@@ -536,6 +549,7 @@ async def retire_workers(
         absent=absent,
         lost_at_deadline=lost,
         by_memops=by_memops,
+        linked=linked,
     )
 
 

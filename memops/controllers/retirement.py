@@ -424,6 +424,7 @@ class Retirement:
             on_timeout=on_timeout,
             located=snapshots.workers_by_pod(namespace_pods, after.workers),
             lost_at_deadline=outcome.lost_at_deadline,
+            linked=outcome.linked,
         )
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration

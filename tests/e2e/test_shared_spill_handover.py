@@ -101,6 +101,8 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
         keys_moved, bytes_moved = int(state["keysMoved"]), int(state["bytesMoved"])
         assert keys_moved == PIECES, state
         assert keys_linked >= len(before) // 2, ("most spilled keys went by link", state, len(before))
+        # What the user sees in the RetirementRequest: the same figures.
+        assert (worker["keysLinked"], worker["bytesLinked"]) == (keys_linked, bytes_linked), worker
 
         # A linked key is the same file: the drained worker's inode, now in
         # the neighbour's spill directory (read before anything reads the keys back, which would
