@@ -5,7 +5,8 @@ on both nodes of the sandbox, two on one node, whose tmpfs directories stand for
 tmpfs. One worker spills most of its data and an ordinary RetirementRequest drains it: every key
 survives, its spilled keys go to the worker on its own node by hardlink (the same inode in the
 recipient's spill directory, no byte in any worker's transfer log), and the keys it held in memory
-go by the normal transfer, some of them to the worker on the other node.
+go by the normal transfer, some of them to the worker on the other node. Then the neighbour,
+spilled too, retires with the only recipient on the other node: every key by transfer.
 """
 
 from __future__ import annotations
@@ -138,6 +139,41 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
         for i, future in enumerate(futures):
             value = future.result()
             assert len(value) == 20 * MIB and value[:1] == value[-1:] == bytes([i]), i
+            del value
+        del futures, future
+
+        # Then the neighbour retires, spilled too, with the only recipient on the other node: every
+        # key by the normal transfer, none linked, nothing lost.
+        client.wait_for_workers(2)
+        sandbox.wait_for(lambda: not client.has_what()[address[remote]], what="the first pieces released")
+        futures = fill(client, address[neighbour], first=100)
+        sandbox.wait_for(lambda: len(inodes(neighbour_dir)) >= 2, what="the neighbour spilling")
+        spilled_there = len(inodes(neighbour_dir))
+        sandbox.apply(
+            retirement_request(
+                "across",
+                scheduler={"address": sandbox.scheduler_address},
+                workload={"kind": "Deployment", "name": "shared"},
+                workers=[neighbour],
+                timeout="120s",
+            )
+        )
+        request = sandbox.wait_phase("across", "Succeeded", "Failed", timeout=180)
+        (worker,) = request["status"]["workers"]
+        assert worker["state"] == "Retired" and worker["keysLost"] == 0, worker
+        state = asyncio.run(daskrpc.drain_status(sandbox.scheduler_address, [address[neighbour]]))
+        state = state[address[neighbour]]
+        sent = client.run(received_from, source=address[neighbour], workers=[address[remote]])
+        print(
+            f"drained {neighbour} ({spilled_there} of 16 keys spilled) with the only recipient on {far}:"
+            f" {state['keysMoved']} keys moved, {state['keysLinked']} by link,"
+            f" {len(sent[address[remote]])} over the network; drain {state['seconds']} s"
+        )
+        assert (state["keysMoved"], state["keysLinked"], worker.get("keysLinked", 0)) == (16, 0, 0), state
+        assert len(sent[address[remote]]) == 16
+        for i, future in enumerate(futures):
+            value = future.result()
+            assert len(value) == 20 * MIB and value[:1] == value[-1:] == bytes([100 + i]), i
             del value
         del futures
 
