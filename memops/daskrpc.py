@@ -117,6 +117,8 @@ class RetireOutcome:
     deadline (``timed_out``): what its pod would lose if it went now. Empty with the stock path."""
     by_memops: bool = False
     """Drained by memops' own drain (:mod:`memops.scheduler.drain`), not stock ``retire_workers``."""
+    linked: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Address -> (keys, bytes) that memops' drain handed over by link (:mod:`memops.scheduler.handover`)."""
 
 
 _COMM_ERRORS = (OSError, TimeoutError)
@@ -326,6 +328,7 @@ async def start_drain(
     names: Sequence[str] = (),
     deadline: float,
     nodes: Mapping[str, str] | None = None,
+    nodes_dying: bool = True,
     close_workers: bool = True,
     restore: bool = False,
     window: int = drain.WINDOW_BYTES,
@@ -345,6 +348,7 @@ async def start_drain(
                 names=list(names),
                 deadline=float(deadline),
                 nodes=dict(nodes or {}),
+                nodes_dying=nodes_dying,
                 close_workers=close_workers,
                 restore=restore,
                 window=window,
@@ -370,10 +374,11 @@ STOPPED = {drain.State.DEADLINE, drain.State.NO_RECIPIENTS}
 
 
 async def _drain_by_memops(
-    comm: daskcomm.Comm, fresh: Sequence[str], deadline: float, nodes: Mapping[str, str]
-) -> tuple[set[str], set[str], dict[str, tuple[int, int]]] | None:
+    comm: daskcomm.Comm, fresh: Sequence[str], deadline: float, nodes: Mapping[str, str], nodes_dying: bool
+) -> tuple[set[str], set[str], dict[str, tuple[int, int]], dict[str, tuple[int, int]]] | None:
     """Drain ``fresh`` with memops' drain, polling until each has left or stopped; None when the
     scheduler does not run memops' agent (the caller then uses stock ``retire_workers``).
+    (retired, stopped, lost at the deadline, linked): the last two by address, (keys, bytes).
 
     The drain's deadline is the caller's: at it the drain stops asking for copies and sets the
     workers back to the status they had, so that no worker is left ``closing_gracefully`` with
@@ -383,7 +388,14 @@ async def _drain_by_memops(
     seconds = max(remaining - min(1.0, remaining / 10), 0.0)
     try:
         await _agent(
-            comm, "drain", workers=list(fresh), deadline=seconds, nodes=dict(nodes), close_workers=True, restore=True
+            comm,
+            "drain",
+            workers=list(fresh),
+            deadline=seconds,
+            nodes=dict(nodes),
+            nodes_dying=nodes_dying,
+            close_workers=True,
+            restore=True,
         )
     except SchedulerRefused as exc:
         logger.info("retiring with the scheduler's retire_workers instead of memops' drain: %s", exc)
@@ -391,6 +403,7 @@ async def _drain_by_memops(
     retired: set[str] = set()
     stopped: set[str] = set()
     lost: dict[str, tuple[int, int]] = {}
+    linked: dict[str, tuple[int, int]] = {}
     while True:
         state = _mapping(comm.address, await _agent(comm, "drain_status", workers=list(fresh)), "drain status")
         for worker in fresh:
@@ -398,6 +411,8 @@ async def _drain_by_memops(
             if not isinstance(entry, Mapping):
                 retired.add(worker)  # not drained by memops: it left before the drain began
                 continue
+            if _count(entry.get("keysLinked")):
+                linked[worker] = (_count(entry.get("keysLinked")), _count(entry.get("bytesLinked")))
             if entry.get("state") in FINISHED:
                 retired.add(worker)
             elif entry.get("state") in STOPPED:
@@ -406,8 +421,13 @@ async def _drain_by_memops(
                 if entry.get("state") == drain.State.DEADLINE and isinstance(figures, Mapping):
                     lost[worker] = (int(figures.get("keys", 0)), int(figures.get("bytes", 0)))
         if retired | stopped >= set(fresh):
-            return retired, stopped, lost
+            return retired, stopped, lost, linked
         await asyncio.sleep(POLL_SECONDS / 5)
+
+
+def _count(value: Any) -> int:
+    """A count or a size from the scheduler's reply: a non-negative int, anything else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 async def retire_workers(
@@ -417,6 +437,7 @@ async def retire_workers(
     security: Security | None = None,
     timeout: float,
     nodes: Mapping[str, str] | None = None,
+    nodes_dying: bool = True,
     memops_drain: bool = True,
 ) -> RetireOutcome:
     """Drain and close these workers through the scheduler's AMM; stop waiting after ``timeout``.
@@ -438,16 +459,18 @@ async def retire_workers(
 
     Where the scheduler runs memops' agent, workers that are running or paused are drained by
     memops' drain (:mod:`memops.scheduler.drain`: each key moved once, the keys worth most first,
-    recipients spread and, with ``nodes`` (worker address -> node), off the drained workers'
-    nodes) with ``timeout`` as its deadline: at it the drain stops and sets them back to the
-    status they had (``lost_at_deadline`` says what each still held alone), so nothing goes on
-    draining them after we stop waiting. Elsewhere (or with ``memops_drain=False``) stock
-    ``retire_workers`` does it, as follows.
+    recipients spread and, with ``nodes`` (worker address -> node) and ``nodes_dying``, off the
+    drained workers' nodes; without ``nodes_dying``, spilled keys to a neighbour on the same node
+    by link where the spill filesystem is shared) with ``timeout`` as its deadline: at it the
+    drain stops and sets them back to the status they had (``lost_at_deadline`` says what each
+    still held alone), so nothing goes on draining them after we stop waiting. Elsewhere (or
+    with ``memops_drain=False``) stock ``retire_workers`` does it, as follows.
 
     Raises :class:`SchedulerUnreachable` when the scheduler does not answer.
     """
     start = time.monotonic()
     lost: dict[str, tuple[int, int]] = {}
+    linked: dict[str, tuple[int, int]] = {}
     by_memops = False
     wanted = list(dict.fromkeys(worker_addresses))
     if not wanted:
@@ -466,12 +489,13 @@ async def retire_workers(
 
         async def retire_fresh() -> None:
             nonlocal by_memops
-            drained = await _drain_by_memops(comm, fresh, deadline, nodes or {}) if memops_drain else None
+            drained = await _drain_by_memops(comm, fresh, deadline, nodes or {}, nodes_dying) if memops_drain else None
             if drained is not None:
                 by_memops = True
                 retired.update(drained[0])
                 not_retired.update(drained[1])
                 lost.update(drained[2])
+                linked.update(drained[3])
                 if drained[2]:
                     raise TimeoutError  # stopped at its deadline: the caller's timeout, reached
                 return
@@ -525,6 +549,7 @@ async def retire_workers(
         absent=absent,
         lost_at_deadline=lost,
         by_memops=by_memops,
+        linked=linked,
     )
 
 

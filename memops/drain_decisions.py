@@ -123,6 +123,7 @@ def judge_drain(
     on_timeout: specs.OnTimeout,
     located: Mapping[str, Sequence[snapshots.WorkerInfo]] | None = None,
     lost_at_deadline: Mapping[str, tuple[int, int]] | None = None,
+    linked: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[specs.WorkerStatus]:
     """Decide each draining worker's fate once the scheduler has answered.
 
@@ -138,6 +139,8 @@ def judge_drain(
     restart it may not know the workers any more, and the status' own figures stand.
     ``lost_at_deadline``: by worker address, (keys, bytes) that memops' drain left on it at its
     deadline; a kept or forced pod's workers' figures are recorded as its ``lostAtDeadline``.
+    ``linked``: by worker address, (keys, bytes) that memops' drain handed over by link, recorded
+    as its pod's ``keysLinked`` and ``bytesLinked`` (summed over the pod's workers).
     """
     retired_set = set(retired)
     stopped = lost_at_deadline or {}
@@ -191,6 +194,10 @@ def judge_drain(
             update["lostAtDeadline"] = specs.LostAtDeadline(
                 keys=sum(k for k, _ in left), bytes=sum(b for _, b in left), cause="deadline"
             )
+        handed = [(linked or {})[a] for a in recorded if a in (linked or {})]
+        if handed:
+            update["keysLinked"] = sum(k for k, _ in handed)
+            update["bytesLinked"] = sum(b for _, b in handed)
         result.append(_with(worker, cause, **update))
     return result
 

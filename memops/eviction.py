@@ -211,6 +211,13 @@ def node_signal_due(
     return last is None or last[0] != signal or now - last[1] >= interval
 
 
+def drains_node(labels: Mapping[str, Any] | None) -> bool:
+    """A RetirementRequest that drains a node for its end (the eviction gate's, or the node
+    signals'): its workers' node is going, so recipients there are the last resort. Any other
+    request retires workers from a node that stays."""
+    return (labels or {}).get(REASON_LABEL) == EVICTION
+
+
 def node_label(node: str) -> str:
     """A label value naming the node: its name, or a digest of a name longer than 63 characters."""
     return node if len(node) <= 63 else "sha256-" + hashlib.sha256(node.encode()).hexdigest()[:40]

@@ -366,6 +366,12 @@ class WorkerStatus(Model):
     )
     uniqueBytes: int = pydantic.Field(default=0, description="Bytes held only by this worker when the drain began.")
     bytesMoved: int = pydantic.Field(default=0, description="Of those, bytes now held by another worker.")
+    bytesLinked: int = pydantic.Field(
+        default=0,
+        description="Of the bytes moved, those handed to a worker on the same node by a hardlink on the shared"
+        " spill tmpfs (sharedSpill medium Node), as memops' drain counts them: no byte over the network.",
+    )
+    keysLinked: int = pydantic.Field(default=0, description="The keys of bytesLinked.")
     bytesLost: int = pydantic.Field(
         default=0, description="Bytes that exist nowhere any more: removed by force, or died with the worker."
     )

@@ -95,9 +95,7 @@ class Retirement:
 
         await loop.run(one_pass, on_error, stopped=stopped, max_seconds=_MAX_RETRY_SECONDS)
 
-    async def trouble(
-        self, status: specs.RetirementRequestStatus, exc: Exception
-    ) -> specs.RetirementRequestStatus:
+    async def trouble(self, status: specs.RetirementRequestStatus, exc: Exception) -> specs.RetirementRequestStatus:
         """A step raised: say so in a condition and retry; past the deadline, fail (and keep the pods).
 
         The API server and the scheduler may come back, so their errors are retried for as long
@@ -392,10 +390,16 @@ class Retirement:
                     address, security=security, placement_of=addresses, processing=False
                 )
             remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
-            # Every worker's node: recipients off the drained workers' nodes first (a node drain).
+            # Every worker's node: off the drained workers' nodes first where those nodes are
+            # going (a node drain); else spilled keys go to neighbours there, by link.
             nodes = snapshots.nodes_of_workers(namespace_pods, identity.workers)
             outcome = await daskrpc.retire_workers(
-                address, addresses, security=security, timeout=remaining, nodes=nodes
+                address,
+                addresses,
+                security=security,
+                timeout=remaining,
+                nodes=nodes,
+                nodes_dying=eviction.drains_node(self.body.metadata.get("labels")),
             )
             after = await daskrpc.fetch_snapshot(
                 address, security=security, placement=list(self.before.who_has), processing=False
@@ -424,6 +428,7 @@ class Retirement:
             on_timeout=on_timeout,
             located=snapshots.workers_by_pod(namespace_pods, after.workers),
             lost_at_deadline=outcome.lost_at_deadline,
+            linked=outcome.linked,
         )
         status.conditions = conditions.set_condition(
             status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration

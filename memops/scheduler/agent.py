@@ -83,6 +83,7 @@ def _drain(
     window: int = drain.WINDOW_BYTES,
     origin: str = "",
     handover: bool = True,
+    nodes_dying: bool = True,
 ) -> dict[str, Any]:
     return drain.start(
         dask_scheduler,
@@ -95,6 +96,7 @@ def _drain(
         window=int(window),
         origin=str(origin),
         handover=bool(handover),
+        nodes_dying=bool(nodes_dying),
     )
 
 

@@ -226,6 +226,7 @@ class Drained:
     lost: list[str] = dataclasses.field(default_factory=list)  # the first few, for the report
     lost_cause: str = "deadline"
     origin: str = ""  # who asked: ``preStop`` for the safety net's hook, else empty (the operator)
+    node_dying: bool = True  # its node goes with it (a node drain, a preStop hook): recipients there last
     ended_at: float = 0.0  # wall clock, for the operator's record of what a hook's drain lost
 
 
@@ -363,6 +364,7 @@ class DrainPlugin(SchedulerPlugin):
         close: bool,
         restore: bool,
         origin: str = "",
+        node_dying: bool = True,
     ) -> None:
         scheduler = self.scheduler
         self.nodes.update({str(a): str(n) for a, n in nodes.items() if n})
@@ -387,6 +389,7 @@ class DrainPlugin(SchedulerPlugin):
                 close=close,
                 restore=restore,
                 origin=origin,
+                node_dying=node_dying,
             )
             # As Scheduler.retire_workers: the scheduler's state at once, then the worker's.
             scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
@@ -475,7 +478,9 @@ class DrainPlugin(SchedulerPlugin):
         groups = {r.group for r in recipients if r.group is not None}
         if self.handover:
             self._start_background(active, groups, now)
-        dying_nodes = {d.node for d in active.values() if d.node}
+        # Only a drain whose node goes too keeps recipients off it: an ordinary retirement's node
+        # stays, and its neighbours take spilled keys by link, at no network cost.
+        dying_nodes = {d.node for d in active.values() if d.node and d.node_dying}
         batches: defaultdict[str, list[Any]] = defaultdict(list)
         links: defaultdict[tuple[str, str], list[Any]] = defaultdict(list)
         for address, drained in active.items():
@@ -490,9 +495,9 @@ class DrainPlugin(SchedulerPlugin):
             if self._held(drained, now):
                 continue
             source_group = self._group(address)
-            # Node-local recipients first only where the node survives: a drain that names the
-            # worker's node (a preStop hook, a node drain) keeps them last (see assign).
-            prefer = source_group if drained.node is None else None
+            # Node-local recipients first only where the node survives: a drain whose node is
+            # dying (a preStop hook, a node drain) keeps them last (see assign).
+            prefer = source_group if drained.node is None or not drained.node_dying else None
             # Read every key of the worker only once nothing is left to ask for or on its way.
             if not drained.order and not from_source[address] and self._drained(ws, draining_ws):
                 await self._finish(drained, ws, now)
@@ -699,15 +704,19 @@ def start(
     window: int = WINDOW_BYTES,
     origin: str = "",
     handover: bool = True,
+    nodes_dying: bool = True,
 ) -> dict[str, Any]:
     """Run on the scheduler (by the agent's ``drain`` operation): start draining these workers
     (by address, or by name), each with ``deadline`` seconds from now; returns at once, with
     :func:`status` of the workers started.
 
     ``nodes``: worker address (or name) -> its node; a worker not in it counts as on another
-    node than the drained ones. ``close``: close and remove a worker once drained. ``restore``: at the
-    deadline, set a worker back to the status it had (so that a worker that stays is used
-    again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
+    node than the drained ones. ``nodes_dying``: the drained workers' nodes go with them (a node
+    drain, a preStop hook), so recipients there take keys only when no other has room; False (an
+    ordinary retirement, a scale-down): those nodes stay, and a recipient there that shares the
+    spill filesystem takes the spilled keys first, by link. ``close``: close and remove a worker
+    once drained. ``restore``: at the deadline, set a worker back to the status it had (so that
+    a worker that stays is used again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
     already being drained keeps its drain, with the earlier of the two deadlines. ``window``:
     bytes on their way to one recipient at a time (:data:`WINDOW_BYTES`), for every drain.
     ``origin``: who asked, reported back (``preStop``: the safety net's hook, whose losses the
@@ -722,7 +731,15 @@ def start(
     plugin = _plugin(dask_scheduler)
     plugin.window = max(int(window), 1)
     plugin.handover = bool(handover)
-    plugin.add(addresses, float(deadline), located, bool(close), bool(restore), origin=str(origin)[:32])
+    plugin.add(
+        addresses,
+        float(deadline),
+        located,
+        bool(close),
+        bool(restore),
+        origin=str(origin)[:32],
+        node_dying=bool(nodes_dying),
+    )
     return plugin.report(addresses)
 
 

@@ -336,3 +336,28 @@ async def test_a_retirement_hands_spilled_keys_over(cluster: tuple[LocalCluster,
     assert outcome.by_memops and outcome.retired == (retiring,) and not outcome.lost_at_deadline
     assert sum(n for _, n in (await network(client)).values()) == 0, "no key received over the network"
     assert await client.gather(list(data.values())) == [value(i) for i in range(12)]
+
+
+@pytest.mark.parametrize("nodes_dying", [False, True])
+async def test_a_retirement_on_a_node_that_stays_links_to_its_neighbour(
+    cluster: tuple[LocalCluster, Client], nodes_dying: bool
+) -> None:
+    """With every worker's node given, as the RetirementRequest controller gives them: an
+    ordinary retirement (the node stays) hands spilled keys to the neighbour on the worker's own
+    node too; a node drain (``nodes_dying``) keeps them off that node while another has room."""
+    local, client = cluster
+    retiring, neighbour, far = sorted(local.scheduler.workers)
+    nodes = {retiring: "n1", neighbour: "n1", far: "n2"}
+    data = await client.scatter({f"n{i}": value(i) for i in range(12)}, workers=[retiring], hash=False)
+    outcome = await daskrpc.retire_workers(
+        local.scheduler_address, [retiring], timeout=60, nodes=nodes, nodes_dying=nodes_dying
+    )
+    assert outcome.by_memops and outcome.retired == (retiring,)
+    held = await client.has_what()
+    assert len(held[far]) + len(held[neighbour]) == 12
+    if nodes_dying:
+        assert not held[neighbour], "nothing first to the dying node"
+    else:
+        assert len(held[neighbour]) >= 4, "spread over both recipients, the node's neighbour too"
+    assert sum(n for _, n in (await network(client)).values()) == 0, "linked, whichever the recipient"
+    assert await client.gather(list(data.values())) == [value(i) for i in range(12)]

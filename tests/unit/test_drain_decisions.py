@@ -58,6 +58,21 @@ def test_retired_worker_is_removable_with_bytes_moved() -> None:
     assert "retired" in worker.message
 
 
+def test_keys_handed_over_by_link_are_recorded_on_the_pod() -> None:
+    after = snap([("pb", B, 30, 2)], {"x": (B,), "y": (B,)}, {"x": 10, "y": 20})
+    [worker] = drain_decisions.judge_drain(
+        [draining("pa", A, 30)],
+        before=BEFORE,
+        after=after,
+        retired=[A],
+        timed_out=False,
+        on_timeout=specs.OnTimeout.ABORT,
+        linked={A: (1, 20), "tcp://another-pod": (5, 500)},
+    )
+    assert worker.removable and (worker.bytesMoved, worker.keysLinked, worker.bytesLinked) == (30, 1, 20)
+    assert judge(after, [A]).bytesLinked == 0, "nothing linked: nothing recorded"
+
+
 def test_worker_that_died_is_removable_and_its_loss_recorded() -> None:
     after = snap([("pb", B, 10, 1), ("pa", "tcp://a-restarted", 0, 0)], {"x": (B,), "y": ()}, {"x": 10})
     worker = judge(after, [A])  # the scheduler reports a dead worker as retired

@@ -211,3 +211,18 @@ def test_a_dry_run_is_answered_as_a_real_eviction_but_starts_nothing() -> None:
     dry = eviction.decide(pod="w-1", unique_bytes=1000, request=None, dry_run=True)
     assert not dry.allowed and dry.code == 429 and not dry.start_drain and "dry run" in dry.message
     assert eviction.decide(pod="w-1", unique_bytes=0, request=None, dry_run=True).allowed
+
+
+@pytest.mark.parametrize(
+    "labels, drains",
+    [
+        pytest.param({eviction.REASON_LABEL: eviction.EVICTION, eviction.NODE_LABEL: "n1"}, True, id="eviction"),
+        pytest.param({eviction.REASON_LABEL: "scale-down"}, False, id="another-reason"),
+        pytest.param({"app": "x"}, False, id="no-reason"),
+        pytest.param(None, False, id="no-labels"),
+    ],
+)
+def test_only_an_eviction_request_drains_its_workers_node(labels: dict[str, str] | None, drains: bool) -> None:
+    """The drain keeps recipients off the workers' node only for a request that drains the node:
+    an ordinary retirement's neighbours on that node take spilled keys by link."""
+    assert eviction.drains_node(labels) is drains

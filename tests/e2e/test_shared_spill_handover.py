@@ -1,0 +1,185 @@
+"""The shared spill and the zero-copy hand-over together, on the multi-node upstream sandbox.
+
+A MemoryPolicy gives a worker Deployment the ``Node`` medium of ``sharedSpill``; its workers run
+on both nodes of the sandbox, two on one node, whose tmpfs directories stand for the nodes' own
+tmpfs. One worker spills most of its data and an ordinary RetirementRequest drains it: every key
+survives, its spilled keys go to the worker on its own node by hardlink (the same inode in the
+recipient's spill directory, no byte in any worker's transfer log), and the keys it held in memory
+go by the normal transfer, some of them to the worker on the other node. Then the neighbour,
+spilled too, retires with the only recipient on the other node: every key by transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import distributed
+
+from memops import daskrpc, shared_spill
+from tests.e2e.conftest import Sandbox, retirement_request
+from tests.e2e.test_policy import memory_policy
+from tests.e2e.test_shared_spill import HOST_PATH, MIB, fill, node_tmpfs, ready, running_pods, worker_of, workers
+
+PLACEMENT = "e2e.memops.dev/placement"
+PIECES = 28  # of 20 MiB: 560 MiB on a worker whose Dask memory limit is 512 MiB (target 268 MiB)
+
+
+def place(sandbox: Sandbox, app: str, count: int, node: str, others: list[str]) -> list[dict[str, Any]]:
+    """Scale ``app`` to ``count`` with every node but ``node`` tainted, so the new pods land
+    there (a scale changes no template: the pods already running stay where they are). A taint
+    of its own, not a cordon: a cordon announces the node's end, and memops drains its workers."""
+    for other in others:
+        sandbox.kubectl("taint", "node", other, f"{PLACEMENT}=elsewhere:NoSchedule")
+    try:
+        sandbox.kubectl("scale", f"deployment/{app}", f"--replicas={count}")
+        pods = running_pods(sandbox, app, count)
+    finally:
+        for other in others:
+            sandbox.kubectl("taint", "node", other, f"{PLACEMENT}-")
+    assert sum(p["spec"]["nodeName"] == node for p in pods) >= 1
+    return pods
+
+
+def inodes(directory: Path, pattern: str = "*") -> dict[int, int]:
+    """inode -> size of the files in a worker's spill directory (``pattern``: in a tree)."""
+    found: dict[int, int] = {}
+    for path in directory.glob(pattern):
+        try:
+            st = path.stat()
+        except FileNotFoundError:  # unspilled meanwhile
+            continue
+        found[st.st_ino] = st.st_size
+    return found
+
+
+def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_rest(sandbox_factory: Any) -> None:
+    sandbox: Sandbox = sandbox_factory(1)
+    sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=0")  # no recipient but the policy's
+    near, far = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])[:2]
+    host_dirs = {}
+    for node in (near, far):  # what the node DaemonSet does: the tmpfs at the host path
+        host_dirs[node] = node_tmpfs(sandbox, node) / "host" / HOST_PATH.lstrip("/")
+        host_dirs[node].mkdir(parents=True)
+
+    spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": HOST_PATH}
+    sandbox.apply(workers(sandbox.scheduler_address, "shared"))
+    sandbox.apply(memory_policy("shared", sandbox.scheduler_address, workload="shared", sharedSpill=spill))
+    ready(sandbox, "shared", shared_spill.READY, "True")
+    place(sandbox, "shared", 2, near, [far])
+    pods = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in place(sandbox, "shared", 3, far, [near])}
+    drained, neighbour = sorted(p for p, n in pods.items() if n == near)
+    (remote,) = [p for p, n in pods.items() if n == far]
+
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        found = {p: sandbox.wait_for(lambda p=p: _connected(client, p), what=f"worker {p}") for p in pods}
+        address = {p: a for p, (a, _) in found.items()}
+        spill_dir = Path(found[drained][1]["local_directory"]) / "storage"
+        assert spill_dir.is_relative_to(host_dirs[near]), spill_dir
+        futures = fill(client, address[drained], pieces=PIECES)
+        spilled = sandbox.wait_for(lambda: len(inodes(spill_dir)) >= PIECES // 2 and inodes(spill_dir), what="spill")
+        before = inodes(spill_dir)
+        print(f"before the drain: {len(before)} of {PIECES} keys spilled on {drained}, {sum(spilled.values())} bytes")
+
+        sandbox.apply(
+            retirement_request(
+                "handover",
+                scheduler={"address": sandbox.scheduler_address},
+                workload={"kind": "Deployment", "name": "shared"},
+                workers=[drained],
+                timeout="120s",
+            )
+        )
+        request = sandbox.wait_phase("handover", "Succeeded", "Failed", timeout=180)
+        assert request["status"]["phase"] == "Succeeded", request["status"]
+        (worker,) = request["status"]["workers"]
+        assert worker["state"] == "Retired" and worker["keysLost"] == 0 and worker["bytesLost"] == 0, worker
+
+        # The drain's own figures, from the scheduler's agent.
+        state = asyncio.run(daskrpc.drain_status(sandbox.scheduler_address, [address[drained]]))[address[drained]]
+        keys_linked, bytes_linked = int(state["keysLinked"]), int(state["bytesLinked"])
+        keys_moved, bytes_moved = int(state["keysMoved"]), int(state["bytesMoved"])
+        assert keys_moved == PIECES, state
+        assert keys_linked >= len(before) // 2, ("most spilled keys went by link", state, len(before))
+        # What the user sees in the RetirementRequest: the same figures.
+        assert (worker["keysLinked"], worker["bytesLinked"]) == (keys_linked, bytes_linked), worker
+
+        # A linked key is the same file: the drained worker's inode, now in
+        # the neighbour's spill directory (read before anything reads the keys back, which would
+        # unspill them), and none of them on the other node's tmpfs.
+        neighbour_dir = Path(found[neighbour][1]["local_directory"]) / "storage"
+        shared = set(inodes(neighbour_dir)) & set(before)
+        assert len(shared) == keys_linked, (len(shared), state)
+        assert not set(inodes(host_dirs[far], "**/*")) & set(before)
+
+        # The network's figures, from the recipients' transfer logs: only the keys not linked.
+        def received_from(dask_worker: Any, source: str = "") -> list[str]:
+            # Defined here, so that it is sent by value: the workers cannot import this module.
+            log = dask_worker.transfer_incoming_log
+            return [str(key) for entry in log if entry["who"] == source for key in entry["keys"]]
+
+        sent = client.run(received_from, source=address[drained], workers=[address[neighbour], address[remote]])
+        over_network = {p: len(sent[address[p]]) for p in (neighbour, remote)}
+        print(
+            f"drained {drained} ({len(before)} of {PIECES} keys spilled): {keys_moved} keys moved"
+            f" ({bytes_moved / MIB:.0f} MiB), {keys_linked} by link ({bytes_linked / MIB:.0f} MiB) to {neighbour}"
+            f" on {near}, {sum(over_network.values())} over the network"
+            f" ({(bytes_moved - bytes_linked) / MIB:.0f} MiB): {over_network[neighbour]} to {neighbour} on {near},"
+            f" {over_network[remote]} to {remote} on {far}; drain {state['seconds']} s"
+        )
+        assert sum(over_network.values()) == keys_moved - keys_linked, (over_network, state)
+        assert over_network[remote] > 0, "keys held in memory went over the network, some to the other node"
+
+        # Zero keys lost: every piece is back, intact, from the workers that stay. One at a time,
+        # as a computation reads them: all at once, the holder would unspill more than its memory
+        # limit and its nanny would restart it.
+        holders = client.who_has(futures)
+        assert all(h and set(h) <= {address[neighbour], address[remote]} for h in holders.values()), holders
+        for i, future in enumerate(futures):
+            value = future.result()
+            assert len(value) == 20 * MIB and value[:1] == value[-1:] == bytes([i]), i
+            del value
+        del futures, future
+
+        # Then the neighbour retires, spilled too, with the only recipient on the other node: every
+        # key by the normal transfer, none linked, nothing lost.
+        client.wait_for_workers(2)
+        sandbox.wait_for(lambda: not client.has_what()[address[remote]], what="the first pieces released")
+        futures = fill(client, address[neighbour], first=100)
+        sandbox.wait_for(lambda: len(inodes(neighbour_dir)) >= 2, what="the neighbour spilling")
+        spilled_there = len(inodes(neighbour_dir))
+        sandbox.apply(
+            retirement_request(
+                "across",
+                scheduler={"address": sandbox.scheduler_address},
+                workload={"kind": "Deployment", "name": "shared"},
+                workers=[neighbour],
+                timeout="120s",
+            )
+        )
+        request = sandbox.wait_phase("across", "Succeeded", "Failed", timeout=180)
+        (worker,) = request["status"]["workers"]
+        assert worker["state"] == "Retired" and worker["keysLost"] == 0, worker
+        state = asyncio.run(daskrpc.drain_status(sandbox.scheduler_address, [address[neighbour]]))
+        state = state[address[neighbour]]
+        sent = client.run(received_from, source=address[neighbour], workers=[address[remote]])
+        print(
+            f"drained {neighbour} ({spilled_there} of 16 keys spilled) with the only recipient on {far}:"
+            f" {state['keysMoved']} keys moved, {state['keysLinked']} by link,"
+            f" {len(sent[address[remote]])} over the network; drain {state['seconds']} s"
+        )
+        assert (state["keysMoved"], state["keysLinked"], worker.get("keysLinked", 0)) == (16, 0, 0), state
+        assert len(sent[address[remote]]) == 16
+        for i, future in enumerate(futures):
+            value = future.result()
+            assert len(value) == 20 * MIB and value[:1] == value[-1:] == bytes([100 + i]), i
+            del value
+        del futures
+
+
+def _connected(client: distributed.Client, pod: str) -> tuple[str, dict[str, Any]] | None:
+    try:
+        return worker_of(client, pod)
+    except AssertionError:
+        return None
