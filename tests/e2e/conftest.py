@@ -166,6 +166,27 @@ def sandbox(sandbox_factory: Callable[..., Sandbox]) -> Sandbox:
     return sandbox_factory(4)
 
 
+SPREAD_OVER_NODES = {
+    "spec": {
+        "template": {
+            "spec": {
+                "topologySpreadConstraints": [
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "DoNotSchedule",
+                        "labelSelector": {"matchLabels": {"app": "dask-worker"}},
+                        # The rollout's own pods only: the old ones, still terminating, would skew it.
+                        "matchLabelKeys": ["pod-template-hash"],
+                    }
+                ]
+            }
+        }
+    }
+}
+"""A patch of the worker Deployment: its pods spread evenly over the Nodes (a rollout)."""
+
+
 def retirement_request(name: str, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "memops.dev/v1alpha1",

@@ -19,7 +19,7 @@ import distributed
 import pytest
 from memops_sandbox import common as sandbox_cli
 
-from tests.e2e.conftest import BIN, Sandbox
+from tests.e2e.conftest import BIN, SPREAD_OVER_NODES, Sandbox
 from tests.e2e.data import Holdings, scatter_unique
 
 WORKERS = 4
@@ -74,22 +74,6 @@ def nodes_of(sandbox: Sandbox) -> dict[str, str]:
     }
 
 
-SPREAD = {
-    "spec": {
-        "template": {
-            "spec": {
-                "topologySpreadConstraints": [
-                    {
-                        "maxSkew": 1,
-                        "topologyKey": "kubernetes.io/hostname",
-                        "whenUnsatisfiable": "DoNotSchedule",
-                        "labelSelector": {"matchLabels": {"app": "dask-worker"}},
-                    }
-                ]
-            }
-        }
-    }
-}
 
 
 def setup(sandbox: Sandbox, client: distributed.Client) -> tuple[str, list[str], Holdings]:
@@ -103,7 +87,7 @@ def setup(sandbox: Sandbox, client: distributed.Client) -> tuple[str, list[str],
 
     placed = sandbox.wait_for(settled, 120, "the workers")
     if len(set(placed.values())) < 2:  # the scheduler's spreading is a preference: make it a rule
-        sandbox.kubectl("patch", "deployment/dask-worker", "--type=merge", "-p", json.dumps(SPREAD))
+        sandbox.kubectl("patch", "deployment/dask-worker", "--type=merge", "-p", json.dumps(SPREAD_OVER_NODES))
         placed = sandbox.wait_for(
             lambda: (found := settled()) and len(set(found.values())) == 2 and found, 180, "spread workers"
         )

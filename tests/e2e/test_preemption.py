@@ -28,30 +28,12 @@ from memops_sandbox import common as sandbox_cli
 from prometheus_client.parser import text_string_to_metric_families
 
 from memops import daskrpc
-from tests.e2e.conftest import Sandbox
+from tests.e2e.conftest import SPREAD_OVER_NODES, Sandbox
 
 GRACE = 25
 SIZE = 96 * 2**20  # per dying worker: enough that no hook, or a slow one, shows; small for 2 cores
 KEY = 4 * 2**20
 LATE = 64 * 2**10
-SPREAD = {
-    "spec": {
-        "template": {
-            "spec": {
-                "topologySpreadConstraints": [
-                    {
-                        "maxSkew": 1,
-                        "topologyKey": "kubernetes.io/hostname",
-                        "whenUnsatisfiable": "DoNotSchedule",
-                        "labelSelector": {"matchLabels": {"app": "dask-worker"}},
-                        # The rollout's own pods only: the old ones, still terminating, would skew it.
-                        "matchLabelKeys": ["pod-template-hash"],
-                    }
-                ]
-            }
-        }
-    }
-}
 
 
 @pytest.fixture
@@ -78,7 +60,7 @@ def upstream(tmp_path: Path) -> Iterator[Any]:
 
 def spread(sandbox: Sandbox, client: distributed.Client, hooked: bool) -> dict[str, str]:
     """Roll the workers out two per node (pods created now get the policy's hook); pod -> node."""
-    sandbox.kubectl("patch", "deployment/dask-worker", "--type=strategic", "-p", json.dumps(SPREAD))
+    sandbox.kubectl("patch", "deployment/dask-worker", "--type=strategic", "-p", json.dumps(SPREAD_OVER_NODES))
 
     def settled() -> dict[str, str] | None:
         items = sandbox.get("pods", "-l", "app=dask-worker")["items"]
