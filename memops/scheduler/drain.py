@@ -134,7 +134,8 @@ def assign(
     """(key, recipient) for the ranked ``keys``, in their order, and the keys that fit nowhere.
 
     Recipients on nodes other than ``dying_nodes`` (or on no known node) first; those on a dying
-    node only when no other has room. Among them, each key goes to the one with the most
+    node only when no other has room (headroom: one whose window is full in this pass has room in
+    the next, and the key waits for it rather than go to a node that is going). Among them, each key goes to the one with the most
     headroom, counting the keys given before it, so that one pass spreads its keys over every
     recipient with room instead of filling the emptiest one. A recipient's ``window`` bounds
     what it is given in this pass (a key larger than a whole window still goes to an idle
@@ -161,6 +162,7 @@ def assign(
     chosen: list[tuple[str, str]] = []
     unplaced: list[str] = []
     full = False  # some recipient's window is full: keys that find no room may wait for the next pass
+    waiting = [False, False]  # by tier: a recipient with room whose window is full in this pass
     for key in keys:
         placed = False
         if key.group is not None and local.get(key.group):
@@ -168,18 +170,18 @@ def assign(
             linked[name] += 1
             chosen.append((key.key, name))
             continue
-        for heap in tiers:
+        for tier, heap in enumerate(tiers):
             while heap and heap[0][0] + key.nbytes <= 0:  # the roomiest one of this tier has room
                 minus_room, name, left = heap[0]
                 if left < key.nbytes and left < window:
                     heapq.heappop(heap)  # its window is full: it takes nothing more in this pass
-                    full = True
+                    full = waiting[tier] = True
                     continue
                 chosen.append((key.key, name))
                 heapq.heapreplace(heap, (minus_room + key.nbytes, name, left - key.nbytes))
                 placed = True
                 break
-            if placed:
+            if placed or waiting[tier]:
                 break
         if not placed and not full:
             unplaced.append(key.key)

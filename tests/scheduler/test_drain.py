@@ -113,6 +113,20 @@ def recipient(
             id="window-full-the-rest-waits",
         ),
         pytest.param(
+            [key("k1", nbytes=3 * MiB), key("k2", nbytes=3 * MiB), key("k3", nbytes=3 * MiB)],
+            [recipient("other", "n2", window=4 * MiB), recipient("same", "n1", headroom=1000 * MiB)],
+            [("k1", "other")],
+            [],
+            id="a-full-window-off-the-dying-node-makes-keys-wait-not-go-to-it",
+        ),
+        pytest.param(
+            [key("k1", nbytes=3 * MiB), key("k2", nbytes=3 * MiB)],
+            [recipient("other", "n2", headroom=4 * MiB), recipient("same", "n1")],
+            [("k1", "other"), ("k2", "same")],
+            [],
+            id="no-headroom-off-the-dying-node-then-the-dying-node",
+        ),
+        pytest.param(
             [key("k1", nbytes=300 * MiB)],
             [recipient("x", "n2", headroom=1000 * MiB)],
             [("k1", "x")],
