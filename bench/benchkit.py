@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,8 +18,11 @@ from typing import Any
 import cloudpickle
 import distributed
 import psutil
+import yaml
 from distributed.diagnostics.plugin import SchedulerPlugin
 from memops_sandbox import common as sandbox
+
+from memops import specs
 
 CONTROL_PLANE = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"}
 
@@ -61,6 +65,51 @@ def running_sandbox(workers: int, *args: str) -> Iterator[Sandbox]:
 def kubectl(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
     kubectl_bin = str(Path(sys.executable).parent / "kubectl")
     return subprocess.run([kubectl_bin, *args], input=stdin, env=env, check=True, capture_output=True, text=True).stdout
+
+
+def memory_policy(
+    name: str, address: str, *, workload: str = "dask-worker", namespace: str = "default", **spec: Any
+) -> dict[str, Any]:
+    """A MemoryPolicy of the Deployment ``workload``, whose workers are the Dask scheduler's at
+    ``address``; ``spec``: the rest of its spec (``replicas``, ``drain``, ``pressure``, ...)."""
+    return {
+        "apiVersion": specs.API_VERSION,
+        "kind": "MemoryPolicy",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"scheduler": {"address": address}, "workload": {"kind": "Deployment", "name": workload}, **spec},
+    }
+
+
+def apply_policy(box: Sandbox, name: str, **spec: Any) -> dict[str, Any]:
+    """``kubectl apply`` a MemoryPolicy of the sandbox's worker Deployment (:func:`memory_policy`);
+    returns what was applied."""
+    policy = memory_policy(name, box.address, **spec)
+    kubectl(box.env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+    return policy
+
+
+SPREAD_OVER_NODES: dict[str, Any] = {
+    "topologySpreadConstraints": [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": {"app": "dask-worker"}},
+            # The rollout's own pods only: the old ones, still terminating, would skew it.
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
+}
+"""Pod spec fields that spread the worker Deployment's pods evenly over the Nodes, as a rule:
+kube-scheduler's own spreading is only a preference, and on a busy machine it may put every pod on one."""
+
+
+def spread_over_nodes(box: Sandbox, **pod_spec: Any) -> None:
+    """Patch the sandbox's worker Deployment (a rollout) so that its pods spread evenly over the
+    Nodes; ``pod_spec``: more of the template's pod spec in the same patch (strategic merge, so a
+    container is merged by its name)."""
+    patch = {"spec": {"template": {"spec": {**SPREAD_OVER_NODES, **pod_spec}}}}
+    kubectl(box.env, "patch", "deployment/dask-worker", "--type=strategic", "-p", json.dumps(patch))
 
 
 def workers(client: distributed.Client) -> dict[str, str]:

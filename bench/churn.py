@@ -26,7 +26,6 @@ import time
 
 import benchkit
 import distributed
-import yaml
 from memops_sandbox import common as sandbox
 
 KEYS_PER_WORKER = 5
@@ -81,18 +80,7 @@ def run(workers: int, sequence: list[int], *, through_policy: bool) -> tuple[int
         with distributed.Client(address, timeout=30) as client:
             futures: dict[str, distributed.Future] = {}
             if through_policy:
-                policy = {
-                    "apiVersion": "memops.dev/v1alpha1",
-                    "kind": "MemoryPolicy",
-                    "metadata": {"name": "churn", "namespace": "default"},
-                    "spec": {
-                        "scheduler": {"address": address},
-                        "workload": {"kind": "Deployment", "name": "dask-worker"},
-                        "replicas": workers,
-                        "drain": {"timeout": "2m"},
-                    },
-                }
-                benchkit.kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+                benchkit.apply_policy(box, "churn", replicas=workers, drain={"timeout": "2m"})
                 # The sandbox's first pods predate the policy: replace them (they hold nothing yet),
                 # so that every worker pod carries the safety net that direct scale-downs rely on.
                 benchkit.kubectl(env, "scale", "deployment/dask-worker", "--replicas=0")

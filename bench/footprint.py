@@ -39,8 +39,6 @@ import distributed
 import yaml
 from memops_sandbox import common as sandbox
 
-from memops import specs
-
 IMAGE = "ghcr.io/dask/dask:2026.8.0"  # required by the API server; the node agent runs the command
 NAMESPACE = "default"
 WORKER_MEMORY = "256MiB"
@@ -121,19 +119,6 @@ def deployment(name: str, address: str, workers: int) -> Obj:
     return body
 
 
-def policy(name: str, address: str, replicas: int) -> Obj:
-    return {
-        "apiVersion": specs.API_VERSION,
-        "kind": "MemoryPolicy",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "scheduler": {"address": address},
-            "workload": {"kind": "Deployment", "name": name},
-            "replicas": replicas,
-        },
-    }
-
-
 def is_ready(body: Obj) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in body.get("status", {}).get("conditions", []))
 
@@ -151,7 +136,13 @@ def measure_memops(box: benchkit.Sandbox, policies: int, workers: int, rest: flo
     until(lambda: worker_count(address) == total, 60 + sandbox.start_allowance(total), f"{total} Dask workers")
     proc = Process(int((box.state / "operator.pid").read_text()))
     audit = Audit(box.state / "audit.log", "system:serviceaccount:memops-system:memops")
-    apply(env, *(policy(name, address, workers) for name in names))
+    apply(
+        env,
+        *(
+            benchkit.memory_policy(name, address, workload=name, namespace=NAMESPACE, replicas=workers)
+            for name in names
+        ),
+    )
 
     def ready() -> bool:
         found = get(env, "mempol")["items"]

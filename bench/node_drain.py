@@ -26,12 +26,6 @@ import yaml
 KUBECTL = str(Path(sys.executable).parent / "kubectl")
 
 
-SPREAD = (
-    '{"spec":{"template":{"spec":{"topologySpreadConstraints":[{"maxSkew":1,"topologyKey":"kubernetes.io/hostname",'
-    '"whenUnsatisfiable":"DoNotSchedule","labelSelector":{"matchLabels":{"app":"dask-worker"}}}]}}}}'
-)
-
-
 def placement(sandbox: benchkit.Sandbox) -> dict[str, str]:
     pods = yaml.safe_load(benchkit.kubectl(sandbox.env, "get", "pods", "-l", "app=dask-worker", "-o", "yaml"))
     return {
@@ -46,7 +40,7 @@ def spread(sandbox: benchkit.Sandbox, client: distributed.Client, workers: int) 
     spreading is only a preference, and on a busy machine it may put every pod on one node."""
     if len(set(placement(sandbox).values())) > 1:
         return
-    benchkit.kubectl(sandbox.env, "patch", "deployment/dask-worker", "--type=merge", "-p", SPREAD)
+    benchkit.spread_over_nodes(sandbox)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         placed = placement(sandbox)
@@ -61,17 +55,7 @@ def one_run(workers: int, keys: int, *, memops: bool) -> tuple[int, int, float]:
     args = ["--nodes", "2", *([] if memops else ["--no-operator"])]
     with benchkit.running_sandbox(workers, *args) as sandbox:
         if memops:
-            policy = {
-                "apiVersion": "memops.dev/v1alpha1",
-                "kind": "MemoryPolicy",
-                "metadata": {"name": "bench", "namespace": "default"},
-                "spec": {
-                    "scheduler": {"address": sandbox.address},
-                    "workload": {"kind": "Deployment", "name": "dask-worker"},
-                    "drain": {"timeout": "2m"},
-                },
-            }
-            benchkit.kubectl(sandbox.env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+            benchkit.apply_policy(sandbox, "bench", drain={"timeout": "2m"})
         with distributed.Client(sandbox.address, timeout=30) as client:
             client.wait_for_workers(workers, timeout=120)
             spread(sandbox, client, workers)

@@ -33,7 +33,6 @@ from typing import Any
 
 import benchkit
 import distributed
-import yaml
 
 from memops import daskrpc
 
@@ -50,27 +49,17 @@ with distributed.Client(os.environ["DASK_SCHEDULER_ADDRESS"], timeout=10) as cli
 """The preStop hook that Dask's documentation leads users to: retire this worker by name."""
 
 
-def deployment_patch(mode: str) -> dict[str, Any]:
-    """Two workers per node (the scheduler's spreading as a rule), and in stock mode the stock
-    hook, with a grace period long enough for it (the deletion's 25 s override it)."""
-    spec: dict[str, Any] = {
-        "topologySpreadConstraints": [
-            {
-                "maxSkew": 1,
-                "topologyKey": "kubernetes.io/hostname",
-                "whenUnsatisfiable": "DoNotSchedule",
-                "labelSelector": {"matchLabels": {"app": "dask-worker"}},
-                # The rollout's own pods only: the old ones, still terminating, would skew it.
-                "matchLabelKeys": ["pod-template-hash"],
-            }
-        ]
-    }
-    if mode == "stock":
-        spec["terminationGracePeriodSeconds"] = 150
-        spec["containers"] = [
+def pod_patch(mode: str) -> dict[str, Any]:
+    """Besides the spread over the nodes: in stock mode the stock hook, with a grace period long
+    enough for it (the deletion's 25 s override it)."""
+    if mode != "stock":
+        return {}
+    return {
+        "terminationGracePeriodSeconds": 150,
+        "containers": [
             {"name": "worker", "lifecycle": {"preStop": {"exec": {"command": ["python", "-c", STOCK_HOOK]}}}}
-        ]
-    return {"spec": {"template": {"spec": spec}}}
+        ],
+    }
 
 
 @dataclass(frozen=True)
@@ -114,20 +103,10 @@ def prepare(sandbox: benchkit.Sandbox, client: distributed.Client, mode: str) ->
     """The policy (memops), then a rollout to the patched template: pods created after the policy
     get its safety net. Returns the workers' placement once four run, two per node."""
     if mode == "memops":
-        policy = {
-            "apiVersion": "memops.dev/v1alpha1",
-            "kind": "MemoryPolicy",
-            "metadata": {"name": "preemption", "namespace": "default"},
-            "spec": {
-                "scheduler": {"address": sandbox.address},
-                "workload": {"kind": "Deployment", "name": "dask-worker"},
-                "drain": {"timeout": "2m"},
-            },
-        }
-        benchkit.kubectl(sandbox.env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+        benchkit.apply_policy(sandbox, "preemption", drain={"timeout": "2m"})
         wait(lambda: ready(sandbox), 120, "the policy to be Ready")
-    patch = json.dumps(deployment_patch(mode))
-    benchkit.kubectl(sandbox.env, "patch", "deployment/dask-worker", "--type=strategic", "-p", patch)
+    # Two workers per node: the scheduler's spreading as a rule.
+    benchkit.spread_over_nodes(sandbox, **pod_patch(mode))
 
     def settled() -> dict[str, str] | None:
         placed = placement(sandbox)

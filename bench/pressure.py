@@ -24,27 +24,10 @@ from typing import Any
 
 import benchkit
 import distributed
-import yaml
 
 MIB = 2**20
 CHUNK = 8 * MIB
 ABOVE, TO = "55%", "40%"  # below the workers' own spill threshold (60% managed, 70% process)
-
-
-def policy(address: str) -> str:
-    return yaml.safe_dump(
-        {
-            "apiVersion": "memops.dev/v1alpha1",
-            "kind": "MemoryPolicy",
-            "metadata": {"name": "pressure", "namespace": "default"},
-            "spec": {
-                "scheduler": {"address": address},
-                "workload": {"kind": "Deployment", "name": "dask-worker"},
-                "replicas": 3,
-                "pressure": {"relieveAbove": ABOVE, "relieveTo": TO},
-            },
-        }
-    )
 
 
 def run(load: float, limit_mib: int, settle: float, *, relief: bool) -> dict[str, Any]:
@@ -52,7 +35,7 @@ def run(load: float, limit_mib: int, settle: float, *, relief: bool) -> dict[str
     with benchkit.running_sandbox(3, *args) as box, distributed.Client(box.address, timeout=30) as client:
         client.wait_for_workers(3, timeout=60)
         if relief:
-            benchkit.kubectl(box.env, "apply", "-f", "-", stdin=policy(box.address))
+            benchkit.apply_policy(box, "pressure", replicas=3, pressure={"relieveAbove": ABOVE, "relieveTo": TO})
             deadline = time.monotonic() + 60
             while "pressure" not in json.loads(
                 benchkit.kubectl(box.env, "get", "mempol", "pressure", "-o", "json")

@@ -128,17 +128,7 @@ def main() -> int:
             throughput.start(client)
             retire = [retire_once(client, api, env, address, run, 3) for run in range(args.runs)]
             settled(client, api, 3)
-            policy = {
-                "apiVersion": "memops.dev/v1alpha1",
-                "kind": "MemoryPolicy",
-                "metadata": {"name": "react", "namespace": "default"},
-                "spec": {
-                    "scheduler": {"address": address},
-                    "workload": {"kind": "Deployment", "name": "dask-worker"},
-                    "replicas": 3,
-                },
-            }
-            benchkit.kubectl(env, "apply", "-f", "-", stdin=yaml.safe_dump(policy))
+            benchkit.apply_policy(box, "react", replicas=3)
             scale = [scale_once(client, api, env, 3, run) for run in range(args.runs)]
     print(f"\nOperator reaction times over {args.runs} runs, seconds (goal: the anchor; 'vs goal' = goal / median)\n")
     print(f"{'':40} {'median':>7} {'p90':>7} {'max':>7} {'goal':>6} {'vs goal':>8}")

@@ -31,7 +31,6 @@ from typing import Any
 
 import benchkit
 import distributed
-import yaml
 
 MIB = 2**20
 KEYS_PER_WORKER = 8
@@ -54,21 +53,8 @@ def block(i: int) -> bytes:
     return os.urandom(MIB // 4) + i.to_bytes(4, "big")
 
 
-def policy(address: str, replicas: int, recycle: dict[str, Any]) -> str:
-    return yaml.safe_dump(
-        {
-            "apiVersion": "memops.dev/v1alpha1",
-            "kind": "MemoryPolicy",
-            "metadata": {"name": "recycler", "namespace": "default"},
-            "spec": {
-                "scheduler": {"address": address},
-                "workload": {"kind": "Deployment", "name": "dask-worker"},
-                "replicas": replicas,
-                "drain": {"timeout": "2m"},
-                "recycle": recycle,
-            },
-        }
-    )
+def apply_policy(box: benchkit.Sandbox, replicas: int, recycle: dict[str, Any]) -> None:
+    benchkit.apply_policy(box, "recycler", replicas=replicas, drain={"timeout": "2m"}, recycle=recycle)
 
 
 def load(client: distributed.Client) -> tuple[dict[str, distributed.Future], list[distributed.Future]]:
@@ -97,7 +83,7 @@ def leak(with_memops: bool, seconds: float) -> dict[str, Any]:
         with distributed.Client(box.address, timeout=30) as client:
             if with_memops:
                 rule = {"unmanagedMemory": {"above": "40%", "for": "4s"}, "maxUnavailable": 1, "surge": 1}
-                benchkit.kubectl(box.env, "apply", "-f", "-", stdin=policy(box.address, 3, rule))
+                apply_policy(box, 3, rule)
             scattered, persisted = load(client)
             name, address = sorted(benchkit.workers(client).items())[0]
             task = client.submit(leak_for, seconds, 10, 0.5, workers=[address], pure=False, key="leaky-task")
@@ -131,7 +117,7 @@ def lifetime(with_memops: bool, seconds: float) -> dict[str, Any]:
     with benchkit.running_sandbox(2, *([] if with_memops else ["--no-operator"])) as box:
         if with_memops:
             rule = {"maxAge": f"{seconds:.0f}s", "maxUnavailable": 1, "surge": 1}
-            benchkit.kubectl(box.env, "apply", "-f", "-", stdin=policy(box.address, 2, rule))
+            apply_policy(box, 2, rule)
         else:
             # Stock Dask: both workers get --lifetime, started together, as a Deployment makes them.
             patch = [

@@ -3,6 +3,9 @@
 Each scenario retires N workers holding SIZE of unique data each, in keys of KEY bytes, three
 ways in the same sandbox and the same run:
 
+- TCP (anchor): the same number of bytes sent over one loopback TCP connection from this process to a
+  receiving process that reads them into one reused buffer: what the machine's sockets carry with
+  no Dask and no Python work per byte, the ceiling every drain here is a share of;
 - raw (anchor): ``Client.replicate(n=2)`` of the same bytes, the scheduler telling other workers to
   copy them with no AMM in between (one ``get_data`` message per recipient and sender);
 - stock (anchor): the scheduler's ``retire_workers`` of those N workers, called directly;
@@ -36,7 +39,9 @@ import base64
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
+import socket
 import ssl
 import statistics
 import sys
@@ -223,6 +228,7 @@ def collect(client: distributed.Client) -> dict[str, list[tuple[float, str, str]
 class Phases:
     """One run of a scenario; seconds."""
 
+    tcp: float = 0.0  # loopback TCP: connected -> the receiver has every byte
     raw: float = 0.0  # replicate: call -> last key in memory on its recipient
     stock_first: float = 0.0  # call -> first byte in flight
     stock_drain: float = 0.0  # first byte -> last key in memory
@@ -280,6 +286,7 @@ class Bench:
         drains in one run differ, the noise any memops/stock ratio carries."""
         phases = Phases()
         collect(self.client)  # start from an empty record
+        phases.tcp = loopback_tcp(scenario.keys * scenario.key_size * scenario.retiring)
         self.raw(scenario, run, phases)
         if not with_memops:
             self.stock(scenario, run, phases)
@@ -411,6 +418,47 @@ class Bench:
         time.sleep(0.5)
 
 
+TCP_BUFFER = 16 * MIB
+
+
+def _receive(listener: socket.socket, expected: int) -> None:
+    """In the receiving process: read ``expected`` bytes into one reused buffer, then say so."""
+    connection, _ = listener.accept()
+    buffer = memoryview(bytearray(TCP_BUFFER))
+    received = 0
+    with connection:
+        connection.sendall(b"r")  # ready: the sender's clock starts after this process has started
+        while received < expected:
+            count = connection.recv_into(buffer)
+            if not count:
+                raise RuntimeError(f"the sender closed after {received} of {expected} bytes")
+            received += count
+        connection.sendall(b"k")
+
+
+def loopback_tcp(size: int) -> float:
+    """Seconds for ``size`` bytes over one loopback TCP connection to another process."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        receiver = multiprocessing.get_context("spawn").Process(target=_receive, args=(listener, size))
+        receiver.start()
+        try:
+            payload = memoryview(os.urandom(TCP_BUFFER))
+            with socket.create_connection(listener.getsockname()) as connection:
+                if connection.recv(1) != b"r":
+                    raise RuntimeError("the receiver did not start")
+                started = time.perf_counter()
+                for offset in range(0, size, TCP_BUFFER):
+                    connection.sendall(payload[: min(TCP_BUFFER, size - offset)])
+                if connection.recv(1) != b"k":
+                    raise RuntimeError("the receiver did not confirm")
+                seconds = time.perf_counter() - started
+        finally:
+            receiver.join(30)
+            if receiver.is_alive():
+                receiver.kill()
+    return seconds
+
+
 async def drain_until_done(address: str, workers: Sequence[str], timeout: float = 600) -> dict[str, Any]:
     """Start memops' drain of ``workers`` and poll its status until none is draining."""
     await daskrpc.start_drain(address, workers, deadline=timeout)
@@ -518,13 +566,15 @@ def markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
     print(f"\nDrain throughput, median of {runs} runs, one sandbox of {WORKERS} workers, ratios taken within each run.")
-    print("drain: first byte in flight -> last key in memory on its recipient, timed inside the workers.\n")
+    print("drain: first byte in flight -> last key in memory on its recipient, timed inside the workers.")
+    print("TCP: the same bytes over one loopback TCP connection between two processes (the ceiling).\n")
     rows = []
     for scenario, phases in results.items():
         moved = scenario.keys * scenario.key_size * scenario.retiring / GIB
         rows.append(
             [
                 scenario.label,
+                f"{median(moved / p.tcp for p in phases):.2f}",
                 f"{median(moved / p.raw for p in phases):.2f}",
                 f"{median(moved / p.stock_drain for p in phases):.2f}",
                 f"{median(moved / p.memops_drain for p in phases):.2f}",
@@ -536,11 +586,17 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
                 f"{median(p.stock_drain / p.drain_drain for p in phases):.2f}" if phases[0].drain_drain else "-",
                 f"{min(p.stock_drain / p.memops_drain for p in phases):.2f}"
                 f" to {max(p.stock_drain / p.memops_drain for p in phases):.2f}",
+                f"{min(p.stock_drain / p.drain_drain for p in phases):.2f}"
+                f" to {max(p.stock_drain / p.drain_drain for p in phases):.2f}"
+                if phases[0].drain_drain
+                else "-",
+                f"{median(p.tcp / p.stock_drain for p in phases):.2f}",
+                f"{median(p.tcp / p.drain_drain for p in phases):.2f}" if phases[0].drain_drain else "-",
             ]
         )
-    headers = ["scenario", "raw GiB/s", "stock GiB/s", "memops GiB/s", "drain GiB/s", "stock/raw", "memops/raw"]
-    headers += ["drain/raw", "memops/stock", "drain/stock"]
-    headers.append("memops/stock, runs' range")
+    headers = ["scenario", "TCP GiB/s", "raw GiB/s", "stock GiB/s", "memops GiB/s", "drain GiB/s", "stock/raw"]
+    headers += ["memops/raw", "drain/raw", "memops/stock", "drain/stock"]
+    headers += ["memops/stock, runs' range", "drain/stock, runs' range", "stock/TCP", "drain/TCP"]
     print(markdown(headers, rows))
     print(
         "\nEnd to end, seconds (median): from the call (stock) or kubectl apply (memops) to the first byte in flight,"

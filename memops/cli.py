@@ -34,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
         help="leave the MutatingWebhookConfiguration to the installer (Helm chart, kustomize); by default Kopf"
         " creates and patches it",
     )
+    run.add_argument(
+        "--shared-spill-host-root",
+        dest="host_roots",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a host directory that a MemoryPolicy's sharedSpill of medium Node may name as its hostPath"
+        " (exactly: not a directory under it; repeatable). None given: medium Node is refused",
+    )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on /metrics at this port")
     run.add_argument("--metrics-host", default="0.0.0.0", help="the metrics endpoint's address (default 0.0.0.0)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -109,6 +118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    from memops import shared_spill
+
+    try:
+        host_roots = shared_spill.host_roots(args.host_roots)
+    except ValueError as error:
+        print(f"memops run: {error}", file=sys.stderr)
+        return 2
     if args.metrics_port:
         from memops import metrics
 
@@ -134,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 liveness_endpoint=args.liveness,
                 standalone=args.standalone,
                 webhook=webhook,
+                host_roots=host_roots,
             )
         )
     except KeyboardInterrupt:

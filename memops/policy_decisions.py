@@ -62,6 +62,7 @@ class Inputs:
     requests: tuple[objects.Obj, ...] = ()  # the policy's RetirementRequests
     recycling: RecycleSeen | None = None
     template: Mapping[str, Any] | None = None  # the workload's pod spec (spec.sharedSpill); None: not read
+    host_roots: frozenset[str] = frozenset()  # the host directories medium Node may mount (memops run's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,7 +316,9 @@ def _shared_spill_conditions(inputs: Inputs, found: list[specs.Condition]) -> li
     """``SharedSpillReady`` (whether the webhook injects the spill: the same verdict as it reaches
     on each pod) and, for medium Node, ``SharedSpillSwappable``; gone when the spec has no spill."""
     spill = inputs.spec.sharedSpill
-    verdict = shared_spill.condition(spill, inputs.template) if spill is not None else None
+    verdict = (
+        shared_spill.condition(spill, inputs.template, host_roots=inputs.host_roots) if spill is not None else None
+    )
     for type_ in shared_spill.CONDITIONS:
         value = None if verdict is None else (verdict.ready if type_ == shared_spill.READY else verdict.swappable)
         if value is None:

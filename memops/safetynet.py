@@ -20,7 +20,7 @@ import copy
 import datetime
 import inspect
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from memops import daskcomm, objects, shared_spill, specs, timestamps
@@ -158,11 +158,18 @@ def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
     ]
 
 
-def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryPolicySpec) -> dict[str, Any]:
+def plan_injection(
+    pod: Mapping[str, Any],
+    policy_name: str,
+    spec: specs.MemoryPolicySpec,
+    *,
+    host_roots: Collection[str] = frozenset(),
+) -> dict[str, Any]:
     """The pod's new ``spec`` and annotations: a preStop drain on its first container, and a
     grace period that covers ``drain.timeout``. An existing preStop hook is left alone. With
     ``sharedSpill``, also the spill volume, its mount and Dask's configuration
-    (:mod:`memops.shared_spill`), unless the pod's memory cannot hold it."""
+    (:mod:`memops.shared_spill`), unless the pod's memory cannot hold it or its ``hostPath`` is
+    not among ``host_roots``, the host directories the operator was allowed."""
     annotations = dict(pod.get("metadata", {}).get("annotations") or {})
     pod_spec = copy.deepcopy(dict(pod.get("spec", {})))
     # At most MAX_DURATION (the spec's bound, checked again), so the grace is at most MAX_GRACE_SECONDS.
@@ -185,8 +192,9 @@ def plan_injection(pod: Mapping[str, Any], policy_name: str, spec: specs.MemoryP
         container.setdefault("lifecycle", {})["preStop"] = {"exec": {"command": ["python", "-c", PRE_STOP_SCRIPT]}}
     annotations[ANNOTATION] = policy_name
     if spec.sharedSpill is not None:
-        # Refused (it cannot fit): the pod keeps its own spill directory, and only the safety net.
-        verdict, mutation = shared_spill.plan(pod_spec, spec.sharedSpill)
+        # Refused (it cannot fit, or its host path is not allowed): the pod keeps its own spill
+        # directory, and only the safety net.
+        verdict, mutation = shared_spill.plan(pod_spec, spec.sharedSpill, host_roots=host_roots)
         if mutation is not None:
             shared_spill.apply(pod_spec, mutation)
         annotations[shared_spill.ANNOTATION] = (

@@ -13,6 +13,11 @@ which the webhook never rewrites), ``N`` worker processes (``--nworkers``) and t
 are scaled by one factor ``k = min(1, (L - S) / (N * M * f_top))``, ``f_top`` the highest enabled
 fraction (``terminate`` by default): the last guard (the nanny's terminate) then fires before the
 cgroup's OOM killer could, and target < spill < pause < terminate keep their order and gaps.
+
+A ``hostPath`` (medium Node) is mounted only if it is one of the host directories that the
+cluster's administrators allowed when they installed the operator (``memops run
+--shared-spill-host-root``, :func:`host_root`): whoever may create a MemoryPolicy must not be able
+to have any host directory mounted into pods. None allowed (the default): medium Node is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import decimal
 import enum
 import math
 import shlex
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from memops import specs
@@ -62,6 +67,7 @@ class Refusal(enum.StrEnum):
     LOCAL_DIRECTORY = "LocalDirectorySet"
     SPILL_DISABLED = "SpillDisabled"
     DOES_NOT_FIT = "DoesNotFit"
+    HOST_PATH_NOT_ALLOWED = "HostPathNotAllowed"
 
 
 class QoS(enum.StrEnum):
@@ -90,6 +96,84 @@ class Fit:
 
 def _refuse(refusal: Refusal, message: str, *, spill: int, limit: int | None = None, dask: int | None = None) -> Fit:
     return Fit(limit, dask, 1, spill, 0.0, {}, refusal, message)
+
+
+HOST_ROOT_FLAG = "--shared-spill-host-root"
+"""The ``memops run`` flag (repeatable) that allows one host directory for medium Node."""
+
+
+def _components(path: str) -> tuple[str, ...] | None:
+    """An absolute path as its components, ``//`` and ``.`` dropped and a trailing ``/`` ignored;
+    None when it is relative or has a ``..`` component. The operator cannot resolve the node's
+    symbolic links, and ``..`` taken lexically is wrong behind one: such a path is never allowed."""
+    if not path.startswith("/"):
+        return None
+    parts = tuple(part for part in path.split("/") if part not in ("", "."))
+    return None if ".." in parts else parts
+
+
+def _is_under(parts: tuple[str, ...] | None, root: tuple[str, ...] | None) -> bool:
+    """Whether a path lies strictly under a root: compared as components, never as strings."""
+    return parts is not None and root is not None and len(parts) > len(root) and parts[: len(root)] == root
+
+
+def host_root(text: str) -> str:
+    """One ``--shared-spill-host-root``, normalised (``/mnt/spill/`` is ``/mnt/spill``).
+
+    ValueError for a path that no policy could ever name (relative, ``..``, characters that
+    ``spec.sharedSpill.hostPath`` refuses, a system directory): a mistake the administrator hears
+    of when the operator starts, not as policies refused later."""
+    parts = _components(text)
+    if parts is None or not parts:
+        raise ValueError(f"{HOST_ROOT_FLAG} {text!r}: not an absolute directory without '..' components")
+    normalised = "/" + "/".join(parts)
+    try:
+        specs.check_host_path(normalised)
+    except ValueError as exc:
+        raise ValueError(f"{HOST_ROOT_FLAG} {text!r}: a MemoryPolicy could never use it: {exc}") from None
+    return normalised
+
+
+def host_roots(texts: Iterable[str]) -> frozenset[str]:
+    """Every ``--shared-spill-host-root``, normalised (:func:`host_root`). ValueError also when one
+    lies under another: the workers of a policy on the outer one could leave a symbolic link where
+    the inner one is missing on some node, and a policy naming the inner one would mount its target."""
+    roots = frozenset(host_root(text) for text in texts)
+    for inner in roots:
+        for outer in roots:
+            if inner != outer and _is_under(_components(inner), _components(outer)):
+                raise ValueError(f"{HOST_ROOT_FLAG} {inner!r} lies under {outer!r}: allow one or the other")
+    return roots
+
+
+def host_path_refusal(path: str, roots: Collection[str]) -> str | None:
+    """Why ``spec.sharedSpill.hostPath`` may not be mounted, or None when it is an allowed root.
+
+    Compared component by component (``/mnt/spill-other`` is not ``/mnt/spill``). Only a root
+    itself is allowed, not a directory under it: the workers write in the root (it is their spill
+    directory), and a symbolic link that one of them leaves there, ``<root>/x -> /etc``, would be
+    followed by the kubelet when another policy names ``<root>/x``."""
+    allowed = {parts for root in roots if (parts := _components(root))}
+    if not allowed:
+        return (
+            f"spec.sharedSpill.hostPath: {path!r}: this cluster allows no host directory for shared spill"
+            f" (the operator runs without {HOST_ROOT_FLAG}; Helm: sharedSpill.hostRoots, or"
+            " sharedSpill.nodeDaemonSet.enabled); use medium Memory, or ask the cluster's administrators"
+        )
+    parts = _components(path)
+    if parts in allowed:
+        return None
+    under = any(_is_under(parts, root) for root in allowed)
+    why = (
+        ", and not a directory under one: the workers write there, and the kubelet would follow a symbolic"
+        " link that they leave"
+        if under
+        else ""
+    )
+    return (
+        f"spec.sharedSpill.hostPath: {path!r} is not a host directory that this cluster allows for shared"
+        f" spill ({HOST_ROOT_FLAG}): it must be one of {', '.join(sorted('/' + '/'.join(r) for r in allowed))}{why}"
+    )
 
 
 def _tokens(container: Mapping[str, Any]) -> list[str]:
@@ -264,6 +348,15 @@ def fit(container: Mapping[str, Any], spill: specs.SharedSpillSpec) -> Fit:
     return Fit(limit, dask, workers, size, scale, fractions)
 
 
+def _host_refusal(spill: specs.SharedSpillSpec, host_roots: Collection[str]) -> Fit | None:
+    if spill.medium != specs.SpillMedium.NODE:
+        return None
+    message = host_path_refusal(str(spill.hostPath), host_roots)
+    if message is None:
+        return None
+    return _refuse(Refusal.HOST_PATH_NOT_ALLOWED, message, spill=specs.parse_quantity(spill.sizeLimit))
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.0f}Mi"
 
@@ -278,8 +371,14 @@ class Mutation:
     node_requirements: tuple[Mapping[str, Any], ...]
 
 
-def plan(pod_spec: Mapping[str, Any], spill: specs.SharedSpillSpec) -> tuple[Fit, Mutation | None]:
-    """The verdict for the pod's worker container and, when it fits, the mutation."""
+def plan(
+    pod_spec: Mapping[str, Any], spill: specs.SharedSpillSpec, *, host_roots: Collection[str]
+) -> tuple[Fit, Mutation | None]:
+    """The verdict for the pod's worker container and, when it fits, the mutation. ``host_roots``:
+    the host directories that medium Node may mount (:func:`host_path_refusal`)."""
+    refused = _host_refusal(spill, host_roots)
+    if refused is not None:
+        return refused, None
     container = worker_container(pod_spec)
     if container is None:
         return _refuse(Refusal.NO_CONTAINER, "spec.sharedSpill: the pod has no container", spill=0), None
@@ -412,12 +511,19 @@ class Verdict:
     swappable: tuple[bool | None, str, str] | None  # medium Node only
 
 
-def condition(spill: specs.SharedSpillSpec, pod_spec: Mapping[str, Any] | None) -> Verdict:
-    """What the policy's status says of its shared spill, from the workload's pod template."""
-    if pod_spec is None:
-        unknown: tuple[bool | None, str, str] = (None, "TemplateUnknown", "the workload's pod template was not read")
+def condition(
+    spill: specs.SharedSpillSpec, pod_spec: Mapping[str, Any] | None, *, host_roots: Collection[str]
+) -> Verdict:
+    """What the policy's status says of its shared spill, from the workload's pod template. A
+    host path that is not allowed is refused before the template is read: it needs none."""
+    unknown: tuple[bool | None, str, str] = (None, "TemplateUnknown", "the workload's pod template was not read")
+    refused = _host_refusal(spill, host_roots)
+    if refused is not None:
+        verdict = refused
+    elif pod_spec is None:
         return Verdict(unknown, unknown if spill.medium == specs.SpillMedium.NODE else None)
-    verdict, _ = plan(pod_spec, spill)
+    else:
+        verdict, _ = plan(pod_spec, spill, host_roots=host_roots)
     if verdict.allowed:
         shown = ", ".join(f"{name} {value}" for name, value in verdict.fractions.items() if value is not None)
         ready: tuple[bool | None, str, str] = (
@@ -434,7 +540,7 @@ def condition(spill: specs.SharedSpillSpec, pod_spec: Mapping[str, Any] | None) 
         )
     if spill.medium != specs.SpillMedium.NODE:
         return Verdict(ready, None)
-    return Verdict(ready, swap_verdict(pod_spec))
+    return Verdict(ready, swap_verdict(pod_spec) if pod_spec is not None else unknown)
 
 
 CRITICAL_PRIORITY_CLASSES = ("system-node-critical", "system-cluster-critical")

@@ -81,7 +81,11 @@ class Webhook:
     managed: bool = True
 
 
-def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None) -> kopf.OperatorRegistry:
+def make_registry(
+    kubeconfig: str | None = None, webhook: Webhook | None = None, *, host_roots: frozenset[str] = frozenset()
+) -> kopf.OperatorRegistry:
+    """``host_roots``: the host directories that a MemoryPolicy's shared spill of medium Node may
+    mount (``memops run --shared-spill-host-root``); none by default, and then medium Node is refused."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -89,7 +93,12 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
         return kube.load_connection(kubeconfig)
 
     @kopf.on.startup(registry=registry)
-    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    async def startup(
+        settings: kopf.OperatorSettings,
+        memo: kopf.Memo,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        **_: Any,
+    ) -> None:
         configure(settings)
         if webhook is not None:
             safetynet_webhook.configure(
@@ -102,6 +111,10 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
                 managed=webhook.managed,
             )
         memo.kube = kube.Kube(kube.load_connection(kubeconfig))
+        if host_roots:
+            logger.info("shared spill of medium Node may mount: %s", ", ".join(sorted(host_roots)))
+        else:
+            logger.info("shared spill of medium Node is refused: no --shared-spill-host-root")
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
         memo.retirement_daemons = set()  # uids of requests whose daemon runs: see memops.controllers.retirement
 
@@ -111,10 +124,10 @@ def make_registry(kubeconfig: str | None = None, webhook: Webhook | None = None)
             await memo.kube.close()
 
     retirement.register(registry)
-    policy.register(registry)
+    policy.register(registry, host_roots=host_roots)
     eviction.register_node_signals(registry)
     if webhook is not None:
-        safetynet_webhook.register(registry)
+        safetynet_webhook.register(registry, host_roots=host_roots)
         eviction.register_gate(registry)
     return registry
 
@@ -126,10 +139,11 @@ async def run(
     liveness_endpoint: str | None = None,
     standalone: bool = False,
     webhook: Webhook | None = None,
+    host_roots: frozenset[str] = frozenset(),
 ) -> None:
     """Run the operator until cancelled; cluster-wide unless namespaces are given."""
     await kopf.operator(
-        registry=make_registry(kubeconfig, webhook),
+        registry=make_registry(kubeconfig, webhook, host_roots=host_roots),
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=liveness_endpoint,

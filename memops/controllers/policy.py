@@ -68,8 +68,10 @@ class Policy:
         body: kopf.Body,
         logger: logging.Logger | logging.LoggerAdapter[Any],
         cache: Cache | None = None,
+        host_roots: frozenset[str] = frozenset(),
     ):
         self.client = client
+        self.host_roots = host_roots  # memops run --shared-spill-host-root
         self.body = body
         self.logger = logger
         self.cache = cache
@@ -188,6 +190,7 @@ class Policy:
             requests=tuple(requests),
             recycling=await self.read_recycling(spec, workload, snapshot, requests, status, now),
             template=shared_spill.template_spec(workload) if spec.sharedSpill is not None else None,
+            host_roots=self.host_roots,
         )
         return old, inputs
 
@@ -541,7 +544,9 @@ INDEX_NAMES = {
 }
 
 
-def register(registry: kopf.OperatorRegistry) -> None:
+def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = frozenset()) -> None:
+    """The indexes and the daemon; ``host_roots``: the host directories medium Node may mount."""
+
     @kopf.index(specs.GROUP, specs.VERSION, "memorypolicies", registry=registry, id="memops_policies")
     def memops_policies(
         namespace: str | None, uid: str, body: kopf.Body, memo: kopf.Memo, **_: Any
@@ -603,7 +608,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
         **kwargs: Any,
     ) -> None:
         cache = Cache({name: kwargs[name] for name in INDEX_NAMES.values()})
-        reconciler = Policy(client=memo.kube, body=body, logger=logger, cache=cache)
+        reconciler = Policy(client=memo.kube, body=body, logger=logger, cache=cache, host_roots=host_roots)
         uid = str(body.metadata.uid)
         waker = memo.policy_wakers.setdefault(uid, asyncio.Event())
         try:

@@ -76,7 +76,9 @@ def policy_for(
     return None
 
 
-def register(registry: kopf.OperatorRegistry) -> None:
+def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = frozenset()) -> None:
+    """The webhook's handler; ``host_roots``: the host directories medium Node may mount."""
+
     @kopf.on.mutate("pods", operations=["CREATE"], registry=registry, id="safety-net", ignore_failures=True)
     async def inject(
         body: kopf.Body,
@@ -95,7 +97,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
         if found is None:
             return
         name, spec = found
-        change = safetynet.plan_injection(dict(body), name, spec)
+        change = safetynet.plan_injection(dict(body), name, spec, host_roots=host_roots)
         patch.spec.update(change["spec"])
         patch.metadata["annotations"] = change["annotations"]
         logger.info(

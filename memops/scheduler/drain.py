@@ -41,6 +41,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from distributed.core import Status
@@ -61,10 +62,15 @@ INTERVAL = 0.02
 """Seconds between two passes that changed something: what a pass costs is the keys on their way,
 a few thousand at most."""
 QUIET_INTERVAL = 0.2
-"""After passes that changed nothing (no key landed, none asked for, no drain ended), the interval
-doubles up to this: a pass reads every copy on its way, and at 50 passes a second over a thousand
-1 MiB keys the scheduler's process takes CPU that the workers' transfers need on a small machine.
+"""After passes that changed nothing (none asked for, no drain ended or found new keys), the
+interval doubles up to this. Keys landing do not count: a pass reads every copy on its way, and at
+50 passes a second over thousands of 1 MiB keys the scheduler's process takes CPU that the
+workers' transfers need on a small machine, while the recipients have a window's worth queued.
 What it delays is noticing the last keys land (the worker's close), by at most this much."""
+REFILL = 0.5
+"""A recipient is given more keys once at most this share of its window is on its way: windows are
+refilled in large steps, not by a few keys after every pass (each ask is a pass at the short
+interval), and a recipient still has half a window queued when they come."""
 IN_FLIGHT_SECONDS = 10.0
 """How long a requested copy may take, plus its transfer time below, before it is asked again."""
 TRANSFER_BYTES_PER_SECOND = 50 * 2**20
@@ -425,16 +431,18 @@ class DrainPlugin(SchedulerPlugin):
             interval = INTERVAL if changed else min(interval * 2, QUIET_INTERVAL)
             await asyncio.sleep(interval)
 
-    def _safe(self, ts: Any, draining: Collection[Any]) -> bool:
+    def _safe(self, ts: Any, draining: AbstractSet[Any]) -> bool:
         """Held by a worker that is not being drained (or forgotten: nothing to move)."""
-        return ts is None or not ts.who_has or any(ws not in draining for ws in ts.who_has)
+        # A set comparison, not a loop: this runs for every key of a drained worker, per pass and
+        # per status poll, on the scheduler's event loop.
+        return ts is None or not ts.who_has or not ts.who_has <= draining
 
     async def step(self) -> bool:
         """One pass; whether it changed anything (a copy landed or was given up, a key was asked
         for, a drain ended or found new keys)."""
         scheduler = self.scheduler
         now = time.monotonic()
-        before = (len(self.copies), sum(len(d.order) for d in self.workers.values()))
+        before = sum(len(d.order) for d in self.workers.values())
         states = [d.state for d in self.workers.values()]
         active = {a: d for a, d in self.workers.items() if d.state == State.DRAINING}
         draining_ws = {scheduler.workers[a] for a in active if a in scheduler.workers}
@@ -479,12 +487,13 @@ class DrainPlugin(SchedulerPlugin):
                 continue
             limit = int(ws.memory_limit or 0)
             used = max(int(ws.memory.process), int(ws.memory.optimistic)) + on_way[ws.address]
+            refill = on_way[ws.address] <= self.window * REFILL
             recipients.append(
                 Recipient(
                     ws.address,
                     self.nodes.get(ws.address),
                     (limit - used) if limit else UNLIMITED,
-                    self.window - on_way[ws.address],
+                    self.window - on_way[ws.address] if refill else 0,
                     self._group(ws.address),
                 )
             )
@@ -567,14 +576,13 @@ class DrainPlugin(SchedulerPlugin):
             task = asyncio.get_running_loop().create_task(self._link(source, target, keys))
             self.links.add(task)
             task.add_done_callback(self.links.discard)
-        after = (len(self.copies), sum(len(d.order) for d in self.workers.values()))
-        # A key landed and another was asked for in its place leaves the counts equal: batches.
+        after = sum(len(d.order) for d in self.workers.values())
         return bool(batches) or bool(links) or after != before or [d.state for d in self.workers.values()] != states
 
-    def _drained(self, ws: Any, draining: Collection[Any]) -> bool:
+    def _drained(self, ws: Any, draining: AbstractSet[Any]) -> bool:
         return all(self._safe(ts, draining) for ts in ws.has_what)
 
-    def _scan(self, drained: Drained, ws: Any, draining: Collection[Any], now: float) -> None:
+    def _scan(self, drained: Drained, ws: Any, draining: AbstractSet[Any], now: float) -> None:
         """Rank the keys held only by drained workers that this drain has not ranked yet."""
         drained.scanned = now
         fresh = []
@@ -589,7 +597,7 @@ class DrainPlugin(SchedulerPlugin):
             # Appended: keys ranked earlier go first (they were worth the most when the drain began).
             drained.order.extend(ranked)
 
-    def _stop_at_deadline(self, drained: Drained, ws: Any, draining: Collection[Any], now: float) -> None:
+    def _stop_at_deadline(self, drained: Drained, ws: Any, draining: AbstractSet[Any], now: float) -> None:
         drained.state, drained.ended, drained.ended_at = State.DEADLINE, now, time.time()
         for ts in ws.has_what:
             if self._safe(ts, draining):

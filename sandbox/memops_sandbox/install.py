@@ -8,6 +8,9 @@ its ServiceAccount's token (TokenRequest API, as ``kubectl create token``), serv
 over TLS on 127.0.0.1 with a certificate of the sandbox's CA. The chart's
 Mutating and ValidatingWebhookConfigurations are applied with ``clientConfig.url`` pointing there and
 ``caBundle`` the sandbox's CA, so the API server calls it over TLS as it would call the Service.
+Of the Deployment's arguments, those that configure what the operator allows (:data:`OPERATOR_FLAGS`)
+are the local process' too: ``--set sharedSpill.hostRoots=[/var/lib/memops/spill]`` allows that
+host directory to shared spill of medium Node, as it would on a cluster.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ RESOURCES = {
     ),
     "Deployment": ("/apis/apps/v1", "deployments", True),
 }
+OPERATOR_FLAGS = ("--shared-spill-host-root=",)
+"""The rendered Deployment's arguments that the sandbox's operator takes as they are; the others
+(ports, certificate files, the liveness endpoint) it sets for loopback itself."""
 TOKEN_SECONDS = 7 * 24 * 3600  # the API server caps it at --service-account-max-token-expiration
 
 
@@ -130,6 +136,13 @@ def local_webhook(configuration: dict[str, Any], url: str, ca_bundle: bytes) -> 
             "caBundle": base64.b64encode(ca_bundle).decode(),
         }
     return configuration
+
+
+def operator_flags(objects: list[dict[str, Any]]) -> list[str]:
+    """The chart's ``memops run`` arguments that the sandbox's operator gets too (:data:`OPERATOR_FLAGS`)."""
+    deployments = [obj for obj in objects if obj["kind"] == "Deployment"]
+    args = [str(a) for d in deployments for a in d["spec"]["template"]["spec"]["containers"][0].get("args") or []]
+    return [a for a in args if a.startswith(OPERATOR_FLAGS)]
 
 
 def service_account(objects: list[dict[str, Any]]) -> str:

@@ -22,7 +22,7 @@ import shutil
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,12 @@ def node_names(count: int) -> list[str]:
     return [f"{NODE_PREFIX}{index}" for index in range(count)]
 
 
-def operator_command(webhook_port: int, metrics_port: int, cert: Path, key: Path) -> list[str]:
+def operator_command(
+    webhook_port: int, metrics_port: int, cert: Path, key: Path, flags: Sequence[str] = ()
+) -> list[str]:
     """``memops run`` as the chart's Deployment runs it (all namespaces, peering, the webhook on
-    TLS with the installer's certificate, left unmanaged), on loopback ports."""
+    TLS with the installer's certificate, left unmanaged, and the chart's ``flags``:
+    :func:`memops_sandbox.install.operator_flags`), on loopback ports."""
     return [
         common.executable("memops"),
         "run",
@@ -50,6 +53,7 @@ def operator_command(webhook_port: int, metrics_port: int, cert: Path, key: Path
         "--webhook-unmanaged",
         f"--metrics-port={metrics_port}",
         "--metrics-host=127.0.0.1",
+        *flags,
     ]
 
 
@@ -103,7 +107,10 @@ async def _operator(
     webhook_port = common.free_port(metrics_port)
     env = {**os.environ, "KUBECONFIG": str(state_dir / "operator-kubeconfig")}
     process = await controlplane.spawn(
-        "operator", operator_command(webhook_port, metrics_port, cert, key), plane.logs, env=env
+        "operator",
+        operator_command(webhook_port, metrics_port, cert, key, install.operator_flags(objects)),
+        plane.logs,
+        env=env,
     )
     (state_dir / "operator.pid").write_text(str(process.pid))
     (state_dir / "metrics-url").write_text(f"http://127.0.0.1:{metrics_port}/metrics\n")

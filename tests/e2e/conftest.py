@@ -107,7 +107,7 @@ class Sandbox:
     def start_operator(self) -> subprocess.Popen[bytes]:
         log = (self.state_dir / "operator.log").open("ab")
         self.operator = subprocess.Popen(
-            [str(BIN / "memops"), "run", "--all-namespaces", "--standalone"],
+            [str(BIN / "memops"), "run", "--all-namespaces", "--standalone", f"--shared-spill-host-root={SPILL_ROOT}"],
             stdout=log,
             stderr=log,
             # The operator's own user, as the sandbox runs it, so the audit log tells it apart.
@@ -138,8 +138,13 @@ class Sandbox:
                 self.process.wait(10)
 
 
-# The chart's feature-gated permissions, all on: the scenarios use TLS schedulers and DaskWorkerGroups.
+# The chart's feature-gated permissions, all on: the scenarios use TLS schedulers and DaskWorkerGroups;
+# and the host directory of their shared spill allowed.
 EVERY_FEATURE = [arg for value in sorted(set(permissions.FEATURE_GATED.values())) for arg in ("--set", value)]
+SPILL_ROOT = "/var/lib/memops/spill"
+"""The host directory that the scenarios' shared spill of medium Node uses, allowed as an
+administrator allows it (the chart's sharedSpill.hostRoots)."""
+EVERY_FEATURE += ["--set", f"sharedSpill.hostRoots=[{SPILL_ROOT}]"]
 
 
 def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True) -> Sandbox:

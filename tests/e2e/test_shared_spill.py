@@ -16,10 +16,10 @@ import distributed
 from memops_sandbox import common as sandbox_cli
 
 from memops import shared_spill
-from tests.e2e.conftest import Sandbox
+from tests.e2e.conftest import SPILL_ROOT, Sandbox
 from tests.e2e.test_policy import condition, memory_policy
 
-HOST_PATH = "/var/lib/memops/spill"
+HOST_PATH = SPILL_ROOT  # the one host directory that the sandbox's operator allows
 SWAP_LABEL = "feature.node.kubernetes.io/memory-swap.enabled"
 MIB = 2**20
 
@@ -197,6 +197,21 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
     sandbox.apply(memory_policy("fixed", sandbox.scheduler_address, workload="fixed", sharedSpill=spill))
     warning = ready(sandbox, "fixed", shared_spill.SWAPPABLE, "False")
     assert warning["reason"] == "NotBurstable" and "Guaranteed" in warning["message"]
+
+    # A host path that the operator was not allowed (its name only starts like the allowed one's):
+    # refused in the condition, naming the field and the allowed directory; new pods get no volume.
+    elsewhere = {**spill, "hostPath": HOST_PATH + "-other"}
+    sandbox.apply(workers(sandbox.scheduler_address, "elsewhere"))
+    sandbox.apply(memory_policy("elsewhere", sandbox.scheduler_address, workload="elsewhere", sharedSpill=elsewhere))
+    refusal = ready(sandbox, "elsewhere", shared_spill.READY, "False")
+    assert refusal["reason"] == "HostPathNotAllowed", refusal
+    assert refusal["message"].startswith("spec.sharedSpill.hostPath: "), refusal["message"]
+    assert f"must be one of {HOST_PATH};" in refusal["message"], refusal["message"]
+    sandbox.kubectl("scale", "deployment/elsewhere", "--replicas=1")
+    (pod,) = running_pods(sandbox, "elsewhere", 1)
+    assert pod["metadata"]["annotations"][shared_spill.ANNOTATION] == "Refused: HostPathNotAllowed"
+    assert all(v["name"] != "memops-spill" for v in pod["spec"].get("volumes") or [])
+    assert "affinity" not in pod["spec"], "a refused spill adds no node affinity either"
 
     # A size that cannot fit: the condition names the field, and new pods get the safety net only.
     sandbox.apply(workers(sandbox.scheduler_address, "tight"))

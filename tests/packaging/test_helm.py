@@ -35,6 +35,7 @@ VALUE_SETS = {
     },
     "no-network-policy": {"networkPolicy": {"enabled": False}},
     "shared-spill-node": {"sharedSpill": {"nodeDaemonSet": {"enabled": True, "size": "64g", "mode": "0770"}}},
+    "shared-spill-roots": {"sharedSpill": {"hostRoots": ["/mnt/spill", "/dev/shm/memops"]}},
 }
 
 
@@ -105,6 +106,17 @@ def test_validation_catches_an_unknown_field() -> None:
         pytest.param(
             {"sharedSpill": {"nodeDaemonSet": {"mode": "a+rwx"}}}, "/sharedSpill/nodeDaemonSet/mode", id="spill-mode"
         ),
+        *(
+            pytest.param({"sharedSpill": {"hostRoots": [root]}}, "/sharedSpill/hostRoots/0", id=f"root-{name}")
+            for name, root in (
+                ("under-etc", "/etc/spill"),
+                ("dev-shm", "/dev/shm"),
+                ("kubelet-parent", "/var/lib"),
+                ("dotdot", "/mnt/../etc"),
+                ("trailing-slash", "/mnt/"),
+            )
+        ),
+        pytest.param({"sharedSpill": {"hostRoots": ["/a", "/a"]}}, "/sharedSpill/hostRoots", id="root-twice"),
         pytest.param({"rbac": {"schedulerTLS": "yes"}}, "/rbac/schedulerTLS", id="feature-not-a-boolean"),
         pytest.param(
             {"webhook": {"networkPolicy": {"from": [{"ipBlock": {}}]}}},
@@ -374,3 +386,50 @@ def test_shared_spill_daemonset_is_off_by_default_and_least_privileged_when_on()
     assert main["securityContext"]["readOnlyRootFilesystem"] is True
     assert "volumeMounts" not in main
     assert all(c["resources"]["requests"] for c in (init, main))
+
+
+def _host_roots(values: dict[str, Any]) -> list[str]:
+    pod = manifests.one(manifests.render_chart(values), "Deployment")["spec"]["template"]["spec"]
+    args: list[str] = pod["containers"][0]["args"]
+    return [a.split("=", 1)[1] for a in args if a.startswith("--shared-spill-host-root")]
+
+
+@pytest.mark.parametrize(
+    ("values", "roots"),
+    [
+        # None allowed by default: a MemoryPolicy's medium Node is refused.
+        pytest.param({}, [], id="default"),
+        pytest.param(
+            {"sharedSpill": {"hostRoots": ["/mnt/spill", "/dev/shm/memops"]}},
+            ["/dev/shm/memops", "/mnt/spill"],
+            id="two",
+        ),
+        # The DaemonSet's tmpfs is allowed with it, once.
+        pytest.param({"sharedSpill": {"nodeDaemonSet": {"enabled": True}}}, ["/var/lib/memops/spill"], id="daemonset"),
+        pytest.param(
+            {"sharedSpill": {"nodeDaemonSet": {"enabled": True, "hostPath": "/srv/spill"}, "hostRoots": ["/mnt/a"]}},
+            ["/mnt/a", "/srv/spill"],
+            id="daemonset-path-and-a-root",
+        ),
+        pytest.param(
+            {"sharedSpill": {"nodeDaemonSet": {"enabled": True}, "hostRoots": ["/var/lib/memops/spill"]}},
+            ["/var/lib/memops/spill"],
+            id="daemonset-path-also-listed",
+        ),
+        # Siblings whose names share a prefix are not nested.
+        pytest.param(
+            {"sharedSpill": {"hostRoots": ["/mnt/spill", "/mnt/spill-b"]}},
+            ["/mnt/spill", "/mnt/spill-b"],
+            id="siblings",
+        ),
+    ],
+)
+def test_shared_spill_host_roots_become_the_operators_flags(values: dict[str, Any], roots: list[str]) -> None:
+    assert _host_roots(values) == roots
+
+
+def test_nested_host_roots_fail_the_install() -> None:
+    """The operator would refuse them when it starts: Helm says so first."""
+    values = {"sharedSpill": {"nodeDaemonSet": {"enabled": True}, "hostRoots": ["/var/lib/memops"]}}
+    with pytest.raises(Exception, match="/var/lib/memops/spill lies under /var/lib/memops"):
+        manifests.render_chart(values)

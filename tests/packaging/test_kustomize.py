@@ -129,3 +129,11 @@ def test_shared_spill_component_is_the_charts_daemonset() -> None:
     assert ours["spec"] == theirs["spec"]
     assert (ours["metadata"]["name"], ours["metadata"]["namespace"]) == ("memops-spill", "memops")
     assert manifests.find(manifests.kustomize(BASE), "DaemonSet") == []
+    # The operator may mount the DaemonSet's tmpfs, as the chart allows it with the DaemonSet on.
+    chart = manifests.render_chart({**CERT_MANAGER, "sharedSpill": {"nodeDaemonSet": {"enabled": True}}})
+    for tree in (BASE, NAMESPACED):
+        args = manifests.one(manifests.kustomize_with(tree, ["shared-spill-node"]), "Deployment")["spec"]["template"]
+        args = args["spec"]["containers"][0]["args"]
+        assert args[-1] == "--shared-spill-host-root=/var/lib/memops/spill"
+    base_args = manifests.one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert base_args == manifests.one(chart, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -41,3 +41,14 @@ def test_chart_values_refuses_what_is_not_key_value(setting: str) -> None:
 def test_chart_values_refuses_a_key_under_a_value() -> None:
     with pytest.raises(ValueError, match="set to a value already"):
         install.chart_values(["rbac=1", "rbac.x=2"])
+
+
+def test_the_operator_gets_the_charts_shared_spill_roots() -> None:
+    """``memops sandbox --set sharedSpill.hostRoots=[...]`` allows those host directories, as the
+    chart's Deployment would; by default none."""
+    assert install.operator_flags(install.render_chart()) == []
+    values = install.chart_values(["sharedSpill.hostRoots=[/var/lib/memops/spill, /dev/shm/memops]"])
+    assert install.operator_flags(install.render_chart(values)) == [
+        "--shared-spill-host-root=/dev/shm/memops",
+        "--shared-spill-host-root=/var/lib/memops/spill",
+    ]

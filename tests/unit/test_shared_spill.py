@@ -1,5 +1,6 @@
-"""Shared spill: the schema's refusals, the memory arithmetic, the pod mutation, the QoS class,
-the policy's conditions, and what the webhook's plan_injection does with all of them."""
+"""Shared spill: the schema's refusals, the host directories allowed, the memory arithmetic, the pod
+mutation, the QoS class, the policy's conditions, and what the webhook's plan_injection does with
+all of them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from memops import policy_decisions, safetynet, shared_spill, specs
+from memops import cli, policy_decisions, safetynet, shared_spill, specs
 from tests.unit.test_policy_decisions import _inputs, _spec
 
 GI = 2**30
@@ -20,6 +21,7 @@ def spill(medium: str = "Memory", size: str = "2Gi", **fields: Any) -> specs.Sha
 
 
 NODE = {"hostPath": "/var/lib/memops/spill", "nodeSelector": {"feature.node.kubernetes.io/memory-swap.enabled": "true"}}
+ROOTS = frozenset({"/var/lib/memops/spill"})  # memops run --shared-spill-host-root /var/lib/memops/spill
 
 
 def worker(limit: str | None = "8Gi", *args: str, request: str | None = None, **container: Any) -> dict[str, Any]:
@@ -88,6 +90,82 @@ def test_plain_host_paths_are_accepted(path: str) -> None:
 )
 def test_quantities(text: str, nbytes: int) -> None:
     assert specs.parse_quantity(text) == nbytes
+
+
+# -- the host directories the administrators allowed ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "roots", "refused"),
+    [
+        pytest.param("/mnt/spill", {"/mnt/spill"}, None, id="the-root"),
+        pytest.param("/mnt/spill", {"/mnt/spill/"}, None, id="root-with-trailing-slash"),
+        pytest.param("/mnt/spill", {"/mnt//spill/."}, None, id="root-unnormalised"),
+        pytest.param("/srv/b", {"/srv/a", "/srv/b"}, None, id="one-of-two"),
+        pytest.param("/mnt/spill-other", {"/mnt/spill"}, "must be one of /mnt/spill", id="string-prefix-only"),
+        pytest.param("/mnt/spill", {"/mnt/spill-other"}, "must be one of /mnt/spill-other", id="root-is-longer"),
+        pytest.param("/mnt/spill/tenant", {"/mnt/spill"}, "symbolic link", id="under-a-root"),
+        pytest.param("/mnt", {"/mnt/spill"}, "must be one of /mnt/spill", id="a-roots-parent"),
+        pytest.param("/mnt/Spill", {"/mnt/spill"}, "must be one of", id="case-matters"),
+        pytest.param("/mnt/x/../spill", {"/mnt/spill"}, "must be one of", id="dotdot-never-resolved"),
+        pytest.param("/mnt/spill", set(), "allows no host directory", id="none-allowed"),
+        pytest.param("/mnt/spill", {"mnt/spill"}, "allows no host directory", id="relative-root-ignored"),
+        pytest.param("/mnt/spill", {"/"}, "allows no host directory", id="slash-is-no-root"),
+    ],
+)
+def test_a_host_path_must_be_an_allowed_root(path: str, roots: set[str], refused: str | None) -> None:
+    message = shared_spill.host_path_refusal(path, frozenset(roots))
+    if refused is None:
+        assert message is None
+    else:
+        assert message is not None and refused in message
+        assert message.startswith(f"spec.sharedSpill.hostPath: {path!r}")
+        assert ("symbolic link" in message) == (refused == "symbolic link")
+
+
+@pytest.mark.parametrize(
+    ("texts", "roots"),
+    [
+        pytest.param([], frozenset(), id="none"),
+        pytest.param(["/mnt/spill/", "/mnt//spill"], frozenset({"/mnt/spill"}), id="normalised-once"),
+        pytest.param(["/mnt/spill", "/mnt/spill-other"], frozenset({"/mnt/spill", "/mnt/spill-other"}), id="siblings"),
+        pytest.param(["/dev/shm/memops"], frozenset({"/dev/shm/memops"}), id="dev-shm"),
+    ],
+)
+def test_allowed_roots_are_normalised(texts: list[str], roots: frozenset[str]) -> None:
+    assert shared_spill.host_roots(texts) == roots
+
+
+@pytest.mark.parametrize(
+    ("texts", "message"),
+    [
+        pytest.param(["spill"], "absolute", id="relative"),
+        pytest.param(["/"], "absolute", id="slash"),
+        pytest.param(["/mnt/../etc"], "'..'", id="dotdot"),
+        pytest.param(["/etc/spill"], "could never use it", id="system-directory"),
+        pytest.param(["/var/lib"], "could never use it", id="holds-the-kubelets"),
+        pytest.param(["/mnt/my spill"], "could never use it", id="a-character-hostpath-refuses"),
+        pytest.param(["/mnt", "/mnt/spill"], "lies under '/mnt'", id="nested"),
+    ],
+)
+def test_roots_that_no_policy_could_use_or_that_nest_are_refused(texts: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        shared_spill.host_roots(texts)
+
+
+def test_memops_run_refuses_a_bad_root(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--shared-spill-host-root", "/mnt/spill", "--shared-spill-host-root", "/proc/x"]) == 2
+    assert "--shared-spill-host-root '/proc/x'" in capsys.readouterr().err
+
+
+def test_node_medium_outside_the_roots_gets_no_mutation() -> None:
+    pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
+    for roots in (frozenset(), frozenset({"/var/lib/memops"}), frozenset({"/var/lib/memops/spill-other"})):
+        verdict, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE), host_roots=roots)
+        assert mutation is None and verdict.refusal == shared_spill.Refusal.HOST_PATH_NOT_ALLOWED
+    # Memory needs no host directory: allowed with none.
+    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"), host_roots=frozenset())
+    assert mutation is not None
 
 
 # -- the arithmetic ----------------------------------------------------------------------------
@@ -218,7 +296,7 @@ def test_a_disabled_threshold_stays_as_the_user_has_it() -> None:
 
 def test_memory_medium_gets_a_per_pod_emptydir_and_the_dask_environment() -> None:
     pod_spec = {"containers": [worker("8Gi", env=[{"name": "DASK_TEMPORARY_DIRECTORY", "value": "/tmp"}])]}
-    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"))
+    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"), host_roots=frozenset())
     assert mutation is not None
     shared_spill.apply(pod_spec, mutation)
     assert pod_spec["volumes"] == [
@@ -251,7 +329,7 @@ def test_node_medium_shares_the_host_directory_and_requires_the_selected_nodes()
             }
         },
     }
-    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE))
+    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE), host_roots=ROOTS)
     assert mutation is not None
     shared_spill.apply(pod_spec, mutation)
     # Not a subdirectory per pod: every worker on the node sees the same tree (hand-over by hardlink).
@@ -267,7 +345,7 @@ def test_node_medium_shares_the_host_directory_and_requires_the_selected_nodes()
 
 def test_a_pod_without_affinity_gets_one_term() -> None:
     pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
-    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE))
+    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE), host_roots=ROOTS)
     assert mutation is not None
     shared_spill.apply(pod_spec, mutation)
     terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -321,9 +399,11 @@ def test_qos_class(pod_spec: dict[str, Any], qos: shared_spill.QoS) -> None:
 # -- the policy's conditions ----------------------------------------------------------------------
 
 
-def _conditions(spill_spec: dict[str, Any] | None, template: dict[str, Any] | None) -> dict[str, Any]:
+def _conditions(
+    spill_spec: dict[str, Any] | None, template: dict[str, Any] | None, roots: frozenset[str] = ROOTS
+) -> dict[str, Any]:
     spec = _spec(**({"sharedSpill": spill_spec} if spill_spec is not None else {}))
-    decision = policy_decisions.decide(_inputs(spec, template=template))
+    decision = policy_decisions.decide(_inputs(spec, template=template, host_roots=roots))
     return {c.type: c for c in decision.status.conditions}
 
 
@@ -366,6 +446,21 @@ def _conditions(spill_spec: dict[str, Any] | None, template: dict[str, Any] | No
             ("Unknown", "TemplateUnknown"),
             id="not-read",
         ),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "2Gi", **NODE, "hostPath": "/var/lib/memops/spill-other"},
+            {"containers": [worker("8Gi", request="4Gi")]},
+            ("False", "HostPathNotAllowed"),
+            ("True", "Burstable"),
+            id="node-not-allowed",
+        ),
+        pytest.param(
+            # Refused before the template is needed: the host path alone decides.
+            {"medium": "Node", "sizeLimit": "2Gi", **NODE, "hostPath": "/var/lib/memops/spill/x"},
+            None,
+            ("False", "HostPathNotAllowed"),
+            ("Unknown", "TemplateUnknown"),
+            id="node-not-allowed-not-read",
+        ),
     ],
 )
 def test_the_policy_reports_the_webhooks_verdict(
@@ -383,8 +478,18 @@ def test_the_policy_reports_the_webhooks_verdict(
             assert found[type_].observedGeneration == 3
     if ready == ("False", "DoesNotFit"):
         assert "spec.sharedSpill.sizeLimit" in found[shared_spill.READY].message
+    if ready == ("False", "HostPathNotAllowed"):
+        message = found[shared_spill.READY].message
+        assert message.startswith("spec.sharedSpill.hostPath: ") and "one of /var/lib/memops/spill" in message
     if swappable == ("False", "NotBurstable"):
         assert "Guaranteed" in found[shared_spill.SWAPPABLE].message
+
+
+def test_without_allowed_roots_the_policy_says_how_to_allow_one() -> None:
+    found = _conditions({"medium": "Node", "sizeLimit": "2Gi", **NODE}, {"containers": [worker("8Gi")]}, frozenset())
+    ready = found[shared_spill.READY]
+    assert (ready.status, ready.reason) == ("False", "HostPathNotAllowed")
+    assert "--shared-spill-host-root" in ready.message and "sharedSpill.hostRoots" in ready.message
 
 
 def test_conditions_go_when_the_spill_goes() -> None:
@@ -420,14 +525,38 @@ def test_plan_injection_adds_the_spill_beside_the_safety_net() -> None:
     assert change["annotations"][shared_spill.ANNOTATION] == "Memory"
 
 
-def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only() -> None:
-    spec = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "8Gi"})
-    change = safetynet.plan_injection(_pod(worker("8Gi")), "p", spec)
+@pytest.mark.parametrize(
+    ("spill_spec", "roots", "annotation"),
+    [
+        pytest.param({"medium": "Memory", "sizeLimit": "8Gi"}, ROOTS, "Refused: DoesNotFit", id="does-not-fit"),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "2Gi", **NODE}, frozenset(), "Refused: HostPathNotAllowed", id="no-root"
+        ),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "2Gi", **NODE},
+            frozenset({"/var/lib/memops"}),
+            "Refused: HostPathNotAllowed",
+            id="under-a-root",
+        ),
+    ],
+)
+def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only(
+    spill_spec: dict[str, Any], roots: frozenset[str], annotation: str
+) -> None:
+    spec = _spec(sharedSpill=spill_spec)
+    change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, host_roots=roots)
     container = change["spec"]["containers"][0]
-    assert "volumes" not in change["spec"] and "volumeMounts" not in container
+    assert "volumes" not in change["spec"] and "volumeMounts" not in container and "affinity" not in change["spec"]
     assert not any(e["name"].startswith("DASK_") for e in container["env"])
     assert "preStop" in container["lifecycle"]
-    assert change["annotations"][shared_spill.ANNOTATION] == "Refused: DoesNotFit"
+    assert change["annotations"][shared_spill.ANNOTATION] == annotation
+
+
+def test_plan_injection_mounts_an_allowed_host_path() -> None:
+    spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
+    change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, host_roots=ROOTS)
+    assert change["spec"]["volumes"][0]["hostPath"]["path"] == "/var/lib/memops/spill"
+    assert change["annotations"][shared_spill.ANNOTATION] == "Node"
 
 
 SIDECAR = {"name": "sidecar", "resources": {"requests": {"memory": "64Mi"}, "limits": {"memory": "128Mi"}}}
@@ -465,4 +594,5 @@ def test_the_deployment_index_keeps_what_the_verdict_reads() -> None:
         ):
             full = {"containers": [container, SIDECAR], "initContainers": [{"name": "init", "image": "busybox"}]}
             slim = policy._slim_pod_spec(full)
-            assert shared_spill.condition(spill_spec, slim) == shared_spill.condition(spill_spec, full)
+            verdict = shared_spill.condition(spill_spec, full, host_roots=ROOTS)
+            assert shared_spill.condition(spill_spec, slim, host_roots=ROOTS) == verdict

@@ -112,3 +112,26 @@ tests/packaging/test_rbac.py checks it against the requests the operator really 
   verbs: [get]
 {{- end }}
 {{- end }}
+
+{{/*
+The host directories that shared spill of medium Node may mount (memops run
+--shared-spill-host-root), as a JSON list: sharedSpill.hostRoots, and the DaemonSet's hostPath when
+it is on. One under another fails the install here, as the operator would refuse it when it starts.
+The schema allows only plain paths (no trailing "/", no "." or ".." components), so a prefix that
+ends in "/" compares whole components.
+*/}}
+{{- define "memops.sharedSpillHostRoots" -}}
+{{- $roots := .Values.sharedSpill.hostRoots | default list }}
+{{- if .Values.sharedSpill.nodeDaemonSet.enabled }}
+{{- $roots = append $roots .Values.sharedSpill.nodeDaemonSet.hostPath }}
+{{- end }}
+{{- $roots = $roots | uniq | sortAlpha }}
+{{- range $inner := $roots }}
+{{- range $outer := $roots }}
+{{- if hasPrefix (printf "%s/" $outer) $inner }}
+{{- fail (printf "sharedSpill.hostRoots: %s lies under %s: allow one or the other" $inner $outer) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson $roots }}
+{{- end }}
