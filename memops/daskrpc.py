@@ -56,7 +56,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Collection, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,6 +192,8 @@ async def fetch_snapshot(
     processing: bool | None = None,
     placement_of: Collection[str] = (),
     placement: Collection[Hashable] = (),
+    vouch: Callable[[Sequence[snapshots.WorkerInfo]], Awaitable[bool]] | None = None,
+    drains: bool = False,
 ) -> snapshots.SchedulerSnapshot:
     """The workers and their memory, from one connection.
 
@@ -207,27 +209,55 @@ async def fetch_snapshot(
     sums are done here, in a thread: the same figures, at a cost that grows with the keys, and
     ``who_has`` then covers every key (up to :data:`memops.daskcomm.MAX_MESSAGE_BYTES` of reply).
 
+    ``drains`` also asks memops' agent, on the same connection, for every drain's figures
+    (:func:`drain_status`, in ``drains`` of the snapshot; None where the scheduler does not run
+    the agent). With ``vouch``, the connection stays open while ``vouch`` judges the workers of
+    ``identity`` (the MemoryPolicy's tenancy check): only if it says yes is anything else asked,
+    the agent installed or read; if not, the snapshot holds the workers of ``identity`` alone.
+
     Raises :class:`SchedulerUnreachable`, or :class:`SchedulerMisbehaved` for a reply it refuses.
     """
     processing = keys if processing is None else processing
     summary: Mapping[Any, Any] | None = None
     who_has_raw: Mapping[Any, Any] = {}
     nbytes_raw: Mapping[Any, Any] = {}
+    running: Mapping[Any, Any] = {}
+    drained: dict[str, Any] | None = None
+    vouched = True
+    seen: tuple[snapshots.WorkerInfo, ...] = ()
+    failure: Exception | None = None
     async with _session(address, security, timeout) as comm:
         async with asyncio.timeout(timeout):
             identity = _mapping(address, await comm.call("identity"), "identity")
-            running = _mapping(address, await comm.call("processing"), "processing") if processing else {}
-            if keys:
-                try:
-                    summary = _mapping(
-                        address,
-                        await _agent(comm, "holdings", workers=list(placement_of), keys=list(placement)),
-                        "the agent's holdings",
-                    )
-                except SchedulerRefused as exc:
-                    logger.info("summing holdings from who_has instead: %s", exc)
-                    who_has_raw = _mapping(address, await comm.call("who_has"), "who_has")
-                    nbytes_raw = _mapping(address, await comm.call("nbytes", summary=False), "nbytes")
+        if vouch is not None:
+            seen = _identified(address, identity, {}, {}, keys=False)
+            try:
+                vouched = await vouch(seen)  # outside the timeout: it may ask the API server
+            except Exception as exc:  # raised out of the session, which would blame the scheduler
+                failure, vouched = exc, False
+        if vouched:
+            async with asyncio.timeout(timeout):
+                running = _mapping(address, await comm.call("processing"), "processing") if processing else {}
+                if drains:
+                    try:
+                        drained = _drains(address, await _agent(comm, "drain_status"))
+                    except SchedulerRefused as exc:
+                        logger.info("the drains' status is not read: %s", exc)
+                if keys:
+                    try:
+                        summary = _mapping(
+                            address,
+                            await _agent(comm, "holdings", workers=list(placement_of), keys=list(placement)),
+                            "the agent's holdings",
+                        )
+                    except SchedulerRefused as exc:
+                        logger.info("summing holdings from who_has instead: %s", exc)
+                        who_has_raw = _mapping(address, await comm.call("who_has"), "who_has")
+                        nbytes_raw = _mapping(address, await comm.call("nbytes", summary=False), "nbytes")
+    if failure is not None:
+        raise failure
+    if not vouched:
+        return snapshots.SchedulerSnapshot(workers=seen)
     try:
         if summary is not None:
             figures, who_has, nbytes = _from_summary(summary)
@@ -235,10 +265,29 @@ async def fetch_snapshot(
             # Off the event loop: at a million keys these sums take seconds of Python, and the
             # loop serves the webhook and every other request meanwhile.
             figures, who_has, nbytes = await asyncio.to_thread(_from_who_has, who_has_raw, nbytes_raw)
-        workers = _workers(_mapping(address, identity.get("workers", {}), "identity's workers"), figures, running, keys)
     except (TypeError, ValueError, AttributeError) as exc:
         raise SchedulerMisbehaved(address, f"a reply of the wrong shape: {type(exc).__name__}: {exc}") from exc
-    return snapshots.SchedulerSnapshot(workers=tuple(workers), who_has=who_has, nbytes=nbytes)
+    workers = _identified(address, identity, figures, running, keys=keys)
+    return snapshots.SchedulerSnapshot(workers=workers, who_has=who_has, nbytes=nbytes, drains=drained)
+
+
+def _identified(
+    address: str, identity: Mapping[Any, Any], figures: _Figures, running: Mapping[Any, Any], *, keys: bool
+) -> tuple[snapshots.WorkerInfo, ...]:
+    """The workers of ``identity``, with ``figures`` and ``running``; a reply of the wrong shape
+    raises :class:`SchedulerMisbehaved`."""
+    try:
+        return tuple(
+            _workers(_mapping(address, identity.get("workers", {}), "identity's workers"), figures, running, keys)
+        )
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise SchedulerMisbehaved(address, f"a reply of the wrong shape: {type(exc).__name__}: {exc}") from exc
+
+
+def _drains(address: str, state: Any) -> dict[str, Any]:
+    """The agent's ``drain_status`` reply: a map by worker address. Its entries are hostile
+    input still, each checked where it is read (:func:`memops.safetynet.hook_losses`)."""
+    return {str(a): figures for a, figures in _mapping(address, state, "the agent's drain status").items()}
 
 
 _Figures = dict[str, tuple[int, ...]]

@@ -55,6 +55,15 @@ async def _statuses(comm, name):
     }
 
 
+async def _drained_by_memops(comm, name):
+    # Whether memops' drain is draining this worker now (the operator's RetirementRequest).
+    reply = await comm.call("memops_agent", operation="drain_status", names=[name])
+    states = reply.get("result") if isinstance(reply, dict) else None
+    return isinstance(states, dict) and any(
+        isinstance(state, dict) and state.get("state") == "draining" for state in states.values()
+    )
+
+
 async def _drain_by_memops(comm, name, deadline):
     # memops' drain (the operator's agent in the scheduler): the keys worth most first, off
     # this node, each asked once, stopped at the deadline. Not installed (or an agent without
@@ -93,9 +102,15 @@ async def _main(deadline):
     comm = await connect(os.environ["MEMOPS_SCHEDULER_ADDRESS"], ssl_context=context, timeout=10)
     async with comm:
         statuses = await _statuses(comm, name)
+        if statuses & LEAVING and await _drained_by_memops(comm, name):
+            # memops' drain asked again keeps its drain, and takes this hook's deadline if earlier
+            # and this node as dying: a drain that ran on past the hook's end would be killed.
+            if await _drain_by_memops(comm, name, deadline) is not None:
+                return
+            statuses = await _statuses(comm, name)
         if statuses & LEAVING:
-            # Already being retired (by memops): a second retirement could leave the worker
-            # stuck closing_gracefully, so wait for that one to end instead.
+            # Already being retired (by stock retire_workers): a second retirement could leave the
+            # worker stuck closing_gracefully, so wait for that one to end instead.
             while statuses & LEAVING:
                 await asyncio.sleep(0.5)
                 statuses = await _statuses(comm, name)
@@ -124,7 +139,8 @@ PRE_STOP_SCRIPT = inspect.getsource(daskcomm) + _PRE_STOP_MAIN
 brings (msgpack). It is :mod:`memops.daskcomm`'s source and a short main, so the hook and the
 operator share one client, and the hook never unpickles what the address sends it either.
 Retiring by name finds the worker whatever its address; a worker that memops already retired is
-simply not found, and one that something is retiring right now is waited for, not retired twice."""
+simply not found, and one that something else is retiring right now is waited for, not retired
+twice; one that memops' drain is draining gets this hook's deadline and node in that drain."""
 
 
 def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:

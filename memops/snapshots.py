@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class SchedulerSnapshot:
     who_has: Mapping[Hashable, tuple[str, ...]] = field(default_factory=dict)
     """Who holds which key, for the keys asked for (Dask's keys, as the scheduler names them)."""
     nbytes: Mapping[Hashable, int] = field(default_factory=dict)
+    drains: Mapping[str, Any] | None = None
+    """memops' drains in the scheduler, as its agent reports them (worker address -> figures,
+    hostile input: each entry is checked where it is read), when asked for and answered; else None."""
 
     def by_name(self, name: str) -> WorkerInfo | None:
         return self._by_name.get(name)

@@ -174,9 +174,7 @@ class Policy:
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
         status.safetyNet = await self.safety_net(spec, status.safetyNet)
         if snapshot is not None:  # the namespace's scheduler: what its preStop drains lost
-            status.safetyNet = await hook_losses.read(
-                spec, status.safetyNet, security=self.security, logger=self.logger
-            )
+            status.safetyNet = hook_losses.read(spec, status.safetyNet, snapshot.drains, logger=self.logger)
         current = workloads.replicas_of(workload)
         inputs = policy_decisions.Inputs(
             owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
@@ -286,17 +284,26 @@ class Policy:
                 generation=generation,
             )
             return None
+        verdict = tenancy.Verdict(tenancy.Reason.NO_WORKERS, "not checked")
+
+        async def vouch(workers: Sequence[snapshots.WorkerInfo]) -> bool:
+            nonlocal verdict
+            verdict = await self.verify_tenancy(workers)
+            return verdict.allowed
+
         try:
-            # Identity only (no code sent) until the scheduler is shown to be this namespace's.
+            # One connection a pass. Identity only (no code sent) until the scheduler is shown to
+            # be this namespace's (vouch); then what recycling reads, and the preStop drains'
+            # figures for status.safetyNet (hook_losses), from memops' agent.
             snapshot = await daskrpc.fetch_snapshot(
-                spec.scheduler.address, security=security, keys=False, processing=False, timeout=5
+                spec.scheduler.address,
+                security=security,
+                keys=False,
+                processing=spec.recycle is not None,
+                vouch=vouch,
+                drains=True,
+                timeout=5,
             )
-            verdict = await self.verify_tenancy(snapshot.workers)
-            if verdict.allowed and spec.recycle is not None:
-                snapshot = await daskrpc.fetch_snapshot(
-                    spec.scheduler.address, security=security, keys=False, processing=True, timeout=5
-                )
-                verdict = await self.verify_tenancy(snapshot.workers)
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
             forbidden = isinstance(exc, kube.ApiError) and exc.code == 403
             status.conditions = conditions.set_condition(

@@ -382,8 +382,8 @@ class DrainPlugin(SchedulerPlugin):
             ws = scheduler.workers.get(address)
             known = self.workers.get(address)
             if ws is None or (known is not None and known.state == State.DRAINING):
-                if known is not None:  # asked again (the operator and a preStop hook): the earlier deadline
-                    known.deadline = min(known.deadline, now + deadline)
+                if known is not None:
+                    self._merge(known, now + deadline, node_dying, restore)
                 continue
             previous = ws.status.name
             if previous not in ("running", "paused"):
@@ -406,6 +406,19 @@ class DrainPlugin(SchedulerPlugin):
             )
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self.loop())
+
+    def _merge(self, known: Drained, deadline: float, node_dying: bool, restore: bool) -> None:
+        """A running drain asked for again (the operator's retirement, then a preStop hook or a
+        node drain): the stricter of the two callers wins, whichever came first. The earlier
+        deadline, since a caller whose pod is killed at its own deadline cannot wait for a later
+        one; a node once said to be dying stays so (its keys not yet asked for go off it), since
+        a caller that knows no more than an ordinary retirement cannot bring it back; and a worker
+        whose pod is going (``restore`` false) is not set back to running at the deadline."""
+        known.deadline = min(known.deadline, deadline)
+        known.node_dying = known.node_dying or node_dying
+        known.restore = known.restore and restore
+        if known.node is None:  # the first caller did not say where the worker runs
+            known.node = self.nodes.get(known.address)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -727,7 +740,9 @@ def start(
     spill filesystem takes the spilled keys first, by link. ``close``: close and remove a worker
     once drained. ``restore``: at the deadline, set a worker back to the status it had (so that
     a worker that stays is used again), instead of leaving it ``closing_gracefully`` (its pod is going anyway). A worker
-    already being drained keeps its drain, with the earlier of the two deadlines. ``window``:
+    already being drained keeps its drain, with the earlier of the two deadlines, its node dying
+    and its status left at the deadline if either caller says so, and its first caller's ``close``
+    and ``origin``. ``window``:
     bytes on their way to one recipient at a time (:data:`WINDOW_BYTES`), for every drain.
     ``origin``: who asked, reported back (``preStop``: the safety net's hook, whose losses the
     operator records in the policy's status, as it cannot see them in a RetirementRequest).

@@ -25,6 +25,7 @@ from distributed import Client, Future, LocalCluster
 from distributed.security import Security
 
 from memops import daskrpc, snapshots
+from memops.scheduler import drain
 
 MiB = 2**20
 
@@ -319,3 +320,40 @@ async def test_the_agent_comes_back_after_a_restart_and_replaces_another_version
         assert snapshot.by_address(a).unique_keys == 2  # type: ignore[union-attr]
         assert handlers[agent.NAME](operation="hello") == {"agent": agent.VERSION, "result": {"version": agent.VERSION}}
     assert len(data) == 2  # referenced until here, so the scheduler keeps them
+
+
+async def test_a_snapshot_vouched_for_reads_the_drains_on_its_connection(cluster: LocalCluster, client: Client) -> None:
+    """As a MemoryPolicy's pass reads: ``identity``, then, only if ``vouch`` finds its workers to be
+    the namespace's, memops' agent (installed then) for the drains. Refused: nothing more is asked
+    and nothing is installed. A failure of ``vouch`` itself (the API server's) is raised as it is,
+    not as the scheduler's."""
+    from memops.scheduler import agent
+
+    a, *_ = sorted(cluster.scheduler.workers)
+    address = cluster.scheduler_address
+    judged: list[set[str]] = []
+
+    async def refuse(workers: Any) -> bool:
+        judged.append({w.address for w in workers})
+        return False
+
+    refused = await daskrpc.fetch_snapshot(address, keys=False, processing=True, drains=True, vouch=refuse)
+    assert judged == [set(cluster.scheduler.workers)] and {w.address for w in refused.workers} == judged[0]
+    assert refused.drains is None and agent.NAME not in cluster.scheduler.handlers, "no code sent"
+
+    async def vouch(workers: Any) -> bool:
+        return True
+
+    assert (await daskrpc.fetch_snapshot(address, keys=False, drains=True, vouch=vouch)).drains == {}
+    assert agent.NAME in cluster.scheduler.handlers
+    await daskrpc.start_drain(address, [a], deadline=30, close_workers=False)
+    drained = await daskrpc.fetch_snapshot(address, keys=False, drains=True, vouch=vouch)
+    assert drained.drains is not None and set(drained.drains) == {a}
+    assert drained.drains[a]["state"] in (drain.State.DRAINING, drain.State.DONE)
+
+    async def broken(workers: Any) -> bool:
+        raise TimeoutError("the API server did not answer")
+
+    with pytest.raises(TimeoutError, match="the API server") as raised:
+        await daskrpc.fetch_snapshot(address, keys=False, drains=True, vouch=broken)
+    assert not isinstance(raised.value, daskrpc.SchedulerUnreachable)

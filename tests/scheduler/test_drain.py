@@ -249,3 +249,76 @@ async def test_retire_workers_drains_with_memops_where_the_agent_runs(cluster: t
     total = sum((await received(client)).values(), collections.Counter())
     assert set(total) == set(data) and set(total.values()) == {1}
     assert len(await client.gather(list(data.values()))) == 200
+
+
+def pause(dask_worker: Any) -> None:
+    """Run on a worker: its own memory monitor pauses it within 100 ms (any process is above 1e-9),
+    so the scheduler no longer counts it as running, and a drain gives it nothing."""
+    dask_worker.memory_manager.memory_pause_fraction = 1e-9
+
+
+def resume(dask_worker: Any) -> None:
+    """Run on a worker: its memory monitor resumes it, back under the configured threshold."""
+    dask_worker.memory_manager.memory_pause_fraction = dask.config.get("distributed.worker.memory.pause")
+
+
+async def until(predicate: Any, bound: float = 10) -> None:
+    async with asyncio.timeout(bound):
+        while not predicate():
+            await asyncio.sleep(0.05)
+
+
+async def test_a_node_said_dying_by_any_caller_stays_dying(cluster: tuple[LocalCluster, Client]) -> None:
+    """The operator's ordinary retirement drains a worker (its node stays), then a preStop hook or a
+    node drain says that the node is dying, then an ordinary retirement again: the running drain
+    treats the node as dying from the second call on, whatever the third says, and sends every key
+    not yet asked for off it. The other workers are paused while the callers ask (nothing can be
+    asked for yet); with the first or the last caller's word, the neighbour on the same node would
+    take its share of the keys (as it does while its node stays: the keys spread by headroom)."""
+    local, client = cluster
+    dying, neighbour, far1, far2 = sorted(local.scheduler.workers)
+    nodes = {dying: "n1", neighbour: "n1", far1: "n2", far2: "n3"}
+    others = [neighbour, far1, far2]
+    data = await client.scatter({f"d{i}": b"d" * (256 * 1024) for i in range(60)}, workers=[dying], hash=False)
+    await client.run(pause, workers=others)
+    await until(lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running)
+    address = local.scheduler_address
+    for nodes_dying in (False, True, False):
+        await daskrpc.start_drain(address, [dying], deadline=60, nodes=nodes, nodes_dying=nodes_dying)
+    # All three become recipients in the same pass of the drain (which runs on this event loop):
+    # resumed one by one, the first would take every key alone. The scheduler hears it as from the
+    # workers themselves; they fetch what they are asked once their own monitors resume them.
+    for worker in others:
+        local.scheduler.handle_worker_status_change("running", worker, stimulus_id="test-resume")
+    await client.run(resume, workers=others)
+    state = await until_finished(address, dying)
+    assert state["state"] == drain.State.DONE and state["keysMoved"] == 60
+    counts = await received(client)
+    assert not counts[neighbour], "nothing to the dying node"
+    total = sum(counts.values(), collections.Counter())
+    assert set(total) == set(data) and set(total.values()) == {1}
+    assert await client.gather(list(data.values())) == [b"d" * (256 * 1024)] * 60
+
+
+async def test_the_shorter_deadline_of_two_callers_stops_the_drain(cluster: tuple[LocalCluster, Client]) -> None:
+    """A RetirementRequest's drain (a minute), then a preStop hook's for the same worker (two
+    seconds: the pod is killed at its end), then another caller's of thirty: the running drain
+    stops at the hook's deadline and reports what it could not move. Nothing can move: every
+    other worker is paused."""
+    local, client = cluster
+    dying, *others = sorted(local.scheduler.workers)
+    data = await client.scatter({f"t{i}": b"t" * MiB for i in range(5)}, workers=[dying], hash=False)
+    await client.run(pause, workers=others)
+    await until(lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running)
+    address = local.scheduler_address
+    await daskrpc.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
+    begun = time.monotonic()
+    hook = await daskrpc.start_drain(address, [dying], deadline=2, origin="preStop")
+    later = await daskrpc.start_drain(address, [dying], deadline=30, nodes_dying=False)
+    assert hook[dying]["deadlineIn"] <= 2 and later[dying]["deadlineIn"] <= 2, "the earlier deadline, reported"
+    state = await until_finished(address, dying, bound=20)
+    assert state["state"] == drain.State.DEADLINE and time.monotonic() - begun < 5
+    assert state["lostAtDeadline"]["keys"] == 5 and state["lostAtDeadline"]["cause"] == "deadline"
+    assert state["origin"] == "", "the first caller's drain, shortened"
+    await client.run(resume, workers=others)
+    assert len(await client.gather(list(data.values()))) == 5, "kept: the worker stays"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
+import time
 
 import pytest
 from distributed import Client, LocalCluster
@@ -100,3 +102,36 @@ async def test_the_hook_drains_with_memops_where_the_agent_runs() -> None:
             assert state["asked"] == 100 and 20 < state["deadlineIn"] + state["seconds"] <= 25
             assert leaving not in (await client.scheduler.identity())["workers"]
             assert len(await client.gather(list(futures.values()))) == 100
+
+
+async def test_the_hook_gives_its_deadline_and_node_to_the_operators_running_drain() -> None:
+    """The operator's drain of the worker runs (a RetirementRequest's: a minute, its node staying,
+    the worker set back to running at the deadline), and cannot finish: the worker is frozen, so
+    nothing it holds lands anywhere. Its pod is deleted: the hook finds the worker leaving, by
+    memops' drain, and asks that drain again instead of waiting for it, which then stops at the
+    hook's deadline (3 s), knows the worker's node, and leaves the worker closing_gracefully, as its
+    pod is going. (Before: the hook waited for the drain's own deadline and was killed first.)"""
+    async with LocalCluster(
+        n_workers=3, processes=True, threads_per_worker=1, dashboard_address=None, asynchronous=True
+    ) as local:
+        async with Client(local, asynchronous=True) as client:
+            info = await client.scheduler.identity()
+            leaving, *_ = sorted(info["workers"])
+            name = str(info["workers"][leaving]["name"])
+            futures = await client.scatter({f"k{i}": os.urandom(4096) for i in range(20)}, workers=[leaving])
+            pid = (await client.run(os.getpid, workers=[leaving]))[leaving]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                address = local.scheduler_address
+                await daskrpc.start_drain(address, [leaving], deadline=60, nodes_dying=False, restore=True)
+                begun = time.monotonic()
+                env = {"MEMOPS_NODE_NAME": "node-a", "MEMOPS_DRAIN_DEADLINE": "3"}
+                assert await run_hook(address, name, env) == 0
+                assert time.monotonic() - begun < 6, "the hook's deadline, not the operator's"
+                state = (await daskrpc.drain_status(address))[leaving]
+                assert state["state"] == "deadline" and state["node"] == "node-a"
+                assert state["lostAtDeadline"]["keys"] == 20 and state["origin"] == "", "the operator's drain"
+                assert local.scheduler.workers[leaving].status.name == "closing_gracefully", "not set back"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert len(await client.gather(list(futures.values()))) == 20
