@@ -135,9 +135,10 @@ def assign(
 
     Recipients on nodes other than ``dying_nodes`` (or on no known node) first; those on a dying
     node only when no other has room (headroom: one whose window is full in this pass has room in
-    the next, and the key waits for it rather than go to a node that is going). Among them, each key goes to the one with the most
-    headroom, counting the keys given before it, so that one pass spreads its keys over every
-    recipient with room instead of filling the emptiest one. A recipient's ``window`` bounds
+    the next, and the key waits for it rather than go to a node that is going). Among them, each
+    key goes to the one with the most headroom, counting the keys given before it, so that one
+    pass spreads its keys over every recipient with room instead of filling the emptiest one. A
+    recipient's ``window`` bounds
     what it is given in this pass (a key larger than a whole window still goes to an idle
     recipient, alone); once a window is full, keys that find no room wait for the next pass.
     Unplaced keys: larger than every recipient's headroom (a smaller key after it may still fit).
