@@ -7,6 +7,10 @@ With memops, the safety net's hook drains both off the node within the window an
 lost; with no hook, the node's data is lost. ``bench/preemption_plane.py`` is the larger version,
 with stock ``retire_workers`` from a preStop hook beside them.
 
+Where the keys went is measured, not assumed: each worker logs every key it receives from a peer
+(:mod:`tests.e2e.receipts`), so a key that stopped on the sibling worker of the same dying node on
+its way off it shows, though that worker is gone by the end.
+
 Then what a hook's drain could not move is in the policy's status and metrics, read from memops'
 agent in the scheduler: counted once, however many passes read it.
 """
@@ -28,6 +32,7 @@ from memops_sandbox import common as sandbox_cli
 from prometheus_client.parser import text_string_to_metric_families
 
 from memops import daskrpc
+from tests.e2e import receipts
 from tests.e2e.conftest import SPREAD_OVER_NODES, Sandbox
 
 GRACE = 25
@@ -133,10 +138,26 @@ def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_no
         placed = spread(sandbox, client, hooked=True)
         node = sorted(set(placed.values()))[0]
         pods = sorted(p for p, n in placed.items() if n == node)
+        receipts.install(client, prefixes=[f"{p}-" for p in pods])
+        pod_of = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         seconds, lost = preempt(sandbox, client, pods)
         print(f"memops: the node's workers left {seconds:.1f} s after the deletion, {len(lost)} keys lost")
         assert lost == [], sandbox.operator_log()[-3000:]
         assert seconds < GRACE, "drained and closed within the window, not killed at its end"
+        # Each key straight to a worker of the other node, once: none stopped on the sibling
+        # (whose own hook would have moved it again), none asked twice. The replacement pods'
+        # workers count by their nodes. Here both hooks start together, so the sibling is leaving
+        # and no recipient anyway; the off-node preference for a sibling still running is proven
+        # on real workers in tests/scheduler/test_drain.py.
+        now = sandbox.get("pods", "-l", "app=dask-worker")["items"]
+        node_of = {**placed, **{p["metadata"]["name"]: p["spec"].get("nodeName", "") for p in now}}
+        pod_of |= {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        moved = [f"{p}-{i}" for p in pods for i in range(SIZE // KEY)]
+        landing = receipts.landing(client, moved, {a: node_of.get(p, node) for a, p in pod_of.items()}, dying=node)
+        print(f"memops: the preempted node's keys: {landing.line()}")
+        assert landing.on_dying == {}, f"keys received on the dying node: {landing.line()}"
+        assert landing.unreceived == [] and landing.repeated == {}, landing
+        assert landing.per_key == 1.0
         drains = asyncio.run(daskrpc.drain_status(sandbox.scheduler_address))
         hooks = {d["name"]: d for d in drains.values() if d.get("origin") == "preStop"}
         assert set(hooks) == set(pods) and all(d["state"] == "done" for d in hooks.values()), drains
