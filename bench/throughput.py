@@ -58,7 +58,7 @@ import benchkit
 import cloudpickle
 import distributed
 import yaml
-from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from memops import daskrpc
 
@@ -125,6 +125,32 @@ class TransferClock(WorkerPlugin):
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         if finish in ("flight", "memory") and str(key).startswith("tp-"):
             self.events.append((time.time(), str(key), finish))
+
+
+class RemovalClock(SchedulerPlugin):
+    """Records, in the scheduler, when each worker was removed: the moment its data is safe
+    elsewhere and its pod may go, whoever retired it (stock, memops' drain, the operator)."""
+
+    name = "memops-bench-removal-clock"
+
+    def __init__(self) -> None:
+        self.removed: dict[str, float] = {}
+
+    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+        self.removed[worker] = time.time()
+
+
+def _removed(dask_scheduler: Any = None) -> dict[str, float]:
+    return dict(dask_scheduler.plugins[RemovalClock.name].removed)
+
+
+def removed(client: distributed.Client, addresses: Sequence[str], since: float) -> float:
+    """Seconds from ``since`` to the last of ``addresses`` removed from the scheduler."""
+    times: dict[str, float] = client.run_on_scheduler(_removed)
+    missing = [a for a in addresses if a not in times]
+    if missing:
+        raise RuntimeError(f"the scheduler did not remove {missing}")
+    return max(times[a] for a in addresses) - since
 
 
 def _take_events(dask_worker: Any = None) -> list[tuple[float, str, str]]:
@@ -233,16 +259,19 @@ class Phases:
     stock_first: float = 0.0  # call -> first byte in flight
     stock_drain: float = 0.0  # first byte -> last key in memory
     stock_return: float = 0.0  # call -> retire_workers returned (worker closed and removed)
+    stock_closed: float = 0.0  # call -> the last retired worker removed from the scheduler (scheduler's clock)
     memops_first: float = 0.0  # kubectl apply -> first byte in flight
     memops_drain: float = 0.0
     memops_succeeded: float = 0.0  # kubectl apply -> phase Succeeded (pods gone)
+    memops_closed: float = 0.0  # kubectl apply -> the last retired worker removed from the scheduler
     stock_cpu: float = 0.0  # CPU seconds of the API server, kubelet and operator from the call to its return
     memops_cpu: float = 0.0  # the same, from kubectl apply to Succeeded (kubectl itself not counted)
     stock_received: int = 0  # keys that landed on a recipient: more than the keys when some moved twice
     memops_received: int = 0
     drain_first: float = 0.0  # memops' drain, started at the scheduler: call -> first byte in flight
     drain_drain: float = 0.0
-    drain_return: float = 0.0  # call -> every drained worker closed and removed
+    drain_return: float = 0.0  # call -> the status poll saw every drained worker closed and removed
+    drain_closed: float = 0.0  # call -> the last drained worker removed from the scheduler
     drain_received: int = 0
 
 
@@ -253,6 +282,7 @@ class Timed:
     first: float  # call -> first byte in flight
     drain: float  # first byte -> last key in memory
     returned: float  # call -> the call returned
+    closed: float  # call -> the last retired worker removed from the scheduler
     received: int
     cpu: float
 
@@ -297,6 +327,7 @@ class Bench:
             phases.memops_first, phases.memops_drain = second.stock_first, second.stock_drain
             phases.memops_succeeded, phases.memops_cpu = second.stock_return, second.stock_cpu
             phases.memops_received = second.stock_received
+            phases.memops_closed = second.stock_closed
         elif run % 2:
             self.memops(scenario, run, phases)
             self.stock(scenario, run, phases)
@@ -328,6 +359,7 @@ class Bench:
 
         timed = self.retire_directly(scenario, f"tp-{run}-stock", retire)
         phases.stock_first, phases.stock_drain, phases.stock_return = timed.first, timed.drain, timed.returned
+        phases.stock_closed = timed.closed
         phases.stock_received, phases.stock_cpu = timed.received, timed.cpu
 
     def drain(self, scenario: Scenario, run: int, phases: Phases) -> None:
@@ -343,6 +375,7 @@ class Bench:
 
         timed = self.retire_directly(scenario, f"tp-{run}-drain", retire, before=install)
         phases.drain_first, phases.drain_drain, phases.drain_return = timed.first, timed.drain, timed.returned
+        phases.drain_closed = timed.closed
         phases.drain_received = timed.received
 
     def retire_directly(
@@ -370,12 +403,20 @@ class Bench:
         returned = time.time()
         cpu = self.box.control_plane_cpu() - cpu
         first, last, received = transfers(client, started, tag)
+        closed = removed(client, addresses, started)
         check_kept(client, data, addresses)
         del data, ballast
         benchkit.kubectl(self.box.env, "delete", "pod", *retiring, "--wait=false")
         wait_workers(client, WORKERS, gone=retiring)
         time.sleep(0.5)
-        return Timed(first=first - started, drain=last - first, returned=returned - started, received=received, cpu=cpu)
+        return Timed(
+            first=first - started,
+            drain=last - first,
+            returned=returned - started,
+            closed=closed,
+            received=received,
+            cpu=cpu,
+        )
 
     def memops(self, scenario: Scenario, run: int, phases: Phases) -> None:
         """One RetirementRequest through kubectl; the operator calls the same ``retire_workers``."""
@@ -411,6 +452,7 @@ class Bench:
         first, last, phases.memops_received = transfers(client, applied, tag)
         phases.memops_first, phases.memops_drain = first - applied, last - first
         phases.memops_succeeded = succeeded - applied
+        phases.memops_closed = removed(client, addresses, applied)
         check_kept(client, data, addresses)
         del data, ballast
         benchkit.kubectl(self.box.env, "scale", "deployment/dask-worker", f"--replicas={WORKERS}")
@@ -475,6 +517,7 @@ def start(client: distributed.Client) -> None:
     if module.__name__ != "__main__":  # not importable on the workers: send it by value
         cloudpickle.register_pickle_by_value(module)
     client.register_plugin(TransferClock())
+    client.register_plugin(RemovalClock())
 
 
 def sandbox_memory(scenarios: Sequence[Scenario]) -> str:
@@ -597,6 +640,34 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
     headers = ["scenario", "TCP GiB/s", "raw GiB/s", "stock GiB/s", "memops GiB/s", "drain GiB/s", "stock/raw"]
     headers += ["memops/raw", "drain/raw", "memops/stock", "drain/stock"]
     headers += ["memops/stock, runs' range", "drain/stock, runs' range", "stock/TCP", "drain/TCP"]
+    print(markdown(headers, rows))
+    print("\nRetired: from the call (stock, drain) or kubectl apply (memops) to the last retired worker removed from")
+    print("the scheduler (its data safe elsewhere, its pod free to go), on the scheduler's clock; the rate is the")
+    print("bytes moved over that time, what a user waiting on a scale-down or a preStop hook sees.\n")
+    rows = []
+    for scenario, phases in results.items():
+        moved = scenario.keys * scenario.key_size * scenario.retiring / GIB
+        has_drain = bool(phases[0].drain_closed)
+        rows.append(
+            [
+                scenario.label,
+                f"{median(p.stock_closed for p in phases):.3f}",
+                f"{median(p.memops_closed for p in phases):.3f}",
+                f"{median(p.drain_closed for p in phases):.3f}" if has_drain else "-",
+                f"{median(moved / p.stock_closed for p in phases):.2f}",
+                f"{median(moved / p.memops_closed for p in phases):.2f}",
+                f"{median(moved / p.drain_closed for p in phases):.2f}" if has_drain else "-",
+                f"{median(p.stock_closed / p.memops_closed for p in phases):.2f}",
+                f"{median(p.stock_closed / p.drain_closed for p in phases):.2f}" if has_drain else "-",
+                f"{min(p.stock_closed / p.drain_closed for p in phases):.2f}"
+                f" to {max(p.stock_closed / p.drain_closed for p in phases):.2f}"
+                if has_drain
+                else "-",
+                f"{median(p.tcp / p.drain_closed for p in phases):.2f}" if has_drain else "-",
+            ]
+        )
+    headers = ["scenario", "stock: retired s", "memops: retired s", "drain: retired s", "stock GiB/s"]
+    headers += ["memops GiB/s", "drain GiB/s", "memops/stock", "drain/stock", "drain/stock, runs' range", "drain/TCP"]
     print(markdown(headers, rows))
     print(
         "\nEnd to end, seconds (median): from the call (stock) or kubectl apply (memops) to the first byte in flight,"

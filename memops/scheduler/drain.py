@@ -35,6 +35,7 @@ whose ``drain`` and ``drain_status`` operations call :func:`start` and :func:`st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import heapq
 import logging
@@ -44,6 +45,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+import dask.config
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -59,14 +61,17 @@ keys worth most land first even when all are asked at once; the window only boun
 committed to one recipient before it shows that it takes them (a smaller one costs throughput:
 each key that lands frees room a pass later)."""
 INTERVAL = 0.02
-"""Seconds between two passes that changed something: what a pass costs is the keys on their way,
-a few thousand at most."""
-QUIET_INTERVAL = 0.2
-"""After passes that changed nothing (none asked for, no drain ended or found new keys), the
-interval doubles up to this. Keys landing do not count: a pass reads every copy on its way, and at
-50 passes a second over thousands of 1 MiB keys the scheduler's process takes CPU that the
-workers' transfers need on a small machine, while the recipients have a window's worth queued.
-What it delays is noticing the last keys land (the worker's close), by at most this much."""
+"""Seconds between two passes, at least: what a pass costs is the keys on their way, a few
+thousand at most."""
+SHARE = 0.05
+"""At most this share of the scheduler's time goes to the drain loop: after a pass that took t
+seconds, the next waits at least t / SHARE. A pass reads every copy on its way, and passes at
+:data:`INTERVAL` over thousands of 1 MiB keys would take CPU that the workers' transfers need on
+a small machine (while the recipients have a window's worth queued); as the copies land, passes
+get cheaper and closer together, so that the last key landing (the worker's close) is noticed
+within about :data:`INTERVAL`, not a fixed back-off later."""
+MAX_INTERVAL = 0.5
+"""Seconds between two passes, at most (a pass over very many keys)."""
 REFILL = 0.5
 """A recipient is given more keys once at most this share of its window is on its way: windows are
 refilled in large steps, not by a few keys after every pass (each ask is a pass at the short
@@ -114,6 +119,8 @@ class Recipient:
     headroom: int  # bytes it can still take (memory limit minus memory and what is coming)
     window: int  # bytes that may still be sent its way now (the window minus what is on its way)
     group: str | None = None  # its spill filesystem (:func:`handover.group`)
+    room: int | None = None  # bytes it can take before its memory reaches its target (None: its headroom)
+    queued: int = 0  # bytes on their way to it already
 
 
 def value(key: Key) -> tuple[int, float, int, str]:
@@ -136,12 +143,15 @@ def assign(
     Recipients on nodes other than ``dying_nodes`` (or on no known node) first; those on a dying
     node only when no other has room (headroom: one whose window is full in this pass has room in
     the next, and the key waits for it rather than go to a node that is going). Among them, each
-    key goes to the one with the most headroom, counting the keys given before it, so that one
-    pass spreads its keys over every recipient with room instead of filling the emptiest one. A
-    recipient's ``window`` bounds
-    what it is given in this pass (a key larger than a whole window still goes to an idle
-    recipient, alone); once a window is full, keys that find no room wait for the next pass.
-    Unplaced keys: larger than every recipient's headroom (a smaller key after it may still fit).
+    key goes to the one with the fewest bytes on their way to it (``queued``, counting the keys
+    given before it) that has ``room`` for it below its memory target, so that every recipient
+    fetches an equal share and they finish together: a recipient gathers from one sender one
+    message at a time, and the drain lasts as long as the busiest one's share (an even split over
+    three recipients drained 1 GiB in 0.84x the time of a 22/22/56% one). Once no recipient has
+    room below its target, the one with the most headroom takes the key. A recipient's
+    ``window`` bounds what it is given in this pass (a key larger than a whole window still goes
+    to an idle recipient, alone); once a window is full, keys that find no room wait for the next
+    pass. Unplaced keys: larger than every recipient's headroom (a smaller key after it may still fit).
 
     A key with a ``group`` (spilled where these recipients' spill directories are) goes first to
     a recipient of that group off the dying nodes, the one given the fewest such keys: a link
@@ -153,40 +163,109 @@ def assign(
         if r.group is not None and not (r.node is not None and r.node in dying_nodes):
             local[r.group].append(r.name)
     linked: defaultdict[str, int] = defaultdict(int)
-    tiers: list[list[tuple[int, str, int]]] = [[], []]
+    tiers = (_Tier(window), _Tier(window))
     for r in recipients:
-        same_node = r.node is not None and r.node in dying_nodes
-        # (-headroom, name, window left): a heap on headroom, the largest first.
-        tiers[1 if same_node else 0].append((-r.headroom, r.name, r.window))
-    for heap in tiers:
-        heapq.heapify(heap)
+        tiers[1 if r.node is not None and r.node in dying_nodes else 0].add(r)
     chosen: list[tuple[str, str]] = []
     unplaced: list[str] = []
-    full = False  # some recipient's window is full: keys that find no room may wait for the next pass
-    waiting = [False, False]  # by tier: a recipient with room whose window is full in this pass
     for key in keys:
-        placed = False
         if key.group is not None and local.get(key.group):
             name = min(local[key.group], key=lambda n: (linked[n], n))
             linked[name] += 1
             chosen.append((key.key, name))
             continue
-        for tier, heap in enumerate(tiers):
-            while heap and heap[0][0] + key.nbytes <= 0:  # the roomiest one of this tier has room
-                minus_room, name, left = heap[0]
-                if left < key.nbytes and left < window:
-                    heapq.heappop(heap)  # its window is full: it takes nothing more in this pass
-                    full = waiting[tier] = True
-                    continue
-                chosen.append((key.key, name))
-                heapq.heapreplace(heap, (minus_room + key.nbytes, name, left - key.nbytes))
-                placed = True
+        placed = None
+        for tier in tiers:
+            placed = tier.pick(key.nbytes)
+            if placed is not None:
+                tier.take(placed, key.nbytes)
+                chosen.append((key.key, placed))
                 break
-            if placed or waiting[tier]:
+            if tier.waiting:  # a recipient here has room in the next pass: not to the next tier
                 break
-        if not placed and not full:
+        if placed is None and not any(t.waiting for t in tiers):
             unplaced.append(key.key)
     return chosen, unplaced
+
+
+class _Tier:
+    """The recipients of one tier of :func:`assign`, as it gives them keys: two heaps over the same
+    recipients, the fewest bytes queued first (among those with room below their target) and the
+    most headroom first, whose entries a recipient's later state makes stale (``version``)."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.state: dict[str, list[int]] = {}  # name -> [queued, headroom, room, window left, version]
+        self.balanced: list[tuple[int, int, str, int]] = []  # (queued, -headroom, name, version)
+        self.roomiest: list[tuple[int, str, int]] = []  # (-headroom, name, version)
+        self.waiting = False  # a recipient with room whose window is full in this pass
+
+    def add(self, r: Recipient) -> None:
+        room = r.headroom if r.room is None else min(r.room, r.headroom)
+        self.state[r.name] = [r.queued, r.headroom, room, r.window, 0]
+        self._push(r.name)
+
+    def _push(self, name: str) -> None:
+        queued, headroom, room, _, version = self.state[name]
+        if room > 0:
+            heapq.heappush(self.balanced, (queued, -headroom, name, version))
+        heapq.heappush(self.roomiest, (-headroom, name, version))
+
+    def _full(self, name: str, nbytes: int) -> bool:
+        left = self.state[name][3]
+        if left < nbytes and left < self.window:
+            self.state[name][4] = -1  # its entries are stale: it takes nothing more in this pass
+            self.waiting = True
+            return True
+        return False
+
+    def pick(self, nbytes: int) -> str | None:
+        """The recipient for a key of ``nbytes``, or None when none in this tier takes it now."""
+        while self.balanced:
+            _, _, name, version = self.balanced[0]
+            state = self.state[name]
+            if version != state[4] or state[2] < nbytes or self._full(name, nbytes):
+                # Stale, or no room for it below its target (not balanced further in this pass).
+                heapq.heappop(self.balanced)
+                continue
+            return name
+        while self.roomiest:
+            _, name, version = self.roomiest[0]
+            state = self.state[name]
+            if version != state[4]:
+                heapq.heappop(self.roomiest)
+                continue
+            if state[1] < nbytes:
+                return None  # the roomiest has no room: none has
+            if self._full(name, nbytes):
+                heapq.heappop(self.roomiest)
+                continue
+            return name
+        return None
+
+    def take(self, name: str, nbytes: int) -> None:
+        state = self.state[name]
+        state[0] += nbytes
+        state[1] -= nbytes
+        state[2] -= nbytes
+        state[3] -= nbytes
+        state[4] += 1
+        self._push(name)
+
+
+def target_fraction() -> float:
+    """The share of a worker's memory limit below which it keeps its data in memory: Dask's
+    ``distributed.worker.memory.target`` (where it starts spilling), else ``spill``, else 1."""
+    for name in ("target", "spill"):
+        value = dask.config.get(f"distributed.worker.memory.{name}", False)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
+            return float(value)
+    return 1.0
+
+
+def pace(seconds: float) -> float:
+    """Seconds to wait after a pass that took ``seconds`` (see :data:`SHARE`)."""
+    return min(max(INTERVAL, seconds / SHARE), MAX_INTERVAL)
 
 
 @dataclasses.dataclass
@@ -277,6 +356,9 @@ class DrainPlugin(SchedulerPlugin):
         self.identities: dict[str, dict[str, Any]] = {}  # worker address -> its spill identity
         self.links: set[asyncio.Task[None]] = set()
         self.identifying: asyncio.Task[None] | None = None
+        # Set when a pass should not wait for its pace: a drain added, or a hand-over answer in
+        # (the drains held for it go on at once).
+        self.wake = asyncio.Event()
 
     async def close(self) -> None:
         if self.task is not None:
@@ -295,6 +377,7 @@ class DrainPlugin(SchedulerPlugin):
             except Exception:  # a worker that refuses the plugin: no hand-over, the drain goes on
                 logger.exception("memops hand-over: the worker plugin could not be installed")
                 self.handover = False
+                self.wake.set()
                 return
             self.installed = True
         for gone in set(self.identities) - set(scheduler.workers):
@@ -303,6 +386,7 @@ class DrainPlugin(SchedulerPlugin):
         if fresh:
             found = await asyncio.gather(*(handover.identify(scheduler, a) for a in fresh))
             self.identities.update(zip(fresh, found, strict=True))
+        self.wake.set()
 
     def _group(self, address: str) -> str | None:
         return handover.group(self.identities.get(address)) if self.handover else None
@@ -344,6 +428,7 @@ class DrainPlugin(SchedulerPlugin):
         else:
             drained.spilled = set()
         drained.spill_known = True
+        self.wake.set()
 
     async def _link(self, source: str, target: str, keys: list[Any]) -> None:
         """Hand ``keys`` over from ``source`` to ``target`` by link; the rest by the normal transfer."""
@@ -405,6 +490,7 @@ class DrainPlugin(SchedulerPlugin):
             scheduler.stream_comms[address].send(
                 {"op": "worker-status-change", "status": "closing_gracefully", "stimulus_id": stimulus_id}
             )
+        self.wake.set()
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self.loop())
 
@@ -424,15 +510,15 @@ class DrainPlugin(SchedulerPlugin):
     # -- the loop ------------------------------------------------------------------------------
 
     async def loop(self) -> None:
-        interval = INTERVAL
         while any(d.state == State.DRAINING for d in self.workers.values()):
-            changed = True
+            self.wake.clear()
+            began = time.perf_counter()
             try:
-                changed = await self.step()
+                await self.step()
             except Exception:  # a pass that failed is tried again; the scheduler must go on
                 logger.exception("memops drain pass failed")
-            interval = INTERVAL if changed else min(interval * 2, QUIET_INTERVAL)
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), pace(time.perf_counter() - began))
 
     def _safe(self, ts: Any, draining: AbstractSet[Any]) -> bool:
         """Held by a worker that is not being drained (or forgotten: nothing to move)."""
@@ -440,13 +526,10 @@ class DrainPlugin(SchedulerPlugin):
         # per status poll, on the scheduler's event loop.
         return ts is None or not ts.who_has or not ts.who_has <= draining
 
-    async def step(self) -> bool:
-        """One pass; whether it changed anything (a copy landed or was given up, a key was asked
-        for, a drain ended or found new keys)."""
+    async def step(self) -> None:
+        """One pass: copies landed or given up, keys asked for, drains ended."""
         scheduler = self.scheduler
         now = time.monotonic()
-        before = sum(len(d.order) for d in self.workers.values())
-        states = [d.state for d in self.workers.values()]
         active = {a: d for a, d in self.workers.items() if d.state == State.DRAINING}
         draining_ws = {scheduler.workers[a] for a in active if a in scheduler.workers}
         # Every worker drained, or in any other way leaving, holds no safe copy.
@@ -485,6 +568,7 @@ class DrainPlugin(SchedulerPlugin):
             from_source[copy.source] += 1
         # Recipients: running, not drained, with headroom.
         recipients = []
+        target = target_fraction()
         for ws in scheduler.running:
             if ws in draining_ws:
                 continue
@@ -498,6 +582,8 @@ class DrainPlugin(SchedulerPlugin):
                     (limit - used) if limit else UNLIMITED,
                     self.window - on_way[ws.address] if refill else 0,
                     self._group(ws.address),
+                    room=int(limit * target) - used if limit else UNLIMITED,
+                    queued=on_way[ws.address],
                 )
             )
         groups = {r.group for r in recipients if r.group is not None}
@@ -569,7 +655,13 @@ class DrainPlugin(SchedulerPlugin):
             drained.order = [k for k in kept if k not in chosen_keys] + drained.order[index:]
             # The next worker's keys see these recipients' new headroom and windows.
             recipients = [
-                dataclasses.replace(r, headroom=r.headroom - taken[r.name], window=r.window - taken[r.name])
+                dataclasses.replace(
+                    r,
+                    headroom=r.headroom - taken[r.name],
+                    window=r.window - taken[r.name],
+                    room=None if r.room is None else r.room - taken[r.name],
+                    queued=r.queued + taken[r.name],
+                )
                 for r in recipients
             ]
         stimulus_id = f"memops-drain-{time.time()}"
@@ -579,8 +671,6 @@ class DrainPlugin(SchedulerPlugin):
             task = asyncio.get_running_loop().create_task(self._link(source, target, keys))
             self.links.add(task)
             task.add_done_callback(self.links.discard)
-        after = sum(len(d.order) for d in self.workers.values())
-        return bool(batches) or bool(links) or after != before or [d.state for d in self.workers.values()] != states
 
     def _drained(self, ws: Any, draining: AbstractSet[Any]) -> bool:
         return all(self._safe(ts, draining) for ts in ws.has_what)

@@ -62,9 +62,14 @@ def test_rank(keys: list[drain.Key], expected: list[str]) -> None:
 
 
 def recipient(
-    name: str, node: str | None, headroom: int = 100 * MiB, window: int = drain.WINDOW_BYTES
+    name: str,
+    node: str | None,
+    headroom: int = 100 * MiB,
+    window: int = drain.WINDOW_BYTES,
+    room: int | None = None,
+    queued: int = 0,
 ) -> drain.Recipient:
-    return drain.Recipient(name, node, headroom, window)
+    return drain.Recipient(name, node, headroom, window, room=room, queued=queued)
 
 
 @pytest.mark.parametrize(
@@ -83,6 +88,27 @@ def recipient(
             [("k1", "y"), ("k2", "x"), ("k3", "y")],
             [],
             id="by-headroom-counting-what-it-was-given",
+        ),
+        pytest.param(
+            [key("k1"), key("k2"), key("k3"), key("k4")],
+            [recipient("x", "n2", headroom=1000 * MiB, room=500 * MiB), recipient("y", "n3", room=50 * MiB)],
+            [("k1", "x"), ("k2", "y"), ("k3", "x"), ("k4", "y")],
+            [],
+            id="equal-shares-below-the-target-whatever-the-headroom",
+        ),
+        pytest.param(
+            [key("k1"), key("k2"), key("k3")],
+            [recipient("x", "n2", queued=2 * MiB), recipient("y", "n3", headroom=99 * MiB)],
+            [("k1", "y"), ("k2", "y"), ("k3", "x")],
+            [],
+            id="bytes-already-on-their-way-count",
+        ),
+        pytest.param(
+            [key("k1"), key("k2"), key("k3")],
+            [recipient("x", "n2", headroom=10 * MiB, room=MiB), recipient("y", "n3", headroom=50 * MiB, room=0)],
+            [("k1", "x"), ("k2", "y"), ("k3", "y")],
+            [],
+            id="above-its-target-the-most-headroom-takes-it",
         ),
         pytest.param(
             [key("k1"), key("k2")],
