@@ -230,19 +230,22 @@ def drain_window(events: dict[str, list[tuple[float, str, str]]], since: float, 
     return min(flights), max(landed)
 
 
-def transfers(client: distributed.Client, since: float, prefix: str) -> tuple[float, float, int]:
-    """(first key of ``prefix`` in flight, last one in memory, keys received) after ``since``.
+def transfers(client: distributed.Client, since: float, prefix: str) -> tuple[float, float, int, float]:
+    """(first key of ``prefix`` in flight, last one in memory, keys received, the busiest
+    recipient's share of them) after ``since``.
 
     Keys received counts every landing: more than the keys moved when the AMM asked two workers
     for the same key (each cycle re-suggests a replica for every key still unique, including keys
-    already on their way to a recipient).
+    already on their way to a recipient). The busiest recipient's share: a recipient gathers from
+    one sender one message at a time, so the drain lasts about as long as its share takes.
     """
     events = collect(client)
     first, last = drain_window(events, since, prefix)
-    landed = sum(
-        1 for evs in events.values() for t, k, f in evs if t >= since and f == "memory" and k.startswith(prefix)
-    )
-    return first, last, landed
+    by_worker = [
+        sum(1 for t, k, f in evs if t >= since and f == "memory" and k.startswith(prefix)) for evs in events.values()
+    ]
+    landed = sum(by_worker)
+    return first, last, landed, max(by_worker) / max(landed, 1)
 
 
 def collect(client: distributed.Client) -> dict[str, list[tuple[float, str, str]]]:
@@ -268,6 +271,9 @@ class Phases:
     memops_cpu: float = 0.0  # the same, from kubectl apply to Succeeded (kubectl itself not counted)
     stock_received: int = 0  # keys that landed on a recipient: more than the keys when some moved twice
     memops_received: int = 0
+    stock_busiest: float = 0.0  # the share of the keys received that the busiest recipient received
+    memops_busiest: float = 0.0
+    drain_busiest: float = 0.0
     drain_first: float = 0.0  # memops' drain, started at the scheduler: call -> first byte in flight
     drain_drain: float = 0.0
     drain_return: float = 0.0  # call -> the status poll saw every drained worker closed and removed
@@ -285,6 +291,7 @@ class Timed:
     closed: float  # call -> the last retired worker removed from the scheduler
     received: int
     cpu: float
+    busiest: float
 
 
 class Bench:
@@ -327,7 +334,7 @@ class Bench:
             phases.memops_first, phases.memops_drain = second.stock_first, second.stock_drain
             phases.memops_succeeded, phases.memops_cpu = second.stock_return, second.stock_cpu
             phases.memops_received = second.stock_received
-            phases.memops_closed = second.stock_closed
+            phases.memops_closed, phases.memops_busiest = second.stock_closed, second.stock_busiest
         elif run % 2:
             self.memops(scenario, run, phases)
             self.stock(scenario, run, phases)
@@ -359,7 +366,7 @@ class Bench:
 
         timed = self.retire_directly(scenario, f"tp-{run}-stock", retire)
         phases.stock_first, phases.stock_drain, phases.stock_return = timed.first, timed.drain, timed.returned
-        phases.stock_closed = timed.closed
+        phases.stock_closed, phases.stock_busiest = timed.closed, timed.busiest
         phases.stock_received, phases.stock_cpu = timed.received, timed.cpu
 
     def drain(self, scenario: Scenario, run: int, phases: Phases) -> None:
@@ -375,7 +382,7 @@ class Bench:
 
         timed = self.retire_directly(scenario, f"tp-{run}-drain", retire, before=install)
         phases.drain_first, phases.drain_drain, phases.drain_return = timed.first, timed.drain, timed.returned
-        phases.drain_closed = timed.closed
+        phases.drain_closed, phases.drain_busiest = timed.closed, timed.busiest
         phases.drain_received = timed.received
 
     def retire_directly(
@@ -402,7 +409,7 @@ class Bench:
         retire(addresses)
         returned = time.time()
         cpu = self.box.control_plane_cpu() - cpu
-        first, last, received = transfers(client, started, tag)
+        first, last, received, busiest = transfers(client, started, tag)
         closed = removed(client, addresses, started)
         check_kept(client, data, addresses)
         del data, ballast
@@ -416,6 +423,7 @@ class Bench:
             closed=closed,
             received=received,
             cpu=cpu,
+            busiest=busiest,
         )
 
     def memops(self, scenario: Scenario, run: int, phases: Phases) -> None:
@@ -449,7 +457,7 @@ class Bench:
         assert status["phase"] == "Succeeded", status
         chosen = sorted(w["pod"] for w in status.get("workers", []))
         assert chosen == sorted(retiring), f"memops chose {chosen}, the loaded workers are {retiring}"
-        first, last, phases.memops_received = transfers(client, applied, tag)
+        first, last, phases.memops_received, phases.memops_busiest = transfers(client, applied, tag)
         phases.memops_first, phases.memops_drain = first - applied, last - first
         phases.memops_succeeded = succeeded - applied
         phases.memops_closed = removed(client, addresses, applied)
@@ -664,10 +672,13 @@ def print_tables(results: dict[Scenario, list[Phases]], runs: int) -> None:
                 if has_drain
                 else "-",
                 f"{median(p.tcp / p.drain_closed for p in phases):.2f}" if has_drain else "-",
+                f"{median(p.stock_busiest for p in phases):.2f} / {median(p.memops_busiest for p in phases):.2f}"
+                f" / {median(p.drain_busiest for p in phases):.2f}",
             ]
         )
     headers = ["scenario", "stock: retired s", "memops: retired s", "drain: retired s", "stock GiB/s"]
     headers += ["memops GiB/s", "drain GiB/s", "memops/stock", "drain/stock", "drain/stock, runs' range", "drain/TCP"]
+    headers += ["busiest recipient's share: stock / memops / drain"]
     print(markdown(headers, rows))
     print(
         "\nEnd to end, seconds (median): from the call (stock) or kubectl apply (memops) to the first byte in flight,"

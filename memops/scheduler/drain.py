@@ -12,15 +12,16 @@ what it must control is what the AMM does not let a policy control: *when* a key
 again (the manager forgets a suggestion after the cycle that made it), *how many* bytes are on
 their way at once (so that, under a deadline, the keys worth most move first rather than in the
 order the recipients happen to fetch them), and *which* recipient takes a key (all the
-recipients of one pass, spread by headroom). It issues ``acquire-replicas`` through the
+recipients of one pass, in equal shares). It issues ``acquire-replicas`` through the
 scheduler's own ``request_acquire_replicas``, exactly what the AMM's ``_enact_suggestions``
 sends, and marks the workers ``closing_gracefully`` as stock does (they take no new tasks, are
 never recipients, and the AMM's ReduceReplicas drops their replicas first once copied).
 
 For each worker being drained: its keys held nowhere else are ranked by value (:func:`rank`:
 keys that cannot be recomputed first, then by recompute seconds per byte), sent in that order to
-recipients off the dying workers' nodes, spread by headroom (:func:`assign`), at most
-:data:`WINDOW_BYTES` on their way to one recipient at a time. Each key is asked for once; again
+recipients off the dying workers' nodes, in equal shares while they have room below their memory
+target, then by headroom (:func:`assign`), at most :data:`WINDOW_BYTES` on their way to one
+recipient at a time. Each key is asked for once; again
 only if its recipient leaves or stops running, or :data:`IN_FLIGHT_SECONDS` (plus its transfer
 time) pass. At the deadline nothing more is asked for, and what is still held only by the
 drained workers is reported lost (cause ``deadline``). A worker whose keys all have a copy
@@ -146,12 +147,13 @@ def assign(
     key goes to the one with the fewest bytes on their way to it (``queued``, counting the keys
     given before it) that has ``room`` for it below its memory target, so that every recipient
     fetches an equal share and they finish together: a recipient gathers from one sender one
-    message at a time, and the drain lasts as long as the busiest one's share (an even split over
-    three recipients drained 1 GiB in 0.84x the time of a 22/22/56% one). Once no recipient has
-    room below its target, the one with the most headroom takes the key. A recipient's
-    ``window`` bounds what it is given in this pass (a key larger than a whole window still goes
-    to an idle recipient, alone); once a window is full, keys that find no room wait for the next
-    pass. Unplaced keys: larger than every recipient's headroom (a smaller key after it may still fit).
+    message at a time, and the drain lasts as long as the busiest one's share (1 GiB split
+    22/22/56% over three recipients took 1.15x the time of an even split, in
+    ``bench/recipient_shares.py``). Once no recipient has room below its target, the one with the
+    most headroom takes the key. A recipient's ``window`` bounds what it is given in this pass (a
+    key larger than a whole window still goes to an idle recipient, alone); once a window is full,
+    keys that find no room wait for the next pass. Unplaced keys: larger than every recipient's
+    headroom (a smaller key after it may still fit).
 
     A key with a ``group`` (spilled where these recipients' spill directories are) goes first to
     a recipient of that group off the dying nodes, the one given the fewest such keys: a link
