@@ -316,9 +316,12 @@ class Bench:
                 ballast += fill(self.client, by_pod[pod], scenario.keys + 1, scenario.key_size, f"ballast{tag}-{j}")
         return retiring, data, ballast
 
-    def run(self, scenario: Scenario, run: int, with_memops: bool = True, stock_twice: bool = False) -> Phases:
-        """The three phases; stock and memops swap places every other run, so that neither
-        always follows the other (a worker just restarted, memory just released). With
+    def run(
+        self, scenario: Scenario, run: int, with_memops: bool = True, stock_twice: bool = False, swap: bool = False
+    ) -> Phases:
+        """The phases; with ``swap`` memops and the drain swap places around stock (every other run
+        of a scenario), so that none always follows the same one (a worker just restarted, memory
+        just released). With
         ``stock_twice`` a second stock retire takes memops' place: how far two identical
         drains in one run differ, the noise any memops/stock ratio carries."""
         phases = Phases()
@@ -335,7 +338,7 @@ class Bench:
             phases.memops_succeeded, phases.memops_cpu = second.stock_return, second.stock_cpu
             phases.memops_received = second.stock_received
             phases.memops_closed, phases.memops_busiest = second.stock_closed, second.stock_busiest
-        elif run % 2:
+        elif swap:
             self.memops(scenario, run, phases)
             self.stock(scenario, run, phases)
             self.drain(scenario, run, phases)
@@ -566,7 +569,10 @@ def measure(
             bench = Bench(client, box)
             for run in range(runs):  # runs outermost: a burst of load elsewhere hits every scenario alike
                 for index, scenario in enumerate(scenarios):
-                    results[scenario].append(bench.run(scenario, run * 100 + index, with_memops, stock_twice))
+                    # The order swaps every other run of each scenario (``run * 100 + index`` is the
+                    # phases' tag, not their order).
+                    swap = run % 2 == 1
+                    results[scenario].append(bench.run(scenario, run * 100 + index, with_memops, stock_twice, swap))
     return results
 
 
