@@ -514,7 +514,10 @@ def loopback_tcp(size: int) -> float:
 
 async def drain_until_done(address: str, workers: Sequence[str], timeout: float = 600) -> dict[str, Any]:
     """Start memops' drain of ``workers`` and poll its status until none is draining."""
-    await daskrpc.start_drain(address, workers, deadline=timeout)
+    # An ordinary retirement, as stock's and the RetirementRequest's: the node stays. (The drain
+    # remembers the workers' nodes that the operator gave it in an earlier phase; a dying node
+    # would keep keys off the drained worker's neighbour there.)
+    await daskrpc.start_drain(address, workers, deadline=timeout, nodes_dying=False)
     async with asyncio.timeout(timeout):
         while True:
             states = await daskrpc.drain_status(address, workers)
