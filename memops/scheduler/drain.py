@@ -190,6 +190,17 @@ def assign(
     return chosen, unplaced
 
 
+@dataclasses.dataclass
+class _Place:
+    """A recipient as :class:`_Tier` gives it keys."""
+
+    queued: int  # bytes on their way to it
+    headroom: int
+    room: int  # below its memory target
+    left: int  # of its window
+    version: int = 0  # its heap entries of another version are stale; -1: it takes nothing more
+
+
 class _Tier:
     """The recipients of one tier of :func:`assign`, as it gives them keys: two heaps over the same
     recipients, the fewest bytes queued first (among those with room below their target) and the
@@ -197,26 +208,25 @@ class _Tier:
 
     def __init__(self, window: int):
         self.window = window
-        self.state: dict[str, list[int]] = {}  # name -> [queued, headroom, room, window left, version]
+        self.places: dict[str, _Place] = {}
         self.balanced: list[tuple[int, int, str, int]] = []  # (queued, -headroom, name, version)
         self.roomiest: list[tuple[int, str, int]] = []  # (-headroom, name, version)
         self.waiting = False  # a recipient with room whose window is full in this pass
 
     def add(self, r: Recipient) -> None:
         room = r.headroom if r.room is None else min(r.room, r.headroom)
-        self.state[r.name] = [r.queued, r.headroom, room, r.window, 0]
+        self.places[r.name] = _Place(r.queued, r.headroom, room, r.window)
         self._push(r.name)
 
     def _push(self, name: str) -> None:
-        queued, headroom, room, _, version = self.state[name]
-        if room > 0:
-            heapq.heappush(self.balanced, (queued, -headroom, name, version))
-        heapq.heappush(self.roomiest, (-headroom, name, version))
+        place = self.places[name]
+        if place.room > 0:
+            heapq.heappush(self.balanced, (place.queued, -place.headroom, name, place.version))
+        heapq.heappush(self.roomiest, (-place.headroom, name, place.version))
 
-    def _full(self, name: str, nbytes: int) -> bool:
-        left = self.state[name][3]
-        if left < nbytes and left < self.window:
-            self.state[name][4] = -1  # its entries are stale: it takes nothing more in this pass
+    def _full(self, place: _Place, nbytes: int) -> bool:
+        if place.left < nbytes and place.left < self.window:
+            place.version = -1  # its entries are stale: it takes nothing more in this pass
             self.waiting = True
             return True
         return False
@@ -225,33 +235,33 @@ class _Tier:
         """The recipient for a key of ``nbytes``, or None when none in this tier takes it now."""
         while self.balanced:
             _, _, name, version = self.balanced[0]
-            state = self.state[name]
-            if version != state[4] or state[2] < nbytes or self._full(name, nbytes):
+            place = self.places[name]
+            if version != place.version or place.room < nbytes or self._full(place, nbytes):
                 # Stale, or no room for it below its target (not balanced further in this pass).
                 heapq.heappop(self.balanced)
                 continue
             return name
         while self.roomiest:
             _, name, version = self.roomiest[0]
-            state = self.state[name]
-            if version != state[4]:
+            place = self.places[name]
+            if version != place.version:
                 heapq.heappop(self.roomiest)
                 continue
-            if state[1] < nbytes:
+            if place.headroom < nbytes:
                 return None  # the roomiest has no room: none has
-            if self._full(name, nbytes):
+            if self._full(place, nbytes):
                 heapq.heappop(self.roomiest)
                 continue
             return name
         return None
 
     def take(self, name: str, nbytes: int) -> None:
-        state = self.state[name]
-        state[0] += nbytes
-        state[1] -= nbytes
-        state[2] -= nbytes
-        state[3] -= nbytes
-        state[4] += 1
+        place = self.places[name]
+        place.queued += nbytes
+        place.headroom -= nbytes
+        place.room -= nbytes
+        place.left -= nbytes
+        place.version += 1
         self._push(name)
 
 
