@@ -194,6 +194,7 @@ async def fetch_snapshot(
     placement: Collection[Hashable] = (),
     vouch: Callable[[Sequence[snapshots.WorkerInfo]], Awaitable[bool]] | None = None,
     drains: bool = False,
+    nodes: Callable[[], Mapping[str, str]] | None = None,
 ) -> snapshots.SchedulerSnapshot:
     """The workers and their memory, from one connection.
 
@@ -214,6 +215,8 @@ async def fetch_snapshot(
     the agent). With ``vouch``, the connection stays open while ``vouch`` judges the workers of
     ``identity`` (the MemoryPolicy's tenancy check): only if it says yes is anything else asked,
     the agent installed or read; if not, the snapshot holds the workers of ``identity`` alone.
+    ``nodes``, called once vouched, gives where the workers run (address -> node), sent with the
+    drains' read for the drains that start later (:func:`memops.scheduler.drain.status`).
 
     Raises :class:`SchedulerUnreachable`, or :class:`SchedulerMisbehaved` for a reply it refuses.
     """
@@ -240,7 +243,8 @@ async def fetch_snapshot(
                 running = _mapping(address, await comm.call("processing"), "processing") if processing else {}
                 if drains:
                     try:
-                        drained = _drains(address, await _agent(comm, "drain_status"))
+                        located = {str(a): str(n) for a, n in (nodes() if nodes is not None else {}).items()}
+                        drained = _drains(address, await _agent(comm, "drain_status", nodes=located))
                     except SchedulerRefused as exc:
                         logger.info("the drains' status is not read: %s", exc)
                 if keys:

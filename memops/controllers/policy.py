@@ -84,6 +84,7 @@ class Policy:
         self.window: recycle_decisions.Window | None = None  # memory samples for recycling
         self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
+        self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
 
     async def reconcile(self) -> None:
@@ -294,7 +295,8 @@ class Policy:
         try:
             # One connection a pass. Identity only (no code sent) until the scheduler is shown to
             # be this namespace's (vouch); then what recycling reads, and the preStop drains'
-            # figures for status.safetyNet (hook_losses), from memops' agent.
+            # figures for status.safetyNet (hook_losses), from memops' agent, which is told
+            # where the workers run: a preStop hook names only its own worker's node.
             snapshot = await daskrpc.fetch_snapshot(
                 spec.scheduler.address,
                 security=security,
@@ -302,6 +304,7 @@ class Policy:
                 processing=spec.recycle is not None,
                 vouch=vouch,
                 drains=True,
+                nodes=lambda: self.nodes,
                 timeout=5,
             )
         except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
@@ -348,6 +351,7 @@ class Policy:
         verdict = tenancy.check(workers, pods, self.namespace)
         located = snapshots.workers_by_pod(pods, workers) if verdict.allowed else {}
         self.tenants = {w.address: pod for pod, found in located.items() for w in found}
+        self.nodes = snapshots.nodes_of_workers(pods, workers) if verdict.allowed else {}
         self.tenants_checked = time.monotonic()
         return verdict
 

@@ -23,9 +23,10 @@ Operations (``operation``, its arguments, what ``result`` holds):
   :func:`memops.scheduler.drain.start`: starts draining these workers by value, with a deadline,
   and returns at once with their ``drain_status``; spilled keys go by link to recipients that share
   the spill filesystem (:mod:`memops.scheduler.handover`) unless ``handover`` is false;
-- ``drain_status`` (``workers`` or ``names``, or neither for all): :func:`memops.scheduler.drain.status`:
+- ``drain_status`` (``workers`` or ``names``, or neither for all; ``nodes``): :func:`memops.scheduler.drain.status`:
   per drained worker its state, the keys and bytes still held nowhere else, moved, on their way,
-  and lost at the deadline;
+  and lost at the deadline; ``nodes`` (worker address -> node) is recorded first, so that a later
+  drain keeps keys off every worker of a dying node, not only those its caller names;
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
@@ -44,7 +45,7 @@ from typing import Any
 from memops.scheduler import drain, holdings, relief, replication, rules
 
 NAME = "memops_agent"
-VERSION = 5
+VERSION = 6
 """Bumped when an operation's arguments or reply change."""
 
 
@@ -100,8 +101,18 @@ def _drain(
     )
 
 
-def _drain_status(dask_scheduler: Any, workers: Sequence[str] = (), names: Sequence[str] = ()) -> dict[str, Any]:
-    return drain.status(dask_scheduler, workers=[str(w) for w in workers], names=[str(n) for n in names])
+def _drain_status(
+    dask_scheduler: Any,
+    workers: Sequence[str] = (),
+    names: Sequence[str] = (),
+    nodes: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    return drain.status(
+        dask_scheduler,
+        workers=[str(w) for w in workers],
+        names=[str(n) for n in names],
+        nodes={str(a): str(n) for a, n in (nodes or {}).items()},
+    )
 
 
 def _hello(dask_scheduler: Any) -> dict[str, Any]:

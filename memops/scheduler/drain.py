@@ -506,6 +506,15 @@ class DrainPlugin(SchedulerPlugin):
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self.loop())
 
+    def locate(self, nodes: Mapping[str, str]) -> None:
+        """Where the workers run (address -> node), as the operator reads it from their pods;
+        workers that left are forgotten. A drain's caller names only its own workers' nodes (a
+        preStop hook: its own), so without this a neighbour on a dying node whose own hook has
+        not started yet would look like a worker elsewhere, and take keys that must move again."""
+        self.nodes.update({str(a): str(n) for a, n in nodes.items() if n})
+        for address in [a for a in self.nodes if a not in self.scheduler.workers]:
+            del self.nodes[address]
+
     def _merge(self, known: Drained, deadline: float, node_dying: bool, restore: bool) -> None:
         """A running drain asked for again (the operator's retirement, then a preStop hook or a
         node drain): the stricter of the two callers wins, whichever came first. The earlier
@@ -871,9 +880,19 @@ def start(
     return plugin.report(addresses)
 
 
-def status(dask_scheduler: Any, workers: Sequence[str] = (), names: Sequence[str] = ()) -> dict[str, Any]:
+def status(
+    dask_scheduler: Any,
+    workers: Sequence[str] = (),
+    names: Sequence[str] = (),
+    nodes: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """Run on the scheduler (by the agent's ``drain_status`` operation): each drained worker's
-    figures (all of them when neither ``workers`` nor ``names`` is given), as plain data."""
+    figures (all of them when neither ``workers`` nor ``names`` is given), as plain data.
+
+    ``nodes`` (worker address -> node, as the operator reads it on each pass) is recorded first
+    (:meth:`DrainPlugin.locate`), for the drains that callers start later."""
+    if nodes:
+        _plugin(dask_scheduler).locate(nodes)
     plugin: DrainPlugin | None = dask_scheduler.plugins.get(NAME)
     if plugin is None:
         return {}

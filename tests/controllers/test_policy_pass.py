@@ -32,6 +32,7 @@ from memops.scheduler import drain
 LOGGER = logging.getLogger("test")
 POD = "w-5d4f8b7c9-abcde"
 """A Deployment's pod name, as the hook's drain names it (and as the worker is named)."""
+NODE = "node-a"
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture
 async def client(plane: Path, request: pytest.FixtureRequest) -> AsyncIterator[tuple[kube.Kube, str]]:
     """The admin's client and this test's namespace, with Deployment ``w`` and its one pod, Running
-    at 127.0.0.1."""
+    at 127.0.0.1 on node ``NODE``."""
     kube_client = kube.Kube(kube.load_connection(str(plane / "kubeconfig")))
     namespace = "t-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
     template = {"metadata": {"labels": {"app": "w"}}, "spec": {"containers": [{"name": "w", "image": "w.invalid/w:1"}]}}
@@ -68,7 +69,9 @@ async def client(plane: Path, request: pytest.FixtureRequest) -> AsyncIterator[t
     try:
         await kube_client.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})
         await kube_client.request("POST", kube.resource_path("apps", "v1", "deployments", namespace), body=deployment)
-        await kube_client.request("POST", pods, body={**template, "metadata": {"name": POD, **template["metadata"]}})
+        # Bound to a node, as the scheduler would (no node runs: its name is all the pass reads).
+        pod = {"metadata": {"name": POD, **template["metadata"]}, "spec": {**template["spec"], "nodeName": NODE}}
+        await kube_client.request("POST", pods, body=pod)
         await kube_client.merge_patch(f"{pods}/{POD}/status", {"status": running})
         yield kube_client, namespace
     finally:
@@ -107,8 +110,9 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
 ) -> None:
     """A preStop hook's drain stopped at its deadline with the worker's only copies. Each pass then
     opens one connection to the scheduler and asks it two things: ``identity`` (whose workers the
-    tenancy check finds to be the namespace's pods) and memops' agent for the drains, once; the
-    loss lands in ``status.safetyNet.lostAtDeadline`` from that reply, once over two passes.
+    tenancy check finds to be the namespace's pods) and memops' agent for the drains, once, telling
+    it where the workers run; the loss lands in ``status.safetyNet.lostAtDeadline`` from that
+    reply, once over two passes.
     (Before: the pass opened a second connection, and asked the agent there, for the drains.)"""
     kube_client, namespace = client
     settings = kopf.OperatorSettings()
@@ -141,6 +145,8 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
             assert reachable["status"] == "True", reachable
             losses.append(status["safetyNet"]["lostAtDeadline"])
         assert losses[0] == losses[1], "recorded once, not again on the next pass"
+        # The same call told the agent where the worker runs, for the hooks' drains to come.
+        assert scheduler.plugins[drain.NAME].nodes == {worker.address: NODE}
         [loss] = losses[0]
         assert (loss["pod"], loss["keys"], loss["bytes"], loss["cause"]) == (POD, 3, 3 * 1024, "deadline")
         assert len(data) == 3  # kept referenced: the keys stay on the worker, held nowhere else

@@ -3,7 +3,7 @@
 A drain's copies are ``acquire-replicas``: the recipient fetches the key from a peer, and the key
 goes ``flight -> memory`` on it. :class:`Receipts`, a worker plugin, logs each such arrival as a
 scheduler event, on the worker's own stream to the scheduler, so the record outlives the worker:
-a recipient on a dying node is gone by the time the test looks, and its receipts are still there.
+a recipient that was leaving too is gone by the time the test looks, and its receipts are still there.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def install(client: distributed.Client, prefixes: Collection[str]) -> None:
 
 @dataclass(frozen=True)
 class Landing:
-    """What the receipts say about ``keys`` moved off ``dying`` (worker names, by node)."""
+    """What the receipts say about ``keys`` moved off the ``leaving`` pods' workers."""
 
     keys: int
     receipts: int  # every arrival of one of the keys, on any worker
     by_worker: Mapping[str, int]
     unreceived: list[str]  # moved keys that no worker received
     repeated: dict[str, int]  # keys received more than once, and how often
-    on_dying: dict[str, int]  # receipts by workers of the dying node, by worker
+    on_leaving: dict[str, int]  # receipts by workers that were leaving too, by worker
 
     @property
     def per_key(self) -> float:
@@ -66,13 +66,16 @@ class Landing:
     def line(self) -> str:
         return (
             f"{self.keys} keys, {self.receipts} receipts ({self.per_key:.2f} per key moved), "
-            f"by worker {dict(sorted(self.by_worker.items()))}, {sum(self.on_dying.values())} on the dying node"
+            f"by worker {dict(sorted(self.by_worker.items()))}, {sum(self.on_leaving.values())} on a leaving worker"
         )
 
 
-def landing(client: distributed.Client, keys: Collection[str], node_of: Mapping[str, str], dying: str) -> Landing:
-    """Read the receipts of ``keys``; ``node_of``: worker address -> node, every worker that could
-    have received one (a worker not in it counts as on the dying node: unknown is no proof)."""
+def landing(
+    client: distributed.Client, keys: Collection[str], pod_of: Mapping[str, str], leaving: Collection[str]
+) -> Landing:
+    """Read the receipts of ``keys``; ``pod_of``: worker address -> its pod, every worker that
+    could have received one; ``leaving``: the pods being deleted (a worker not in ``pod_of``
+    counts as one of theirs: unknown is no proof)."""
     wanted = set(keys)
     per_key: Counter[str] = Counter()
     by_worker: Counter[str] = Counter()
@@ -80,15 +83,16 @@ def landing(client: distributed.Client, keys: Collection[str], node_of: Mapping[
         if isinstance(msg, dict) and msg.get("key") in wanted:
             per_key[str(msg["key"])] += 1
             by_worker[str(msg["worker"])] += 1
-    on_dying: defaultdict[str, int] = defaultdict(int)
+    gone = set(leaving)
+    on_leaving: defaultdict[str, int] = defaultdict(int)
     for worker, count in by_worker.items():
-        if node_of.get(worker, dying) == dying:
-            on_dying[worker] += count
+        if worker not in pod_of or pod_of[worker] in gone:
+            on_leaving[worker] += count
     return Landing(
         keys=len(wanted),
         receipts=sum(per_key.values()),
         by_worker=dict(by_worker),
         unreceived=sorted(wanted - set(per_key)),
         repeated={k: n for k, n in per_key.items() if n > 1},
-        on_dying=dict(on_dying),
+        on_leaving=dict(on_leaving),
     )

@@ -294,6 +294,32 @@ async def until(predicate: Any, bound: float = 10) -> None:
             await asyncio.sleep(0.05)
 
 
+async def test_a_hook_keeps_keys_off_its_nodes_other_workers_where_the_operator_located_them(
+    cluster: tuple[LocalCluster, Client],
+) -> None:
+    """A preStop hook names only its own worker and node. The operator's pass has told the agent
+    where every worker runs (with the drains' read, as the policy does), so the neighbour on the
+    same node, whose own hook has not started yet, takes nothing: without that, even shares would
+    give it a third of the keys, which its own hook would move again. Workers that left are not
+    remembered."""
+    local, client = cluster
+    dying, neighbour, far1, far2 = sorted(local.scheduler.workers)
+    gone = "tcp://192.0.2.1:1"  # a worker the operator's pods still show, the scheduler no longer
+    located = {dying: "n1", neighbour: "n1", far1: "n2", far2: "n3", gone: "n4"}
+    await daskrpc.fetch_snapshot(local.scheduler_address, keys=False, drains=True, nodes=lambda: located)
+    assert local.scheduler.plugins[drain.NAME].nodes == {a: n for a, n in located.items() if a != gone}
+    name = str(local.scheduler.workers[dying].name)
+    data = await client.scatter({f"h{i}": b"h" * (256 * 1024) for i in range(120)}, workers=[dying], hash=False)
+    await daskrpc.start_drain(local.scheduler_address, names=[name], deadline=60, nodes={name: "n1"}, origin="preStop")
+    state = await until_finished(local.scheduler_address, dying)
+    assert state["state"] == drain.State.DONE and state["keysMoved"] == 120
+    counts = await received(client)
+    assert not counts[neighbour], "nothing to the other worker of the dying node"
+    total = sum(counts.values(), collections.Counter())
+    assert set(total) == set(data) and set(total.values()) == {1}
+    assert min(sum(counts[far1].values()), sum(counts[far2].values())) >= 40, "spread over the other nodes"
+
+
 async def test_a_node_said_dying_by_any_caller_stays_dying(cluster: tuple[LocalCluster, Client]) -> None:
     """The operator's ordinary retirement drains a worker (its node stays), then a preStop hook or a
     node drain says that the node is dying, then an ordinary retirement again: the running drain
