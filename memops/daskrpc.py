@@ -391,7 +391,13 @@ async def start_drain(
 ) -> dict[str, Any]:
     """Start memops' drain with a deadline (:mod:`memops.scheduler.drain`) of these workers; returns
     at once with each one's :func:`drain_status`. Raises :class:`SchedulerRefused` when the
-    scheduler does not run memops' agent."""
+    scheduler does not run memops' agent.
+
+    ``nodes`` adds to what the agent knows of where the workers run, which it keeps while they
+    are connected: what earlier callers said, and what each MemoryPolicy pass tells it
+    (:func:`fetch_snapshot`'s ``nodes``). ``nodes_dying`` (the default: a preStop hook, a node
+    drain) keeps recipients off the drained workers' nodes as the agent knows them, so it matters
+    even to a caller that names no node; an ordinary retirement passes False."""
     async with _session(address, security, timeout) as comm:
         async with asyncio.timeout(timeout):
             state = await _agent(
