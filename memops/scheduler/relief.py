@@ -42,6 +42,18 @@ NAME = "memops-pressure-relief"
 LANDING = 2.0
 """A copy on its way costs its recipient about twice its size: the frames received, then the
 object made from them (and the allocator does not hand the frames back to the system at once)."""
+
+
+def landing_cost(landed: float, heard: float) -> float:
+    """What a copy costs its recipient in multiples of its size, beyond the process memory that
+    the scheduler last heard from it (``heard``: the heartbeat's wall-clock time): the whole
+    :data:`LANDING` while on its way (``landed`` 0) and after it landed until a heartbeat has
+    shown it; nothing after. The scheduler's ``optimistic`` memory does not cover a key landed
+    since the heartbeat: ``MemoryState`` caps it at the process memory, so it is never the larger
+    of the two (counting such a key at ``LANDING - 1`` let a peer go past ``above``)."""
+    return LANDING if not landed or landed > heard else 0.0
+
+
 FORGET_SECONDS = 60.0
 """How long a move that relief gave up on is still followed, to count it if the key leaves."""
 COOLING_SECONDS = 30.0
@@ -245,24 +257,26 @@ class PressureRelief(ActiveMemoryManagerPolicy):
                 move.dropping = (yield Suggestion("drop", ts, {hot_ws})) is not None
             # Leaving bytes count until the worker's memory shows them gone: while the key is on
             # it, and after it left until the next heartbeat (process memory is a heartbeat old).
-            if not move.left or move.left > hot_ws.last_seen:
+            gone_shown = bool(move.left) and move.left <= hot_ws.last_seen
+            if not gone_shown:
                 freed[move.source] = freed.get(move.source, 0) + move.nbytes
-            elif move.left:
-                del self.moves[key]  # the worker's memory shows it: done
-            # Bytes coming to a recipient count until they land; then its managed memory has them,
-            # but its process memory shows what landing them cost only at its next heartbeat.
+            # Bytes coming to a recipient count until its process memory shows them: on their
+            # way, and after they landed until its next heartbeat (landing_cost). A key gone from
+            # the hot worker that never reached the recipient is not coming to it any more.
             recipient = by_address.get(move.target)
-            if recipient is not None:
+            cost = 0.0
+            if recipient is not None and not (gone_shown and not move.landed and recipient not in holders):
                 if recipient in holders and not move.landed:
                     move.landed = now
-                cost = LANDING if not move.landed else LANDING - 1 if move.landed > recipient.last_seen else 0
+                cost = landing_cost(move.landed, recipient.last_seen)
                 incoming[move.target] = incoming.get(move.target, 0) + int(cost * move.nbytes)
-        # Process memory is as old as the last heartbeat; the managed part of "optimistic" is
-        # current (a key counts the moment it lands), so the larger of the two is the estimate.
+            if gone_shown and not cost:
+                del self.moves[key]  # both workers' memory shows it: done
+        # Process memory is as old as the last heartbeat; what landed since is in ``incoming``.
         loads = [
             Load(
                 ws.address,
-                max(int(ws.memory.process), int(ws.memory.optimistic)),
+                int(ws.memory.process),
                 int(ws.memory_limit or 0),
                 running=ws in scheduler.running,
                 leaving=ws.status.name not in ("running", "paused"),

@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import dask
+import distributed.scheduler
 import pytest
 from distributed import Client, LocalCluster
 
 from memops import daskrpc
+from memops.scheduler import relief
 
 LIMIT = 512 * 2**20
 CHUNK = 8 * 2**20
@@ -150,3 +152,40 @@ async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: t
     plugins = await client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.plugins))
     assert "memops-pressure-relief" not in plugins
     assert await daskrpc.configure_relief(address, above=None, to=None, owner=OWNER) is None
+
+
+async def test_a_copy_counts_in_full_on_its_recipient_until_a_heartbeat_shows_it(
+    cluster: tuple[str, Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heartbeats held back (the scheduler tells the workers to send one every minute), so the
+    process memory that relief plans from stays as it was before any copy. The hot worker holds
+    memory that is not keys as well, so relief would move every key it can place. What lands on
+    each peer must fit under relieveAbove at :data:`relief.LANDING` times its size, landed or not:
+    a landed key is in the scheduler's managed memory at once, but not in the process memory that
+    relief reads (counting it once, a peer took about twice what fits)."""
+    address, client = cluster
+    hot, *peers = sorted(await process_memory(client))
+    futures = await load(client, hot, ABOVE + 0.08)
+
+    def hold(dask_worker: Any) -> None:  # unmanaged memory: relief cannot move it, so it never ends
+        dask_worker.memops_test_hold = bytearray(os.urandom(1) * (160 * 2**20))
+
+    await client.run(hold, workers=[hot])
+    await asyncio.sleep(1.2)  # heartbeats show it
+    monkeypatch.setattr(distributed.scheduler, "heartbeat_interval", lambda n: 60.0)
+    await asyncio.sleep(1.2)  # each worker's next heartbeat sets its interval to a minute
+    seen = await process_memory(client)
+    assert await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER) is not None
+
+    async def landed() -> dict[str, int]:
+        who_has = await client.scheduler.who_has(keys=[f.key for f in futures.values()])
+        return {p: sum(CHUNK for holders in who_has.values() if p in holders) for p in peers}
+
+    await asyncio.sleep(4)  # many relief cycles (300 ms), no heartbeat
+    assert await process_memory(client) == seen, "no heartbeat in between"
+    on_peers = await landed()
+    fits = {p: (ABOVE * LIMIT - seen[p]) / relief.LANDING for p in peers}
+    mib = {p: (on_peers[p] // 2**20, int(fits[p]) // 2**20) for p in peers}
+    print(f"on each peer, MiB landed and MiB that fit at LANDING times: {sorted(mib.values())}")
+    assert sum(on_peers.values()) > 0, "relief moved keys"
+    assert all(on_peers[p] <= fits[p] for p in peers), (on_peers, fits)

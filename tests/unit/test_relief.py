@@ -1,8 +1,10 @@
-"""Pressure relief's choices on hand-built scheduler states (memops.scheduler.relief.choose)."""
+"""Pressure relief's choices on hand-built scheduler states (memops.scheduler.relief.choose), and what a
+copy costs its recipient until a heartbeat shows it (landing_cost)."""
 
 import pytest
+from distributed.scheduler import MemoryState
 
-from memops.scheduler.relief import Key, Load, choose
+from memops.scheduler.relief import LANDING, Key, Load, choose, landing_cost
 
 MiB = 2**20
 LIMIT = 1000 * MiB
@@ -140,3 +142,26 @@ def test_a_worker_under_relieve_above_is_not_touched_and_in_flight_relief_counts
         [*hot[:1], Load("a", 100 * MiB, LIMIT)], {"w": keys("w", 300)}, above=0.7, to=0.55, incoming={"a": 400 * MiB}
     )
     assert plan.copies == () and plan.starved == ("w",)
+
+
+@pytest.mark.parametrize(
+    "landed, heard, expected",
+    [
+        pytest.param(0.0, 100.0, LANDING, id="on-its-way"),
+        pytest.param(101.0, 100.0, LANDING, id="landed-since-the-heartbeat"),
+        pytest.param(99.0, 100.0, 0.0, id="a-heartbeat-shows-it"),
+    ],
+)
+def test_a_copy_costs_its_recipient_in_full_until_a_heartbeat_shows_it(
+    landed: float, heard: float, expected: float
+) -> None:
+    assert landing_cost(landed, heard) == expected
+
+
+def test_the_schedulers_optimistic_memory_never_counts_a_key_landed_since_the_heartbeat() -> None:
+    """Why landing_cost charges a landed key in full: the scheduler's managed memory has it at
+    once, but ``optimistic`` is capped at the heartbeat's process memory, which predates it. So
+    the larger of ``process`` and ``optimistic`` is always ``process``, which lacks the key."""
+    before = MemoryState(process=300 * MiB, unmanaged_old=150 * MiB, managed=100 * MiB, spilled=0)
+    after = MemoryState(process=300 * MiB, unmanaged_old=150 * MiB, managed=164 * MiB, spilled=0)  # +64 MiB landed
+    assert max(before.process, before.optimistic) == max(after.process, after.optimistic) == 300 * MiB
