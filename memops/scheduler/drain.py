@@ -81,6 +81,9 @@ IN_FLIGHT_SECONDS = 10.0
 """How long a requested copy may take, plus its transfer time below, before it is asked again."""
 TRANSFER_BYTES_PER_SECOND = 50 * 2**20
 """A slow worker-to-worker copy: a large key counts as on its way for this much longer."""
+NO_RECIPIENT_SECONDS = 5.0
+"""How long a drain that sets its worker back when nothing can take its keys (``restore``) waits
+for a paused worker to resume first: a recipient that the drain filled pauses until it has spilled."""
 RESCAN_SECONDS = 1.0
 """How often a draining worker's keys are read again for keys that appeared since (tasks that
 were running on it when the drain began)."""
@@ -328,6 +331,7 @@ class Drained:
     origin: str = ""  # who asked: ``preStop`` for the safety net's hook, else empty (the operator)
     node_dying: bool = True  # its node goes with it (a node drain, a preStop hook): recipients there last
     ended_at: float = 0.0  # wall clock, for the operator's record of what a hook's drain lost
+    alone_since: float = 0.0  # monotonic: since when no worker could take its keys (0: one could)
 
 
 LOST_NAMED = 20
@@ -608,6 +612,7 @@ class DrainPlugin(SchedulerPlugin):
                 )
             )
         groups = {r.group for r in recipients if r.group is not None}
+        waiting = any(ws.status.name == "paused" and ws not in draining_ws for ws in scheduler.workers.values())
         if self.handover:
             self._start_background(active, groups, now)
         # Only a drain whose node goes too keeps recipients off it: an ordinary retirement's node
@@ -635,8 +640,14 @@ class DrainPlugin(SchedulerPlugin):
                 await self._finish(drained, ws, now)
                 continue
             if not recipients and drained.restore and not self.copies:
-                await self._no_recipients(drained, ws, now)  # as stock: nothing can take its keys
+                # As stock: nothing can take its keys. But a paused worker may resume (one that
+                # the drain itself filled pauses until it has spilled), so give up only when
+                # none is paused, or after NO_RECIPIENT_SECONDS with none running.
+                drained.alone_since = drained.alone_since or now
+                if not waiting or now - drained.alone_since >= NO_RECIPIENT_SECONDS:
+                    await self._no_recipients(drained, ws, now)
                 continue
+            drained.alone_since = 0.0
             # Keys still to ask for, in rank order: held only by drained workers, not on their
             # way; as many as the recipients' windows take (the rest wait, in order).
             budget = sum(max(r.window, 0) for r in recipients)

@@ -352,6 +352,41 @@ async def test_a_node_said_dying_by_any_caller_stays_dying(cluster: tuple[LocalC
     assert await client.gather(list(data.values())) == [b"d" * (256 * 1024)] * 60
 
 
+async def test_a_retirement_waits_for_a_paused_recipient_before_it_gives_up(
+    cluster: tuple[LocalCluster, Client],
+) -> None:
+    """An ordinary retirement (``restore``: set back if nothing can take the keys) starts while
+    every other worker is paused, as a recipient that the drain itself filled is until it has
+    spilled. It waits rather than give up at once: resumed a second later, they take every key.
+    Then, with every other worker paused for good, the next one gives up after
+    ``NO_RECIPIENT_SECONDS``, its worker back to running with its keys."""
+    local, client = cluster
+    address = local.scheduler_address
+    first, *others = sorted(local.scheduler.workers)
+    data = await client.scatter({f"p{i}": b"p" * (256 * 1024) for i in range(40)}, workers=[first], hash=False)
+    await client.run(pause, workers=others)
+    await until(lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running)
+    await daskrpc.start_drain(address, [first], deadline=60, restore=True, nodes_dying=False)
+    await asyncio.sleep(1.0)
+    assert (await daskrpc.drain_status(address, [first]))[first]["state"] == drain.State.DRAINING, "it waits"
+    await client.run(resume, workers=others)
+    state = await until_finished(address, first)
+    assert state["state"] == drain.State.DONE and state["keysMoved"] == 40
+    assert await client.gather(list(data.values())) == [b"p" * (256 * 1024)] * 40
+
+    second, *paused = others
+    kept = await client.scatter({f"q{i}": b"q" * (256 * 1024) for i in range(10)}, workers=[second], hash=False)
+    await client.run(pause, workers=paused)
+    await until(lambda: not {local.scheduler.workers[w] for w in paused} & local.scheduler.running)
+    await daskrpc.start_drain(address, [second], deadline=60, restore=True, nodes_dying=False)
+    state = await until_finished(address, second)
+    assert state["state"] == drain.State.NO_RECIPIENTS and state["keysMoved"] == 0
+    assert state["seconds"] >= drain.NO_RECIPIENT_SECONDS - 0.1
+    await until(lambda: local.scheduler.workers[second].status.name == "running")
+    assert {w for f in kept.values() for w in local.scheduler.tasks[f.key].who_has} == {local.scheduler.workers[second]}
+    await client.run(resume, workers=paused)
+
+
 async def test_the_shorter_deadline_of_two_callers_stops_the_drain(cluster: tuple[LocalCluster, Client]) -> None:
     """A RetirementRequest's drain (a minute), then a preStop hook's for the same worker (two
     seconds: the pod is killed at its end), then another caller's of thirty: the running drain
