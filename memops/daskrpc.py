@@ -243,7 +243,7 @@ async def fetch_snapshot(
                 running = _mapping(address, await comm.call("processing"), "processing") if processing else {}
                 if drains:
                     try:
-                        located = {str(a): str(n) for a, n in (nodes() if nodes is not None else {}).items()}
+                        located = dict(nodes()) if nodes is not None else {}
                         drained = _drains(address, await _agent(comm, "drain_status", nodes=located))
                     except SchedulerRefused as exc:
                         logger.info("the drains' status is not read: %s", exc)

@@ -612,7 +612,6 @@ class DrainPlugin(SchedulerPlugin):
                 )
             )
         groups = {r.group for r in recipients if r.group is not None}
-        waiting = any(ws.status.name == "paused" and ws not in draining_ws for ws in scheduler.workers.values())
         if self.handover:
             self._start_background(active, groups, now)
         # Only a drain whose node goes too keeps recipients off it: an ordinary retirement's node
@@ -644,6 +643,7 @@ class DrainPlugin(SchedulerPlugin):
                 # the drain itself filled pauses until it has spilled), so give up only when
                 # none is paused, or after NO_RECIPIENT_SECONDS with none running.
                 drained.alone_since = drained.alone_since or now
+                waiting = any(w.status.name == "paused" and w not in draining_ws for w in scheduler.workers.values())
                 if not waiting or now - drained.alone_since >= NO_RECIPIENT_SECONDS:
                     await self._no_recipients(drained, ws, now)
                 continue

@@ -265,11 +265,12 @@ class PressureRelief(ActiveMemoryManagerPolicy):
             # the hot worker that never reached the recipient is not coming to it any more.
             recipient = by_address.get(move.target)
             cost = 0.0
-            if recipient is not None and not (gone_shown and not move.landed and recipient not in holders):
+            if recipient is not None:
                 if recipient in holders and not move.landed:
                     move.landed = now
-                cost = landing_cost(move.landed, recipient.last_seen)
-                incoming[move.target] = incoming.get(move.target, 0) + int(cost * move.nbytes)
+                if move.landed or not gone_shown:
+                    cost = landing_cost(move.landed, recipient.last_seen)
+                    incoming[move.target] = incoming.get(move.target, 0) + int(cost * move.nbytes)
             if gone_shown and not cost:
                 del self.moves[key]  # both workers' memory shows it: done
         # Process memory is as old as the last heartbeat; what landed since is in ``incoming``.
