@@ -65,7 +65,7 @@ class _Recorded(dict[str, str]):
         super().__init__(env)
         self.missing: set[str] = set()
 
-    def get(self, key: str, default: object = None) -> str:  # type: ignore[override]
+    def get(self, key: str, default: object = None) -> str:
         value = super().get(key)
         if not value:
             self.missing.add(key)
