@@ -164,12 +164,15 @@ def plan_injection(
     spec: specs.MemoryPolicySpec,
     *,
     host_roots: Collection[str] = frozenset(),
+    namespace: str = "",
 ) -> dict[str, Any]:
     """The pod's new ``spec`` and annotations: a preStop drain on its first container, and a
     grace period that covers ``drain.timeout``. An existing preStop hook is left alone. With
     ``sharedSpill``, also the spill volume, its mount and Dask's configuration
     (:mod:`memops.shared_spill`), unless the pod's memory cannot hold it or its ``hostPath`` is
-    not among ``host_roots``, the host directories the operator was allowed."""
+    not among ``host_roots``, the host directories the operator was allowed. ``namespace``: the
+    pod's (the admission request's; else the pod's own ``metadata.namespace``), whose directory
+    of the host root a medium Node spill mounts."""
     annotations = dict(pod.get("metadata", {}).get("annotations") or {})
     pod_spec = copy.deepcopy(dict(pod.get("spec", {})))
     # At most MAX_DURATION (the spec's bound, checked again), so the grace is at most MAX_GRACE_SECONDS.
@@ -194,7 +197,10 @@ def plan_injection(
     if spec.sharedSpill is not None:
         # Refused (it cannot fit, or its host path is not allowed): the pod keeps its own spill
         # directory, and only the safety net.
-        verdict, mutation = shared_spill.plan(pod_spec, spec.sharedSpill, host_roots=host_roots)
+        namespace = namespace or str((pod.get("metadata") or {}).get("namespace") or "")
+        verdict, mutation = shared_spill.plan(
+            pod_spec, spec.sharedSpill, host_roots=host_roots, namespace=namespace, policy=policy_name
+        )
         if mutation is not None:
             shared_spill.apply(pod_spec, mutation)
         annotations[shared_spill.ANNOTATION] = (

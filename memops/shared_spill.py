@@ -18,6 +18,12 @@ A ``hostPath`` (medium Node) is mounted only if it is one of the host directorie
 cluster's administrators allowed when they installed the operator (``memops run
 --shared-spill-host-root``, :func:`host_root`): whoever may create a MemoryPolicy must not be able
 to have any host directory mounted into pods. None allowed (the default): medium Node is refused.
+
+Medium Node is one tmpfs per node, but never one directory for every tenant: each pod mounts only
+``<root>/<namespace>/<policy>`` (the mount's ``subPath``, :func:`spill_subpath`), so a worker sees
+the spill of its own policy's workers and nothing else, and the hand-over by hardlink
+(:mod:`memops.scheduler.handover`) links only between workers of one policy. A policy's
+``sizeLimit`` binds there as Dask's ``max-spill`` per worker process (:data:`MAX_SPILL_ENV`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ MOUNT_PATH = "/memops-spill"
 """Where the spill volume is mounted in the worker container; ``DASK_TEMPORARY_DIRECTORY`` points
 here, so distributed spills into ``MOUNT_PATH/dask-scratch-space/worker-<random>/storage``
 (``distributed/core.py`` Server.__init__, ``distributed/worker_memory.py``). With medium Node every
-worker on a node mounts the same host directory here: they share one directory tree."""
+worker of one policy on a node mounts the same host directory here, its policy's
+``<root>/<namespace>/<policy>``: they share one directory tree, which no other policy's pod sees."""
 VOLUME_NAME = "memops-spill"
 ANNOTATION = "memops.dev/shared-spill"
 """On a mutated pod: the medium it spills to, or ``Refused`` (with the reason in the webhook's log
@@ -46,6 +53,10 @@ SWAPPABLE = "SharedSpillSwappable"
 CONDITIONS = (READY, SWAPPABLE)
 
 TEMPORARY_DIRECTORY_ENV = "DASK_TEMPORARY_DIRECTORY"
+MAX_SPILL_ENV = "DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"
+"""``distributed.worker.memory.max-spill``: the bytes a worker process may spill, after which it
+keeps its data in memory (and pauses) instead. Set to ``sizeLimit / N``: the one bound of a
+cooperative worker on medium Node, whose hostPath has no ``sizeLimit`` of its own."""
 THRESHOLDS = ("target", "spill", "pause", "terminate")
 THRESHOLD_ENV = {name: f"DASK_DISTRIBUTED__WORKER__MEMORY__{name.upper()}" for name in THRESHOLDS}
 DASK_DEFAULTS = {"target": 0.6, "spill": 0.7, "pause": 0.8, "terminate": 0.95}
@@ -174,6 +185,22 @@ def host_path_refusal(path: str, roots: Collection[str]) -> str | None:
         f"spec.sharedSpill.hostPath: {path!r} is not a host directory that this cluster allows for shared"
         f" spill ({HOST_ROOT_FLAG}): it must be one of {', '.join(sorted('/' + '/'.join(r) for r in allowed))}{why}"
     )
+
+
+def spill_subpath(namespace: str, policy: str) -> str | None:
+    """The directory of one policy's workers under the host root: ``<namespace>/<policy>``, the
+    ``subPath`` of their spill mount; None when either name is not one plain path component.
+
+    The kubelet makes it, if missing, with the root's mode, as root (``makeMounts``,
+    ``pkg/kubelet/kubelet_pods.go``), and mounts only it into the container: the pod can never
+    reach ``<root>`` or ``<root>/<namespace>``, so no tenant's pod can leave anything there for
+    another's kubelet to follow. Both names are the API server's (a namespace is a DNS label, a
+    MemoryPolicy's name a DNS subdomain): neither holds a ``/`` nor is ``.`` or ``..``; checked
+    again here because a ``/`` would let one policy's directory lie inside another's."""
+    for name in (namespace, policy):
+        if not name or name in (".", "..") or "/" in name or "\0" in name:
+            return None
+    return f"{namespace}/{policy}"
 
 
 def _tokens(container: Mapping[str, Any]) -> list[str]:
@@ -371,38 +398,69 @@ class Mutation:
     node_requirements: tuple[Mapping[str, Any], ...]
 
 
-def plan(
-    pod_spec: Mapping[str, Any], spill: specs.SharedSpillSpec, *, host_roots: Collection[str]
-) -> tuple[Fit, Mutation | None]:
-    """The verdict for the pod's worker container and, when it fits, the mutation. ``host_roots``:
-    the host directories that medium Node may mount (:func:`host_path_refusal`)."""
+def _verdict(pod_spec: Mapping[str, Any], spill: specs.SharedSpillSpec, host_roots: Collection[str]) -> Fit:
     refused = _host_refusal(spill, host_roots)
     if refused is not None:
-        return refused, None
+        return refused
     container = worker_container(pod_spec)
     if container is None:
-        return _refuse(Refusal.NO_CONTAINER, "spec.sharedSpill: the pod has no container", spill=0), None
-    verdict = fit(container, spill)
+        return _refuse(Refusal.NO_CONTAINER, "spec.sharedSpill: the pod has no container", spill=0)
+    return fit(container, spill)
+
+
+def volume_and_mount(spill: specs.SharedSpillSpec, subpath: str | None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The pod's spill volume and the worker container's mount of it; None for medium Node
+    without a ``subpath`` (:func:`spill_subpath`): never the whole host root.
+
+    Medium Node: the host root, ``type: Directory`` (the node DaemonSet mounts the tmpfs there; a
+    node without it fails the mount instead of the kubelet making a plain directory on the root
+    disk, as DirectoryOrCreate would), mounted at ``subPath: <namespace>/<policy>``: one directory
+    per policy and node, the same for all its workers there, so a hand-over by hardlink works
+    between them (both link paths inside their own mount of that one directory: no EXDEV) and
+    never reaches another policy's files."""
+    mount: dict[str, Any] = {"name": VOLUME_NAME, "mountPath": MOUNT_PATH}
+    if spill.medium == specs.SpillMedium.MEMORY:
+        return {"name": VOLUME_NAME, "emptyDir": {"medium": "Memory", "sizeLimit": spill.sizeLimit}}, mount
+    if subpath is None:
+        return None
+    volume = {"name": VOLUME_NAME, "hostPath": {"path": spill.hostPath, "type": "Directory"}}
+    return volume, {**mount, "subPath": subpath}
+
+
+def plan(
+    pod_spec: Mapping[str, Any],
+    spill: specs.SharedSpillSpec,
+    *,
+    host_roots: Collection[str],
+    namespace: str,
+    policy: str,
+) -> tuple[Fit, Mutation | None]:
+    """The verdict for the pod's worker container and, when it fits, the mutation. ``host_roots``:
+    the host directories that medium Node may mount (:func:`host_path_refusal`); ``namespace`` and
+    ``policy``: the pod's namespace and the MemoryPolicy's name, whose directory it mounts."""
+    verdict = _verdict(pod_spec, spill, host_roots)
     if not verdict.allowed:
         return verdict, None
-    if spill.medium == specs.SpillMedium.MEMORY:
-        volume: dict[str, Any] = {"name": VOLUME_NAME, "emptyDir": {"medium": "Memory", "sizeLimit": spill.sizeLimit}}
-    else:
-        # One directory for every worker on the node, not a subdirectory per pod: a hand-over by
-        # hardlink needs both workers on one filesystem, in one tree. Directory: it must exist
-        # (the node DaemonSet prepares it); a node without it fails the mount instead of the
-        # kubelet creating a plain directory on the root disk (DirectoryOrCreate would).
-        volume = {"name": VOLUME_NAME, "hostPath": {"path": spill.hostPath, "type": "Directory"}}
+    built = volume_and_mount(spill, spill_subpath(namespace, policy))
+    if built is None:
+        # A pod without a namespace (never from the API server): no directory of its own, no spill.
+        why = f"spec.sharedSpill.hostPath: no directory of its own for namespace {namespace!r}, policy {policy!r}"
+        return _refuse(Refusal.HOST_PATH_NOT_ALLOWED, why, spill=verdict.spill), None
+    volume, mount = built
     env = [{"name": TEMPORARY_DIRECTORY_ENV, "value": MOUNT_PATH}]
     env += [
         {"name": THRESHOLD_ENV[name], "value": repr(value)}
         for name, value in verdict.fractions.items()
         if value is not None
     ]
+    # Each process' share of sizeLimit: what Dask spills stops there (it keeps the rest in memory
+    # and pauses), before the emptyDir's tmpfs is full or, on medium Node, before the worker takes
+    # more of the node's tmpfs than its policy allows (docs/resources.md, "Shared spill").
+    env.append({"name": MAX_SPILL_ENV, "value": str(verdict.spill // verdict.workers)})
     requirements = tuple(
         {"key": key, "operator": "In", "values": [value]} for key, value in sorted((spill.nodeSelector or {}).items())
     )
-    return verdict, Mutation(volume, {"name": VOLUME_NAME, "mountPath": MOUNT_PATH}, tuple(env), requirements)
+    return verdict, Mutation(volume, mount, tuple(env), requirements)
 
 
 def apply(pod_spec: dict[str, Any], mutation: Mutation) -> None:
@@ -523,7 +581,7 @@ def condition(
     elif pod_spec is None:
         return Verdict(unknown, unknown if spill.medium == specs.SpillMedium.NODE else None)
     else:
-        verdict, _ = plan(pod_spec, spill, host_roots=host_roots)
+        verdict = _verdict(pod_spec, spill, host_roots)
     if verdict.allowed:
         shown = ", ".join(f"{name} {value}" for name, value in verdict.fractions.items() if value is not None)
         ready: tuple[bool | None, str, str] = (

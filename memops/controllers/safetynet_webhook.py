@@ -97,7 +97,7 @@ def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = fr
         if found is None:
             return
         name, spec = found
-        change = safetynet.plan_injection(dict(body), name, spec, host_roots=host_roots)
+        change = safetynet.plan_injection(dict(body), name, spec, host_roots=host_roots, namespace=namespace)
         patch.spec.update(change["spec"])
         patch.metadata["annotations"] = change["annotations"]
         logger.info(

@@ -1,7 +1,7 @@
 """Zero-copy hand-over of spilled keys between workers that share a spill filesystem.
 
-Workers on one node whose spill directories lie on one tmpfs (the ``Node`` medium of
-``sharedSpill``) need not copy a spilled key over the network: the receiver hardlinks the
+Workers of one policy on one node, whose spill directories lie on one tmpfs (the ``Node`` medium
+of ``sharedSpill``), need not copy a spilled key over the network: the receiver hardlinks the
 sender's spill file into its own spill directory and registers the key as spilled, without
 reading it. Both workers then hold the key; the tmpfs pages exist once, and are freed when the
 last of the two links goes (the sender's, when it is drained and closed).
@@ -26,6 +26,14 @@ Two halves, both in this module, which imports nothing of memops (it is sent by 
     taken. A file is linked only when its path, resolved, is a regular file in a directory of
     the receiver's own shared root, on the receiver's device, with the inode and size that the
     sender reported; anything else is refused and falls back to the normal transfer.
+
+  The shared root lies in the pod's spill mount, which is its policy's own directory of the node's
+  tmpfs (``<root>/<namespace>/<policy>``, :func:`memops.shared_spill.spill_subpath`): "inside
+  its own shared root" means inside its policy's directory, so another tenant's file is never
+  linked, whatever it is named. Paths are the ones each worker sees: two workers of one policy
+  mount the one directory at the same mount path, so the sender's path names the same file in
+  the receiver's mount, and the link stays inside that one mount (link(2) across two bind mounts
+  fails with EXDEV even on one filesystem).
 
 - In the scheduler, :func:`install` registers the plugin, :func:`call` calls a worker's
   handler and reads the reply with ``deserialize=False`` and :func:`plain`, so that anything but
@@ -101,7 +109,8 @@ def _spill_file(worker: Any) -> Any:
 
 
 def _root(worker: Any) -> str:
-    """The directory in which every worker of the node makes its own (``dask-scratch-space``)."""
+    """The directory in which every worker of the policy on the node makes its own
+    (``dask-scratch-space``, in the pod's spill mount: its policy's directory)."""
     return os.path.realpath(os.path.dirname(os.path.realpath(str(worker.local_directory))))
 
 

@@ -231,7 +231,7 @@ class PodWorker:
             config_maps=config_maps,
         )
         # No mount namespace: paths under a volume's mountPath name its node directory instead.
-        found = volumes.mounts(self.pod, self.container, tmpfs=self.node.tmpfs, scratch=self.node.scratch)
+        found = volumes.mounts(self.pod, self.container, tmpfs=self.node.tmpfs, scratch=self.node.scratch, env=env)
         self.env = {name: volumes.translate(value, found) for name, value in env.items()}
         return [volumes.translate(part, found) for part in envs.command_line(self.container, self.env)]
 

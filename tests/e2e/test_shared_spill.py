@@ -182,14 +182,19 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
     sandbox.kubectl("scale", "deployment/shared", "--replicas=2")
     pods = running_pods(sandbox, "shared", 2)
     assert {p["spec"]["nodeName"] for p in pods} == {swap_node}, "required node affinity to the swap node"
+    # Each pod mounts its policy's own directory of the host root, made by the kubelet.
+    policy_dir = host_dir / "default" / "shared"
+    for pod in pods:
+        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "memops-spill", "mountPath": shared_spill.MOUNT_PATH, "subPath": "default/shared"} in mounts
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         found = [sandbox.wait_for(lambda p=p: _connected(client, p["metadata"]["name"]), what="a worker") for p in pods]
         futures = [f for n, (address, _) in enumerate(found) for f in fill(client, address, first=100 * n)]
-        # Both workers spill into the one directory tree of the node.
+        # Both workers spill into the one directory tree of their policy on the node.
         sandbox.wait_for(
-            lambda: len({f.parent.parent for f in spilled_files(host_dir)}) == 2, what="two workers' spill dirs"
+            lambda: len({f.parent.parent for f in spilled_files(policy_dir)}) == 2, what="two workers' spill dirs"
         )
-        assert all(Path(info["local_directory"]).is_relative_to(host_dir) for _, info in found)
+        assert all(Path(info["local_directory"]).is_relative_to(policy_dir) for _, info in found)
         del futures
 
     # Guaranteed pods under the Node medium: injected, and the status warns.

@@ -366,10 +366,18 @@ def test_shared_spill_daemonset_is_off_by_default_and_least_privileged_when_on()
     ]
     (init,) = pod["initContainers"]
     env = {e["name"]: e["value"] for e in init["env"]}
+    # Not 1777 for every user of the node: root and the group list the root and write in the
+    # <namespace>/<policy> directories that the kubelet makes with its mode (setgid: its group).
     assert env == {
         "SPILL_DIR": "/node/spill",
-        "SPILL_OPTIONS": "size=64g,mode=1777,uid=1000,gid=1000,nosuid,nodev,noexec",
+        "SPILL_OPTIONS": "size=64g,mode=2770,uid=1000,gid=1000,nosuid,nodev,noexec",
+        "SPILL_OWNER": "1000:1000",
+        "SPILL_MODE": "2770",
     }
+    # Set again after a remount too, which ignores mode=, uid= and gid=.
+    script = init["command"][2]
+    assert script.index('chown "$SPILL_OWNER" "$SPILL_DIR"') > script.index("fi\n")
+    assert script.index('chmod "$SPILL_MODE" "$SPILL_DIR"') > script.index("fi\n")
     # Never asked for; and the script refuses a tmpfs that ended up noswap.
     assert "noswap" not in env["SPILL_OPTIONS"] and "*noswap*) echo" in init["command"][2]
     assert init["volumeMounts"][0]["mountPropagation"] == "Bidirectional"

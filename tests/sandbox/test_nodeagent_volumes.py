@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,30 @@ def test_host_paths_are_under_the_nodes_tmpfs_and_directory_must_exist(tmp_path:
     ("volume", "mount", "message"),
     [
         pytest.param({"name": "v", "emptyDir": {}}, {"name": "x", "mountPath": "/m"}, "no such volume", id="missing"),
+        # The kubelet's own refusals (makeMounts): absolute, backsteps, an unset variable.
         pytest.param(
-            {"name": "v", "emptyDir": {}}, {"name": "v", "mountPath": "/m", "subPath": "a"}, "subPath", id="subpath"
+            {"name": "v", "emptyDir": {}},
+            {"name": "v", "mountPath": "/m", "subPath": "/etc"},
+            "must not be an absolute path",
+            id="absolute-subpath",
+        ),
+        pytest.param(
+            {"name": "v", "emptyDir": {}},
+            {"name": "v", "mountPath": "/m", "subPath": "a/../../b"},
+            "must not contain '..'",
+            id="dotdot-subpath",
+        ),
+        pytest.param(
+            {"name": "v", "emptyDir": {}},
+            {"name": "v", "mountPath": "/m", "subPathExpr": "$(NOWHERE)/x"},
+            "missing value for NOWHERE",
+            id="unset-subpathexpr",
+        ),
+        pytest.param(
+            {"name": "v", "emptyDir": {}},
+            {"name": "v", "mountPath": "/m", "subPathExpr": "$(UP)/x"},
+            "must not contain '..'",
+            id="dotdot-subpathexpr",
         ),
         pytest.param({"name": "v", "hostPath": {"path": "/a/../b"}}, {"name": "v", "mountPath": "/m"}, "absolute"),
         pytest.param(
@@ -63,7 +86,67 @@ def test_what_is_not_emulated_is_an_error(
     tmp_path: Path, volume: dict[str, Any], mount: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(envs.ConfigError, match=message):
-        volumes.mounts(pod(volume), mounted(mount), tmpfs=tmp_path, scratch=tmp_path)
+        volumes.mounts(pod(volume), mounted(mount), tmpfs=tmp_path, scratch=tmp_path, env={"UP": ".."})
+
+
+SPILL = {"name": "spill", "hostPath": {"path": "/var/lib/memops/spill", "type": "Directory"}}
+
+
+def _root(tmp_path: Path, mode: int = 0o2770) -> Path:
+    root = tmp_path / "host" / "var" / "lib" / "memops" / "spill"
+    root.mkdir(parents=True)  # what the node DaemonSet does
+    root.chmod(mode)
+    return root
+
+
+def test_a_subpath_mounts_its_directory_made_with_the_volumes_mode(tmp_path: Path) -> None:
+    """As the kubelet: the missing ``<namespace>/<policy>`` directories are made, each with the
+    mode of the volume's directory (setgid included), and the mount path stands for the last."""
+    root = _root(tmp_path)
+    container = mounted({"name": "spill", "mountPath": "/memops-spill", "subPath": "team-a/spill"})
+    found = volumes.mounts(pod(SPILL), container, tmpfs=tmp_path, scratch=tmp_path)
+    assert found == {"/memops-spill": root / "team-a" / "spill"}
+    for made in (root / "team-a", root / "team-a" / "spill"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o2770, oct(made.stat().st_mode)
+    # Mounted again (another pod of the policy): the same directory, left as it is.
+    (root / "team-a" / "spill" / "kept").write_text("x")
+    assert volumes.mounts(pod(SPILL), container, tmpfs=tmp_path, scratch=tmp_path) == found
+    assert (root / "team-a" / "spill" / "kept").exists()
+    assert volumes.translate("/memops-spill/dask-scratch-space", found) == str(root / "team-a/spill/dask-scratch-space")
+
+
+def test_a_subpathexpr_expands_the_containers_environment(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    container = mounted({"name": "spill", "mountPath": "/memops-spill", "subPathExpr": "$(NS)/spill"})
+    found = volumes.mounts(pod(SPILL), container, tmpfs=tmp_path, scratch=tmp_path, env={"NS": "team-b"})
+    assert found == {"/memops-spill": root / "team-b" / "spill"}
+
+
+@pytest.mark.parametrize("link", ["team-b", "team-b/spill"])
+def test_a_subpath_through_a_link_outside_the_volume_is_refused(tmp_path: Path, link: str) -> None:
+    """A link left where a namespace's or a policy's directory goes, to outside the volume: the
+    kubelet refuses the mount (its existing part, or the resolved subpath, is not within the volume)."""
+    root = _root(tmp_path)
+    outside = tmp_path / "etc"
+    outside.mkdir()
+    (root / link).parent.mkdir(parents=True, exist_ok=True)
+    (root / link).symlink_to(outside)
+    container = mounted({"name": "spill", "mountPath": "/memops-spill", "subPath": "team-b/spill"})
+    with pytest.raises(envs.ConfigError, match=r"outside of allowed base|not within volume path"):
+        volumes.mounts(pod(SPILL), container, tmpfs=tmp_path, scratch=tmp_path)
+    assert not list(outside.iterdir()), "nothing made outside the volume"
+
+
+def test_a_subpath_through_a_link_inside_the_volume_is_followed(tmp_path: Path) -> None:
+    """Inside the volume, the kubelet follows a link (EvalSymlinks, then the within-volume check):
+    what a pod can do with it is only what it could do in the volume anyway."""
+    root = _root(tmp_path)
+    (root / "team-a").mkdir()
+    (root / "team-b").symlink_to(root / "team-a")
+    container = mounted({"name": "spill", "mountPath": "/memops-spill", "subPath": "team-b/spill"})
+    assert volumes.mounts(pod(SPILL), container, tmpfs=tmp_path, scratch=tmp_path) == {
+        "/memops-spill": root / "team-a" / "spill"
+    }
 
 
 @pytest.mark.parametrize(

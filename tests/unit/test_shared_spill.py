@@ -161,10 +161,12 @@ def test_memops_run_refuses_a_bad_root(capsys: pytest.CaptureFixture[str]) -> No
 def test_node_medium_outside_the_roots_gets_no_mutation() -> None:
     pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
     for roots in (frozenset(), frozenset({"/var/lib/memops"}), frozenset({"/var/lib/memops/spill-other"})):
-        verdict, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE), host_roots=roots)
+        verdict, mutation = shared_spill.plan(
+            pod_spec, spill("Node", **NODE), host_roots=roots, namespace="ns", policy="p"
+        )
         assert mutation is None and verdict.refusal == shared_spill.Refusal.HOST_PATH_NOT_ALLOWED
     # Memory needs no host directory: allowed with none.
-    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"), host_roots=frozenset())
+    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"), host_roots=frozenset(), namespace="ns", policy="p")
     assert mutation is not None
 
 
@@ -296,7 +298,7 @@ def test_a_disabled_threshold_stays_as_the_user_has_it() -> None:
 
 def test_memory_medium_gets_a_per_pod_emptydir_and_the_dask_environment() -> None:
     pod_spec = {"containers": [worker("8Gi", env=[{"name": "DASK_TEMPORARY_DIRECTORY", "value": "/tmp"}])]}
-    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"), host_roots=frozenset())
+    _, mutation = shared_spill.plan(pod_spec, spill(size="2Gi"), host_roots=frozenset(), namespace="ns", policy="p")
     assert mutation is not None
     shared_spill.apply(pod_spec, mutation)
     assert pod_spec["volumes"] == [
@@ -329,12 +331,16 @@ def test_node_medium_shares_the_host_directory_and_requires_the_selected_nodes()
             }
         },
     }
-    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE), host_roots=ROOTS)
+    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE), host_roots=ROOTS, namespace="ns", policy="p")
     assert mutation is not None
     shared_spill.apply(pod_spec, mutation)
-    # Not a subdirectory per pod: every worker on the node sees the same tree (hand-over by hardlink).
+    # Not a subdirectory per pod: every worker of the policy on the node sees the same tree
+    # (hand-over by hardlink), its policy's directory of the host root and nothing else.
     assert pod_spec["volumes"] == [
         {"name": shared_spill.VOLUME_NAME, "hostPath": {"path": "/var/lib/memops/spill", "type": "Directory"}}
+    ]
+    assert pod_spec["containers"][0]["volumeMounts"] == [
+        {"name": shared_spill.VOLUME_NAME, "mountPath": shared_spill.MOUNT_PATH, "subPath": "ns/p"}
     ]
     ours = {"key": "feature.node.kubernetes.io/memory-swap.enabled", "operator": "In", "values": ["true"]}
     terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -343,9 +349,103 @@ def test_node_medium_shares_the_host_directory_and_requires_the_selected_nodes()
     assert terms[0]["matchExpressions"][0] == existing["matchExpressions"][0]
 
 
+HOST_VOLUME = {"name": "memops-spill", "hostPath": {"path": "/var/lib/memops/spill", "type": "Directory"}}
+
+
+@pytest.mark.parametrize(
+    ("medium", "namespace", "policy", "volume", "mount"),
+    [
+        pytest.param(
+            "Node",
+            "team-a",
+            "spill",
+            HOST_VOLUME,
+            {"name": "memops-spill", "mountPath": "/memops-spill", "subPath": "team-a/spill"},
+            id="node",
+        ),
+        # One policy name in two namespaces: two directories.
+        pytest.param(
+            "Node",
+            "team-b",
+            "spill",
+            HOST_VOLUME,
+            {"name": "memops-spill", "mountPath": "/memops-spill", "subPath": "team-b/spill"},
+            id="node-other-namespace",
+        ),
+        pytest.param(
+            "Node",
+            "team-a",
+            "spill.v2",
+            HOST_VOLUME,
+            {"name": "memops-spill", "mountPath": "/memops-spill", "subPath": "team-a/spill.v2"},
+            id="node-dotted-policy",
+        ),
+        # Never the whole root: no namespace, or a name that is not one path component, no volume.
+        pytest.param("Node", "", "spill", None, None, id="no-namespace"),
+        pytest.param("Node", "team-a", "", None, None, id="no-policy"),
+        pytest.param("Node", "..", "spill", None, None, id="dotdot-namespace"),
+        pytest.param("Node", "team-a", ".", None, None, id="dot-policy"),
+        pytest.param("Node", "team-a", "x/../../team-b/spill", None, None, id="slash-policy"),
+        pytest.param(
+            "Memory",
+            "team-a",
+            "spill",
+            {"name": "memops-spill", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+            {"name": "memops-spill", "mountPath": "/memops-spill"},
+            id="memory-per-pod",
+        ),
+    ],
+)
+def test_the_spill_volume_and_mount_of_each_namespace_and_policy(
+    medium: str, namespace: str, policy: str, volume: dict[str, Any] | None, mount: dict[str, Any] | None
+) -> None:
+    """Medium Node mounts the policy's own ``<namespace>/<policy>`` directory of the host root
+    (``subPath``), never the root itself, which every tenant's pods would share."""
+    spill_spec = spill(medium, **(NODE if medium == "Node" else {}))
+    built = shared_spill.volume_and_mount(spill_spec, shared_spill.spill_subpath(namespace, policy))
+    assert built == (None if volume is None else (volume, mount))
+    pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
+    verdict, mutation = shared_spill.plan(pod_spec, spill_spec, host_roots=ROOTS, namespace=namespace, policy=policy)
+    if volume is None:
+        assert mutation is None and verdict.refusal == shared_spill.Refusal.HOST_PATH_NOT_ALLOWED
+    else:
+        assert mutation is not None and (mutation.volume, mutation.mount) == (volume, mount)
+
+
+@pytest.mark.parametrize(
+    ("args", "size", "max_spill"),
+    [
+        pytest.param(("--memory-limit=2GiB",), "2Gi", 2 * 2**30, id="one-process"),
+        pytest.param(("--nworkers", "2", "--memory-limit=2GiB"), "2Gi", 2**30, id="two-processes"),
+    ],
+)
+@pytest.mark.parametrize("medium", ["Node", "Memory"])
+def test_size_limit_binds_what_each_worker_process_spills(
+    medium: str, args: tuple[str, ...], size: str, max_spill: int
+) -> None:
+    """A hostPath has no sizeLimit: Dask's max-spill is each process' share of it, on either medium."""
+    pod_spec: dict[str, Any] = {"containers": [worker("8Gi", *args, request="4Gi")]}
+    spill_spec = spill(medium, size=size, **(NODE if medium == "Node" else {}))
+    _, mutation = shared_spill.plan(pod_spec, spill_spec, host_roots=ROOTS, namespace="ns", policy="p")
+    assert mutation is not None
+    env = {e["name"]: e["value"] for e in mutation.env}
+    assert env[shared_spill.MAX_SPILL_ENV] == str(max_spill)
+    assert shared_spill.MAX_SPILL_ENV == "DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"
+
+
+def test_plan_injection_mounts_the_pods_namespace_directory() -> None:
+    spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
+    pod = {"metadata": {"name": "w-1", "namespace": "team-a"}, "spec": {"containers": [worker("8Gi", request="4Gi")]}}
+    mount = safetynet.plan_injection(pod, "p", spec, host_roots=ROOTS)["spec"]["containers"][0]["volumeMounts"][-1]
+    assert mount["subPath"] == "team-a/p"
+    # The admission request's namespace wins over what the object says.
+    change = safetynet.plan_injection(pod, "p", spec, host_roots=ROOTS, namespace="team-b")
+    assert change["spec"]["containers"][0]["volumeMounts"][-1]["subPath"] == "team-b/p"
+
+
 def test_a_pod_without_affinity_gets_one_term() -> None:
     pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
-    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE), host_roots=ROOTS)
+    _, mutation = shared_spill.plan(pod_spec, spill("Node", **NODE), host_roots=ROOTS, namespace="ns", policy="p")
     assert mutation is not None
     shared_spill.apply(pod_spec, mutation)
     terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -554,7 +654,7 @@ def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only(
 
 def test_plan_injection_mounts_an_allowed_host_path() -> None:
     spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
-    change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, host_roots=ROOTS)
+    change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, host_roots=ROOTS, namespace="ns")
     assert change["spec"]["volumes"][0]["hostPath"]["path"] == "/var/lib/memops/spill"
     assert change["annotations"][shared_spill.ANNOTATION] == "Node"
 

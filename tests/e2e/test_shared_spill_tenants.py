@@ -1,0 +1,190 @@
+"""Shared spill of medium Node with two tenants on one node: each namespace's policy has its own
+directory of the node's tmpfs, and neither tenant's workers reach the other's spilled files.
+
+Two namespaces each have a worker Deployment and a MemoryPolicy, both named ``spill``, with the
+``Node`` medium on the same host root; both workers run on one node. What is shown here:
+
+- each pod mounts its own ``<root>/<namespace>/<policy>`` (the mount's ``subPath``), and the
+  directory its spill mount resolves to is that one, in which it spills;
+- tenant A's mount holds none of B's files, and no path under A's mount (without ``..``, which the
+  kubelet's mount would not let out of it either) reaches B's directory;
+- B's workers never load a file that A wrote: A plants a file named like one of B's spill files
+  in its own tree, and B's hand-over refuses to link it (it lies outside B's directory), and the
+  two workers are never on "one filesystem" for the hand-over;
+- each process' share of ``sizeLimit`` is its Dask ``max-spill``.
+
+What the process node agent cannot enforce: its pods are processes of one host user, with no
+mount namespace, so A's process could still open B's directory by its host path (or by a symbolic
+link that it makes in its own tree). A kubelet bind-mounts only ``<root>/<namespace>/<policy>``
+into the container's own mount namespace: B's directory has no path there at all, whatever the
+user or the link, and the kubelet refuses a ``subPath`` that resolves outside the volume. The
+proof here is therefore about what the mount is (its directory, and what is reachable under it),
+which is exactly what a kubelet's mount makes the only thing the container sees.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import distributed
+
+from memops import shared_spill
+from tests.e2e.conftest import Sandbox
+from tests.e2e.test_policy import memory_policy
+from tests.e2e.test_shared_spill import (
+    HOST_PATH,
+    SWAP_LABEL,
+    fill,
+    node_tmpfs,
+    spilled_files,
+    worker_of,
+    workers,
+)
+
+TENANTS = ("tenant-a", "tenant-b")
+POLICY = "spill"
+SIZE = 600 * 2**20
+
+
+def _in(namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    manifest["metadata"]["namespace"] = namespace
+    return manifest
+
+
+def _running_pod(sandbox: Sandbox, namespace: str) -> dict[str, Any]:
+    def found() -> dict[str, Any] | None:
+        items = sandbox.get("pods", "-n", namespace, "-l", f"app={POLICY}")["items"]
+        running = [p for p in items if (p.get("status") or {}).get("phase") == "Running"]
+        return running[0] if len(running) == 1 else None
+
+    pod: dict[str, Any] = sandbox.wait_for(found, timeout=120, what=f"the running pod of {namespace}")
+    return pod
+
+
+def _connected(client: distributed.Client, pod: str) -> tuple[str, dict[str, Any]] | None:
+    try:
+        return worker_of(client, pod)
+    except AssertionError:
+        return None
+
+
+def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandbox_factory: Any) -> None:
+    sandbox: Sandbox = sandbox_factory(1)
+    node = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])[-1]
+    sandbox.kubectl("label", "node", node, f"{SWAP_LABEL}=true")
+    root = node_tmpfs(sandbox, node) / "host" / HOST_PATH.lstrip("/")
+    root.mkdir(parents=True)  # what the node DaemonSet does
+    root.chmod(0o2770)
+
+    spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": HOST_PATH, "nodeSelector": {SWAP_LABEL: "true"}}
+    for tenant in TENANTS:
+        sandbox.kubectl("create", "namespace", tenant)
+        sandbox.kubectl("create", "serviceaccount", "dask-worker", "-n", tenant)
+        deployment = _in(tenant, workers(sandbox.scheduler_address, POLICY))
+        deployment["spec"]["template"]["spec"]["serviceAccountName"] = "dask-worker"
+        sandbox.apply(deployment)
+        sandbox.apply(_in(tenant, memory_policy(POLICY, sandbox.scheduler_address, workload=POLICY, sharedSpill=spill)))
+    for tenant in TENANTS:
+
+        def injected(tenant: str = tenant) -> bool:
+            status = sandbox.get("mempol", POLICY, "-n", tenant).get("status") or {}
+            return any(
+                c["type"] == shared_spill.READY and c["status"] == "True" for c in status.get("conditions") or []
+            )
+
+        sandbox.wait_for(injected, what=f"{shared_spill.READY} of {tenant}")
+        sandbox.kubectl("scale", f"deployment/{POLICY}", "-n", tenant, "--replicas=1")
+    pods = {tenant: _running_pod(sandbox, tenant) for tenant in TENANTS}
+    own = {tenant: root / tenant / POLICY for tenant in TENANTS}
+    a, b = TENANTS
+
+    for tenant, pod in pods.items():
+        assert pod["spec"]["nodeName"] == node
+        container = pod["spec"]["containers"][0]
+        mount = {"name": "memops-spill", "mountPath": shared_spill.MOUNT_PATH, "subPath": f"{tenant}/{POLICY}"}
+        assert mount in container["volumeMounts"], container["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[shared_spill.MAX_SPILL_ENV] == str(SIZE), "one worker process: all of sizeLimit"
+        assert own[tenant].is_dir(), "made by the kubelet, when the pod's mount was set up"
+
+    def mount_of(dask_worker: Any) -> dict[str, Any]:
+        # Defined here, so that it is sent by value: the workers cannot import this module.
+        import dask
+
+        return {
+            "mount": os.path.realpath(os.environ["DASK_TEMPORARY_DIRECTORY"]),
+            "max_spill": dask.config.get("distributed.worker.memory.max-spill"),
+        }
+
+    def reachable(dask_worker: Any) -> list[list[Any]]:
+        """Every path under the worker's spill mount, with its inode: what it can list, read,
+        write or delete through its mount."""
+        mount = os.environ["DASK_TEMPORARY_DIRECTORY"]
+        found = []
+        for directory, dirs, files in os.walk(mount, followlinks=True):
+            for name in [*dirs, *files]:
+                path = os.path.join(directory, name)
+                found.append([os.path.realpath(path), os.stat(path).st_ino])
+        return found
+
+    def plant(dask_worker: Any, name: str = "") -> list[Any]:
+        """What a hostile worker can do in its own tree: a file named like a victim's spill file."""
+        directory = os.path.join(str(dask_worker.local_directory), "storage")
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, name)
+        with open(path, "wb") as f:
+            f.write(b"not the victim's data")
+        st = os.stat(path)
+        return [directory, st.st_ino, st.st_size]
+
+    def take(dask_worker: Any, directory: str = "", entries: Any = ()) -> Any:
+        from memops.scheduler import handover
+
+        return handover.take(dask_worker, directory=directory, entries=entries)
+
+    def identity(dask_worker: Any) -> Any:
+        from memops.scheduler import handover
+
+        return handover.identity(dask_worker)
+
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        address = {
+            t: sandbox.wait_for(lambda p=p: _connected(client, p["metadata"]["name"]), what=f"the worker of {t}")[0]
+            for t, p in pods.items()
+        }
+        seen = {t: client.run(mount_of, workers=[address[t]])[address[t]] for t in TENANTS}
+        for tenant in TENANTS:
+            # The directory its spill mount resolves to: its own namespace's and policy's, nothing wider.
+            assert Path(seen[tenant]["mount"]) == own[tenant], (tenant, seen[tenant])
+            assert seen[tenant]["max_spill"] == SIZE, seen[tenant]
+        futures = [*fill(client, address[b]), *fill(client, address[a], first=100)]
+        b_files = sandbox.wait_for(lambda: spilled_files(own[b]), what=f"{b}'s spilled files")
+        sandbox.wait_for(lambda: spilled_files(own[a]), what=f"{a}'s spilled files")
+
+        # A's mount: none of B's files, and no path under it is in B's directory.
+        under_a = client.run(reachable, workers=[address[a]])[address[a]]
+        b_inodes = {f.stat().st_ino for f in b_files}
+        assert under_a and not b_inodes & {ino for _, ino in under_a}, "A's mount reaches B's spilled files"
+        assert not [p for p, _ in under_a if Path(p).is_relative_to(own[b])], "A's mount reaches B's directory"
+        assert not own[b].is_relative_to(own[a]) and not own[a].is_relative_to(own[b])
+
+        # A plants a file named like B's spill file in its own tree; B's hand-over refuses it.
+        victim = b_files[0].name
+        directory, ino, size = client.run(plant, name=victim, workers=[address[a]])[address[a]]
+        entries = [["planted-by-a", victim, ino, size, size]]
+        taken = client.run(take, directory=directory, entries=entries, workers=[address[b]])[address[b]]
+        assert taken == [], "B linked a file that A wrote"
+        assert not any(p.stat().st_ino == ino for p in spilled_files(own[b])), "A's file is in B's tree"
+        assert (
+            "planted-by-a"
+            not in client.run(lambda dask_worker: list(dask_worker.data), workers=[address[b]])[address[b]]
+        )
+        # And the scheduler never pairs them for a hand-over: not one spill filesystem.
+        from memops.scheduler import handover
+
+        ids = {t: client.run(identity, workers=[address[t]])[address[t]] for t in TENANTS}
+        assert ids[a]["root"] != ids[b]["root"] and not handover.same_filesystem(ids[a], ids[b]), ids
+        assert Path(ids[b]["root"]).is_relative_to(own[b]), ids[b]
+        del futures
