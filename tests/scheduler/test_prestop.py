@@ -229,3 +229,25 @@ async def test_the_hook_fails_when_no_worker_of_its_pod_is_connected() -> None:
             assert await run_hook(address, "dask-worker-7d4b9-x2x9z", env) == 1
             assert set((await client.scheduler.identity())["workers"]) == set(workers), "no worker retired"
             assert await daskrpc.drain_status(address) == {}, "no worker drained"
+
+
+async def test_the_hook_of_a_pod_that_memops_already_drained_succeeds() -> None:
+    """The operator retired the pod's workers with memops' drain (a RetirementRequest, a policy's
+    scale-down), then removes the pod: no worker of the pod is connected any more, but memops'
+    drain took them, so the hook has nothing to do and did not fail (no FailedPreStopHook)."""
+    async with (
+        LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=":0", asynchronous=True) as local,
+        Client(local, asynchronous=True) as client,
+    ):
+        address = local.scheduler_address
+        async with dask_workers(address, POD_IP, "--nworkers", "2"), dask_workers(address, OTHER_IP):
+            workers = await wait_for_workers(client, 3)
+            leaving = sorted(a for a in workers if host_of(a) == POD_IP)
+            await daskrpc.start_drain(address, leaving, deadline=30, nodes_dying=False)
+
+            async def drained() -> None:
+                while set((await client.scheduler.identity())["workers"]) & set(leaving):
+                    await asyncio.sleep(0.1)
+
+            await asyncio.wait_for(drained(), 60)
+            assert await run_hook(address, "dask-worker-7d4b9-x2x9z", {"MEMOPS_POD_IPS": POD_IP}) == 0
