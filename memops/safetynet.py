@@ -3,7 +3,7 @@
 Someone lowers a Deployment's replicas directly, a rollout replaces pods, a node drains: the
 kubelet then runs the container's ``preStop`` hook before SIGTERM. For the workers of a
 MemoryPolicy's workload, memops' mutating admission webhook (:mod:`memops.controllers.safetynet_webhook`)
-adds a ``preStop`` hook that asks the scheduler to drain this worker (memops' drain with a
+adds a ``preStop`` hook that asks the scheduler to drain this pod's workers (memops' drain with a
 deadline where the operator's agent runs, stock ``retire_workers`` elsewhere), and a grace
 period long enough for the drain. The pods are mutated, never the user's Deployment, so GitOps tools see
 no drift. The hook uses only what ``distributed`` ships (msgpack), so a stock Dask image works,
@@ -38,62 +38,111 @@ MAX_GRACE_SECONDS = int(specs.parse_duration(specs.MAX_DURATION).total_seconds()
 
 _PRE_STOP_MAIN = """
 
-# -- the preStop hook: drain this worker through the scheduler -------------------------------
+# -- the preStop hook: drain this pod's workers through the scheduler ------------------------
+
+import ipaddress
 
 LEAVING = {"closing_gracefully", "closing", "closed"}
 
 
-async def _statuses(comm, name):
+def _canonical_ip(text):
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        return ""  # a host name: no IP to compare
+
+
+def _address_host(address):
+    rest = str(address).split("://", 1)[-1]
+    if rest.startswith("["):
+        return _canonical_ip(rest[1:].split("]", 1)[0])
+    return _canonical_ip(rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest)
+
+
+def _is_ours(address, name, ips, names):
+    # The pod's IP is the proof: pod IPs are unique in a cluster, and every worker of the pod
+    # (dask worker without --name, --nworkers 2) listens on it. A name (the pod's, or
+    # DASK_WORKER_NAME) counts only where no IP can disprove it: the worker advertises a host
+    # name, or the pod has no IP of its own (hostNetwork). A worker with this name at another IP
+    # is another pod's, such as the new pod of a dask-kubernetes worker Deployment, which
+    # carries the same DASK_WORKER_NAME: draining it would retire someone else's worker.
+    host = _address_host(address)
+    if host and host in ips:
+        return True
+    return str(name) in names and (not ips or not host)
+
+
+async def _statuses(comm, ips, names, only=None):
+    # Worker address -> status, for the workers of this pod (of ``only``, once they are known).
     identity = await comm.call("identity")
     workers = identity.get("workers") if isinstance(identity, dict) else None
     if not isinstance(workers, dict):
         raise Misbehaved("identity is not a map of workers")
     return {
-        str(info.get("status"))
-        for info in workers.values()
-        if isinstance(info, dict) and str(info.get("name")) == name
+        str(address): str(info.get("status"))
+        for address, info in workers.items()
+        if isinstance(info, dict)
+        and (str(address) in only if only is not None else _is_ours(address, info.get("name"), ips, names))
     }
 
 
-async def _drained_by_memops(comm, name):
-    # Whether memops' drain is draining this worker now (the operator's RetirementRequest).
-    reply = await comm.call("memops_agent", operation="drain_status", names=[name])
+async def _drain_states(comm, workers=None):
+    # memops' drains (all of them, or of these addresses): address -> figures; {} without the agent.
+    arguments = {"workers": sorted(workers)} if workers is not None else {}
+    reply = await comm.call("memops_agent", operation="drain_status", **arguments)
     states = reply.get("result") if isinstance(reply, dict) else None
-    return isinstance(states, dict) and any(
-        isinstance(state, dict) and state.get("state") == "draining" for state in states.values()
-    )
+    if not isinstance(states, dict):
+        return {}
+    return {str(a): state for a, state in states.items() if isinstance(state, dict)}
 
 
-async def _drain_by_memops(comm, name, deadline):
+async def _drain_by_memops(comm, workers, deadline):
     # memops' drain (the operator's agent in the scheduler): the keys worth most first, off
-    # this node, each asked once, stopped at the deadline. Not installed (or an agent without
-    # it): None, and stock retire_workers does it.
+    # this node, each asked once, stopped at the deadline; every worker of the pod in one drain,
+    # so that none takes another's keys. Not installed (or an agent without it): None, and
+    # stock retire_workers does it.
     node = os.environ.get("MEMOPS_NODE_NAME", "")
     reply = await comm.call(
         "memops_agent",
         operation="drain",
-        names=[name],
+        workers=sorted(workers),
         deadline=deadline,
-        nodes={name: node} if node else {},
+        nodes={address: node for address in workers} if node else {},
         origin="preStop",
     )
     if not isinstance(reply, dict) or not isinstance(reply.get("result"), dict) or not reply["result"]:
         return None
     while True:
-        reply = await comm.call("memops_agent", operation="drain_status", names=[name])
-        states = reply.get("result") if isinstance(reply, dict) else None
-        if not isinstance(states, dict) or not states:
+        states = await _drain_states(comm, workers)
+        if not states:
             return None
-        state = next(iter(states.values()))
-        if not isinstance(state, dict) or state.get("state") != "draining":
-            print("memops drain:", state, flush=True)
-            return state
+        if all(state.get("state") != "draining" for state in states.values()):
+            for address, state in sorted(states.items()):
+                print("memops drain:", address, state, flush=True)
+            return states
         await asyncio.sleep(0.2)
 
 
+async def _retire(comm, workers):
+    # Stock retire_workers. The scheduler retires nobody when no other worker can take the
+    # unique data (say, in a rollout, before the new pods' workers have connected): the kubelet
+    # would then kill the workers with their data. Ask again until every one is retired, or
+    # gone, or the timeout ends. A worker that something else is retiring right now is waited
+    # for, not retired twice: a second retirement could leave it stuck closing_gracefully.
+    while True:
+        statuses = await _statuses(comm, (), (), only=workers)
+        if not statuses:
+            return
+        idle = sorted(a for a, status in statuses.items() if status not in LEAVING)
+        if idle:
+            await comm.call("retire_workers", workers=idle, close_workers=True, remove=True)
+        await asyncio.sleep(0.5)
+
+
 async def _main(deadline):
+    ips = {_canonical_ip(ip.strip()) for ip in os.environ.get("MEMOPS_POD_IPS", "").split(",")} - {""}
     # dask-kubernetes names a worker by DASK_WORKER_NAME (its Deployment); otherwise the pod's name.
-    name = os.environ.get("DASK_WORKER_NAME") or os.environ["MEMOPS_POD_NAME"]
+    names = {os.environ.get("DASK_WORKER_NAME", ""), os.environ.get("MEMOPS_POD_NAME", "")} - {""}
     context = None
     if os.environ.get("MEMOPS_TLS_CA"):  # PEM texts from the policy's Secret
         context = ssl_context_from_pem(
@@ -101,29 +150,41 @@ async def _main(deadline):
         )
     comm = await connect(os.environ["MEMOPS_SCHEDULER_ADDRESS"], ssl_context=context, timeout=10)
     async with comm:
-        statuses = await _statuses(comm, name)
-        if statuses & LEAVING and await _drained_by_memops(comm, name):
-            # memops' drain asked again keeps its drain, and takes this hook's deadline if earlier
-            # and this node as dying: a drain that ran on past the hook's end would be killed.
-            if await _drain_by_memops(comm, name, deadline) is not None:
-                return
-            statuses = await _statuses(comm, name)
-        if statuses & LEAVING:
-            # Already being retired (by stock retire_workers): a second retirement could leave the
-            # worker stuck closing_gracefully, so wait for that one to end instead.
-            while statuses & LEAVING:
-                await asyncio.sleep(0.5)
-                statuses = await _statuses(comm, name)
-            return
-        if await _drain_by_memops(comm, name, deadline) is None:
-            # No memops agent: stock retire_workers. The scheduler retires nobody when no other
-            # worker can take the unique data (say, in a rollout, before the new pods' workers have
-            # connected): the kubelet would then kill the worker with its data. Ask again until it
-            # is retired, or gone, or the timeout ends.
-            while not await comm.call("retire_workers", names=[name], close_workers=True, remove=True):
-                if not await _statuses(comm, name):
-                    return
-                await asyncio.sleep(1)
+        statuses = await _statuses(comm, ips, names)
+        if not statuses:
+            # memops' drain already took them (the operator retired this pod's workers, then
+            # removed the pod): nothing is left to drain, and the hook did not fail.
+            drained = [
+                a for a, state in (await _drain_states(comm)).items()
+                if state.get("state") != "draining" and _is_ours(a, state.get("name"), ips, names)
+            ]
+            if drained:
+                print("drained by memops already:", ", ".join(sorted(drained)), flush=True)
+                return 0
+            # The scheduler answered, and no worker of this pod is there: nothing was drained.
+            # A failed hook is what the kubelet records (FailedPreStopHook), and memops' status shows.
+            print(
+                "no worker of this pod is connected to the scheduler (pod IPs: %s, names: %s)"
+                % (", ".join(sorted(ips)) or "none", ", ".join(sorted(names)) or "none"),
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        states = await _drain_states(comm, statuses)
+        # Leaving by stock retire_workers (not by memops' drain): waited for, never drained twice.
+        # Leaving by memops' drain (the operator's RetirementRequest): asked again, it keeps its
+        # drain and takes this hook's deadline if earlier, and this node as dying: a drain that
+        # ran on past the hook's end would be killed.
+        elsewhere = {
+            a for a, status in statuses.items()
+            if status in LEAVING and states.get(a, {}).get("state") != "draining"
+        }
+        ours = set(statuses) - elsewhere
+        if ours and await _drain_by_memops(comm, ours, deadline) is None:
+            await _retire(comm, ours)
+        if elsewhere:
+            await _retire(comm, elsewhere)
+    return 0
 
 
 # The pod's grace period, and a shorter one given at deletion (kubectl delete --grace-period,
@@ -131,16 +192,22 @@ async def _main(deadline):
 # set (MEMOPS_DRAIN_DEADLINE) and no later than the drain's timeout. A shorter window ends the
 # hook with SIGKILL; memops' drain has moved the keys worth most by then.
 _DEADLINE = min(float(os.environ["MEMOPS_DRAIN_TIMEOUT"]), float(os.environ.get("MEMOPS_DRAIN_DEADLINE") or "inf"))
-asyncio.run(asyncio.wait_for(_main(_DEADLINE), _DEADLINE + 5))
+sys.exit(asyncio.run(asyncio.wait_for(_main(_DEADLINE), _DEADLINE + 5)))
 """
 
 PRE_STOP_SCRIPT = inspect.getsource(daskcomm) + _PRE_STOP_MAIN
 """Runs in the worker's container, with the image's own Python and only what ``distributed``
 brings (msgpack). It is :mod:`memops.daskcomm`'s source and a short main, so the hook and the
 operator share one client, and the hook never unpickles what the address sends it either.
-Retiring by name finds the worker whatever its address; a worker that memops already retired is
-simply not found, and one that something else is retiring right now is waited for, not retired
-twice; one that memops' drain is draining gets this hook's deadline and node in that drain."""
+It finds the pod's workers as the operator does (:func:`memops.snapshots.workers_by_pod`): every
+worker whose address is on the pod's IP (``MEMOPS_POD_IPS``), so ``dask worker`` without
+``--name`` and each of ``--nworkers 2`` are found, and drains them all in one drain; a worker
+named after the pod (or ``DASK_WORKER_NAME``) only where no IP can tell (a host name as its
+address, a ``hostNetwork`` pod). Finding none while the scheduler answers, it exits 1: the kubelet
+records ``FailedPreStopHook``, which the policy's status shows (:func:`failed_hooks`), unless
+memops' drain already took them (the operator retired them before removing the pod). A worker that
+something else is retiring right now is waited for, not retired twice; one that memops' drain is
+draining gets this hook's deadline and node in that drain."""
 
 
 def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
@@ -156,6 +223,15 @@ def _tls_env(spec: specs.MemoryPolicySpec) -> list[dict[str, Any]]:
         {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
         for name, key in (("MEMOPS_TLS_CA", "ca.crt"), ("MEMOPS_TLS_CERT", "tls.crt"), ("MEMOPS_TLS_KEY", "tls.key"))
     ]
+
+
+def _pod_ips_env(pod_spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The pod's IPs (comma-separated, both families on a dual-stack cluster), by which the hook
+    finds every worker of the pod, named or not. None for a ``hostNetwork`` pod: its IPs are its
+    node's, shared with every such pod there, so they prove nothing and the hook goes by name."""
+    if pod_spec.get("hostNetwork"):
+        return []
+    return [{"name": "MEMOPS_POD_IPS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}}]
 
 
 def plan_injection(
@@ -188,6 +264,7 @@ def plan_injection(
             {"name": "MEMOPS_SCHEDULER_ADDRESS", "value": spec.scheduler.address},
             {"name": "MEMOPS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "MEMOPS_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            *_pod_ips_env(pod_spec),
             {"name": "MEMOPS_DRAIN_TIMEOUT", "value": str(timeout)},
             {"name": "MEMOPS_DRAIN_DEADLINE", "value": str(max(grace - GRACE_MARGIN_SECONDS, 1))},
             *_tls_env(spec),

@@ -11,8 +11,11 @@ relies on it, and cites where upstream does it (kubernetes v1.37). Where it diff
   only, as node directories that paths under their mount path are rewritten to
   (:mod:`memops_sandbox.nodeagent_volumes`);
 - each pod gets its own loopback address (127.x.y.z) as ``status.podIP``, chosen before the
-  container starts so that ``fieldRef: status.podIP`` works; each node's pods come from its own
-  127.(100+i).0.0/16 and the node's address (``hostIP``) is 127.(100+i).0.1;
+  container starts so that ``fieldRef: status.podIP`` (and ``status.podIPs``) works; each node's
+  pods come from its own 127.(100+i).0.0/16 and the node's address (``hostIP``) is 127.(100+i).0.1.
+  No network namespace: the pods share this machine's network, and only the address a pod's
+  Python processes find for themselves is the pod's (:mod:`memops_sandbox.nodeagent_net`), so
+  that ``dask worker`` without ``--host`` listens on its pod's IP, as on a cluster;
 - restart back-off starts at 0.5 s and doubles to 5 s (upstream: 10 s to 5 min), so tests do
   not wait;
 - the Ready condition's heartbeat is posted every minute (upstream: every 5 min when nothing
@@ -43,6 +46,7 @@ from typing import Any
 
 from memops_sandbox import nodeagent_api as api
 from memops_sandbox import nodeagent_env as envs
+from memops_sandbox import nodeagent_net as net
 from memops_sandbox import nodeagent_status as statuses
 from memops_sandbox import nodeagent_volumes as volumes
 
@@ -236,9 +240,11 @@ class PodWorker:
         return [volumes.translate(part, found) for part in envs.command_line(self.container, self.env)]
 
     def process_env(self) -> dict[str, str]:
-        """The environment of the container's process, of its exec probes and of its exec hooks."""
+        """The environment of the container's process, of its exec probes and of its exec hooks;
+        their route lookups answer the pod's IP (:mod:`memops_sandbox.nodeagent_net`)."""
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        return {**os.environ, "PATH": path, **self.env}
+        site = net.write_site(self.agent.run_dir / "pod-network")
+        return net.pod_env({**os.environ, "PATH": path, **self.env}, site=site, pod_ip=self.ip)
 
     async def run(self) -> None:
         backoff = self.agent.timing.backoff_initial

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import base64
 import copy
+import os
 import shutil
 from typing import Any
 
 import distributed
+import pytest
 from memops_sandbox import common as sandbox_cli
 
 from tests.e2e import audit
-from tests.e2e.conftest import BIN, Sandbox
+from tests.e2e.conftest import BIN, Sandbox, retirement_request
+from tests.e2e.data import Holdings
 from tests.e2e.test_policy import condition, memory_policy
 
 
@@ -133,3 +136,100 @@ def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox
         for name, key in (("MEMOPS_TLS_CA", "ca.crt"), ("MEMOPS_TLS_CERT", "tls.crt"), ("MEMOPS_TLS_KEY", "tls.key")):
             assert env[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "scheduler-tls", "key": key}}}
         assert env["MEMOPS_SCHEDULER_ADDRESS"]["value"] == address
+
+
+def chart_workers(scheduler_address: str, name: str, *extra: str) -> dict[str, Any]:
+    """Workers with the Dask Helm chart's arguments (``dask/templates/dask-worker-deployment.yaml``):
+    the scheduler, ``--nthreads``, ``--memory-limit``, ``--no-dashboard``; no ``--name``, no
+    ``--host``: ``dask worker`` finds its pod's IP itself, and names each worker by its address."""
+    deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0))
+    deployment["metadata"] = {"name": name, "namespace": "default", "labels": {"app": name}}
+    deployment["spec"]["selector"] = {"matchLabels": {"app": name}}
+    template = deployment["spec"]["template"]
+    template["metadata"] = {"labels": {"app": name}}
+    container = template["spec"]["containers"][0]
+    container["args"] = [
+        "$(DASK_SCHEDULER_ADDRESS)",
+        *("--nthreads", "1", "--memory-limit", "1GiB", "--no-dashboard"),
+        *extra,
+    ]
+    return deployment
+
+
+def host_of(address: str) -> str:
+    return address.split("://", 1)[1].rsplit(":", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "per_pod"), [pytest.param((), 1, id="chart-args"), pytest.param(("--nworkers", "2"), 2, id="nworkers-2")]
+)
+def test_a_direct_scale_down_drains_every_worker_of_the_pod_named_or_not(
+    sandbox: Sandbox, extra: tuple[str, ...], per_pod: int
+) -> None:
+    """``kubectl scale deployment`` under a MemoryPolicy, for workers that are not named after their
+    pod: the preStop hook finds every worker on the pod's IP and drains them all before SIGTERM:
+    no key is lost, and no hook failed. (Before: the hook found no worker named after the pod,
+    exited 0 at once, and the pod's unique data went with it.)"""
+    sandbox.apply(chart_workers(sandbox.scheduler_address, "chart", *extra))
+    sandbox.apply(memory_policy("chart", sandbox.scheduler_address, workload="chart"))
+    sandbox.wait_for(lambda: (c := condition(sandbox, "chart", "Ready")) and c["status"] == "True", what="Ready")
+    sandbox.kubectl("scale", "deployment/chart", "--replicas=2")
+
+    def chart_pods() -> dict[str, str]:
+        """Pod name -> IP, of the running pods not being deleted."""
+        items = sandbox.get("pods", "-l", "app=chart")["items"]
+        return {
+            p["metadata"]["name"]: p["status"]["podIP"]
+            for p in items
+            if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")
+        }
+
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+
+        def workers_of_pods() -> dict[str, list[str]] | None:
+            pods = chart_pods()
+            addresses = list(client.scheduler_info(n_workers=-1)["workers"])
+            found = {pod: sorted(a for a in addresses if host_of(a) == ip) for pod, ip in pods.items()}
+            return found if len(found) == 2 and all(len(ws) == per_pod for ws in found.values()) else None
+
+        placed = sandbox.wait_for(workers_of_pods, what=f"two pods of {per_pod} worker(s) each, on their pods' IPs")
+        for pod in placed:
+            assert sandbox.get("pod", pod)["metadata"]["annotations"]["memops.dev/safety-net"] == "chart"
+            assert not any(pod in str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values())
+        holdings = Holdings(client)
+        for pod, workers in placed.items():
+            for worker in workers:
+                values = {
+                    f"{host_of(worker)}-{worker.rsplit(':', 1)[1]}-{i}": os.urandom(256 * 1024) for i in range(10)
+                }
+                holdings.futures.update(client.scatter(values, workers=[worker], hash=False, broadcast=False))
+                holdings.values.update(values)
+                holdings.owner.update(dict.fromkeys(values, pod))
+        assert all(len(h) == 1 for h in client.who_has(list(holdings.futures.values())).values()), "unique data"
+
+        sandbox.kubectl("scale", "deployment/chart", "--replicas=1")
+        [gone] = sandbox.wait_for(lambda: [p for p in placed if p not in chart_pods()], what="a pod removed")
+        # Until the pod object is gone, its hook may still run: the kubelet deletes it after SIGTERM.
+        sandbox.wait_for(
+            lambda: not sandbox.kubectl("get", "pod", gone, check=False).stdout, timeout=120, what=f"{gone} deleted"
+        )
+        left = set(client.scheduler_info(n_workers=-1)["workers"])
+        assert not left & set(placed[gone]), "the removed pod's workers left the scheduler"
+        holdings.assert_all_correct()
+        assert len(holdings.keys_of(gone)) == 10 * per_pod
+
+        # The operator's own retirement of the last pod: memops' drain takes its workers, then the
+        # pod goes; its hook finds them drained already, which is no failure.
+        [last] = chart_pods()
+        request = retirement_request("last", scheduler={"address": sandbox.scheduler_address}, count=1)
+        request["spec"]["workload"]["name"] = "chart"
+        sandbox.apply(request)
+        done = sandbox.wait_phase("last", "Succeeded", "Failed")
+        assert done["status"]["phase"] == "Succeeded", done["status"]
+        sandbox.wait_for(
+            lambda: not sandbox.kubectl("get", "pod", last, check=False).stdout, timeout=120, what=f"{last} deleted"
+        )
+        holdings.assert_all_correct()
+    for pod in (gone, last):
+        events = sandbox.get("events", "--field-selector", f"involvedObject.name={pod},reason=FailedPreStopHook")
+        assert events["items"] == [], f"{pod}'s hook did not fail"

@@ -81,6 +81,7 @@ POD = {
         pytest.param("spec.nodeName", "node-a", id="node"),
         pytest.param("spec.serviceAccountName", "sa", id="service-account"),
         pytest.param("status.podIP", "127.100.0.2", id="pod-ip"),
+        pytest.param("status.podIPs", "127.100.0.2", id="pod-ips"),
         pytest.param("status.hostIP", "127.100.0.1", id="host-ip"),
     ],
 )

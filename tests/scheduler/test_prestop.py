@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
@@ -135,3 +138,116 @@ async def test_the_hook_gives_its_deadline_and_node_to_the_operators_running_dra
             finally:
                 os.kill(pid, signal.SIGCONT)
             assert len(await client.gather(list(futures.values()))) == 20
+
+
+# -- a pod's workers found by its IP -----------------------------------------------------------
+
+POD_IP = "127.0.0.2"  # the pod whose hook runs: its workers listen on its IP, as in a pod
+OTHER_IP = "127.0.0.3"  # another pod's
+
+
+@contextlib.asynccontextmanager
+async def dask_workers(address: str, host: str, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``dask worker`` as the Dask Helm chart runs it (no ``--name``), on ``host`` as on a pod's IP."""
+    command = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--host", host]
+    process = await asyncio.create_subprocess_exec(
+        *command, "--nthreads", "1", "--no-dashboard", *args, start_new_session=True
+    )
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 30)
+
+
+async def wait_for_workers(client: Client, count: int) -> dict[str, Any]:
+    async def connected() -> dict[str, Any]:
+        while len(workers := (await client.scheduler.identity())["workers"]) < count:
+            await asyncio.sleep(0.1)
+        return workers
+
+    return await asyncio.wait_for(connected(), 60)
+
+
+def host_of(address: str) -> str:
+    return address.split("://", 1)[1].rsplit(":", 1)[0]
+
+
+@pytest.mark.parametrize("agent", [True, False], ids=["memops-drain", "retire-workers"])
+async def test_the_hook_drains_every_worker_on_its_pods_ip_named_or_not(agent: bool) -> None:
+    """``dask worker --nworkers 2`` without ``--name`` (the Dask Helm chart's arguments): neither
+    worker is named after the pod. The hook finds both by the pod's IP and drains both, by memops'
+    drain where its agent runs and by ``retire_workers`` elsewhere; the other pod's worker takes
+    the data. (Before: the hook looked for a worker named after the pod, found none, exited 0,
+    and the kubelet killed both workers with their data.)"""
+    async with (
+        LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=":0", asynchronous=True) as local,
+        Client(local, asynchronous=True) as client,
+    ):
+        address = local.scheduler_address
+        async with dask_workers(address, POD_IP, "--nworkers", "2"), dask_workers(address, OTHER_IP):
+            workers = await wait_for_workers(client, 3)
+            leaving = sorted(a for a in workers if host_of(a) == POD_IP)
+            [staying] = [a for a in workers if host_of(a) == OTHER_IP]
+            assert len(leaving) == 2 and all(str(workers[a]["name"]) != "dask-worker-7d4b9-x2x9z" for a in leaving)
+            futures = {}
+            for worker in leaving:
+                values = {f"{worker}-{i}": os.urandom(4096) for i in range(20)}
+                futures.update(await client.scatter(values, workers=[worker], hash=False))
+            if agent:
+                assert await daskrpc.drain_status(address) == {}  # installs the agent
+            env = {"MEMOPS_POD_NAME": "dask-worker-7d4b9-x2x9z", "MEMOPS_POD_IPS": POD_IP, "MEMOPS_NODE_NAME": "node-a"}
+            assert await run_hook(address, "dask-worker-7d4b9-x2x9z", env) == 0
+            assert set((await client.scheduler.identity())["workers"]) == {staying}
+            who_has = await client.who_has(list(futures.values()))
+            assert all(holders == (staying,) for holders in who_has.values()), who_has
+            if agent:
+                states = await daskrpc.drain_status(address)
+                assert sorted(states) == leaving and all(s["origin"] == "preStop" for s in states.values())
+                assert sum(s["keysMoved"] for s in states.values()) == 40
+
+
+async def test_the_hook_fails_when_no_worker_of_its_pod_is_connected() -> None:
+    """A scheduler that answers but has no worker on the pod's IP: the hook exits non-zero, so that
+    the kubelet records FailedPreStopHook and the policy's status shows the pod. A worker named
+    after the pod but on another pod's IP is that pod's (a restarted dask-kubernetes worker carries
+    the same DASK_WORKER_NAME): the IP wins, and it is left alone. (Before: the hook retired the
+    named worker of the other pod, and exited 0 for a pod whose worker it never found.)"""
+    async with (
+        LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=":0", asynchronous=True) as local,
+        Client(local, asynchronous=True) as client,
+    ):
+        address = local.scheduler_address
+        async with (
+            dask_workers(address, OTHER_IP, "--name", "dask-worker-7d4b9-x2x9z"),
+            dask_workers(address, OTHER_IP),
+        ):
+            workers = await wait_for_workers(client, 2)
+            assert await daskrpc.drain_status(address) == {}  # installs the agent
+            env = {"MEMOPS_POD_IPS": POD_IP, "DASK_WORKER_NAME": "dask-worker-7d4b9-x2x9z"}
+            assert await run_hook(address, "dask-worker-7d4b9-x2x9z", env) == 1
+            assert set((await client.scheduler.identity())["workers"]) == set(workers), "no worker retired"
+            assert await daskrpc.drain_status(address) == {}, "no worker drained"
+
+
+async def test_the_hook_of_a_pod_that_memops_already_drained_succeeds() -> None:
+    """The operator retired the pod's workers with memops' drain (a RetirementRequest, a policy's
+    scale-down), then removes the pod: no worker of the pod is connected any more, but memops'
+    drain took them, so the hook has nothing to do and did not fail (no FailedPreStopHook)."""
+    async with (
+        LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=":0", asynchronous=True) as local,
+        Client(local, asynchronous=True) as client,
+    ):
+        address = local.scheduler_address
+        async with dask_workers(address, POD_IP, "--nworkers", "2"), dask_workers(address, OTHER_IP):
+            workers = await wait_for_workers(client, 3)
+            leaving = sorted(a for a in workers if host_of(a) == POD_IP)
+            await daskrpc.start_drain(address, leaving, deadline=30, nodes_dying=False)
+
+            async def drained() -> None:
+                while set((await client.scheduler.identity())["workers"]) & set(leaving):
+                    await asyncio.sleep(0.1)
+
+            await asyncio.wait_for(drained(), 60)
+            assert await run_hook(address, "dask-worker-7d4b9-x2x9z", {"MEMOPS_POD_IPS": POD_IP}) == 0

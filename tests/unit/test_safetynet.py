@@ -27,7 +27,7 @@ def test_prestop_drain_and_a_grace_period_that_covers_the_drain() -> None:
     container = change["spec"]["containers"][0]
     assert change["spec"]["terminationGracePeriodSeconds"] == 120 + safetynet.GRACE_MARGIN_SECONDS
     assert container["lifecycle"]["preStop"]["exec"]["command"][:2] == ["python", "-c"]
-    assert 'call("retire_workers", names=[name]' in container["lifecycle"]["preStop"]["exec"]["command"][2]
+    assert 'call("retire_workers", workers=idle' in container["lifecycle"]["preStop"]["exec"]["command"][2]
     env = {e["name"]: e for e in container["env"]}
     assert env["KEEP"]["value"] == "1"
     assert env["MEMOPS_SCHEDULER_ADDRESS"]["value"] == "tcp://dask-scheduler:8786"
@@ -36,9 +36,31 @@ def test_prestop_drain_and_a_grace_period_that_covers_the_drain() -> None:
     # The hook's deadline: the grace period less the margin to close (it cannot see the pod's).
     assert env["MEMOPS_DRAIN_DEADLINE"]["value"] == "120"
     assert env["MEMOPS_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert "operation=\"drain\",\n        names=[name]," in container["lifecycle"]["preStop"]["exec"]["command"][2]
-    assert "origin=\"preStop\"" in container["lifecycle"]["preStop"]["exec"]["command"][2]
+    # Every IP of the pod (both families on a dual-stack cluster): the hook finds its workers by them.
+    assert env["MEMOPS_POD_IPS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIPs"
+    assert (
+        'operation="drain",\n        workers=sorted(workers),'
+        in container["lifecycle"]["preStop"]["exec"]["command"][2]
+    )
+    assert 'origin="preStop"' in container["lifecycle"]["preStop"]["exec"]["command"][2]
     assert change["annotations"] == {safetynet.ANNOTATION: "analytics"}
+
+
+def test_a_host_network_pod_gets_no_pod_ips_as_its_proof() -> None:
+    """A hostNetwork pod's IPs are its node's, shared with every such pod there: a worker on them
+    may be another pod's, so the hook goes by name alone. A MEMOPS_POD_IPS of the user's is
+    replaced like every MEMOPS_ variable, never trusted."""
+    own = [{"name": "MEMOPS_POD_IPS", "value": "10.0.0.9"}]
+    body = pod(env=own)
+    assert [
+        e
+        for e in safetynet.plan_injection(body, "a", SPEC)["spec"]["containers"][0]["env"]
+        if e["name"] == "MEMOPS_POD_IPS"
+    ] == [{"name": "MEMOPS_POD_IPS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}}]
+    body["spec"]["hostNetwork"] = True
+    env = safetynet.plan_injection(body, "a", SPEC)["spec"]["containers"][0]["env"]
+    assert "MEMOPS_POD_IPS" not in {e["name"] for e in env}
+    assert "MEMOPS_POD_NAME" in {e["name"] for e in env}
 
 
 def test_an_existing_prestop_hook_and_a_longer_grace_period_are_kept() -> None:
