@@ -28,12 +28,7 @@ def peer_names(sslpeer: Mapping[str, Any] | None) -> set[str]:
     subject's common names and its DNS subject alternative names."""
     if not sslpeer:
         return set()
-    names = {
-        str(value)
-        for rdn in sslpeer.get("subject") or ()
-        for key, value in rdn
-        if key == "commonName"
-    }
+    names = {str(value) for rdn in sslpeer.get("subject") or () for key, value in rdn if key == "commonName"}
     names.update(str(value) for kind, value in sslpeer.get("subjectAltName") or () if kind == "DNS")
     return names
 
