@@ -9,8 +9,10 @@ its own. Without memops the same drain loses the node's keys.
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -211,3 +213,77 @@ def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout
             assert worker["state"] == "Forced" and worker["bytesLost"] == 3 * 256 * 1024
             lost = sandbox.wait_for(holdings.lost, 60, "the forced worker's keys to be lost")
             assert sorted(lost) == sorted(holdings.keys_of(pod))
+
+
+def forged_review(pod: str, namespace: str = "default") -> dict[str, Any]:
+    """The AdmissionReview that the API server would send for an eviction of ``pod``, as anyone
+    who reaches the webhook's port can write it: another tenant's user, say."""
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "00000000-0000-0000-0000-000000000001",
+            "kind": {"group": "policy", "version": "v1", "kind": "Eviction"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "eviction",
+            "name": pod,
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:tenant-a:default"},
+            "object": {
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": pod, "namespace": namespace},
+            },
+            "dryRun": False,
+        },
+    }
+
+
+def post_review(url: str, review: dict[str, Any], context: ssl.SSLContext) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(review).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, context=context, timeout=15) as response:
+        return json.loads(response.read())
+
+
+def evict(sandbox: Sandbox, pod: str) -> subprocess.CompletedProcess[str]:
+    """One eviction through the API (``pods/<pod>/eviction``), as the sandbox's admin."""
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": "default"}}
+    path = f"/api/v1/namespaces/default/pods/{pod}/eviction"
+    return sandbox.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(body), check=False)
+
+
+def test_only_the_api_servers_review_starts_a_drain(upstream: Any) -> None:
+    """The webhook requires the API server's client certificate: a review posted without it (no
+    certificate, or one of the cluster CA that every admin and kubelet holds) fails the TLS
+    handshake and starts nothing, while a real eviction through the API still drains first,
+    and its request records who evicted."""
+    sandbox = upstream()
+    policy(sandbox)
+    pki = sandbox.state_dir / "pki"
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        _, pods, holdings = setup(sandbox, client)
+        (hook,) = sandbox.get("validatingwebhookconfiguration", "memops-eviction")["webhooks"]
+        url = hook["clientConfig"]["url"]
+        anonymous = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        admin = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        admin.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+        for context in (anonymous, admin):
+            with pytest.raises(OSError):  # ssl.SSLError, or the connection reset by the server's alert
+                answer = post_review(url, forged_review(pods[0]), context)
+                print(f"the webhook answered a forged review: {answer}")
+        assert eviction_requests(sandbox) == [], "a forged review started a drain"
+        refused = evict(sandbox, pods[0])
+        assert refused.returncode != 0 and "memops started draining" in refused.stderr, refused.stderr
+        (request,) = eviction_requests(sandbox)
+        assert request["metadata"]["annotations"]["memops.dev/requested-by"] == "kubernetes-admin"
+        assert sorted(request["spec"]["workers"]) == pods
+        sandbox.wait_phase(request["metadata"]["name"], "Succeeded")
+        admitted = evict(sandbox, pods[0])
+        assert admitted.returncode == 0, admitted.stderr + sandbox.operator_log()[-4000:]
+        assert holdings.lost() == []
+    events = sandbox.get("events", "--field-selector", f"involvedObject.name={pods[0]}")["items"]
+    started = [e for e in events if e["reason"] == "EvictionDrainStarted"]
+    assert len(started) == 1 and "by kubernetes-admin" in started[0]["message"], started
