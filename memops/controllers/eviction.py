@@ -276,22 +276,17 @@ async def start_drain(
             why=f"eviction of pod {name} by {user}",
             requested_by=user,
         )
-        message = (
-            f"eviction of pod {name} by {user} refused: memops drains {', '.join(chosen)} first"
-            f" (RetirementRequest {created})"
-        )
-        await post_event(
-            client,
-            pod,
-            eviction.DRAIN_STARTED_EVENT,
-            message,
-            name=eviction.drain_event_name(name, created),
-            type_="Normal",
-        )
     except kube.ApiError as exc:  # still refused (429): the next attempt creates it
         logger.warning("could not start the drain of %s: %s", name, exc)
-    else:
-        logger.info("eviction of %s by %s refused; draining %s in %s", name, user, chosen, created)
+        return
+    logger.info("eviction of %s by %s refused; draining %s in %s", name, user, chosen, created)
+    drains = ", ".join(chosen)
+    message = f"eviction of pod {name} by {user} refused: memops drains {drains} first (RetirementRequest {created})"
+    try:
+        event = eviction.drain_event_name(name, created)
+        await post_event(client, pod, eviction.DRAIN_STARTED_EVENT, message, name=event, type_="Normal")
+    except kube.ApiError as exc:  # the request records the user too
+        logger.warning("could not post the EvictionDrainStarted event on %s: %s", name, exc)
 
 
 def register_node_signals(registry: kopf.OperatorRegistry) -> None:

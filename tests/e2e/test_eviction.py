@@ -8,6 +8,7 @@ its own. Without memops the same drain loses the node's keys.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import distributed
 import pytest
+from memops_sandbox import certs
 from memops_sandbox import common as sandbox_cli
 
 from tests.e2e.conftest import BIN, SPREAD_OVER_NODES, Sandbox
@@ -287,3 +289,72 @@ def test_only_the_api_servers_review_starts_a_drain(upstream: Any) -> None:
     events = sandbox.get("events", "--field-selector", f"involvedObject.name={pods[0]}")["items"]
     started = [e for e in events if e["reason"] == "EvictionDrainStarted"]
     assert len(started) == 1 and "by kubernetes-admin" in started[0]["message"], started
+
+
+@contextlib.contextmanager
+def unverifying_operator(sandbox: Sandbox) -> Iterator[str]:
+    """The operator with its webhook as on a cluster whose API server presents no client
+    certificate (most managed ones): TLS, and no client verified. Yields the gate's URL."""
+    authority = certs.authority("memops-test-webhook")
+    cert, key = certs.issue(authority, "127.0.0.1", ip_addresses=(certs.LOOPBACK,), server=True).write(
+        sandbox.state_dir, "unverifying-webhook"
+    )
+    port = sandbox_cli.free_port()
+    log = (sandbox.state_dir / "operator.log").open("ab")
+    command = [str(BIN / "memops"), "run", "--all-namespaces", "--standalone", "--webhook-unmanaged"]
+    command += [f"--webhook-port={port}", "--webhook-host=127.0.0.1"]
+    command += [f"--webhook-cert-file={cert}", f"--webhook-key-file={key}"]
+    env = {**sandbox.env, "KUBECONFIG": str(sandbox.state_dir / "operator-kubeconfig")}
+    sandbox.operator = subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
+    try:
+        yield f"https://127.0.0.1:{port}/eviction-gate"
+    finally:
+        sandbox.kill_operator()
+
+
+def test_a_forged_review_acts_only_as_the_api_bears_it_out_once_per_node(upstream: Any) -> None:
+    """Where the webhook cannot tell the API server from anyone else, a forged review starts
+    nothing for a pod that does not exist, for one whose uid is not the review's, nor in a
+    namespace it does not name, and a flood of them starts one drain per node, which records
+    the user the review claims."""
+    sandbox = upstream(operator=False)
+    policy(sandbox)
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        node, pods, _ = setup(sandbox, client)
+        uid = sandbox.get("pod", pods[0])["metadata"]["uid"]
+        with unverifying_operator(sandbox) as url:
+            # The policy's status is the operator's own: once written, its caches hold the policy.
+            sandbox.wait_for(lambda: sandbox.get("mempol", "drain").get("status"), 60, "the operator")
+            attacker = ssl.create_default_context()
+            attacker.check_hostname, attacker.verify_mode = False, ssl.CERT_NONE
+            answers = []
+            for review in (
+                forged_review("dask-worker-no-such-pod"),
+                forged_review(pods[0], namespace="kube-system"),
+                without_namespace(forged_review(pods[0])),
+                with_uid(forged_review(pods[0]), "00000000-0000-0000-0000-0000000000ff"),
+            ):
+                answers.append(post_review(url, review, attacker)["response"])
+            assert eviction_requests(sandbox) == [], (answers, sandbox.operator_log()[-4000:])
+            assert all(a["allowed"] for a in answers), "the API server decides these evictions itself"
+            floods = [with_uid(forged_review(pod), uid if pod == pods[0] else None) for pod in pods * 5]
+            answers = [post_review(url, review, attacker)["response"] for review in floods]
+            assert "memops started draining" in answers[0]["status"]["message"], answers[0]
+        (request,) = eviction_requests(sandbox)
+        assert sorted(request["spec"]["workers"]) == pods, "one drain: the node's workers together"
+        assert request["metadata"]["labels"]["memops.dev/node"] == node
+        annotations = request["metadata"]["annotations"]
+        assert annotations["memops.dev/requested-by"] == "system:serviceaccount:tenant-a:default"
+        everywhere = sandbox.get("retirementrequests", "--all-namespaces")["items"]
+        assert {r["metadata"]["namespace"] for r in everywhere} == {"default"}
+
+
+def without_namespace(review: dict[str, Any]) -> dict[str, Any]:
+    del review["request"]["namespace"], review["request"]["object"]["metadata"]["namespace"]
+    return review
+
+
+def with_uid(review: dict[str, Any], uid: str | None) -> dict[str, Any]:
+    if uid is not None:
+        review["request"]["object"]["deleteOptions"] = {"preconditions": {"uid": uid}}
+    return review
