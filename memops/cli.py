@@ -29,6 +29,21 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--webhook-cert-file", metavar="PATH", help="the webhook's TLS certificate (PEM file)")
     run.add_argument("--webhook-key-file", metavar="PATH", help="the private key of --webhook-cert-file (PEM)")
     run.add_argument(
+        "--webhook-client-ca-file",
+        metavar="PATH",
+        help="require a client certificate signed by this CA (PEM): the API server's for webhooks (its"
+        " AdmissionConfiguration's kubeConfigFile); other callers fail the TLS handshake",
+    )
+    run.add_argument(
+        "--webhook-client-name",
+        dest="webhook_client_names",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="answer only a client certificate with this CN or DNS SAN (repeatable; needs"
+        " --webhook-client-ca-file); others get 403",
+    )
+    run.add_argument(
         "--webhook-unmanaged",
         action="store_true",
         help="leave the MutatingWebhookConfiguration to the installer (Helm chart, kustomize); by default Kopf"
@@ -132,6 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bool(args.webhook_cert_file) != bool(args.webhook_key_file):
         print("memops run: --webhook-cert-file and --webhook-key-file go together", file=sys.stderr)
         return 2
+    if args.webhook_client_names and not args.webhook_client_ca_file:
+        print("memops run: --webhook-client-name needs --webhook-client-ca-file", file=sys.stderr)
+        return 2
+    if args.webhook_client_ca_file and args.webhook_insecure:
+        print("memops run: --webhook-client-ca-file needs TLS, not --webhook-insecure", file=sys.stderr)
+        return 2
     webhook = None
     if args.webhook_port:
         webhook = controllers.Webhook(
@@ -141,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             certfile=args.webhook_cert_file,
             pkeyfile=args.webhook_key_file,
             managed=not args.webhook_unmanaged,
+            client_ca=args.webhook_client_ca_file,
+            client_names=tuple(args.webhook_client_names),
         )
     try:
         asyncio.run(

@@ -18,23 +18,36 @@ How a node drain goes with memops (the README's "Node drains and evictions"):
 4. A drain that cannot finish ends at the policy's ``drain.timeout`` in its ``onTimeout``:
    Force admits the eviction (the request records the bytes lost); Abort keeps refusing, and
    says so on the pod (an event) and in the request (its Failed condition).
+
+What a review says is a claim. Where the webhook verifies its caller's client certificate
+(``memops run --webhook-client-ca-file``) only the API server can make one; where it cannot,
+anyone who reaches the webhook's port can. So the gate's side effect, a drain, is bounded as
+if every review were forged: the claim is confirmed against the API (:func:`confirm_claim`),
+at most one drain per node and policy runs at a time and at most
+:data:`GATE_DRAINS_PER_WINDOW` start per policy per :data:`GATE_WINDOW_SECONDS`
+(:func:`guard_drain`), and each records who asked (:data:`REQUESTED_BY_ANNOTATION`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from memops import specs
+from memops import specs, timestamps
 
 REASON_LABEL = "memops.dev/reason"
 """On a RetirementRequest: why it exists. ``eviction`` for the gate's and the node signals' drains."""
 EVICTION = "eviction"
 NODE_LABEL = "memops.dev/node"
 """On an Eviction RetirementRequest: the node whose workers it drains (a digest if over 63 characters)."""
+REQUESTED_BY_ANNOTATION = "memops.dev/requested-by"
+"""On an Eviction RetirementRequest that the gate made: the user of the eviction (the review's
+``userInfo.username``: authenticated by the API server, or merely claimed where the webhook does
+not verify its caller)."""
 TOO_MANY_REQUESTS = 429
 """What the Eviction API answers for a PodDisruptionBudget refusal, and what evicting clients retry."""
 CORDON_TAINT = "node.kubernetes.io/unschedulable"
@@ -156,6 +169,132 @@ def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None, d
     )
 
 
+def confirm_claim(eviction: Mapping[str, Any], pod: Mapping[str, Any] | None) -> str | None:
+    """Why the API does not bear out what an eviction's review claims, or None when it does.
+
+    ``eviction``: the review's object (an Eviction); ``pod``: the pod of that name read from the
+    API in the Eviction's namespace (None: there is none). A review must name its namespace (no
+    default to fall back on: "default" is somebody's namespace too), its pod must exist there
+    with the uid that the Eviction's preconditions name, if any, and run on a node, not be
+    going already. Anything else starts nothing: the API server, which decides the eviction
+    itself, refuses one of a pod that does not exist, and a pod being deleted is drained by
+    its preStop hook.
+    """
+    meta = eviction.get("metadata") or {}
+    namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+    if not namespace or not name:
+        return "the review names no pod and namespace"
+    if pod is None:
+        return f"no pod {name} in namespace {namespace}"
+    pod_meta, pod_spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    if (pod_meta.get("namespace"), pod_meta.get("name")) != (namespace, name):
+        return f"the pod read is {pod_meta.get('namespace')}/{pod_meta.get('name')}, not {namespace}/{name}"
+    options = eviction.get("deleteOptions")
+    preconditions = options.get("preconditions") if isinstance(options, Mapping) else None
+    uid = preconditions.get("uid") if isinstance(preconditions, Mapping) else None
+    if uid and uid != pod_meta.get("uid"):
+        return f"pod {namespace}/{name} has uid {pod_meta.get('uid')}, not {uid}"
+    if pod_meta.get("deletionTimestamp"):
+        return f"pod {namespace}/{name} is being deleted already"
+    if not pod_spec.get("nodeName") or (pod.get("status") or {}).get("phase") != "Running":
+        return f"pod {namespace}/{name} is not running on a node"
+    return None
+
+
+GATE_DRAINS_PER_WINDOW = 10
+"""At most this many drains start from evictions per policy in :data:`GATE_WINDOW_SECONDS`.
+
+A drain is one node's workers of the policy, and real evicting clients drain few nodes at a
+time: ``kubectl drain`` one, cluster-autoscaler one non-empty node at a time
+(``--max-drain-parallelism`` 1), Karpenter 10% of the nodes by its default disruption budget.
+A node's drain takes a minute or more (the data moves, then the pods go), so 10 in 10 minutes
+covers a policy on 10 nodes drained at once, or a drain a minute for as long as it lasts. A
+flood of forged reviews is held to the same: at most 10 drains of a policy's workers in 10
+minutes (the scheduler's data moves, the workers restart), instead of one per review. An
+eviction past the bound is refused with 429 (its data is kept; the client retries)."""
+GATE_WINDOW_SECONDS = 600.0
+
+
+def in_flight(requests: Iterable[Mapping[str, Any]]) -> str | None:
+    """The name of an unfinished request among ``requests`` (a node's Eviction requests of one
+    policy), or None."""
+    for request in requests:
+        if (request.get("status") or {}).get("phase") not in (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value):
+            return str(request["metadata"]["name"])
+    return None
+
+
+def gate_drains_since(
+    requests: Iterable[Mapping[str, Any]], now: datetime.datetime, window: float = GATE_WINDOW_SECONDS
+) -> int:
+    """How many of a policy's ``requests`` the gate made (labelled for an eviction, annotated with
+    who asked) in the ``window`` seconds before ``now``. The requests' creation times are the
+    record: it holds across operator restarts and replicas."""
+    count = 0
+    for request in requests:
+        meta = request.get("metadata") or {}
+        if (meta.get("labels") or {}).get(REASON_LABEL) != EVICTION:
+            continue
+        if REQUESTED_BY_ANNOTATION not in (meta.get("annotations") or {}):
+            continue  # a node signal's: its Node said so, not a review
+        created = meta.get("creationTimestamp")
+        if not created:
+            count += 1  # just made, not read back yet: it counts
+            continue
+        try:
+            age = (now - timestamps.parse(str(created))).total_seconds()
+        except ValueError:
+            count += 1
+            continue
+        if age < window:
+            count += 1
+    return count
+
+
+def guard_drain(
+    decision: Decision,
+    *,
+    pod: str,
+    node: str,
+    running: str | None,
+    started: int,
+    limit: int = GATE_DRAINS_PER_WINDOW,
+    window: float = GATE_WINDOW_SECONDS,
+) -> Decision:
+    """``decision`` as it may be acted on: a drain starts only if none of the node's runs for the
+    policy (``running``: its name) and fewer than ``limit`` started in the ``window`` (``started``,
+    by :func:`gate_drains_since`). Held back, the eviction is still refused (429, retried by the
+    client), and the refusal says why; its data stays where it is."""
+    if not decision.start_drain:
+        return decision
+    if running is not None:
+        return Decision(
+            Verdict.REFUSE,
+            f"memops is draining node {node}'s workers (RetirementRequest {running}); pod {pod} drains after"
+            " it (one drain per node at a time): retry the eviction",
+        )
+    if started >= limit:
+        return Decision(
+            Verdict.REFUSE,
+            f"pod {pod} holds data that exists nowhere else, and {started} drains started for evictions of"
+            f" this policy's workers in the last {window / 60:g} minutes, the most memops starts: retry the"
+            " eviction later",
+        )
+    return decision
+
+
+def requested_by(userinfo: Mapping[str, Any] | None) -> str:
+    """The user of an eviction, by its review (``userInfo.username``), as an annotation value."""
+    name = str((userinfo or {}).get("username") or "") or "unknown"
+    return name[:253]
+
+
+def drain_event_name(pod: str, request: str) -> str:
+    """The name of the pod's ``EvictionDrainStarted`` event for one drain (one per request)."""
+    digest = hashlib.sha256(f"{pod}\n{request}".encode()).hexdigest()[:16]
+    return f"{pod[:200]}.memops-drain-{digest}"
+
+
 def node_signal(node: Mapping[str, Any], signals: specs.NodeSignals) -> str | None:
     """The taint or label of ``node`` that announces its end, by ``signals``; None if none does.
 
@@ -177,6 +316,7 @@ def node_signal(node: Mapping[str, Any], signals: specs.NodeSignals) -> str | No
 
 
 REFUSED_EVENT = "EvictionRefused"
+DRAIN_STARTED_EVENT = "EvictionDrainStarted"
 
 
 def refusal_event_name(pod: str, episode: str) -> str:

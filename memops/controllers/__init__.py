@@ -70,7 +70,9 @@ class Webhook:
     ``insecure`` serves plain HTTP (the sandbox only). ``certfile``/``pkeyfile`` serve TLS with a
     certificate from files (a mounted Secret; Kopf re-reads them when they change); without them
     Kopf self-signs. ``managed``: Kopf creates and patches the MutatingWebhookConfiguration; off
-    when the installer (Helm chart, kustomize) ships it.
+    when the installer (Helm chart, kustomize) ships it. ``client_ca``: a PEM bundle of the CA
+    that signs the API server's client certificate for webhooks, which is then required;
+    ``client_names``: the names (CN or DNS SAN) that certificate may carry, if pinned.
     """
 
     port: int
@@ -79,6 +81,8 @@ class Webhook:
     certfile: str | None = None
     pkeyfile: str | None = None
     managed: bool = True
+    client_ca: str | None = None
+    client_names: tuple[str, ...] = ()
 
 
 def make_registry(
@@ -109,6 +113,8 @@ def make_registry(
                 certfile=webhook.certfile,
                 pkeyfile=webhook.pkeyfile,
                 managed=webhook.managed,
+                client_ca=webhook.client_ca,
+                client_names=webhook.client_names,
             )
         memo.kube = kube.Kube(kube.load_connection(kubeconfig))
         if host_roots:

@@ -30,7 +30,6 @@ ASK_SECONDS = 4.0
 """The scheduler's share of the webhook's time (the chart's timeoutSeconds is 10)."""
 
 Obj = dict[str, Any]
-_FINISHED = (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
 
 
 def _policy_body(policies: Iterable[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:
@@ -82,19 +81,24 @@ async def request_drain(
     pods: list[str],
     earlier: int,
     why: str,
+    requested_by: str | None = None,
 ) -> str:
     """Create the node's Eviction RetirementRequest for these pods (a 409 means it exists: the
-    same pods, the same name); return its name."""
+    same pods, the same name); return its name. ``requested_by``: the user of the eviction that
+    started it (the gate's), recorded in :data:`memops.eviction.REQUESTED_BY_ANNOTATION`."""
     namespace, name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
     request_name = eviction.request_name(name, node, pods, earlier)
     owner = objects.Owner(name=name, namespace=namespace, uid=str(policy_body["metadata"]["uid"]))
+    annotations = {"memops.dev/why": why[:1024]}
+    if requested_by is not None:
+        annotations[eviction.REQUESTED_BY_ANNOTATION] = requested_by
     body = objects.policy_request(
         owner,
         spec,
         name=request_name,
         workers=tuple(pods),
         labels={eviction.REASON_LABEL: eviction.EVICTION, eviction.NODE_LABEL: eviction.node_label(node)},
-        annotations={"memops.dev/why": why[:1024]},
+        annotations=annotations,
     )
     # An eviction's drain: the evicting client removes the pods, which the gate then admits.
     body["spec"]["removePods"] = False
@@ -108,10 +112,12 @@ async def request_drain(
     return request_name
 
 
-async def warn(client: kube.Kube, pod: Mapping[str, Any], reason: str, message: str, *, name: str) -> None:
-    """A Warning event on the pod, posted directly: Kopf's ``kopf.event`` works in resource
-    handlers only, not in admission handlers. ``name`` is its idempotency key: an event of
-    that name exists already (a retried eviction, the same episode) and nothing is posted."""
+async def post_event(
+    client: kube.Kube, pod: Mapping[str, Any], reason: str, message: str, *, name: str, type_: str = "Warning"
+) -> None:
+    """An event on the pod, posted directly: Kopf's ``kopf.event`` works in resource handlers
+    only, not in admission handlers. ``name`` is its idempotency key: an event of that name
+    exists already (a retried eviction, the same episode) and nothing is posted."""
     meta = pod["metadata"]
     now = timestamps.render(timestamps.now())
     event = {
@@ -125,7 +131,7 @@ async def warn(client: kube.Kube, pod: Mapping[str, Any], reason: str, message: 
             "namespace": meta["namespace"],
             "uid": meta.get("uid", ""),
         },
-        "type": "Warning",
+        "type": type_,
         "reason": reason,
         "message": message[:1024],
         "source": {"component": "memops"},
@@ -166,62 +172,121 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         body: kopf.Body,
         memo: kopf.Memo,
         dryrun: bool,
+        userinfo: kopf.UserInfo,
         logger: logging.Logger | logging.LoggerAdapter[Any],
         **kwargs: Any,
     ) -> None:
-        namespace, name = str(body.metadata.namespace or "default"), str(body.metadata.name)
+        # What the review says is a claim until the API bears it out: a review may come from
+        # anyone who reaches the webhook (see memops.eviction's docstring).
+        namespace, name = str(body.metadata.namespace or ""), str(body.metadata.name or "")
         dryrun = eviction.dry_run(dict(body), dryrun)
         cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
         client: kube.Kube = memo.kube
-        try:
-            pod = await client.get(kube.resource_path("", "v1", "pods", namespace, name))
-        except kube.ApiError:
-            return  # the API server answers for a pod that does not exist
+        pod: Obj | None = None
+        if namespace and name:
+            try:
+                pod = await client.get_or_none(kube.resource_path("", "v1", "pods", namespace, name))
+            except kube.ApiError:
+                return  # the API server decides the eviction itself
+        doubt = eviction.confirm_claim(dict(body), pod)
+        if doubt is not None or pod is None:
+            logger.info("eviction review of %s/%s: nothing to do, %s", namespace, name, doubt)
+            return
         found = safetynet_webhook.policy_for(
             namespace,
             dict((pod.get("metadata") or {}).get("labels") or {}),
             policies=cache.of("memorypolicies").get((namespace,), []),
             deployments=cache.of("deployments"),
         )
-        node = str((pod.get("spec") or {}).get("nodeName") or "")
-        if found is None or not found[1].eviction.gate or not node:
+        if found is None or not found[1].eviction.gate:
             return
         policy_name, spec = found
-        requests = eviction_requests(cache.of("retirementrequests").get((namespace, policy_name), []), node)
+        node = str(pod["spec"]["nodeName"])
+        mine = cache.of("retirementrequests").get((namespace, policy_name), [])
+        requests = eviction_requests(mine, node)
         held = await unique_bytes(client, namespace, spec, pod)
-        latest = eviction.latest_request(name, requests)
-        decision = eviction.decide(pod=name, unique_bytes=held, request=latest, dry_run=dryrun)
+        decision = eviction.guard_drain(
+            eviction.decide(
+                pod=name, unique_bytes=held, request=eviction.latest_request(name, requests), dry_run=dryrun
+            ),
+            pod=name,
+            node=node,
+            running=eviction.in_flight(requests),
+            started=eviction.gate_drains_since(mine, timestamps.now()),
+        )
+        user = eviction.requested_by(userinfo)
         if decision.start_drain and not dryrun:
-            policy_body = _policy_body(cache.of("memorypolicies").get((namespace,), []), policy_name)
-            if policy_body is not None:
-                unfinished = [r for r in requests if (r.get("status") or {}).get("phase") not in _FINISHED]
-                busy = {w for r in unfinished for w in (r.get("spec") or {}).get("workers") or []}
-                try:
-                    pods = await workloads.pods(client, namespace, spec.workload)
-                    chosen = sorted({name, *eviction.pods_to_drain(pods, node, busy)})
-                    created = await request_drain(
-                        client,
-                        policy_body=policy_body,
-                        spec=spec,
-                        node=node,
-                        pods=chosen,
-                        earlier=len(requests),
-                        why=f"eviction of pod {name}",
-                    )
-                except kube.ApiError as exc:  # still refused (429): the next attempt creates it
-                    logger.warning("could not start the drain of %s: %s", name, exc)
-                else:
-                    logger.info("eviction of %s refused; draining %s in %s", name, chosen, created)
+            await start_drain(
+                client,
+                cache,
+                pod=pod,
+                policy_name=policy_name,
+                spec=spec,
+                node=node,
+                user=user,
+                logger=logger,
+                earlier=len(requests),
+            )
         if decision.warning and not dryrun:
             try:
                 event = eviction.refusal_event_name(name, decision.episode)
-                await warn(client, pod, eviction.REFUSED_EVENT, decision.message, name=event)
+                await post_event(
+                    client, pod, eviction.REFUSED_EVENT, f"{decision.message} (eviction by {user})", name=event
+                )
             except kube.ApiError as exc:  # the answer matters more than its event
                 logger.warning("could not post the EvictionRefused event on %s: %s", name, exc)
         if not decision.allowed:
             raise kopf.AdmissionError(decision.message, code=decision.code)
-        logger.info("eviction of %s admitted: %s", name, decision.message)
+        logger.info("eviction of %s by %s admitted: %s", name, user, decision.message)
 
+
+async def start_drain(
+    client: kube.Kube,
+    cache: policy.Cache,
+    *,
+    pod: Obj,
+    policy_name: str,
+    spec: specs.MemoryPolicySpec,
+    node: str,
+    user: str,
+    earlier: int,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> None:
+    """The gate's drain of ``pod``'s node: its workers of the policy, listed afresh from the API
+    (the pod must be one of them), in one Eviction RetirementRequest that records ``user``. A
+    failure is logged: the eviction is refused (429) all the same, and its retry tries again."""
+    namespace, name = str(pod["metadata"]["namespace"]), str(pod["metadata"]["name"])
+    policy_body = _policy_body(cache.of("memorypolicies").get((namespace,), []), policy_name)
+    if policy_body is None:
+        return
+    try:
+        chosen = eviction.pods_to_drain(await workloads.pods(client, namespace, spec.workload), node, ())
+        if name not in chosen:
+            logger.info(
+                "eviction of %s: not one of policy %s's running workers on %s; no drain", name, policy_name, node
+            )
+            return
+        created = await request_drain(
+            client,
+            policy_body=policy_body,
+            spec=spec,
+            node=node,
+            pods=chosen,
+            earlier=earlier,
+            why=f"eviction of pod {name} by {user}",
+            requested_by=user,
+        )
+    except kube.ApiError as exc:  # still refused (429): the next attempt creates it
+        logger.warning("could not start the drain of %s: %s", name, exc)
+        return
+    logger.info("eviction of %s by %s refused; draining %s in %s", name, user, chosen, created)
+    drains = ", ".join(chosen)
+    message = f"eviction of pod {name} by {user} refused: memops drains {drains} first (RetirementRequest {created})"
+    try:
+        event = eviction.drain_event_name(name, created)
+        await post_event(client, pod, eviction.DRAIN_STARTED_EVENT, message, name=event, type_="Normal")
+    except kube.ApiError as exc:  # the request records the user too
+        logger.warning("could not post the EvictionDrainStarted event on %s: %s", name, exc)
 
 
 def register_node_signals(registry: kopf.OperatorRegistry) -> None:

@@ -16,14 +16,14 @@ namespace is looked at, so a reply never names another namespace's policy or Sec
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import kopf
 import pydantic
 
 from memops import safetynet, selectors, shared_spill, specs
-from memops.controllers import policy, workloads
+from memops.controllers import policy, webhook_server, workloads
 
 CONFIGURATION = "memops.dev"
 
@@ -37,10 +37,19 @@ def configure(
     certfile: str | None = None,
     pkeyfile: str | None = None,
     managed: bool = True,
+    client_ca: str | None = None,
+    client_names: Collection[str] = (),
 ) -> None:
-    """Serve the webhook; Kopf registers the MutatingWebhookConfiguration only when ``managed``."""
-    settings.admission.server = kopf.WebhookServer(
-        addr=host, port=port, host=host, insecure=insecure, certfile=certfile, pkeyfile=pkeyfile
+    """Serve the webhook; Kopf registers the MutatingWebhookConfiguration only when ``managed``.
+    ``client_ca``/``client_names``: who may call it (:mod:`memops.controllers.webhook_server`)."""
+    settings.admission.server = webhook_server.server(
+        port=port,
+        host=host,
+        insecure=insecure,
+        certfile=certfile,
+        pkeyfile=pkeyfile,
+        client_ca=client_ca,
+        client_names=client_names,
     )
     settings.admission.managed = CONFIGURATION if managed else None
 

@@ -4,7 +4,10 @@ One cluster CA signs the API server's serving certificate and every client certi
 (admin, controller-manager, scheduler, each node agent); a separate front-proxy CA signs the
 API server's proxy client (the aggregation layer's, which quiets the controllers' complaints);
 a service-account key pair signs and verifies ServiceAccount tokens; the operator's webhook
-gets a serving certificate that the API server verifies with the cluster CA (the ``caBundle``).
+gets a serving certificate that the API server verifies with the cluster CA (the ``caBundle``);
+and a CA of its own, the webhook-client CA, signs the one client certificate that the API
+server presents to webhooks, which the operator's webhook requires: nothing else, a kubelet's or
+an admin's certificate included, can post it an admission review.
 Nothing here reaches beyond loopback: every serving certificate names 127.0.0.1 and localhost.
 
 Called by :mod:`memops_sandbox.controlplane`, which writes the files into ``DIR/pki``.
@@ -166,6 +169,11 @@ def service_account_keys() -> KeyPair:
     return KeyPair(cert=public, key=_key_pem(key))
 
 
+WEBHOOK_CLIENT = "kube-apiserver-webhook-client"
+"""The CN of the API server's client certificate for webhooks (``apiserver-webhook-client``),
+which the operator pins (``memops run --webhook-client-name``)."""
+
+
 def node_user(node: str) -> str:
     """The user a node's client certificate names, which the Node authorizer and the
     NodeRestriction admission plugin tie to the Node of that name."""
@@ -204,7 +212,8 @@ def make_pki(directory: Path) -> ClusterPki:
     keys, and the client certificates of admin, controller-manager and scheduler.
 
     Files: ``ca``, ``apiserver``, ``front-proxy-ca``, ``front-proxy-client``, ``sa`` (``sa.crt``
-    is the public key), ``admin``, ``controller-manager``, ``scheduler`` (``.crt`` and ``.key``).
+    is the public key), ``admin``, ``controller-manager``, ``scheduler``, ``webhook-client-ca``
+    and ``apiserver-webhook-client`` (:data:`WEBHOOK_CLIENT`) (``.crt`` and ``.key``).
     """
     ca = authority("memops-sandbox-ca")
     ca.key_pair().write(directory, "ca")
@@ -220,6 +229,9 @@ def make_pki(directory: Path) -> ClusterPki:
     front_proxy.key_pair().write(directory, "front-proxy-ca")
     issue(front_proxy, "front-proxy-client", client=True).write(directory, "front-proxy-client")
     service_account_keys().write(directory, "sa")
+    webhook_clients = authority("memops-sandbox-webhook-client-ca")
+    webhook_clients.key_pair().write(directory, "webhook-client-ca")
+    issue(webhook_clients, WEBHOOK_CLIENT, client=True).write(directory, "apiserver-webhook-client")
     pki = ClusterPki(directory=directory, ca=ca)
     pki.client("admin", "kubernetes-admin", ("system:masters",))
     pki.client("controller-manager", "system:kube-controller-manager")

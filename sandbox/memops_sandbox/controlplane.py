@@ -9,7 +9,10 @@ yields a :class:`Plane`. On exit it stops every process, last started first.
 
 The API server authorizes with Node and RBAC, admits with its default plugins plus
 NodeRestriction, and writes an audit log (``DIR/audit.log``, JSON lines at Metadata level:
-user, verb, resource, response code) so that tests can read who did what.
+user, verb, resource, response code) so that tests can read who did what. It calls admission
+webhooks at ``127.0.0.1:<Plane.webhook_port>`` with a client certificate of the sandbox's
+webhook-client CA (:func:`admission_configuration`), as a cluster's API server is given one for
+memops' webhook, which then answers no one else.
 """
 
 from __future__ import annotations
@@ -130,6 +133,9 @@ class Plane:
     server: str
     pki: certs.ClusterPki
     processes: dict[str, asyncio.subprocess.Process]
+    webhook_port: int = 0
+    """Where the operator's webhook is to listen: the API server presents its webhook client
+    certificate to ``127.0.0.1`` at this port only."""
 
     @property
     def kubeconfig(self) -> Path:
@@ -238,6 +244,41 @@ async def _poll(
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last})")
 
 
+def admission_configuration(kubeconfig_path: Path) -> dict[str, Any]:
+    """The API server's AdmissionConfiguration: both webhook plugins find their client
+    credentials, by the webhook's host, in ``kubeconfig_path``."""
+    webhooks = {
+        "apiVersion": "apiserver.config.k8s.io/v1",
+        "kind": "WebhookAdmissionConfiguration",
+        "kubeConfigFile": str(kubeconfig_path),
+    }
+    return {
+        "apiVersion": "apiserver.config.k8s.io/v1",
+        "kind": "AdmissionConfiguration",
+        "plugins": [
+            {"name": "ValidatingAdmissionWebhook", "configuration": webhooks},
+            {"name": "MutatingAdmissionWebhook", "configuration": webhooks},
+        ],
+    }
+
+
+def webhook_client_kubeconfig(pki: certs.ClusterPki, webhook_host: str) -> str:
+    """The credentials the API server presents to the webhook at ``webhook_host`` (``host:port``,
+    as the API server looks a URL webhook up): the webhook-client certificate. No other host gets
+    any, and no cluster or context is needed: the API server reads only ``users``."""
+    cert, key = (
+        pki.path("apiserver-webhook-client").read_bytes(),
+        pki.path("apiserver-webhook-client", "key").read_bytes(),
+    )
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "users": [{"name": webhook_host, "user": _credentials(cert, key, None)}],
+        }
+    )
+
+
 def etcd_argv(binaries: build.Binaries, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
     client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
     return [
@@ -288,6 +329,7 @@ def apiserver_argv(
         "--requestheader-username-headers=X-Remote-User",
         f"--proxy-client-cert-file={path('front-proxy-client')}",
         f"--proxy-client-key-file={path('front-proxy-client', 'key')}",
+        f"--admission-control-config-file={state_dir / 'admission.yaml'}",
         f"--audit-policy-file={state_dir / 'audit-policy.yaml'}",
         f"--audit-log-path={state_dir / 'audit.log'}",
         "--audit-log-format=json",
@@ -363,9 +405,15 @@ async def running(
     etcd_port = common.free_port()
     peer_port = common.free_port(etcd_port)
     api_port = common.free_port(etcd_port, peer_port)
+    # Chosen now: the API server reads which webhook host gets its client certificate at start.
+    webhook_port = common.free_port(etcd_port, peer_port, api_port)
+    webhook_clients = state_dir / "webhook-clients.kubeconfig"
+    webhook_clients.write_text(webhook_client_kubeconfig(pki, f"127.0.0.1:{webhook_port}"))
+    webhook_clients.chmod(0o600)
+    (state_dir / "admission.yaml").write_text(yaml.safe_dump(admission_configuration(webhook_clients)))
     server = f"https://127.0.0.1:{api_port}"
     processes: dict[str, asyncio.subprocess.Process] = {}
-    plane = Plane(state_dir=state_dir, server=server, pki=pki, processes=processes)
+    plane = Plane(state_dir=state_dir, server=server, pki=pki, processes=processes, webhook_port=webhook_port)
     logs = plane.logs
     try:
         processes["etcd"] = await spawn("etcd", etcd_argv(binaries, state_dir / "etcd", etcd_port, peer_port), logs)
@@ -403,4 +451,3 @@ async def running(
         yield plane
     finally:
         await stop_all(processes)
-

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from memops_sandbox import build, common, controlplane, install, nodeagent
+from memops_sandbox import build, certs, common, controlplane, install, nodeagent
 
 logger = logging.getLogger(__name__)
 NODE_PREFIX = "node-"
@@ -37,11 +37,24 @@ def node_names(count: int) -> list[str]:
 
 
 def operator_command(
-    webhook_port: int, metrics_port: int, cert: Path, key: Path, flags: Sequence[str] = ()
+    webhook_port: int,
+    metrics_port: int,
+    cert: Path,
+    key: Path,
+    flags: Sequence[str] = (),
+    *,
+    client_ca: Path | None = None,
 ) -> list[str]:
     """``memops run`` as the chart's Deployment runs it (all namespaces, peering, the webhook on
     TLS with the installer's certificate, left unmanaged, and the chart's ``flags``:
-    :func:`memops_sandbox.install.operator_flags`), on loopback ports."""
+    :func:`memops_sandbox.install.operator_flags`), on loopback ports. ``client_ca``: answer only
+    the API server's webhook client certificate, signed by it (the chart's ``webhook.clientCA``
+    and ``webhook.clientNames``)."""
+    client = (
+        []
+        if client_ca is None
+        else [f"--webhook-client-ca-file={client_ca}", f"--webhook-client-name={certs.WEBHOOK_CLIENT}"]
+    )
     return [
         common.executable("memops"),
         "run",
@@ -51,6 +64,7 @@ def operator_command(
         f"--webhook-cert-file={cert}",
         f"--webhook-key-file={key}",
         "--webhook-unmanaged",
+        *client,
         f"--metrics-port={metrics_port}",
         "--metrics-host=127.0.0.1",
         *flags,
@@ -60,8 +74,8 @@ def operator_command(
 async def _wait_for_tls(
     port: int, context: ssl.SSLContext, process: asyncio.subprocess.Process, timeout: float
 ) -> None:
-    """Until a TLS handshake with 127.0.0.1:``port`` succeeds (verifying the certificate as the
-    API server will), or the process exits."""
+    """Until a TLS handshake with 127.0.0.1:``port`` succeeds (verifying the certificate, and
+    presenting the client certificate, as the API server will), or the process exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.returncode is not None:
@@ -103,19 +117,25 @@ async def _operator(
     plane: controlplane.Plane, objects: list[dict[str, Any]], state_dir: Path
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     cert, key = plane.pki.serving("webhook")
-    metrics_port = common.free_port()
-    webhook_port = common.free_port(metrics_port)
+    # The port the API server presents its webhook client certificate to.
+    webhook_port = plane.webhook_port
+    metrics_port = common.free_port(webhook_port)
     env = {**os.environ, "KUBECONFIG": str(state_dir / "operator-kubeconfig")}
+    client_ca = plane.pki.path("webhook-client-ca")
     process = await controlplane.spawn(
         "operator",
-        operator_command(webhook_port, metrics_port, cert, key, install.operator_flags(objects)),
+        operator_command(webhook_port, metrics_port, cert, key, install.operator_flags(objects), client_ca=client_ca),
         plane.logs,
         env=env,
     )
     (state_dir / "operator.pid").write_text(str(process.pid))
     (state_dir / "metrics-url").write_text(f"http://127.0.0.1:{metrics_port}/metrics\n")
     try:
-        await _wait_for_tls(webhook_port, ssl.create_default_context(cadata=plane.ca.decode()), process, 60)
+        context = ssl.create_default_context(cadata=plane.ca.decode())
+        context.load_cert_chain(
+            plane.pki.path("apiserver-webhook-client"), plane.pki.path("apiserver-webhook-client", "key")
+        )
+        await _wait_for_tls(webhook_port, context, process, 60)
         async with plane.session() as api:
             await install.register_webhook(api, objects, f"https://127.0.0.1:{webhook_port}", plane.ca)
         yield process

@@ -8,15 +8,19 @@ its own. Without memops the same drain loses the node's keys.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import ssl
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import distributed
 import pytest
+from memops_sandbox import certs
 from memops_sandbox import common as sandbox_cli
 
 from tests.e2e.conftest import BIN, SPREAD_OVER_NODES, Sandbox
@@ -211,3 +215,146 @@ def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout
             assert worker["state"] == "Forced" and worker["bytesLost"] == 3 * 256 * 1024
             lost = sandbox.wait_for(holdings.lost, 60, "the forced worker's keys to be lost")
             assert sorted(lost) == sorted(holdings.keys_of(pod))
+
+
+def forged_review(pod: str, namespace: str = "default") -> dict[str, Any]:
+    """The AdmissionReview that the API server would send for an eviction of ``pod``, as anyone
+    who reaches the webhook's port can write it: another tenant's user, say."""
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "00000000-0000-0000-0000-000000000001",
+            "kind": {"group": "policy", "version": "v1", "kind": "Eviction"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "eviction",
+            "name": pod,
+            "namespace": namespace,
+            "operation": "CREATE",
+            "userInfo": {"username": "system:serviceaccount:tenant-a:default"},
+            "object": {
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": pod, "namespace": namespace},
+            },
+            "dryRun": False,
+        },
+    }
+
+
+def post_review(url: str, review: dict[str, Any], context: ssl.SSLContext) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(review).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, context=context, timeout=15) as response:
+        return json.loads(response.read())
+
+
+def evict(sandbox: Sandbox, pod: str) -> subprocess.CompletedProcess[str]:
+    """One eviction through the API (``pods/<pod>/eviction``), as the sandbox's admin."""
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": "default"}}
+    path = f"/api/v1/namespaces/default/pods/{pod}/eviction"
+    return sandbox.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(body), check=False)
+
+
+def test_only_the_api_servers_review_starts_a_drain(upstream: Any) -> None:
+    """The webhook requires the API server's client certificate: a review posted without it (no
+    certificate, or one of the cluster CA that every admin and kubelet holds) fails the TLS
+    handshake and starts nothing, while a real eviction through the API still drains first,
+    and its request records who evicted."""
+    sandbox = upstream()
+    policy(sandbox)
+    pki = sandbox.state_dir / "pki"
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        _, pods, holdings = setup(sandbox, client)
+        (hook,) = sandbox.get("validatingwebhookconfiguration", "memops-eviction")["webhooks"]
+        url = hook["clientConfig"]["url"]
+        anonymous = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        admin = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        admin.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+        for context in (anonymous, admin):
+            with pytest.raises(OSError):  # ssl.SSLError, or the connection reset by the server's alert
+                answer = post_review(url, forged_review(pods[0]), context)
+                print(f"the webhook answered a forged review: {answer}")
+        assert eviction_requests(sandbox) == [], "a forged review started a drain"
+        refused = evict(sandbox, pods[0])
+        assert refused.returncode != 0 and "memops started draining" in refused.stderr, refused.stderr
+        (request,) = eviction_requests(sandbox)
+        assert request["metadata"]["annotations"]["memops.dev/requested-by"] == "kubernetes-admin"
+        assert sorted(request["spec"]["workers"]) == pods
+        sandbox.wait_phase(request["metadata"]["name"], "Succeeded")
+        admitted = evict(sandbox, pods[0])
+        assert admitted.returncode == 0, admitted.stderr + sandbox.operator_log()[-4000:]
+        assert holdings.lost() == []
+    events = sandbox.get("events", "--field-selector", f"involvedObject.name={pods[0]}")["items"]
+    started = [e for e in events if e["reason"] == "EvictionDrainStarted"]
+    assert len(started) == 1 and "by kubernetes-admin" in started[0]["message"], started
+
+
+@contextlib.contextmanager
+def unverifying_operator(sandbox: Sandbox) -> Iterator[str]:
+    """The operator with its webhook as on a cluster whose API server presents no client
+    certificate (most managed ones): TLS, and no client verified. Yields the gate's URL."""
+    authority = certs.authority("memops-test-webhook")
+    cert, key = certs.issue(authority, "127.0.0.1", ip_addresses=(certs.LOOPBACK,), server=True).write(
+        sandbox.state_dir, "unverifying-webhook"
+    )
+    port = sandbox_cli.free_port()
+    log = (sandbox.state_dir / "operator.log").open("ab")
+    command = [str(BIN / "memops"), "run", "--all-namespaces", "--standalone", "--webhook-unmanaged"]
+    command += [f"--webhook-port={port}", "--webhook-host=127.0.0.1"]
+    command += [f"--webhook-cert-file={cert}", f"--webhook-key-file={key}"]
+    env = {**sandbox.env, "KUBECONFIG": str(sandbox.state_dir / "operator-kubeconfig")}
+    sandbox.operator = subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
+    try:
+        yield f"https://127.0.0.1:{port}/eviction-gate"
+    finally:
+        sandbox.kill_operator()
+
+
+def test_a_forged_review_acts_only_as_the_api_bears_it_out_once_per_node(upstream: Any) -> None:
+    """Where the webhook cannot tell the API server from anyone else, a forged review starts
+    nothing for a pod that does not exist, for one whose uid is not the review's, nor in a
+    namespace it does not name, and a flood of them starts one drain per node, which records
+    the user the review claims."""
+    sandbox = upstream(operator=False)
+    policy(sandbox)
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        node, pods, _ = setup(sandbox, client)
+        uid = sandbox.get("pod", pods[0])["metadata"]["uid"]
+        with unverifying_operator(sandbox) as url:
+            # The policy's status is the operator's own: once written, its caches hold the policy.
+            sandbox.wait_for(lambda: sandbox.get("mempol", "drain").get("status"), 60, "the operator")
+            attacker = ssl.create_default_context()
+            attacker.check_hostname, attacker.verify_mode = False, ssl.CERT_NONE
+            answers = []
+            for review in (
+                forged_review("dask-worker-no-such-pod"),
+                forged_review(pods[0], namespace="kube-system"),
+                without_namespace(forged_review(pods[0])),
+                with_uid(forged_review(pods[0]), "00000000-0000-0000-0000-0000000000ff"),
+            ):
+                answers.append(post_review(url, review, attacker)["response"])
+            assert eviction_requests(sandbox) == [], (answers, sandbox.operator_log()[-4000:])
+            assert all(a["allowed"] for a in answers), "the API server decides these evictions itself"
+            floods = [with_uid(forged_review(pod), uid if pod == pods[0] else None) for pod in pods * 5]
+            answers = [post_review(url, review, attacker)["response"] for review in floods]
+            assert "memops started draining" in answers[0]["status"]["message"], answers[0]
+        (request,) = eviction_requests(sandbox)
+        assert sorted(request["spec"]["workers"]) == pods, "one drain: the node's workers together"
+        assert request["metadata"]["labels"]["memops.dev/node"] == node
+        annotations = request["metadata"]["annotations"]
+        assert annotations["memops.dev/requested-by"] == "system:serviceaccount:tenant-a:default"
+        everywhere = sandbox.get("retirementrequests", "--all-namespaces")["items"]
+        assert {r["metadata"]["namespace"] for r in everywhere} == {"default"}
+
+
+def without_namespace(review: dict[str, Any]) -> dict[str, Any]:
+    del review["request"]["namespace"], review["request"]["object"]["metadata"]["namespace"]
+    return review
+
+
+def with_uid(review: dict[str, Any], uid: str | None) -> dict[str, Any]:
+    if uid is not None:
+        review["request"]["object"]["deleteOptions"] = {"preconditions": {"uid": uid}}
+    return review

@@ -21,14 +21,21 @@ ROOT = manifests.ROOT
 
 VALUE_SETS = {
     "default": {},
-    "namespaced": {"watchNamespaces": ["dask", "ml"]},
+    "namespaced": {
+        "watchNamespaces": ["dask", "ml"],
+        "webhook": {"networkPolicy": {"from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]}},
+    },
     "cert-manager": {"webhook": {"certManager": {"enabled": True}}},
     "cert-manager-issuer": {
         "webhook": {"certManager": {"enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}
     },
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
     "minimal": {"webhook": {"enabled": False}, "metrics": {"enabled": False}, "peering": {"create": False}},
-    "features": {"rbac": {"schedulerTLS": True, "daskWorkerGroups": True}, "watchNamespaces": ["dask"]},
+    "features": {
+        "rbac": {"schedulerTLS": True, "daskWorkerGroups": True},
+        "watchNamespaces": ["dask"],
+        "webhook": {"clientCA": {"configMap": "apiserver-webhook-client-ca"}},
+    },
     "network-policy-peers": {
         "webhook": {"networkPolicy": {"from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]}},
         "metrics": {"networkPolicy": {"from": []}},
@@ -118,6 +125,13 @@ def test_validation_catches_an_unknown_field() -> None:
         ),
         pytest.param({"sharedSpill": {"hostRoots": ["/a", "/a"]}}, "/sharedSpill/hostRoots", id="root-twice"),
         pytest.param({"rbac": {"schedulerTLS": "yes"}}, "/rbac/schedulerTLS", id="feature-not-a-boolean"),
+        pytest.param({"webhook": {"clientNames": [""]}}, "/webhook/clientNames/0", id="empty-client-name"),
+        pytest.param({"webhook": {"clientCA": {"key": ""}}}, "/webhook/clientCA/key", id="empty-client-ca-key"),
+        pytest.param(
+            {"webhook": {"allowUnauthenticatedSources": "yes"}},
+            "/webhook/allowUnauthenticatedSources",
+            id="open-not-a-boolean",
+        ),
         pytest.param(
             {"webhook": {"networkPolicy": {"from": [{"ipBlock": {}}]}}},
             "/webhook/networkPolicy/from/0/ipBlock",
@@ -441,3 +455,83 @@ def test_nested_host_roots_fail_the_install() -> None:
     values = {"sharedSpill": {"nodeDaemonSet": {"enabled": True}, "hostRoots": ["/var/lib/memops"]}}
     with pytest.raises(Exception, match="/var/lib/memops/spill lies under /var/lib/memops"):
         manifests.render_chart(values)
+
+
+PEERS = {"from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param({"watchNamespaces": ["dask"]}, id="multi-tenant-defaults"),
+        pytest.param(
+            {"watchNamespaces": ["dask"], "networkPolicy": {"enabled": False}, "webhook": {"networkPolicy": PEERS}},
+            id="peers-but-no-network-policy",
+        ),
+        pytest.param(
+            {"watchNamespaces": ["dask"], "webhook": {"clientNames": ["kube-apiserver-webhook"]}},
+            id="names-pinned-without-a-ca",
+        ),
+    ],
+)
+def test_a_multi_tenant_webhook_open_to_every_source_fails_the_install(values: dict[str, Any]) -> None:
+    """Any pod could post admission reviews that the eviction gate acts on (a drain of another
+    tenant's workers): Helm refuses the install and says what to set."""
+    with pytest.raises(Exception, match=r"webhook\.clientCA"):
+        manifests.render_chart(values)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param({}, id="one-team-cluster-wide"),
+        pytest.param({"watchNamespaces": ["dask"], "webhook": {"enabled": False}}, id="no-webhook"),
+        pytest.param({"watchNamespaces": ["dask"], "webhook": {"networkPolicy": PEERS}}, id="api-server-source-only"),
+        pytest.param({"watchNamespaces": ["dask"], "webhook": {"clientCA": {"secret": "ca"}}}, id="client-ca"),
+        pytest.param(
+            {"watchNamespaces": ["dask"], "webhook": {"allowUnauthenticatedSources": True}}, id="told-otherwise"
+        ),
+    ],
+)
+def test_a_webhook_closed_to_other_sources_or_explicitly_open_installs(values: dict[str, Any]) -> None:
+    manifests.validate(manifests.render_chart(values))
+
+
+@pytest.mark.parametrize(
+    ("client_ca", "volume"),
+    [
+        pytest.param(
+            {"configMap": "apiserver-webhook-ca"},
+            {"configMap": {"name": "apiserver-webhook-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            id="config-map",
+        ),
+        pytest.param(
+            {"secret": "apiserver-webhook-ca", "key": "client-ca.pem"},
+            {"secret": {"secretName": "apiserver-webhook-ca", "items": [{"key": "client-ca.pem", "path": "ca.crt"}]}},
+            id="secret",
+        ),
+    ],
+)
+def test_the_client_ca_is_mounted_and_required(client_ca: dict[str, str], volume: dict[str, Any]) -> None:
+    values = {"webhook": {"clientCA": client_ca, "clientNames": ["kube-apiserver-webhook", "apiserver.example"]}}
+    pod = manifests.one(manifests.render_chart(values), "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert [a for a in container["args"] if a.startswith("--webhook-client")] == [
+        "--webhook-client-ca-file=/etc/memops/webhook-client-ca/ca.crt",
+        "--webhook-client-name=kube-apiserver-webhook",
+        "--webhook-client-name=apiserver.example",
+    ]
+    mount = {"name": "webhook-client-ca", "mountPath": "/etc/memops/webhook-client-ca", "readOnly": True}
+    assert mount in container["volumeMounts"]
+    assert {"name": "webhook-client-ca", **volume} in pod["volumes"]
+
+
+def test_no_client_ca_by_default() -> None:
+    pod = manifests.one(manifests.render_chart(), "Deployment")["spec"]["template"]["spec"]
+    assert not [a for a in pod["containers"][0]["args"] if a.startswith("--webhook-client")]
+    assert "webhook-client-ca" not in {v["name"] for v in pod["volumes"]}
+
+
+def test_a_client_ca_from_two_sources_fails_the_install() -> None:
+    with pytest.raises(Exception, match="not both"):
+        manifests.render_chart({"webhook": {"clientCA": {"configMap": "a", "secret": "b"}}})

@@ -13,6 +13,9 @@ from tests.packaging import manifests
 ROOT = manifests.ROOT
 BASE = manifests.KUSTOMIZE / "base"
 NAMESPACED = manifests.KUSTOMIZE / "overlays" / "namespaced"
+# The chart's values that the namespaced overlay stands for: its webhook is open to any source
+# (no client CA, no NetworkPolicy peers), which the chart refuses unless told, and kustomize cannot.
+NAMESPACED_VALUES = {"watchNamespaces": ["dask"], "webhook": {"allowUnauthenticatedSources": True}}
 CERT_MANAGER = {"webhook": {"certManager": {"enabled": True}}}
 # Each kustomize component and the chart value it stands for.
 COMPONENTS = {"scheduler-tls": "schedulerTLS", "daskworkergroups": "daskWorkerGroups"}
@@ -43,7 +46,7 @@ def test_base_and_chart_grant_the_same_rbac() -> None:
 
 def test_namespaced_overlay_and_chart_grant_the_same_rbac() -> None:
     overlay = manifests.kustomize(NAMESPACED)
-    chart = manifests.render_chart({"watchNamespaces": ["dask"]})
+    chart = manifests.render_chart(NAMESPACED_VALUES)
     assert manifests.granted(overlay, namespace="dask") == manifests.granted(chart, namespace="dask")
     assert manifests.granted(overlay, namespace="other") == manifests.granted(chart, namespace="other")
     assert manifests.find(overlay, "ClusterKopfPeering") == []
@@ -57,7 +60,7 @@ def test_each_component_grants_what_its_chart_value_grants(tree: Path, component
     the namespaced overlay's Role in "dask"; exactly as the chart with the value on."""
     values: dict[str, Any] = {"rbac": {COMPONENTS[component]: True}}
     if tree == NAMESPACED:
-        values["watchNamespaces"] = ["dask"]
+        values.update(NAMESPACED_VALUES)
     objects = manifests.kustomize_with(tree, [component])
     manifests.validate(objects)
     chart = manifests.render_chart(values)
@@ -68,7 +71,7 @@ def test_each_component_grants_what_its_chart_value_grants(tree: Path, component
 
 def test_all_components_together() -> None:
     objects = manifests.kustomize_with(NAMESPACED, list(COMPONENTS))
-    chart = manifests.render_chart({"watchNamespaces": ["dask"], "rbac": dict.fromkeys(COMPONENTS.values(), True)})
+    chart = manifests.render_chart({"rbac": dict.fromkeys(COMPONENTS.values(), True), **NAMESPACED_VALUES})
     assert manifests.granted(objects, namespace="dask") == manifests.granted(chart, namespace="dask")
 
 
@@ -108,7 +111,7 @@ def test_namespaced_overlay_watches_dask_only() -> None:
     args = manifests.one(overlay, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "--namespace=dask" and "--all-namespaces" not in args
     hook = manifests.one(overlay, "MutatingWebhookConfiguration")["webhooks"][0]
-    chart_hook = manifests.one(manifests.render_chart({"watchNamespaces": ["dask"]}), "MutatingWebhookConfiguration")
+    chart_hook = manifests.one(manifests.render_chart(NAMESPACED_VALUES), "MutatingWebhookConfiguration")
     assert hook["namespaceSelector"] == chart_hook["webhooks"][0]["namespaceSelector"]
 
 

@@ -80,6 +80,8 @@ UPSTREAM_ONLY = {("", "nodes", "list"), ("", "nodes", "watch")}
 
 # Every feature on: what the operator may use at most.
 FEATURES = {key.split("=")[0].removeprefix("rbac."): True for key in permissions.FEATURE_GATED.values()}
+# A namespaced install whose webhook is open to any source, which the chart refuses unless told.
+OPEN = {"webhook": {"allowUnauthenticatedSources": True}}
 COMPONENTS = {"schedulerTLS": "scheduler-tls", "daskWorkerGroups": "daskworkergroups"}
 CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces", "nodes"}
 # Namespaced mode peers through a KopfPeering in each watched namespace instead.
@@ -353,7 +355,7 @@ def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
     (and each cluster-wide list or watch of a namespaced kind, which becomes one in "default")
     must be allowed in "default", and no namespace it does not watch grants it anything."""
     used, _ = _used(chart_scenario, audit_log, request)
-    objects = manifests.render_chart({"rbac": FEATURES, "watchNamespaces": ["default"]})
+    objects = manifests.render_chart({"rbac": FEATURES, "watchNamespaces": ["default"], **OPEN})
     cluster_scoped = CLUSTER_SCOPED - set(PEERING_SWAP)
     as_namespaced = {
         (group, PEERING_SWAP.get(resource, resource), verb, "" if resource in cluster_scoped else "default")
@@ -372,10 +374,10 @@ def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
 def test_feature_gated_permissions_only_with_their_value(feature: str, namespaces: list[str]) -> None:
     gated = {p for p, value in permissions.FEATURE_GATED.items() if value == f"rbac.{feature}=true"}
     others = {name: True for name in FEATURES if name != feature}
-    on = manifests.render_chart({"rbac": {**others, feature: True}, "watchNamespaces": namespaces})
-    off = manifests.render_chart({"rbac": {**others, feature: False}, "watchNamespaces": namespaces})
+    on = manifests.render_chart({"rbac": {**others, feature: True}, "watchNamespaces": namespaces, **OPEN})
+    off = manifests.render_chart({"rbac": {**others, feature: False}, "watchNamespaces": namespaces, **OPEN})
     assert manifests.granted(on) - manifests.granted(off) == set(gated), f"exactly what rbac.{feature} grants"
-    default = manifests.render_chart({"watchNamespaces": namespaces})
+    default = manifests.render_chart({"watchNamespaces": namespaces, **OPEN})
     assert not manifests.granted(default) & set(gated), f"rbac.{feature} is off by default"
     tree = manifests.KUSTOMIZE / ("overlays/namespaced" if namespaces else "base")
     with_component = manifests.granted(manifests.kustomize_with(tree, [COMPONENTS[feature]]))

@@ -8,9 +8,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from memops_sandbox import build, certs
+from memops_sandbox import build, certs, controlplane
 
 GO_MOD = """module memops.dev/controlplane
 
@@ -194,3 +196,23 @@ def test_a_second_run_waits_for_the_first_build_and_does_not_build_again(
         fcntl.flock(first, fcntl.LOCK_UN)
     second.join(10)
     assert result == [binaries]
+
+
+def test_only_the_api_server_holds_a_certificate_of_the_webhook_client_ca(tmp_path: Path) -> None:
+    """The operator's webhook requires a certificate of the webhook-client CA: the API server
+    holds one (for its webhook's host only); no other client of the cluster CA does."""
+    pki = certs.make_pki(tmp_path)
+    clients_ca = _load(pki.path("webhook-client-ca"))
+    webhook_client = _load(pki.path("apiserver-webhook-client"))
+    webhook_client.verify_directly_issued_by(clients_ca)
+    assert webhook_client.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == certs.WEBHOOK_CLIENT
+    for other in ("admin", "controller-manager", "scheduler", "apiserver-kubelet-client"):
+        with pytest.raises((ValueError, InvalidSignature)):
+            _load(pki.path(other)).verify_directly_issued_by(clients_ca)
+    config = yaml.safe_load(controlplane.webhook_client_kubeconfig(pki, "127.0.0.1:9443"))
+    assert [user["name"] for user in config["users"]] == ["127.0.0.1:9443"]
+    admission = controlplane.admission_configuration(tmp_path / "webhook-clients.kubeconfig")
+    plugins = {p["name"]: p["configuration"]["kubeConfigFile"] for p in admission["plugins"]}
+    assert plugins == dict.fromkeys(
+        ("ValidatingAdmissionWebhook", "MutatingAdmissionWebhook"), str(tmp_path / "webhook-clients.kubeconfig")
+    )

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import pytest
 
-from memops import eviction, specs
+from memops import eviction, specs, timestamps
 
 Phase, State = specs.Phase, specs.WorkerState
 
@@ -226,3 +227,139 @@ def test_only_an_eviction_request_drains_its_workers_node(labels: dict[str, str]
     """The drain keeps recipients off the workers' node only for a request that drains the node:
     an ordinary retirement's neighbours on that node take spilled keys by link."""
     assert eviction.drains_node(labels) is drains
+
+
+# -- what a review claims, confirmed; what a drain it starts may be ---------------------------------
+
+
+def _pod(**changes: Any) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "metadata": {"name": "w-1", "namespace": "team-b", "uid": "u-1"},
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running"},
+    }
+    for path, value in changes.items():
+        section, key = path.split("__")
+        pod[section][key] = value
+    return pod
+
+
+def _eviction(namespace: str | None = "team-b", name: str = "w-1", uid: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": meta}
+    if uid is not None:
+        body["deleteOptions"] = {"preconditions": {"uid": uid}}
+    return body
+
+
+@pytest.mark.parametrize(
+    ("review", "pod", "doubt"),
+    [
+        pytest.param(_eviction(), _pod(), None, id="the-pod-as-claimed"),
+        pytest.param(_eviction(uid="u-1"), _pod(), None, id="its-uid-as-claimed"),
+        pytest.param(_eviction(), None, "no pod w-1 in namespace team-b", id="no-such-pod"),
+        pytest.param(_eviction(namespace=None), _pod(), "names no pod and namespace", id="no-namespace-no-default"),
+        pytest.param(_eviction(name=""), _pod(), "names no pod and namespace", id="no-name"),
+        pytest.param(_eviction(uid="u-2"), _pod(), "has uid u-1, not u-2", id="another-pod-of-that-name"),
+        pytest.param(
+            _eviction(namespace="team-a"), _pod(), "is team-b/w-1, not team-a/w-1", id="the-pod-of-another-namespace"
+        ),
+        pytest.param(
+            _eviction(), _pod(metadata__deletionTimestamp="2026-01-01T00:00:00Z"), "being deleted", id="terminating"
+        ),
+        pytest.param(_eviction(), _pod(status__phase="Pending"), "not running on a node", id="pending"),
+        pytest.param(_eviction(), _pod(spec__nodeName=None), "not running on a node", id="unscheduled"),
+    ],
+)
+def test_a_review_is_acted_on_only_as_the_api_bears_it_out(
+    review: dict[str, Any], pod: dict[str, Any] | None, doubt: str | None
+) -> None:
+    """A forged review must never make memops act on a pod that does not exist, nor in a namespace
+    that the pod is not in: the gate reads the pod and starts nothing unless this says None."""
+    found = eviction.confirm_claim(review, pod)
+    if doubt is None:
+        assert found is None
+    else:
+        assert found is not None and doubt in found
+
+
+NOW = timestamps.parse("2026-11-26T10:00:00Z")
+
+
+def _request(
+    name: str,
+    *,
+    age: float | None = 60,
+    phase: str = "Succeeded",
+    by: str | None = "system:serviceaccount:kube-system:drainer",
+    reason: str = eviction.EVICTION,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": {eviction.REASON_LABEL: reason}, "annotations": {}}
+    if by is not None:
+        meta["annotations"][eviction.REQUESTED_BY_ANNOTATION] = by
+    if age is not None:
+        meta["creationTimestamp"] = timestamps.render(NOW - datetime.timedelta(seconds=age))
+    return {"metadata": meta, "status": {"phase": phase}}
+
+
+@pytest.mark.parametrize(
+    ("requests", "count"),
+    [
+        pytest.param([], 0, id="none"),
+        pytest.param([_request("a"), _request("b", age=599)], 2, id="within-the-window"),
+        pytest.param([_request("a", age=600), _request("b", age=3600)], 0, id="past-the-window"),
+        pytest.param([_request("a", by=None)], 0, id="a-node-signals-is-not-the-gates"),
+        pytest.param([_request("a", reason="scale-down")], 0, id="not-an-eviction"),
+        pytest.param([_request("a", age=None)], 1, id="just-made-counts"),
+    ],
+)
+def test_the_gates_drains_are_counted_in_the_window(requests: list[dict[str, Any]], count: int) -> None:
+    assert eviction.gate_drains_since(requests, NOW) == count
+
+
+START = eviction.decide(pod="w-1", unique_bytes=1000, request=None)
+
+
+@pytest.mark.parametrize(
+    ("running", "started", "starts", "says"),
+    [
+        pytest.param(None, 0, True, "memops started draining", id="first-drain-starts"),
+        pytest.param(None, eviction.GATE_DRAINS_PER_WINDOW - 1, True, "memops started", id="last-within-the-bound"),
+        pytest.param("evict-n1-1", 0, False, "one drain per node at a time", id="node-already-draining"),
+        pytest.param(None, eviction.GATE_DRAINS_PER_WINDOW, False, "the most memops starts", id="bound-reached"),
+        pytest.param(None, 1000, False, "retry the eviction later", id="a-flood-of-reviews"),
+    ],
+)
+def test_a_drain_starts_one_per_node_and_within_the_bound(
+    running: str | None, started: int, starts: bool, says: str
+) -> None:
+    """Held back, the eviction is still refused with 429 (the data stays; the client retries)."""
+    decision = eviction.guard_drain(START, pod="w-1", node="n1", running=running, started=started)
+    assert (decision.start_drain, decision.allowed, decision.code) == (starts, False, 429)
+    assert says in decision.message
+
+
+def test_only_a_drain_to_start_is_guarded() -> None:
+    admitted = eviction.decide(pod="w-1", unique_bytes=0, request=None)
+    assert eviction.guard_drain(admitted, pod="w-1", node="n1", running="r", started=99) is admitted
+
+
+def test_in_flight_finds_an_unfinished_request() -> None:
+    assert eviction.in_flight([_request("a"), _request("b", phase="Failed")]) is None
+    assert eviction.in_flight([_request("a"), _request("b", phase="Draining")]) == "b"
+    assert eviction.in_flight([{"metadata": {"name": "c"}}]) == "c", "no status yet: just made, in flight"
+
+
+@pytest.mark.parametrize(
+    ("userinfo", "recorded"),
+    [
+        pytest.param({"username": "system:serviceaccount:b:default"}, "system:serviceaccount:b:default", id="user"),
+        pytest.param({}, "unknown", id="none-given"),
+        pytest.param(None, "unknown", id="no-userinfo"),
+        pytest.param({"username": "x" * 400}, "x" * 253, id="bounded"),
+    ],
+)
+def test_the_drain_records_who_asked(userinfo: dict[str, Any] | None, recorded: str) -> None:
+    assert eviction.requested_by(userinfo) == recorded

@@ -135,3 +135,36 @@ ends in "/" compares whole components.
 {{- end }}
 {{- toJson $roots }}
 {{- end }}
+
+{{/*
+The webhook's client CA: the ConfigMap or Secret that holds it, as a volume source (empty: none).
+Who may post admission reviews: a multi-tenant install (watchNamespaces) whose webhook any source
+can reach (no client CA, and no NetworkPolicy peers) fails, unless
+webhook.allowUnauthenticatedSources says so.
+*/}}
+{{- define "memops.webhookClientCA" -}}
+{{- $ca := .Values.webhook.clientCA }}
+{{- if and $ca.configMap $ca.secret }}
+{{- fail "webhook.clientCA: name a configMap or a secret, not both" }}
+{{- end }}
+{{- if and .Values.webhook.clientNames (not (or $ca.configMap $ca.secret)) }}
+{{- fail "webhook.clientNames are checked on a verified client certificate: set webhook.clientCA too" }}
+{{- end }}
+{{- if $ca.configMap }}
+configMap:
+  name: {{ $ca.configMap }}
+  items: [{key: {{ $ca.key | quote }}, path: ca.crt}]
+{{- else if $ca.secret }}
+secret:
+  secretName: {{ $ca.secret }}
+  items: [{key: {{ $ca.key | quote }}, path: ca.crt}]
+{{- end }}
+{{- end }}
+
+{{- define "memops.webhookSourcesGuard" -}}
+{{- $ca := .Values.webhook.clientCA }}
+{{- $peers := and .Values.networkPolicy.enabled .Values.webhook.networkPolicy.from }}
+{{- if and .Values.webhook.enabled .Values.watchNamespaces (not (or $ca.configMap $ca.secret $peers .Values.webhook.allowUnauthenticatedSources)) }}
+{{- fail "watchNamespaces is set (a multi-tenant install), but the webhook is open to every source: no webhook.clientCA, and no webhook.networkPolicy.from (or networkPolicy.enabled is false). Any pod could then post admission reviews that the eviction gate acts on. Set webhook.clientCA (the API server's client certificate for webhooks, see docs/install.md), or webhook.networkPolicy.from to the API server's source, or webhook.allowUnauthenticatedSources=true to install it open anyway" }}
+{{- end }}
+{{- end }}
