@@ -23,7 +23,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import daskrpc, eviction, kube, objects, snapshots, specs, tenancy, timestamps
+from memops import daskrpc, eviction, kube, objects, shapes, snapshots, specs, tenancy, timestamps
 from memops.controllers import policy, safetynet_webhook, workloads
 
 ASK_SECONDS = 4.0
@@ -170,13 +170,16 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         **kwargs: Any,
     ) -> None:
         namespace, name = str(body.metadata.namespace or "default"), str(body.metadata.name)
-        dryrun = eviction.dry_run(dict(body), dryrun)
         cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
         client: kube.Kube = memo.kube
         try:
+            dryrun = eviction.dry_run(shapes.check(shapes.EVICTION, dict(body), "eviction"), dryrun)
             pod = await client.get(kube.resource_path("", "v1", "pods", namespace, name))
+            shapes.check(shapes.LISTED_POD, pod, "pod")
         except kube.ApiError:
             return  # the API server answers for a pod that does not exist
+        except shapes.MalformedObject as exc:  # refused: what the pod holds cannot be judged
+            raise kopf.AdmissionError(f"memops cannot read this eviction: {exc}", code=400) from None
         found = safetynet_webhook.policy_for(
             namespace,
             dict((pod.get("metadata") or {}).get("labels") or {}),
@@ -187,7 +190,8 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         if found is None or not found[1].eviction.gate or not node:
             return
         policy_name, spec = found
-        requests = eviction_requests(cache.of("retirementrequests").get((namespace, policy_name), []), node)
+        cached = shapes.well_formed(shapes.REQUEST, cache.of("retirementrequests").get((namespace, policy_name), []))
+        requests = eviction_requests(cached, node)
         held = await unique_bytes(client, namespace, spec, pod)
         latest = eviction.latest_request(name, requests)
         decision = eviction.decide(pod=name, unique_bytes=held, request=latest, dry_run=dryrun)
@@ -198,7 +202,8 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
                 busy = {w for r in unfinished for w in (r.get("spec") or {}).get("workers") or []}
                 try:
                     pods = await workloads.pods(client, namespace, spec.workload)
-                    chosen = sorted({name, *eviction.pods_to_drain(pods, node, busy)})
+                    listed = shapes.well_formed(shapes.LISTED_POD, pods)
+                    chosen = sorted({name, *eviction.pods_to_drain(listed, node, busy)})
                     created = await request_drain(
                         client,
                         policy_body=policy_body,
