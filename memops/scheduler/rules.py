@@ -173,13 +173,30 @@ def _replicas(value: Any, field: str) -> int:
     return value
 
 
-def parse(data: Mapping[str, Any]) -> Rules:
+def _list(value: Any, field: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_RULES:
+        raise RuleError(f"{field}: a list of at most {MAX_RULES} rules")
+    return list(value)
+
+
+def _share(value: Any, field: str, *, zero: bool) -> float:
+    """A share of memory (0 to 1); ``zero``: whether 0 itself is allowed."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not (0 <= value <= 1 if zero else 0 < value <= 1):
+        raise RuleError(f"{field}: a share from 0 to 1")
+    return float(value)
+
+
+def parse(data: Any) -> Rules:
     """Rules from the operator's plain data (msgpack), checked again here: the scheduler trusts
-    nothing it is sent. ``keys``: ``[{"replicas", "prefix" | "glob" | "scattered"}]``;
-    ``pods``: ``[{"replicas", "workers": [address, ...]}]``."""
-    keys, pods = list(data.get("keys") or ()), list(data.get("pods") or ())
-    if len(keys) > MAX_RULES or len(pods) > MAX_RULES:
-        raise RuleError(f"rules: at most {MAX_RULES} key rules and {MAX_RULES} pod rules")
+    nothing it is sent, and refuses anything else with a :class:`RuleError` naming the field.
+    ``keys``: ``[{"replicas", "prefix" | "glob" | "scattered"}]``; ``pods``: ``[{"replicas",
+    "workers": [address, ...]}]``."""
+    if not isinstance(data, Mapping):
+        raise RuleError("rules: a mapping")
+    keys, pods = _list(data.get("keys"), "rules"), _list(data.get("pods"), "podRules")
     key_rules = []
     for i, rule in enumerate(keys):
         field = f"rules[{i}]"
@@ -197,23 +214,26 @@ def parse(data: Mapping[str, Any]) -> Rules:
         prefix = rule.get("prefix")
         if prefix is not None and (not isinstance(prefix, str) or len(prefix) > MAX_PATTERN_CHARS):
             raise RuleError(f"{field}.keys.prefix: a string of at most {MAX_PATTERN_CHARS} characters")
+        if rule.get("scattered") not in (None, True, False):
+            raise RuleError(f"{field}.keys.scattered: true or false")
         key_rules.append(KeyRule(replicas, prefix=prefix, glob=glob, scattered=bool(rule.get("scattered"))))
-    pod_rules = tuple(
-        PodRule(_replicas(rule.get("replicas"), f"podRules[{i}].replicas"), _addresses(rule))
-        for i, rule in enumerate(pods)
-    )
-    fraction = float(data.get("maxReplicatedFraction", 0.3))
-    ceiling = float(data.get("ceiling", 0.7))
-    if not 0 <= fraction <= 1 or not 0 < ceiling <= 1:
-        raise RuleError("maxReplicatedFraction and ceiling: shares from 0 to 1")
-    return Rules(_replicas(data.get("default", 1), "default"), tuple(key_rules), pod_rules, fraction, ceiling)
+    pod_rules = []
+    for i, rule in enumerate(pods):
+        if not isinstance(rule, Mapping):
+            raise RuleError(f"podRules[{i}]: a mapping")
+        pod_rules.append(PodRule(_replicas(rule.get("replicas"), f"podRules[{i}].replicas"), _addresses(rule, i)))
+    fraction = _share(data.get("maxReplicatedFraction", 0.3), "maxReplicatedFraction", zero=True)
+    ceiling = _share(data.get("ceiling", 0.7), "ceiling", zero=False)
+    return Rules(_replicas(data.get("default", 1), "default"), tuple(key_rules), tuple(pod_rules), fraction, ceiling)
 
 
-def _addresses(rule: Mapping[str, Any]) -> frozenset[str]:
+def _addresses(rule: Mapping[str, Any], index: int) -> frozenset[str]:
     workers = rule.get("workers") or ()
+    if not isinstance(workers, (list, tuple)) or not all(isinstance(w, str) for w in workers):
+        raise RuleError(f"podRules[{index}].workers: a list of worker addresses")
     if len(workers) > 100_000:
-        raise RuleError("podRules: too many workers")
-    return frozenset(map(str, workers))
+        raise RuleError(f"podRules[{index}].workers: too many workers")
+    return frozenset(workers)
 
 
 def key_target(rules: Rules, prefix: str, scattered: bool) -> int:

@@ -67,9 +67,18 @@ def test_target(wanted: int, holders: list[str], default: int, expected: rules.T
         pytest.param({"keys": [{"prefix": "x", "replicas": 99}]}, r"rules\[0\]\.replicas", id="replicas-range"),
         pytest.param({"keys": [{"prefix": "x", "scattered": True, "replicas": 2}]}, "exactly one", id="two-selectors"),
         pytest.param({"maxReplicatedFraction": 2}, "maxReplicatedFraction", id="fraction"),
+        # What the fuzz tests found (tests/fuzz/test_rules.py): these raised AttributeError,
+        # TypeError or ValueError, not a RuleError that the agent answers with.
+        pytest.param(None, r"^rules: a mapping", id="not-a-mapping"),
+        pytest.param({"keys": 3}, r"^rules: a list", id="keys-not-a-list"),
+        pytest.param({"pods": [["tcp://a:1"]]}, r"^podRules\[0\]: a mapping", id="pod-rule-not-a-mapping"),
+        pytest.param({"pods": [{"workers": 5, "replicas": 2}]}, r"^podRules\[0\]\.workers", id="workers-not-a-list"),
+        pytest.param({"maxReplicatedFraction": [0.3]}, "^maxReplicatedFraction", id="fraction-a-list"),
+        pytest.param({"ceiling": "high"}, "^ceiling", id="ceiling-a-word"),
+        pytest.param({"ceiling": float("nan")}, "^ceiling", id="ceiling-nan"),
     ],
 )
-def test_refused_rules_name_the_field(data: dict[str, Any], error: str) -> None:
+def test_refused_rules_name_the_field(data: Any, error: str) -> None:
     with pytest.raises(rules.RuleError, match=error):
         rules.parse(data)
 
