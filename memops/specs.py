@@ -648,28 +648,45 @@ class PressureSpec(Model):
 
 
 class KeySelector(Model):
-    """Which keys: exactly one of a Dask key prefix, a pattern over it, or scattered data."""
+    """Which keys: exactly one of a Dask key prefix, a glob over it, or scattered data."""
 
     prefix: str | None = pydantic.Field(
-        default=None, max_length=256, description='A Dask key prefix, as key_split gives it ("load-parquet").'
+        default=None,
+        max_length=replication_rules.MAX_PATTERN_CHARS,
+        description='A Dask key prefix, as key_split gives it ("load-parquet").',
+    )
+    glob: str | None = pydantic.Field(
+        default=None,
+        max_length=replication_rules.MAX_PATTERN_CHARS,
+        description='A glob that the whole key prefix must match ("load-*"): * any characters, ? one,'
+        " [a-z] one of a set, [!a-z] one not in it (Python's fnmatch); matched in time linear in the prefix.",
     )
     pattern: str | None = pydantic.Field(
         default=None,
-        max_length=256,
-        description="A regular expression that the whole key prefix must match; nested quantifiers,"
-        " backreferences and lookarounds are refused.",
+        max_length=replication_rules.MAX_PATTERN_CHARS,
+        description="Refused: a regular expression's match had no time bound. Write glob instead.",
+        json_schema_extra={
+            "x-kubernetes-validations": [{"rule": "false", "message": replication_rules.PATTERN_REFUSED}]
+        },
     )
     scattered: bool | None = pydantic.Field(
         default=None, description="Data with no task to recompute it (client.scatter, or whose task is gone)."
     )
 
+    @pydantic.field_validator("pattern")
+    @classmethod
+    def _no_pattern(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            raise ValueError(f"replication.rules[].keys.pattern: {replication_rules.PATTERN_REFUSED}")
+        return pattern
+
     @pydantic.model_validator(mode="after")
     def _exactly_one(self) -> KeySelector:
-        chosen = [n for n in ("prefix", "pattern", "scattered") if getattr(self, n) not in (None, False)]
+        chosen = [n for n in ("prefix", "glob", "scattered") if getattr(self, n) not in (None, False)]
         if len(chosen) != 1:
-            raise ValueError("replication.rules[].keys: exactly one of prefix, pattern, scattered: true")
-        if self.pattern is not None:
-            replication_rules.check_pattern(self.pattern, "replication.rules[].keys.pattern")
+            raise ValueError("replication.rules[].keys: exactly one of prefix, glob, scattered: true")
+        if self.glob is not None:
+            replication_rules.compile_glob(self.glob, "replication.rules[].keys.glob")
         return self
 
 

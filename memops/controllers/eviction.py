@@ -23,7 +23,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import daskrpc, eviction, kube, objects, snapshots, specs, tenancy, timestamps
+from memops import daskrpc, eviction, kube, objects, shapes, snapshots, specs, tenancy, timestamps
 from memops.controllers import policy, safetynet_webhook, workloads
 
 ASK_SECONDS = 4.0
@@ -179,15 +179,19 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         # What the review says is a claim until the API bears it out: a review may come from
         # anyone who reaches the webhook (see memops.eviction's docstring).
         namespace, name = str(body.metadata.namespace or ""), str(body.metadata.name or "")
-        dryrun = eviction.dry_run(dict(body), dryrun)
         cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
         client: kube.Kube = memo.kube
         pod: Obj | None = None
-        if namespace and name:
-            try:
+        try:
+            dryrun = eviction.dry_run(shapes.check(shapes.EVICTION, dict(body), "eviction"), dryrun)
+            if namespace and name:
                 pod = await client.get_or_none(kube.resource_path("", "v1", "pods", namespace, name))
-            except kube.ApiError:
-                return  # the API server decides the eviction itself
+                if pod is not None:
+                    shapes.check(shapes.LISTED_POD, pod, "pod")
+        except kube.ApiError:
+            return  # the API server decides the eviction itself
+        except shapes.MalformedObject as exc:  # refused: what the pod holds cannot be judged
+            raise kopf.AdmissionError(f"memops cannot read this eviction: {exc}", code=400) from None
         doubt = eviction.confirm_claim(dict(body), pod)
         if doubt is not None or pod is None:
             logger.info("eviction review of %s/%s: nothing to do, %s", namespace, name, doubt)
@@ -202,7 +206,7 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
             return
         policy_name, spec = found
         node = str(pod["spec"]["nodeName"])
-        mine = cache.of("retirementrequests").get((namespace, policy_name), [])
+        mine = shapes.well_formed(shapes.REQUEST, cache.of("retirementrequests").get((namespace, policy_name), []))
         requests = eviction_requests(mine, node)
         held = await unique_bytes(client, namespace, spec, pod)
         decision = eviction.guard_drain(
@@ -260,7 +264,8 @@ async def start_drain(
     if policy_body is None:
         return
     try:
-        chosen = eviction.pods_to_drain(await workloads.pods(client, namespace, spec.workload), node, ())
+        listed = shapes.well_formed(shapes.LISTED_POD, await workloads.pods(client, namespace, spec.workload))
+        chosen = eviction.pods_to_drain(listed, node, ())
         if name not in chosen:
             logger.info(
                 "eviction of %s: not one of policy %s's running workers on %s; no drain", name, policy_name, node

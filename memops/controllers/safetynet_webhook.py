@@ -22,7 +22,7 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import safetynet, selectors, shared_spill, specs
+from memops import safetynet, selectors, shapes, shared_spill, specs
 from memops.controllers import policy, webhook_server, workloads
 
 CONFIGURATION = "memops.dev"
@@ -65,10 +65,12 @@ def policy_for(
 
     ``policies`` are the namespace's policies and ``deployments`` the Deployments by
     ``(namespace, name)``, as the policy controller's indexes keep them. A policy of another
-    namespace is never chosen, even if handed in: its Secret could not be the pod's.
+    namespace is never chosen, even if handed in: its Secret could not be the pod's. Malformed
+    cached objects (not :data:`memops.shapes.LISTED`) are left out.
     """
-    mine = [p for p in policies if (p.get("metadata") or {}).get("namespace", namespace) == namespace]
-    for body in sorted(mine, key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"])):
+    listed = shapes.well_formed(shapes.LISTED, policies)
+    mine = [p for p in listed if p["metadata"].get("namespace", namespace) == namespace]
+    for body in sorted(mine, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"])):
         try:
             spec = specs.MemoryPolicySpec.model_validate(body.get("spec", {}))
         except pydantic.ValidationError:
@@ -78,11 +80,37 @@ def policy_for(
             name = spec.workload.name
             workload: dict[str, Any] | None = {"kind": spec.workload.kind.value, "metadata": {"name": name}}
         else:
-            found = list(deployments.get((namespace, spec.workload.name), []))
+            found = shapes.well_formed(shapes.LISTED, deployments.get((namespace, spec.workload.name)) or [])
             workload = {"kind": "Deployment", **found[0]} if found else None
         if workload is not None and selectors.matches(workloads.selector_of(workload), labels):
             return str(body["metadata"]["name"]), spec
     return None
+
+
+def plan_for_pod(
+    pod: Mapping[str, Any],
+    *,
+    policies: Iterable[Mapping[str, Any]],
+    deployments: Mapping[tuple[str, ...], Iterable[Mapping[str, Any]]],
+    host_roots: frozenset[str] = frozenset(),
+) -> tuple[str, dict[str, Any]] | None:
+    """The new pod's change (:func:`memops.safetynet.plan_injection`) and its policy's name, or
+    None when no policy's workload selects it. Pure: what the handler decides, from the pod and
+    the caches. Raises :class:`memops.shapes.MalformedObject` for a pod whose fields are not what
+    the API server sends; malformed cached objects are left out."""
+    shapes.check(shapes.POD, pod, "pod")
+    metadata = pod.get("metadata") or {}
+    namespace = metadata.get("namespace") or "default"
+    found = policy_for(
+        namespace,
+        dict(metadata.get("labels") or {}),
+        policies=policies,
+        deployments=deployments,
+    )
+    if found is None:
+        return None
+    name, spec = found
+    return name, safetynet.plan_injection(pod, name, spec, host_roots=host_roots, namespace=namespace)
 
 
 def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = frozenset()) -> None:
@@ -97,16 +125,19 @@ def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = fr
     ) -> None:
         namespace = body.metadata.namespace or "default"
         cache = policy.Cache({name: kwargs[name] for name in policy.INDEX_NAMES.values()})
-        found = policy_for(
-            namespace,
-            dict(body.metadata.labels),
-            policies=cache.of("memorypolicies").get((namespace,), []),
-            deployments=cache.of("deployments"),
-        )
-        if found is None:
+        try:
+            planned = plan_for_pod(
+                dict(body),
+                policies=cache.of("memorypolicies").get((namespace,), []),
+                deployments=cache.of("deployments"),
+                host_roots=host_roots,
+            )
+        except shapes.MalformedObject as exc:  # created as it is: the webhook never blocks a pod
+            logger.warning("pod left without the safety net: %s", exc)
             return
-        name, spec = found
-        change = safetynet.plan_injection(dict(body), name, spec, host_roots=host_roots, namespace=namespace)
+        if planned is None:
+            return
+        name, change = planned
         patch.spec.update(change["spec"])
         patch.metadata["annotations"] = change["annotations"]
         logger.info(

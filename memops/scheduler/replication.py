@@ -1,7 +1,7 @@
 """Replication targets: an Active Memory Manager policy that keeps ruled keys at N copies.
 
 The MemoryPolicy's ``spec.replication`` says which keys matter: by Dask key prefix
-(``key_split``), by a regular expression over that prefix, ``scattered`` data (no task to
+(``key_split``), by a glob over that prefix, ``scattered`` data (no task to
 recompute it), or any key held on pods that a pod rule marks (spot or preemptible nodes: such
 a key must also exist on a pod outside them). The operator evaluates the pod rules (it knows
 pods, nodes and their labels) and sends plain data: the addresses that each pod rule marks, and

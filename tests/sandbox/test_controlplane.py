@@ -190,6 +190,36 @@ def test_every_example_passes_the_api_servers_validation(plane: RunningPlane, pa
     assert "(server dry run)" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("keys", "refusal"),
+    [
+        pytest.param(
+            {"pattern": "(a|a)*b"},
+            "spec.replication.rules[0].keys.pattern: Invalid value: \"(a|a)*b\": regular expressions are no longer",
+            id="regular-expression",
+        ),
+        pytest.param({"glob": "*" * 257}, "spec.replication.rules[0].keys.glob: Too long", id="long-glob"),
+        pytest.param({"glob": "*a" * 100 + "*b"}, None, id="any-short-glob"),
+    ],
+)
+def test_the_crd_schema_refuses_what_the_scheduler_cannot_match_safely(
+    plane: RunningPlane, keys: dict[str, str], refusal: str | None
+) -> None:
+    """A key rule's regular expression, or an over-long glob, is refused by the API server,
+    naming the field, before the operator or the scheduler sees it; a short glob is accepted."""
+    policy = yaml.safe_load((EXAMPLES[0].parent / "memorypolicy-replication.yaml").read_text())
+    policy["spec"]["replication"]["rules"][0]["keys"] = keys
+    result = plane.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-", "-n", "default",
+        input=yaml.safe_dump(policy), check=False,
+    )  # fmt: skip
+    if refusal is None:
+        assert result.returncode == 0, result.stderr
+    else:
+        assert result.returncode != 0
+        assert refusal in result.stderr, result.stderr
+
+
 SELECTORS = [
     {"matchLabels": {"b": "2", "a": "1"}},
     {"matchExpressions": [{"key": "app", "operator": "In", "values": ["mexp"]}]},

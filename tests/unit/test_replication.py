@@ -8,6 +8,7 @@ import pytest
 
 from memops import replication, specs
 from memops.objects import POD_DELETION_COST
+from memops.scheduler import rules as scheduler_rules
 
 MiB = 2**20
 
@@ -50,6 +51,17 @@ def test_pod_rules_become_worker_addresses(rule: dict[str, Any], marked: list[st
     assert rules["keys"] == [{"prefix": "load-parquet", "replicas": 2}]
     assert rules["pods"] == [{"workers": marked, "replicas": 2}]
     assert places == {"tcp://a:1": ("n-spot", "z1"), "tcp://b:1": ("n-od", "z2"), "tcp://c:1": ("n-od", "z2")}
+
+
+def test_a_glob_rule_reaches_the_scheduler_as_written() -> None:
+    """The operator sends a key rule as written; the scheduler's own check accepts it and
+    matches the glob against key prefixes."""
+    spec = specs.ReplicationSpec.model_validate({"rules": [{"keys": {"glob": "load-*"}, "replicas": 3}]})
+    rules, _ = replication.agent_rules(spec, pods=PODS, nodes=NODES, addresses=ADDRESSES, ceiling=0.7)
+    assert rules["keys"] == [{"glob": "load-*", "replicas": 3}]
+    parsed = scheduler_rules.parse(rules)
+    assert scheduler_rules.key_target(parsed, "load-parquet", False) == 3
+    assert scheduler_rules.key_target(parsed, "read-parquet", False) == 0
 
 
 FIGURES = replication.PodFigures(unique_bytes=100 * MiB, replicated_bytes=50 * MiB, target=2, under_keys=0)
@@ -108,7 +120,8 @@ def test_pod_figures_from_the_agent() -> None:
 @pytest.mark.parametrize(
     ("rule", "error"),
     [
-        pytest.param({"keys": {"pattern": "(a+)+"}, "replicas": 2}, "nested quantifiers", id="catastrophic-pattern"),
+        pytest.param({"keys": {"pattern": "(a|a)*b"}, "replicas": 2}, r"keys\.pattern: regular", id="pattern"),
+        pytest.param({"keys": {"glob": "*" * 257}, "replicas": 2}, "at most 256 characters", id="long-glob"),
         pytest.param({"keys": {}, "replicas": 2}, "exactly one of prefix", id="no-key-selector"),
         pytest.param({"replicas": 2}, "exactly one of keys, pods", id="no-selector"),
         pytest.param({"pods": {}, "replicas": 2}, "exactly one of nodeSelector", id="empty-pods"),
