@@ -71,6 +71,9 @@ class Source:
     kubeconfig: str | None
     context: str | None = None
     service_account: Path = SERVICE_ACCOUNT
+    scratch: Path | None = None
+    """Where certificates given inline are written as files (Python's ssl reads only files);
+    the system's temporary directory if None."""
 
 
 def choose_source(
@@ -170,7 +173,10 @@ async def load(source: Source) -> Loaded:
             plugin_expiry = None
         else:
             loader = await config.load_kube_config(
-                config_file=source.kubeconfig, context=source.context, client_configuration=configuration
+                config_file=source.kubeconfig,
+                context=source.context,
+                client_configuration=configuration,
+                temp_file_path=None if source.scratch is None else str(source.scratch),
             )
             namespace = ((loader.current_context or {}).get("context") or {}).get("namespace")
             plugin_expiry = getattr(loader, "exec_plugin_expiry", None)  # set when a plugin said
