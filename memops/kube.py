@@ -157,6 +157,7 @@ async def load(source: Source) -> Loaded:
     # Imported here: it takes a second (the generated API models come with it), which only the
     # operator itself pays, and not `memops crds` or `--help`.
     from kubernetes_asyncio import client, config
+    from kubernetes_asyncio.config import kube_config
 
     configuration = client.Configuration()
     now = datetime.datetime.now(datetime.UTC)
@@ -172,12 +173,17 @@ async def load(source: Source) -> Loaded:
             namespace = namespace_file.read_text().strip() if namespace_file.is_file() else None
             plugin_expiry = None
         else:
-            loader = await config.load_kube_config(
-                config_file=source.kubeconfig,
-                context=source.context,
-                client_configuration=configuration,
+            # load_kube_config() as it is, but for its persister, which its OIDC refresh calls
+            # with an argument it does not take (a TypeError, in kubernetes_asyncio 36.1).
+            merger = kube_config.KubeConfigMerger(source.kubeconfig)
+            loader = kube_config.KubeConfigLoader(
+                config_dict=merger.config,
+                config_base_path=None,
+                active_context=source.context,
+                config_persister=lambda _: _write_back(merger),
                 temp_file_path=None if source.scratch is None else str(source.scratch),
             )
+            await loader.load_and_set(configuration)
             namespace = ((loader.current_context or {}).get("context") or {}).get("namespace")
             plugin_expiry = getattr(loader, "exec_plugin_expiry", None)  # set when a plugin said
         header = await configuration.get_api_key_with_prefix("BearerToken")
@@ -204,6 +210,16 @@ async def load(source: Source) -> Loaded:
         reread = now + TOKEN_FILE_PERIOD
         return Loaded(info, reread if expiration is None else min(expiration, reread))
     return Loaded(info, expiration)
+
+
+def _write_back(merger: Any) -> None:
+    """Write a refreshed OIDC token back to its kubeconfig, as kubectl does: an identity provider
+    may take each refresh token once. A kubeconfig that cannot be written (a mounted Secret) keeps
+    the old one; the refreshed token serves until the operator stops."""
+    try:
+        merger.save_changes()
+    except OSError as error:
+        logger.warning("could not write the refreshed token back to the kubeconfig: %s", error)
 
 
 class Credentials:

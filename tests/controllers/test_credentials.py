@@ -345,3 +345,50 @@ async def test_in_cluster_the_token_file_is_read_again_every_minute(
     os.unlink(account / "token")
     with pytest.raises(kopf.LoginError, match="service account"):
         await kube.load(kube.Source(None, service_account=account))
+
+
+async def test_an_oidc_kubeconfig_refreshes_its_expired_id_token(tmp_path: Path) -> None:
+    """kubectl's ``oidc`` auth-provider: an ID token past its ``exp`` is refreshed at the issuer's
+    token endpoint (found through its discovery document), then sent, and written back."""
+    now = int(datetime.datetime.now(UTC).timestamp())
+    expired, fresh = jwt(sub="alice", exp=now - 60), jwt(sub="alice", exp=now + 3600)
+    state = Server()
+    state.accepted = {fresh}
+    refreshes: list[dict[str, str]] = []
+
+    async def discovery(request: web.Request) -> web.Response:
+        return web.json_response({"token_endpoint": str(request.url.with_path("/idp/token"))})
+
+    async def token(request: web.Request) -> web.Response:
+        refreshes.append(dict(await request.post()))
+        return web.json_response({"id_token": fresh, "refresh_token": "refresh-2"})
+
+    app = web.Application()
+    app.router.add_get("/idp/.well-known/openid-configuration", discovery)
+    app.router.add_post("/idp/token", token)
+    app.router.add_route("*", "/{tail:.*}", state.handle)
+    async with aiohttp.test_utils.TestServer(app) as test_server:
+        url = str(test_server.make_url("")).rstrip("/")
+        provider = {
+            "name": "oidc",
+            "config": {
+                "client-id": "memops",
+                "client-secret": "s3cret",
+                "idp-issuer-url": f"{url}/idp",
+                "id-token": expired,
+                "refresh-token": "refresh-1",
+            },
+        }
+        kubeconfig = write_kubeconfig(tmp_path / "config", url, {"auth-provider": provider})
+        credentials = kube.load_connection(str(kubeconfig))
+        client = kube.Kube(credentials)
+        try:
+            assert (await client.get("/api/v1/pods"))["method"] == "GET"
+        finally:
+            await client.close()
+    assert refreshes == [{"grant_type": "refresh_token", "refresh_token": "refresh-1"}]
+    assert state.seen == [f"Bearer {fresh}"]
+    info = await credentials.get()
+    assert info.expiration == datetime.datetime.fromtimestamp(now + 3600, UTC) - kube.EXPIRY_MARGIN
+    written = yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["auth-provider"]["config"]
+    assert (written["id-token"], written["refresh-token"]) == (fresh, "refresh-2")
