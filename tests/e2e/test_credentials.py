@@ -59,6 +59,11 @@ def account_of(user: str) -> str:
 
 def retire_one(sandbox: Sandbox, name: str, pod: str) -> dict[str, Any]:
     sandbox.apply(retirement_request(name, scheduler={"address": sandbox.scheduler_address}, workers=[pod]))
+    return finished(sandbox, name, pod)
+
+
+def finished(sandbox: Sandbox, name: str, pod: str) -> dict[str, Any]:
+    """The request's status once it has finished, which is to have retired ``pod`` and no other."""
     done = sandbox.wait_phase(name, "Succeeded", "Failed")
     status: dict[str, Any] = done["status"]
     assert status["phase"] == "Succeeded", status
@@ -73,7 +78,7 @@ def test_the_operator_keeps_working_when_its_bound_token_is_rotated_and_revoked(
     """``token-file``: the sandbox's operator, its token in a file as a pod's is (the kubelet
     writes the new one there). ``kubeconfig``: an operator started on a kubeconfig that holds the
     token itself, rewritten with the new one (Kopf read it again on a 401; memops did not)."""
-    sandbox: Sandbox = sandbox_factory(3, operator=where == "token-file")
+    sandbox: Sandbox = sandbox_factory(4, operator=where == "token-file")
     kubeconfig = sandbox.state_dir / "operator-kubeconfig"
     user = audit.kubeconfig_user(kubeconfig)
     token_file = sandbox.state_dir / install.TOKEN_FILE
@@ -106,7 +111,12 @@ def test_the_operator_keeps_working_when_its_bound_token_is_rotated_and_revoked(
             install.write_token(token_file, new)
         else:
             install.write_token(kubeconfig, with_user(sandbox, user, {"token": new}))
+        since = len(audit.lines(sandbox.audit_log))
         sandbox.kubectl("delete", "secret", install.TOKEN_SECRET, "-n", install.NAMESPACE)
+        # A request under way while the API server comes to refuse the old token (it caches a
+        # token's success for a few seconds): memops' own calls (claim, annotate, /scale, the
+        # status mid-drain, events) and Kopf's meet the 401 wherever they are.
+        sandbox.apply(retirement_request("after", scheduler={"address": sandbox.scheduler_address}, workers=[pods[1]]))
 
         probe = sandbox.state_dir / "revoked-kubeconfig"
         probe.write_text(with_user(sandbox, user, {"token": old}))
@@ -116,20 +126,22 @@ def test_the_operator_keeps_working_when_its_bound_token_is_rotated_and_revoked(
             return answer.returncode != 0 and "Unauthorized" in answer.stderr
 
         sandbox.wait_for(old_token_refused, timeout=60, what="the API server to refuse the revoked token")
-        since = len(audit.lines(sandbox.audit_log))
         revoked = datetime.datetime.now(datetime.UTC)
-
-        # memops' own calls (claim, annotate, /scale, status mid-drain, events) and Kopf's.
-        retire_one(sandbox, "after", pods[1])
+        finished(sandbox, "after", pods[1])
+        # And one begun after it.
+        retire_one(sandbox, "later", pods[2])
         holdings.assert_all_correct()
 
-    assert sandbox.pods() == pods[2:] and sandbox.replicas() == 1
+    assert sandbox.pods() == pods[3:] and sandbox.replicas() == 1
     os.kill(operator_pid, 0)  # still running: no restart
     if where == "token-file":
         assert int((sandbox.state_dir / "operator.pid").read_text()) == operator_pid
     after = audit.requests(sandbox.audit_log, user, since=since)
+    # memops' own requests (/scale, the status mid-drain) and Kopf's (its annotations on the
+    # request), all with the new token, none refused (a refused one has no user: it is not here).
     assert ("apps", "deployments/scale", "patch", "default") in after, after
     assert ("memops.dev", "retirementrequests/status", "patch", "default") in after, after
+    assert ("memops.dev", "retirementrequests", "patch", "default") in after, after
     assert credential_ids(sandbox, user, revoked) == {f"JTI={jti(new)}"}
 
 
