@@ -136,6 +136,10 @@ def test_the_operator_keeps_working_when_its_bound_token_is_rotated_and_revoked(
     os.kill(operator_pid, 0)  # still running: no restart
     if where == "token-file":
         assert int((sandbox.state_dir / "operator.pid").read_text()) == operator_pid
+        log = (sandbox.state_dir / "logs" / "operator.log").read_text(errors="replace")
+    else:
+        log = sandbox.operator_log()
+    assert "401" not in log and "Unauthorized" not in log, "no handler retried, nothing failed"
     after = audit.requests(sandbox.audit_log, user, since=since)
     # memops' own requests (/scale, the status mid-drain) and Kopf's (its annotations on the
     # request), all with the new token, none refused (a refused one has no user: it is not here).
