@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import json
 import signal
 import stat
@@ -79,17 +80,53 @@ async def credential_id(client: kube.Kube) -> str:
     return str(found)
 
 
-async def test_in_a_pod_a_rotated_and_revoked_token_is_read_again_without_a_failed_request(
-    plane: Path, admin: kube.Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    url = (await admin.credentials.get()).server
-    server = urllib.parse.urlsplit(url)
+async def in_a_pod(plane: Path, admin: kube.Kube, directory: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A service account directory as the kubelet mounts it (``token`` to be written), and the
+    environment of a pod of the plane's cluster."""
+    server = urllib.parse.urlsplit((await admin.credentials.get()).server)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", str(server.hostname))
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.port))
-    account = tmp_path / "serviceaccount"
+    account = directory / "serviceaccount"
     account.mkdir()
     (account / "ca.crt").write_bytes((plane / "pki" / "ca.crt").read_bytes())
     (account / "namespace").write_text("default")
+    return account
+
+
+async def test_in_a_pod_a_rotated_token_is_read_again_before_any_request_is_refused(
+    plane: Path, admin: kube.Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet writes a new token while the old one is still good: memops reads the file again
+    (every minute; at once here) and sends the new one, with no 401 needed to notice."""
+    monkeypatch.setattr(kube, "TOKEN_FILE_PERIOD", datetime.timedelta(0))
+    account = await in_a_pod(plane, admin, tmp_path, monkeypatch)
+    old = await bound_token(admin, "rotating-1")
+    install.write_token(account / "token", old)
+    client = kube.Kube(kube.Credentials(lambda: kube.load(kube.Source(None, service_account=account))))
+    renewals = 0
+    renew = client.credentials.renew
+
+    async def counted(failed: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo:
+        nonlocal renewals
+        renewals += 1
+        return await renew(failed)
+
+    monkeypatch.setattr(client.credentials, "renew", counted)
+    try:
+        assert await credential_id(client) == f"JTI={jti(old)}"
+        new = await bound_token(admin, "rotating-2")
+        install.write_token(account / "token", new)
+        assert await credential_id(client) == f"JTI={jti(new)}"
+        assert renewals == 0, "read again when due, not after a 401"
+    finally:
+        await client.close()
+
+
+async def test_in_a_pod_a_rotated_and_revoked_token_is_read_again_without_a_failed_request(
+    plane: Path, admin: kube.Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    account = await in_a_pod(plane, admin, tmp_path, monkeypatch)
+    url = (await admin.credentials.get()).server
     old = await bound_token(admin, "pod-token-1")
     install.write_token(account / "token", old)
     client = kube.Kube(kube.Credentials(lambda: kube.load(kube.Source(None, service_account=account))))
