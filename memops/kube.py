@@ -265,19 +265,20 @@ class Credentials:
             return self._loaded.info
 
     async def renew(self, failed: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo:
-        """Load again, unless the credentials in hand are newer than ``failed`` already.
+        """Load again, unless the credentials in hand differ from ``failed`` already (another
+        request renewed them, or a reload when due found a new token).
 
         Raises kopf.LoginError if they cannot be loaded.
         """
         async with self._lock:
-            if self._loaded is None or self._loaded.info is failed:
+            if self._loaded is None or self._loaded.info == failed:
                 self._loaded = await self._load()
             return self._loaded.info
 
     async def login(self) -> kopf.ConnectionInfo:
         """For Kopf's login handler. Kopf logs in at its start, then only when the credentials
-        it was given failed (a 401) or expired: it gets memops' current ones if they are newer
-        than those, else ones loaded afresh."""
+        it was given failed (a 401) or expired: it gets memops' current ones if they differ from
+        those, else ones loaded afresh. (Kopf refuses ones equal to those that failed.)"""
         if self._given_to_kopf is None:
             info = await self.get()
         else:
