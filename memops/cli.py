@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     scope = run.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
-    run.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
+    run.add_argument("--kubeconfig", help="path to a kubeconfig (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
     run.add_argument("--liveness", metavar="URL", help="serve Kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     run.add_argument("--standalone", action="store_true", help="do not coordinate with other operator replicas")
     run.add_argument("--webhook-port", type=int, help="serve the mutating admission webhook (the safety net) here")

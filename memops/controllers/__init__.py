@@ -91,10 +91,13 @@ def make_registry(
     """``host_roots``: the host directories that a MemoryPolicy's shared spill of medium Node may
     mount (``memops run --shared-spill-host-root``); none by default, and then medium Node is refused."""
     registry = kopf.OperatorRegistry()
+    # One source of credentials for Kopf and for memops' own client: when Kopf logs in again (a
+    # 401, or the credentials' expiration), memops' client gets the new ones too, and the other way.
+    credentials = kube.load_connection(kubeconfig)
 
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kube.load_connection(kubeconfig)
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        return await credentials.login()
 
     @kopf.on.startup(registry=registry)
     async def startup(
@@ -116,7 +119,7 @@ def make_registry(
                 client_ca=webhook.client_ca,
                 client_names=webhook.client_names,
             )
-        memo.kube = kube.Kube(kube.load_connection(kubeconfig))
+        memo.kube = kube.Kube(credentials)
         if host_roots:
             logger.info("shared spill of medium Node may mount: %s", ", ".join(sorted(host_roots)))
         else:

@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plane = commands.add_parser(
         "plane",
         help="run the control plane alone, with the operator's CRDs and RBAC applied (no Dask, no nodes,"
-        " no operator): DIR/kubeconfig, DIR/operator-kubeconfig, then DIR/ready",
+        " no operator): DIR/kubeconfig, DIR/operator-kubeconfig (and its DIR/operator-token), then DIR/ready",
     )
     plane.add_argument("--state-dir", required=True, type=Path)
     args = parser.parse_args(argv)

@@ -62,19 +62,25 @@ def kubeconfig(
     cert: bytes | None = None,
     key: bytes | None = None,
     token: str | None = None,
+    token_file: Path | None = None,
     namespace: str = "default",
 ) -> str:
-    """A kubeconfig with everything embedded: a client certificate, or a bearer token."""
-    return multi_kubeconfig(server, ca, {user: _credentials(cert, key, token)}, namespace=namespace)
+    """A kubeconfig with everything embedded: a client certificate, or a bearer token; or one that
+    names the file holding its token (``tokenFile``: clients read it again when it changes)."""
+    return multi_kubeconfig(server, ca, {user: _credentials(cert, key, token, token_file)}, namespace=namespace)
 
 
-def _credentials(cert: bytes | None, key: bytes | None, token: str | None) -> dict[str, str]:
+def _credentials(
+    cert: bytes | None, key: bytes | None, token: str | None, token_file: Path | None = None
+) -> dict[str, str]:
     credentials: dict[str, str] = {}
     if cert is not None and key is not None:
         credentials["client-certificate-data"] = base64.b64encode(cert).decode()
         credentials["client-key-data"] = base64.b64encode(key).decode()
     if token is not None:
         credentials["token"] = token
+    if token_file is not None:
+        credentials["tokenFile"] = str(token_file)
     return credentials
 
 

@@ -5,7 +5,11 @@ namespace ``memops-system``. Its CRDs, ServiceAccount, RBAC and Kopf peering are
 rendered, so the operator is held to exactly the permissions that users grant it. Its
 Deployment, Services and Secret are not: the operator runs as a local process instead, under
 its ServiceAccount's token (TokenRequest API, as ``kubectl create token``), serving its webhook
-over TLS on 127.0.0.1 with a certificate of the sandbox's CA. The chart's
+over TLS on 127.0.0.1 with a certificate of the sandbox's CA. The token reaches it as a pod's
+reaches it: a file (``DIR/operator-token``, named by ``DIR/operator-kubeconfig`` as its
+``tokenFile``) holding a token bound to an object, a Secret here (:data:`TOKEN_SECRET`), where
+the kubelet binds it to the pod. Deleting the Secret revokes the token; writing a new one to the
+file first rotates it, as the kubelet does. The chart's
 Mutating and ValidatingWebhookConfigurations are applied with ``clientConfig.url`` pointing there and
 ``caBundle`` the sandbox's CA, so the API server calls it over TLS as it would call the Service.
 Of the Deployment's arguments, those that configure what the operator allows (:data:`OPERATOR_FLAGS`)
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +72,10 @@ OPERATOR_FLAGS = ("--shared-spill-host-root=",)
 """The rendered Deployment's arguments that the sandbox's operator takes as they are; the others
 (ports, certificate files, the liveness endpoint) it sets for loopback itself."""
 TOKEN_SECONDS = 7 * 24 * 3600  # the API server caps it at --service-account-max-token-expiration
+TOKEN_SECRET = "memops-operator-token"
+"""The Secret in :data:`NAMESPACE` that the operator's token is bound to: deleting it revokes the token."""
+TOKEN_FILE = "operator-token"
+"""``DIR/operator-token``: the operator's token, read by its kubeconfig (``tokenFile``)."""
 
 
 def chart_directory() -> Path:
@@ -163,20 +172,41 @@ async def install(plane: controlplane.Plane, api: controlplane.Api, objects: lis
         if obj["kind"] != "CustomResourceDefinition":
             await api.create(path_of(obj), obj)
     account = service_account(objects)
-    request = {
-        "apiVersion": "authentication.k8s.io/v1",
-        "kind": "TokenRequest",
-        "spec": {"expirationSeconds": TOKEN_SECONDS},
-    }
-    response = await api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{account}/token", request)
+    token_file = plane.state_dir / TOKEN_FILE
+    write_token(token_file, await bound_token(api, account, TOKEN_SECRET))
     path = plane.state_dir / "operator-kubeconfig"
     user = f"system:serviceaccount:{NAMESPACE}:{account}"
     path.write_text(
-        controlplane.kubeconfig(
-            plane.server, plane.ca, user=user, token=response["status"]["token"], namespace=NAMESPACE
-        )
+        controlplane.kubeconfig(plane.server, plane.ca, user=user, token_file=token_file, namespace=NAMESPACE)
     )
     return path
+
+
+async def bound_token(api: controlplane.Api, account: str, secret: str) -> str:
+    """A token of ServiceAccount ``account`` bound to the Secret ``secret`` of :data:`NAMESPACE`
+    (made here if it does not exist): the API server refuses it once the Secret is deleted."""
+    secrets = f"/api/v1/namespaces/{NAMESPACE}/secrets"
+    await api.create(secrets, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret}})
+    bound = await api.get(f"{secrets}/{secret}")
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {
+            "expirationSeconds": TOKEN_SECONDS,
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Secret", "name": secret, "uid": bound["metadata"]["uid"]},
+        },
+    }
+    response = await api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{account}/token", request)
+    return str(response["status"]["token"])
+
+
+def write_token(path: Path, token: str) -> None:
+    """Replace the token in ``path`` at once (a reader sees the old one or the new one, whole), readable
+    by its owner only."""
+    staged = path.with_name(path.name + ".new")
+    with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+        file.write(token)
+    staged.replace(path)
 
 
 async def register_webhook(api: controlplane.Api, objects: list[dict[str, Any]], url: str, ca_bundle: bytes) -> None:

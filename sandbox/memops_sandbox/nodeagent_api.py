@@ -1,23 +1,24 @@
-"""The node agent's one seam to the Kubernetes API: a kubeconfig read into an aiohttp session.
+"""The node agent's one seam to the Kubernetes API: a kubeconfig's context, as an aiohttp session.
 
 Used only by ``nodeagent``. It speaks the few verbs a kubelet uses (get, list, watch, create,
 patch, delete) and nothing else; every call raises ``ApiError`` on a status other than 2xx so
-that callers decide what a 404 or a 409 means.
+that callers decide what a 404 or a 409 means. The kubeconfig is read as kubectl reads it, by
+:func:`memops.kube.load` (client certificates, tokens and token files, exec plugins).
 """
 
 from __future__ import annotations
 
-import base64
+import asyncio
 import json
-import ssl
-import tempfile
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
+from kubernetes_asyncio.config import kube_config
+
+from memops import kube
 
 Obj = dict[str, Any]
 
@@ -42,24 +43,13 @@ TRANSIENT: tuple[type[BaseException], ...] = (ApiError, aiohttp.ClientError, OSE
 
 @dataclass(frozen=True)
 class Credentials:
-    """Where the API server is and who we are to it, from one context of a kubeconfig."""
+    """Which context of which kubeconfig the agent uses for a node; ``scratch`` takes the PEM files
+    of certificates that the kubeconfig (or its exec plugin) gives inline."""
 
-    server: str
-    ssl_context: ssl.SSLContext | bool
-    token: str | None
+    kubeconfig: Path
+    context: str
     user: str
-
-
-def _data_or_file(entry: Mapping[str, Any], key: str, base: Path, scratch: Path) -> Path | None:
-    """A kubeconfig names a PEM either inline (``<key>-data``, base64) or as a path."""
-    if entry.get(f"{key}-data"):
-        scratch.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with tempfile.NamedTemporaryFile(dir=scratch, suffix=".pem", delete=False) as file:
-            file.write(base64.b64decode(entry[f"{key}-data"]))
-        return Path(file.name)
-    if entry.get(key):
-        return base / str(entry[key])
-    return None
+    scratch: Path
 
 
 def load_credentials(kubeconfig: Path, *, node: str, scratch: Path) -> Credentials:
@@ -70,52 +60,40 @@ def load_credentials(kubeconfig: Path, *, node: str, scratch: Path) -> Credentia
     that the Node authorizer and the NodeRestriction admission plugin treat the agent as they
     treat a kubelet; otherwise the current context is used (an admin, typically).
     """
-    config = yaml.safe_load(kubeconfig.read_text())
-    contexts = {item["name"]: item["context"] for item in config.get("contexts") or []}
-    name = next(
-        (n for n in (f"system:node:{node}", node) if n in contexts),
-        config.get("current-context"),
-    )
+    listed, current = kube_config.list_kube_config_contexts(str(kubeconfig))
+    contexts = {str(item["name"]): item.get("context") or {} for item in listed}
+    name = next((n for n in (f"system:node:{node}", node) if n in contexts), (current or {}).get("name"))
     if name not in contexts:
         raise ValueError(f"{kubeconfig}: no context for node {node!r} and no current-context")
-    context = contexts[name]
-    cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
-    user: dict[str, Any] = next((u["user"] for u in config.get("users") or [] if u["name"] == context.get("user")), {})
-    base = kubeconfig.parent
-    ssl_context: ssl.SSLContext | bool = True
-    if str(cluster["server"]).startswith("https"):
-        if cluster.get("insecure-skip-tls-verify"):
-            ssl_context = False
-        else:
-            ca = _data_or_file(cluster, "certificate-authority", base, scratch)
-            ssl_context = ssl.create_default_context(cafile=str(ca) if ca else None)
-        cert = _data_or_file(user, "client-certificate", base, scratch)
-        key = _data_or_file(user, "client-key", base, scratch)
-        if cert is not None and isinstance(ssl_context, ssl.SSLContext):
-            ssl_context.load_cert_chain(str(cert), str(key) if key else None)
-    return Credentials(
-        server=str(cluster["server"]).rstrip("/"),
-        ssl_context=ssl_context,
-        token=user.get("token"),
-        user=str(context.get("user", "")),
-    )
+    return Credentials(kubeconfig, name, str(contexts[name].get("user", "")), scratch)
 
 
 class Api:
-    """A session against one API server as one identity."""
+    """A session against one API server as one identity, made at the first request."""
 
     def __init__(self, credentials: Credentials):
         self.credentials = credentials
-        headers = {"Authorization": f"Bearer {credentials.token}"} if credentials.token else {}
-        self.session = aiohttp.ClientSession(
-            base_url=credentials.server,
-            headers={"Accept": "application/json", "User-Agent": "memops-nodeagent", **headers},
-            connector=aiohttp.TCPConnector(ssl=credentials.ssl_context),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-        )
+        self._session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()
+
+    async def session(self) -> aiohttp.ClientSession:
+        async with self._lock:
+            if self._session is None:
+                source = kube.Source(
+                    str(self.credentials.kubeconfig), self.credentials.context, scratch=self.credentials.scratch
+                )
+                info = (await kube.load(source)).info
+                self._session = aiohttp.ClientSession(
+                    base_url=info.server,
+                    headers={"Accept": "application/json", "User-Agent": "memops-nodeagent", **info.as_http_headers()},
+                    connector=aiohttp.TCPConnector(ssl=info.as_ssl_context()),
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                )
+            return self._session
 
     async def close(self) -> None:
-        await self.session.close()
+        if self._session is not None:
+            await self._session.close()
 
     async def request(
         self,
@@ -129,7 +107,7 @@ class Api:
     ) -> Obj:
         data = json.dumps(body) if body is not None else None
         headers = {"Content-Type": content_type} if data is not None else {}
-        async with self.session.request(
+        async with (await self.session()).request(
             method,
             path,
             data=data,
@@ -168,7 +146,8 @@ class Api:
         query = {**params, "watch": "true", "allowWatchBookmarks": "true"}
         # The server closes a watch after timeoutSeconds; a read that hangs longer is a dead link.
         timeout = aiohttp.ClientTimeout(total=None, sock_read=float(params.get("timeoutSeconds", "300")) + 30)
-        async with self.session.get(path, params=query, timeout=timeout) as response:
+        session = await self.session()
+        async with session.get(path, params=query, timeout=timeout) as response:
             if response.status == 410:
                 raise Gone(response.status, await response.text())
             if response.status != 200:

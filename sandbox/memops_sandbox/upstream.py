@@ -6,7 +6,8 @@ CRDs, ServiceAccount and RBAC as the chart renders them (:mod:`memops_sandbox.in
 certificate), a Deployment ``dask-worker`` whose pods the real ReplicaSet controller makes and
 the real scheduler binds, then the operator (``memops run`` under its ServiceAccount's token,
 its webhook on TLS) and the chart's webhook configuration pointed at it. The state directory's
-contract, which the test suite and users rely on: ``kubeconfig``, ``operator-kubeconfig``,
+contract, which the test suite and users rely on: ``kubeconfig``, ``operator-kubeconfig`` (its
+user reads ``operator-token``, a token bound to a Secret: see :mod:`memops_sandbox.install`),
 ``scheduler-address``, and ``ready`` last.
 
 ``memops-sandbox plane`` runs the first two steps alone (no Dask, no nodes, no operator).
