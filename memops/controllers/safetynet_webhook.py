@@ -135,6 +135,11 @@ def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = fr
         except shapes.MalformedObject as exc:  # created as it is: the webhook never blocks a pod
             logger.warning("pod left without the safety net: %s", exc)
             return
+        except Exception:
+            # Kopf answers any other exception with allowed: false, which failurePolicy: Ignore
+            # does not cover (the call succeeded): a defect here must not block pod creation.
+            logger.exception("pod left without the safety net: the webhook failed")
+            return
         if planned is None:
             return
         name, change = planned

@@ -72,3 +72,32 @@ def test_policy_for_reads_the_caches(
     if found is not None:
         tls = found[1].scheduler.tls
         assert tls is not None and tls.secretName == f"{namespace}-tls", "only the pod's own namespace's Secret"
+
+
+class _Broken:
+    """A cache whose every read fails, as a defect in the webhook's own code would."""
+
+    def get(self, *args: Any) -> Any:
+        raise RuntimeError("a defect")
+
+    def __getitem__(self, key: Any) -> Any:
+        raise RuntimeError("a defect")
+
+
+async def test_a_failure_inside_the_webhook_never_blocks_the_pod() -> None:
+    """Kopf turns an exception in a mutating handler into ``allowed: false`` (a successful call,
+    which ``failurePolicy: Ignore`` does not cover): the handler must return instead, unpatched."""
+    import logging
+
+    import kopf
+
+    from memops.controllers import policy
+
+    registry = kopf.OperatorRegistry()
+    safetynet_webhook.register(registry)
+    (handler,) = [h for h in registry._webhooks.get_all_handlers() if h.id == "safety-net"]
+    body = kopf.Body({"metadata": {"name": "p", "namespace": "a", "labels": {"app": "w"}}, "spec": {"containers": []}})
+    patch = kopf.Patch()
+    indexes = {name: _Broken() for name in policy.INDEX_NAMES.values()}
+    await handler.fn(body=body, patch=patch, logger=logging.getLogger("test"), **indexes)
+    assert not patch
