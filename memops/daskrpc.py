@@ -271,6 +271,13 @@ class Scheduler:
             raise
         if not verdict.allowed:
             await self.close()
+            # The addresses go to the operator's log only: a status does not name them.
+            logger.info(
+                "%s not vouched for: %s; its workers not vouched for: %s",
+                self.address,
+                verdict.message,
+                ", ".join(verdict.foreign[:10]) + (", ..." if len(verdict.foreign) > 10 else ""),
+            )
             raise Unvouched(verdict, workers)
         self._vouched = addresses
 
