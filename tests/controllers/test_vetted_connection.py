@@ -15,36 +15,26 @@ event posting is switched off (it needs a running operator).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import signal
-import socket
-import sys
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import cloudpickle
 import kopf
 import pytest
-from distributed import Client
 from kopf._core.engines import posting
 from memops_sandbox import build, upstream
 
-from memops import daskrpc, kube, specs
+from memops import kube, specs
 from memops.controllers import policy, retirement
-from memops.scheduler import agent
-from tests.scheduler import forwarder, processes
+from tests.scheduler import forwarder
 
 LOGGER = logging.getLogger("test")
 POD = "w-5d4f8b7c9-abcde"
-A_IP, B_IP = "127.0.0.2", "127.0.0.3"
+A_IP, B_IP = forwarder.A_IP, forwarder.B_IP
 
-# What runs on the schedulers (run_on_scheduler) goes by value: they cannot import the tests.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(scope="module")
@@ -88,63 +78,10 @@ async def client(plane: Path, request: pytest.FixtureRequest) -> AsyncIterator[t
         await kube_client.close()
 
 
-@dataclass
-class Tenants:
-    a: str  # tenant A's scheduler (its worker is A's pod)
-    b: str  # tenant B's scheduler (its worker is no pod of A's namespace)
-    b_worker: str
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
-async def tenants() -> AsyncIterator[Tenants]:
-    started: list[Any] = []
-    try:
-        addresses = []
-        for name, host in (("a", A_IP), ("b", B_IP)):
-            port = _free_port()
-            address = f"tcp://127.0.0.1:{port}"
-            started.append(processes.spawn_scheduler(port))
-            started.append(processes.spawn(address, POD if name == "a" else "b-0", host=host))
-            addresses.append(address)
-        for address in addresses:
-
-            async def count(address: str = address) -> int:
-                with contextlib.suppress(daskrpc.SchedulerUnreachable):
-                    return await daskrpc.ping(address, timeout=2)
-                return 0
-
-            await processes.wait_for_workers(count, 1)
-        b_workers = await _on_scheduler(addresses[1], _workers)
-        yield Tenants(a=addresses[0], b=addresses[1], b_worker=next(iter(b_workers)))
-    finally:
-        for process in reversed(started):
-            processes.kill(process)
-
-
-def _workers(dask_scheduler: Any) -> dict[str, str]:
-    return {address: str(ws.status) for address, ws in dask_scheduler.workers.items()}
-
-
-def _memops_in(dask_scheduler: Any) -> bool:
-    """Whether anything of memops reached this scheduler: its agent, or a drain's plugin."""
-    return agent.NAME in dask_scheduler.handlers or any("memops" in str(p) for p in dask_scheduler.plugins)
-
-
-async def _on_scheduler(address: str, function: Any) -> Any:
-    async with Client(address, asynchronous=True) as dask_client:
-        return await dask_client.run_on_scheduler(function)
-
-
-async def _untouched(tenants: Tenants) -> None:
-    """B's scheduler holds nothing of memops, and its worker is there and was never drained."""
-    assert not await _on_scheduler(tenants.b, _memops_in), "memops reached tenant B's scheduler"
-    assert await _on_scheduler(tenants.b, _workers) == {tenants.b_worker: "Status.running"}
+async def tenants() -> AsyncIterator[forwarder.Tenants]:
+    async with forwarder.two_tenants(a_worker_name=POD) as both:
+        yield both
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +92,7 @@ def no_event_posting() -> None:
 
 
 async def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(
-    client: tuple[kube.Kube, str], tenants: Tenants
+    client: tuple[kube.Kube, str], tenants: forwarder.Tenants
 ) -> None:
     """A policy with pressure relief and replication targets, whose address leads to A's scheduler
     on the first connection and to B's afterwards. A pass installs relief and replication where it
@@ -185,12 +122,12 @@ async def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(
         assert conditions[0]["status"] == "True", conditions[0]
         assert [c["reason"] for c in conditions[1:]] == ["ForeignScheduler"] * 2, conditions
         assert proxy.routed[0].endswith(tenants.a.rsplit(":", 1)[1]) and len(proxy.routed) >= 3
-        assert await _on_scheduler(tenants.a, _memops_in), "the first pass acted on A's scheduler"
-        await _untouched(tenants)
+        assert await forwarder.on_scheduler(tenants.a, forwarder.memops_in), "the first pass acted on A's scheduler"
+        await forwarder.assert_untouched(tenants)
 
 
 async def test_a_retirement_acts_only_on_the_scheduler_it_vouched_for(
-    client: tuple[kube.Kube, str], tenants: Tenants
+    client: tuple[kube.Kube, str], tenants: forwarder.Tenants
 ) -> None:
     """A RetirementRequest whose address leads to A's scheduler on the first connection and to
     B's afterwards. Its start chooses A's worker on the connection it vouched on; its drain steps
@@ -212,16 +149,17 @@ async def test_a_retirement_acts_only_on_the_scheduler_it_vouched_for(
         stored = kopf.Body(await kube_client.get(f"{path}/r"))
         request = retirement.Retirement(client=kube_client, body=stored, logger=LOGGER)
         status = await request.step(specs.RetirementRequestStatus())
+        await forwarder.assert_untouched(tenants)
         assert status.phase == specs.Phase.DRAINING, status.message
         assert [w.pod for w in status.workers] == [POD]
         for _ in range(2):
             status = await request.step(status)
+            await forwarder.assert_untouched(tenants)
             assert status.phase == specs.Phase.DRAINING, status.message
             reachable = next(c for c in status.conditions if c.type == "SchedulerReachable")
             assert (reachable.status, reachable.reason) == ("False", "ForeignScheduler"), reachable
         written = (await kube_client.get(f"{path}/r"))["status"]
         assert B_IP not in json.dumps(written), written
         assert len(proxy.routed) >= 3
-        await _untouched(tenants)
         # A's worker was never retired either: the drain steps met B's scheduler, not A's.
-        assert list((await _on_scheduler(tenants.a, _workers)).values()) == ["Status.running"]
+        assert list((await forwarder.on_scheduler(tenants.a, forwarder.workers)).values()) == ["Status.running"]

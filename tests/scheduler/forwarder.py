@@ -2,13 +2,33 @@
 scheduler, the later ones to another. What an ExternalName Service or a DNS name that a tenant
 switches does, and what a tenant's own TCP proxy at one fixed IP can do (so pinning the address'
 IP would not help): one address, a different scheduler behind each connection.
+
+And the two tenants' schedulers to put behind it (:func:`two_tenants`): real ``dask scheduler``
+processes, each with one ``dask worker`` process that listens on and advertises its own loopback
+IP, as a pod advertises its pod IP: tenant A's at :data:`A_IP`, tenant B's at :data:`B_IP`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import sys
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+from distributed import Client
+
+from memops import daskrpc
+from memops.scheduler import agent
+from tests.scheduler import processes
+
+A_IP, B_IP = "127.0.0.2", "127.0.0.3"
+
+# What runs on the schedulers (run_on_scheduler) goes by value: they cannot import the tests.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class Forwarder:
@@ -69,3 +89,66 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 def _host_port(address: str) -> tuple[str, int]:
     host, port = address.split("://", 1)[-1].rsplit(":", 1)
     return host, int(port)
+
+
+@dataclass(frozen=True)
+class Tenants:
+    a: str  # tenant A's scheduler
+    a_worker: str  # its worker's address, at A_IP
+    b: str  # tenant B's scheduler
+    b_worker: str  # its worker's address, at B_IP
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def two_tenants(a_worker_name: str = "a-0") -> AsyncIterator[Tenants]:
+    """Two schedulers with one worker each (A's named ``a_worker_name``), until the block ends."""
+    started: list[Any] = []
+    try:
+        addresses = []
+        for name, host in ((a_worker_name, A_IP), ("b-0", B_IP)):
+            port = _free_port()
+            address = f"tcp://127.0.0.1:{port}"
+            started.append(processes.spawn_scheduler(port))
+            started.append(processes.spawn(address, name, host=host))
+            addresses.append(address)
+        for address in addresses:
+
+            async def count(address: str = address) -> int:
+                with contextlib.suppress(daskrpc.SchedulerUnreachable):
+                    return await daskrpc.ping(address, timeout=2)
+                return 0
+
+            await processes.wait_for_workers(count, 1)
+        [a_worker] = await on_scheduler(addresses[0], workers)
+        [b_worker] = await on_scheduler(addresses[1], workers)
+        yield Tenants(a=addresses[0], a_worker=a_worker, b=addresses[1], b_worker=b_worker)
+    finally:
+        for process in reversed(started):
+            processes.kill(process)
+
+
+def workers(dask_scheduler: Any) -> dict[str, str]:
+    """Each worker's address -> its status."""
+    return {address: str(ws.status) for address, ws in dask_scheduler.workers.items()}
+
+
+def memops_in(dask_scheduler: Any) -> bool:
+    """Whether anything of memops reached this scheduler: its agent, or a plugin of its drains."""
+    return agent.NAME in dask_scheduler.handlers or any("memops" in str(p) for p in dask_scheduler.plugins)
+
+
+async def on_scheduler(address: str, function: Any) -> Any:
+    async with Client(address, asynchronous=True) as dask_client:
+        return await dask_client.run_on_scheduler(function)
+
+
+async def assert_untouched(tenants: Tenants) -> None:
+    """B's scheduler holds nothing of memops, and its worker is there and was never drained."""
+    assert not await on_scheduler(tenants.b, memops_in), "memops reached tenant B's scheduler"
+    assert await on_scheduler(tenants.b, workers) == {tenants.b_worker: "Status.running"}
