@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,25 @@ class Forwarder:
             await server.wait_closed()
 
 
+@contextlib.contextmanager
+def in_thread(targets: Sequence[str]) -> Iterator[Forwarder]:
+    """A :class:`Forwarder` served by an event loop of its own, in a thread: for tests that do not
+    run one (the end-to-end scenarios)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="forwarder", daemon=True)
+    thread.start()
+    forwarder = Forwarder(targets)
+    serving = forwarder.serving()
+    asyncio.run_coroutine_threadsafe(serving.__aenter__(), loop).result(10)
+    try:
+        yield forwarder
+    finally:
+        asyncio.run_coroutine_threadsafe(serving.__aexit__(None, None, None), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     with contextlib.suppress(ConnectionError):
         while chunk := await reader.read(65536):
@@ -99,7 +119,7 @@ class Tenants:
     b_worker: str  # its worker's address, at B_IP
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -112,7 +132,7 @@ async def two_tenants(a_worker_name: str = "a-0") -> AsyncIterator[Tenants]:
     try:
         addresses = []
         for name, host in ((a_worker_name, A_IP), ("b-0", B_IP)):
-            port = _free_port()
+            port = free_port()
             address = f"tcp://127.0.0.1:{port}"
             started.append(processes.spawn_scheduler(port))
             started.append(processes.spawn(address, name, host=host))
