@@ -28,9 +28,8 @@ def _installed(address: str) -> tuple[Any, Any]:
     asked as an owner that has neither, which changes nothing (and installs nothing)."""
 
     async def ask() -> tuple[Any, Any]:
-        async with daskrpc.connect(address) as scheduler:
-            relief = await scheduler.configure_relief(above=None, to=None, owner="nobody/probe")
-            replication = await scheduler.configure_replication(rules=None, places={}, owner="nobody/probe")
+        relief = await daskrpc.configure_relief(address, above=None, to=None, owner="nobody/probe")
+        replication = await daskrpc.configure_replication(address, rules=None, places={}, owner="nobody/probe")
         return relief, replication
 
     return asyncio.run(ask())
