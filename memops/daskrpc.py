@@ -11,6 +11,13 @@ reply's exception), and refuses a reply larger than :data:`memops.daskcomm.MAX_M
 before reading it. A reply that it refuses, or one of the wrong shape, raises
 :class:`SchedulerMisbehaved`.
 
+The controllers reach a scheduler only through :func:`vetted`: one connection, on which
+``identity`` is judged by the caller's vouch (the tenancy check) before anything else is sent,
+and everything else is then asked (:class:`Scheduler`). What answers at an address may change from
+one connection to the next, so a check on one connection vouches for nothing on another. The
+address-level functions (:func:`fetch_snapshot`, :func:`configure_relief`, ...) open a connection
+that nobody vouched for: for the sandbox, tests and benchmarks, which run their scheduler themselves.
+
 memops' code reaches a stock scheduler once, by value: the agent (with
 :mod:`memops.scheduler.holdings` and :mod:`memops.scheduler.relief`, pickled with cloudpickle)
 through ``run_function``, whose reply is pickled by design and is therefore never decoded
