@@ -240,7 +240,7 @@ class Scheduler:
         self._vouch = vouch
         self._comm: daskcomm.Comm | None = None
         self._identity: Mapping[Any, Any] | None = None  # read by the vouch, not yet used by a snapshot
-        self._vouched: frozenset[str] = frozenset()  # the workers vouched for on this connection
+        self._vouched: frozenset[str] | None = None  # the workers vouched for on this connection
         self.workers: tuple[snapshots.WorkerInfo, ...] = ()
         """The workers of the last ``identity`` read, as the vouch saw them (no figures)."""
         self.verdict: tenancy.Verdict | None = None
@@ -249,7 +249,7 @@ class Scheduler:
     async def _open(self) -> None:
         """A new connection; with a vouch, its ``identity`` judged before anything else is sent."""
         self._comm = await _connect(self.address, self.security, self.timeout)
-        self._vouched, self._identity = frozenset(), None
+        self._vouched, self._identity = None, None
         if self._vouch is None:
             return
         async with self._using() as comm, asyncio.timeout(self.timeout):
@@ -267,7 +267,8 @@ class Scheduler:
         connection; raises :class:`Unvouched` (and closes the connection) when it says no."""
         self.workers = workers = _identified(self.address, identity, {}, {}, keys=False)
         addresses = frozenset(w.address for w in workers)
-        if self._vouch is None or (addresses and addresses <= self._vouched):
+        # Workers that left (a retirement's) change nothing: the connection was vouched for.
+        if self._vouch is None or (self._vouched is not None and addresses <= self._vouched):
             return
         try:
             # Outside the calls' timeout and their exceptions: it may ask the API server, whose

@@ -29,8 +29,9 @@ async def tenants() -> AsyncIterator[forwarder.Tenants]:
 
 
 async def test_everything_goes_over_the_connection_that_was_vouched_for(tenants: forwarder.Tenants) -> None:
-    """A snapshot, pressure relief, replication, a drain and its status, and a retirement: all on
-    the one connection that the vouch judged, to A's scheduler; B's gets nothing."""
+    """A snapshot, pressure relief, replication, a drain and its status, a retirement of the
+    scheduler's last worker and the snapshot after it: all on the one connection that the vouch
+    judged, to A's scheduler; B's gets nothing."""
     async with forwarder.Forwarder([tenants.a, tenants.b]).serving() as proxy:
         async with daskrpc.vetted(proxy.address, vouch=vouch) as scheduler:
             snapshot = await scheduler.snapshot(drains=True)
@@ -43,6 +44,8 @@ async def test_everything_goes_over_the_connection_that_was_vouched_for(tenants:
             # It holds nothing: retired at once, and closed.
             outcome = await scheduler.retire_workers([tenants.a_worker], timeout=30)
             assert outcome.retired == (tenants.a_worker,) and not outcome.timed_out, outcome
+            # What the retirement reads after: the scheduler has no worker left, on the same connection.
+            assert (await scheduler.snapshot(placement=list(snapshot.who_has))).workers == ()
         assert len(proxy.routed) == 1, "one connection"
     await forwarder.assert_untouched(tenants)
     assert await forwarder.on_scheduler(tenants.a, forwarder.memops_in)
