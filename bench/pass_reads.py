@@ -6,7 +6,7 @@ by round so that a loaded machine slows both alike:
 
 - two connections (anchor): ``fetch_snapshot`` of the workers, then ``drain_status`` on a
   connection of its own, as a pass read them before;
-- one connection: ``fetch_snapshot`` with ``vouch`` and ``drains``, as a pass reads them now.
+- one connection: ``daskrpc.vetted`` and a snapshot with ``drains`` on it, as a pass reads them now.
 
 A real scheduler with real worker processes (a local cluster), over ``tcp://`` and ``tls://``
 (where a connection costs a TLS handshake too), with a few finished drains in the agent. The
@@ -28,11 +28,11 @@ from typing import Any
 from distributed import Client, LocalCluster
 from distributed.security import Security
 
-from memops import daskrpc, snapshots
+from memops import daskrpc, snapshots, tenancy
 
 
-async def vouch(workers: Sequence[snapshots.WorkerInfo]) -> bool:
-    return True  # the tenancy check, from its cache: no API request
+async def vouch(workers: Sequence[snapshots.WorkerInfo]) -> tenancy.Verdict:
+    return tenancy.Verdict(tenancy.Reason.TENANT, "")  # the tenancy check, from its cache: no API request
 
 
 async def measure(protocol: str, rounds: int) -> dict[str, Any]:
@@ -64,9 +64,8 @@ async def measure(protocol: str, rounds: int) -> dict[str, Any]:
                 await daskrpc.drain_status(address, security=client_security)
                 times["two"].append(time.perf_counter() - started)
                 started = time.perf_counter()
-                await daskrpc.fetch_snapshot(
-                    address, security=client_security, keys=False, processing=False, vouch=vouch, drains=True
-                )
+                async with daskrpc.vetted(address, vouch=vouch, security=client_security) as scheduler:
+                    await scheduler.snapshot(keys=False, processing=False, drains=True)
                 times["one"].append(time.perf_counter() - started)
     two, one = statistics.median(times["two"]), statistics.median(times["one"])
     return {"protocol": protocol, "two": two, "one": one, "ratio": one / two}

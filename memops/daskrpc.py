@@ -11,6 +11,13 @@ reply's exception), and refuses a reply larger than :data:`memops.daskcomm.MAX_M
 before reading it. A reply that it refuses, or one of the wrong shape, raises
 :class:`SchedulerMisbehaved`.
 
+The controllers reach a scheduler only through :func:`vetted`: one connection, on which
+``identity`` is judged by the caller's vouch (the tenancy check) before anything else is sent,
+and everything else is then asked (:class:`Scheduler`). What answers at an address may change from
+one connection to the next, so a check on one connection vouches for nothing on another. The
+address-level functions (:func:`fetch_snapshot`, :func:`configure_relief`, ...) open a connection
+that nobody vouched for: for the sandbox, tests and benchmarks, which run their scheduler themselves.
+
 memops' code reaches a stock scheduler once, by value: the agent (with
 :mod:`memops.scheduler.holdings` and :mod:`memops.scheduler.relief`, pickled with cloudpickle)
 through ``run_function``, whose reply is pickled by design and is therefore never decoded
@@ -56,7 +63,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +71,7 @@ import cloudpickle
 from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
-from memops import daskcomm, snapshots
+from memops import daskcomm, snapshots, tenancy
 from memops.scheduler import agent, drain, handover, holdings, relief, replication, rules
 
 logger = logging.getLogger(__name__)
@@ -149,23 +156,24 @@ def security_from_secret(data: Mapping[str, str]) -> Security:
     return security_from_pem(pem("ca.crt"), pem("tls.crt"), pem("tls.key"))
 
 
-@contextlib.asynccontextmanager
-async def _session(address: str, security: Security | None, timeout: float) -> AsyncIterator[daskcomm.Comm]:
-    """One connection, with every failure as this module's exceptions.
-
-    The connection gets ``timeout``; the calls made within get theirs from the caller.
-    """
+async def _connect(address: str, security: Security | None, timeout: float) -> daskcomm.Comm:
+    """One connection, within ``timeout``, with every failure as this module's exceptions."""
     if address.startswith("tls://") and security is None:
         raise SchedulerUnreachable(address, "a tls:// scheduler needs client certificates (spec.scheduler.tls)")
     context = security.get_connection_args("client")["ssl_context"] if security is not None else None
     try:
-        comm = await daskcomm.connect(address, ssl_context=context, timeout=timeout)
+        return await daskcomm.connect(address, ssl_context=context, timeout=timeout)
     except daskcomm.Misbehaved as exc:
         raise SchedulerMisbehaved(address, exc) from exc
     except (*_COMM_ERRORS, ValueError) as exc:  # ValueError: not an address daskcomm can reach
         raise SchedulerUnreachable(address, exc) from exc
+
+
+@contextlib.contextmanager
+def _translated(address: str) -> Iterator[None]:
+    """The calls within, with every failure of the comm as this module's exceptions."""
     try:
-        yield comm
+        yield
     except daskcomm.Misbehaved as exc:
         raise SchedulerMisbehaved(address, exc) from exc
     except daskcomm.RemoteError as exc:
@@ -173,6 +181,18 @@ async def _session(address: str, security: Security | None, timeout: float) -> A
         raise SchedulerMisbehaved(address, exc) from exc
     except _COMM_ERRORS as exc:
         raise SchedulerUnreachable(address, exc) from exc
+
+
+@contextlib.asynccontextmanager
+async def _session(address: str, security: Security | None, timeout: float) -> AsyncIterator[daskcomm.Comm]:
+    """One connection, with every failure as this module's exceptions.
+
+    The connection gets ``timeout``; the calls made within get theirs from the caller.
+    """
+    comm = await _connect(address, security, timeout)
+    try:
+        with _translated(address):
+            yield comm
     finally:
         await comm.close()
 
@@ -181,6 +201,370 @@ def _mapping(address: str, value: Any, what: str) -> Mapping[Any, Any]:
     if not isinstance(value, Mapping):
         raise SchedulerMisbehaved(address, f"{what} is a {type(value).__name__}, not a map")
     return value
+
+
+Vouch = Callable[[Sequence[snapshots.WorkerInfo]], Awaitable[tenancy.Verdict]]
+"""Judges the workers of a scheduler's ``identity`` (the tenancy check: :func:`memops.tenancy.check`)."""
+
+
+class Unvouched(Exception):
+    """The vouch did not vouch for the scheduler's workers: nothing more was asked of it, and the
+    connection is closed. Not a :class:`SchedulerUnreachable`: the scheduler answered."""
+
+    def __init__(self, verdict: tenancy.Verdict, workers: Sequence[snapshots.WorkerInfo]):
+        super().__init__(verdict.message)
+        self.verdict = verdict
+        self.workers = tuple(workers)
+
+
+class Scheduler:
+    """One scheduler, over one connection, on which everything is asked once the vouch said yes.
+
+    Made by :func:`vetted` (the controllers: every MemoryPolicy pass, its goodbye, every
+    RetirementRequest step, the eviction gate) or :func:`connect` (no vouch: for callers that run
+    the scheduler themselves). :func:`vetted` connects, asks ``identity`` and has ``vouch`` judge
+    its workers before anything else is sent, and every later call goes over that same connection:
+    an address that resolves elsewhere on the next connect (an ExternalName Service, DNS, a TCP
+    proxy that routes each connection its own way) cannot have one scheduler vouched for and
+    another one acted on. ``identity`` read again on the connection (a snapshot) that shows a
+    worker not vouched for yet is judged again first. A call that fails in the middle leaves the
+    connection in an unknown state (a reply may still come): it is closed, and the next call opens
+    a new one, which is vouched for again before anything it says is trusted.
+    """
+
+    def __init__(self, address: str, *, security: Security | None, timeout: float, vouch: Vouch | None):
+        self.address = address
+        self.security = security
+        self.timeout = timeout
+        """For connecting, and the default of each call."""
+        self._vouch = vouch
+        self._comm: daskcomm.Comm | None = None
+        self._identity: Mapping[Any, Any] | None = None  # read by the vouch, not yet used by a snapshot
+        self._vouched: frozenset[str] | None = None  # the workers vouched for on this connection
+        self.workers: tuple[snapshots.WorkerInfo, ...] = ()
+        """The workers of the last ``identity`` read, as the vouch saw them (no figures)."""
+        self.verdict: tenancy.Verdict | None = None
+        """The vouch's last verdict on this connection; None without a vouch."""
+
+    async def _open(self) -> None:
+        """A new connection; with a vouch, its ``identity`` judged before anything else is sent."""
+        self._comm = await _connect(self.address, self.security, self.timeout)
+        self._vouched, self._identity = None, None
+        if self._vouch is None:
+            return
+        async with self._using() as comm, asyncio.timeout(self.timeout):
+            identity = _mapping(self.address, await comm.call("identity"), "identity")
+        await self._judge(identity)
+        self._identity = identity
+
+    async def close(self) -> None:
+        comm, self._comm, self._identity = self._comm, None, None
+        if comm is not None:
+            await comm.close()
+
+    async def _judge(self, identity: Mapping[Any, Any]) -> None:
+        """Have the vouch judge the workers of ``identity`` that it has not vouched for on this
+        connection; raises :class:`Unvouched` (and closes the connection) when it says no."""
+        self.workers = workers = _identified(self.address, identity, {}, {}, keys=False)
+        addresses = frozenset(w.address for w in workers)
+        # Workers that left (a retirement's) change nothing: the connection was vouched for.
+        if self._vouch is None or (self._vouched is not None and addresses <= self._vouched):
+            return
+        try:
+            # Outside the calls' timeout and their exceptions: it may ask the API server, whose
+            # failure is not the scheduler's.
+            self.verdict = verdict = await self._vouch(workers)
+        except BaseException:
+            await self.close()
+            raise
+        if not verdict.allowed:
+            await self.close()
+            # The addresses go to the operator's log only: a status does not name them.
+            logger.info(
+                "%s not vouched for: %s; its workers not vouched for: %s",
+                self.address,
+                verdict.message,
+                ", ".join(verdict.foreign[:10]) + (", ..." if len(verdict.foreign) > 10 else ""),
+            )
+            raise Unvouched(verdict, workers)
+        self._vouched = addresses
+
+    @contextlib.asynccontextmanager
+    async def _using(self) -> AsyncIterator[daskcomm.Comm]:
+        """The connection (a new one, vouched for, if the last one was closed), with this module's
+        exceptions; one that fails in the middle of a call is closed."""
+        if self._comm is None:
+            await self._open()
+        assert self._comm is not None
+        try:
+            with _translated(self.address):
+                yield self._comm
+        except SchedulerRefused:
+            raise  # an answer: the connection is fine
+        except BaseException:
+            await self.close()
+            raise
+
+    async def identity(self, *, timeout: float | None = None) -> Mapping[Any, Any]:
+        """``identity``: the one the vouch judged if no snapshot used it yet, else asked again
+        (and judged again if it shows a worker not vouched for on this connection)."""
+        if self._comm is None:
+            await self._open()
+        if self._identity is not None:
+            identity, self._identity = self._identity, None
+            return identity
+        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            identity = _mapping(self.address, await comm.call("identity"), "identity")
+        await self._judge(identity)
+        return identity
+
+    async def snapshot(
+        self,
+        *,
+        keys: bool = True,
+        processing: bool | None = None,
+        placement_of: Collection[str] = (),
+        placement: Collection[Hashable] = (),
+        drains: bool = False,
+        nodes: Callable[[], Mapping[str, str]] | None = None,
+        timeout: float | None = None,
+    ) -> snapshots.SchedulerSnapshot:
+        """The workers and their memory.
+
+        With ``keys`` (the default) also the bytes and keys each worker holds, and holds alone, and
+        who holds which key (``who_has`` and ``nbytes``) for the keys that the workers at
+        ``placement_of`` hold and for the keys in ``placement``: what a drain's report compares
+        before and after. With ``keys=False`` only the workers and their memory. ``processing``
+        (default: as ``keys``) also asks which workers run a shuffle's tasks.
+
+        The sums run inside the scheduler (the agent's ``holdings``: :mod:`memops.scheduler.holdings`),
+        where they cost the workers and the replicated keys rather than every key. A scheduler that
+        refuses ``run_function`` is asked for ``who_has`` and ``nbytes`` of every key instead, and the
+        sums are done here, in a thread: the same figures, at a cost that grows with the keys, and
+        ``who_has`` then covers every key (up to :data:`memops.daskcomm.MAX_MESSAGE_BYTES` of reply).
+
+        ``drains`` also asks memops' agent for every drain's figures (:meth:`drain_status`, in
+        ``drains`` of the snapshot; None where the scheduler does not run the agent). ``nodes``
+        gives where the workers run (address -> node), sent with the drains' read for the drains
+        that start later (:func:`memops.scheduler.drain.status`).
+
+        Raises :class:`SchedulerUnreachable`, :class:`SchedulerMisbehaved` for a reply it refuses,
+        or :class:`Unvouched`.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        processing = keys if processing is None else processing
+        summary: Mapping[Any, Any] | None = None
+        who_has_raw: Mapping[Any, Any] = {}
+        nbytes_raw: Mapping[Any, Any] = {}
+        running: Mapping[Any, Any] = {}
+        drained: dict[str, Any] | None = None
+        identity = await self.identity(timeout=timeout)
+        address = self.address
+        async with self._using() as comm, asyncio.timeout(timeout):
+            running = _mapping(address, await comm.call("processing"), "processing") if processing else {}
+            if drains:
+                try:
+                    located = dict(nodes()) if nodes is not None else {}
+                    drained = _drains(address, await _agent(comm, "drain_status", nodes=located))
+                except SchedulerRefused as exc:
+                    logger.info("the drains' status is not read: %s", exc)
+            if keys:
+                try:
+                    summary = _mapping(
+                        address,
+                        await _agent(comm, "holdings", workers=list(placement_of), keys=list(placement)),
+                        "the agent's holdings",
+                    )
+                except SchedulerRefused as exc:
+                    logger.info("summing holdings from who_has instead: %s", exc)
+                    who_has_raw = _mapping(address, await comm.call("who_has"), "who_has")
+                    nbytes_raw = _mapping(address, await comm.call("nbytes", summary=False), "nbytes")
+        try:
+            if summary is not None:
+                figures, who_has, nbytes = _from_summary(summary)
+            else:
+                # Off the event loop: at a million keys these sums take seconds of Python, and the
+                # loop serves the webhook and every other request meanwhile.
+                figures, who_has, nbytes = await asyncio.to_thread(_from_who_has, who_has_raw, nbytes_raw)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise SchedulerMisbehaved(address, f"a reply of the wrong shape: {type(exc).__name__}: {exc}") from exc
+        workers = _identified(address, identity, figures, running, keys=keys)
+        return snapshots.SchedulerSnapshot(workers=workers, who_has=who_has, nbytes=nbytes, drains=drained)
+
+    async def configure_relief(
+        self, *, above: float | None, to: float | None, owner: str, timeout: float | None = None
+    ) -> dict[str, Any] | None:
+        """Install, retune or (``above=None``) remove pressure relief in the scheduler; its state.
+
+        Through the agent's ``relief`` operation: a plain RPC, so that the operator's pass sends no
+        code. A scheduler without the agent (new, or restarted) gets it first, by value, so it needs
+        only ``distributed``; removing relief installs nothing. Relief that another ``owner``
+        installed is left alone; its state says whose it is. Returns None when no relief is
+        installed. Raises :class:`SchedulerRefused` when the scheduler does not run the agent.
+        """
+        address = self.address
+        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            try:
+                state = await _agent(comm, "relief", install=above is not None, above=above, to=to, owner=owner)
+            except SchedulerRefused as exc:
+                raise SchedulerRefused(f"pressure relief could not be installed: {exc}") from exc
+        if state is None:
+            return None  # no agent, so no relief, and none was asked for
+        if not isinstance(state, Mapping):
+            raise SchedulerMisbehaved(address, f"the agent's relief state is a {type(state).__name__}, not a map")
+        if not state:
+            return None  # {}: removed, or never installed
+        # The agent's answer comes through msgpack, which turns lists into tuples.
+        return {str(key): list(value) if isinstance(value, tuple) else value for key, value in state.items()}
+
+    async def configure_replication(
+        self,
+        *,
+        rules: Mapping[str, Any] | None,
+        places: Mapping[str, tuple[str, str]],
+        owner: str,
+        timeout: float | None = None,
+    ) -> dict[str, Any] | None:
+        """Install, retune or (``rules=None``) remove replication targets in the scheduler; its figures.
+
+        Through the agent's ``replication`` operation (:mod:`memops.scheduler.replication`), in
+        plain data: the rules (pod rules already turned into worker addresses) and each worker's
+        ``(node, zone)``. Replication that another ``owner`` installed is left alone; the figures
+        then say whose it is. Returns None when none is installed. Raises :class:`SchedulerRefused`
+        when the scheduler does not run the agent, or refuses a rule (the message names its field).
+        """
+        address = self.address
+        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            figures = await _agent(
+                comm,
+                "replication",
+                install=rules is not None,
+                rules=None if rules is None else dict(rules),
+                places={a: list(p) for a, p in places.items()},
+                owner=owner,
+            )
+        if figures is None:
+            return None
+        if not isinstance(figures, Mapping):
+            raise SchedulerMisbehaved(
+                address, f"the agent's replication figures are a {type(figures).__name__}, not a map"
+            )
+        if not figures:
+            return None
+        try:
+            # Plain numbers, and per worker a short list of them: anything else is refused here, so
+            # that the policy pass never meets it.
+            plain: dict[str, Any] = {
+                str(k): float(v) if k == "seconds" else int(v)
+                for k, v in figures.items()
+                if k not in ("owner", "workers")
+            }
+            plain["owner"] = str(figures.get("owner", ""))
+            rows = _mapping(address, figures.get("workers", {}), "the agent's replication figures' workers")
+            plain["workers"] = {str(a): [int(x) for x in list(row)[:4]] for a, row in rows.items()}
+        except (TypeError, ValueError) as exc:
+            raise SchedulerMisbehaved(address, f"the agent's replication figures: {type(exc).__name__}: {exc}") from exc
+        return plain
+
+    async def start_drain(
+        self,
+        worker_addresses: Sequence[str] = (),
+        *,
+        names: Sequence[str] = (),
+        deadline: float,
+        nodes: Mapping[str, str] | None = None,
+        nodes_dying: bool = True,
+        close_workers: bool = True,
+        restore: bool = False,
+        window: int = drain.WINDOW_BYTES,
+        origin: str = "",
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Start memops' drain with a deadline (:mod:`memops.scheduler.drain`) of these workers; returns
+        at once with each one's :meth:`drain_status`. Raises :class:`SchedulerRefused` when the
+        scheduler does not run memops' agent.
+
+        ``nodes`` adds to what the agent knows of where the workers run, which it keeps while they
+        are connected: what earlier callers said, and what each MemoryPolicy pass tells it
+        (:meth:`snapshot`'s ``nodes``). ``nodes_dying`` (the default: a preStop hook, a node drain)
+        keeps recipients off the drained workers' nodes as the agent knows them, so it matters even
+        to a caller that names no node; an ordinary retirement passes False."""
+        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            state = await _agent(
+                comm,
+                "drain",
+                workers=list(worker_addresses),
+                names=list(names),
+                deadline=float(deadline),
+                nodes=dict(nodes or {}),
+                nodes_dying=nodes_dying,
+                close_workers=close_workers,
+                restore=restore,
+                window=window,
+                origin=origin,
+            )
+        return dict(_mapping(self.address, state, "the agent's drain state"))
+
+    async def drain_status(
+        self, worker_addresses: Sequence[str] = (), *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Each drained worker's state and figures (all of them without ``worker_addresses``)."""
+        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            state = await _agent(comm, "drain_status", workers=list(worker_addresses))
+        return dict(_mapping(self.address, state, "the agent's drain status"))
+
+    async def statuses(self, *, timeout: float | None = None) -> dict[str, str]:
+        """Address -> status of every connected worker."""
+        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            return await _statuses(comm)
+
+    async def retire_workers(
+        self,
+        worker_addresses: Sequence[str],
+        *,
+        timeout: float,
+        nodes: Mapping[str, str] | None = None,
+        nodes_dying: bool = True,
+        memops_drain: bool = True,
+    ) -> RetireOutcome:
+        """:func:`retire_workers` on this connection; its timed-out path reads the statuses on a
+        new one, vouched for again (no news, and nothing claimed, if it is not)."""
+        return await _retire_workers(
+            self,
+            worker_addresses,
+            timeout=timeout,
+            nodes=nodes,
+            nodes_dying=nodes_dying,
+            memops_drain=memops_drain,
+        )
+
+
+@contextlib.asynccontextmanager
+async def vetted(
+    address: str, *, vouch: Vouch, security: Security | None = None, timeout: float = 10
+) -> AsyncIterator[Scheduler]:
+    """The scheduler at ``address``, once ``vouch`` vouched for the workers of its ``identity`` on
+    the connection that everything else then goes over (:class:`Scheduler`). Raises
+    :class:`Unvouched` when it does not (nothing else was sent), :class:`SchedulerUnreachable` or
+    :class:`SchedulerMisbehaved`, and whatever ``vouch`` raises, as it is."""
+    scheduler = Scheduler(address, security=security, timeout=timeout, vouch=vouch)
+    try:
+        await scheduler._open()
+        yield scheduler
+    finally:
+        await scheduler.close()
+
+
+@contextlib.asynccontextmanager
+async def connect(address: str, *, security: Security | None = None, timeout: float = 10) -> AsyncIterator[Scheduler]:
+    """The scheduler at ``address``, vouched for by no one: for callers that run it themselves (the
+    sandbox, tests, benchmarks). The controllers reach a scheduler through :func:`vetted` only."""
+    scheduler = Scheduler(address, security=security, timeout=timeout, vouch=None)
+    try:
+        await scheduler._open()
+        yield scheduler
+    finally:
+        await scheduler.close()
 
 
 async def fetch_snapshot(
@@ -192,87 +576,14 @@ async def fetch_snapshot(
     processing: bool | None = None,
     placement_of: Collection[str] = (),
     placement: Collection[Hashable] = (),
-    vouch: Callable[[Sequence[snapshots.WorkerInfo]], Awaitable[bool]] | None = None,
     drains: bool = False,
     nodes: Callable[[], Mapping[str, str]] | None = None,
 ) -> snapshots.SchedulerSnapshot:
-    """The workers and their memory, from one connection.
-
-    With ``keys`` (the default) also the bytes and keys each worker holds, and holds alone, and
-    who holds which key (``who_has`` and ``nbytes``) for the keys that the workers at
-    ``placement_of`` hold and for the keys in ``placement``: what a drain's report compares
-    before and after. With ``keys=False`` only the workers and their memory. ``processing``
-    (default: as ``keys``) also asks which workers run a shuffle's tasks.
-
-    The sums run inside the scheduler (the agent's ``holdings``: :mod:`memops.scheduler.holdings`),
-    where they cost the workers and the replicated keys rather than every key. A scheduler that
-    refuses ``run_function`` is asked for ``who_has`` and ``nbytes`` of every key instead, and the
-    sums are done here, in a thread: the same figures, at a cost that grows with the keys, and
-    ``who_has`` then covers every key (up to :data:`memops.daskcomm.MAX_MESSAGE_BYTES` of reply).
-
-    ``drains`` also asks memops' agent, on the same connection, for every drain's figures
-    (:func:`drain_status`, in ``drains`` of the snapshot; None where the scheduler does not run
-    the agent). With ``vouch``, the connection stays open while ``vouch`` judges the workers of
-    ``identity`` (the MemoryPolicy's tenancy check): only if it says yes is anything else asked,
-    the agent installed or read; if not, the snapshot holds the workers of ``identity`` alone.
-    ``nodes``, called once vouched, gives where the workers run (address -> node), sent with the
-    drains' read for the drains that start later (:func:`memops.scheduler.drain.status`).
-
-    Raises :class:`SchedulerUnreachable`, or :class:`SchedulerMisbehaved` for a reply it refuses.
-    """
-    processing = keys if processing is None else processing
-    summary: Mapping[Any, Any] | None = None
-    who_has_raw: Mapping[Any, Any] = {}
-    nbytes_raw: Mapping[Any, Any] = {}
-    running: Mapping[Any, Any] = {}
-    drained: dict[str, Any] | None = None
-    vouched = True
-    seen: tuple[snapshots.WorkerInfo, ...] = ()
-    failure: Exception | None = None
-    async with _session(address, security, timeout) as comm:
-        async with asyncio.timeout(timeout):
-            identity = _mapping(address, await comm.call("identity"), "identity")
-        if vouch is not None:
-            seen = _identified(address, identity, {}, {}, keys=False)
-            try:
-                vouched = await vouch(seen)  # outside the timeout: it may ask the API server
-            except Exception as exc:  # raised out of the session, which would blame the scheduler
-                failure, vouched = exc, False
-        if vouched:
-            async with asyncio.timeout(timeout):
-                running = _mapping(address, await comm.call("processing"), "processing") if processing else {}
-                if drains:
-                    try:
-                        located = dict(nodes()) if nodes is not None else {}
-                        drained = _drains(address, await _agent(comm, "drain_status", nodes=located))
-                    except SchedulerRefused as exc:
-                        logger.info("the drains' status is not read: %s", exc)
-                if keys:
-                    try:
-                        summary = _mapping(
-                            address,
-                            await _agent(comm, "holdings", workers=list(placement_of), keys=list(placement)),
-                            "the agent's holdings",
-                        )
-                    except SchedulerRefused as exc:
-                        logger.info("summing holdings from who_has instead: %s", exc)
-                        who_has_raw = _mapping(address, await comm.call("who_has"), "who_has")
-                        nbytes_raw = _mapping(address, await comm.call("nbytes", summary=False), "nbytes")
-    if failure is not None:
-        raise failure
-    if not vouched:
-        return snapshots.SchedulerSnapshot(workers=seen)
-    try:
-        if summary is not None:
-            figures, who_has, nbytes = _from_summary(summary)
-        else:
-            # Off the event loop: at a million keys these sums take seconds of Python, and the
-            # loop serves the webhook and every other request meanwhile.
-            figures, who_has, nbytes = await asyncio.to_thread(_from_who_has, who_has_raw, nbytes_raw)
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise SchedulerMisbehaved(address, f"a reply of the wrong shape: {type(exc).__name__}: {exc}") from exc
-    workers = _identified(address, identity, figures, running, keys=keys)
-    return snapshots.SchedulerSnapshot(workers=workers, who_has=who_has, nbytes=nbytes, drains=drained)
+    """:meth:`Scheduler.snapshot` over one connection of :func:`connect` (no vouch)."""
+    async with connect(address, security=security, timeout=timeout) as scheduler:
+        return await scheduler.snapshot(
+            keys=keys, processing=processing, placement_of=placement_of, placement=placement, drains=drains, nodes=nodes
+        )
 
 
 def _identified(
@@ -378,52 +689,21 @@ async def start_drain(
     address: str,
     worker_addresses: Sequence[str] = (),
     *,
-    names: Sequence[str] = (),
-    deadline: float,
-    nodes: Mapping[str, str] | None = None,
-    nodes_dying: bool = True,
-    close_workers: bool = True,
-    restore: bool = False,
-    window: int = drain.WINDOW_BYTES,
-    origin: str = "",
     security: Security | None = None,
     timeout: float = 10,
+    **arguments: Any,
 ) -> dict[str, Any]:
-    """Start memops' drain with a deadline (:mod:`memops.scheduler.drain`) of these workers; returns
-    at once with each one's :func:`drain_status`. Raises :class:`SchedulerRefused` when the
-    scheduler does not run memops' agent.
-
-    ``nodes`` adds to what the agent knows of where the workers run, which it keeps while they
-    are connected: what earlier callers said, and what each MemoryPolicy pass tells it
-    (:func:`fetch_snapshot`'s ``nodes``). ``nodes_dying`` (the default: a preStop hook, a node
-    drain) keeps recipients off the drained workers' nodes as the agent knows them, so it matters
-    even to a caller that names no node; an ordinary retirement passes False."""
-    async with _session(address, security, timeout) as comm:
-        async with asyncio.timeout(timeout):
-            state = await _agent(
-                comm,
-                "drain",
-                workers=list(worker_addresses),
-                names=list(names),
-                deadline=float(deadline),
-                nodes=dict(nodes or {}),
-                nodes_dying=nodes_dying,
-                close_workers=close_workers,
-                restore=restore,
-                window=window,
-                origin=origin,
-            )
-    return dict(_mapping(address, state, "the agent's drain state"))
+    """:meth:`Scheduler.start_drain` over one connection of :func:`connect` (no vouch)."""
+    async with connect(address, security=security, timeout=timeout) as scheduler:
+        return await scheduler.start_drain(worker_addresses, **arguments)
 
 
 async def drain_status(
     address: str, worker_addresses: Sequence[str] = (), *, security: Security | None = None, timeout: float = 10
 ) -> dict[str, Any]:
-    """Each drained worker's state and figures (all of them without ``worker_addresses``)."""
-    async with _session(address, security, timeout) as comm:
-        async with asyncio.timeout(timeout):
-            state = await _agent(comm, "drain_status", workers=list(worker_addresses))
-    return dict(_mapping(address, state, "the agent's drain status"))
+    """:meth:`Scheduler.drain_status` over one connection of :func:`connect` (no vouch)."""
+    async with connect(address, security=security, timeout=timeout) as scheduler:
+        return await scheduler.drain_status(worker_addresses)
 
 
 FINISHED = {drain.State.DONE, drain.State.GONE}
@@ -527,6 +807,25 @@ async def retire_workers(
 
     Raises :class:`SchedulerUnreachable` when the scheduler does not answer.
     """
+    async with connect(address, security=security, timeout=_connect_timeout(timeout)) as scheduler:
+        return await scheduler.retire_workers(
+            worker_addresses, timeout=timeout, nodes=nodes, nodes_dying=nodes_dying, memops_drain=memops_drain
+        )
+
+
+def _connect_timeout(timeout: float) -> float:
+    return min(max(timeout, 1.0), 10.0)
+
+
+async def _retire_workers(
+    scheduler: Scheduler,
+    worker_addresses: Sequence[str],
+    *,
+    timeout: float,
+    nodes: Mapping[str, str] | None,
+    nodes_dying: bool,
+    memops_drain: bool,
+) -> RetireOutcome:
     start = time.monotonic()
     lost: dict[str, tuple[int, int]] = {}
     linked: dict[str, tuple[int, int]] = {}
@@ -534,13 +833,13 @@ async def retire_workers(
     wanted = list(dict.fromkeys(worker_addresses))
     if not wanted:
         return RetireOutcome((), (), False, 0.0)
-    connect_timeout = min(max(timeout, 1.0), 10.0)
+    connect_timeout = _connect_timeout(timeout)
     retired: set[str] = set()
     not_retired: set[str] = set()
     timed_out = False
-    async with _session(address, security, connect_timeout) as comm:
-        # Connect first, with its own timeout: "unreachable" must not read as "drain too slow".
-        statuses = await asyncio.wait_for(_statuses(comm), connect_timeout)
+    # Connected first, with its own timeout: "unreachable" must not read as "drain too slow".
+    statuses = await scheduler.statuses(timeout=connect_timeout)
+    async with scheduler._using() as comm:
         absent = tuple(a for a in wanted if a not in statuses)
         leaving = [a for a in wanted if statuses.get(a) in LEAVING]
         fresh = [a for a in wanted if a in statuses and a not in leaving]
@@ -591,13 +890,14 @@ async def retire_workers(
         except TimeoutError:
             timed_out = True
     if timed_out:
-        # On a new connection: the one above may be in the middle of a reply that never came.
+        # On a new connection, vouched for again before anything it says is trusted: the one
+        # above may be in the middle of a reply that never came.
+        await scheduler.close()
         try:
-            async with _session(address, security, connect_timeout) as comm:
-                now = await asyncio.wait_for(_statuses(comm), connect_timeout)
+            now = await scheduler.statuses(timeout=connect_timeout)
         except SchedulerMisbehaved:
             raise
-        except SchedulerUnreachable:
+        except (SchedulerUnreachable, Unvouched):
             now = dict.fromkeys(wanted, "")  # no news: claim nothing
         retired.update(a for a in wanted if a not in now and a not in absent)
     return RetireOutcome(
@@ -625,28 +925,9 @@ async def configure_relief(
     owner: str,
     timeout: float = 5,
 ) -> dict[str, Any] | None:
-    """Install, retune or (``above=None``) remove pressure relief in the scheduler; its state.
-
-    Through the agent's ``relief`` operation: a plain RPC, so that the operator's pass sends no
-    code. A scheduler without the agent (new, or restarted) gets it first, by value, so it needs
-    only ``distributed``; removing relief installs nothing. Relief that another ``owner``
-    installed is left alone; its state says whose it is. Returns None when no relief is
-    installed. Raises :class:`SchedulerRefused` when the scheduler does not run the agent.
-    """
-    async with _session(address, security, timeout) as comm:
-        async with asyncio.timeout(timeout):
-            try:
-                state = await _agent(comm, "relief", install=above is not None, above=above, to=to, owner=owner)
-            except SchedulerRefused as exc:
-                raise SchedulerRefused(f"pressure relief could not be installed: {exc}") from exc
-    if state is None:
-        return None  # no agent, so no relief, and none was asked for
-    if not isinstance(state, Mapping):
-        raise SchedulerMisbehaved(address, f"the agent's relief state is a {type(state).__name__}, not a map")
-    if not state:
-        return None  # {}: removed, or never installed
-    # The agent's answer comes through msgpack, which turns lists into tuples.
-    return {str(key): list(value) if isinstance(value, tuple) else value for key, value in state.items()}
+    """:meth:`Scheduler.configure_relief` over one connection of :func:`connect` (no vouch)."""
+    async with connect(address, security=security, timeout=timeout) as scheduler:
+        return await scheduler.configure_relief(above=above, to=to, owner=owner)
 
 
 async def configure_replication(
@@ -658,42 +939,9 @@ async def configure_replication(
     owner: str,
     timeout: float = 5,
 ) -> dict[str, Any] | None:
-    """Install, retune or (``rules=None``) remove replication targets in the scheduler; its figures.
-
-    Through the agent's ``replication`` operation (:mod:`memops.scheduler.replication`), in
-    plain data: the rules (pod rules already turned into worker addresses) and each worker's
-    ``(node, zone)``. Replication that another ``owner`` installed is left alone; the figures
-    then say whose it is. Returns None when none is installed. Raises :class:`SchedulerRefused`
-    when the scheduler does not run the agent, or refuses a rule (the message names its field).
-    """
-    async with _session(address, security, timeout) as comm:
-        async with asyncio.timeout(timeout):
-            figures = await _agent(
-                comm,
-                "replication",
-                install=rules is not None,
-                rules=None if rules is None else dict(rules),
-                places={a: list(p) for a, p in places.items()},
-                owner=owner,
-            )
-    if figures is None:
-        return None
-    if not isinstance(figures, Mapping):
-        raise SchedulerMisbehaved(address, f"the agent's replication figures are a {type(figures).__name__}, not a map")
-    if not figures:
-        return None
-    try:
-        # Plain numbers, and per worker a short list of them: anything else is refused here, so
-        # that the policy pass never meets it.
-        plain: dict[str, Any] = {
-            str(k): float(v) if k == "seconds" else int(v) for k, v in figures.items() if k not in ("owner", "workers")
-        }
-        plain["owner"] = str(figures.get("owner", ""))
-        rows = _mapping(address, figures.get("workers", {}), "the agent's replication figures' workers")
-        plain["workers"] = {str(a): [int(x) for x in list(row)[:4]] for a, row in rows.items()}
-    except (TypeError, ValueError) as exc:
-        raise SchedulerMisbehaved(address, f"the agent's replication figures: {type(exc).__name__}: {exc}") from exc
-    return plain
+    """:meth:`Scheduler.configure_replication` over one connection of :func:`connect` (no vouch)."""
+    async with connect(address, security=security, timeout=timeout) as scheduler:
+        return await scheduler.configure_replication(rules=rules, places=places, owner=owner)
 
 
 async def _install_agent(comm: daskcomm.Comm) -> None:

@@ -106,10 +106,21 @@ class PodInfo:
     worker_names: tuple[str, ...] = ()  # the names its worker may carry: the pod's, DASK_WORKER_NAME
     phase: str = "Running"
     node: str = ""  # spec.nodeName: where it runs, once scheduled
+    host_network: bool = False  # spec.hostNetwork: its IP is its node's
+    host_ips: tuple[str, ...] = ()  # status.hostIP and status.hostIPs
 
     @property
     def terminated(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def owns_ips(self) -> bool:
+        """Whether its IPs are its own: not when it has terminated (another pod may have them now),
+        nor when they are its node's (``hostNetwork``, or a pod IP that is the host IP), which every
+        hostNetwork pod on that node shares, whatever its namespace."""
+        hosts = {canonical_ip(ip) for ip in self.host_ips}
+        on_host = self.host_network or any(canonical_ip(ip) in hosts for ip in self.ips)
+        return not self.terminated and not on_host
 
 
 def address_host(address: str) -> str:
@@ -149,9 +160,10 @@ def workers_by_pod(pods: Sequence[PodInfo], workers: Sequence[WorkerInfo]) -> di
     A worker belongs to the pod whose IP is its address' host (primary: pod IPs are unique in a
     cluster, and ``dask worker`` without ``--name``, or with ``--nworkers 2``, names its workers
     otherwise), else to the pod whose name (or ``DASK_WORKER_NAME``) is the worker's name.
-    Terminated pods own no address: their IP may already be another pod's.
+    Terminated pods own no address: their IP may already be another pod's; nor do hostNetwork
+    pods: their IP is their node's (:attr:`PodInfo.owns_ips`).
     """
-    by_ip = {canonical_ip(ip): pod.name for pod in pods if not pod.terminated for ip in pod.ips}
+    by_ip = {canonical_ip(ip): pod.name for pod in pods if pod.owns_ips for ip in pod.ips}
     by_name = {name: pod.name for pod in pods for name in (pod.name, *pod.worker_names)}
     found: dict[str, list[WorkerInfo]] = {pod.name: [] for pod in pods}
     for worker in workers:

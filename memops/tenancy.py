@@ -3,13 +3,15 @@
 A MemoryPolicy or RetirementRequest in namespace N acts only on a scheduler that has at least
 one worker and all of whose workers are pods of N, matched by address: the host of each
 worker's comm address is the IP (``status.podIP`` or one of ``status.podIPs``) of a pod of N
-that has not terminated. Pod IPs are unique in a cluster, and only the network gives them out;
-pod names are not (another tenant may name its pods like yours), so the address is the proof.
+that has not terminated and does not run on its node's network. Pod IPs are unique in a cluster,
+and only the network gives them out; pod names are not (another tenant may name its pods like
+yours), so the address is the proof. A hostNetwork pod's IP is its node's, shared by every
+hostNetwork pod there whatever its namespace, so it proves nothing: such pods vouch for no worker.
 Until the rule holds, the controllers ask the scheduler for nothing but ``identity`` (no code
 sent, no holdings read, no retirement, no relief) and write no worker name or memory figure
-into a status. Called by :mod:`memops.controllers.retirement` and
-:mod:`memops.controllers.policy` with the workers of an identity-only snapshot and the pods of
-the resource's own namespace.
+into a status, nor the foreign workers' addresses (they may be another tenant's). Called, as the
+vouch of :func:`memops.daskrpc.vetted`, by the controllers (:mod:`memops.controllers.vetting`)
+with the workers of ``identity`` and the pods of the resource's own namespace.
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from memops import snapshots
-
-SHOWN = 3
-"""How many foreign addresses a message names (the count is always given)."""
 
 
 class Reason(enum.StrEnum):
@@ -50,15 +49,16 @@ def check(
             Reason.NO_WORKERS,
             f"the scheduler has no worker, so none can be shown to be a pod of namespace {namespace}",
         )
-    ips = {snapshots.canonical_ip(ip) for pod in pods if not pod.terminated for ip in pod.ips}
+    ips = {snapshots.canonical_ip(ip) for pod in pods if pod.owns_ips for ip in pod.ips}
     foreign = tuple(sorted(w.address for w in workers if snapshots.address_host(w.address) not in ips))
     if foreign:
-        shown = ", ".join(foreign[:SHOWN]) + (", ..." if len(foreign) > SHOWN else "")
+        # Their addresses stay out of the message, which lands in a status: they may be another
+        # tenant's, and this scheduler's answer is hostile input (``foreign`` keeps them for logs).
         return Verdict(
             Reason.FOREIGN,
             f"{len(foreign)} of the scheduler's {len(workers)} workers are not pods of namespace {namespace}"
-            f" (no pod there has their address' IP): {shown}; memops acts only on a scheduler whose"
-            " workers are all pods of the resource's own namespace",
+            " (no pod there that runs on its own network, not its node's, has their address' IP); memops acts"
+            " only on a scheduler whose workers are all pods of the resource's own namespace",
             foreign,
         )
     return Verdict(Reason.TENANT, f"all {len(workers)} workers are pods of namespace {namespace}")

@@ -23,8 +23,8 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import daskrpc, eviction, kube, objects, shapes, snapshots, specs, tenancy, timestamps
-from memops.controllers import policy, safetynet_webhook, workloads
+from memops import daskrpc, eviction, kube, objects, shapes, snapshots, specs, timestamps
+from memops.controllers import policy, safetynet_webhook, scheduler_tls, vetting, workloads
 
 ASK_SECONDS = 4.0
 """The scheduler's share of the webhook's time (the chart's timeoutSeconds is 10)."""
@@ -50,25 +50,24 @@ async def unique_bytes(client: kube.Kube, namespace: str, spec: specs.MemoryPoli
     """What the pod's workers hold alone, by the scheduler; None if it cannot be told in time."""
 
     async def ask() -> int | None:
-        security: Any = None
-        if spec.scheduler.tls is not None:
-            secret = await client.get(kube.resource_path("", "v1", "secrets", namespace, spec.scheduler.tls.secretName))
-            security = daskrpc.security_from_secret(secret.get("data") or {})
-        address = spec.scheduler.address
-        # Identity only (no code sent) until the scheduler is shown to be this namespace's.
-        identity = await daskrpc.fetch_snapshot(
-            address, security=security, keys=False, processing=False, timeout=ASK_SECONDS
-        )
-        if not tenancy.check(identity.workers, await workloads.namespace_pods(client, namespace), namespace).allowed:
-            return None
-        snapshot = await daskrpc.fetch_snapshot(address, security=security, processing=False, timeout=ASK_SECONDS)
+        # Identity only (no code sent) until the scheduler is shown to be this namespace's, then
+        # the holdings on that same connection.
+        async with vetting.vetted(client, namespace, spec.scheduler, timeout=ASK_SECONDS) as scheduler:
+            snapshot = await scheduler.snapshot(processing=False)
         info = workloads.pod_info(pod)
         located = snapshots.workers_by_pod([info], snapshot.workers)
         return sum(w.unique_bytes for w in located.get(info.name, ()))
 
     try:
         return await asyncio.wait_for(ask(), timeout=ASK_SECONDS)
-    except (TimeoutError, daskrpc.SchedulerUnreachable, daskrpc.SchedulerMisbehaved, kube.ApiError, ValueError):
+    except (
+        TimeoutError,
+        daskrpc.SchedulerUnreachable,
+        daskrpc.Unvouched,
+        scheduler_tls.SecretUnusable,
+        kube.ApiError,
+        ValueError,
+    ):
         return None
 
 

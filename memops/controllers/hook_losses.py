@@ -3,7 +3,7 @@
 The hook asks memops' agent in the scheduler for the drain (:mod:`memops.safetynet`); when the
 pod's time runs out first, only the agent knows what stayed on the worker (its ``drain_status``,
 ``lostAtDeadline``). The policy's pass reads it with the workers, on the same connection
-(:func:`memops.daskrpc.fetch_snapshot` with ``drains``), and records it here, level-based: the
+(:meth:`memops.daskrpc.Scheduler.snapshot` with ``drains``), and records it here, level-based: the
 agent keeps every drain's figures until the scheduler restarts, and
 :func:`memops.safetynet.hook_losses` keys each record by pod and time, so a drain is recorded
 (and counted in the metrics, once the status holds it: :func:`memops.metrics.hook_losses`) once,

@@ -13,9 +13,10 @@ memory: a restarted operator sees the requests and carries on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -39,7 +40,16 @@ from memops import (
     specs,
     tenancy,
 )
-from memops.controllers import hook_losses, loop, recycle, relief_install, replication, scheduler_tls, workloads
+from memops.controllers import (
+    hook_losses,
+    loop,
+    recycle,
+    relief_install,
+    replication,
+    scheduler_tls,
+    vetting,
+    workloads,
+)
 
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
@@ -147,29 +157,32 @@ class Policy:
             await self.not_ready(old, status, "Conflict", message, generation)
             return None
         hpas = await self.listed("horizontalpodautoscalers", (self.namespace,))
-        snapshot = await self.check_scheduler(spec, status, generation)
-        if snapshot is not None:
-            status.memory = _memory_status(snapshot)
-            status.pressure = await relief_install.reconcile(
-                spec=spec,
-                old=status.pressure,
-                security=self.security,
-                namespace=self.namespace,
-                policy=self.name,
-                logger=self.logger,
-            )
-            # Replication targets: its own module; the scheduler keeps the copies between passes.
-            status.replication = await replication.reconcile(
-                client=self.client,
-                spec=spec,
-                old=status.replication,
-                security=self.security,
-                namespace=self.namespace,
-                policy=self.name,
-                snapshot=snapshot,
-                workload=workload,
-                logger=self.logger,
-            )
+        snapshot: snapshots.SchedulerSnapshot | None = None
+        # Relief and replication on the connection whose workers the tenancy check vouched for.
+        async with self.check_scheduler(spec, status, generation) as vetted:
+            if vetted is not None:
+                scheduler, snapshot = vetted
+                status.memory = _memory_status(snapshot)
+                status.pressure = await relief_install.reconcile(
+                    scheduler=scheduler,
+                    spec=spec,
+                    old=status.pressure,
+                    namespace=self.namespace,
+                    policy=self.name,
+                    logger=self.logger,
+                )
+                # Replication targets: its own module; the scheduler keeps the copies between passes.
+                status.replication = await replication.reconcile(
+                    scheduler=scheduler,
+                    client=self.client,
+                    spec=spec,
+                    old=status.replication,
+                    namespace=self.namespace,
+                    policy=self.name,
+                    snapshot=snapshot,
+                    workload=workload,
+                    logger=self.logger,
+                )
 
         now = time.time()
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
@@ -265,10 +278,12 @@ class Policy:
         selector = f"{objects.POLICY_LABEL}={self.name}" if plural == "retirementrequests" else None
         return await self.client.list(path, label_selector=selector)
 
+    @contextlib.asynccontextmanager
     async def check_scheduler(
         self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
-    ) -> snapshots.SchedulerSnapshot | None:
-        """The workers and their memory (no keys: cheap), or None with the reason in a condition."""
+    ) -> AsyncIterator[tuple[daskrpc.Scheduler, snapshots.SchedulerSnapshot] | None]:
+        """The scheduler, vouched for, and its workers and their memory (no keys: cheap), for as
+        long as the caller acts on it; None with the reason in a condition."""
         try:
             self.security = security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
         except (scheduler_tls.SecretUnusable, kube.ApiError) as exc:
@@ -284,59 +299,58 @@ class Policy:
                 message=f"spec.scheduler.tls.secretName: {detail}",
                 generation=generation,
             )
-            return None
-        verdict = tenancy.Verdict(tenancy.Reason.NO_WORKERS, "not checked")
-
-        async def vouch(workers: Sequence[snapshots.WorkerInfo]) -> bool:
-            nonlocal verdict
-            verdict = await self.verify_tenancy(workers)
-            return verdict.allowed
-
-        try:
-            # One connection a pass. Identity only (no code sent) until the scheduler is shown to
-            # be this namespace's (vouch); then what recycling reads, and the preStop drains'
-            # figures for status.safetyNet (hook_losses), from memops' agent, which is told
-            # where the workers run: a preStop hook names only its own worker's node.
-            snapshot = await daskrpc.fetch_snapshot(
-                spec.scheduler.address,
-                security=security,
-                keys=False,
-                processing=spec.recycle is not None,
-                vouch=vouch,
-                drains=True,
-                nodes=lambda: self.nodes,
-                timeout=5,
-            )
-        except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
-            forbidden = isinstance(exc, kube.ApiError) and exc.code == 403
+            yield None
+            return
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                # One connection a pass. Identity only (no code sent) until the scheduler is shown
+                # to be this namespace's (the vouch); then what recycling reads, and the preStop
+                # drains' figures for status.safetyNet (hook_losses), from memops' agent, which is
+                # told where the workers run: a preStop hook names only its own worker's node.
+                scheduler = await stack.enter_async_context(
+                    daskrpc.vetted(spec.scheduler.address, vouch=self.verify_tenancy, security=security, timeout=5)
+                )
+                snapshot = await scheduler.snapshot(
+                    keys=False,
+                    processing=spec.recycle is not None,
+                    drains=True,
+                    nodes=lambda: self.nodes,
+                )
+            except daskrpc.Unvouched as exc:
+                # Nothing is read from it or written about it: no memory, no relief, no recycling.
+                status.memory = None
+                status.conditions = conditions.set_condition(
+                    status.conditions,
+                    "SchedulerReachable",
+                    False,
+                    reason=exc.verdict.reason.value,
+                    message=f"spec.scheduler.address: {exc.verdict.message}",
+                    generation=generation,
+                )
+                failed = True
+            except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
+                forbidden = isinstance(exc, kube.ApiError) and exc.code == 403
+                status.conditions = conditions.set_condition(
+                    status.conditions,
+                    "SchedulerReachable",
+                    False,
+                    reason="Forbidden" if forbidden else "SchedulerUnreachable",
+                    message=f"spec.scheduler.tls.secretName: {exc.message}"
+                    if isinstance(exc, kube.ApiError) and forbidden
+                    else f"spec.scheduler.address: {exc}",
+                    generation=generation,
+                )
+                failed = True
+            else:
+                failed = False
+            if failed:
+                yield None
+                return
             status.conditions = conditions.set_condition(
-                status.conditions,
-                "SchedulerReachable",
-                False,
-                reason="Forbidden" if forbidden else "SchedulerUnreachable",
-                message=f"spec.scheduler.tls.secretName: {exc.message}"
-                if isinstance(exc, kube.ApiError) and forbidden
-                else f"spec.scheduler.address: {exc}",
-                generation=generation,
+                status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
             )
-            return None
-        if not verdict.allowed:
-            # Nothing is read from it or written about it: no memory, no relief, no recycling.
-            status.memory = None
-            status.conditions = conditions.set_condition(
-                status.conditions,
-                "SchedulerReachable",
-                False,
-                reason=verdict.reason.value,
-                message=f"spec.scheduler.address: {verdict.message}",
-                generation=generation,
-            )
-            return None
-        status.conditions = conditions.set_condition(
-            status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
-        )
-        # Each worker under its pod's name, found by address (status.memory, recycling).
-        return snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
+            # Each worker under its pod's name, found by address (status.memory, recycling).
+            yield scheduler, snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
 
     async def verify_tenancy(self, workers: Sequence[snapshots.WorkerInfo]) -> tenancy.Verdict:
         """:func:`memops.tenancy.check` against the namespace's pods, listed only when a worker
@@ -355,21 +369,25 @@ class Policy:
         self.tenants_checked = time.monotonic()
         return verdict
 
-    async def scheduler_is_tenant(self) -> bool:
-        """Whether the scheduler is still this namespace's (identity only), for the goodbye calls."""
+    async def goodbye(self) -> None:
+        """The policy is gone: its pressure relief and replication leave the scheduler (best effort),
+        on one connection vouched for by a fresh tenancy check."""
+        status = self.body.get("status") or {}
+        if not (status.get("pressure") or status.get("replication")):
+            return
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
-            identity = await daskrpc.fetch_snapshot(
-                spec.scheduler.address, security=self.security, keys=False, processing=False, timeout=5
-            )
-            pods = await workloads.namespace_pods(self.client, self.namespace)
-        except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
-            self.logger.warning("pressure relief left in the scheduler: %s", exc)
-            return False
-        verdict = tenancy.check(identity.workers, pods, self.namespace)
-        if not verdict.allowed:
-            self.logger.warning("pressure relief left in the scheduler: %s", verdict.message)
-        return verdict.allowed
+            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as scheduler:
+                await relief_install.remove(self.body, scheduler=scheduler, logger=self.logger)
+                await replication.remove(self.body, scheduler=scheduler, logger=self.logger)
+        except (
+            daskrpc.SchedulerUnreachable,
+            daskrpc.Unvouched,
+            scheduler_tls.SecretUnusable,
+            kube.ApiError,
+            ValueError,
+        ) as exc:
+            self.logger.warning("pressure relief and replication left in the scheduler: %s", exc)
 
     async def safety_net(
         self, spec: specs.MemoryPolicySpec, current: specs.SafetyNetStatus | None
@@ -620,10 +638,7 @@ def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = fr
         finally:
             memo.policy_wakers.pop(uid, None)
             if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
-                if (body.get("status") or {}).get("pressure") and await reconciler.scheduler_is_tenant():
-                    await relief_install.remove(body, security=reconciler.security, logger=logger)
-                if (body.get("status") or {}).get("replication") and await reconciler.scheduler_is_tenant():
-                    await replication.remove(body, security=reconciler.security, logger=logger)
+                await reconciler.goodbye()
 
 
 async def _loop(

@@ -14,7 +14,6 @@ import logging
 from typing import Any
 
 import kopf
-from distributed.security import Security
 
 from memops import daskrpc, metrics, specs
 
@@ -25,23 +24,22 @@ def owner_of(namespace: str, policy: str) -> str:
 
 async def reconcile(
     *,
+    scheduler: daskrpc.Scheduler,
     spec: specs.MemoryPolicySpec,
     old: specs.PressureStatus | None,
-    security: Security | None,
     namespace: str,
     policy: str,
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> specs.PressureStatus | None:
-    """The new ``status.pressure``: None when relief is off (and, if it was on, now removed)."""
+    """The new ``status.pressure``: None when relief is off (and, if it was on, now removed), on
+    the ``scheduler`` connection that the pass vouched for."""
     if spec.pressure is None and old is None:
         return None  # never turned on by this policy: nothing to remove
     above = specs.parse_percent(spec.pressure.relieveAbove) / 100 if spec.pressure else None
     to = specs.parse_percent(spec.pressure.relieveTo) / 100 if spec.pressure else None
     owner = owner_of(namespace, policy)
     try:
-        state = await daskrpc.configure_relief(
-            spec.scheduler.address, security=security, above=above, to=to, owner=owner
-        )
+        state = await scheduler.configure_relief(above=above, to=to, owner=owner)
     except daskrpc.SchedulerRefused as exc:
         logger.warning("%s", exc)
         return (old or specs.PressureStatus()).model_copy(update={"message": str(exc)})
@@ -80,14 +78,13 @@ def _starved_message(starved: list[str], spec: specs.MemoryPolicySpec) -> str:
 
 
 async def remove(
-    body: kopf.Body, *, security: Security | None, logger: logging.Logger | logging.LoggerAdapter[Any]
+    body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
 ) -> None:
-    """The policy is gone: so is its pressure relief in the scheduler (best effort)."""
+    """The policy is gone: so is its pressure relief in the (vouched for) scheduler (best effort)."""
     if not (body.get("status") or {}).get("pressure"):
         return
     try:
-        address = str(body.spec["scheduler"]["address"])
         owner = owner_of(str(body.metadata.namespace), str(body.metadata.name))
-        await daskrpc.configure_relief(address, security=security, above=None, to=None, owner=owner)
+        await scheduler.configure_relief(above=None, to=None, owner=owner)
     except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
         logger.warning("pressure relief left in the scheduler: %s", exc)

@@ -3,10 +3,11 @@
 Once per policy pass (:class:`memops.controllers.policy.Policy`): read the workload's pods and
 their nodes' labels, turn ``spec.replication`` into the agent's plain data
 (:func:`memops.replication.agent_rules`), make one idempotent call that installs, retunes or
-removes replication in the scheduler (:func:`memops.daskrpc.configure_replication`), and write
-the pods' annotations that moved (:func:`memops.replication.plan_annotations`): one merge-patch
-per pod, at most one every 30 s. Returns ``status.replication``. When the policy is deleted,
-:func:`remove` takes replication out of the scheduler.
+removes replication in the scheduler (:meth:`memops.daskrpc.Scheduler.configure_replication`, on
+the connection that the pass vouched for), and write the pods' annotations that moved
+(:func:`memops.replication.plan_annotations`): one merge-patch per pod, at most one every 30 s.
+Returns ``status.replication``. When the policy is deleted, :func:`remove` takes replication out
+of the scheduler.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import kopf
-from distributed.security import Security
 
 from memops import daskrpc, kube, metrics, replication, snapshots, specs
 from memops.controllers import relief_install, workloads
@@ -29,10 +29,10 @@ default relieveAbove); with relief on, its relieveAbove."""
 
 async def reconcile(
     *,
+    scheduler: daskrpc.Scheduler,
     client: kube.Kube,
     spec: specs.MemoryPolicySpec,
     old: specs.ReplicationStatus | None,
-    security: Security | None,
     namespace: str,
     policy: str,
     snapshot: snapshots.SchedulerSnapshot,
@@ -43,7 +43,7 @@ async def reconcile(
         return None
     owner = relief_install.owner_of(namespace, policy)
     if spec.replication is None:
-        await _configure(spec, security, None, {}, owner, logger)
+        await scheduler.configure_replication(rules=None, places={}, owner=owner)
         return None
     pods = await workloads.pods(client, namespace, spec.workload, workload)
     names = workloads.worker_names(pods)
@@ -54,7 +54,7 @@ async def reconcile(
         spec.replication, pods=pods, nodes=nodes, addresses=addresses, ceiling=ceiling
     )
     try:
-        figures = await _configure(spec, security, rules, places, owner, logger)
+        figures = await scheduler.configure_replication(rules=rules, places=places, owner=owner)
     except daskrpc.SchedulerRefused as exc:
         logger.warning("%s", exc)
         return (old or specs.ReplicationStatus()).model_copy(update={"message": f"spec.replication: {exc}"})
@@ -73,19 +73,6 @@ async def reconcile(
     metrics.replication_observed(namespace, policy, new, copied)
     await annotate(client, namespace, pods, addresses, figures, spec.replication.default, logger)
     return new
-
-
-async def _configure(
-    spec: specs.MemoryPolicySpec,
-    security: Security | None,
-    rules: dict[str, Any] | None,
-    places: dict[str, tuple[str, str]],
-    owner: str,
-    logger: logging.Logger | logging.LoggerAdapter[Any],
-) -> dict[str, Any] | None:
-    return await daskrpc.configure_replication(
-        spec.scheduler.address, security=security, rules=rules, places=places, owner=owner
-    )
 
 
 async def _node_labels(client: kube.Kube, pods: Sequence[dict[str, Any]]) -> dict[str, dict[str, str]]:
@@ -124,14 +111,13 @@ async def annotate(
 
 
 async def remove(
-    body: kopf.Body, *, security: Security | None, logger: logging.Logger | logging.LoggerAdapter[Any]
+    body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
 ) -> None:
-    """The policy is gone: so is its replication in the scheduler (best effort)."""
+    """The policy is gone: so is its replication in the (vouched for) scheduler (best effort)."""
     if not (body.get("status") or {}).get("replication"):
         return
     try:
-        address = str(body.spec["scheduler"]["address"])
         owner = relief_install.owner_of(str(body.metadata.namespace), str(body.metadata.name))
-        await daskrpc.configure_replication(address, security=security, rules=None, places={}, owner=owner)
+        await scheduler.configure_replication(rules=None, places={}, owner=owner)
     except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
         logger.warning("replication left in the scheduler: %s", exc)

@@ -30,7 +30,7 @@ from memops import (
     tenancy,
     timestamps,
 )
-from memops.controllers import loop, scheduler_tls, workloads
+from memops.controllers import loop, scheduler_tls, vetting, workloads
 
 _RETRY_SECONDS = 2.0
 _MAX_RETRY_SECONDS = 30.0  # the wait grows with each failure in a row, up to this
@@ -207,18 +207,15 @@ class Retirement:
         except selectors.InvalidSelector as exc:
             message = f"{spec.workload.kind} {spec.workload.name!r}: {exc}"
             return await self.fail(status, "InvalidSelector", message, generation)
-        security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
+        judge = vetting.Tenancy(self.client, self.namespace)
         try:
             wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
-            # Identity only (no code sent) until the scheduler is shown to be this namespace's.
-            identity = await daskrpc.fetch_snapshot(
-                spec.scheduler.address, security=security, keys=False, processing=False, timeout=wait
-            )
-            namespace_pods = await workloads.namespace_pods(self.client, self.namespace)
-            verdict = tenancy.check(identity.workers, namespace_pods, self.namespace)
-            if not verdict.allowed:
-                return await self.refuse_scheduler(status, verdict, deadline, generation)
-            snapshot = await daskrpc.fetch_snapshot(spec.scheduler.address, security=security, timeout=wait)
+            # Identity only (no code sent) until the scheduler is shown to be this namespace's,
+            # then the snapshot on that same connection, of the workers that were vouched for.
+            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=wait, vouch=judge) as vetted:
+                snapshot = await vetted.snapshot()
+        except daskrpc.Unvouched as exc:
+            return await self.refuse_scheduler(status, exc.verdict, deadline, generation)
         except daskrpc.SchedulerMisbehaved as exc:  # not a Dask scheduler, or a hostile one: never retried
             return await self.fail(status, "SchedulerMisbehaved", f"spec.scheduler.address: {exc}", generation)
         except daskrpc.SchedulerUnreachable as exc:
@@ -234,11 +231,6 @@ class Retirement:
                 return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
             await self.write(status)
             return status
-        # A worker that joined between the two calls is checked too: nothing is written about
-        # a scheduler that has a foreign worker now.
-        verdict = tenancy.check(snapshot.workers, namespace_pods, self.namespace)
-        if not verdict.allowed:
-            return await self.refuse_scheduler(status, verdict, deadline, generation)
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         pod_names = [p["metadata"]["name"] for p in pods]
         infos = [workloads.pod_info(p) for p in pods]
@@ -349,13 +341,11 @@ class Retirement:
     async def drain(
         self, spec: specs.RetirementRequestSpec, status: specs.RetirementRequestStatus
     ) -> specs.RetirementRequestStatus:
-        address = spec.scheduler.address
-        security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
         on_timeout = status.onTimeout or specs.OnTimeout.ABORT
         deadline = timestamps.parse(status.deadline)
         draining = [w for w in status.workers if w.state == specs.WorkerState.DRAINING and not w.removable]
         if draining:
-            status = await self.retire(address, security, status, draining, deadline, on_timeout)
+            status = await self.retire(spec.scheduler, status, draining, deadline, on_timeout)
         if drain_decisions.to_remove(status.workers):
             if spec.removePods:
                 status = await self.remove(spec, status, deadline)
@@ -368,42 +358,35 @@ class Retirement:
 
     async def retire(
         self,
-        address: str,
-        security: Any,
+        scheduler: specs.SchedulerRef,
         status: specs.RetirementRequestStatus,
         draining: list[specs.WorkerStatus],
         deadline: datetime.datetime,
         on_timeout: specs.OnTimeout,
     ) -> specs.RetirementRequestStatus:
+        judge = vetting.Tenancy(self.client, self.namespace)
         try:
-            identity = await daskrpc.fetch_snapshot(
-                address, security=security, keys=False, processing=False, timeout=_RPC_SECONDS
-            )
-            namespace_pods = await workloads.namespace_pods(self.client, self.namespace)
-            verdict = tenancy.check(identity.workers, namespace_pods, self.namespace)
-            if not verdict.allowed:
-                return await self.refuse_drain(status, verdict, deadline, on_timeout)
-            addresses = [a for w in draining for a in (w.addresses or ([w.address] if w.address else []))]
-            if self.before is None:
-                # Who holds each key of these workers now, to tell afterwards what moved.
-                self.before = await daskrpc.fetch_snapshot(
-                    address, security=security, placement_of=addresses, processing=False
+            # Everything on the one connection whose workers the tenancy check vouched for: the
+            # holdings before, the retirement, and the holdings after.
+            vetted_scheduler = vetting.vetted(self.client, self.namespace, scheduler, timeout=_RPC_SECONDS, vouch=judge)
+            async with vetted_scheduler as vetted:
+                addresses = [a for w in draining for a in (w.addresses or ([w.address] if w.address else []))]
+                if self.before is None:
+                    # Who holds each key of these workers now, to tell afterwards what moved.
+                    self.before = await vetted.snapshot(placement_of=addresses, processing=False)
+                remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
+                # Every worker's node: off the drained workers' nodes first where those nodes are
+                # going (a node drain); else spilled keys go to neighbours there, by link.
+                nodes = snapshots.nodes_of_workers(judge.pods, vetted.workers)
+                outcome = await vetted.retire_workers(
+                    addresses,
+                    timeout=remaining,
+                    nodes=nodes,
+                    nodes_dying=eviction.drains_node(self.body.metadata.get("labels")),
                 )
-            remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
-            # Every worker's node: off the drained workers' nodes first where those nodes are
-            # going (a node drain); else spilled keys go to neighbours there, by link.
-            nodes = snapshots.nodes_of_workers(namespace_pods, identity.workers)
-            outcome = await daskrpc.retire_workers(
-                address,
-                addresses,
-                security=security,
-                timeout=remaining,
-                nodes=nodes,
-                nodes_dying=eviction.drains_node(self.body.metadata.get("labels")),
-            )
-            after = await daskrpc.fetch_snapshot(
-                address, security=security, placement=list(self.before.who_has), processing=False
-            )
+                after = await vetted.snapshot(placement=list(self.before.who_has), processing=False)
+        except daskrpc.Unvouched as exc:
+            return await self.refuse_drain(status, exc.verdict, deadline, on_timeout)
         except daskrpc.SchedulerUnreachable as exc:
             if timestamps.now() < deadline:
                 status.conditions = conditions.set_condition(
@@ -426,7 +409,7 @@ class Retirement:
             retired=outcome.retired,
             timed_out=outcome.timed_out,
             on_timeout=on_timeout,
-            located=snapshots.workers_by_pod(namespace_pods, after.workers),
+            located=snapshots.workers_by_pod(judge.pods, after.workers),
             lost_at_deadline=outcome.lost_at_deadline,
             linked=outcome.linked,
         )

@@ -95,14 +95,19 @@ def worker_names(pods: list[objects.Obj]) -> dict[str, str]:
 def pod_info(pod: objects.Obj) -> snapshots.PodInfo:
     """What :func:`memops.snapshots.workers_by_pod` and :func:`memops.tenancy.check` read of a pod."""
     status = pod.get("status") or {}
+    spec = pod.get("spec") or {}
     ips = [str(status["podIP"])] if status.get("podIP") else []
     ips += [str(entry["ip"]) for entry in status.get("podIPs") or [] if entry.get("ip")]
+    host_ips = [str(status["hostIP"])] if status.get("hostIP") else []
+    host_ips += [str(entry["ip"]) for entry in status.get("hostIPs") or [] if entry.get("ip")]
     return snapshots.PodInfo(
         name=str(pod["metadata"]["name"]),
         ips=tuple(dict.fromkeys(ips)),
         worker_names=tuple(worker_names([pod])),
         phase=str(status.get("phase", "Pending")),
-        node=str((pod.get("spec") or {}).get("nodeName") or ""),
+        node=str(spec.get("nodeName") or ""),
+        host_network=bool(spec.get("hostNetwork")),
+        host_ips=tuple(dict.fromkeys(host_ips)),
     )
 
 

@@ -15,9 +15,22 @@ OPTIONS = ("--no-dashboard", "--death-timeout", "30")
 DASK = str(Path(sys.executable).with_name("dask"))
 
 
-def spawn(scheduler: str, name: str, memory_limit: str = "256MiB") -> subprocess.Popen[bytes]:
+def spawn(scheduler: str, name: str, memory_limit: str = "256MiB", host: str | None = None) -> subprocess.Popen[bytes]:
+    """A worker (and its nanny); ``host``: the IP it listens on and advertises (a pod's, in a cluster)."""
+    where = ("--host", host) if host is not None else ()
+    command = [DASK, "worker", scheduler, "--name", name, "--nthreads", "1", "--memory-limit", memory_limit]
     return subprocess.Popen(
-        [DASK, "worker", scheduler, "--name", name, "--nthreads", "1", "--memory-limit", memory_limit, *OPTIONS],
+        [*command, *where, *OPTIONS],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def spawn_scheduler(port: int) -> subprocess.Popen[bytes]:
+    """A scheduler at ``tcp://127.0.0.1:{port}``, in its own session."""
+    return subprocess.Popen(
+        [DASK, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

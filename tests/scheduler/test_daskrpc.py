@@ -24,7 +24,7 @@ import pytest
 from distributed import Client, Future, LocalCluster
 from distributed.security import Security
 
-from memops import daskrpc, snapshots
+from memops import daskrpc, snapshots, tenancy
 from memops.scheduler import drain
 
 MiB = 2**20
@@ -333,27 +333,31 @@ async def test_a_snapshot_vouched_for_reads_the_drains_on_its_connection(cluster
     address = cluster.scheduler_address
     judged: list[set[str]] = []
 
-    async def refuse(workers: Any) -> bool:
+    async def refuse(workers: Any) -> tenancy.Verdict:
         judged.append({w.address for w in workers})
-        return False
+        return tenancy.Verdict(tenancy.Reason.FOREIGN, "not ours")
 
-    refused = await daskrpc.fetch_snapshot(address, keys=False, processing=True, drains=True, vouch=refuse)
-    assert judged == [set(cluster.scheduler.workers)] and {w.address for w in refused.workers} == judged[0]
-    assert refused.drains is None and agent.NAME not in cluster.scheduler.handlers, "no code sent"
+    with pytest.raises(daskrpc.Unvouched, match="not ours") as refused:
+        async with daskrpc.vetted(address, vouch=refuse) as scheduler:
+            await scheduler.snapshot(keys=False, processing=True, drains=True)
+    assert judged == [set(cluster.scheduler.workers)] and {w.address for w in refused.value.workers} == judged[0]
+    assert agent.NAME not in cluster.scheduler.handlers, "no code sent"
 
-    async def vouch(workers: Any) -> bool:
-        return True
+    async def vouch(workers: Any) -> tenancy.Verdict:
+        return tenancy.Verdict(tenancy.Reason.TENANT, "ours")
 
-    assert (await daskrpc.fetch_snapshot(address, keys=False, drains=True, vouch=vouch)).drains == {}
-    assert agent.NAME in cluster.scheduler.handlers
-    await daskrpc.start_drain(address, [a], deadline=30, close_workers=False)
-    drained = await daskrpc.fetch_snapshot(address, keys=False, drains=True, vouch=vouch)
+    async with daskrpc.vetted(address, vouch=vouch) as scheduler:
+        assert (await scheduler.snapshot(keys=False, drains=True)).drains == {}
+        assert agent.NAME in cluster.scheduler.handlers
+        await scheduler.start_drain([a], deadline=30, close_workers=False)
+        drained = await scheduler.snapshot(keys=False, drains=True)
     assert drained.drains is not None and set(drained.drains) == {a}
     assert drained.drains[a]["state"] in (drain.State.DRAINING, drain.State.DONE)
 
-    async def broken(workers: Any) -> bool:
+    async def broken(workers: Any) -> tenancy.Verdict:
         raise TimeoutError("the API server did not answer")
 
     with pytest.raises(TimeoutError, match="the API server") as raised:
-        await daskrpc.fetch_snapshot(address, keys=False, drains=True, vouch=broken)
+        async with daskrpc.vetted(address, vouch=broken):
+            pass
     assert not isinstance(raised.value, daskrpc.SchedulerUnreachable)

@@ -110,7 +110,8 @@ async def test_a_policy_without_the_secret_permission_says_which_value_it_needs(
         client = kube.Kube(kopf.ConnectionInfo(server=str(server.make_url("/"))))
         try:
             reconciler = policy.Policy(client=client, body=body, logger=logging.getLogger(__name__))
-            assert await reconciler.check_scheduler(spec, status, 1) is None
+            async with reconciler.check_scheduler(spec, status, 1) as vetted:
+                assert vetted is None
         finally:
             await client.close()
     [reachable] = status.conditions
