@@ -44,7 +44,7 @@ LEAVING = {"closing_gracefully", "closing", "closed"}
 
 
 async def _statuses(comm, name):
-    identity = await comm.call("identity")
+    identity = await comm.call("identity", limit=WORKERS)
     workers = identity.get("workers") if isinstance(identity, dict) else None
     if not isinstance(workers, dict):
         raise Misbehaved("identity is not a map of workers")
@@ -120,7 +120,7 @@ async def _main(deadline):
             # worker can take the unique data (say, in a rollout, before the new pods' workers have
             # connected): the kubelet would then kill the worker with its data. Ask again until it
             # is retired, or gone, or the timeout ends.
-            while not await comm.call("retire_workers", names=[name], close_workers=True, remove=True):
+            while not await comm.call("retire_workers", names=[name], close_workers=True, remove=True, limit=WORKERS):
                 if not await _statuses(comm, name):
                     return
                 await asyncio.sleep(1)
