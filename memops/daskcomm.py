@@ -94,16 +94,16 @@ WORKERS = Limit(bytes=8 * MiB, objects=2**19, items=4096)
 """A reply of a few fields for every worker: ``identity`` (about 1 KiB and 40 objects a worker
 at rest, a few times that busy: some 3,000 busy workers), ``retire_workers`` (an identity per
 retired worker), the agent's drain states, relief's and replication's figures. Decoded, at most
-about 40 MiB."""
+about 40 MiB of objects, and 32 MiB of arrays nested empty."""
 KEYS = Limit(bytes=16 * MiB, objects=2**20, items=2**16)
 """A reply that grows with the keys: the agent's ``holdings`` (the placement of the drained
 workers' keys), ``processing`` (the tasks on each worker), and the fallback's ``who_has`` and
 ``nbytes`` (about 45 bytes and 3 objects a key: some 300,000 keys) for schedulers that refuse
-``run_function``. Decoded, at most about 80 MiB; a larger one is refused, with a message saying
-so, rather than decoded into more memory than the operator has (512 MiB, about 120 at rest).
-Its arrays may be long (a worker may be processing thousands of tasks): msgpack from 1.2.4
-allocates at most 10,000 items of an array ahead of its contents, which keeps nested empty
-arrays to 80 MiB too."""
+``run_function``. Decoded, at most about 80 MiB of objects; a larger one is refused, with a
+message saying so, rather than decoded into more memory than the operator has (512 MiB, about
+120 at rest). Its arrays may be long (a worker may be processing thousands of tasks): msgpack
+from 1.2.4 allocates at most 10,000 items of an array ahead of its contents, which keeps arrays
+nested empty to 80 MiB too (the operator's image has it: ``pyproject.toml``)."""
 
 MAX_MESSAGE_BYTES = KEYS.bytes
 """The most that any reply may declare (:data:`KEYS`); most calls allow much less."""
@@ -171,8 +171,10 @@ class _Decoding:
         self.created = 0
         self.done = False
         self.value: Any = None
+        self.slots = 0
         self.unpacker = msgpack.Unpacker(
             object_hook=self._map,
+            list_hook=self._array,
             use_list=False,  # as distributed: arrays become tuples, which may be map keys
             raw=False,
             strict_map_key=False,
@@ -198,6 +200,13 @@ class _Decoding:
             return self.opaque
         return obj
 
+    def _array(self, items: tuple[Any, ...]) -> tuple[Any, ...]:
+        # An array of nils, trues or small ints costs 8 bytes an item (its slots), where the
+        # items cost nothing and take one byte each on the wire; the slots of a long array are
+        # no small-object block either. Counted here, an object for every 8 slots.
+        self.slots += len(items)
+        return items
+
     def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         """Decode the next slice of the frame (at most :data:`SLICE_BYTES`)."""
         if self.done:
@@ -214,7 +223,7 @@ class _Decoding:
             # peer's bytes are not quoted (the exception's text may hold them).
             raise Misbehaved("a reply that is not plain msgpack within this call's limits") from exc
         self.created += sys.getallocatedblocks() - before
-        if self.created > self.limit.objects:
+        if self.created + self.slots // 8 > self.limit.objects:
             raise Misbehaved(f"a reply that decodes into more than {self.limit.objects} objects")
         if self.done and self.unpacker.tell() != self.size:
             raise Misbehaved("a reply whose first frame holds more than one message")

@@ -41,10 +41,13 @@ _PRE_STOP_MAIN = """
 # -- the preStop hook: drain this worker through the scheduler -------------------------------
 
 LEAVING = {"closing_gracefully", "closing", "closed"}
+# The worker image's msgpack may allocate all of an array's items as its header arrives: short
+# arrays keep what a reply's nested empty arrays cost to 8 MiB.
+IDENTITY = Limit(bytes=WORKERS.bytes, objects=WORKERS.objects, items=SMALL.items)
 
 
 async def _statuses(comm, name):
-    identity = await comm.call("identity", limit=WORKERS)
+    identity = await comm.call("identity", limit=IDENTITY)
     workers = identity.get("workers") if isinstance(identity, dict) else None
     if not isinstance(workers, dict):
         raise Misbehaved("identity is not a map of workers")
@@ -120,7 +123,7 @@ async def _main(deadline):
             # worker can take the unique data (say, in a rollout, before the new pods' workers have
             # connected): the kubelet would then kill the worker with its data. Ask again until it
             # is retired, or gone, or the timeout ends.
-            while not await comm.call("retire_workers", names=[name], close_workers=True, remove=True, limit=WORKERS):
+            while not await comm.call("retire_workers", names=[name], close_workers=True, remove=True, limit=IDENTITY):
                 if not await _statuses(comm, name):
                     return
                 await asyncio.sleep(1)

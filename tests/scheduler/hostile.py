@@ -129,16 +129,25 @@ def in_thread(route: str, marker: Path) -> Iterator[str]:
         loop.close()
 
 
-BOMBS = ("maps", "rows", "frames")
+BOMBS = ("maps", "rows", "frames", "nested")
 """What a bomb is made of: empty maps in one array, empty maps in rows of 1,000 (each array
-short), or one-byte frames."""
+short), one-byte frames, or arrays nested 1,000 deep that each declare ``items`` entries (which
+msgpack allocates as the header arrives), then nils."""
 _ROW = b"\xdc" + struct.pack(">H", 1000) + b"\x80" * 1000
 CHUNK = 2**20
 
 
-def bomb_chunks(kind: str, size: int) -> Iterator[bytes]:
+def bomb_chunks(kind: str, size: int, items: int = 1024) -> Iterator[bytes]:
     """A message of ``size`` bytes after its 8-byte length header, made of ``kind``; in chunks,
     so that the server never holds it whole."""
+    if kind == "nested":
+        headers = (b"\xdd" + struct.pack(">I", items)) * 1000
+        yield struct.pack("QQQ", size, 1, size - 16) + headers
+        left = size - 16 - len(headers)
+        while left > 0:
+            yield b"\xc0" * min(CHUNK, left)
+            left -= CHUNK
+        return
     if kind == "rows":  # [[row, row, ... up to 1,000 rows], ...]
         rows = (size - 16 - 5) // len(_ROW)
         per_group = min(1000, rows)
@@ -175,7 +184,9 @@ IDENTITY = {
 }
 
 
-async def _bomber(op: str, kind: str, size: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _bomber(
+    op: str, kind: str, size: int, items: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
     """Speak the comm as a scheduler does; answer ``op`` with the bomb."""
     handshake = {"compression": None, "python": (3, 11, 0), "pickle-protocol": 5}
     try:
@@ -190,7 +201,7 @@ async def _bomber(op: str, kind: str, size: int, reader: asyncio.StreamReader, w
             if asked == "close":
                 break
             if asked == op:
-                for chunk in bomb_chunks(kind, size):
+                for chunk in bomb_chunks(kind, size, items):
                     writer.write(chunk)
                     await writer.drain()
                 continue
@@ -211,10 +222,10 @@ async def _bomber(op: str, kind: str, size: int, reader: asyncio.StreamReader, w
 
 
 @contextlib.asynccontextmanager
-async def bombing(op: str, kind: str, size: int) -> AsyncIterator[str]:
+async def bombing(op: str, kind: str, size: int, items: int = 1024) -> AsyncIterator[str]:
     """A "scheduler" that answers ``op`` with a bomb of ``kind`` whose message is ``size`` bytes."""
     assert kind in BOMBS, kind
-    server = await asyncio.start_server(lambda r, w: _bomber(op, kind, size, r, w), "127.0.0.1", 0)
+    server = await asyncio.start_server(lambda r, w: _bomber(op, kind, size, items, r, w), "127.0.0.1", 0)
     try:
         yield f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
