@@ -7,7 +7,7 @@ deserializers, a ``__Pickled__`` part is unpickled even with ``deserialize=False
 comm allocates whatever frame size the peer declares. This module speaks the same wire format
 itself, over asyncio streams (``tcp://`` and ``tls://``), and:
 
-- decodes only the message's first frame, with msgpack and no extension hooks: a part that
+- decodes only the message's first frame, with msgpack, refusing extension types: a part that
   distributed marks as serialized or pickled (``{"__Serialized__": n}``, ``{"__Pickled__": n}``)
   or as an enum (which would import a module) becomes an :class:`Opaque` placeholder, whose
   frames are never read as anything but bytes. A reply that holds one is refused
@@ -70,11 +70,13 @@ class Limit:
     bytes once decoded (an empty map is 1 byte and a 64-byte dict, plus its slot in its
     container), so the bytes alone would let a reply grow 80 times its size: 8 MiB of empty maps
     took 650 MiB and 7 s of the event loop. ``objects`` counts what decoding has created (the
-    interpreter's small-object blocks, each at most 512 bytes; a string or bytes longer than that
-    costs about its own bytes on the wire, which ``bytes`` bounds), and decoding stops as soon as
-    it is over. ``items`` bounds one array, which msgpack allocates in full when its header
-    arrives: nested 1,024 deep (msgpack's own limit), arrays that hold nothing yet cost
-    ``8 * items`` bytes each, so ``items`` stays small except where a reply carries key lists.
+    interpreter's small-object blocks, each at most 512 bytes, and an object for every 8 slots of
+    the arrays; a string or bytes longer than that costs about its own bytes on the wire, which
+    ``bytes`` bounds), and decoding stops as soon as it is over. ``items`` bounds one array,
+    which msgpack allocates ahead of its items when its header arrives (from msgpack 1.2.4, at
+    most 10,000 of them): nested 1,024 deep (msgpack's own limit), arrays that hold nothing yet
+    cost ``8 * min(items, 10000)`` bytes each, so ``items`` stays small except where a reply
+    carries key lists.
     """
 
     bytes: int
