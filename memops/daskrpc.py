@@ -7,9 +7,12 @@ that memops' agent adds (:mod:`memops.scheduler.agent`).
 
 The scheduler's address is written by users, so the peer is hostile input: every call goes
 through :mod:`memops.daskcomm`, which speaks msgpack only, never unpickles (not even an error
-reply's exception), and refuses a reply larger than :data:`memops.daskcomm.MAX_MESSAGE_BYTES`
-before reading it. A reply that it refuses, or one of the wrong shape, raises
-:class:`SchedulerMisbehaved`.
+reply's exception), and bounds what each reply may build by the call's
+:class:`memops.daskcomm.Limit` (its bytes, before reading it; the objects that decoding it
+creates, while decoding). A reply that it refuses, or one of the wrong shape, raises
+:class:`SchedulerMisbehaved`; a peer that does not answer the Dask handshake (a closed port, a
+silent one, another protocol) raises :class:`SchedulerUnreachable`, all with one message, which
+quotes nothing of the peer (:data:`UNREACHABLE`): the details go to the log.
 
 The controllers reach a scheduler only through :func:`vetted`: one connection, on which
 ``identity`` is judged by the caller's vouch (the tenancy check) before anything else is sent,
@@ -81,11 +84,26 @@ for _module in (agent, drain, handover, holdings, relief, replication, rules):
     cloudpickle.register_pickle_by_value(_module)
 
 
+UNREACHABLE = "unreachable, not a Dask scheduler, or no answer in time"
+"""All that a status says of a scheduler that did not answer as one.
+
+A connection refused, one that timed out, a TLS handshake that failed, a name that does not
+resolve, a server that speaks another protocol (HTTP, SSH, garbage) and one that stays silent
+all read the same: anyone who may write ``spec.scheduler.address`` reads the status, and if it
+told these apart the operator would scan ports and read banners across the cluster's network
+for them. What happened is in the operator's log."""
+
+
 class SchedulerUnreachable(Exception):
-    """The scheduler did not answer over the comm."""
+    """The scheduler did not answer over the comm.
+
+    The message says only what memops concluded: ``cause`` is memops' own words when a str;
+    an exception (what the peer or the network did) is never quoted (see :data:`UNREACHABLE`).
+    """
 
     def __init__(self, address: str, cause: BaseException | str):
-        super().__init__(f"cannot reach the Dask scheduler at {address}: {_detail(cause)}")
+        said = cause if isinstance(cause, str) else UNREACHABLE
+        super().__init__(f"cannot reach the Dask scheduler at {address}: {said}")
         self.address = address
 
 
@@ -96,15 +114,25 @@ class SchedulerMisbehaved(SchedulerUnreachable):
 
     A kind of :class:`SchedulerUnreachable` (no usable answer), so that every caller keeps
     running and never acts on it; a RetirementRequest that meets it before it starts fails.
+    Raised only once the peer has answered the Dask handshake: a peer that does not is
+    :class:`SchedulerUnreachable`, like a closed port. Its message holds no text and no number
+    that the peer chose: ``cause`` is memops' own words when a str, and a
+    :class:`memops.daskcomm.Misbehaved`'s message (which quotes nothing of the peer); any other
+    exception reads as a reply of the wrong shape.
     """
 
     def __init__(self, address: str, cause: BaseException | str):
-        Exception.__init__(self, f"the Dask scheduler at {address} sent a reply that memops refuses: {_detail(cause)}")
+        if isinstance(cause, (str, daskcomm.Misbehaved)):
+            said = str(cause)
+        else:
+            said = "a reply of the wrong shape"
+        Exception.__init__(self, f"the Dask scheduler at {address} sent a reply that memops refuses: {said}")
         self.address = address
 
 
-def _detail(cause: BaseException | str) -> str:
-    return cause if isinstance(cause, str) else (f"{type(cause).__name__}: {cause}".rstrip(": ") or "no answer")
+def _detail(cause: BaseException) -> str:
+    """An exception's type and text, for the operator's log (never for a status)."""
+    return f"{type(cause).__name__}: {cause}".rstrip(": ")
 
 
 @dataclass(frozen=True)
@@ -160,12 +188,16 @@ async def _connect(address: str, security: Security | None, timeout: float) -> d
     """One connection, within ``timeout``, with every failure as this module's exceptions."""
     if address.startswith("tls://") and security is None:
         raise SchedulerUnreachable(address, "a tls:// scheduler needs client certificates (spec.scheduler.tls)")
+    try:
+        daskcomm.parse_address(address)
+    except ValueError as exc:  # the user's own address, in memops' words
+        raise SchedulerUnreachable(address, str(exc)) from exc
     context = security.get_connection_args("client")["ssl_context"] if security is not None else None
     try:
         return await daskcomm.connect(address, ssl_context=context, timeout=timeout)
-    except daskcomm.Misbehaved as exc:
-        raise SchedulerMisbehaved(address, exc) from exc
-    except (*_COMM_ERRORS, ValueError) as exc:  # ValueError: not an address daskcomm can reach
+    except (*_COMM_ERRORS, ValueError, daskcomm.Misbehaved) as exc:
+        # Before the Dask handshake: whatever happened reads as one "unreachable" (UNREACHABLE).
+        logger.info("the Dask scheduler at %s did not answer as one: %s", address, _detail(exc))
         raise SchedulerUnreachable(address, exc) from exc
 
 
@@ -178,8 +210,11 @@ def _translated(address: str) -> Iterator[None]:
         raise SchedulerMisbehaved(address, exc) from exc
     except daskcomm.RemoteError as exc:
         # The handlers that every scheduler serves do not fail: an error from one is misbehaviour.
-        raise SchedulerMisbehaved(address, exc) from exc
+        # Its text is the peer's, and the peer may not be vouched for yet: for the log only.
+        logger.info("the Dask scheduler at %s answered with an error: %s", address, _detail(exc))
+        raise SchedulerMisbehaved(address, "an error from a handler that every Dask scheduler serves") from exc
     except _COMM_ERRORS as exc:
+        logger.info("the Dask scheduler at %s stopped answering: %s", address, _detail(exc))
         raise SchedulerUnreachable(address, exc) from exc
 
 
@@ -253,7 +288,7 @@ class Scheduler:
         if self._vouch is None:
             return
         async with self._using() as comm, asyncio.timeout(self.timeout):
-            identity = _mapping(self.address, await comm.call("identity"), "identity")
+            identity = _mapping(self.address, await comm.call("identity", limit=daskcomm.WORKERS), "identity")
         await self._judge(identity)
         self._identity = identity
 
@@ -314,7 +349,7 @@ class Scheduler:
             identity, self._identity = self._identity, None
             return identity
         async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
-            identity = _mapping(self.address, await comm.call("identity"), "identity")
+            identity = _mapping(self.address, await comm.call("identity", limit=daskcomm.WORKERS), "identity")
         await self._judge(identity)
         return identity
 
@@ -341,7 +376,7 @@ class Scheduler:
         where they cost the workers and the replicated keys rather than every key. A scheduler that
         refuses ``run_function`` is asked for ``who_has`` and ``nbytes`` of every key instead, and the
         sums are done here, in a thread: the same figures, at a cost that grows with the keys, and
-        ``who_has`` then covers every key (up to :data:`memops.daskcomm.MAX_MESSAGE_BYTES` of reply).
+        ``who_has`` then covers every key (within :data:`memops.daskcomm.KEYS`: some 300,000 keys).
 
         ``drains`` also asks memops' agent for every drain's figures (:meth:`drain_status`, in
         ``drains`` of the snapshot; None where the scheduler does not run the agent). ``nodes``
@@ -361,7 +396,11 @@ class Scheduler:
         identity = await self.identity(timeout=timeout)
         address = self.address
         async with self._using() as comm, asyncio.timeout(timeout):
-            running = _mapping(address, await comm.call("processing"), "processing") if processing else {}
+            running = (
+                _mapping(address, await comm.call("processing", limit=daskcomm.KEYS), "processing")
+                if processing
+                else {}
+            )
             if drains:
                 try:
                     located = dict(nodes()) if nodes is not None else {}
@@ -372,13 +411,17 @@ class Scheduler:
                 try:
                     summary = _mapping(
                         address,
-                        await _agent(comm, "holdings", workers=list(placement_of), keys=list(placement)),
+                        await _agent(
+                            comm, "holdings", limit=daskcomm.KEYS, workers=list(placement_of), keys=list(placement)
+                        ),
                         "the agent's holdings",
                     )
                 except SchedulerRefused as exc:
                     logger.info("summing holdings from who_has instead: %s", exc)
-                    who_has_raw = _mapping(address, await comm.call("who_has"), "who_has")
-                    nbytes_raw = _mapping(address, await comm.call("nbytes", summary=False), "nbytes")
+                    who_has_raw = _mapping(address, await comm.call("who_has", limit=daskcomm.KEYS), "who_has")
+                    nbytes_raw = _mapping(
+                        address, await comm.call("nbytes", summary=False, limit=daskcomm.KEYS), "nbytes"
+                    )
         try:
             if summary is not None:
                 figures, who_has, nbytes = _from_summary(summary)
@@ -387,7 +430,8 @@ class Scheduler:
                 # loop serves the webhook and every other request meanwhile.
                 figures, who_has, nbytes = await asyncio.to_thread(_from_who_has, who_has_raw, nbytes_raw)
         except (TypeError, ValueError, AttributeError) as exc:
-            raise SchedulerMisbehaved(address, f"a reply of the wrong shape: {type(exc).__name__}: {exc}") from exc
+            logger.info("the Dask scheduler at %s sent a reply of the wrong shape: %s", address, _detail(exc))
+            raise SchedulerMisbehaved(address, exc) from exc
         workers = _identified(address, identity, figures, running, keys=keys)
         return snapshots.SchedulerSnapshot(workers=workers, who_has=who_has, nbytes=nbytes, drains=drained)
 
@@ -463,7 +507,7 @@ class Scheduler:
             rows = _mapping(address, figures.get("workers", {}), "the agent's replication figures' workers")
             plain["workers"] = {str(a): [int(x) for x in list(row)[:4]] for a, row in rows.items()}
         except (TypeError, ValueError) as exc:
-            raise SchedulerMisbehaved(address, f"the agent's replication figures: {type(exc).__name__}: {exc}") from exc
+            raise SchedulerMisbehaved(address, "the agent's replication figures are not plain numbers") from exc
         return plain
 
     async def start_drain(
@@ -596,7 +640,8 @@ def _identified(
             _workers(_mapping(address, identity.get("workers", {}), "identity's workers"), figures, running, keys)
         )
     except (TypeError, ValueError, AttributeError) as exc:
-        raise SchedulerMisbehaved(address, f"a reply of the wrong shape: {type(exc).__name__}: {exc}") from exc
+        logger.info("the Dask scheduler at %s sent a reply of the wrong shape: %s", address, _detail(exc))
+        raise SchedulerMisbehaved(address, exc) from exc
 
 
 def _drains(address: str, state: Any) -> dict[str, Any]:
@@ -664,7 +709,7 @@ async def ping(address: str, *, security: Security | None = None, timeout: float
     try:
         return int(identity.get("n_workers", 0))
     except (TypeError, ValueError) as exc:
-        raise SchedulerMisbehaved(address, f"identity's n_workers: {exc}") from exc
+        raise SchedulerMisbehaved(address, "identity's n_workers is not a number") from exc
 
 
 LEAVING = frozenset({"closing_gracefully", "closing", "closed"})
@@ -675,7 +720,7 @@ POLL_SECONDS = 0.5
 
 async def _statuses(comm: daskcomm.Comm) -> dict[str, str]:
     """Address -> status of every connected worker."""
-    identity = await comm.call("identity")
+    identity = await comm.call("identity", limit=daskcomm.WORKERS)
     workers = identity.get("workers", {}) if isinstance(identity, Mapping) else None
     if not isinstance(workers, Mapping):
         raise daskcomm.Misbehaved(f"identity is not a map of workers: {type(identity).__name__}")
@@ -863,6 +908,7 @@ async def _retire_workers(
                 close_workers=True,
                 remove=True,
                 stimulus_id=f"memops-retire-{time.time()}",
+                limit=daskcomm.WORKERS,
             )
             if not isinstance(result, Mapping):
                 raise daskcomm.Misbehaved(f"retire_workers answered a {type(result).__name__}, not a map")
@@ -963,7 +1009,14 @@ async def _install_agent(comm: daskcomm.Comm) -> None:
         raise SchedulerRefused(f"run_function of memops' agent: {reply.get('status')!r}: {text}")
 
 
-async def _agent(comm: daskcomm.Comm, operation: str, *, install: bool = True, **arguments: Any) -> Any:
+async def _agent(
+    comm: daskcomm.Comm,
+    operation: str,
+    *,
+    install: bool = True,
+    limit: daskcomm.Limit = daskcomm.WORKERS,
+    **arguments: Any,
+) -> Any:
     """One operation of memops' agent (:mod:`memops.scheduler.agent`): its plain ``result``.
 
     A scheduler without the agent (its reply to an unknown handler is None), or with another
@@ -972,7 +1025,7 @@ async def _agent(comm: daskcomm.Comm, operation: str, *, install: bool = True, *
     """
     for attempt in range(2):
         try:
-            reply = await comm.call(agent.NAME, operation=operation, **arguments)
+            reply = await comm.call(agent.NAME, operation=operation, limit=limit, **arguments)
         except daskcomm.RemoteError as exc:
             raise SchedulerRefused(f"memops' agent refused {operation}: {exc}") from exc
         if isinstance(reply, Mapping) and reply.get("agent") == agent.VERSION:

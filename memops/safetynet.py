@@ -43,6 +43,9 @@ _PRE_STOP_MAIN = """
 import ipaddress
 
 LEAVING = {"closing_gracefully", "closing", "closed"}
+# The worker image's msgpack may allocate all of an array's items as its header arrives: short
+# arrays keep what a reply's nested empty arrays cost to 8 MiB.
+IDENTITY = Limit(bytes=WORKERS.bytes, objects=WORKERS.objects, items=SMALL.items)
 
 
 def _canonical_ip(text):
@@ -74,7 +77,7 @@ def _is_ours(address, name, ips, names):
 
 async def _statuses(comm, ips, names, only=None):
     # Worker address -> status, for the workers of this pod (of ``only``, once they are known).
-    identity = await comm.call("identity")
+    identity = await comm.call("identity", limit=IDENTITY)
     workers = identity.get("workers") if isinstance(identity, dict) else None
     if not isinstance(workers, dict):
         raise Misbehaved("identity is not a map of workers")
@@ -89,7 +92,7 @@ async def _statuses(comm, ips, names, only=None):
 async def _drain_states(comm, workers=None):
     # memops' drains (all of them, or of these addresses): address -> figures; {} without the agent.
     arguments = {"workers": sorted(workers)} if workers is not None else {}
-    reply = await comm.call("memops_agent", operation="drain_status", **arguments)
+    reply = await comm.call("memops_agent", operation="drain_status", limit=IDENTITY, **arguments)
     states = reply.get("result") if isinstance(reply, dict) else None
     if not isinstance(states, dict):
         return {}
@@ -135,7 +138,7 @@ async def _retire(comm, workers):
             return
         idle = sorted(a for a, status in statuses.items() if status not in LEAVING)
         if idle:
-            await comm.call("retire_workers", workers=idle, close_workers=True, remove=True)
+            await comm.call("retire_workers", workers=idle, close_workers=True, remove=True, limit=IDENTITY)
         await asyncio.sleep(0.5)
 
 
