@@ -19,16 +19,18 @@ stock object back.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import dask
 import distributed
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Scheduler
 from distributed.active_memory_manager import ReduceReplicas
 
 from memops import daskrpc
@@ -212,3 +214,34 @@ async def test_memops_with_a_rule_changes_nothing_but_the_ruled_keys(cluster: tu
         assert amm.policies == stock
     assert warned == []
     assert len(data) == 4 * 2 + 2
+
+
+@pytest.mark.parametrize("how", ["cancelled", "scheduler-closing"])
+async def test_a_pass_waiting_on_the_scheduler_ends_within_a_second(how: str) -> None:
+    """A pass' call that the scheduler has not answered yet (here its first question, whether the
+    agent is there, held forever) ends within a second when the pass is cancelled (the operator
+    stopping) or the scheduler closes; it does not wait for its own timeout."""
+
+    asked = asyncio.Event()
+
+    async def never(**_: Any) -> None:
+        asked.set()
+        await asyncio.sleep(3600)
+
+    async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as scheduler:
+        scheduler.handlers["events"] = never
+        call = asyncio.create_task(
+            daskrpc.configure_replication(scheduler.address, rules=NO_RULE, places={}, owner=OWNER, timeout=60)
+        )
+        await asyncio.wait_for(asked.wait(), 10)  # the call is in the scheduler's hands
+        started = time.monotonic()
+        if how == "cancelled":
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        else:
+            closing = asyncio.create_task(scheduler.close())
+            with pytest.raises(daskrpc.SchedulerUnreachable):
+                await call
+            await closing
+        assert time.monotonic() - started < 1.0
