@@ -31,9 +31,9 @@ import dask
 import distributed
 import pytest
 from distributed import Client, LocalCluster, Scheduler
-from distributed.active_memory_manager import ReduceReplicas
+from distributed.active_memory_manager import ActiveMemoryManagerPolicy, ReduceReplicas
 
-from memops import daskrpc
+from memops import daskcomm, daskrpc
 from memops.scheduler import replication
 
 OWNER = "default/stock"
@@ -245,3 +245,45 @@ async def test_a_pass_waiting_on_the_scheduler_ends_within_a_second(how: str) ->
                 await call
             await closing
         assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize(
+    ("events", "version"),
+    [
+        pytest.param([], None, id="never-installed"),
+        pytest.param(
+            [[1.0, {"action": "installed", "agent": 6}], [2.0, {"action": "installed", "agent": 7}]], 7, id="last"
+        ),
+        pytest.param([[1.0, {"agent": 7}], [2.0, "noise"], [3.0, {"agent": True}], [4]], 7, id="noise-skipped"),
+    ],
+)
+def test_the_agents_marker_is_read_from_plain_events(events: list[Any], version: int | None) -> None:
+    assert daskrpc._installed_version(events) == version
+
+
+def test_a_reply_to_events_that_no_scheduler_sends_is_refused() -> None:
+    with pytest.raises(daskcomm.Misbehaved):
+        daskrpc._installed_version({"agent": 7})
+
+
+async def test_an_older_agents_wrapper_gives_the_stock_policy_back() -> None:
+    """A scheduler where an older operator's agent put its wrapper (``SkipRuled``, holding the stock
+    policy as ``inner``): this agent finds the stock object in it, whatever the wrapper's class."""
+
+    class SkipRuled(ActiveMemoryManagerPolicy):  # as the older agent defined it
+        def __init__(self, inner: ReduceReplicas, replication: Any):
+            self.inner, self.replication = inner, replication
+
+        def run(self) -> Any:
+            yield from ()
+
+    async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as scheduler:
+        amm = scheduler.extensions["amm"]
+        [stock] = amm.policies
+        amm.policies.discard(stock)
+        amm.add_policy(SkipRuled(stock, None))
+        replication.configure(scheduler, A_RULE, {}, OWNER)
+        [deferring] = amm.policies
+        assert isinstance(deferring, replication.DeferRuled) and deferring.memops_stock is stock
+        replication.configure(scheduler, NO_RULE, {}, OWNER)
+        assert amm.policies == {stock}
