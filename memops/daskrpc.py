@@ -2,7 +2,7 @@
 
 Called by the controllers and the sandbox. Never the scheduler's HTTP API (off by default,
 and unauthenticated): only handlers that every stock scheduler serves (``identity``,
-``who_has``, ``processing``, ``nbytes``, ``retire_workers``, ``run_function``), and the one
+``who_has``, ``processing``, ``nbytes``, ``retire_workers``, ``run_function``, ``events``), and the one
 that memops' agent adds (:mod:`memops.scheduler.agent`).
 
 The scheduler's address is written by users, so the peer is hostile input: every call goes
@@ -66,6 +66,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -1009,6 +1010,35 @@ async def _install_agent(comm: daskcomm.Comm) -> None:
         raise SchedulerRefused(f"run_function of memops' agent: {reply.get('status')!r}: {text}")
 
 
+_AGENT_CHECKED: weakref.WeakSet[daskcomm.Comm] = weakref.WeakSet()
+"""Connections on which :func:`_agent` has made sure of the agent (asked once per connection)."""
+
+
+def _installed_version(events: Any) -> int | None:
+    """The agent's version from the scheduler's events of :data:`memops.scheduler.agent.EVENTS`
+    (``[[time, message], ...]``, oldest first): the last install's, None if there was none.
+
+    Raises :class:`daskcomm.Misbehaved` for a reply that no scheduler sends."""
+    if not isinstance(events, (list, tuple)):
+        raise daskcomm.Misbehaved(f"events answered a {type(events).__name__}, not a list")
+    for event in reversed(events):
+        message = event[1] if isinstance(event, (list, tuple)) and len(event) == 2 else None
+        version = message.get("agent") if isinstance(message, Mapping) else None
+        if isinstance(version, int) and not isinstance(version, bool):
+            return version
+    return None
+
+
+async def _agent_installed(comm: daskcomm.Comm) -> int | None:
+    """Which version of memops' agent the scheduler runs (None: none), asked without calling it.
+
+    From the marker that :func:`memops.scheduler.agent.install` logs in the scheduler's event log,
+    read with the stock ``events`` handler, which logs nothing: calling the agent's handler where
+    it is missing would make the scheduler log a warning with a traceback, at every new scheduler.
+    Raises :class:`daskcomm.RemoteError` where ``events`` is refused (a blocked handler)."""
+    return _installed_version(await comm.call("events", topic=agent.EVENTS))
+
+
 async def _agent(
     comm: daskcomm.Comm,
     operation: str,
@@ -1019,10 +1049,21 @@ async def _agent(
 ) -> Any:
     """One operation of memops' agent (:mod:`memops.scheduler.agent`): its plain ``result``.
 
-    A scheduler without the agent (its reply to an unknown handler is None), or with another
-    version of it, gets this one installed, and the operation is tried once more; with
-    ``install=False`` the answer is then None.
+    A scheduler without the agent, or with another version of it, gets this one installed first
+    (:func:`_agent_installed` tells, once per connection); with ``install=False`` the answer is
+    then None. Should the handler still be missing (its reply to an unknown handler is None) or
+    be of another version, this one is installed and the operation tried once more.
     """
+    if comm not in _AGENT_CHECKED:
+        try:
+            installed: int | None = await _agent_installed(comm)
+        except daskcomm.RemoteError:
+            installed = agent.VERSION  # no marker to read: the reply below tells instead
+        if installed != agent.VERSION:
+            if not install:
+                return None
+            await _install_agent(comm)
+        _AGENT_CHECKED.add(comm)
     for attempt in range(2):
         try:
             reply = await comm.call(agent.NAME, operation=operation, limit=limit, **arguments)

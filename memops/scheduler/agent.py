@@ -6,7 +6,9 @@ the handler, sending no code (``run_function`` logs every call on the scheduler,
 included). ``run_function``'s own reply is pickled by design, so the operator reads only its
 plain ``status``; every answer that matters comes from the handler, as plain msgpack data:
 maps, lists, strings and numbers. A scheduler restarted since loses the handler; its reply to
-an unknown handler is ``None``, and the operator then installs the agent again and retries.
+an unknown handler is ``None``, and the operator then installs the agent again and retries. The
+operator asks first whether the agent is there, in the scheduler's event log (:data:`EVENTS`), so
+that normal operation never calls a missing handler (the scheduler logs that as a warning).
 
 Operations (``operation``, its arguments, what ``result`` holds):
 
@@ -45,8 +47,15 @@ from typing import Any
 from memops.scheduler import drain, holdings, relief, replication, rules
 
 NAME = "memops_agent"
-VERSION = 6
-"""Bumped when an operation's arguments or reply change."""
+VERSION = 7
+"""Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
+(7: no rule in force leaves the AMM as Dask made it), so that an older agent is replaced."""
+EVENTS = "memops-agent"
+"""The scheduler's event topic where :func:`install` logs ``{"action": "installed", "agent":
+VERSION}``. The operator reads it (the stock ``events`` handler, read-only) to learn whether the
+agent is installed before it calls the handler: a scheduler asked for a handler it lacks logs a
+warning with a traceback. The scheduler's event log starts empty, as its handlers do, so the
+marker lives as long as the handler."""
 
 
 def _plain_holdings(dask_scheduler: Any, workers: Sequence[str] = (), keys: Sequence[Hashable] = ()) -> dict[str, Any]:
@@ -150,6 +159,7 @@ def install(dask_scheduler: Any) -> None:
 
     Idempotent: relief's state lives in its scheduler plugin, not in the handler, so
     installing again loses nothing. Returns None, so that ``run_function``'s pickled result is
-    as small as a reply can be.
+    as small as a reply can be. Logs the marker that the operator reads (:data:`EVENTS`).
     """
     dask_scheduler.handlers[NAME] = handler(dask_scheduler)
+    dask_scheduler.log_event(EVENTS, {"action": "installed", "agent": VERSION})

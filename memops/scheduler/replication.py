@@ -21,10 +21,12 @@ memory and asks the pure :func:`decide` for copies and drops:
   when that budget is short, keys that cannot be recomputed (scattered, or whose dependencies
   are gone) are served first, then by recompute cost per byte.
 
-Exactly one policy decides each key: while replication is installed, the scheduler's stock
-``ReduceReplicas`` in ``manager.policies`` is replaced by :class:`SkipRuled`, which runs the
-stock policy unchanged and withholds its suggestions for ruled keys; removing replication puts
-the stock instance back. Unruled keys keep ReduceReplicas' one copy.
+Exactly one policy decides each key: while a rule is in force (:func:`in_force`), the
+scheduler's stock ``ReduceReplicas`` in ``manager.policies`` is replaced by :class:`DeferRuled`,
+a ReduceReplicas that logs as the stock one, runs it unchanged and withholds its suggestions for
+ruled keys; removing the rules (or replication) puts the stock instance back. Unruled keys keep
+ReduceReplicas' one copy. With no rule in force, replication changes nothing in the scheduler's
+AMM and runs no pass of its own: it only reports what each worker holds.
 
 Like :mod:`relief`, this imports nothing from memops: the operator sends it by value with
 memops' agent (:mod:`memops.scheduler.agent`), whose ``replication`` operation calls
@@ -303,7 +305,7 @@ class Replication(ActiveMemoryManagerPolicy):
         return wanted
 
     def ruled(self, ts: Any) -> bool:
-        """Whether this policy decides ``ts`` (read by :class:`SkipRuled` for ReduceReplicas)."""
+        """Whether this policy decides ``ts`` (read by :class:`DeferRuled` for ReduceReplicas)."""
         if self.wanted(ts):
             return True
         holders = [ws.address for ws in ts.who_has or ()]
@@ -469,20 +471,32 @@ class Replication(ActiveMemoryManagerPolicy):
         figures.workers = per_worker
 
 
-class SkipRuled(ActiveMemoryManagerPolicy):
-    """The scheduler's stock ReduceReplicas, run unchanged, without its suggestions for the keys
-    that :class:`Replication` decides: the two never fight over a key."""
+def in_force(rules: Rules) -> bool:
+    """Whether any key can be ruled: a default above 1, a key rule, or a pod rule that marks a pod.
 
-    def __init__(self, inner: ReduceReplicas, replication: Replication):
-        self.inner = inner
+    Without one, :meth:`Replication.ruled` is false for every key: replication leaves the
+    scheduler's AMM exactly as it was (no :class:`DeferRuled`, its own manager stopped)."""
+    return rules.default > 1 or bool(rules.keys) or any(rule.workers for rule in rules.pods)
+
+
+class DeferRuled(ReduceReplicas):
+    """The scheduler's stock ReduceReplicas, run unchanged, without its suggestions for the keys
+    that :class:`Replication` decides: the two never fight over a key.
+
+    A ReduceReplicas still (``isinstance``), which logs as the stock one does ("Running policy:
+    ReduceReplicas()"), so that code and people reading the AMM find what Dask put there. It
+    stands in for ``stock``, the scheduler's own instance, which :func:`unwrap_reduce_replicas`
+    puts back, the very object."""
+
+    def __init__(self, stock: ReduceReplicas, replication: Replication):
+        self.memops_stock = stock
         self.replication = replication
 
     def __repr__(self) -> str:
-        return f"SkipRuled({self.inner!r}, vetoed={self.replication.figures.vetoed})"
+        return repr(self.memops_stock)
 
     def run(self) -> Generator[Suggestion, Any, None]:
-        self.inner.manager = self.manager
-        suggestions = self.inner.run()
+        suggestions = super().run()
         try:
             suggestion = next(suggestions)
             while True:
@@ -500,30 +514,49 @@ def _stock_manager(scheduler: Any) -> Any:
     return scheduler.extensions.get("amm")
 
 
+def _stands_in_for(policy: Any) -> Any:
+    """The stock ReduceReplicas that this policy of memops stands in for, or None.
+
+    By attribute, not by class: the agent arrives by value, so an agent installed by another
+    operator process (an older one's ``SkipRuled`` included) defines classes of its own."""
+    if type(policy) is ReduceReplicas:
+        return None
+    for attribute in ("memops_stock", "inner"):
+        stock = getattr(policy, attribute, None)
+        if type(stock) is ReduceReplicas and hasattr(policy, "replication"):
+            return stock
+    return None
+
+
 def wrap_reduce_replicas(scheduler: Any, replication: Replication) -> int:
-    """Put :class:`SkipRuled` in place of every stock ReduceReplicas of the scheduler's AMM."""
+    """Put :class:`DeferRuled` in place of every stock ReduceReplicas of the scheduler's AMM."""
     manager = _stock_manager(scheduler)
     if manager is None:
         return 0
     wrapped = 0
     for policy in list(manager.policies):
-        if isinstance(policy, SkipRuled):
+        stock = _stands_in_for(policy)
+        if isinstance(policy, DeferRuled):
             policy.replication = replication
-        elif type(policy) is ReduceReplicas:
-            manager.policies.discard(policy)
-            manager.add_policy(SkipRuled(policy, replication))
-            wrapped += 1
+            continue
+        if stock is None and type(policy) is not ReduceReplicas:
+            continue  # another policy, or a subclass of ReduceReplicas that someone chose
+        manager.policies.discard(policy)
+        manager.add_policy(DeferRuled(stock or policy, replication))
+        wrapped += 1
     return wrapped
 
 
 def unwrap_reduce_replicas(scheduler: Any) -> None:
+    """Put back the stock ReduceReplicas, the same objects, where memops' policies stand in for them."""
     manager = _stock_manager(scheduler)
     if manager is None:
         return
     for policy in list(manager.policies):
-        if isinstance(policy, SkipRuled):
+        stock = _stands_in_for(policy)
+        if stock is not None:
             manager.policies.discard(policy)
-            manager.add_policy(policy.inner)
+            manager.add_policy(stock)
 
 
 class ReplicationPlugin(SchedulerPlugin):
@@ -539,8 +572,8 @@ class ReplicationPlugin(SchedulerPlugin):
         self.owner = owner
         self.policy = Replication(rules, places)
         self.manager = ActiveMemoryManagerExtension(
-            scheduler, {self.policy}, register=False, start=True, interval=interval
-        )
+            scheduler, {self.policy}, register=False, start=False, interval=interval
+        )  # started by configure() while a rule is in force
 
     async def close(self) -> None:
         self.manager.stop()
@@ -576,7 +609,13 @@ def configure(
         dask_scheduler.add_plugin(plugin, name=NAME)
     plugin.owner = owner
     plugin.policy.retune(parsed, where)
-    wrap_reduce_replicas(dask_scheduler, plugin.policy)
+    if in_force(parsed):
+        plugin.manager.start()
+        wrap_reduce_replicas(dask_scheduler, plugin.policy)
+    else:
+        # Nothing is ruled: the scheduler's AMM as Dask made it, and no pass of memops' own.
+        plugin.manager.stop()
+        unwrap_reduce_replicas(dask_scheduler)
     figures = {**plugin.policy.figures.plain(), "owner": owner}
     # Each worker's bytes held alone and with copies elsewhere, now (cheap: the scheduler's
     # replicated keys, not every key).
