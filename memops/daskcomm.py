@@ -115,6 +115,18 @@ MAX_FRAMES = 64
 pickled parts (one or two each), which memops' calls never ask for and never decode. Each frame
 costs a length and a view in memory: 8 MiB of one-byte frames took 186 MiB."""
 
+IN_FLIGHT_OBJECTS = 2**21
+"""The most objects that all the replies being decoded at one time may build together (about
+160 MiB at worst, beside some 120 MiB at rest in the operator's 512 MiB). Each reply has its own
+limit, but many policies may aim at hostile peers at once: a reply that would take the sum over
+this is refused like one over its own limit, at once rather than waiting for room, so that a peer
+that trickles its reply can make others fail only while it holds its share, never stall them."""
+
+MAP_ENTRY_SLOTS = 6
+"""What a map's entry costs, in 8-byte slots: its hash, key and value pointers and its index, in
+a table that the interpreter allocates outside its small-object blocks once the map is large
+(keys and values such as small ints, one-character strings or None create no object at all)."""
+
 SLICE_BYTES = 8 * KiB
 """Decoding goes this many bytes of the frame at a time: a few milliseconds even for the
 costliest objects (empty maps, about 0.4 µs each with the hook), then the event loop runs."""
@@ -156,6 +168,10 @@ class Opaque:
 _OPAQUE_MARKERS = ("__Serialized__", "__Pickled__", "__Enum__")
 
 
+_in_flight = 0
+"""Objects of the decodings in progress (:data:`IN_FLIGHT_OBJECTS`); the event loop's thread only."""
+
+
 class _Decoding:
     """One frame's decoding, a slice at a time, within a :class:`Limit`.
 
@@ -174,13 +190,17 @@ class _Decoding:
         self.done = False
         self.value: Any = None
         self.slots = 0
+        self.held = 0
         self.unpacker = msgpack.Unpacker(
             object_hook=self._map,
             list_hook=self._array,
             use_list=False,  # as distributed: arrays become tuples, which may be map keys
             raw=False,
             strict_map_key=False,
-            max_buffer_size=2 * SLICE_BYTES,
+            # One string may be as long as the frame (``bytes`` bounds it); the buffer starts small
+            # (msgpack's default is 1 MiB, and 0 would mean no maximum).
+            max_buffer_size=max(size, 1),
+            read_size=min(max(size, 1), 2 * SLICE_BYTES),
             max_str_len=size,
             max_bin_len=size,
             max_array_len=min(limit.items, size),
@@ -189,6 +209,7 @@ class _Decoding:
         )
 
     def _map(self, obj: dict[Any, Any]) -> Any:
+        self.slots += MAP_ENTRY_SLOTS * len(obj)
         for marker in _OPAQUE_MARKERS:
             if marker in obj:
                 opaque = Opaque(marker)
@@ -224,9 +245,25 @@ class _Decoding:
             # Not msgpack, an extension type, a container over the limit, an unhashable key: the
             # peer's bytes are not quoted (the exception's text may hold them).
             raise Misbehaved("a reply that is not plain msgpack within this call's limits") from exc
-        self.created += sys.getallocatedblocks() - before
+        grown = sys.getallocatedblocks() - before
+        self.created += grown
         if self.created + self.slots // 8 > self.limit.objects:
             raise Misbehaved(f"a reply that decodes into more than {self.limit.objects} objects")
+        self._hold(self.created + self.slots // 8)
+
+    def _hold(self, objects: int) -> None:
+        """Count this decoding's objects in :data:`IN_FLIGHT_OBJECTS`, which all share."""
+        global _in_flight
+        _in_flight += objects - self.held
+        self.held = objects
+        if _in_flight > IN_FLIGHT_OBJECTS:
+            raise Misbehaved("a reply decoded while others take the room that all replies share")
+
+    def release(self) -> None:
+        """This decoding is over (its objects belong to the caller now, or are garbage)."""
+        global _in_flight
+        _in_flight -= self.held
+        self.held = 0
         if self.done and self.unpacker.tell() != self.size:
             raise Misbehaved("a reply whose first frame holds more than one message")
 
@@ -245,8 +282,11 @@ def decode(frame: bytes | bytearray | memoryview, limit: Limit = SMALL) -> Any:
     """
     view = memoryview(frame).cast("B")
     decoding = _Decoding(len(view), limit)
-    for start in range(0, len(view), SLICE_BYTES):
-        decoding.feed(view[start : start + SLICE_BYTES])
+    try:
+        for start in range(0, len(view), SLICE_BYTES):
+            decoding.feed(view[start : start + SLICE_BYTES])
+    finally:
+        decoding.release()
     return decoding.result()
 
 
@@ -301,9 +341,12 @@ async def _read(reader: asyncio.StreamReader, limit: Limit) -> tuple[Any, Opaque
         if inside != block:
             raise Misbehaved("a reply whose block holds more than its frames")
         decoding = _Decoding(lengths[0], limit)
-        for start in range(0, lengths[0], SLICE_BYTES):
-            decoding.feed(await reader.readexactly(min(SLICE_BYTES, lengths[0] - start)))
-            await asyncio.sleep(0)  # the slice may have been in the buffer already
+        try:
+            for start in range(0, lengths[0], SLICE_BYTES):
+                decoding.feed(await reader.readexactly(min(SLICE_BYTES, lengths[0] - start)))
+                await asyncio.sleep(0)  # the slice may have been in the buffer already
+        finally:
+            decoding.release()
         value = decoding.result()
         rest = sum(lengths[1:])
         while rest:

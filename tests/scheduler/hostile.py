@@ -35,6 +35,8 @@ import msgpack
 from distributed.core import Server
 from distributed.protocol import to_serialize
 
+from memops.scheduler import agent
+
 ROUTES = ("serialized", "error", "huge-gib", "huge-tib", "huge-frame")
 MiB, GiB = 2**20, 2**30
 
@@ -209,6 +211,8 @@ async def _bomber(
                 answer: Any = IDENTITY
             elif asked in ("processing", "nbytes", "who_has"):
                 answer = {}
+            elif asked == "events":  # the agent's install marker: its handler is asked at once
+                answer = [[0.0, {"action": "installed", "agent": agent.VERSION}]]
             elif asked == "run_function":  # as a scheduler that blocks it
                 answer = {"status": "uncaught-error", "exception_text": "run_function is blocked", "text": ""}
             else:  # memops_agent, on a scheduler without memops' agent: an unknown handler
