@@ -6,7 +6,7 @@ the evicted workers' keys are lost. memops: the eviction gate refuses with 429 u
 workers are drained, ``kubectl drain`` retries on its own and completes; no key is lost. Printed:
 keys lost and the drain's wall time, for each.
 
-    python bench/node_drain.py --workers 4 --keys 20   # the figures in the README
+    python bench/node_drain.py --workers 4 --keys 20   # the figures in docs/performance.md
     python bench/node_drain.py --workers 4 --keys 2    # the small pass CI runs
 """
 

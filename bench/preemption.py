@@ -14,7 +14,7 @@ preStop hook runs, then SIGTERM, and whatever still runs at t=25 s gets SIGKILL.
 Reported: GiB of node-a's data still held by the surviving workers once node-a's workers are
 gone (saved within the window), keys lost, and when the last node-a worker left.
 
-    python bench/preemption.py                 # 1 GiB per worker, as in the README
+    python bench/preemption.py                 # 1 GiB per worker, as in docs/performance.md
     python bench/preemption.py --size-mib 64   # the small pass CI runs
 """
 

@@ -21,7 +21,7 @@ Active Memory Manager runs ReduceReplicas every 2 s, its default, throughout.
    from the merge-patches that the function plans, one per pod written; the API server is not
    involved.
 
-    python bench/replication.py            # the README's table
+    python bench/replication.py            # the table in docs/performance.md
     python bench/replication.py --small    # the small pass CI runs
 """
 

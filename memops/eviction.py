@@ -4,7 +4,7 @@ Pure: :mod:`memops.controllers.eviction` gathers the inputs (the pod, the policy
 scheduler says the pod's workers hold alone, the pod's Eviction RetirementRequest) and acts on
 the :class:`Decision`.
 
-How a node drain goes with memops (the README's "Node drains and evictions"):
+How a node drain goes with memops (docs/resources.md, "Node drains and evictions"):
 
 1. An evicting client (``kubectl drain``, cluster-autoscaler, Karpenter) POSTs
    ``pods/<name>/eviction``. The API server calls memops' validating webhook on that subresource.
