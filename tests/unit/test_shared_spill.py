@@ -365,7 +365,12 @@ MOUNT = {"name": "memops-spill", "mountPath": "/memops-spill"}
         pytest.param("Node", "team-a", "spill", host_volume("/var/lib/memops/spill/team-a/spill"), MOUNT, id="node"),
         # One policy name in two namespaces: two directories.
         pytest.param(
-            "Node", "team-b", "spill", host_volume("/var/lib/memops/spill/team-b/spill"), MOUNT, id="node-other-namespace"
+            "Node",
+            "team-b",
+            "spill",
+            host_volume("/var/lib/memops/spill/team-b/spill"),
+            MOUNT,
+            id="node-other-namespace",
         ),
         pytest.param(
             "Node",
