@@ -19,10 +19,11 @@ cluster's administrators allowed when they installed the operator (``memops run
 --shared-spill-host-root``, :func:`host_root`): whoever may create a MemoryPolicy must not be able
 to have any host directory mounted into pods. None allowed (the default): medium Node is refused.
 
-Medium Node is one tmpfs per node, but never one directory for every tenant: each pod mounts only
-``<root>/<namespace>/<policy>`` (the mount's ``subPath``, :func:`spill_subpath`), so a worker sees
-the spill of its own policy's workers and nothing else, and the hand-over by hardlink
-(:mod:`memops.scheduler.handover`) links only between workers of one policy. A policy's
+Medium Node is one tmpfs per node, but never one directory for every tenant: the pod's hostPath
+volume is ``<root>/<namespace>/<policy>`` itself (:func:`spill_directory`), not the root, so no
+mount of it, in any container of the pod, reaches more than the spill of its own policy's workers,
+and the hand-over by hardlink (:mod:`memops.scheduler.handover`) links only between workers of one
+policy. A pod that already names the volume is refused (:func:`volume_name_refusal`). A policy's
 ``sizeLimit`` binds there as Dask's ``max-spill`` per worker process (:data:`MAX_SPILL_ENV`).
 """
 
@@ -79,6 +80,7 @@ class Refusal(enum.StrEnum):
     SPILL_DISABLED = "SpillDisabled"
     DOES_NOT_FIT = "DoesNotFit"
     HOST_PATH_NOT_ALLOWED = "HostPathNotAllowed"
+    VOLUME_NAME_TAKEN = "VolumeNameTaken"
 
 
 class QoS(enum.StrEnum):
@@ -187,20 +189,49 @@ def host_path_refusal(path: str, roots: Collection[str]) -> str | None:
     )
 
 
-def spill_subpath(namespace: str, policy: str) -> str | None:
-    """The directory of one policy's workers under the host root: ``<namespace>/<policy>``, the
-    ``subPath`` of their spill mount; None when either name is not one plain path component.
+def spill_directory(host_path: str, namespace: str, policy: str) -> str | None:
+    """The host directory of one policy's workers: ``<root>/<namespace>/<policy>``, the path of
+    their hostPath volume; None when ``host_path`` is not an absolute path without ``..`` or either
+    name is not one plain path component.
 
-    The kubelet makes it, if missing, with the root's mode, as root (``makeMounts``,
-    ``pkg/kubelet/kubelet_pods.go``), and mounts only it into the container: the pod can never
-    reach ``<root>`` or ``<root>/<namespace>``, so no tenant's pod can leave anything there for
-    another's kubelet to follow. Both names are the API server's (a namespace is a DNS label, a
-    MemoryPolicy's name a DNS subdomain): neither holds a ``/`` nor is ``.`` or ``..``; checked
-    again here because a ``/`` would let one policy's directory lie inside another's."""
+    The volume's own path, not a ``subPath`` of the root: a pod can mount a volume in any of its
+    containers (an init container, a second one, an ephemeral one added later through a
+    subresource that no webhook sees), with no ``subPath`` or another one, and every such mount
+    must still reach only this directory. The kubelet makes it, if missing, as DirectoryOrCreate
+    does: ``os.MkdirAll(path, 0755)`` as root (``makeDir``, ``pkg/volume/hostpath/host_path.go``).
+    Both names are the API server's (a namespace is a DNS label, a MemoryPolicy's name a DNS
+    subdomain): neither holds a ``/`` nor is ``.`` or ``..``; checked again here because a ``/``
+    would let one policy's directory lie inside another's."""
+    root = _components(host_path)
+    if not root:
+        return None
     for name in (namespace, policy):
         if not name or name in (".", "..") or "/" in name or "\0" in name:
             return None
-    return f"{namespace}/{policy}"
+    return "/" + "/".join((*root, namespace, policy))
+
+
+def volume_name_refusal(pod_spec: Mapping[str, Any]) -> str | None:
+    """Why the pod may not get the spill volume: it already has a volume of that name, or one of
+    its containers already mounts that name; None otherwise.
+
+    A pod could otherwise declare a mount of the volume that memops is about to add (validation
+    runs after mutating admission, so the pod is accepted once the volume is there), in a
+    container that memops does not look at. The volume's path (:func:`spill_directory`) keeps
+    such a mount inside the policy's own directory anyway; this refuses the clash itself."""
+    if any(isinstance(v, Mapping) and v.get("name") == VOLUME_NAME for v in pod_spec.get("volumes") or []):
+        return f"spec.sharedSpill: the pod already has a volume named {VOLUME_NAME!r}, which memops adds; rename it"
+    for kind in ("initContainers", "containers", "ephemeralContainers"):
+        for container in pod_spec.get(kind) or []:
+            if not isinstance(container, Mapping):
+                continue
+            for mount in container.get("volumeMounts") or []:
+                if isinstance(mount, Mapping) and mount.get("name") == VOLUME_NAME:
+                    return (
+                        f"spec.sharedSpill: {kind} {container.get('name')!r} already mounts {VOLUME_NAME!r},"
+                        " the volume that memops adds (to the first container only); remove that mount"
+                    )
+    return None
 
 
 def _tokens(container: Mapping[str, Any]) -> list[str]:
@@ -402,29 +433,33 @@ def _verdict(pod_spec: Mapping[str, Any], spill: specs.SharedSpillSpec, host_roo
     refused = _host_refusal(spill, host_roots)
     if refused is not None:
         return refused
+    taken = volume_name_refusal(pod_spec)
+    if taken is not None:
+        return _refuse(Refusal.VOLUME_NAME_TAKEN, taken, spill=specs.parse_quantity(spill.sizeLimit))
     container = worker_container(pod_spec)
     if container is None:
         return _refuse(Refusal.NO_CONTAINER, "spec.sharedSpill: the pod has no container", spill=0)
     return fit(container, spill)
 
 
-def volume_and_mount(spill: specs.SharedSpillSpec, subpath: str | None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+def volume_and_mount(
+    spill: specs.SharedSpillSpec, directory: str | None
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The pod's spill volume and the worker container's mount of it; None for medium Node
-    without a ``subpath`` (:func:`spill_subpath`): never the whole host root.
+    without a ``directory`` (:func:`spill_directory`): never the whole host root.
 
-    Medium Node: the host root, ``type: Directory`` (the node DaemonSet mounts the tmpfs there; a
-    node without it fails the mount instead of the kubelet making a plain directory on the root
-    disk, as DirectoryOrCreate would), mounted at ``subPath: <namespace>/<policy>``: one directory
-    per policy and node, the same for all its workers there, so a hand-over by hardlink works
-    between them (both link paths inside their own mount of that one directory: no EXDEV) and
-    never reaches another policy's files."""
+    Medium Node: ``hostPath: {path: <root>/<namespace>/<policy>, type: DirectoryOrCreate}``,
+    mounted with no ``subPath``: one directory per policy and node, the same for all its workers
+    there, so a hand-over by hardlink works between them (both link paths inside their own mount
+    of that one directory: no EXDEV) and never reaches another policy's files, whatever else of
+    the pod mounts the volume. DirectoryOrCreate because nobody else makes the directory; a node
+    without the tmpfs therefore gets a plain directory on its root disk, as the docs warn."""
     mount: dict[str, Any] = {"name": VOLUME_NAME, "mountPath": MOUNT_PATH}
     if spill.medium == specs.SpillMedium.MEMORY:
         return {"name": VOLUME_NAME, "emptyDir": {"medium": "Memory", "sizeLimit": spill.sizeLimit}}, mount
-    if subpath is None:
+    if directory is None:
         return None
-    volume = {"name": VOLUME_NAME, "hostPath": {"path": spill.hostPath, "type": "Directory"}}
-    return volume, {**mount, "subPath": subpath}
+    return {"name": VOLUME_NAME, "hostPath": {"path": directory, "type": "DirectoryOrCreate"}}, mount
 
 
 def plan(
@@ -441,7 +476,7 @@ def plan(
     verdict = _verdict(pod_spec, spill, host_roots)
     if not verdict.allowed:
         return verdict, None
-    built = volume_and_mount(spill, spill_subpath(namespace, policy))
+    built = volume_and_mount(spill, spill_directory(str(spill.hostPath or ""), namespace, policy))
     if built is None:
         # A pod without a namespace (never from the API server): no directory of its own, no spill.
         why = f"spec.sharedSpill.hostPath: no directory of its own for namespace {namespace!r}, policy {policy!r}"

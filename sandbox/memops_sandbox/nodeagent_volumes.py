@@ -11,7 +11,8 @@ best thing and says so:
 - a ``hostPath`` is ``<node tmpfs dir>/host/<path>``: the sandbox's node filesystem for host paths
   lives on a tmpfs, as if the shared-spill DaemonSet had mounted one there (the only host paths
   memops gives pods). ``type: Directory`` must exist (the kubelet's ``FailedMount``, here a
-  ``CreateContainerConfigError`` that is retried), ``DirectoryOrCreate`` is created;
+  ``CreateContainerConfigError`` that is retried), ``DirectoryOrCreate`` is created with its
+  missing parents, each with mode 0755 (:func:`make_dirs`);
 - the container sees the directory, not the mount path: an environment value or a command-line
   argument that is a mount path, or a path under one, is rewritten to the directory.
   A process that builds such a path by itself does not see the volume;
@@ -55,6 +56,24 @@ def host_path(path: str, *, tmpfs: Path) -> Path:
     if not path.startswith("/") or any(part in (".", "..") for part in parts):
         raise envs.ConfigError(f"hostPath {path!r}: not an absolute path")
     return tmpfs.joinpath("host", *parts)
+
+
+def make_dirs(directory: Path) -> None:
+    """``DirectoryOrCreate``: the kubelet's ``makeDir`` (pkg/volume/hostpath/host_path.go),
+    ``os.MkdirAll(path, 0755)``: every missing component made with 0755 (less the umask), the
+    parents too, which Python's ``mkdir(parents=True)`` would make 0777."""
+    missing = []
+    for path in (directory, *directory.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=0o755)
+        except FileExistsError:
+            pass
+    if not directory.is_dir():
+        raise envs.ConfigError(f"hostPath type check failed: {directory} is not a directory")
 
 
 class _Recorded(dict[str, str]):
@@ -150,7 +169,7 @@ def mounts(
             directory = host_path(str(source.get("path", "")), tmpfs=tmpfs)
             kind = source.get("type") or ""
             if kind == "DirectoryOrCreate":
-                directory.mkdir(parents=True, exist_ok=True)
+                make_dirs(directory)
             elif kind == "Directory" and not directory.is_dir():
                 # The kubelet's hostPath type check (pkg/volume/hostpath/host_path.go, checkType).
                 raise envs.ConfigError(f"hostPath type check failed: {source.get('path')} is not a directory")

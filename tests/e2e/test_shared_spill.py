@@ -185,8 +185,13 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
     # Each pod mounts its policy's own directory of the host root, made by the kubelet.
     policy_dir = host_dir / "default" / "shared"
     for pod in pods:
+        volume = {
+            "name": "memops-spill",
+            "hostPath": {"path": f"{HOST_PATH}/default/shared", "type": "DirectoryOrCreate"},
+        }
+        assert volume in pod["spec"]["volumes"]
         mounts = pod["spec"]["containers"][0]["volumeMounts"]
-        assert {"name": "memops-spill", "mountPath": shared_spill.MOUNT_PATH, "subPath": "default/shared"} in mounts
+        assert {"name": "memops-spill", "mountPath": shared_spill.MOUNT_PATH} in mounts
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         found = [sandbox.wait_for(lambda p=p: _connected(client, p["metadata"]["name"]), what="a worker") for p in pods]
         futures = [f for n, (address, _) in enumerate(found) for f in fill(client, address, first=100 * n)]

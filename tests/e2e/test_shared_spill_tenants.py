@@ -4,8 +4,11 @@ directory of the node's tmpfs, and neither tenant's workers reach the other's sp
 Two namespaces each have a worker Deployment and a MemoryPolicy, both named ``spill``, with the
 ``Node`` medium on the same host root; both workers run on one node. What is shown here:
 
-- each pod mounts its own ``<root>/<namespace>/<policy>`` (the mount's ``subPath``), and the
-  directory its spill mount resolves to is that one, in which it spills;
+- each pod's spill volume is its own ``<root>/<namespace>/<policy>`` (the hostPath's path, mounted
+  without ``subPath``), made as the kubelet's DirectoryOrCreate makes it (0755), and the directory
+  its spill mount resolves to is that one, in which it spills;
+- a pod that mounts ``memops-spill`` in another container before memops adds the volume is
+  refused the spill (it keeps the safety net);
 - tenant A's mount holds none of B's files, and no path under A's mount (without ``..``, which the
   kubelet's mount would not let out of it either) reaches B's directory;
 - B's workers never load a file that A wrote: A plants a file named like one of B's spill files
@@ -17,7 +20,7 @@ What the process node agent cannot enforce: its pods are processes of one host u
 mount namespace, so A's process could still open B's directory by its host path (or by a symbolic
 link that it makes in its own tree). A kubelet bind-mounts only ``<root>/<namespace>/<policy>``
 into the container's own mount namespace: B's directory has no path there at all, whatever the
-user or the link, and the kubelet refuses a ``subPath`` that resolves outside the volume. The
+user or the link, and any mount of the pod's volume, with any ``subPath``, stays inside it. The
 proof here is therefore about what the mount is (its directory, and what is reachable under it),
 which is exactly what a kubelet's mount makes the only thing the container sees.
 """
@@ -25,6 +28,7 @@ which is exactly what a kubelet's mount makes the only thing the container sees.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +107,18 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
     for tenant, pod in pods.items():
         assert pod["spec"]["nodeName"] == node
         container = pod["spec"]["containers"][0]
-        mount = {"name": "memops-spill", "mountPath": shared_spill.MOUNT_PATH, "subPath": f"{tenant}/{POLICY}"}
+        volume = {
+            "name": "memops-spill",
+            "hostPath": {"path": f"{HOST_PATH}/{tenant}/{POLICY}", "type": "DirectoryOrCreate"},
+        }
+        assert volume in pod["spec"]["volumes"], pod["spec"]["volumes"]
+        mount = {"name": "memops-spill", "mountPath": shared_spill.MOUNT_PATH}
         assert mount in container["volumeMounts"], container["volumeMounts"]
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env[shared_spill.MAX_SPILL_ENV] == str(SIZE), "one worker process: all of sizeLimit"
         assert own[tenant].is_dir(), "made by the kubelet, when the pod's mount was set up"
+        # os.MkdirAll(path, 0755), with the setgid bit that the kernel carries down from the root.
+        assert stat.S_IMODE(own[tenant].stat().st_mode) & 0o777 == 0o755, oct(own[tenant].stat().st_mode)
 
     def mount_of(dask_worker: Any) -> dict[str, Any]:
         # Defined here, so that it is sent by value: the workers cannot import this module.
@@ -188,3 +199,31 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
         assert ids[a]["root"] != ids[b]["root"] and not handover.same_filesystem(ids[a], ids[b]), ids
         assert Path(ids[b]["root"]).is_relative_to(own[b]), ids[b]
         del futures
+
+    # A's pod that mounts memops' volume in a second container, at B's directory: memops refuses
+    # the spill, so the volume is never added and the API server rejects the mount of nothing.
+    template = pods[a]["spec"]
+    worker = {
+        k: template["containers"][0][k]
+        for k in ("name", "image", "command", "args", "resources")
+        if k in template["containers"][0]
+    }
+    reader = {"name": "reader", "image": worker["image"], "command": ["sleep", "3600"]}
+    reader["volumeMounts"] = [{"name": "memops-spill", "mountPath": "/b", "subPath": f"{b}/{POLICY}"}]
+    intruder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "intruder", "namespace": a, "labels": {"app": POLICY}},
+        # Never run: bound to no node, so only what admission does is shown.
+        "spec": {"nodeName": "nowhere", "containers": [worker, reader]},
+    }
+    rejected = sandbox.apply(intruder, check=False)
+    assert rejected.returncode != 0 and "memops-spill" in rejected.stderr, (rejected.stdout, rejected.stderr)
+    # With a volume of that name of its own: admitted, without memops' volume, and annotated.
+    intruder["spec"]["volumes"] = [{"name": "memops-spill", "emptyDir": {}}]
+    sandbox.apply(intruder)
+    admitted = sandbox.get("pod", "intruder", "-n", a)
+    annotation = admitted["metadata"]["annotations"][shared_spill.ANNOTATION]
+    assert annotation == f"Refused: {shared_spill.Refusal.VOLUME_NAME_TAKEN}", annotation
+    assert admitted["spec"]["volumes"][0] == {"name": "memops-spill", "emptyDir": {}}, admitted["spec"]["volumes"]
+    assert not any("hostPath" in v for v in admitted["spec"]["volumes"]), admitted["spec"]["volumes"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,25 @@ def test_a_subpath_mounts_its_directory_made_with_the_volumes_mode(tmp_path: Pat
     assert volumes.mounts(pod(SPILL), container, tmpfs=tmp_path, scratch=tmp_path) == found
     assert (root / "team-a" / "spill" / "kept").exists()
     assert volumes.translate("/memops-spill/dask-scratch-space", found) == str(root / "team-a/spill/dask-scratch-space")
+
+
+def test_directory_or_create_makes_each_missing_directory_0755_as_the_kubelet(tmp_path: Path) -> None:
+    """``hostPath`` ``DirectoryOrCreate`` of ``<root>/<namespace>/<policy>`` (medium Node's volume):
+    ``os.MkdirAll(path, 0755)``, so each made directory is 0755 whatever the root's mode, with the
+    setgid bit (and so the group) that the kernel carries down from a setgid root."""
+    root = _root(tmp_path)
+    volume = {"name": "spill", "hostPath": {"path": "/var/lib/memops/spill/team-a/spill", "type": "DirectoryOrCreate"}}
+    old = os.umask(0)  # no umask: the mode is makeDir's 0755, not a default of 0777 less the umask
+    try:
+        found = volumes.mounts(
+            pod(volume), mounted({"name": "spill", "mountPath": "/memops-spill"}), tmpfs=tmp_path, scratch=tmp_path
+        )
+    finally:
+        os.umask(old)
+    assert found == {"/memops-spill": root / "team-a" / "spill"}
+    for made in (root / "team-a", root / "team-a" / "spill"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o2755, oct(made.stat().st_mode)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o2770, "the root is left as it is"
 
 
 def test_a_subpathexpr_expands_the_containers_environment(tmp_path: Path) -> None:

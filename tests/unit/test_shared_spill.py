@@ -337,10 +337,13 @@ def test_node_medium_shares_the_host_directory_and_requires_the_selected_nodes()
     # Not a subdirectory per pod: every worker of the policy on the node sees the same tree
     # (hand-over by hardlink), its policy's directory of the host root and nothing else.
     assert pod_spec["volumes"] == [
-        {"name": shared_spill.VOLUME_NAME, "hostPath": {"path": "/var/lib/memops/spill", "type": "Directory"}}
+        {
+            "name": shared_spill.VOLUME_NAME,
+            "hostPath": {"path": "/var/lib/memops/spill/ns/p", "type": "DirectoryOrCreate"},
+        }
     ]
     assert pod_spec["containers"][0]["volumeMounts"] == [
-        {"name": shared_spill.VOLUME_NAME, "mountPath": shared_spill.MOUNT_PATH, "subPath": "ns/p"}
+        {"name": shared_spill.VOLUME_NAME, "mountPath": shared_spill.MOUNT_PATH}
     ]
     ours = {"key": "feature.node.kubernetes.io/memory-swap.enabled", "operator": "In", "values": ["true"]}
     terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -349,35 +352,32 @@ def test_node_medium_shares_the_host_directory_and_requires_the_selected_nodes()
     assert terms[0]["matchExpressions"][0] == existing["matchExpressions"][0]
 
 
-HOST_VOLUME = {"name": "memops-spill", "hostPath": {"path": "/var/lib/memops/spill", "type": "Directory"}}
+def host_volume(directory: str) -> dict[str, Any]:
+    return {"name": "memops-spill", "hostPath": {"path": directory, "type": "DirectoryOrCreate"}}
+
+
+MOUNT = {"name": "memops-spill", "mountPath": "/memops-spill"}
 
 
 @pytest.mark.parametrize(
     ("medium", "namespace", "policy", "volume", "mount"),
     [
-        pytest.param(
-            "Node",
-            "team-a",
-            "spill",
-            HOST_VOLUME,
-            {"name": "memops-spill", "mountPath": "/memops-spill", "subPath": "team-a/spill"},
-            id="node",
-        ),
+        pytest.param("Node", "team-a", "spill", host_volume("/var/lib/memops/spill/team-a/spill"), MOUNT, id="node"),
         # One policy name in two namespaces: two directories.
         pytest.param(
             "Node",
             "team-b",
             "spill",
-            HOST_VOLUME,
-            {"name": "memops-spill", "mountPath": "/memops-spill", "subPath": "team-b/spill"},
+            host_volume("/var/lib/memops/spill/team-b/spill"),
+            MOUNT,
             id="node-other-namespace",
         ),
         pytest.param(
             "Node",
             "team-a",
             "spill.v2",
-            HOST_VOLUME,
-            {"name": "memops-spill", "mountPath": "/memops-spill", "subPath": "team-a/spill.v2"},
+            host_volume("/var/lib/memops/spill/team-a/spill.v2"),
+            MOUNT,
             id="node-dotted-policy",
         ),
         # Never the whole root: no namespace, or a name that is not one path component, no volume.
@@ -391,7 +391,7 @@ HOST_VOLUME = {"name": "memops-spill", "hostPath": {"path": "/var/lib/memops/spi
             "team-a",
             "spill",
             {"name": "memops-spill", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
-            {"name": "memops-spill", "mountPath": "/memops-spill"},
+            MOUNT,
             id="memory-per-pod",
         ),
     ],
@@ -399,10 +399,11 @@ HOST_VOLUME = {"name": "memops-spill", "hostPath": {"path": "/var/lib/memops/spi
 def test_the_spill_volume_and_mount_of_each_namespace_and_policy(
     medium: str, namespace: str, policy: str, volume: dict[str, Any] | None, mount: dict[str, Any] | None
 ) -> None:
-    """Medium Node mounts the policy's own ``<namespace>/<policy>`` directory of the host root
-    (``subPath``), never the root itself, which every tenant's pods would share."""
+    """Medium Node's volume is the policy's own ``<root>/<namespace>/<policy>`` directory, mounted
+    whole (no ``subPath``), never the root itself, which every tenant's pods would share."""
     spill_spec = spill(medium, **(NODE if medium == "Node" else {}))
-    built = shared_spill.volume_and_mount(spill_spec, shared_spill.spill_subpath(namespace, policy))
+    directory = shared_spill.spill_directory(str(spill_spec.hostPath or ""), namespace, policy)
+    built = shared_spill.volume_and_mount(spill_spec, directory)
     assert built == (None if volume is None else (volume, mount))
     pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
     verdict, mutation = shared_spill.plan(pod_spec, spill_spec, host_roots=ROOTS, namespace=namespace, policy=policy)
@@ -410,6 +411,88 @@ def test_the_spill_volume_and_mount_of_each_namespace_and_policy(
         assert mutation is None and verdict.refusal == shared_spill.Refusal.HOST_PATH_NOT_ALLOWED
     else:
         assert mutation is not None and (mutation.volume, mutation.mount) == (volume, mount)
+
+
+def test_the_directory_of_a_root_written_loosely_is_under_the_root() -> None:
+    """The allowed root may be written with a trailing ``/`` or ``//``: its components decide."""
+    assert shared_spill.spill_directory("//var/lib/memops/spill/", "ns", "p") == "/var/lib/memops/spill/ns/p"
+    assert shared_spill.spill_directory("var/lib", "ns", "p") is None
+    assert shared_spill.spill_directory("/var/../etc", "ns", "p") is None
+
+
+ROOT = "/var/lib/memops/spill"
+
+
+def _reach(volume: dict[str, Any], mount: dict[str, Any]) -> str:
+    """The host directory that a mount of the volume shows the container: the volume's path, and
+    the mount's subPath under it (the kubelet keeps a subPath inside its volume)."""
+    sub = str(mount.get("subPath") or "")
+    return "/".join(part for part in (volume["hostPath"]["path"].rstrip("/"), sub) if part)
+
+
+# A tenant's mounts of memops' volume in containers that memops never looks at.
+OTHER_MOUNTS = [
+    pytest.param("containers", {}, id="second-container-no-subpath"),
+    pytest.param("containers", {"subPath": "team-b/spill"}, id="second-container-other-tenant"),
+    pytest.param("initContainers", {}, id="init-container-no-subpath"),
+    pytest.param("initContainers", {"subPath": "team-b/spill"}, id="init-container-other-tenant"),
+]
+
+
+@pytest.mark.parametrize(("kind", "extra"), OTHER_MOUNTS)
+def test_any_mount_of_the_spill_volume_reaches_only_the_policys_directory(kind: str, extra: dict[str, str]) -> None:
+    """Whatever container mounts the volume that memops adds, now or later (an ephemeral
+    container, through a subresource that the webhook never sees), with no subPath or with
+    another tenant's, it reaches the policy's own directory or below it, never the root or
+    another tenant's directory: the volume's path is the policy's directory."""
+    own = f"{ROOT}/team-a/spill"
+    pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
+    verdict, mutation = shared_spill.plan(
+        pod_spec, spill("Node", **NODE), host_roots=ROOTS, namespace="team-a", policy="spill"
+    )
+    assert mutation is not None, verdict
+    shared_spill.apply(pod_spec, mutation)
+    intruder = {"name": "intruder", "image": "busybox", "volumeMounts": [{**MOUNT, "mountPath": "/x", **extra}]}
+    pod_spec.setdefault(kind, []).append(intruder)
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == shared_spill.VOLUME_NAME]
+    for container in [*pod_spec["containers"], *pod_spec.get("initContainers", [])]:
+        for mount in container.get("volumeMounts") or []:
+            reached = _reach(volume, mount)
+            assert reached == own or reached.startswith(own + "/"), (container["name"], reached)
+
+
+@pytest.mark.parametrize(("kind", "extra"), OTHER_MOUNTS)
+@pytest.mark.parametrize("medium", ["Node", "Memory"])
+def test_a_pod_that_already_mounts_the_spill_volume_name_is_refused(
+    medium: str, kind: str, extra: dict[str, str]
+) -> None:
+    """A mount of ``memops-spill`` declared before memops adds the volume: the webhook refuses the
+    spill (the pod keeps the safety net), and the policy's status says why."""
+    pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
+    intruder = {"name": "intruder", "image": "busybox", "volumeMounts": [{**MOUNT, "mountPath": "/x", **extra}]}
+    pod_spec.setdefault(kind, []).append(intruder)
+    spill_spec = spill(medium, **(NODE if medium == "Node" else {}))
+    verdict, mutation = shared_spill.plan(pod_spec, spill_spec, host_roots=ROOTS, namespace="team-a", policy="spill")
+    assert mutation is None and verdict.refusal == shared_spill.Refusal.VOLUME_NAME_TAKEN, verdict
+    assert kind in verdict.message and "intruder" in verdict.message
+    spec = _spec(sharedSpill={"sizeLimit": "2Gi", "medium": medium, **(NODE if medium == "Node" else {})})
+    pod = {"metadata": {"name": "w-1", "namespace": "team-a"}, "spec": pod_spec}
+    change = safetynet.plan_injection(pod, "spill", spec, host_roots=ROOTS)
+    assert change["annotations"][shared_spill.ANNOTATION] == "Refused: VolumeNameTaken"
+    assert all(v.get("name") != shared_spill.VOLUME_NAME for v in change["spec"].get("volumes") or [])
+    ready = shared_spill.condition(spill_spec, pod_spec, host_roots=ROOTS).ready
+    assert ready is not None and ready[:2] == (False, "VolumeNameTaken")
+
+
+def test_a_pod_that_already_has_a_volume_of_that_name_is_refused() -> None:
+    pod_spec: dict[str, Any] = {
+        "containers": [worker("8Gi", request="4Gi")],
+        "volumes": [{"name": shared_spill.VOLUME_NAME, "hostPath": {"path": "/"}}],
+    }
+    verdict, mutation = shared_spill.plan(
+        pod_spec, spill("Node", **NODE), host_roots=ROOTS, namespace="team-a", policy="spill"
+    )
+    assert mutation is None and verdict.refusal == shared_spill.Refusal.VOLUME_NAME_TAKEN
 
 
 @pytest.mark.parametrize(
@@ -436,11 +519,11 @@ def test_size_limit_binds_what_each_worker_process_spills(
 def test_plan_injection_mounts_the_pods_namespace_directory() -> None:
     spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
     pod = {"metadata": {"name": "w-1", "namespace": "team-a"}, "spec": {"containers": [worker("8Gi", request="4Gi")]}}
-    mount = safetynet.plan_injection(pod, "p", spec, host_roots=ROOTS)["spec"]["containers"][0]["volumeMounts"][-1]
-    assert mount["subPath"] == "team-a/p"
+    volume = safetynet.plan_injection(pod, "p", spec, host_roots=ROOTS)["spec"]["volumes"][-1]
+    assert volume["hostPath"]["path"] == "/var/lib/memops/spill/team-a/p"
     # The admission request's namespace wins over what the object says.
     change = safetynet.plan_injection(pod, "p", spec, host_roots=ROOTS, namespace="team-b")
-    assert change["spec"]["containers"][0]["volumeMounts"][-1]["subPath"] == "team-b/p"
+    assert change["spec"]["volumes"][-1]["hostPath"]["path"] == "/var/lib/memops/spill/team-b/p"
 
 
 def test_a_pod_without_affinity_gets_one_term() -> None:
@@ -655,7 +738,7 @@ def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only(
 def test_plan_injection_mounts_an_allowed_host_path() -> None:
     spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
     change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, host_roots=ROOTS, namespace="ns")
-    assert change["spec"]["volumes"][0]["hostPath"]["path"] == "/var/lib/memops/spill"
+    assert change["spec"]["volumes"][0]["hostPath"]["path"] == "/var/lib/memops/spill/ns/p"
     assert change["annotations"][shared_spill.ANNOTATION] == "Node"
 
 
