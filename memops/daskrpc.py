@@ -266,6 +266,13 @@ class Scheduler:
     worker not vouched for yet is judged again first. A call that fails in the middle leaves the
     connection in an unknown state (a reply may still come): it is closed, and the next call opens
     a new one, which is vouched for again before anything it says is trusted.
+
+    A new connection of the same handle may only lose workers: one whose ``identity`` shows no
+    worker, or only workers vouched for on the handle's last connection, is the same scheduler
+    after they left (a retirement that timed out after its last worker had gone; the tenancy
+    check would refuse an empty scheduler as ``NoWorkers`` and the retired workers would be
+    misjudged as kept). It is taken without asking the vouch, and what it vouches for shrinks to
+    what it shows; any other worker on it is judged by the vouch first, as on a first connection.
     """
 
     def __init__(self, address: str, *, security: Security | None, timeout: float, vouch: Vouch | None):
@@ -285,11 +292,20 @@ class Scheduler:
     async def _open(self) -> None:
         """A new connection; with a vouch, its ``identity`` judged before anything else is sent."""
         self._comm = await _connect(self.address, self.security, self.timeout)
-        self._vouched, self._identity = None, None
+        self._identity = None
         if self._vouch is None:
+            self._vouched = None
             return
         async with self._using() as comm, asyncio.timeout(self.timeout):
             identity = _mapping(self.address, await comm.call("identity", limit=daskcomm.WORKERS), "identity")
+        # What the handle's last connection vouched for (kept through a connection that failed
+        # before its identity came): a reconnect that shows only those, or none, has lost
+        # workers and gained none (see the class docstring).
+        earlier, self._vouched = self._vouched, None
+        if earlier is not None:
+            shown = frozenset(w.address for w in _identified(self.address, identity, {}, {}, keys=False))
+            if shown <= earlier:
+                self._vouched = shown
         await self._judge(identity)
         self._identity = identity
 
@@ -938,7 +954,8 @@ async def _retire_workers(
             timed_out = True
     if timed_out:
         # On a new connection, vouched for again before anything it says is trusted: the one
-        # above may be in the middle of a reply that never came.
+        # above may be in the middle of a reply that never came. One that shows none of the
+        # workers, or only some vouched for above, is the same scheduler after they left.
         await scheduler.close()
         try:
             now = await scheduler.statuses(timeout=connect_timeout)
