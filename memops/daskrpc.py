@@ -284,6 +284,7 @@ class Scheduler:
         self._comm: daskcomm.Comm | None = None
         self._identity: Mapping[Any, Any] | None = None  # read by the vouch, not yet used by a snapshot
         self._vouched: frozenset[str] | None = None  # the workers vouched for on this connection
+        self._emptied = False  # taken as the same scheduler after every worker left: read, never changed
         self.workers: tuple[snapshots.WorkerInfo, ...] = ()
         """The workers of the last ``identity`` read, as the vouch saw them (no figures)."""
         self.verdict: tenancy.Verdict | None = None
@@ -292,7 +293,7 @@ class Scheduler:
     async def _open(self) -> None:
         """A new connection; with a vouch, its ``identity`` judged before anything else is sent."""
         self._comm = await _connect(self.address, self.security, self.timeout)
-        self._identity = None
+        self._identity, self._emptied = None, False
         if self._vouch is None:
             self._vouched = None
             return
@@ -305,7 +306,7 @@ class Scheduler:
         if earlier is not None:
             shown = frozenset(w.address for w in _identified(self.address, identity, {}, {}, keys=False))
             if shown <= earlier:
-                self._vouched = shown
+                self._vouched, self._emptied = shown, not shown
         await self._judge(identity)
         self._identity = identity
 
@@ -339,15 +340,23 @@ class Scheduler:
                 ", ".join(verdict.foreign[:10]) + (", ..." if len(verdict.foreign) > 10 else ""),
             )
             raise Unvouched(verdict, workers)
-        self._vouched = addresses
+        self._vouched, self._emptied = addresses, False
 
     @contextlib.asynccontextmanager
-    async def _using(self) -> AsyncIterator[daskcomm.Comm]:
+    async def _using(self, *, changes: bool = False) -> AsyncIterator[daskcomm.Comm]:
         """The connection (a new one, vouched for, if the last one was closed), with this module's
-        exceptions; one that fails in the middle of a call is closed."""
+        exceptions; one that fails in the middle of a call is closed. ``changes``: the call sends
+        code or changes the scheduler, which a connection taken only because its workers all left
+        refuses (:class:`Unvouched`, ``NoWorkers``): nothing on it is shown to be the tenant's."""
         if self._comm is None:
             await self._open()
         assert self._comm is not None
+        if changes and self._emptied:
+            verdict = tenancy.Verdict(
+                tenancy.Reason.NO_WORKERS,
+                "the scheduler has no worker left, so none can be shown to be a pod of the namespace",
+            )
+            raise Unvouched(verdict, ())
         try:
             with _translated(self.address):
                 yield self._comm
@@ -418,13 +427,17 @@ class Scheduler:
                 if processing
                 else {}
             )
-            if drains:
+            if drains and not self._emptied:
                 try:
                     located = dict(nodes()) if nodes is not None else {}
                     drained = _drains(address, await _agent(comm, "drain_status", nodes=located))
                 except SchedulerRefused as exc:
                     logger.info("the drains' status is not read: %s", exc)
-            if keys:
+            if keys and self._emptied:
+                # No worker, and nothing shown to be the tenant's: no code sent, plain reads only.
+                who_has_raw = _mapping(address, await comm.call("who_has", limit=daskcomm.KEYS), "who_has")
+                nbytes_raw = _mapping(address, await comm.call("nbytes", summary=False, limit=daskcomm.KEYS), "nbytes")
+            elif keys:
                 try:
                     summary = _mapping(
                         address,
@@ -464,7 +477,7 @@ class Scheduler:
         installed. Raises :class:`SchedulerRefused` when the scheduler does not run the agent.
         """
         address = self.address
-        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             try:
                 state = await _agent(comm, "relief", install=above is not None, above=above, to=to, owner=owner)
             except SchedulerRefused as exc:
@@ -495,7 +508,7 @@ class Scheduler:
         when the scheduler does not run the agent, or refuses a rule (the message names its field).
         """
         address = self.address
-        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             figures = await _agent(
                 comm,
                 "replication",
@@ -550,7 +563,7 @@ class Scheduler:
         (:meth:`snapshot`'s ``nodes``). ``nodes_dying`` (the default: a preStop hook, a node drain)
         keeps recipients off the drained workers' nodes as the agent knows them, so it matters even
         to a caller that names no node; an ordinary retirement passes False."""
-        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             state = await _agent(
                 comm,
                 "drain",
@@ -570,7 +583,7 @@ class Scheduler:
         self, worker_addresses: Sequence[str] = (), *, timeout: float | None = None
     ) -> dict[str, Any]:
         """Each drained worker's state and figures (all of them without ``worker_addresses``)."""
-        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             state = await _agent(comm, "drain_status", workers=list(worker_addresses))
         return dict(_mapping(self.address, state, "the agent's drain status"))
 
@@ -901,7 +914,7 @@ async def _retire_workers(
     timed_out = False
     # Connected first, with its own timeout: "unreachable" must not read as "drain too slow".
     statuses = await scheduler.statuses(timeout=connect_timeout)
-    async with scheduler._using() as comm:
+    async with scheduler._using(changes=True) as comm:
         absent = tuple(a for a in wanted if a not in statuses)
         leaving = [a for a in wanted if statuses.get(a) in LEAVING]
         fresh = [a for a in wanted if a in statuses and a not in leaving]

@@ -75,12 +75,16 @@ async def test_a_retirement_that_times_out_after_its_last_worker_left_says_retir
     a new connection, where the scheduler has no worker left. That connection has only lost the
     worker vouched for before, so it is the same scheduler after it left: the worker is retired,
     and the snapshot after it reads an empty scheduler (not ``NoWorkers``, which would keep the
-    retired worker's pod refused for good)."""
+    retired worker's pod refused for good). That connection is read, and nothing is changed on it."""
     await forwarder.on_scheduler(tenants.a, forwarder.slow_retirement_replies)
     async with daskrpc.vetted(tenants.a, vouch=vouch) as scheduler:
         outcome = await scheduler.retire_workers([tenants.a_worker], timeout=5, memops_drain=False)
         assert outcome.timed_out and outcome.retired == (tenants.a_worker,), outcome
         assert (await scheduler.snapshot()).workers == ()
+        # Read, never changed: nothing on that connection is shown to be the tenant's any more.
+        with pytest.raises(daskrpc.Unvouched) as refused:
+            await scheduler.configure_relief(above=0.7, to=0.55, owner="tenant-a/p")
+        assert refused.value.verdict.reason == tenancy.Reason.NO_WORKERS
     assert await forwarder.on_scheduler(tenants.a, forwarder.workers) == {}
 
 
