@@ -266,6 +266,13 @@ class Scheduler:
     worker not vouched for yet is judged again first. A call that fails in the middle leaves the
     connection in an unknown state (a reply may still come): it is closed, and the next call opens
     a new one, which is vouched for again before anything it says is trusted.
+
+    A new connection of the same handle may only lose workers: one whose ``identity`` shows no
+    worker, or only workers vouched for on the handle's last connection, is the same scheduler
+    after they left (a retirement that timed out after its last worker had gone; the tenancy
+    check would refuse an empty scheduler as ``NoWorkers`` and the retired workers would be
+    misjudged as kept). It is taken without asking the vouch, and what it vouches for shrinks to
+    what it shows; any other worker on it is judged by the vouch first, as on a first connection.
     """
 
     def __init__(self, address: str, *, security: Security | None, timeout: float, vouch: Vouch | None):
@@ -277,6 +284,7 @@ class Scheduler:
         self._comm: daskcomm.Comm | None = None
         self._identity: Mapping[Any, Any] | None = None  # read by the vouch, not yet used by a snapshot
         self._vouched: frozenset[str] | None = None  # the workers vouched for on this connection
+        self._emptied = False  # taken as the same scheduler after every worker left: read, never changed
         self.workers: tuple[snapshots.WorkerInfo, ...] = ()
         """The workers of the last ``identity`` read, as the vouch saw them (no figures)."""
         self.verdict: tenancy.Verdict | None = None
@@ -285,11 +293,20 @@ class Scheduler:
     async def _open(self) -> None:
         """A new connection; with a vouch, its ``identity`` judged before anything else is sent."""
         self._comm = await _connect(self.address, self.security, self.timeout)
-        self._vouched, self._identity = None, None
+        self._identity, self._emptied = None, False
         if self._vouch is None:
+            self._vouched = None
             return
         async with self._using() as comm, asyncio.timeout(self.timeout):
             identity = _mapping(self.address, await comm.call("identity", limit=daskcomm.WORKERS), "identity")
+        # What the handle's last connection vouched for (kept through a connection that failed
+        # before its identity came): a reconnect that shows only those, or none, has lost
+        # workers and gained none (see the class docstring).
+        earlier, self._vouched = self._vouched, None
+        if earlier is not None:
+            shown = frozenset(w.address for w in _identified(self.address, identity, {}, {}, keys=False))
+            if shown <= earlier:
+                self._vouched, self._emptied = shown, not shown
         await self._judge(identity)
         self._identity = identity
 
@@ -323,15 +340,23 @@ class Scheduler:
                 ", ".join(verdict.foreign[:10]) + (", ..." if len(verdict.foreign) > 10 else ""),
             )
             raise Unvouched(verdict, workers)
-        self._vouched = addresses
+        self._vouched, self._emptied = addresses, False
 
     @contextlib.asynccontextmanager
-    async def _using(self) -> AsyncIterator[daskcomm.Comm]:
+    async def _using(self, *, changes: bool = False) -> AsyncIterator[daskcomm.Comm]:
         """The connection (a new one, vouched for, if the last one was closed), with this module's
-        exceptions; one that fails in the middle of a call is closed."""
+        exceptions; one that fails in the middle of a call is closed. ``changes``: the call sends
+        code or changes the scheduler, which a connection taken only because its workers all left
+        refuses (:class:`Unvouched`, ``NoWorkers``): nothing on it is shown to be the tenant's."""
         if self._comm is None:
             await self._open()
         assert self._comm is not None
+        if changes and self._emptied:
+            verdict = tenancy.Verdict(
+                tenancy.Reason.NO_WORKERS,
+                "the scheduler has no worker left, so none can be shown to be a pod of the namespace",
+            )
+            raise Unvouched(verdict, ())
         try:
             with _translated(self.address):
                 yield self._comm
@@ -402,13 +427,17 @@ class Scheduler:
                 if processing
                 else {}
             )
-            if drains:
+            if drains and not self._emptied:
                 try:
                     located = dict(nodes()) if nodes is not None else {}
                     drained = _drains(address, await _agent(comm, "drain_status", nodes=located))
                 except SchedulerRefused as exc:
                     logger.info("the drains' status is not read: %s", exc)
-            if keys:
+            if keys and self._emptied:
+                # No worker, and nothing shown to be the tenant's: no code sent, plain reads only.
+                who_has_raw = _mapping(address, await comm.call("who_has", limit=daskcomm.KEYS), "who_has")
+                nbytes_raw = _mapping(address, await comm.call("nbytes", summary=False, limit=daskcomm.KEYS), "nbytes")
+            elif keys:
                 try:
                     summary = _mapping(
                         address,
@@ -448,7 +477,7 @@ class Scheduler:
         installed. Raises :class:`SchedulerRefused` when the scheduler does not run the agent.
         """
         address = self.address
-        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             try:
                 state = await _agent(comm, "relief", install=above is not None, above=above, to=to, owner=owner)
             except SchedulerRefused as exc:
@@ -479,7 +508,7 @@ class Scheduler:
         when the scheduler does not run the agent, or refuses a rule (the message names its field).
         """
         address = self.address
-        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             figures = await _agent(
                 comm,
                 "replication",
@@ -534,7 +563,7 @@ class Scheduler:
         (:meth:`snapshot`'s ``nodes``). ``nodes_dying`` (the default: a preStop hook, a node drain)
         keeps recipients off the drained workers' nodes as the agent knows them, so it matters even
         to a caller that names no node; an ordinary retirement passes False."""
-        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             state = await _agent(
                 comm,
                 "drain",
@@ -554,7 +583,7 @@ class Scheduler:
         self, worker_addresses: Sequence[str] = (), *, timeout: float | None = None
     ) -> dict[str, Any]:
         """Each drained worker's state and figures (all of them without ``worker_addresses``)."""
-        async with self._using() as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             state = await _agent(comm, "drain_status", workers=list(worker_addresses))
         return dict(_mapping(self.address, state, "the agent's drain status"))
 
@@ -885,7 +914,7 @@ async def _retire_workers(
     timed_out = False
     # Connected first, with its own timeout: "unreachable" must not read as "drain too slow".
     statuses = await scheduler.statuses(timeout=connect_timeout)
-    async with scheduler._using() as comm:
+    async with scheduler._using(changes=True) as comm:
         absent = tuple(a for a in wanted if a not in statuses)
         leaving = [a for a in wanted if statuses.get(a) in LEAVING]
         fresh = [a for a in wanted if a in statuses and a not in leaving]
@@ -938,7 +967,8 @@ async def _retire_workers(
             timed_out = True
     if timed_out:
         # On a new connection, vouched for again before anything it says is trusted: the one
-        # above may be in the middle of a reply that never came.
+        # above may be in the middle of a reply that never came. One that shows none of the
+        # workers, or only some vouched for above, is the same scheduler after they left.
         await scheduler.close()
         try:
             now = await scheduler.statuses(timeout=connect_timeout)

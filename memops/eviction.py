@@ -25,7 +25,10 @@ anyone who reaches the webhook's port can. So the gate's side effect, a drain, i
 if every review were forged: the claim is confirmed against the API (:func:`confirm_claim`),
 at most one drain per node and policy runs at a time and at most
 :data:`GATE_DRAINS_PER_WINDOW` start per policy per :data:`GATE_WINDOW_SECONDS`
-(:func:`guard_drain`), and each records who asked (:data:`REQUESTED_BY_ANNOTATION`).
+(:func:`guard_drain`), and each records who asked (:data:`REQUESTED_BY_ANNOTATION`). The
+gate decides and starts drains of one policy one at a time, counting the requests it made that
+its watch has not shown yet (:func:`unseen_requests`), so that a burst of concurrent reviews is
+held to the same bounds as reviews one after the other.
 """
 
 from __future__ import annotations
@@ -249,6 +252,35 @@ def gate_drains_since(
         if age < window:
             count += 1
     return count
+
+
+def unseen_requests(
+    created: Iterable[Mapping[str, Any]],
+    indexed: Iterable[Mapping[str, Any]],
+    now: datetime.datetime,
+    window: float = GATE_WINDOW_SECONDS,
+) -> list[Mapping[str, Any]]:
+    """Of the requests that this process ``created`` (the API's replies), those that the watched
+    ``indexed`` ones do not show yet and that are younger than ``window``.
+
+    The index learns of a request only when its watch event comes, a moment after the POST
+    returns; eviction reviews are answered concurrently, so a burst of them would each see the
+    same index and each start a drain. Counted with the index, these keep :func:`guard_drain`'s
+    bounds whole. Once the index shows a request it is the record (its status, or its deletion),
+    so it is dropped from here."""
+    shown = {str((r.get("metadata") or {}).get("name")) for r in indexed}
+    unseen = []
+    for request in created:
+        meta = request.get("metadata") or {}
+        if str(meta.get("name")) in shown:
+            continue
+        try:
+            age = (now - timestamps.parse(str(meta.get("creationTimestamp") or ""))).total_seconds()
+        except ValueError:
+            age = 0.0  # no time of the API's: it was just made
+        if age < window:
+            unseen.append(request)
+    return unseen
 
 
 def guard_drain(

@@ -126,6 +126,7 @@ def make_registry(
             logger.info("shared spill of medium Node is refused: no --shared-spill-host-root")
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
         memo.retirement_daemons = set()  # uids of requests whose daemon runs: see memops.controllers.retirement
+        memo.eviction_gate = eviction.Guards()  # per policy: see memops.controllers.eviction.decide_and_drain
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

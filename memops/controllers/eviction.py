@@ -15,6 +15,8 @@ the idempotency keys (:func:`memops.eviction.request_name`).
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -81,10 +83,11 @@ async def request_drain(
     earlier: int,
     why: str,
     requested_by: str | None = None,
-) -> str:
+) -> Obj:
     """Create the node's Eviction RetirementRequest for these pods (a 409 means it exists: the
-    same pods, the same name); return its name. ``requested_by``: the user of the eviction that
-    started it (the gate's), recorded in :data:`memops.eviction.REQUESTED_BY_ANNOTATION`."""
+    same pods, the same name); return it as the API answered (on a 409: as it was sent, stamped
+    now). ``requested_by``: the user of the eviction that started it (the gate's), recorded in
+    :data:`memops.eviction.REQUESTED_BY_ANNOTATION`."""
     namespace, name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
     request_name = eviction.request_name(name, node, pods, earlier)
     owner = objects.Owner(name=name, namespace=namespace, uid=str(policy_body["metadata"]["uid"]))
@@ -102,13 +105,17 @@ async def request_drain(
     # An eviction's drain: the evicting client removes the pods, which the gate then admits.
     body["spec"]["removePods"] = False
     try:
-        await client.request(
+        created = await client.request(
             "POST", kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace), body=body
         )
     except kube.ApiError as exc:
         if exc.code != 409:
             raise
-    return request_name
+        created = {}
+    if not (created.get("metadata") or {}).get("name"):
+        created = body
+        body["metadata"]["creationTimestamp"] = timestamps.render(timestamps.now())
+    return created
 
 
 async def post_event(
@@ -204,32 +211,20 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         if found is None or not found[1].eviction.gate:
             return
         policy_name, spec = found
-        node = str(pod["spec"]["nodeName"])
-        mine = shapes.well_formed(shapes.REQUEST, cache.of("retirementrequests").get((namespace, policy_name), []))
-        requests = eviction_requests(mine, node)
         held = await unique_bytes(client, namespace, spec, pod)
-        decision = eviction.guard_drain(
-            eviction.decide(
-                pod=name, unique_bytes=held, request=eviction.latest_request(name, requests), dry_run=dryrun
-            ),
-            pod=name,
-            node=node,
-            running=eviction.in_flight(requests),
-            started=eviction.gate_drains_since(mine, timestamps.now()),
-        )
         user = eviction.requested_by(userinfo)
-        if decision.start_drain and not dryrun:
-            await start_drain(
-                client,
-                cache,
-                pod=pod,
-                policy_name=policy_name,
-                spec=spec,
-                node=node,
-                user=user,
-                logger=logger,
-                earlier=len(requests),
-            )
+        decision = await decide_and_drain(
+            client,
+            cache,
+            memo.eviction_gate.guard(namespace, policy_name),
+            pod=pod,
+            policy_name=policy_name,
+            spec=spec,
+            held=held,
+            dryrun=dryrun,
+            user=user,
+            logger=logger,
+        )
         if decision.warning and not dryrun:
             try:
                 event = eviction.refusal_event_name(name, decision.episode)
@@ -243,6 +238,93 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         logger.info("eviction of %s by %s admitted: %s", name, user, decision.message)
 
 
+@dataclasses.dataclass
+class Guard:
+    """One policy's gate: its decisions and drains one at a time, and the requests it made that
+    the index may not show yet (see :func:`memops.eviction.unseen_requests`)."""
+
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    created: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
+
+
+class Guards:
+    """The gate's :class:`Guard` per (namespace, policy), in the operator's memo.
+
+    Only a policy that exists (found in the index) gets one, and at most ``kept`` are
+    kept: past that the least recently used idle ones (unlocked, nothing unseen) are forgotten.
+    A busy one is never dropped, so that two reviews of one policy never hold two locks."""
+
+    def __init__(self, kept: int = 1024):
+        self.kept = kept
+        self._guards: collections.OrderedDict[tuple[str, str], Guard] = collections.OrderedDict()
+
+    def guard(self, namespace: str, policy_name: str) -> Guard:
+        key = (namespace, policy_name)
+        found = self._guards.get(key)
+        if found is None:
+            found = self._guards[key] = Guard()
+        self._guards.move_to_end(key)
+        if len(self._guards) > self.kept:
+            idle = [k for k, g in self._guards.items() if k != key and not g.lock.locked() and not g.created]
+            for k in idle[: len(self._guards) - self.kept]:
+                del self._guards[k]
+        return found
+
+    def __len__(self) -> int:
+        return len(self._guards)
+
+
+async def decide_and_drain(
+    client: kube.Kube,
+    cache: policy.Cache,
+    guard: Guard,
+    *,
+    pod: Obj,
+    policy_name: str,
+    spec: specs.MemoryPolicySpec,
+    held: int | None,
+    dryrun: bool,
+    user: str,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> eviction.Decision:
+    """The gate's decision on ``pod``'s eviction (``held``: its unique bytes, by the scheduler),
+    and the drain it starts, under ``guard``: reviews are answered concurrently, and each would
+    otherwise read the same index and start its own drain past the bounds of
+    :func:`memops.eviction.guard_drain`."""
+    namespace, name = str(pod["metadata"]["namespace"]), str(pod["metadata"]["name"])
+    node = str(pod["spec"]["nodeName"])
+    async with guard.lock:
+        now = timestamps.now()
+        indexed = shapes.well_formed(shapes.REQUEST, cache.of("retirementrequests").get((namespace, policy_name), []))
+        guard.created = eviction.unseen_requests(guard.created, indexed, now)
+        mine = [*indexed, *guard.created]
+        requests = eviction_requests(mine, node)
+        decision = eviction.guard_drain(
+            eviction.decide(
+                pod=name, unique_bytes=held, request=eviction.latest_request(name, requests), dry_run=dryrun
+            ),
+            pod=name,
+            node=node,
+            running=eviction.in_flight(requests),
+            started=eviction.gate_drains_since(mine, now),
+        )
+        if decision.start_drain and not dryrun:
+            created = await start_drain(
+                client,
+                cache,
+                pod=pod,
+                policy_name=policy_name,
+                spec=spec,
+                node=node,
+                user=user,
+                logger=logger,
+                earlier=len(requests),
+            )
+            if created is not None:
+                guard.created.append(created)
+    return decision
+
+
 async def start_drain(
     client: kube.Kube,
     cache: policy.Cache,
@@ -254,14 +336,15 @@ async def start_drain(
     user: str,
     earlier: int,
     logger: logging.Logger | logging.LoggerAdapter[Any],
-) -> None:
+) -> Obj | None:
     """The gate's drain of ``pod``'s node: its workers of the policy, listed afresh from the API
-    (the pod must be one of them), in one Eviction RetirementRequest that records ``user``. A
-    failure is logged: the eviction is refused (429) all the same, and its retry tries again."""
+    (the pod must be one of them), in one Eviction RetirementRequest that records ``user``; that
+    request, or None if none was made. A failure is logged: the eviction is refused (429) all the
+    same, and its retry tries again."""
     namespace, name = str(pod["metadata"]["namespace"]), str(pod["metadata"]["name"])
     policy_body = _policy_body(cache.of("memorypolicies").get((namespace,), []), policy_name)
     if policy_body is None:
-        return
+        return None
     try:
         listed = shapes.well_formed(shapes.LISTED_POD, await workloads.pods(client, namespace, spec.workload))
         chosen = eviction.pods_to_drain(listed, node, ())
@@ -269,8 +352,8 @@ async def start_drain(
             logger.info(
                 "eviction of %s: not one of policy %s's running workers on %s; no drain", name, policy_name, node
             )
-            return
-        created = await request_drain(
+            return None
+        made = await request_drain(
             client,
             policy_body=policy_body,
             spec=spec,
@@ -282,7 +365,8 @@ async def start_drain(
         )
     except kube.ApiError as exc:  # still refused (429): the next attempt creates it
         logger.warning("could not start the drain of %s: %s", name, exc)
-        return
+        return None
+    created = str(made["metadata"]["name"])
     logger.info("eviction of %s by %s refused; draining %s in %s", name, user, chosen, created)
     drains = ", ".join(chosen)
     message = f"eviction of pod {name} by {user} refused: memops drains {drains} first (RetirementRequest {created})"
@@ -291,6 +375,7 @@ async def start_drain(
         await post_event(client, pod, eviction.DRAIN_STARTED_EVENT, message, name=event, type_="Normal")
     except kube.ApiError as exc:  # the request records the user too
         logger.warning("could not post the EvictionDrainStarted event on %s: %s", name, exc)
+    return made
 
 
 def register_node_signals(registry: kopf.OperatorRegistry) -> None:
@@ -326,7 +411,7 @@ def register_node_signals(registry: kopf.OperatorRegistry) -> None:
                 del seen[key]  # the next event of this node tries again
                 raise kopf.TemporaryError(f"cannot list the workers on node {node}: {exc}", delay=5) from exc
             if pods:
-                created = await request_drain(
+                made = await request_drain(
                     memo.kube,
                     policy_body=policy_body,
                     spec=spec,
@@ -335,4 +420,5 @@ def register_node_signals(registry: kopf.OperatorRegistry) -> None:
                     earlier=len(requests),
                     why=f"node {node}: {signal}",
                 )
+                created = made["metadata"]["name"]
                 logger.info("node %s has %s: draining %s in RetirementRequest %s", node, signal, pods, created)

@@ -172,3 +172,16 @@ async def assert_untouched(tenants: Tenants) -> None:
     """B's scheduler holds nothing of memops, and its worker is there and was never drained."""
     assert not await on_scheduler(tenants.b, memops_in), "memops reached tenant B's scheduler"
     assert await on_scheduler(tenants.b, workers) == {tenants.b_worker: "Status.running"}
+
+
+def slow_retirement_replies(dask_scheduler: Any) -> None:
+    """The scheduler retires as it does, and answers ``retire_workers`` a minute later: what a
+    reply that does not come in time looks like (a slow network, a busy scheduler)."""
+    retire = dask_scheduler.handlers["retire_workers"]
+
+    async def retire_then_wait(**kwargs: Any) -> Any:
+        result = await retire(**kwargs)
+        await asyncio.sleep(60)
+        return result
+
+    dask_scheduler.handlers["retire_workers"] = retire_then_wait

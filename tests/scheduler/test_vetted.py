@@ -66,3 +66,35 @@ async def test_a_new_connection_is_trusted_only_once_vouched_for_again(tenants: 
             assert refused.value.verdict.reason == tenancy.Reason.FOREIGN
         assert len(proxy.routed) == 3  # A's; B's, for the statuses; B's again, for the snapshot
     await forwarder.assert_untouched(tenants)
+
+
+async def test_a_retirement_that_times_out_after_its_last_worker_left_says_retired(
+    tenants: forwarder.Tenants,
+) -> None:
+    """A's only worker is retired, and the reply comes after the timeout: the statuses are read on
+    a new connection, where the scheduler has no worker left. That connection has only lost the
+    worker vouched for before, so it is the same scheduler after it left: the worker is retired,
+    and the snapshot after it reads an empty scheduler (not ``NoWorkers``, which would keep the
+    retired worker's pod refused for good). That connection is read, and nothing is changed on it."""
+    await forwarder.on_scheduler(tenants.a, forwarder.slow_retirement_replies)
+    async with daskrpc.vetted(tenants.a, vouch=vouch) as scheduler:
+        outcome = await scheduler.retire_workers([tenants.a_worker], timeout=5, memops_drain=False)
+        assert outcome.timed_out and outcome.retired == (tenants.a_worker,), outcome
+        assert (await scheduler.snapshot()).workers == ()
+        # Read, never changed: nothing on that connection is shown to be the tenant's any more.
+        with pytest.raises(daskrpc.Unvouched) as refused:
+            await scheduler.configure_relief(above=0.7, to=0.55, owner="tenant-a/p")
+        assert refused.value.verdict.reason == tenancy.Reason.NO_WORKERS
+    assert await forwarder.on_scheduler(tenants.a, forwarder.workers) == {}
+
+
+async def test_a_reconnect_that_gains_a_foreign_worker_is_refused(tenants: forwarder.Tenants) -> None:
+    """A reconnect may only lose workers: one to B's scheduler, which shows B's worker instead of
+    A's, is judged by the vouch again and refused, though it lost A's worker too."""
+    async with forwarder.Forwarder([tenants.a, tenants.b]).serving() as proxy:
+        async with daskrpc.vetted(proxy.address, vouch=vouch) as scheduler:
+            await scheduler.close()
+            with pytest.raises(daskrpc.Unvouched) as refused:
+                await scheduler.snapshot()
+            assert refused.value.verdict.reason == tenancy.Reason.FOREIGN
+    await forwarder.assert_untouched(tenants)

@@ -363,3 +363,18 @@ def test_in_flight_finds_an_unfinished_request() -> None:
 )
 def test_the_drain_records_who_asked(userinfo: dict[str, Any] | None, recorded: str) -> None:
     assert eviction.requested_by(userinfo) == recorded
+
+
+@pytest.mark.parametrize(
+    ("created", "indexed", "unseen"),
+    [
+        pytest.param([_request("a", age=1)], [], ["a"], id="not-shown-yet-counts"),
+        pytest.param([_request("a", age=1)], [_request("a", age=1)], [], id="shown-the-index-is-the-record"),
+        pytest.param([_request("a", age=600)], [], [], id="past-the-window"),
+        pytest.param([_request("a", age=None)], [], ["a"], id="no-time-just-made"),
+    ],
+)
+def test_the_requests_the_index_does_not_show_yet(
+    created: list[dict[str, Any]], indexed: list[dict[str, Any]], unseen: list[str]
+) -> None:
+    assert [r["metadata"]["name"] for r in eviction.unseen_requests(created, indexed, NOW)] == unseen
