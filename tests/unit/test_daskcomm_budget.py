@@ -59,6 +59,7 @@ def test_replies_decoded_at_one_time_share_one_budget(monkeypatch: pytest.Monkey
     """A decoding in progress holds its objects in the shared budget; another one that would take
     the sum over it is refused at once, and the room comes back when the first ends."""
     monkeypatch.setattr(daskcomm, "IN_FLIGHT_OBJECTS", 40_000)
+    monkeypatch.setattr(daskcomm, "_in_flight", 0)  # the process' own count, whatever ran before
     big = msgpack.packb([{"a": i, "b": str(i)} for i in range(20_000)])
     first = daskcomm._Decoding(len(big), daskcomm.KEYS)
     view = memoryview(big)
@@ -72,3 +73,12 @@ def test_replies_decoded_at_one_time_share_one_budget(monkeypatch: pytest.Monkey
     first.release()
     assert len(daskcomm.decode(msgpack.packb([{"a": i} for i in range(1000)]), daskcomm.KEYS)) == 1000
     assert daskcomm._in_flight == 0
+
+
+def test_every_decoding_gives_its_room_back() -> None:
+    """Refused or read, a reply leaves nothing of itself in the shared count."""
+    before = daskcomm._in_flight
+    daskcomm.decode(msgpack.packb([{"a": i} for i in range(5000)]), daskcomm.KEYS)
+    with pytest.raises(daskcomm.Misbehaved):
+        daskcomm.decode(map_bomb(daskcomm.WORKERS.bytes, 1024), daskcomm.WORKERS)
+    assert daskcomm._in_flight == before
