@@ -65,7 +65,18 @@ def _parser() -> argparse.ArgumentParser:
     sandbox = commands.add_parser("sandbox", help="a local cluster with real Dask workers and the operator")
     sandbox.add_argument("--workers", type=int, default=4, help="number of dask-worker pods (default 4)")
     sandbox.add_argument("--state-dir", help="where to write kubeconfig, scheduler-address and ready")
-    sandbox.add_argument("--nodes", type=int, default=2, help="Nodes, each run by the sandbox's node agent (default 2)")
+    sandbox.add_argument(
+        "--nodes",
+        type=int,
+        default=2,
+        help="Nodes, each a real kubelet with its own containerd, pods in containers with memory limits (default 2)",
+    )
+    sandbox.add_argument(
+        "--node-agent",
+        action="store_true",
+        help="run the Nodes with the process node agent instead (pods as host processes: no container, no"
+        " memory limit); a fallback for machines without root or cgroups",
+    )
     sandbox.add_argument(
         "--set",
         dest="chart_settings",
@@ -121,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.workers,
             args.state_dir,
             nodes=args.nodes,
+            node_agent=args.node_agent,
             operator=not args.no_operator,
             memory_limit=args.worker_memory,
             build_only=args.build_only,

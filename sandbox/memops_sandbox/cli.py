@@ -28,6 +28,7 @@ def sandbox(
     operator: bool,
     memory_limit: str,
     build_only: bool,
+    node_agent: bool = False,
     audit_log: str | None = None,
     chart_settings: list[str] | None = None,
 ) -> int:
@@ -37,8 +38,18 @@ def sandbox(
     type next. Every process' log goes to a file in the state directory: this process' own
     (the launcher, the node agent) to ``sandbox.log``, the control plane's and the operator's to
     ``logs/``, the Dask scheduler's to ``scheduler.log``, the pods' to ``pods/``."""
+    if not node_agent and not build_only:
+        from memops_sandbox import nodes as real_nodes
+
+        try:
+            real_nodes.check_machine()
+        except real_nodes.NodesUnavailable as error:
+            print(f"memops sandbox: {error}", file=sys.stderr)
+            return 1
     try:
         binaries = build.ensure()
+        if not node_agent:
+            build.ensure_node_binaries()
     except build.BuildError as error:
         print(f"memops sandbox: {error}", file=sys.stderr)
         return 1
@@ -68,7 +79,7 @@ def sandbox(
             "memops sandbox: ready. In another terminal:\n"
             f"  export KUBECONFIG={directory / 'kubeconfig'}\n"
             "  kubectl get nodes,pods,mempol,retire\n"
-            f"  sed \"s|tcp://dask-scheduler:8786|$(cat {directory / 'scheduler-address'})|\""
+            f'  sed "s|tcp://dask-scheduler:8786|$(cat {directory / "scheduler-address"})|"'
             " deploy/examples/retirementrequest.yaml | kubectl apply -f -\n"
             "  kubectl get retire -w\n"
             f"Logs: {log}, {directory / 'logs'}/, {directory / 'scheduler.log'}, {directory / 'pods'}/."
@@ -80,6 +91,7 @@ def sandbox(
         workers,
         directory,
         nodes=nodes,
+        node_agent=node_agent,
         operator=operator,
         memory_limit=memory_limit,
         audit_log=Path(audit_log) if audit_log else None,

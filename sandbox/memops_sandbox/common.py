@@ -30,11 +30,18 @@ NAMESPACE = "default"
 AUDIT_LOG_ENV = "MEMOPS_AUDIT_LOG"
 
 
-def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str = "1GiB") -> dict[str, Any]:
+def worker_deployment(
+    scheduler_address: str, replicas: int, memory_limit: str = "1GiB", *, image: str | None = None
+) -> dict[str, Any]:
     """The Deployment users would write for Dask workers: the pod name is the worker name, and the
     worker listens on the pod's IP (as ``dask worker`` does on a cluster, where that is the
-    address on the way to the scheduler), which is how memops tells that it is this pod's."""
-    return {
+    address on the way to the scheduler), which is how memops tells that it is this pod's.
+
+    With ``image`` (real Nodes), the container runs that image with ``resources.limits.memory``
+    of ``memory_limit`` and no ``--memory-limit``: Dask reads its limit from the container's
+    cgroup, as on a cluster. Without, the process node agent runs ``dask worker`` as a host
+    process with ``--memory-limit``."""
+    deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": WORKLOAD, "namespace": NAMESPACE, "labels": {"app": WORKLOAD}},
@@ -75,6 +82,63 @@ def worker_deployment(scheduler_address: str, replicas: int, memory_limit: str =
             },
         },
     }
+    if image is not None:
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        container["image"] = image
+        container["imagePullPolicy"] = "IfNotPresent"
+        index = container["args"].index("--memory-limit")
+        del container["args"][index : index + 2]
+        container["resources"] = {"limits": {"memory": quantity(memory_limit)}}
+    return deployment
+
+
+SCHEDULER = "dask-scheduler"
+SCHEDULER_PORT = 8786
+
+
+def quantity(size: str) -> str:
+    """A Dask size (``1GiB``, ``512 MB``) as a Kubernetes quantity, in bytes."""
+    from dask.utils import parse_bytes
+
+    return str(parse_bytes(size))
+
+
+def scheduler_manifests(image: str, memory_limit: str = "2GiB") -> list[dict[str, Any]]:
+    """``dask scheduler`` as a Deployment of one pod, and its Service ``dask-scheduler``, as the
+    Dask Helm chart makes them."""
+    labels = {"app": SCHEDULER}
+    deployment: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": SCHEDULER, "namespace": NAMESPACE, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "scheduler",
+                            "image": image,
+                            "imagePullPolicy": "IfNotPresent",
+                            "command": ["dask", "scheduler"],
+                            "args": ["--port", str(SCHEDULER_PORT), "--no-dashboard"],
+                            "ports": [{"name": "tcp-comm", "containerPort": SCHEDULER_PORT}],
+                            "resources": {"limits": {"memory": quantity(memory_limit)}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": SCHEDULER, "namespace": NAMESPACE, "labels": labels},
+        "spec": {"selector": labels, "ports": [{"name": "tcp-comm", "port": SCHEDULER_PORT, "targetPort": "tcp-comm"}]},
+    }
+    return [deployment, service]
 
 
 def free_port(*taken: int) -> int:

@@ -322,6 +322,8 @@ def apiserver_argv(
         f"--client-ca-file={path('ca')}",
         f"--kubelet-client-certificate={path('apiserver-kubelet-client')}",
         f"--kubelet-client-key={path('apiserver-kubelet-client', 'key')}",
+        # A real Node's InternalIP is its bridge's address (logs, exec, port-forward go there).
+        "--kubelet-preferred-address-types=InternalIP,Hostname",
         "--authorization-mode=Node,RBAC",
         "--enable-admission-plugins=NodeRestriction",
         f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",

@@ -149,6 +149,7 @@ async def serve(
     state_dir: Path,
     *,
     nodes: int = 2,
+    node_agent: bool = False,
     operator: bool = True,
     memory_limit: str = "1GiB",
     audit_log: Path | None = None,
@@ -164,7 +165,7 @@ async def serve(
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
     try:
-        await _serve(
+        await (_serve if node_agent else _serve_on_real_nodes)(
             workers,
             state_dir,
             nodes=nodes,
@@ -224,6 +225,50 @@ async def _serve(
             # The node agent runs until cancelled: if it ends, the sandbox has no kubelet left.
             await agent_task
             raise RuntimeError("the node agent stopped")
+
+
+async def _serve_on_real_nodes(
+    workers: int,
+    state_dir: Path,
+    *,
+    nodes: int,
+    operator: bool,
+    memory_limit: str,
+    values: dict[str, Any] | None,
+    on_ready: Callable[[], None] | None,
+) -> None:
+    """:func:`serve` on real Nodes (:mod:`memops_sandbox.nodes`): the Dask scheduler and workers
+    are pods in containers with memory limits, from the sandbox's own Dask image."""
+    from memops_sandbox import images
+    from memops_sandbox import nodes as real_nodes
+
+    real_nodes.check_machine()
+    names = node_names(nodes)
+    binaries, archives = await _together(
+        asyncio.to_thread(build.ensure_node_binaries), asyncio.to_thread(images.ensure)
+    )
+    dask_image = archives["dask"].ref
+    async with contextlib.AsyncExitStack() as stack:
+        plane, objects = await stack.enter_async_context(plane_with_operator_access(state_dir, values))
+        await stack.enter_async_context(
+            real_nodes.running(plane, names, binaries, [archive.path for archive in archives.values()])
+        )
+        async with plane.session() as api:
+            for manifest in common.scheduler_manifests(dask_image):
+                await api.create(install.path_of(manifest), manifest)
+            service = await api.get(f"/api/v1/namespaces/{common.NAMESPACE}/services/{common.SCHEDULER}")
+            address = f"tcp://{service['spec']['clusterIP']}:{common.SCHEDULER_PORT}"
+            deployment = common.worker_deployment(address, workers, memory_limit, image=dask_image)
+            await api.create(install.path_of(deployment), deployment)
+        await _together(
+            common.wait_for_workers(address, workers, common.start_allowance(workers)),
+            *([stack.enter_async_context(_operator(plane, objects, state_dir))] if operator else []),
+        )
+        (state_dir / "scheduler-address").write_text(address + "\n")
+        (state_dir / "ready").write_text("ready\n")
+        if on_ready is not None:
+            on_ready()
+        await asyncio.Event().wait()
 
 
 async def _together(*awaitables: Awaitable[Any]) -> list[Any]:

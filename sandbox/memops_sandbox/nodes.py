@@ -1,0 +1,554 @@
+"""Real Nodes: a kubelet with its own containerd per Node, runc, CNI bridges, and kube-proxy.
+
+Each Node of ``memops sandbox --nodes N`` is what a cluster's node runs, on this machine: the
+kubelet of the pinned Kubernetes module, talking CRI to a containerd of its own (its own root,
+state, socket and runc root), which starts pods with runc in containers whose memory limits
+the kernel enforces (cgroups under the Node's own ``cgroupRoot``), networked by the CNI
+``bridge`` plugin on a bridge and pod subnet of the Node's own. One kube-proxy (iptables mode)
+makes Services work for the whole machine: the Nodes share its network stack, so one set of
+rules serves them all. Images come from OCI archives imported into each containerd; nothing is
+pulled from a registry.
+
+Everything the sandbox makes on the machine carries its name (:data:`PREFIX`): the bridges
+``memops<i>``, the cgroups under ``/memops-sandbox``, the sockets under ``/run/memops-sandbox``,
+the mounts under the state directory. :func:`clean` removes exactly those, on stop and before
+the next start (a crash leaves shims, mounts, cgroups and bridges behind), and nothing else.
+One sandbox with real Nodes runs on a machine at a time: they would share bridge and cgroup
+names and kube-proxy's rules (:func:`exclusive`).
+
+Facts of this machine that the configuration follows: cgroup v1 (the kubelet needs
+``failCgroupV1: false`` and the cgroupfs driver); no CAP_SYS_RESOURCE (containerd restricts
+``oom_score_adj`` to its own, or runc cannot start any container); the API server reaches a
+kubelet at its InternalIP, which must be a real interface's address (the Node's bridge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import ipaddress
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memops_sandbox import common, images
+from memops_sandbox.build import NodeBinaries
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "memops"
+CGROUP_PARENT = "memops-sandbox"
+"""The cgroup every Node's ``cgroupRoot`` is under, in each hierarchy."""
+RUN_ROOT = Path("/run/memops-sandbox")
+"""Sockets (a unix socket's path is limited to 108 bytes, the state directory's is not)."""
+POD_NETWORK = ipaddress.IPv4Network("10.244.0.0/16")
+CGROUP_FS = Path("/sys/fs/cgroup")
+RUNC = "runc"
+
+
+class NodesUnavailable(RuntimeError):
+    """This machine cannot run real Nodes (no root, no cgroups, a missing tool): the message says
+    which, and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One Node's names, addresses, ports and directories."""
+
+    name: str
+    index: int
+    root: Path
+    run: Path
+    kubelet_port: int
+    healthz_port: int
+
+    @property
+    def bridge(self) -> str:
+        return f"{PREFIX}{self.index}"
+
+    @property
+    def subnet(self) -> ipaddress.IPv4Network:
+        return list(POD_NETWORK.subnets(new_prefix=24))[self.index]
+
+    @property
+    def ip(self) -> str:
+        """The bridge's address: the Node's InternalIP, and the pods' gateway."""
+        return str(self.subnet.network_address + 1)
+
+    @property
+    def cgroup_root(self) -> str:
+        return f"/{CGROUP_PARENT}/{self.name}"
+
+    @property
+    def socket(self) -> Path:
+        return self.run / "containerd.sock"
+
+
+def layout(names: Sequence[str], state_dir: Path) -> list[Node]:
+    ports: list[int] = []
+    nodes = []
+    for index, name in enumerate(names):
+        kubelet_port = common.free_port(*ports)
+        healthz_port = common.free_port(*ports, kubelet_port)
+        ports += [kubelet_port, healthz_port]
+        nodes.append(
+            Node(
+                name=name,
+                index=index,
+                root=state_dir / "nodes" / name,
+                run=RUN_ROOT / name,
+                kubelet_port=kubelet_port,
+                healthz_port=healthz_port,
+            )
+        )
+    return nodes
+
+
+# -- configuration (pure) ---------------------------------------------------------------------------
+
+
+def containerd_config(node: Node, binaries: NodeBinaries) -> str:
+    """containerd's ``config.toml`` (version 3) for ``node``."""
+    runtime = {
+        "restrict_oom_score_adj": True,
+        "enable_unprivileged_ports": True,
+        "cni": {"bin_dirs": [str(binaries.cni_bin_dir)], "conf_dir": str(node.root / "cni"), "max_conf_num": 1},
+        "containerd": {
+            "default_runtime_name": "runc",
+            "runtimes": {
+                "runc": {
+                    "runtime_type": "io.containerd.runc.v2",
+                    "options": {"BinaryName": str(binaries.runc), "Root": str(node.run / "runc")},
+                }
+            },
+        },
+    }
+    lines = [
+        "version = 3",
+        f'root = "{node.root / "containerd"}"',
+        f'state = "{node.run / "state"}"',
+        "[grpc]",
+        f'  address = "{node.socket}"',
+        "[ttrpc]",
+        f'  address = "{node.socket}.ttrpc"',
+        "[plugins.'io.containerd.cri.v1.images']",
+        '  snapshotter = "overlayfs"',
+        "[plugins.'io.containerd.cri.v1.images'.pinned_images]",
+        f'  sandbox = "{images.PAUSE_REF}"',
+        "[plugins.'io.containerd.cri.v1.runtime']",
+        *_toml_table(runtime, "plugins.'io.containerd.cri.v1.runtime'"),
+        "[plugins.'io.containerd.grpc.v1.cri']",
+        '  stream_server_address = "127.0.0.1"',
+        '  stream_server_port = "0"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_table(table: dict[str, Any], path: str) -> list[str]:
+    """A nested dict as TOML: scalars first, then each sub-table under its dotted path."""
+    lines = []
+    for key, value in table.items():
+        if not isinstance(value, dict):
+            lines.append(f"  {key} = {json.dumps(value)}")
+    for key, value in table.items():
+        if isinstance(value, dict):
+            sub = f"{path}.{key}"
+            lines.append(f"[{sub}]")
+            lines += _toml_table(value, sub)
+    return lines
+
+
+def cni_config(node: Node) -> dict[str, Any]:
+    """The Node's pod network: a bridge of its own, addresses from its subnet, port mappings."""
+    return {
+        "cniVersion": "1.0.0",
+        "name": f"{PREFIX}-{node.name}",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": node.bridge,
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": str(node.subnet), "gateway": node.ip}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                    "dataDir": str(node.root / "ipam"),
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
+
+
+def kubelet_config(node: Node, ca: Path, eviction_hard: dict[str, str] | None = None) -> dict[str, Any]:
+    """The KubeletConfiguration of ``node``: cgroup v1 with the cgroupfs driver, its own cgroup
+    root, ports, logs and runtime; x509 clients only (the API server's); no image garbage
+    collection (the images exist only here); eviction on memory only unless the caller sets
+    ``eviction_hard``, since the disk is the machine's, shared by every Node."""
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": node.ip,
+        "port": node.kubelet_port,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": node.healthz_port,
+        "readOnlyPort": 0,
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": False},
+            "x509": {"clientCAFile": str(ca)},
+        },
+        "authorization": {"mode": "AlwaysAllow"},
+        "cgroupDriver": "cgroupfs",
+        "cgroupRoot": node.cgroup_root,
+        "cgroupsPerQOS": True,
+        "failCgroupV1": False,
+        "failSwapOn": False,
+        "containerRuntimeEndpoint": f"unix://{node.socket}",
+        "podLogsDir": str(node.root / "pod-logs"),
+        "resolvConf": "",
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": eviction_hard
+        or {
+            "memory.available": "100Mi",
+            "nodefs.available": "0%",
+            "imagefs.available": "0%",
+            "nodefs.inodesFree": "0%",
+        },
+        "serializeImagePulls": False,
+        "nodeStatusReportFrequency": "10s",
+        "syncFrequency": "10s",
+        "staticPodPath": "",
+        "registerNode": True,
+        "shutdownGracePeriod": "0s",
+        "logging": {"format": "text"},
+    }
+
+
+def kubelet_argv(node: Node, binaries: NodeBinaries, kubeconfig: Path) -> list[str]:
+    return [
+        str(binaries.kubelet),
+        f"--config={node.root / 'kubelet.yaml'}",
+        f"--kubeconfig={kubeconfig}",
+        f"--hostname-override={node.name}",
+        f"--node-ip={node.ip}",
+        f"--root-dir={node.root / 'kubelet'}",
+        f"--cert-dir={node.root / 'kubelet-pki'}",
+        "--v=1",
+    ]
+
+
+def kube_proxy_config(kubeconfig: Path, cluster_cidr: str = str(POD_NETWORK)) -> dict[str, Any]:
+    """kube-proxy in iptables mode for every Node of this machine. ``masqueradeAll``: a pod that
+    reaches a Service whose endpoint is on its own bridge gets the reply back through the host
+    (without br_netfilter the bridge would hand it straight to the pod, un-NATed)."""
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "mode": "iptables",
+        "clientConnection": {"kubeconfig": str(kubeconfig)},
+        "clusterCIDR": cluster_cidr,
+        "iptables": {"masqueradeAll": True, "syncPeriod": "30s", "minSyncPeriod": "0s"},
+        "conntrack": {"maxPerCore": 0},
+        "metricsBindAddress": f"127.0.0.1:{common.free_port()}",
+        "healthzBindAddress": "",
+    }
+
+
+# -- the machine ------------------------------------------------------------------------------------
+
+
+def check_machine() -> None:
+    """Raise :class:`NodesUnavailable` with one line saying what is missing."""
+    if os.geteuid() != 0:
+        raise NodesUnavailable(
+            "real Nodes need root (containers, cgroups, bridges); run as root, or use --node-agent (no containers)"
+        )
+    if not (CGROUP_FS / "memory").is_dir() and not (CGROUP_FS / "cgroup.controllers").exists():
+        raise NodesUnavailable(f"real Nodes need cgroups with the memory controller under {CGROUP_FS}")
+    missing = [tool for tool in (RUNC, "iptables", "ip") if shutil.which(tool) is None]
+    if missing:
+        raise NodesUnavailable(
+            f"real Nodes need {', '.join(missing)} on PATH: apt-get install runc iptables iproute2"
+            " (or your distribution's packages), or use --node-agent (no containers)"
+        )
+
+
+@contextlib.contextmanager
+def exclusive() -> Iterator[None]:
+    """Hold the machine's one real-Node sandbox lock; fail at once if another sandbox has it."""
+    RUN_ROOT.mkdir(parents=True, exist_ok=True)
+    with (RUN_ROOT.parent / "memops-sandbox.lock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NodesUnavailable(
+                "another memops sandbox with real Nodes runs on this machine (one at a time: they share"
+                " bridges, cgroups and kube-proxy's rules); stop it first"
+            ) from None
+        yield
+
+
+def _hierarchies() -> list[Path]:
+    """The cgroup v1 hierarchies (cpu, memory, ...), or the v2 root alone."""
+    if (CGROUP_FS / "cgroup.controllers").exists():
+        return [CGROUP_FS]
+    return sorted(
+        path for path in CGROUP_FS.iterdir() if path.is_dir() and not path.is_symlink() and (path / "tasks").exists()
+    )
+
+
+def make_cgroups(node: Node) -> None:
+    """``cgroupRoot`` in every hierarchy; cpuset's cpus and mems copied down, as a new cpuset is
+    empty and refuses tasks."""
+    for hierarchy in _hierarchies():
+        current = hierarchy
+        for part in node.cgroup_root.strip("/").split("/"):
+            parent, current = current, current / part
+            current.mkdir(exist_ok=True)
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                if (current / name).exists() and not (current / name).read_text().strip():
+                    (current / name).write_text((parent / name).read_text())
+
+
+def _kill_cgroup_tree(top: Path) -> None:
+    for directory in [*sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), top]:
+        for name in ("cgroup.procs", "tasks"):
+            with contextlib.suppress(OSError):
+                for pid in (directory / name).read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+
+
+def _remove_cgroup_tree(top: Path) -> None:
+    for directory in [*sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), top]:
+        for _ in range(50):
+            try:
+                directory.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def _mounts_under(root: Path) -> list[str]:
+    resolved = str(root.resolve())
+    points = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point == resolved or point.startswith(resolved + "/"):
+                points.append(point)
+    return sorted(points, key=lambda p: -len(p))
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+    return [pid for pid in pids if pid != os.getpid()]
+
+
+def clean(state_dir: Path, count: int = 16) -> None:
+    """Remove what a sandbox with real Nodes left on this machine: its processes (kubelets,
+    containerds, shims, containers), mounts under ``state_dir`` and :data:`RUN_ROOT`, cgroups
+    under :data:`CGROUP_PARENT`, bridges ``memops<i>`` and kube-proxy's rules."""
+    for pid in _processes_mentioning(str(RUN_ROOT)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for hierarchy in _hierarchies():
+        if (hierarchy / CGROUP_PARENT).exists():
+            _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
+    for root in (state_dir / "nodes", RUN_ROOT):
+        for point in _mounts_under(root):
+            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    for hierarchy in _hierarchies():
+        if (hierarchy / CGROUP_PARENT).exists():
+            _remove_cgroup_tree(hierarchy / CGROUP_PARENT)
+    for index in range(count):
+        subprocess.run(["ip", "link", "delete", f"{PREFIX}{index}"], capture_output=True, check=False)
+    shutil.rmtree(RUN_ROOT, ignore_errors=True)
+
+
+def prepare_network(nodes: Sequence[Node]) -> None:
+    """Forwarding between the bridges, and each Node's bridge up with its address (the CNI
+    plugin would make it with the first pod; the kubelet needs its InternalIP before that)."""
+    Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+    for node in nodes:
+        subprocess.run(["ip", "link", "add", node.bridge, "type", "bridge"], capture_output=True, check=False)
+        subprocess.run(
+            ["ip", "addr", "replace", f"{node.ip}/{node.subnet.prefixlen}", "dev", node.bridge],
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(["ip", "link", "set", node.bridge, "up"], check=True, capture_output=True)
+
+
+def write_configs(node: Node, binaries: NodeBinaries, ca: Path, eviction_hard: dict[str, str] | None) -> None:
+    for directory in (node.root / "cni", node.root / "ipam", node.root / "pod-logs", node.run):
+        directory.mkdir(parents=True, exist_ok=True)
+    (node.root / "containerd.toml").write_text(containerd_config(node, binaries))
+    (node.root / "cni" / "10-memops.conflist").write_text(json.dumps(cni_config(node), indent=2))
+    (node.root / "kubelet.yaml").write_text(yaml.safe_dump(kubelet_config(node, ca, eviction_hard)))
+
+
+async def _wait_for_socket(path: Path, process: asyncio.subprocess.Process, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.returncode is not None:
+            raise RuntimeError(f"containerd exited with {process.returncode} before serving {path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"containerd did not serve {path} within {timeout:.0f} s")
+        await asyncio.sleep(0.05)
+
+
+async def import_images(node: Node, binaries: NodeBinaries, archives: Sequence[Path]) -> None:
+    """Import OCI archives into the Node's containerd, for the CRI (namespace ``k8s.io``)."""
+    for archive in archives:
+        process = await asyncio.create_subprocess_exec(
+            str(binaries.ctr),
+            f"--address={node.socket}",
+            "--namespace=k8s.io",
+            "images",
+            "import",
+            "--all-platforms",
+            str(archive),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(
+                f"ctr images import {archive} into {node.name}: {output.decode(errors='replace')[-2000:]}"
+            )
+
+
+async def _start_node(
+    node: Node, binaries: NodeBinaries, kubeconfig: Path, archives: Sequence[Path], logs: Path
+) -> dict[str, asyncio.subprocess.Process]:
+    from memops_sandbox import controlplane
+
+    env = {**os.environ, "PATH": f"{binaries.containerd_shim_runc_v2.parent}:{os.environ.get('PATH', '')}"}
+    containerd = await controlplane.spawn(
+        f"containerd-{node.name}",
+        [str(binaries.containerd), f"--config={node.root / 'containerd.toml'}", "--log-level=warn"],
+        logs,
+        env=env,
+    )
+    await _wait_for_socket(node.socket, containerd, 30)
+    await import_images(node, binaries, archives)
+    kubelet = await controlplane.spawn(f"kubelet-{node.name}", kubelet_argv(node, binaries, kubeconfig), logs, env=env)
+    return {f"containerd-{node.name}": containerd, f"kubelet-{node.name}": kubelet}
+
+
+async def _ready_nodes(api: Any, names: Sequence[str]) -> bool:
+    listed = await api.get("/api/v1/nodes")
+    ready = {
+        item["metadata"]["name"]
+        for item in listed["items"]
+        for condition in item.get("status", {}).get("conditions", [])
+        if condition["type"] == "Ready" and condition["status"] == "True"
+    }
+    return set(names) <= ready
+
+
+@contextlib.asynccontextmanager
+async def running(
+    plane: Any,
+    names: Sequence[str],
+    binaries: NodeBinaries,
+    archives: Sequence[Path],
+    *,
+    eviction_hard: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> AsyncIterator[list[Node]]:
+    """Run real Nodes ``names`` against ``plane`` (a :class:`memops_sandbox.controlplane.Plane`)
+    until the block exits, then stop them (pods first, by their kubelets' own shutdown) and
+    remove everything they made. Yields once every Node is Ready."""
+    from memops_sandbox import certs, controlplane
+
+    check_machine()
+    state_dir: Path = plane.state_dir
+    nodes = layout(names, state_dir)
+    processes: dict[str, asyncio.subprocess.Process] = {}
+    with exclusive():
+        clean(state_dir)
+        try:
+            prepare_network(nodes)
+            for node in nodes:
+                make_cgroups(node)
+                write_configs(node, binaries, plane.pki.path("ca"), eviction_hard)
+            proxy_config = plane.client_kubeconfig("kube-proxy", "system:kube-proxy")
+            (state_dir / "kube-proxy.yaml").write_text(yaml.safe_dump(kube_proxy_config(proxy_config)))
+            started = time.monotonic()
+            kubeconfigs = [
+                plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
+                for node in nodes
+            ]
+            for started_node in await asyncio.gather(
+                *(
+                    _start_node(node, binaries, kubeconfig, archives, plane.logs)
+                    for node, kubeconfig in zip(nodes, kubeconfigs, strict=True)
+                )
+            ):
+                processes.update(started_node)
+            processes["kube-proxy"] = await controlplane.spawn(
+                "kube-proxy",
+                [
+                    str(binaries.kube_proxy),
+                    f"--config={state_dir / 'kube-proxy.yaml'}",
+                    f"--hostname-override={nodes[0].name}",
+                ],
+                plane.logs,
+            )
+            async with plane.session() as api:
+                await controlplane._poll(
+                    lambda: _ready_nodes(api, names),
+                    what=f"Nodes {', '.join(names)} Ready",
+                    timeout=timeout,
+                    processes=processes,
+                    logs=plane.logs,
+                )
+            logger.info("%d real Nodes Ready after %.1f s", len(nodes), time.monotonic() - started)
+            yield nodes
+        finally:
+            await _stop(processes, binaries, state_dir)
+
+
+async def _stop(processes: dict[str, asyncio.subprocess.Process], binaries: NodeBinaries, state_dir: Path) -> None:
+    """Stop kube-proxy and the kubelets, kill every container (SIGKILL to the Nodes' cgroups: the
+    sandbox is going away, and grace periods are the pods' business while it runs), stop the
+    containerds, then remove what is left."""
+    for name, process in processes.items():
+        if not name.startswith("containerd-"):
+            await common.stop(process, grace=5)
+    for hierarchy in _hierarchies():
+        if (hierarchy / CGROUP_PARENT).exists():
+            _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
+    for name, process in processes.items():
+        if name.startswith("containerd-"):
+            await common.stop(process, grace=5)
+    if "kube-proxy" in processes:
+        cleanup = await asyncio.create_subprocess_exec(
+            str(binaries.kube_proxy), "--cleanup", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        )
+        await cleanup.wait()
+    await asyncio.to_thread(clean, state_dir)
