@@ -238,12 +238,17 @@ async def wait_for_workers(address: str, count: int, timeout: float) -> None:
             await asyncio.sleep(0.2)
 
 
-def launch(state_dir: Path, workers: int, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+def launch(
+    state_dir: Path, workers: int, *args: str, log: Path | None = None, real_nodes: bool = False
+) -> subprocess.Popen[bytes]:
     """Start ``memops sandbox`` as its own process and wait until it has written ``ready``.
 
-    For the test suite and the benchmarks, which drive the sandbox as a user does.
+    For the test suite and the benchmarks, which drive the sandbox as a user does. Without
+    ``real_nodes``, on the process node agent (``--node-agent``): the scenarios written for it
+    signal its pods' processes by the pid files it writes.
     """
-    command = [executable("memops"), "sandbox", "--workers", str(workers), "--state-dir", str(state_dir), *args]
+    agent = [] if real_nodes else ["--node-agent"]
+    command = [executable("memops"), "sandbox", "--workers", str(workers), "--state-dir", str(state_dir), *agent, *args]
     log = log or state_dir.parent / f"{state_dir.name}-sandbox.log"
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
