@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import random
@@ -28,6 +29,9 @@ from memops import daskrpc
 WORKLOAD = "dask-worker"
 NAMESPACE = "default"
 AUDIT_LOG_ENV = "MEMOPS_AUDIT_LOG"
+DASK_IMAGE = f"ghcr.io/dask/dask:{importlib.metadata.version('distributed')}"
+"""Dask's own image, at this environment's version of distributed: what users' manifests name. On
+real Nodes the sandbox's Dask image (same versions, built here) answers to it too."""
 
 
 def worker_deployment(
@@ -55,7 +59,7 @@ def worker_deployment(
                     "containers": [
                         {
                             "name": "worker",
-                            "image": "ghcr.io/dask/dask:2026.8.0",
+                            "image": DASK_IMAGE,
                             "command": ["dask", "worker"],
                             "args": [
                                 "$(DASK_SCHEDULER_ADDRESS)",

@@ -36,7 +36,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -420,8 +420,12 @@ async def _wait_for_socket(path: Path, process: asyncio.subprocess.Process, time
         await asyncio.sleep(0.05)
 
 
-async def import_images(node: Node, binaries: NodeBinaries, archives: Sequence[Path]) -> None:
-    """Import OCI archives into the Node's containerd, for the CRI (namespace ``k8s.io``)."""
+async def import_images(
+    node: Node, binaries: NodeBinaries, archives: Sequence[Path], aliases: Mapping[str, str] | None = None
+) -> None:
+    """Import OCI archives into the Node's containerd, for the CRI (namespace ``k8s.io``), and
+    tag each ``aliases`` key as its value's image."""
+    aliases = aliases or {}
     for archive in archives:
         process = await asyncio.create_subprocess_exec(
             str(binaries.ctr),
@@ -439,10 +443,31 @@ async def import_images(node: Node, binaries: NodeBinaries, archives: Sequence[P
             raise RuntimeError(
                 f"ctr images import {archive} into {node.name}: {output.decode(errors='replace')[-2000:]}"
             )
+    for alias, source in aliases.items():
+        await _ctr(node, binaries, "images", "tag", "--force", source, alias)
+
+
+async def _ctr(node: Node, binaries: NodeBinaries, *args: str) -> None:
+    process = await asyncio.create_subprocess_exec(
+        str(binaries.ctr),
+        f"--address={node.socket}",
+        "--namespace=k8s.io",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"ctr {' '.join(args)} on {node.name}: {output.decode(errors='replace')[-2000:]}")
 
 
 async def _start_node(
-    node: Node, binaries: NodeBinaries, kubeconfig: Path, archives: Sequence[Path], logs: Path
+    node: Node,
+    binaries: NodeBinaries,
+    kubeconfig: Path,
+    archives: Sequence[Path],
+    aliases: Mapping[str, str],
+    logs: Path,
 ) -> dict[str, asyncio.subprocess.Process]:
     from memops_sandbox import controlplane
 
@@ -454,7 +479,7 @@ async def _start_node(
         env=env,
     )
     await _wait_for_socket(node.socket, containerd, 30)
-    await import_images(node, binaries, archives)
+    await import_images(node, binaries, archives, aliases)
     kubelet = await controlplane.spawn(f"kubelet-{node.name}", kubelet_argv(node, binaries, kubeconfig), logs, env=env)
     return {f"containerd-{node.name}": containerd, f"kubelet-{node.name}": kubelet}
 
@@ -477,12 +502,14 @@ async def running(
     binaries: NodeBinaries,
     archives: Sequence[Path],
     *,
+    aliases: Mapping[str, str] | None = None,
     eviction_hard: dict[str, str] | None = None,
     timeout: float = 120,
 ) -> AsyncIterator[list[Node]]:
     """Run real Nodes ``names`` against ``plane`` (a :class:`memops_sandbox.controlplane.Plane`)
     until the block exits, then stop them (pods first, by their kubelets' own shutdown) and
-    remove everything they made. Yields once every Node is Ready."""
+    remove everything they made. Yields once every Node is Ready. ``aliases``: more refs for
+    imported images (ref -> the imported image's ref)."""
     from memops_sandbox import certs, controlplane
 
     check_machine()
@@ -505,7 +532,7 @@ async def running(
             ]
             for started_node in await asyncio.gather(
                 *(
-                    _start_node(node, binaries, kubeconfig, archives, plane.logs)
+                    _start_node(node, binaries, kubeconfig, archives, aliases or {}, plane.logs)
                     for node, kubeconfig in zip(nodes, kubeconfigs, strict=True)
                 )
             ):

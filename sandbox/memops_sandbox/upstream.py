@@ -250,8 +250,11 @@ async def _serve_on_real_nodes(
     dask_image = archives["dask"].ref
     async with contextlib.AsyncExitStack() as stack:
         plane, objects = await stack.enter_async_context(plane_with_operator_access(state_dir, values))
+        # Dask's own image's ref names the sandbox's Dask image too, so that manifests written for
+        # a cluster (the Dask Helm chart's, dask-kubernetes') run here as they are.
+        aliases = {common.DASK_IMAGE: dask_image}
         await stack.enter_async_context(
-            real_nodes.running(plane, names, binaries, [archive.path for archive in archives.values()])
+            real_nodes.running(plane, names, binaries, [archive.path for archive in archives.values()], aliases=aliases)
         )
         async with plane.session() as api:
             for manifest in common.scheduler_manifests(dask_image):
