@@ -207,7 +207,7 @@ class ClusterPki:
         return pair.write(self.directory, name)
 
 
-def make_pki(directory: Path) -> ClusterPki:
+def make_pki(directory: Path, addresses: tuple[str, ...] = ()) -> ClusterPki:
     """The CAs, the API server's serving and proxy-client certificates, the service-account
     keys, and the client certificates of admin, controller-manager and scheduler.
 
@@ -217,9 +217,10 @@ def make_pki(directory: Path) -> ClusterPki:
     """
     ca = authority("memops-sandbox-ca")
     ca.key_pair().write(directory, "ca")
-    issue(ca, "kube-apiserver", dns_names=APISERVER_NAMES, ip_addresses=(LOOPBACK,), server=True).write(
-        directory, "apiserver"
-    )
+    # ``addresses``: where else pods reach the API server (its advertised address, the
+    # ``kubernetes`` Service's ClusterIP), on real Nodes.
+    ips = (LOOPBACK, *(ipaddress.IPv4Address(address) for address in addresses))
+    issue(ca, "kube-apiserver", dns_names=APISERVER_NAMES, ip_addresses=ips, server=True).write(directory, "apiserver")
     # The API server's client certificate for the kubelet API (logs, exec): our node agents
     # serve none, but a cluster-admin identity keeps the flag honest.
     issue(ca, "kube-apiserver-kubelet-client", organizations=("system:masters",), client=True).write(

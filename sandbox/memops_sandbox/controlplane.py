@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 CLUSTER_NAME = "memops-sandbox"
 HPA_SYNC_PERIOD = "2s"
 HPA_DOWNSCALE_STABILIZATION = "30s"
-SERVICE_CIDR = "10.96.0.0/16"  # only ever allocated, never routed: nothing listens there
+SERVICE_CIDR = "10.96.0.0/16"  # routed by kube-proxy on real Nodes; only allocated on the node agent's
+KUBERNETES_SERVICE_IP = "10.96.0.1"
+"""The ``kubernetes`` Service's ClusterIP: the first of :data:`SERVICE_CIDR`."""
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
@@ -304,18 +306,27 @@ def etcd_argv(binaries: build.Binaries, data_dir: Path, client_port: int, peer_p
 
 
 def apiserver_argv(
-    binaries: build.Binaries, pki: certs.ClusterPki, state_dir: Path, etcd_port: int, port: int
+    binaries: build.Binaries,
+    pki: certs.ClusterPki,
+    state_dir: Path,
+    etcd_port: int,
+    port: int,
+    advertise: str | None = None,
 ) -> list[str]:
+    """With ``advertise`` (real Nodes: pods reach the API server through the ``kubernetes``
+    Service), it listens on every address and advertises that one; else on loopback only."""
     path = pki.path
+    if advertise is None:
+        # With a loopback advertise address the `kubernetes` Service's endpoints would point at
+        # 127.0.0.1, which the API server refuses to reconcile: there are none.
+        listen = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none"]
+    else:
+        listen = ["--bind-address=0.0.0.0", f"--advertise-address={advertise}"]
     return [
         str(binaries["kube-apiserver"]),
         f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
+        *listen,
         f"--secure-port={port}",
-        # With a loopback advertise address the `kubernetes` Service's endpoints would point at
-        # 127.0.0.1, which the API server refuses to reconcile: there are none.
-        "--endpoint-reconciler-type=none",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         f"--tls-cert-file={path('apiserver')}",
         f"--tls-private-key-file={path('apiserver', 'key')}",
@@ -399,6 +410,7 @@ async def running(
     *,
     timeout: float = 120,
     meanwhile: Callable[[Plane, Api], Awaitable[None]] | None = None,
+    advertise: str | None = None,
 ) -> AsyncIterator[Plane]:
     """Run the control plane until the block exits; see the module's docstring.
 
@@ -408,7 +420,8 @@ async def running(
     """
     started = time.monotonic()
     state_dir.mkdir(parents=True, exist_ok=True)
-    pki = certs.make_pki(state_dir / "pki")
+    addresses = () if advertise is None else (advertise, KUBERNETES_SERVICE_IP)
+    pki = certs.make_pki(state_dir / "pki", addresses)
     (state_dir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
     etcd_port = common.free_port()
     peer_port = common.free_port(etcd_port)
@@ -426,7 +439,7 @@ async def running(
     try:
         processes["etcd"] = await spawn("etcd", etcd_argv(binaries, state_dir / "etcd", etcd_port, peer_port), logs)
         processes["kube-apiserver"] = await spawn(
-            "kube-apiserver", apiserver_argv(binaries, pki, state_dir, etcd_port, api_port), logs
+            "kube-apiserver", apiserver_argv(binaries, pki, state_dir, etcd_port, api_port, advertise), logs
         )
         plane.client_kubeconfig("controller-manager", "system:kube-controller-manager")
         plane.client_kubeconfig("scheduler", "system:kube-scheduler")

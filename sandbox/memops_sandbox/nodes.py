@@ -269,6 +269,15 @@ def kube_proxy_config(kubeconfig: Path, cluster_cidr: str = str(POD_NETWORK)) ->
     }
 
 
+def container_pid(container_id: str) -> int:
+    """The host pid of a running container's first process (``containerd://<id>`` or ``<id>``,
+    as a pod's ``status.containerStatuses`` names it), from runc's state under any Node's root."""
+    container_id = container_id.removeprefix("containerd://")
+    for state in RUN_ROOT.glob(f"*/runc/k8s.io/{container_id}/state.json"):
+        return int(json.loads(state.read_text())["init_process_pid"])
+    raise LookupError(f"no running container {container_id} on this machine's Nodes")
+
+
 # -- the machine ------------------------------------------------------------------------------------
 
 
@@ -495,75 +504,83 @@ async def _ready_nodes(api: Any, names: Sequence[str]) -> bool:
     return set(names) <= ready
 
 
+@contextlib.contextmanager
+def machine(names: Sequence[str], state_dir: Path) -> Iterator[list[Node]]:
+    """This machine, ready for Nodes ``names``: checked, held (:func:`exclusive`), cleaned of a
+    previous run, with each Node's bridge up (its address is the Node's, which the API server
+    advertises to pods before any kubelet runs). On exit, everything is removed again."""
+    check_machine()
+    nodes = layout(names, state_dir)
+    with exclusive():
+        clean(state_dir)
+        try:
+            prepare_network(nodes)
+            yield nodes
+        finally:
+            clean(state_dir)
+
+
 @contextlib.asynccontextmanager
 async def running(
     plane: Any,
-    names: Sequence[str],
+    nodes: Sequence[Node],
     binaries: NodeBinaries,
     archives: Sequence[Path],
     *,
     aliases: Mapping[str, str] | None = None,
     eviction_hard: dict[str, str] | None = None,
     timeout: float = 120,
-) -> AsyncIterator[list[Node]]:
-    """Run real Nodes ``names`` against ``plane`` (a :class:`memops_sandbox.controlplane.Plane`)
-    until the block exits, then stop them (pods first, by their kubelets' own shutdown) and
-    remove everything they made. Yields once every Node is Ready. ``aliases``: more refs for
-    imported images (ref -> the imported image's ref)."""
+) -> AsyncIterator[None]:
+    """Run real ``nodes`` (of :func:`machine`) against ``plane`` (a
+    :class:`memops_sandbox.controlplane.Plane`) until the block exits, then stop them and their
+    containers. Yields once every Node is Ready. ``aliases``: more refs for imported images (ref
+    -> the imported image's ref)."""
     from memops_sandbox import certs, controlplane
 
-    check_machine()
     state_dir: Path = plane.state_dir
-    nodes = layout(names, state_dir)
+    names = [node.name for node in nodes]
     processes: dict[str, asyncio.subprocess.Process] = {}
-    with exclusive():
-        clean(state_dir)
-        try:
-            prepare_network(nodes)
-            for node in nodes:
-                make_cgroups(node)
-                write_configs(node, binaries, plane.pki.path("ca"), eviction_hard)
-            proxy_config = plane.client_kubeconfig("kube-proxy", "system:kube-proxy")
-            (state_dir / "kube-proxy.yaml").write_text(yaml.safe_dump(kube_proxy_config(proxy_config)))
-            started = time.monotonic()
-            kubeconfigs = [
-                plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
-                for node in nodes
-            ]
-            for started_node in await asyncio.gather(
-                *(
-                    _start_node(node, binaries, kubeconfig, archives, aliases or {}, plane.logs)
-                    for node, kubeconfig in zip(nodes, kubeconfigs, strict=True)
-                )
-            ):
-                processes.update(started_node)
-            processes["kube-proxy"] = await controlplane.spawn(
-                "kube-proxy",
-                [
-                    str(binaries.kube_proxy),
-                    f"--config={state_dir / 'kube-proxy.yaml'}",
-                    f"--hostname-override={nodes[0].name}",
-                ],
-                plane.logs,
+    try:
+        for node in nodes:
+            make_cgroups(node)
+            write_configs(node, binaries, plane.pki.path("ca"), eviction_hard)
+        proxy_config = plane.client_kubeconfig("kube-proxy", "system:kube-proxy")
+        (state_dir / "kube-proxy.yaml").write_text(yaml.safe_dump(kube_proxy_config(proxy_config)))
+        started = time.monotonic()
+        kubeconfigs = [
+            plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
+            for node in nodes
+        ]
+        for started_node in await asyncio.gather(
+            *(
+                _start_node(node, binaries, kubeconfig, archives, aliases or {}, plane.logs)
+                for node, kubeconfig in zip(nodes, kubeconfigs, strict=True)
             )
-            async with plane.session() as api:
-                await controlplane._poll(
-                    lambda: _ready_nodes(api, names),
-                    what=f"Nodes {', '.join(names)} Ready",
-                    timeout=timeout,
-                    processes=processes,
-                    logs=plane.logs,
-                )
-            logger.info("%d real Nodes Ready after %.1f s", len(nodes), time.monotonic() - started)
-            yield nodes
-        finally:
-            await _stop(processes, binaries, state_dir)
+        ):
+            processes.update(started_node)
+        processes["kube-proxy"] = await controlplane.spawn(
+            "kube-proxy",
+            [str(binaries.kube_proxy), f"--config={state_dir / 'kube-proxy.yaml'}", f"--hostname-override={names[0]}"],
+            plane.logs,
+        )
+        async with plane.session() as api:
+            await controlplane._poll(
+                lambda: _ready_nodes(api, names),
+                what=f"Nodes {', '.join(names)} Ready",
+                timeout=timeout,
+                processes=processes,
+                logs=plane.logs,
+            )
+        logger.info("%d real Nodes Ready after %.1f s", len(nodes), time.monotonic() - started)
+        yield
+    finally:
+        await _stop(processes, binaries)
 
 
-async def _stop(processes: dict[str, asyncio.subprocess.Process], binaries: NodeBinaries, state_dir: Path) -> None:
+async def _stop(processes: dict[str, asyncio.subprocess.Process], binaries: NodeBinaries) -> None:
     """Stop kube-proxy and the kubelets, kill every container (SIGKILL to the Nodes' cgroups: the
     sandbox is going away, and grace periods are the pods' business while it runs), stop the
-    containerds, then remove what is left."""
+    containerds (:func:`machine` removes what is left)."""
     for name, process in processes.items():
         if not name.startswith("containerd-"):
             await common.stop(process, grace=5)
@@ -578,4 +595,3 @@ async def _stop(processes: dict[str, asyncio.subprocess.Process], binaries: Node
             str(binaries.kube_proxy), "--cleanup", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
         )
         await cleanup.wait()
-    await asyncio.to_thread(clean, state_dir)

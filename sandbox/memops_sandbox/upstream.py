@@ -93,7 +93,7 @@ async def _wait_for_tls(
 
 @contextlib.asynccontextmanager
 async def plane_with_operator_access(
-    state_dir: Path, values: dict[str, Any] | None = None
+    state_dir: Path, values: dict[str, Any] | None = None, *, advertise: str | None = None
 ) -> AsyncIterator[tuple[controlplane.Plane, list[dict[str, Any]]]]:
     """The control plane with the chart's CRDs, ServiceAccount and RBAC (rendered with ``values``)
     applied and ``DIR/operator-kubeconfig`` written; yields the plane and the rendered chart."""
@@ -107,7 +107,7 @@ async def plane_with_operator_access(
         logger.info("the chart's CRDs and RBAC applied in %.1f s", time.monotonic() - started)
 
     try:
-        async with controlplane.running(state_dir, binaries, meanwhile=apply) as plane:
+        async with controlplane.running(state_dir, binaries, meanwhile=apply, advertise=advertise) as plane:
             yield plane, await rendering
     finally:
         rendering.cancel()
@@ -249,12 +249,17 @@ async def _serve_on_real_nodes(
     )
     dask_image = archives["dask"].ref
     async with contextlib.AsyncExitStack() as stack:
-        plane, objects = await stack.enter_async_context(plane_with_operator_access(state_dir, values))
+        machine = stack.enter_context(real_nodes.machine(names, state_dir))
+        plane, objects = await stack.enter_async_context(
+            plane_with_operator_access(state_dir, values, advertise=machine[0].ip)
+        )
         # Dask's own image's ref names the sandbox's Dask image too, so that manifests written for
         # a cluster (the Dask Helm chart's, dask-kubernetes') run here as they are.
         aliases = {common.DASK_IMAGE: dask_image}
         await stack.enter_async_context(
-            real_nodes.running(plane, names, binaries, [archive.path for archive in archives.values()], aliases=aliases)
+            real_nodes.running(
+                plane, machine, binaries, [archive.path for archive in archives.values()], aliases=aliases
+            )
         )
         async with plane.session() as api:
             for manifest in common.scheduler_manifests(dask_image):

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from memops_sandbox import common as sandbox_cli
+from memops_sandbox import nodes as real_nodes
 
 from memops import permissions
 
@@ -95,14 +96,29 @@ class Sandbox:
 
     # -- processes --------------------------------------------------------------------------------
 
+    @property
+    def real_nodes(self) -> bool:
+        """Whether the Nodes are real kubelets (else the process node agent's)."""
+        return (self.state_dir / "nodes").is_dir()
+
     def pod_pid(self, pod: str) -> int:
+        """The pid of the pod's (first) container's first process: a process group's leader."""
+        if self.real_nodes:
+            [status, *_] = self.get("pod", pod)["status"]["containerStatuses"]
+            return real_nodes.container_pid(status["containerID"])
         return int((self.state_dir / "pods" / f"default_{pod}.pid").read_text())
 
     def signal_pod(self, pod: str, sig: signal.Signals) -> None:
         os.killpg(self.pod_pid(pod), sig)
 
+    def scheduler_pid(self) -> int:
+        if self.real_nodes:
+            [pod] = [p["metadata"]["name"] for p in self.get("pods", "-l", "app=dask-scheduler")["items"]]
+            return self.pod_pid(pod)
+        return int((self.state_dir / "scheduler.pid").read_text())
+
     def signal_scheduler(self, sig: signal.Signals) -> None:
-        os.killpg(int((self.state_dir / "scheduler.pid").read_text()), sig)
+        os.killpg(self.scheduler_pid(), sig)
 
     def start_operator(self) -> subprocess.Popen[bytes]:
         log = (self.state_dir / "operator.log").open("ab")
@@ -147,17 +163,17 @@ administrator allows it (the chart's sharedSpill.hostRoots)."""
 EVERY_FEATURE += ["--set", f"sharedSpill.hostRoots=[{SPILL_ROOT}]"]
 
 
-def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True) -> Sandbox:
-    process = sandbox_cli.launch(state_dir, workers, *EVERY_FEATURE, *([] if operator else ["--no-operator"]))
-    return Sandbox(state_dir, process)
+def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True, real_nodes: bool = False) -> Sandbox:
+    args = [*EVERY_FEATURE, *([] if operator else ["--no-operator"])]
+    return Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args, real_nodes=real_nodes))
 
 
 @pytest.fixture
 def sandbox_factory(tmp_path: Path) -> Iterator[Callable[..., Sandbox]]:
     started: list[Sandbox] = []
 
-    def factory(workers: int = 4, *, operator: bool = True) -> Sandbox:
-        sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator)
+    def factory(workers: int = 4, *, operator: bool = True, real_nodes: bool = False) -> Sandbox:
+        sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator, real_nodes=real_nodes)
         started.append(sandbox)
         return sandbox
 
@@ -169,6 +185,12 @@ def sandbox_factory(tmp_path: Path) -> Iterator[Callable[..., Sandbox]]:
 @pytest.fixture
 def sandbox(sandbox_factory: Callable[..., Sandbox]) -> Sandbox:
     return sandbox_factory(4)
+
+
+@pytest.fixture
+def real_sandbox(sandbox_factory: Callable[..., Sandbox]) -> Sandbox:
+    """A sandbox on real Nodes: kubelets, containerd, runc, pods in containers with memory limits."""
+    return sandbox_factory(4, real_nodes=True)
 
 
 SPREAD_OVER_NODES = {

@@ -312,7 +312,7 @@ def test_sandbox_stops_every_process_it_started(sandbox_factory: Callable[..., S
 
     sandbox = sandbox_factory(2)
     pids = [sandbox.pod_pid(pod) for pod in sandbox.pods()]
-    pids.append(int((sandbox.state_dir / "scheduler.pid").read_text()))
+    pids.append(sandbox.scheduler_pid())
     pids.append(int((sandbox.state_dir / "operator.pid").read_text()))
     assert (sandbox.state_dir / "ready").exists()
     sandbox.stop()

@@ -1,0 +1,132 @@
+"""The sandbox's real Nodes: pods are containers under a kubelet, whose memory limits the kernel
+enforces and Dask reads from the container's cgroup, as on a cluster."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import distributed
+from memops_sandbox import common as sandbox_cli
+from memops_sandbox import nodes as real_nodes
+
+from tests.e2e.conftest import Sandbox
+from tests.e2e.data import scatter_unique
+
+MiB = 2**20
+
+
+def cgroup_limit(pid: int) -> int:
+    """The memory limit of the cgroup that ``pid`` is in, read from the host's side."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return int((real_nodes.CGROUP_FS / "memory" / path.lstrip("/") / "memory.limit_in_bytes").read_text())
+        if controllers == "":  # cgroup v2
+            return int((real_nodes.CGROUP_FS / path.lstrip("/") / "memory.max").read_text())
+    raise LookupError(f"no memory cgroup for {pid}")
+
+
+def test_workers_are_containers_whose_limit_dask_reads_from_the_cgroup(real_sandbox: Sandbox) -> None:
+    """Every worker pod runs in a container under a real kubelet (a containerd container ID), its
+    container's cgroup carries the pod's ``resources.limits.memory``, and each Dask worker's
+    ``memory_limit`` is that limit: read from the cgroup, as no ``--memory-limit`` is passed."""
+    sandbox = real_sandbox
+    nodes = {n["metadata"]["name"]: n for n in sandbox.get("nodes")["items"]}
+    assert len(nodes) == 2
+    for node in nodes.values():
+        assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    pods = sandbox.get("pods", "-l", "app=dask-worker")["items"]
+    assert len(pods) == 4
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        workers = client.scheduler_info(n_workers=-1)["workers"].values()
+        limits = {str(w["name"]): int(w["memory_limit"]) for w in workers}
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        [container] = pod["spec"]["containers"]
+        assert "--memory-limit" not in container["args"]
+        limit = int(container["resources"]["limits"]["memory"])
+        [status] = pod["status"]["containerStatuses"]
+        assert status["containerID"].startswith("containerd://") and status["ready"], status
+        assert cgroup_limit(real_nodes.container_pid(status["containerID"])) == limit
+        assert limits[name] == limit, f"{name}: Dask's memory_limit is the container's"
+
+
+def hog_pod(name: str, limit: str, size: int) -> dict[str, Any]:
+    """A pod whose one process allocates ``size`` bytes and then sleeps, under ``limit``."""
+    program = f"import time; hog = bytearray({size}); hog[::4096] = b'x' * len(hog[::4096]); time.sleep(3600)"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "hog",
+                    "image": sandbox_cli.DASK_IMAGE,
+                    "command": ["python", "-c", program],
+                    "resources": {"limits": {"memory": limit}},
+                }
+            ],
+        },
+    }
+
+
+def test_the_kernel_kills_a_container_over_its_limit(real_sandbox: Sandbox) -> None:
+    """A process that touches more than its container's limit is killed by the kernel's OOM killer,
+    and the kubelet says so: ``OOMKilled``, exit code 137. One under its limit keeps running."""
+    sandbox = real_sandbox
+    sandbox.apply(hog_pod("over", "64Mi", 128 * MiB))
+    sandbox.apply(hog_pod("under", "256Mi", 64 * MiB))
+
+    def terminated(pod: str) -> dict[str, Any] | None:
+        statuses = sandbox.get("pod", pod).get("status", {}).get("containerStatuses") or [{}]
+        found: dict[str, Any] | None = statuses[0].get("state", {}).get("terminated")
+        return found
+
+    state = sandbox.wait_for(lambda: terminated("over"), what="the hog over its limit killed")
+    assert state["reason"] == "OOMKilled" and state["exitCode"] == 137, state
+    running = sandbox.wait_for(
+        lambda: sandbox.get("pod", "under")["status"].get("phase") == "Running", what="the hog under its limit running"
+    )
+    assert running and terminated("under") is None
+
+
+def test_a_worker_killed_by_the_kernel_loses_its_keys(real_sandbox: Sandbox) -> None:
+    """What an enforced limit costs without memops: a worker whose data grows past its container's
+    limit (Dask's own memory management off, as ``--memory-limit 0`` does) is OOM-killed by the
+    kernel, and the keys only it held are gone."""
+    sandbox = real_sandbox
+    body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, 1))
+    body["metadata"]["name"] = body["spec"]["template"]["metadata"]["labels"]["app"] = "tight"
+    body["metadata"]["labels"] = body["spec"]["selector"]["matchLabels"] = {"app": "tight"}
+    [container] = body["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    args[args.index("--memory-limit") + 1] = "0"
+    container["args"] = [*args, "--no-nanny"]
+    container["resources"] = {"limits": {"memory": str(192 * MiB)}}
+    sandbox.apply(body)
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        client.wait_for_workers(5, timeout=120)
+        [pod] = [p["metadata"]["name"] for p in sandbox.get("pods", "-l", "app=tight")["items"]]
+        holdings = scatter_unique(client, {pod: 4}, size=MiB)
+        address = {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}[pod]
+
+        def grow(size: int) -> int:
+            import numpy as np  # a buffer of touched pages: counted by the kernel at once
+
+            return int(np.ones(size, dtype=np.uint8).sum())
+
+        client.submit(grow, 256 * MiB, workers=[address], pure=False)
+
+        def last_state() -> dict[str, Any] | None:
+            [status] = sandbox.get("pod", pod)["status"]["containerStatuses"]
+            found: dict[str, Any] | None = status.get("lastState", {}).get("terminated")
+            return found
+
+        killed = sandbox.wait_for(last_state, what=f"{pod}'s container OOM-killed")
+        assert killed["reason"] == "OOMKilled", killed
+        mine = sorted(holdings.keys_of(pod))
+        sandbox.wait_for(lambda: sorted(holdings.lost()) == mine, what="its keys gone with it")
