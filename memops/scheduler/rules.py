@@ -19,7 +19,6 @@ memops' agent.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -127,10 +126,20 @@ def compile_glob(glob: Any, field: str = "glob") -> Glob:
     characters is a glob, and none can make a match run away."""
     if not isinstance(glob, str) or len(glob) > MAX_PATTERN_CHARS:
         raise RuleError(f"{field}: a string of at most {MAX_PATTERN_CHARS} characters")
-    return _compile(glob)
+    compiled = _COMPILED.get(glob)
+    if compiled is None:
+        if len(_COMPILED) >= 4 * MAX_RULES:
+            _COMPILED.clear()
+        compiled = _COMPILED[glob] = _compile(glob)
+    return compiled
 
 
-@functools.lru_cache(maxsize=4 * MAX_RULES)
+_COMPILED: dict[str, Glob] = {}
+"""Globs compiled already, at most ``4 * MAX_RULES``. A plain dict, not ``functools.lru_cache``:
+this module goes to the scheduler by value, and a cached function's wrapper pickles by reference,
+which a scheduler without memops installed cannot load."""
+
+
 def _compile(glob: str) -> Glob:
     pieces = _pieces(glob)
     compiled = [re.compile("".join(piece), re.DOTALL) for piece in pieces]
