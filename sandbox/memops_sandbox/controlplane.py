@@ -270,10 +270,11 @@ def admission_configuration(kubeconfig_path: Path) -> dict[str, Any]:
     }
 
 
-def webhook_client_kubeconfig(pki: certs.ClusterPki, webhook_host: str) -> str:
-    """The credentials the API server presents to the webhook at ``webhook_host`` (``host:port``,
-    as the API server looks a URL webhook up): the webhook-client certificate. No other host gets
-    any, and no cluster or context is needed: the API server reads only ``users``."""
+def webhook_client_kubeconfig(pki: certs.ClusterPki, *webhook_hosts: str) -> str:
+    """The credentials the API server presents to the webhooks at ``webhook_hosts`` (``host:port``,
+    as the API server looks a URL webhook up, or a Service's ``<name>.<namespace>.svc``): the
+    webhook-client certificate. No other host gets any, and no cluster or context is needed: the
+    API server reads only ``users``."""
     cert, key = (
         pki.path("apiserver-webhook-client").read_bytes(),
         pki.path("apiserver-webhook-client", "key").read_bytes(),
@@ -282,7 +283,7 @@ def webhook_client_kubeconfig(pki: certs.ClusterPki, webhook_host: str) -> str:
         {
             "apiVersion": "v1",
             "kind": "Config",
-            "users": [{"name": webhook_host, "user": _credentials(cert, key, None)}],
+            "users": [{"name": host, "user": _credentials(cert, key, None)} for host in webhook_hosts],
         }
     )
 
@@ -411,6 +412,7 @@ async def running(
     timeout: float = 120,
     meanwhile: Callable[[Plane, Api], Awaitable[None]] | None = None,
     advertise: str | None = None,
+    webhook_services: Sequence[str] = (),
 ) -> AsyncIterator[Plane]:
     """Run the control plane until the block exits; see the module's docstring.
 
@@ -429,7 +431,7 @@ async def running(
     # Chosen now: the API server reads which webhook host gets its client certificate at start.
     webhook_port = common.free_port(etcd_port, peer_port, api_port)
     webhook_clients = state_dir / "webhook-clients.kubeconfig"
-    webhook_clients.write_text(webhook_client_kubeconfig(pki, f"127.0.0.1:{webhook_port}"))
+    webhook_clients.write_text(webhook_client_kubeconfig(pki, f"127.0.0.1:{webhook_port}", *webhook_services))
     webhook_clients.chmod(0o600)
     (state_dir / "admission.yaml").write_text(yaml.safe_dump(admission_configuration(webhook_clients)))
     server = f"https://127.0.0.1:{api_port}"

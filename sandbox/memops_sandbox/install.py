@@ -67,7 +67,74 @@ RESOURCES = {
         False,
     ),
     "Deployment": ("/apis/apps/v1", "deployments", True),
+    "Service": ("/api/v1", "services", True),
+    "Secret": ("/api/v1", "secrets", True),
+    "ConfigMap": ("/api/v1", "configmaps", True),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
 }
+OPERATOR_KINDS = (
+    "Secret",
+    "Service",
+    "NetworkPolicy",
+    "Deployment",
+    "MutatingWebhookConfiguration",
+    "ValidatingWebhookConfiguration",
+)
+"""On real Nodes, the rest of the chart, applied as rendered, in this order: the operator is the
+chart's Deployment, its webhook reached through its Service (:func:`install_operator`)."""
+CLIENT_CA_CONFIGMAP = "memops-webhook-client-ca"
+"""The ConfigMap of :data:`NAMESPACE` holding the CA of the API server's webhook client
+certificate, which the chart's ``webhook.clientCA.configMap`` names on real Nodes."""
+
+
+def pod_values(operator_image: str, pause_image: str, client_name: str, *, replicas: int = 1) -> dict[str, Any]:
+    """The chart's values for an operator pod on the sandbox's real Nodes: the images built here
+    (never pulled), and the webhook answering only the API server's client certificate."""
+    repository, _, tag = operator_image.rpartition(":")
+    pause_repository, _, pause_tag = pause_image.rpartition(":")
+    return {
+        "replicas": replicas,
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "IfNotPresent"},
+        "webhook": {"clientCA": {"configMap": CLIENT_CA_CONFIGMAP}, "clientNames": [client_name]},
+        "sharedSpill": {"nodeDaemonSet": {"pauseImage": {"repository": pause_repository, "tag": pause_tag}}},
+    }
+
+
+def merge_values(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` over ``base``, maps merged key by key (as Helm merges ``-f`` files)."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_values(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def webhook_service_hosts(values: dict[str, Any] | None) -> list[str]:
+    """How the API server names the chart's webhook Service when it looks up its client
+    credentials: ``<service>.<namespace>.svc``, with and without the port."""
+    fullname = (values or {}).get("fullnameOverride") or RELEASE
+    host = f"{fullname}-webhook.{NAMESPACE}.svc"
+    return [host, f"{host}:443"]
+
+
+async def install_operator(api: controlplane.Api, objects: list[dict[str, Any]], client_ca: bytes) -> None:
+    """Apply the chart's operator (:data:`OPERATOR_KINDS`) as rendered, with the ConfigMap of the
+    API server's client CA that its webhook verifies clients with."""
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": CLIENT_CA_CONFIGMAP, "namespace": NAMESPACE},
+        "data": {"ca.crt": client_ca.decode()},
+    }
+    await api.create(path_of(configmap), configmap)
+    for kind in OPERATOR_KINDS:
+        for obj in objects:
+            if obj["kind"] == kind:
+                await api.create(path_of(obj), obj)
+
+
 OPERATOR_FLAGS = ("--shared-spill-host-root=",)
 """The rendered Deployment's arguments that the sandbox's operator takes as they are; the others
 (ports, certificate files, the liveness endpoint) it sets for loopback itself."""

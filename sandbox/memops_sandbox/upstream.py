@@ -93,7 +93,11 @@ async def _wait_for_tls(
 
 @contextlib.asynccontextmanager
 async def plane_with_operator_access(
-    state_dir: Path, values: dict[str, Any] | None = None, *, advertise: str | None = None
+    state_dir: Path,
+    values: dict[str, Any] | None = None,
+    *,
+    advertise: str | None = None,
+    webhook_services: Sequence[str] = (),
 ) -> AsyncIterator[tuple[controlplane.Plane, list[dict[str, Any]]]]:
     """The control plane with the chart's CRDs, ServiceAccount and RBAC (rendered with ``values``)
     applied and ``DIR/operator-kubeconfig`` written; yields the plane and the rendered chart."""
@@ -107,7 +111,9 @@ async def plane_with_operator_access(
         logger.info("the chart's CRDs and RBAC applied in %.1f s", time.monotonic() - started)
 
     try:
-        async with controlplane.running(state_dir, binaries, meanwhile=apply, advertise=advertise) as plane:
+        async with controlplane.running(
+            state_dir, binaries, meanwhile=apply, advertise=advertise, webhook_services=webhook_services
+        ) as plane:
             yield plane, await rendering
     finally:
         rendering.cancel()
@@ -250,8 +256,16 @@ async def _serve_on_real_nodes(
     dask_image = archives["dask"].ref
     async with contextlib.AsyncExitStack() as stack:
         machine = stack.enter_context(real_nodes.machine(names, state_dir))
+        values = install.merge_values(
+            values or {},
+            install.pod_values(
+                archives["operator"].ref, archives["pause"].ref, certs.WEBHOOK_CLIENT, replicas=1 if operator else 0
+            ),
+        )
         plane, objects = await stack.enter_async_context(
-            plane_with_operator_access(state_dir, values, advertise=machine[0].ip)
+            plane_with_operator_access(
+                state_dir, values, advertise=machine[0].ip, webhook_services=install.webhook_service_hosts(values)
+            )
         )
         # Dask's own image's ref names the sandbox's Dask image too, so that manifests written for
         # a cluster (the Dask Helm chart's, dask-kubernetes') run here as they are.
@@ -268,15 +282,36 @@ async def _serve_on_real_nodes(
             address = f"tcp://{service['spec']['clusterIP']}:{common.SCHEDULER_PORT}"
             deployment = common.worker_deployment(address, workers, memory_limit, image=dask_image)
             await api.create(install.path_of(deployment), deployment)
-        await _together(
-            common.wait_for_workers(address, workers, common.start_allowance(workers)),
-            *([stack.enter_async_context(_operator(plane, objects, state_dir))] if operator else []),
-        )
+            # The operator starts while the workers do, as the chart's Deployment.
+            await install.install_operator(api, objects, plane.pki.path("webhook-client-ca").read_bytes())
+            await _together(
+                common.wait_for_workers(address, workers, common.start_allowance(workers)),
+                *([_operator_ready(api, state_dir)] if operator else []),
+            )
         (state_dir / "scheduler-address").write_text(address + "\n")
         (state_dir / "ready").write_text("ready\n")
         if on_ready is not None:
             on_ready()
         await asyncio.Event().wait()
+
+
+async def _operator_ready(api: controlplane.Api, state_dir: Path, timeout: float = 120) -> None:
+    """Until the chart's operator pod is Ready (Kopf's /healthz answers); then its metrics'
+    address goes to ``DIR/metrics-url``."""
+    selector = "app.kubernetes.io/component=operator"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = await api.get(f"/api/v1/namespaces/{install.NAMESPACE}/pods?labelSelector={selector}")
+        for pod in listed["items"]:
+            conditions = pod.get("status", {}).get("conditions") or []
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+                ports = {p.get("name"): p["containerPort"] for p in pod["spec"]["containers"][0].get("ports", [])}
+                if "metrics" in ports:
+                    url = f"http://{pod['status']['podIP']}:{ports['metrics']}/metrics\n"
+                    (state_dir / "metrics-url").write_text(url)
+                return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"the operator's pod was not Ready within {timeout:.0f} s")
 
 
 async def _together(*awaitables: Awaitable[Any]) -> list[Any]:
