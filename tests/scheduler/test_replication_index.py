@@ -1,0 +1,189 @@
+"""The replication index (:mod:`memops.scheduler.replication_index`) always equals a full scan.
+
+Random sequences of what changes a scheduler's placement of keys — keys reaching memory (computed
+or scattered), copies made and dropped, keys released and forgotten, workers joining, leaving
+(their keys removed as ``Scheduler.remove_worker`` removes them), starting to retire and coming
+back, and rule edits (default, prefix, glob and scattered key rules, pod rules marking workers
+present, gone or yet to come) — applied to a real ``distributed.Scheduler``'s own bookkeeping
+(``add_replica``, ``remove_replica``, its transitions), not started. After every step the index
+reads what it noted (in random-sized slices, as passes do) and is compared with
+:func:`~memops.scheduler.replication_index.recompute`, which reads every key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from distributed import Scheduler
+from distributed.core import Status
+from distributed.scheduler import WorkerState
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from memops.scheduler import replication_index
+from memops.scheduler import rules as ruling
+
+PREFIXES = ("load", "train", "other")
+KEY_RULES = (
+    {"prefix": "load", "replicas": 2},
+    {"glob": "tr*", "replicas": 3},
+    {"scattered": True, "replicas": 2},
+)
+WORKERS = 8  # addresses tcp://w0:1 ... tcp://w7:1, joining and leaving
+
+
+def address(i: int) -> str:
+    return f"tcp://w{i}:1"
+
+
+def computed(x: int) -> int:  # the run_spec of a computed key: something can make it again
+    return x
+
+
+def run_spec() -> Any:
+    from dask._task_spec import Task
+
+    return Task("k", computed, 1)
+
+
+steps = st.one_of(
+    st.tuples(
+        st.just("key"), st.sampled_from(PREFIXES), st.booleans(), st.integers(0, WORKERS - 1), st.integers(1, 10**6)
+    ),
+    st.tuples(st.just("copy"), st.integers(0, 40), st.integers(0, WORKERS - 1)),
+    st.tuples(st.just("drop"), st.integers(0, 40), st.integers(0, WORKERS - 1)),
+    st.tuples(st.just("forget"), st.integers(0, 40)),
+    st.tuples(st.just("join"), st.integers(0, WORKERS - 1)),
+    st.tuples(st.just("leave"), st.integers(0, WORKERS - 1)),
+    st.tuples(st.just("status"), st.integers(0, WORKERS - 1), st.booleans()),
+    st.tuples(
+        st.just("rules"),
+        st.integers(1, 2),
+        st.lists(st.integers(0, len(KEY_RULES) - 1), max_size=3, unique=True),
+        st.lists(st.frozensets(st.integers(0, WORKERS - 1), max_size=3), max_size=2),
+    ),
+)
+
+
+class Cluster:
+    """A real Scheduler's bookkeeping, changed as the scheduler changes it."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.s = scheduler
+        self.serial = 0
+
+    def keys(self) -> list[Any]:
+        return list(self.s.tasks.values())
+
+    def apply(self, step: tuple[Any, ...], index: replication_index.Index) -> None:
+        s, kind = self.s, step[0]
+        if kind == "key":
+            _, prefix, scattered, w, nbytes = step
+            ws = s.workers.get(address(w))
+            if ws is None:
+                return
+            self.serial += 1
+            ts = s.new_task(f"{prefix}-{self.serial}", None if scattered else run_spec(), "memory")
+            ts.set_nbytes(nbytes)
+            s.add_replica(ts, ws)  # as update_data (scatter) and _add_to_memory do
+        elif kind in ("copy", "drop"):
+            _, k, w = step
+            tasks, ws = self.keys(), s.workers.get(address(w))
+            if not tasks or ws is None:
+                return
+            ts = tasks[k % len(tasks)]
+            if not ts.who_has:
+                return
+            if kind == "copy" and ws not in ts.who_has:
+                s.add_replica(ts, ws)
+            elif kind == "drop" and ws in ts.who_has and len(ts.who_has) > 1:
+                s.remove_replica(ts, ws)
+        elif kind == "forget":
+            tasks = self.keys()
+            if tasks:
+                s._transitions({tasks[step[1] % len(tasks)].key: "forgotten"}, {}, {}, "test")
+        elif kind == "join":
+            a = address(step[1])
+            if a not in s.workers:
+                s.workers[a] = WorkerState(
+                    address=a,
+                    status=Status.running,
+                    pid=0,
+                    name=a,
+                    memory_limit=2**30,
+                    local_directory="",
+                    nanny=None,
+                    server_id=f"{a}-{self.serial}",
+                )
+                self.serial += 1
+        elif kind == "leave":
+            ws = s.workers.get(address(step[1]))
+            if ws is None:
+                return
+            lost = []
+            for ts in list(ws.has_what):  # as Scheduler.remove_worker does
+                s.remove_replica(ts, ws)
+                if not ts.who_has:
+                    lost.append(ts.key)
+            del s.workers[ws.address]
+            if lost:
+                s._transitions(dict.fromkeys(lost, "forgotten"), {}, {}, "test")
+        elif kind == "status":
+            ws = s.workers.get(address(step[1]))
+            if ws is not None:
+                ws.status = Status.closing_gracefully if step[2] else Status.running
+        elif kind == "rules":
+            _, default, keys, pods = step
+            rules = ruling.parse(
+                {
+                    "default": default,
+                    "keys": [KEY_RULES[i] for i in keys],
+                    "pods": [{"workers": [address(w) for w in sorted(p)], "replicas": 2} for p in pods],
+                }
+            )
+            index.retune(rules)
+
+
+def check(index: replication_index.Index, scheduler: Scheduler) -> None:
+    entries, off, totals = replication_index.recompute(index, scheduler.tasks.values())
+    assert index.entries == entries
+    assert set(index.off) == off
+    assert index.totals == totals
+    held = {ts for keys in index.held.values() for ts in keys}
+    assert held == {ts for ts in scheduler.tasks.values() if ts.who_has}
+
+
+async def run(initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], limits: list[int]) -> None:
+    scheduler = Scheduler(dashboard=False, dashboard_address=None, validate=False)
+    try:
+        cluster = Cluster(scheduler)
+        index = replication_index.Index(ruling.parse({"keys": [KEY_RULES[0]]}))
+        for i in range(3):
+            cluster.apply(("join", i), index)
+        for step in initial:  # keys in memory before the index follows the scheduler: its first build
+            cluster.apply(step, index)
+        index.attach(scheduler)
+        for n, step in enumerate(sequence):
+            cluster.apply(step, index)
+            limit = limits[n % len(limits)]
+            while index.pending:  # read in slices, as passes do
+                index.update(limit)
+            index.update(limit)  # the workers' status and marks, read once a pass
+            check(index, scheduler)
+        index.detach()
+        assert "add_replica" not in vars(scheduler), "the scheduler's own methods are back"
+    finally:
+        await scheduler.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    initial=st.lists(steps.filter(lambda s: s[0] == "key"), max_size=10),
+    sequence=st.lists(steps, min_size=1, max_size=40),
+    limits=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+)
+def test_the_index_equals_a_full_recomputation_after_every_step(
+    initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], limits: list[int]
+) -> None:
+    asyncio.run(run(initial, sequence, limits))
