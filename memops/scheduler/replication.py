@@ -55,17 +55,21 @@ from memops.scheduler import holdings, replication_index
 from memops.scheduler import rules as ruling
 
 NAME = "memops-replication"
-MAX_COPIES_PER_PASS = 1000
+MAX_COPIES_PER_PASS = 2500
 """Copies planned in one pass: bounds a pass' time (a recipient search may read every worker)
 and the transfers started at once; the rest follow on the next passes."""
-MAX_ITEMS_PER_PASS = 20_000
+MAX_ITEMS_PER_PASS = 2_500
 """Ruled keys off their target that one pass hands to :func:`decide` (which copies at most
 :data:`MAX_COPIES_PER_PASS` of them anyway): a rule just applied to 100,000 keys keeps a pass
 bounded, and the rest are served on the next passes, those read longest ago first. Which keys come
 first is then that order, not :func:`value_order`, until they fit."""
-MAX_SHARE = 0.05
+MAX_SHARE = 0.2
 """A pass that takes t seconds is followed by none for t / MAX_SHARE: a backstop that keeps
-replication to this share of the scheduler's event loop should passes grow long."""
+replication to this share of the scheduler's event loop should passes grow long. Passes cost what
+changed (under 1 ms at rest at a million keys); right after a loss or a rule they take up to about
+a tenth of a second, and this lets them run every :data:`INTERVAL` until the copies are back."""
+INTERVAL = 0.5
+"""Seconds between passes (the AMM's period for replication)."""
 LANDING = 2.0
 """A copy costs its recipient about twice its size while it lands (as in :mod:`relief`)."""
 IN_FLIGHT_SECONDS = 5.0
@@ -308,20 +312,29 @@ class Replication(ActiveMemoryManagerPolicy):
 
     def items(self, now: float) -> list[Item]:
         """The ruled keys off target as :class:`Item`, copies on their way counted as holders: at
-        most :data:`MAX_ITEMS_PER_PASS`, those read longest ago first (each is read again here, and
-        goes to the back, or out once at target). Also sets :attr:`rest`."""
+        most :data:`MAX_ITEMS_PER_PASS`, those handed over longest ago first (each goes to the back;
+        one noted since it was read, read under other rules, or with a copy on its way, is read again
+        first). Also sets
+        :attr:`rest`."""
         index = self.index
         items: list[Item] = []
         rest = dataclasses.replace(index.totals)
-        for ts in list(itertools.islice(index.off, MAX_ITEMS_PER_PASS)):
+        off = index.off
+        for ts in list(itertools.islice(off, MAX_ITEMS_PER_PASS)):
             holders = [ws.address for ws in ts.who_has or ()]
             flight = self.in_flight.get(ts.key)
-            if flight is not None and (now > flight[1] or flight[0] in holders):
-                del self.in_flight[ts.key]
-                flight = None
-            entry = index.read(ts)
-            if entry is None or not entry.off:
-                continue  # at target after all (a copy landed, or its flight expired)
+            entry = index.entries[ts]
+            if flight is not None or entry.generation != index.generation or ts in index.noted:
+                if flight is not None and (now > flight[1] or flight[0] in holders):
+                    del self.in_flight[ts.key]
+                    flight = None
+                index.noted.discard(ts)
+                # Changed since read (a copy landed, its flight expired), or read under other rules.
+                entry = index.read(ts)
+                if entry is None or not entry.off:
+                    continue  # at target after all
+            else:
+                off.move_to_end(ts)  # the next pass hands others over first
             rest.add(entry, -1)
             if flight is not None:
                 holders.append(flight[0])
@@ -543,7 +556,7 @@ def configure(
     rules: Mapping[str, Any] | None,
     places: Mapping[str, Sequence[str]] | None = None,
     owner: str = "",
-    interval: float = 1.0,
+    interval: float = INTERVAL,
 ) -> dict[str, Any] | None:
     """Run on the scheduler (by the agent's ``replication`` operation): install, retune or
     (``rules=None``) remove replication; its figures, or None once removed.

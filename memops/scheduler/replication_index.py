@@ -27,33 +27,48 @@ with memops' agent. Nothing here reads what a peer sent but the scheduler's own 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from memops.scheduler import rules as ruling
 
 MAX_READS_PER_PASS = 50_000
-"""Noted keys that one pass reads (about 1 to 3 µs each): bounds a pass after a rule over many
-keys, a lost worker or the first build; the rest are read on the next passes."""
+READ_SECONDS = 0.02
+"""Noted keys that one pass reads: at most this many, for at most this long (a few µs each): bounds
+a pass after a rule over many keys, a lost worker or the first build; the rest are read on the
+next passes."""
+_SLICE = 1024
 HOOKED = ("add_replica", "remove_replica", "remove_all_replicas")
 _MISSING: Any = object()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Entry:
-    """One ruled key in memory, as the index last read it."""
+    """One ruled key in memory, as the index last read it (read-only; slots: a million of them may exist)."""
 
-    goal: ruling.Target
-    count: int  # copies held
-    nbytes: int
-    off: bool  # handed to the decision: not at its target, a copy on its way, a holder leaving, or only on marked pods
-    under: bool  # fewer copies than its target, or every copy on a marked pod
-    over: bool  # more copies than its target
+    __slots__ = ("count", "extra", "generation", "goal", "nbytes", "off", "over", "under")
+    compared = ("count", "extra", "goal", "nbytes", "off", "over", "under")
 
-    @property
-    def extra(self) -> int:
-        """Bytes of its copies beyond the first."""
-        return self.nbytes * max(self.count - 1, 0)
+    def __init__(
+        self, goal: ruling.Target, count: int, nbytes: int, off: bool, under: bool, over: bool, generation: int = 0
+    ):
+        self.generation = generation  # the Index' generation (its rules) when read
+        self.goal = goal
+        self.count = count  # copies held
+        self.nbytes = nbytes
+        self.off = (
+            off  # handed to the decision: not at target, a copy on its way, a holder leaving, or only on marked pods
+        )
+        self.under = under  # fewer copies than its target, or every copy on a marked pod
+        self.over = over  # more copies than its target
+        self.extra = nbytes * (count - 1)  # bytes of its copies beyond the first
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Entry) and all(getattr(self, a) == getattr(other, a) for a in self.compared)
+
+    def __repr__(self) -> str:
+        return "Entry(" + ", ".join(f"{a}={getattr(self, a)!r}" for a in self.__slots__) + ")"
 
 
 @dataclasses.dataclass
@@ -70,7 +85,7 @@ class Totals:
         if entry.under:
             self.under += sign
             self.bytes_under += sign * entry.nbytes
-        if entry.over:
+        elif entry.over:
             self.over += sign
             self.bytes_over += sign * entry.nbytes * (entry.count - entry.goal.replicas)
         self.spent += sign * entry.extra
@@ -82,9 +97,12 @@ class Index:
 
     def __init__(self, rules: ruling.Rules):
         self.rules = rules
+        self.generation = 0  # one more with each change of rules: an Entry read before may be stale
         self.scheduler: Any = None
         self.entries: dict[Any, Entry] = {}  # TaskState -> Entry
-        self.off: dict[Any, None] = {}  # TaskStates whose Entry is off, in the order they were read
+        # TaskStates whose Entry is off, in the order they were read. An OrderedDict: a dict whose
+        # front was deleted from walks over the holes on every iteration from the front.
+        self.off: OrderedDict[Any, None] = OrderedDict()
         self.totals = Totals()
         self.held: dict[tuple[Any, bool], set[Any]] = {}  # (TaskPrefix, scattered) -> its keys in memory
         self.noted: set[Any] = set()  # TaskStates changed since they were read (the hooks add to it)
@@ -122,7 +140,7 @@ class Index:
             wrapper = _note_after(original, noted, active)
             setattr(scheduler, name, wrapper)
             self.hooks[name] = (original, wrapper)
-        self.entries, self.off, self.totals, self.held = {}, {}, Totals(), {}
+        self.entries, self.off, self.totals, self.held = {}, OrderedDict(), Totals(), {}
         self.noted.clear()
         self.backlog, self.cursor = list(scheduler.tasks.values()), 0
         self.leaving, self.marked_by_rule, self.marked = set(), [], set()
@@ -143,7 +161,7 @@ class Index:
                     setattr(scheduler, name, original)
         self.hooks = {}
         self.scheduler = None
-        self.entries, self.off, self.totals, self.held = {}, {}, Totals(), {}
+        self.entries, self.off, self.totals, self.held = {}, OrderedDict(), Totals(), {}
         self.noted.clear()
         self.backlog, self.cursor = [], 0
 
@@ -157,6 +175,7 @@ class Index:
         if rules == old:
             return
         self.goals = {}
+        self.generation += 1
         if rules.default != old.default:
             self.wanted_by_group = {}
             self._queue(self.held.values())
@@ -194,22 +213,28 @@ class Index:
         for ws in changed:
             self.noted.update(ws.has_what)
 
-    def update(self, limit: int = MAX_READS_PER_PASS) -> int:
-        """Read the noted keys again, at most ``limit`` of them (changes first, then the backlog); how many."""
+    def update(self, limit: int = MAX_READS_PER_PASS, seconds: float = READ_SECONDS) -> int:
+        """Read the noted keys again, changes first, then the backlog: at most ``limit`` of them,
+        for about ``seconds`` (checked every :data:`_SLICE` keys); how many."""
+        started = time.perf_counter()
         if self.scheduler is not None:
             self.follow_workers(self.scheduler.workers)
         read = 0
-        noted = self.noted
-        while noted and read < limit:
-            self.read(noted.pop())
-            read += 1
-        backlog = self.backlog
-        while self.cursor < len(backlog) and read < limit:
-            end = min(self.cursor + limit - read, len(backlog))
-            for ts in backlog[self.cursor : end]:
-                self.read(ts)
-            read += end - self.cursor
-            self.cursor = end
+        noted, backlog = self.noted, self.backlog
+        while (noted or self.cursor < len(backlog)) and read < limit:
+            if read and time.perf_counter() - started > seconds:
+                break
+            chunk = min(_SLICE, limit - read)
+            if noted:
+                for _ in range(min(chunk, len(noted))):
+                    self.read(noted.pop())
+                    read += 1
+            else:
+                end = min(self.cursor + chunk, len(backlog))
+                for ts in backlog[self.cursor : end]:
+                    self.read(ts)
+                read += end - self.cursor
+                self.cursor = end
         if self.cursor >= len(backlog):
             self.backlog, self.cursor = [], 0
         return read
@@ -249,7 +274,8 @@ class Index:
             or not self.leaving.isdisjoint(who_has)
             or (bool(goal.away) and who_has <= self.marked)
         )
-        return Entry(goal, count, ts.get_nbytes(), off, count < goal.replicas or only_marked, count > goal.replicas)
+        under, over = count < goal.replicas or only_marked, count > goal.replicas
+        return Entry(goal, count, ts.get_nbytes(), off, under, over, self.generation)
 
     def read(self, ts: Any) -> Entry | None:
         """Read ``ts`` again: its place among the keys in memory, its entry, the totals."""

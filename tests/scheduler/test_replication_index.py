@@ -18,7 +18,7 @@ from typing import Any
 from distributed import Scheduler
 from distributed.core import Status
 from distributed.scheduler import WorkerState
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from memops.scheduler import replication_index
@@ -47,10 +47,11 @@ def run_spec() -> Any:
     return Task("k", computed, 1)
 
 
+key_steps = st.tuples(
+    st.just("key"), st.sampled_from(PREFIXES), st.booleans(), st.integers(0, WORKERS - 1), st.integers(1, 10**6)
+)
 steps = st.one_of(
-    st.tuples(
-        st.just("key"), st.sampled_from(PREFIXES), st.booleans(), st.integers(0, WORKERS - 1), st.integers(1, 10**6)
-    ),
+    key_steps,
     st.tuples(st.just("copy"), st.integers(0, 40), st.integers(0, WORKERS - 1)),
     st.tuples(st.just("drop"), st.integers(0, 40), st.integers(0, WORKERS - 1)),
     st.tuples(st.just("forget"), st.integers(0, 40)),
@@ -115,6 +116,7 @@ class Cluster:
                     local_directory="",
                     nanny=None,
                     server_id=f"{a}-{self.serial}",
+                    scheduler=s,
                 )
                 self.serial += 1
         elif kind == "leave":
@@ -155,7 +157,7 @@ def check(index: replication_index.Index, scheduler: Scheduler) -> None:
 
 
 async def run(initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], limits: list[int]) -> None:
-    scheduler = Scheduler(dashboard=False, dashboard_address=None, validate=False)
+    scheduler = Scheduler(dashboard=False, dashboard_address="127.0.0.1:0", validate=False)
     try:
         cluster = Cluster(scheduler)
         index = replication_index.Index(ruling.parse({"keys": [KEY_RULES[0]]}))
@@ -166,21 +168,23 @@ async def run(initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], l
         index.attach(scheduler)
         for n, step in enumerate(sequence):
             cluster.apply(step, index)
+            event(step[0])
             limit = limits[n % len(limits)]
             while index.pending:  # read in slices, as passes do
-                index.update(limit)
-            index.update(limit)  # the workers' status and marks, read once a pass
+                index.update(limit, seconds=60)
+            index.update(limit, seconds=60)  # the workers' status and marks, read once a pass
             check(index, scheduler)
         index.detach()
         assert "add_replica" not in vars(scheduler), "the scheduler's own methods are back"
     finally:
         await scheduler.close()
+        scheduler.http_server.stop()  # listening since construction; close() stops only a started scheduler's
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    initial=st.lists(steps.filter(lambda s: s[0] == "key"), max_size=10),
-    sequence=st.lists(steps, min_size=1, max_size=40),
+    initial=st.lists(key_steps, max_size=10),
+    sequence=st.lists(steps, min_size=5, max_size=60),
     limits=st.lists(st.integers(1, 7), min_size=1, max_size=3),
 )
 def test_the_index_equals_a_full_recomputation_after_every_step(
