@@ -251,55 +251,67 @@ class Index:
     def wanted(self, ts: Any) -> int:
         return self.wanted_of((ts.prefix, ts.run_spec is None))
 
-    def classify(self, ts: Any) -> Entry | None:
+    def classify(self, ts: Any, group: tuple[Any, bool] | None = None) -> Entry | None:
         """``ts`` as an :class:`Entry` from its state now, or None when no rule covers it (or it
-        is in memory nowhere). The one reading that :meth:`read` and :func:`recompute` share."""
+        is in memory nowhere). The one reading that :meth:`read` and :func:`recompute` share.
+        Read for every key that changes: kept to plain lookups (``group``: its (prefix, scattered))."""
         who_has = ts.who_has
         if not who_has:
             return None
-        wanted = self.wanted(ts)
+        if group is None:
+            group = (ts.prefix, ts.run_spec is None)
+        wanted = self.wanted_by_group.get(group)
+        if wanted is None:
+            wanted = self.wanted_of(group)
         if not wanted and self.rules.default == 1 and self.marked.isdisjoint(who_has):
             return None  # the hot path: an unruled key on no marked pod
-        matched = tuple(i for i, marked in enumerate(self.marked_by_rule) if not marked.isdisjoint(who_has))
+        if self.marked_by_rule:
+            matched = tuple(i for i, marked in enumerate(self.marked_by_rule) if not marked.isdisjoint(who_has))
+        else:
+            matched = ()
         goal = self.goals.get((wanted, matched), _MISSING)
         if goal is _MISSING:
             goal = self.goals[wanted, matched] = ruling.target(self.rules, wanted, [ws.address for ws in who_has])
         if goal is None:
             return None
-        count = len(who_has)
-        only_marked = bool(goal.away) and all(ws.address in goal.away for ws in who_has)
+        count, replicas, away = len(who_has), goal.replicas, goal.away
+        only_marked = bool(away) and all(ws.address in away for ws in who_has)
         off = (
-            count != goal.replicas
+            count != replicas
             or ts.key in self.in_flight
             or not self.leaving.isdisjoint(who_has)
-            or (bool(goal.away) and who_has <= self.marked)
+            or (bool(away) and who_has <= self.marked)
         )
-        under, over = count < goal.replicas or only_marked, count > goal.replicas
-        return Entry(goal, count, ts.get_nbytes(), off, under, over, self.generation)
+        return Entry(
+            goal, count, ts.get_nbytes(), off, count < replicas or only_marked, count > replicas, self.generation
+        )
 
     def read(self, ts: Any) -> Entry | None:
         """Read ``ts`` again: its place among the keys in memory, its entry, the totals."""
         group = (ts.prefix, ts.run_spec is None)
+        held = self.held
         if ts.who_has:
-            keys = self.held.get(group)
+            keys = held.get(group)
             if keys is None:
-                keys = self.held[group] = set()
+                keys = held[group] = set()
             keys.add(ts)
         else:
             for scattered in (False, True):  # either, should its run_spec have changed while held
-                keys = self.held.get((ts.prefix, scattered))
+                keys = held.get((ts.prefix, scattered))
                 if keys is not None:
                     keys.discard(ts)
                     if not keys:
-                        del self.held[ts.prefix, scattered]
+                        del held[ts.prefix, scattered]
+        totals = self.totals
         old = self.entries.pop(ts, None)
         if old is not None:
-            self.totals.add(old, -1)
-            self.off.pop(ts, None)
-        entry = self.classify(ts)
+            totals.add(old, -1)
+            if old.off:
+                del self.off[ts]
+        entry = self.classify(ts, group)
         if entry is not None:
             self.entries[ts] = entry
-            self.totals.add(entry, 1)
+            totals.add(entry, 1)
             if entry.off:
                 self.off[ts] = None
         return entry
