@@ -323,8 +323,8 @@ class Replication(ActiveMemoryManagerPolicy):
         for ts in list(itertools.islice(off, MAX_ITEMS_PER_PASS)):
             holders = [ws.address for ws in ts.who_has or ()]
             flight = self.in_flight.get(ts.key)
-            entry = index.entries[ts]
-            if flight is not None or entry.generation != index.generation or ts in index.noted:
+            entry: replication_index.Entry | None = index.entries[ts]
+            if flight is not None or index.entries[ts].generation != index.generation or ts in index.noted:
                 if flight is not None and (now > flight[1] or flight[0] in holders):
                     del self.in_flight[ts.key]
                     flight = None
@@ -335,6 +335,7 @@ class Replication(ActiveMemoryManagerPolicy):
                     continue  # at target after all
             else:
                 off.move_to_end(ts)  # the next pass hands others over first
+            assert entry is not None
             rest.add(entry, -1)
             if flight is not None:
                 holders.append(flight[0])
