@@ -13,15 +13,20 @@ reads what it noted (in random-sized slices, as passes do) and is compared with
 from __future__ import annotations
 
 import asyncio
+import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from distributed import Scheduler
+import dask
+import distributed
+from distributed import Client, LocalCluster, Scheduler
 from distributed.core import Status
 from distributed.scheduler import WorkerState
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from memops.scheduler import replication_index
+from memops import daskrpc
+from memops.scheduler import replication, replication_index
 from memops.scheduler import rules as ruling
 
 PREFIXES = ("load", "train", "other")
@@ -191,3 +196,104 @@ def test_the_index_equals_a_full_recomputation_after_every_step(
     initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], limits: list[int]
 ) -> None:
     asyncio.run(run(initial, sequence, limits))
+
+
+# -- a real scheduler with 50 workers ---------------------------------------------------------------
+
+
+async def wait_until(predicate: Callable[[], Awaitable[Any]], timeout: float, what: str) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            while not await predicate():
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+
+
+def agrees(scheduler: Scheduler) -> int:
+    """On the scheduler's event loop, between two of its steps: the index, once it has read what it
+    noted, equals a full scan on every key; how many keys are ruled."""
+    index = scheduler.plugins[replication.NAME].policy.index
+    if not replication.in_force(index.rules):
+        # No rule in force: the scheduler's own methods, and nothing indexed.
+        assert not index.attached and not index.entries and "add_replica" not in vars(scheduler)
+        return 0
+    if not index.attached:
+        return -1  # in force since this step: the next pass attaches it
+    while index.pending:
+        index.update(seconds=60)
+    index.update()  # the workers' status and marks, as a pass reads them
+    check(index, scheduler)
+    return len(index.entries)
+
+
+async def test_a_real_scheduler_with_50_workers_agrees_with_a_full_scan_through_losses_joins_and_rules() -> None:
+    """50 workers (``nthreads=1``, in this process: ``processes=False``, which keeps 50 workers
+    affordable on two cores; the scheduler, its AMM, memops' agent over the comm and the workers'
+    transfers are all real). Random losses (a worker closed without retiring, its keys removed by
+    the scheduler's own ``remove_worker``), joins, and rule edits; after each, and while memops' passes
+    copy and drop, the index agrees with a full scan on every key."""
+    rng = random.Random(30)
+    with dask.config.set(
+        {
+            "distributed.scheduler.active-memory-manager.start": True,
+            "distributed.scheduler.active-memory-manager.interval": "500ms",
+        }
+    ):
+        async with (
+            LocalCluster(
+                n_workers=50,
+                processes=False,
+                threads_per_worker=1,
+                protocol="tcp",  # memops speaks tcp:// (or tls://) only, as to any scheduler
+                host="127.0.0.1",
+                dashboard_address="127.0.0.1:0",
+                asynchronous=True,
+            ) as local,
+            Client(local, asynchronous=True) as client,
+        ):
+            scheduler = local.scheduler
+            assert scheduler is not None
+            address = scheduler.address
+            ruled = [client.submit(bytes, 1000, key=f"load-parquet-{i}", pure=False) for i in range(300)]
+            other = [client.submit(bytes, 1000, key=f"other-{i}", pure=False) for i in range(700)]
+            scattered = await client.scatter([bytes(500)] * 200, hash=False)
+            await distributed.wait(ruled + other)
+            rules: dict[str, Any] = {"keys": [{"prefix": "load-parquet", "replicas": 2}], "maxReplicatedFraction": 0.5}
+            assert await daskrpc.configure_replication(address, rules=rules, places={}, owner="test") is not None
+
+            async def settled() -> bool:
+                who_has = await client.scheduler.who_has(keys=[str(f.key) for f in ruled])
+                return all(len(h) >= 2 for h in who_has.values())
+
+            await wait_until(settled, 60, "ruled keys at two copies")
+            assert agrees(scheduler) >= 300
+            for _ in range(12):
+                what = rng.choice(("lose", "lose", "join", "rule", "rule"))
+                if what == "lose" and len(scheduler.workers) > 20:
+                    name = rng.choice(list(local.workers))
+                    await local.workers.pop(name).close(nanny=False, executor_wait=False)
+                elif what == "join":
+                    await local.scale(len(local.workers) + rng.randint(1, 3))
+                else:
+                    workers = sorted(scheduler.workers)
+                    rules = {
+                        "default": rng.choice((1, 1, 2)),
+                        "keys": rng.sample(
+                            [
+                                {"prefix": "load-parquet", "replicas": rng.randint(1, 3)},
+                                {"glob": "oth*", "replicas": 2},
+                                {"scattered": True, "replicas": 2},
+                            ],
+                            rng.randint(0, 2),
+                        ),
+                        "pods": [{"workers": rng.sample(workers, 5), "replicas": 2}] if rng.random() < 0.5 else [],
+                        "maxReplicatedFraction": 0.5,
+                    }
+                    await daskrpc.configure_replication(address, rules=rules, places={}, owner="test")
+                print(
+                    what, len(scheduler.workers), len(scheduler.tasks), agrees(scheduler)
+                )  # at once, whatever the passes do
+                await asyncio.sleep(rng.uniform(0.2, 1.5))  # passes copy and drop meanwhile
+                agrees(scheduler)
+            assert scattered and other  # held to the end
