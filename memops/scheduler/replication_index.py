@@ -15,7 +15,7 @@ seconds at a million keys. :class:`Index` keeps those answers and updates them f
 - rules: a key rule's keys are found through the index's own sets of the keys in memory by
   (prefix, scattered), a pod rule's through its workers' keys; only those are read again.
 
-:meth:`Index.update` reads at most :data:`MAX_READS_PER_PASS` noted keys a pass, so a pass costs
+:meth:`Index.update` reads noted keys for at most :data:`READ_SECONDS` a pass, so a pass costs
 what changed and its time stays bounded when much changes at once (a rule over 100,000 keys, or
 the first build): the rest are read on the next passes. :func:`recompute` is the full scan that
 the index stands for; tests compare the two.
