@@ -494,9 +494,13 @@ def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
     )
 
 
+
+
 def _own(raw: Any) -> dict[str, Any]:
     fields = specs.MemoryPolicyStatus.model_fields
     return {k: v for k, v in dict(raw or {}).items() if k in fields}
+
+
 
 
 _LISTED = {

@@ -158,7 +158,9 @@ async def claim_pod(client: kube.Kube, pod: objects.Obj, request: str) -> None:
         key = objects.CLAIM_ANNOTATION.replace("~", "~0").replace("/", "~1")
         operations.append({"op": "add", "path": f"/metadata/annotations/{key}", "value": request})
     else:
-        operations.append({"op": "add", "path": "/metadata/annotations", "value": {objects.CLAIM_ANNOTATION: request}})
+        operations.append(
+            {"op": "add", "path": "/metadata/annotations", "value": {objects.CLAIM_ANNOTATION: request}}
+        )
     await client.json_patch(_pod_path(meta["namespace"], meta["name"]), operations)
 
 

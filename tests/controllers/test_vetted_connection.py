@@ -36,6 +36,7 @@ POD = "w-5d4f8b7c9-abcde"
 A_IP, B_IP = forwarder.A_IP, forwarder.B_IP
 
 
+
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The control plane's state directory (its admin kubeconfig is ``kubeconfig``)."""

@@ -134,7 +134,7 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
     runtime = {re.split(r"[<>=!~ ;\[]", line, maxsplit=1)[0].lower() for line in requires if "extra ==" not in line}
     assert not runtime & SANDBOX_ONLY
     assert not dependency_closure(runtime) & SANDBOX_ONLY
-    assert 'memops-sandbox; extra == "sandbox"' in requires
+    assert "memops-sandbox; extra == \"sandbox\"" in requires
     assert {name.split("/")[0] for name in sources} == {"memops"}
     assert not [name for name in sources if name.startswith(("memops/cluster/", "memops/sandbox"))]
     for name, source in sources.items():

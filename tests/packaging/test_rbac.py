@@ -182,7 +182,9 @@ def chart_scenario(tmp_path_factory: pytest.TempPathFactory, audit_log: Path) ->
     """Run the operator as the chart runs it through a short scenario; yields what it observed."""
     directory = tmp_path_factory.mktemp("chart-mode")
     state_dir = directory / "sandbox"
-    process = sandbox_cli.launch(state_dir, 3, *EVERY_FEATURE, "--no-operator", "--audit-log", str(audit_log))
+    process = sandbox_cli.launch(
+        state_dir, 3, *EVERY_FEATURE, "--no-operator", "--audit-log", str(audit_log)
+    )
     sandbox = Sandbox(state_dir, process)
     operator: subprocess.Popen[bytes] | None = None
     try:

@@ -48,7 +48,9 @@ class Cluster:
         return {a: PLACES[n] for n, a in (await self.addresses()).items() if n in PLACES}
 
     async def configure(self, rules: dict[str, Any] | None) -> dict[str, Any] | None:
-        return await daskrpc.configure_replication(self.address, rules=rules, places=await self.places(), owner=OWNER)
+        return await daskrpc.configure_replication(
+            self.address, rules=rules, places=await self.places(), owner=OWNER
+        )
 
     async def who_has(self, keys: list[str]) -> dict[str, list[str]]:
         result: dict[str, list[str]] = await self.client.scheduler.who_has(keys=keys)

@@ -49,7 +49,9 @@ from memops.controllers import policy
         pytest.param("GET", "/healthz", None, id="not-a-resource"),
     ],
 )
-def test_requested_permission(method: str, path: str, expected: tuple[permissions.Permission, str] | None) -> None:
+def test_requested_permission(
+    method: str, path: str, expected: tuple[permissions.Permission, str] | None
+) -> None:
     assert permissions.requested(method, path) == expected
 
 
