@@ -47,9 +47,10 @@ from typing import Any
 from memops.scheduler import drain, holdings, relief, replication, rules
 
 NAME = "memops_agent"
-VERSION = 7
+VERSION = 8
 """Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
-(7: no rule in force leaves the AMM as Dask made it), so that an older agent is replaced."""
+(7: no rule in force leaves the AMM as Dask made it; 8: replication follows an index of the ruled
+keys instead of scanning keys), so that an older agent is replaced."""
 EVENTS = "memops-agent"
 """The scheduler's event topic where :func:`install` logs ``{"action": "installed", "agent":
 VERSION}``. The operator reads it (the stock ``events`` handler, read-only) to learn whether the

@@ -7,8 +7,10 @@ a key must also exist on a pod outside them). The operator evaluates the pod rul
 pods, nodes and their labels) and sends plain data: the addresses that each pod rule marks, and
 each worker's node and zone. Key rules are evaluated here, by the pure :mod:`rules`.
 
-Each pass (:class:`Replication`, on its own Active Memory Manager) reads the ruled keys in
-memory and asks the pure :func:`decide` for copies and drops:
+Each pass (:class:`Replication`, on its own Active Memory Manager) reads the ruled keys off
+their target, which an index kept from the scheduler's own changes names
+(:mod:`memops.scheduler.replication_index`: a pass costs what changed, not what exists), and
+asks the pure :func:`decide` for copies and drops:
 
 - a key under its target is copied to a running worker with headroom under ``ceiling``
   (pressure relief's threshold): a worker on another node first, then in another zone, then
@@ -36,6 +38,7 @@ memops' agent (:mod:`memops.scheduler.agent`), whose ``replication`` operation c
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
@@ -48,23 +51,25 @@ from distributed.active_memory_manager import (
 )
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from memops.scheduler import holdings
+from memops.scheduler import holdings, replication_index
 from memops.scheduler import rules as ruling
 
 NAME = "memops-replication"
-MAX_COPIES_PER_PASS = 1000
+MAX_COPIES_PER_PASS = 2500
 """Copies planned in one pass: bounds a pass' time (a recipient search may read every worker)
 and the transfers started at once; the rest follow on the next passes."""
-MAX_ITEMS_PER_PASS = 20_000
+MAX_ITEMS_PER_PASS = 2_500
 """Ruled keys off their target that one pass hands to :func:`decide` (which copies at most
-:data:`MAX_COPIES_PER_PASS` of them anyway): a rule just applied to a million keys makes a pass
-cost about as much as one at target, and the rest are served on the next passes. Which keys come
-first is then the order in which the pass reads them, not :func:`value_order`, until they fit."""
-SCAN_KEYS_PER_PASS = 50_000
-"""Keys that one pass reads to find new ruled keys (see :meth:`Replication.candidates`)."""
-MAX_SHARE = 0.05
-"""A pass that takes t seconds (it reads every key in memory) is followed by none for t / MAX_SHARE:
-at a million ruled keys replication takes at most this share of the scheduler's event loop."""
+:data:`MAX_COPIES_PER_PASS` of them anyway): a rule just applied to 100,000 keys keeps a pass
+bounded, and the rest are served on the next passes, those read longest ago first. Which keys come
+first is then that order, not :func:`value_order`, until they fit."""
+MAX_SHARE = 0.2
+"""A pass that takes t seconds is followed by none for t / MAX_SHARE: a backstop that keeps
+replication to this share of the scheduler's event loop should passes grow long. Passes cost what
+changed (under 1 ms at rest at a million keys); right after a loss or a rule they take up to about
+a tenth of a second, and this lets them run every :data:`INTERVAL` until the copies are back."""
+INTERVAL = 0.5
+"""Seconds between passes (the AMM's period for replication)."""
 LANDING = 2.0
 """A copy costs its recipient about twice its size while it lands (as in :mod:`relief`)."""
 IN_FLIGHT_SECONDS = 5.0
@@ -72,7 +77,6 @@ TRANSFER_BYTES_PER_SECOND = 50 * 2**20
 """A planned copy counts as a holder for this long (plus its size at this rate), so that a copy
 still on its way is not planned a second time."""
 
-_MISSING: Any = object()
 Rules = ruling.Rules
 Target = ruling.Target
 RuleError = ruling.RuleError
@@ -267,25 +271,19 @@ class Figures:
 
 
 class Replication(ActiveMemoryManagerPolicy):
-    """The AMM policy: reads the ruled keys, asks :func:`decide`, suggests copies and drops."""
+    """The AMM policy: reads the ruled keys off target from its :class:`~replication_index.Index`,
+    asks :func:`decide`, suggests copies and drops."""
 
     def __init__(self, rules: Rules, places: Mapping[str, tuple[str, str]] | None = None):
         self.rules = rules
         self.places = dict(places or {})  # address -> (node, zone)
         self.figures = Figures()
         self.targets: dict[tuple[Any, bool], int] = {}  # (TaskPrefix, scattered) -> key_target; reset with the rules
-        self.marked: set[Any] = set()  # the WorkerStates of the pods that a pod rule marks (see candidates)
-        self.marked_by_rule: list[set[Any]] = []  # the same, per pod rule
-        self.leaving: set[Any] = set()  # the WorkerStates being retired or closed
-        self.at_target = 0  # ruled keys that the last scan found at their target
-        self.spent_at_target = 0  # their extra copies' bytes (and those of the deferred keys)
-        self.deferred = [0, 0, 0, 0]  # off target, beyond MAX_ITEMS_PER_PASS: under, bytes, over, bytes
-        self.goals: dict[tuple[int, tuple[int, ...]], Target | None] = {}  # see scan; reset with the rules
         self.in_flight: dict[Any, tuple[str, float, int]] = {}  # key -> (recipient, deadline, nbytes)
+        self.index = replication_index.Index(rules)
+        self.index.in_flight = self.in_flight  # a key with a copy on its way is off target until it lands
+        self.rest = replication_index.Totals()  # the index' totals less the keys handed to decide()
         self.next_pass = 0.0  # perf_counter: no pass before this (see MAX_SHARE)
-        self.known: dict[Any, Any] = {}  # key -> TaskState: the ruled keys found so far
-        self.rolling: list[Any] = []  # every TaskState, as of the start of this round of the rolling scan
-        self.cursor = 0
 
     def __repr__(self) -> str:
         figures = self.figures
@@ -293,7 +291,8 @@ class Replication(ActiveMemoryManagerPolicy):
 
     def retune(self, rules: Rules, places: Mapping[str, tuple[str, str]]) -> None:
         if rules != self.rules:
-            self.targets, self.goals, self.known, self.cursor = {}, {}, {}, len(self.rolling)  # a fresh scan
+            self.targets = {}
+            self.index.retune(rules)  # only the keys whose target may change are read again
         self.rules, self.places = rules, dict(places)
 
     def wanted(self, ts: Any) -> int:
@@ -311,85 +310,39 @@ class Replication(ActiveMemoryManagerPolicy):
         holders = [ws.address for ws in ts.who_has or ()]
         return ruling.target(self.rules, 0, holders) is not None
 
-    def candidates(self, tasks: Mapping[Any, Any], workers: Mapping[str, Any]) -> Iterable[Any]:
-        """The keys to read this pass: every ruled key found so far (so a lost copy is made again
-        on the next pass), the keys on pods that a pod rule marks, and the next
-        :data:`SCAN_KEYS_PER_PASS` keys of a rolling scan of every key, which finds new ruled
-        keys; not every key on every pass, which at a million keys would hold the event loop."""
-        found = dict(self.known)  # scan() forgets those released, recomputing, or lost with every copy
-        self.marked_by_rule = [{workers[a] for a in rule.workers if a in workers} for rule in self.rules.pods]
-        self.leaving = {ws for ws in workers.values() if ws.status.name not in ("running", "paused")}
-        self.marked = set().union(*self.marked_by_rule)
-        for ws in self.marked:
-            found.update((ts.key, ts) for ts in ws.has_what)
-        if self.cursor >= len(self.rolling):
-            self.rolling, self.cursor = list(tasks.values()), 0
-        found.update((ts.key, ts) for ts in self.rolling[self.cursor : self.cursor + SCAN_KEYS_PER_PASS])
-        self.cursor += SCAN_KEYS_PER_PASS
-        return found.values()
-
-    def scan(self, tasks: Iterable[Any], now: float) -> list[Item]:
-        """The ruled keys among ``tasks`` in memory as :class:`Item`, copies on their way counted
-        as holders; remembers them, to read them again on every pass."""
+    def items(self, now: float) -> list[Item]:
+        """The ruled keys off target as :class:`Item`, copies on their way counted as holders: at
+        most :data:`MAX_ITEMS_PER_PASS`, those handed over longest ago first (each goes to the back;
+        one noted since it was read, read under other rules, or with a copy on its way, is read again
+        first). Also sets
+        :attr:`rest`."""
+        index = self.index
         items: list[Item] = []
-        default = self.rules.default
-        marked = self.marked
-        targets = self.targets
-        leaving = self.leaving
-        self.at_target = self.spent_at_target = 0
-        self.deferred = [0, 0, 0, 0]  # keys under, their bytes, keys over, their extra bytes
-        for ts in tasks:
-            who_has = ts.who_has
-            if not who_has:
-                self.known.pop(ts.key, None)
-                continue
-            wanted = targets.get((ts.prefix, ts.run_spec is None))
-            if wanted is None:
-                wanted = self.wanted(ts)
-            if not wanted and default == 1 and marked.isdisjoint(who_has):
-                continue  # the hot path: an unruled key on no marked pod
-            # ruling.target() for these holders, cached by what decides it: the key rules' wanted
-            # and which pod rules mark one of its holders.
-            matched = tuple(i for i, ws_set in enumerate(self.marked_by_rule) if not ws_set.isdisjoint(who_has))
-            goal = self.goals.get((wanted, matched), _MISSING)
-            if goal is _MISSING:
-                goal = self.goals[wanted, matched] = ruling.target(self.rules, wanted, [ws.address for ws in who_has])
-            if goal is None:
-                continue
-            key = ts.key
-            self.known[key] = ts
-            count = len(who_has)
-            if (
-                count == goal.replicas
-                and key not in self.in_flight
-                and leaving.isdisjoint(who_has)
-                and not (goal.away and who_has <= marked)
-            ):
-                # At target (the most common case by far): counted, not handed to decide().
-                self.at_target += 1
-                self.spent_at_target += ts.get_nbytes() * (count - 1)
-                continue
-            if len(items) >= MAX_ITEMS_PER_PASS:
-                # Off target, but this pass has read its fill: counted, and left to a later pass
-                # (the ruled keys found are read again on every pass).
-                nbytes = ts.get_nbytes()
-                if count > goal.replicas:
-                    self.deferred[2] += 1
-                    self.deferred[3] += nbytes * (count - goal.replicas)
-                else:
-                    self.deferred[0] += 1
-                    self.deferred[1] += nbytes
-                self.spent_at_target += nbytes * (count - 1)
-                continue
-            holders = [ws.address for ws in who_has]
+        rest = dataclasses.replace(index.totals)
+        off = index.off
+        for ts in list(itertools.islice(off, MAX_ITEMS_PER_PASS)):
+            holders = [ws.address for ws in ts.who_has or ()]
             flight = self.in_flight.get(ts.key)
-            if flight is not None:
-                if now > flight[1] or flight[0] in holders:
+            entry: replication_index.Entry | None = index.entries[ts]
+            if flight is not None or index.entries[ts].generation != index.generation or ts in index.noted:
+                if flight is not None and (now > flight[1] or flight[0] in holders):
                     del self.in_flight[ts.key]
-                else:
-                    holders.append(flight[0])
-            nbytes = ts.get_nbytes()
-            items.append(Item(ts.key, nbytes, tuple(holders), goal, _recomputable(ts), _cost(ts, nbytes)))
+                    flight = None
+                index.noted.discard(ts)
+                # Changed since read (a copy landed, its flight expired), or read under other rules.
+                entry = index.read(ts)
+                if entry is None or not entry.off:
+                    continue  # at target after all
+            else:
+                off.move_to_end(ts)  # the next pass hands others over first
+            assert entry is not None
+            rest.add(entry, -1)
+            if flight is not None:
+                holders.append(flight[0])
+            items.append(
+                Item(ts.key, entry.nbytes, tuple(holders), entry.goal, _recomputable(ts), _cost(ts, entry.nbytes))
+            )
+        self.rest = rest
         return items
 
     def workers(self, scheduler: Any) -> list[Worker]:
@@ -415,19 +368,35 @@ class Replication(ActiveMemoryManagerPolicy):
         started = time.perf_counter()
         if started < self.next_pass:
             return  # the last pass was long: keep to a small share of the scheduler's time
+        index = self.index
+        if index.scheduler is not scheduler or not index.attached:
+            index.attach(scheduler)  # the first pass: every key is read, over the next passes
+        index.update()
         now = time.time()
-        items = self.scan(self.candidates(scheduler.tasks, scheduler.workers), now)
+        if not index.off:
+            # Every ruled key read is at its target (the common case): nothing to decide.
+            self.rest = dataclasses.replace(index.totals)
+            self.figures.seconds = time.perf_counter() - started
+            self.next_pass = started + self.figures.seconds / MAX_SHARE
+            limits = sum(
+                int(ws.memory_limit or 0) for ws in index.scheduler.workers.values() if ws not in index.leaving
+            )
+            self.account(
+                [], Plan(spent=index.totals.spent, budget=int(self.rules.max_fraction * limits)), scheduler.workers
+            )
+            return
+        items = self.items(now)
         workers = self.workers(scheduler)
         plan = decide(
             workers,
             items,
             max_fraction=self.rules.max_fraction,
             ceiling=self.rules.ceiling,
-            spent=self.spent_at_target,
+            spent=self.rest.spent,
         )
         self.figures.seconds = time.perf_counter() - started
         self.next_pass = started + self.figures.seconds / MAX_SHARE
-        self.account(items, plan, workers)
+        self.account(items, plan, [w.address for w in workers])
         tasks = scheduler.tasks
         by_address = scheduler.workers
         for key, holder in plan.drops:
@@ -442,15 +411,18 @@ class Replication(ActiveMemoryManagerPolicy):
                 nbytes = ts.get_nbytes()
                 deadline = now + IN_FLIGHT_SECONDS + nbytes / TRANSFER_BYTES_PER_SECOND
                 self.in_flight[key] = (recipient, deadline, nbytes)
+                index.note(ts)  # off target while its copy is on its way (read on the next pass)
                 self.figures.copies += 1
                 self.figures.bytes_copied += nbytes
 
-    def account(self, items: Sequence[Item], plan: Plan, workers: Sequence[Worker]) -> None:
+    def account(self, items: Sequence[Item], plan: Plan, addresses: Iterable[str]) -> None:
         figures = self.figures
+        rest = self.rest
         figures.spent, figures.budget = plan.spent, plan.budget
-        figures.ruled_keys = len(items) + self.at_target + self.deferred[0] + self.deferred[2]
-        figures.keys_under, figures.bytes_under, figures.keys_over, figures.bytes_over = self.deferred
-        per_worker = {w.address: [0, 0, self.rules.default] for w in workers}
+        figures.ruled_keys = len(self.index.entries)
+        figures.keys_under, figures.bytes_under = rest.under, rest.bytes_under
+        figures.keys_over, figures.bytes_over = rest.over, rest.bytes_over
+        per_worker = {a: [0, 0, self.rules.default] for a in addresses}
         for rule in self.rules.pods:
             for address in rule.workers & per_worker.keys():
                 per_worker[address][2] = max(per_worker[address][2], rule.replicas)
@@ -577,6 +549,7 @@ class ReplicationPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         self.manager.stop()
+        self.policy.index.detach()
 
 
 def configure(
@@ -584,7 +557,7 @@ def configure(
     rules: Mapping[str, Any] | None,
     places: Mapping[str, Sequence[str]] | None = None,
     owner: str = "",
-    interval: float = 1.0,
+    interval: float = INTERVAL,
 ) -> dict[str, Any] | None:
     """Run on the scheduler (by the agent's ``replication`` operation): install, retune or
     (``rules=None``) remove replication; its figures, or None once removed.
@@ -596,10 +569,15 @@ def configure(
     plugin = dask_scheduler.plugins.get(NAME)
     if plugin is not None and plugin.owner not in ("", owner):
         return {**plugin.policy.figures.plain(), "owner": plugin.owner}
+    if plugin is not None and (rules is None or not hasattr(plugin.policy, "index")):
+        # Removed, or installed by an older agent (which scanned keys): a new one takes its place.
+        plugin.manager.stop()
+        index = getattr(plugin.policy, "index", None)
+        if index is not None:
+            index.detach()
+        dask_scheduler.remove_plugin(NAME)
+        plugin = None
     if rules is None:
-        if plugin is not None:
-            plugin.manager.stop()
-            dask_scheduler.remove_plugin(NAME)
         unwrap_reduce_replicas(dask_scheduler)
         return None
     parsed = ruling.parse(rules)
@@ -613,8 +591,10 @@ def configure(
         plugin.manager.start()
         wrap_reduce_replicas(dask_scheduler, plugin.policy)
     else:
-        # Nothing is ruled: the scheduler's AMM as Dask made it, and no pass of memops' own.
+        # Nothing is ruled: the scheduler's AMM as Dask made it (its replica methods included),
+        # and no pass of memops' own.
         plugin.manager.stop()
+        plugin.policy.index.detach()
         unwrap_reduce_replicas(dask_scheduler)
     figures = {**plugin.policy.figures.plain(), "owner": owner}
     # Each worker's bytes held alone and with copies elsewhere, now (cheap: the scheduler's
