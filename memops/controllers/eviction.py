@@ -54,8 +54,10 @@ async def unique_bytes(client: kube.Kube, namespace: str, spec: specs.MemoryPoli
     async def ask() -> int | None:
         # Identity only (no code sent) until the scheduler is shown to be this namespace's, then
         # the holdings on that same connection.
-        async with vetting.vetted(client, namespace, spec.scheduler, timeout=ASK_SECONDS) as scheduler:
-            snapshot = await scheduler.snapshot(processing=False)
+        query = {"processing": False}
+        async with vetting.vetted(client, namespace, spec.scheduler, timeout=ASK_SECONDS, snapshot=query) as found:
+            snapshot = found.snapshot
+        assert snapshot is not None
         info = workloads.pod_info(pod)
         located = snapshots.workers_by_pod([info], snapshot.workers)
         return sum(w.unique_bytes for w in located.get(info.name, ()))

@@ -350,15 +350,19 @@ class Policy:
                 # to be this namespace's (the vouch); then what recycling reads, and the preStop
                 # drains' figures for status.safetyNet (hook_losses), from memops' agent, which is
                 # told where the workers run: a preStop hook names only its own worker's node.
-                scheduler = await stack.enter_async_context(
-                    daskrpc.vetted(spec.scheduler.address, vouch=self.verify_tenancy, security=security, timeout=5)
+                query = {
+                    "keys": False,
+                    "processing": spec.recycle is not None,
+                    "drains": True,
+                    "nodes": lambda: self.nodes,
+                }
+                found = await stack.enter_async_context(
+                    vetting.reach(
+                        spec.scheduler.address, vouch=self.verify_tenancy, security=security, timeout=5, snapshot=query
+                    )
                 )
-                snapshot = await scheduler.snapshot(
-                    keys=False,
-                    processing=spec.recycle is not None,
-                    drains=True,
-                    nodes=lambda: self.nodes,
-                )
+                scheduler, snapshot = found.scheduler, found.snapshot
+                assert snapshot is not None
             except daskrpc.Unvouched as exc:
                 message = f"spec.scheduler.address: {exc.verdict.message}"
                 seen = Seen(exc.verdict.reason.value, message, foreign=True)
@@ -400,9 +404,9 @@ class Policy:
             return
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
-            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as scheduler:
-                await relief_install.remove(self.body, scheduler=scheduler, logger=self.logger)
-                await replication.remove(self.body, scheduler=scheduler, logger=self.logger)
+            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as found:
+                await relief_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                await replication.remove(self.body, scheduler=found.scheduler, logger=self.logger)
         except (
             daskrpc.SchedulerUnreachable,
             daskrpc.Unvouched,

@@ -266,8 +266,8 @@ class Retirement:
             return retirement_decisions.StartFacts(blocker=Blocker("InvalidSelector", message))
         wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
         try:
-            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=wait) as vetted:
-                snapshot = await vetted.snapshot()
+            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=wait, snapshot={}) as found:
+                snapshot = found.snapshot
         except daskrpc.Unvouched as exc:
             return retirement_decisions.StartFacts(blocker=Blocker.unvouched(exc.verdict))
         except daskrpc.SchedulerMisbehaved as exc:  # not a Dask scheduler, or a hostile one: never retried
@@ -277,6 +277,7 @@ class Retirement:
             return retirement_decisions.StartFacts(blocker=Blocker.unreachable(exc))
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         infos = [workloads.pod_info(p) for p in pods]
+        assert snapshot is not None
         return retirement_decisions.StartFacts(pods=pods, infos=infos, snapshot=snapshot)
 
     # -- draining -------------------------------------------------------------------------------
@@ -314,11 +315,16 @@ class Retirement:
         try:
             # Everything on the one connection whose workers the tenancy check vouched for: the
             # holdings before, the retirement, and the holdings after.
-            vetted_scheduler = vetting.vetted(self.client, self.namespace, scheduler, timeout=_RPC_SECONDS, vouch=judge)
-            async with vetted_scheduler as vetted:
+            # Who holds each key of these workers now (once), to tell afterwards what moved.
+            query = {"placement_of": addresses, "processing": False} if self.before is None else None
+            reached = vetting.vetted(
+                self.client, self.namespace, scheduler, timeout=_RPC_SECONDS, vouch=judge, snapshot=query
+            )
+            async with reached as found:
+                vetted = found.scheduler
                 if self.before is None:
-                    # Who holds each key of these workers now, to tell afterwards what moved.
-                    self.before = await vetted.snapshot(placement_of=addresses, processing=False)
+                    self.before = found.snapshot
+                assert self.before is not None
                 remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
                 # Every worker's node: off the drained workers' nodes first where those nodes are
                 # going (a node drain); else spilled keys go to neighbours there, by link.
