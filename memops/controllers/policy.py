@@ -578,6 +578,12 @@ INDEX_NAMES = {
 
 def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = frozenset()) -> None:
     """The indexes and the daemon; ``host_roots``: the host directories medium Node may mount."""
+    _register_indexes(registry)
+    _register_daemon(registry, host_roots=host_roots)
+
+
+def _register_indexes(registry: kopf.OperatorRegistry) -> None:
+    """What every pass of every policy reads (:class:`Cache`), kept current by Kopf's watches."""
 
     @kopf.index(specs.GROUP, specs.VERSION, "memorypolicies", registry=registry, id="memops_policies")
     def memops_policies(
@@ -621,6 +627,10 @@ def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = fr
         namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, ...], dict[str, Any]]:
         return {(namespace or "", labels[objects.POLICY_LABEL]): _slim(body)}
+
+
+def _register_daemon(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str]) -> None:
+    """One daemon per policy, running its passes (:func:`_loop`)."""
 
     # The backoff lets a deleted policy's daemon finish removing its relief before it is cancelled.
     @kopf.daemon(
