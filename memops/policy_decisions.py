@@ -112,11 +112,7 @@ class Inputs:
     host_roots: frozenset[str] = frozenset()  # the host directories medium Node may mount (memops run's)
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
-    type: str
-    reason: str
-    message: str
+Event = objects.Event  # one event type for both kinds' decisions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,14 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from memops import conditions, drain_decisions, eviction, objects, snapshots, specs, tenancy, timestamps
 
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """A Kubernetes event to post about the request."""
-
-    type: str
-    reason: str
-    message: str
+Event = objects.Event  # one event type for both kinds' decisions
 
 
 @dataclasses.dataclass(frozen=True)
