@@ -76,12 +76,22 @@ from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
 from memops import daskcomm, snapshots, tenancy
-from memops.scheduler import agent, drain, handover, holdings, relief, replication, replication_index, rules
+from memops.scheduler import (
+    agent,
+    drain,
+    handover,
+    holdings,
+    relief,
+    replication,
+    replication_index,
+    rules,
+    transfers,
+)
 
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-for _module in (agent, drain, handover, holdings, relief, replication, replication_index, rules):
+for _module in (agent, drain, handover, holdings, relief, replication, replication_index, rules, transfers):
     cloudpickle.register_pickle_by_value(_module)
 
 

@@ -103,3 +103,12 @@ def policy_request(
         },
         "spec": request_spec,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A Kubernetes event that a decision asks the controller to post about its object."""
+
+    type: str  # Normal or Warning
+    reason: str
+    message: str

@@ -43,6 +43,53 @@ class RecycleSeen:
     connected: frozenset[str] = frozenset()  # pods whose workers are running
     record: specs.RecycleStatus = dataclasses.field(default_factory=specs.RecycleStatus)
     recorded: tuple[str, ...] = ()  # finished drains now in ``record``, to annotate once it is written
+    # What the read found to show, applied by the pass' apply (never during the read):
+    unmanaged: Mapping[str, str] = dataclasses.field(default_factory=dict)  # pod -> its new unmanaged percent
+    ended: tuple[specs.Recycling, ...] = ()  # drains newly in ``record``: an event and a metric each
+    unmark: tuple[str, ...] = ()  # pods whose recycling drain failed: their mark is taken off
+
+
+@dataclasses.dataclass(frozen=True)
+class NotReady:
+    """Why a policy cannot act this pass (a typed blocker of the read); the status says so."""
+
+    reason: str
+    message: str
+    conflict: bool = False  # another policy manages the workload: the Conflict condition says so too
+
+
+def not_ready(status: specs.MemoryPolicyStatus, blocker: NotReady, generation: int) -> specs.MemoryPolicyStatus:
+    """The status of a policy that does nothing this pass: not Ready, Stalled, and why."""
+    found = status.conditions
+    if blocker.conflict:
+        found = conditions.set_condition(
+            found, "Conflict", True, reason="AnotherPolicy", message=blocker.message, generation=generation
+        )
+    found = conditions.with_kstatus(found, generation=generation, stalled=(blocker.reason, blocker.message))
+    found = conditions.set_condition(
+        found, "Ready", False, reason=blocker.reason, message=blocker.message, generation=generation
+    )
+    return status.model_copy(update={"message": blocker.message, "conditions": found})
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSeen:
+    """How the pass reached the scheduler: ``Connected``, or the reason it could not."""
+
+    reason: str = "Connected"
+    message: str = ""
+    foreign: bool = False  # not shown to be the namespace's: nothing is read from it or kept about it
+
+    @property
+    def reachable(self) -> bool:
+        return self.reason == "Connected"
+
+
+def scheduler_reachable(found: list[specs.Condition], seen: SchedulerSeen, generation: int) -> list[specs.Condition]:
+    """The ``SchedulerReachable`` condition, from what the pass saw."""
+    return conditions.set_condition(
+        found, "SchedulerReachable", seen.reachable, reason=seen.reason, message=seen.message, generation=generation
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +112,7 @@ class Inputs:
     host_roots: frozenset[str] = frozenset()  # the host directories medium Node may mount (memops run's)
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
-    type: str
-    reason: str
-    message: str
+Event = objects.Event  # one event type for both kinds' decisions
 
 
 @dataclasses.dataclass(frozen=True)

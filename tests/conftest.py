@@ -1,17 +1,23 @@
-"""Suite-wide: every ``memops sandbox`` of the run appends its API requests to one audit log.
+"""Suite-wide fixtures.
 
+``audit_log``: every ``memops sandbox`` of the run appends its API requests to one audit log.
 Sets ``$MEMOPS_AUDIT_LOG`` (unless it is already set) for the whole session, before any
 sandbox starts; the sandboxes inherit it. ``tests/packaging/test_rbac.py``, which runs after
 ``tests/e2e``, reads the operator's requests from it and checks the shipped RBAC against them.
+
+``plane``: an upstream control plane (kube-apiserver, etcd, the controller manager; no node),
+one per test module that asks for it; its state directory is yielded. Nothing is mocked.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from memops_sandbox import build, upstream
 from memops_sandbox import common as sandbox
 
 
@@ -26,3 +32,20 @@ def audit_log(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     finally:
         if preset is None:
             os.environ.pop(sandbox.AUDIT_LOG_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The control plane's state directory (its admin kubeconfig is ``kubeconfig``); skipped, with
+    the reason, where its binaries cannot be built."""
+    try:
+        build.ensure()
+    except build.BuildError as error:
+        pytest.skip(f"the control plane's binaries cannot be built here: {error}")
+    state_dir = tmp_path_factory.mktemp("plane") / "plane"
+    process = upstream.launch_plane(state_dir)
+    try:
+        yield state_dir
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)

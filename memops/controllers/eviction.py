@@ -54,8 +54,10 @@ async def unique_bytes(client: kube.Kube, namespace: str, spec: specs.MemoryPoli
     async def ask() -> int | None:
         # Identity only (no code sent) until the scheduler is shown to be this namespace's, then
         # the holdings on that same connection.
-        async with vetting.vetted(client, namespace, spec.scheduler, timeout=ASK_SECONDS) as scheduler:
-            snapshot = await scheduler.snapshot(processing=False)
+        query = {"processing": False}
+        async with vetting.vetted(client, namespace, spec.scheduler, timeout=ASK_SECONDS, snapshot=query) as found:
+            snapshot = found.snapshot
+        assert snapshot is not None
         info = workloads.pod_info(pod)
         located = snapshots.workers_by_pod([info], snapshot.workers)
         return sum(w.unique_bytes for w in located.get(info.name, ()))
@@ -182,60 +184,84 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         logger: logging.Logger | logging.LoggerAdapter[Any],
         **kwargs: Any,
     ) -> None:
-        # What the review says is a claim until the API bears it out: a review may come from
-        # anyone who reaches the webhook (see memops.eviction's docstring).
-        namespace, name = str(body.metadata.namespace or ""), str(body.metadata.name or "")
         cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
-        client: kube.Kube = memo.kube
-        pod: Obj | None = None
+        await answer(body, memo=memo, cache=cache, dryrun=dryrun, userinfo=userinfo, logger=logger)
+
+
+async def read_review(client: kube.Kube, body: kopf.Body, dryrun: bool) -> tuple[bool, Obj | None] | None:
+    """The review's dry-run flag and the pod it names (None: no such pod); None when the API
+    server could not tell (it decides the eviction itself). Raises a 400 for a malformed one."""
+    namespace, name = str(body.metadata.namespace or ""), str(body.metadata.name or "")
+    pod: Obj | None = None
+    try:
+        dryrun = eviction.dry_run(shapes.check(shapes.EVICTION, dict(body), "eviction"), dryrun)
+        if namespace and name:
+            pod = await client.get_or_none(kube.resource_path("", "v1", "pods", namespace, name))
+            if pod is not None:
+                shapes.check(shapes.LISTED_POD, pod, "pod")
+    except kube.ApiError:
+        return None
+    except shapes.MalformedObject as exc:  # refused: what the pod holds cannot be judged
+        raise kopf.AdmissionError(f"memops cannot read this eviction: {exc}", code=400) from None
+    return dryrun, pod
+
+
+async def answer(
+    body: kopf.Body,
+    *,
+    memo: kopf.Memo,
+    cache: policy.Cache,
+    dryrun: bool,
+    userinfo: kopf.UserInfo,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> None:
+    """The gate's answer to one eviction: returns to admit it, raises AdmissionError to refuse it."""
+    # What the review says is a claim until the API bears it out: a review may come from
+    # anyone who reaches the webhook (see memops.eviction's docstring).
+    namespace, name = str(body.metadata.namespace or ""), str(body.metadata.name or "")
+    client: kube.Kube = memo.kube
+    review = await read_review(client, body, dryrun)
+    if review is None:
+        return  # the API server decides the eviction itself
+    dryrun, pod = review
+    doubt = eviction.confirm_claim(dict(body), pod)
+    if doubt is not None or pod is None:
+        logger.info("eviction review of %s/%s: nothing to do, %s", namespace, name, doubt)
+        return
+    found = safetynet_webhook.policy_for(
+        namespace,
+        dict((pod.get("metadata") or {}).get("labels") or {}),
+        policies=cache.of("memorypolicies").get((namespace,), []),
+        deployments=cache.of("deployments"),
+    )
+    if found is None or not found[1].eviction.gate:
+        return
+    policy_name, spec = found
+    held = await unique_bytes(client, namespace, spec, pod)
+    user = eviction.requested_by(userinfo)
+    decision = await decide_and_drain(
+        client,
+        cache,
+        memo.eviction_gate.guard(namespace, policy_name),
+        pod=pod,
+        policy_name=policy_name,
+        spec=spec,
+        held=held,
+        dryrun=dryrun,
+        user=user,
+        logger=logger,
+    )
+    if decision.warning and not dryrun:
         try:
-            dryrun = eviction.dry_run(shapes.check(shapes.EVICTION, dict(body), "eviction"), dryrun)
-            if namespace and name:
-                pod = await client.get_or_none(kube.resource_path("", "v1", "pods", namespace, name))
-                if pod is not None:
-                    shapes.check(shapes.LISTED_POD, pod, "pod")
-        except kube.ApiError:
-            return  # the API server decides the eviction itself
-        except shapes.MalformedObject as exc:  # refused: what the pod holds cannot be judged
-            raise kopf.AdmissionError(f"memops cannot read this eviction: {exc}", code=400) from None
-        doubt = eviction.confirm_claim(dict(body), pod)
-        if doubt is not None or pod is None:
-            logger.info("eviction review of %s/%s: nothing to do, %s", namespace, name, doubt)
-            return
-        found = safetynet_webhook.policy_for(
-            namespace,
-            dict((pod.get("metadata") or {}).get("labels") or {}),
-            policies=cache.of("memorypolicies").get((namespace,), []),
-            deployments=cache.of("deployments"),
-        )
-        if found is None or not found[1].eviction.gate:
-            return
-        policy_name, spec = found
-        held = await unique_bytes(client, namespace, spec, pod)
-        user = eviction.requested_by(userinfo)
-        decision = await decide_and_drain(
-            client,
-            cache,
-            memo.eviction_gate.guard(namespace, policy_name),
-            pod=pod,
-            policy_name=policy_name,
-            spec=spec,
-            held=held,
-            dryrun=dryrun,
-            user=user,
-            logger=logger,
-        )
-        if decision.warning and not dryrun:
-            try:
-                event = eviction.refusal_event_name(name, decision.episode)
-                await post_event(
-                    client, pod, eviction.REFUSED_EVENT, f"{decision.message} (eviction by {user})", name=event
-                )
-            except kube.ApiError as exc:  # the answer matters more than its event
-                logger.warning("could not post the EvictionRefused event on %s: %s", name, exc)
-        if not decision.allowed:
-            raise kopf.AdmissionError(decision.message, code=decision.code)
-        logger.info("eviction of %s by %s admitted: %s", name, user, decision.message)
+            event = eviction.refusal_event_name(name, decision.episode)
+            await post_event(
+                client, pod, eviction.REFUSED_EVENT, f"{decision.message} (eviction by {user})", name=event
+            )
+        except kube.ApiError as exc:  # the answer matters more than its event
+            logger.warning("could not post the EvictionRefused event on %s: %s", name, exc)
+    if not decision.allowed:
+        raise kopf.AdmissionError(decision.message, code=decision.code)
+    logger.info("eviction of %s by %s admitted: %s", name, user, decision.message)
 
 
 @dataclasses.dataclass

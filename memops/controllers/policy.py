@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -24,7 +25,6 @@ import pydantic
 
 from memops import (
     autoscaling,
-    conditions,
     daskrpc,
     drain_decisions,
     kube,
@@ -68,6 +68,30 @@ _TENANCY_RECHECK_SECONDS = 60.0
 """The workers shown to be pods of the namespace are checked again at least this often."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """What a pass read: the status as written last, the decision's inputs, and what the apply
+    acts on (the workload, and the vouched-for scheduler on its one connection, when reached)."""
+
+    old: specs.MemoryPolicyStatus
+    inputs: policy_decisions.Inputs
+    workload: dict[str, Any]
+    scheduler: daskrpc.Scheduler | None = None
+    snapshot: snapshots.SchedulerSnapshot | None = None
+    events: tuple[policy_decisions.Event, ...] = ()
+    """Seen by the read (failed preStop hooks), posted by the apply."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+    """A pass that cannot act: the status as written last, as read so far, and why."""
+
+    old: specs.MemoryPolicyStatus
+    status: specs.MemoryPolicyStatus
+    blocker: policy_decisions.NotReady
+    generation: int
+
+
 class Policy:
     """One pass over one MemoryPolicy; every pass starts from what the cluster says."""
 
@@ -100,93 +124,37 @@ class Policy:
     async def reconcile(self) -> None:
         """One pass: read, decide (:func:`memops.policy_decisions.decide`), apply."""
         self.steady = False
-        read = await self.read()
-        if read is None:
-            return  # not Ready, and the status says why
-        old, inputs = read
-        with metrics.deciding("policy"):
-            decision = policy_decisions.decide(inputs)
-        await self.apply(old, inputs, decision)
+        # The scheduler's connection stays open from the read to the apply: the apply configures
+        # relief and replication on the connection whose workers the tenancy check vouched for.
+        async with contextlib.AsyncExitStack() as stack:
+            read = await self.read(stack)
+            if isinstance(read, Blocked):
+                # Not Ready, and the status says why.
+                await self.write(read.old, policy_decisions.not_ready(read.status, read.blocker, read.generation))
+                return
+            with metrics.deciding("policy"):
+                decision = policy_decisions.decide(read.inputs)
+            await self.apply(read, decision)
 
-    async def read(self) -> tuple[specs.MemoryPolicyStatus, policy_decisions.Inputs] | None:
-        """The status as written last, and everything the pass decides from; None (with the
-        policy marked not Ready) when the policy cannot act."""
+    async def read(self, stack: contextlib.AsyncExitStack) -> Read | Blocked:
+        """The status as written last, and everything the pass decides from; or what blocks the
+        policy. Reads only: nothing is written, configured, patched or posted here."""
         generation = int(self.body.metadata.get("generation", 1))
         old = specs.MemoryPolicyStatus.model_validate(_own(self.body.get("status")))
         status = old.model_copy(deep=True, update={"observedGeneration": generation})
-        try:
-            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
-        except pydantic.ValidationError as exc:
-            await self.not_ready(old, status, "InvalidSpec", drain_decisions.explain_invalid(exc), generation)
-            return None
-        if len(self.name) > _MAX_NAME_LENGTH:
-            message = (
-                f"metadata.name: at most {_MAX_NAME_LENGTH} characters, as it labels the policy's"
-                f" RetirementRequests ({objects.POLICY_LABEL}); this policy does nothing"
-            )
-            await self.not_ready(old, status, "InvalidName", message, generation)
-            return None
-        try:
-            workload = await self.workload(spec.workload)
-        except kube.ApiError as exc:
-            if exc.code != 403:
-                raise
-            # A DaskWorkerGroup without rbac.daskWorkerGroups: the message names the value.
-            await self.not_ready(old, status, "Forbidden", f"spec.workload: {exc.message}", generation)
-            return None
-        if workload is None:
-            message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
-            await self.not_ready(old, status, "WorkloadNotFound", message, generation)
-            return None
-        try:
-            status.selector = workloads.selector(workload)
-        except selectors.InvalidSelector as exc:
-            message = f"spec.workload: {spec.workload.kind} {spec.workload.name!r}: {exc}"
-            await self.not_ready(old, status, "InvalidSelector", message, generation)
-            return None
-        policies = await self.listed("memorypolicies", (self.namespace,))
-        older = scaling.competing_policies(dict(self.body), policies)
-        if older:
-            message = (
-                f"spec.workload: MemoryPolicy {older[0]!r} already manages {spec.workload.kind}"
-                f" {spec.workload.name!r}; this policy does nothing while it exists"
-            )
-            status.conditions = conditions.set_condition(
-                status.conditions, "Conflict", True, reason="AnotherPolicy", message=message, generation=generation
-            )
-            await self.not_ready(old, status, "Conflict", message, generation)
-            return None
-        hpas = await self.listed("horizontalpodautoscalers", (self.namespace,))
-        snapshot: snapshots.SchedulerSnapshot | None = None
-        # Relief and replication on the connection whose workers the tenancy check vouched for.
-        async with self.check_scheduler(spec, status, generation) as vetted:
-            if vetted is not None:
-                scheduler, snapshot = vetted
-                status.memory = _memory_status(snapshot)
-                status.pressure = await relief_install.reconcile(
-                    scheduler=scheduler,
-                    spec=spec,
-                    old=status.pressure,
-                    namespace=self.namespace,
-                    policy=self.name,
-                    logger=self.logger,
-                )
-                # Replication targets: its own module; the scheduler keeps the copies between passes.
-                status.replication = await replication.reconcile(
-                    scheduler=scheduler,
-                    client=self.client,
-                    spec=spec,
-                    old=status.replication,
-                    namespace=self.namespace,
-                    policy=self.name,
-                    snapshot=snapshot,
-                    workload=workload,
-                    logger=self.logger,
-                )
 
+        target = await self.read_target(status)
+        if isinstance(target, policy_decisions.NotReady):
+            return Blocked(old, status, target, generation)
+        spec, workload = target
+        hpas = await self.listed("horizontalpodautoscalers", (self.namespace,))
+        connection = await stack.enter_async_context(self.check_scheduler(spec, status, generation))
+        scheduler, snapshot = connection if connection is not None else (None, None)
+        if snapshot is not None:
+            status.memory = _memory_status(snapshot)
         now = time.time()
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
-        status.safetyNet = await self.safety_net(spec, status.safetyNet)
+        status.safetyNet, hook_events = await self.safety_net(spec, status.safetyNet)
         if snapshot is not None:  # the namespace's scheduler: what its preStop drains lost
             status.safetyNet = hook_losses.read(spec, status.safetyNet, snapshot.drains, logger=self.logger)
         current = workloads.replicas_of(workload)
@@ -206,13 +174,54 @@ class Policy:
             template=shared_spill.template_spec(workload) if spec.sharedSpill is not None else None,
             host_roots=self.host_roots,
         )
-        return old, inputs
+        return Read(old, inputs, workload, scheduler, snapshot, hook_events)
 
-    async def apply(
-        self, old: specs.MemoryPolicyStatus, inputs: policy_decisions.Inputs, decision: policy_decisions.Decision
-    ) -> None:
-        """Do what the pass decided, each effect once; the status last but one, so that a
-        finished drain is annotated as recorded only once the status holds it."""
+    async def read_target(
+        self, status: specs.MemoryPolicyStatus
+    ) -> tuple[specs.MemoryPolicySpec, dict[str, Any]] | policy_decisions.NotReady:
+        """The spec and the workload it names (its selector into ``status``), or what blocks the policy."""
+        NotReady = policy_decisions.NotReady
+        try:
+            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
+        except pydantic.ValidationError as exc:
+            return NotReady("InvalidSpec", drain_decisions.explain_invalid(exc))
+        if len(self.name) > _MAX_NAME_LENGTH:
+            message = (
+                f"metadata.name: at most {_MAX_NAME_LENGTH} characters, as it labels the policy's"
+                f" RetirementRequests ({objects.POLICY_LABEL}); this policy does nothing"
+            )
+            return NotReady("InvalidName", message)
+        try:
+            workload = await self.workload(spec.workload)
+        except kube.ApiError as exc:
+            if exc.code != 403:
+                raise
+            # A DaskWorkerGroup without rbac.daskWorkerGroups: the message names the value.
+            return NotReady("Forbidden", f"spec.workload: {exc.message}")
+        if workload is None:
+            message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
+            return NotReady("WorkloadNotFound", message)
+        try:
+            status.selector = workloads.selector(workload)
+        except selectors.InvalidSelector as exc:
+            return NotReady("InvalidSelector", f"spec.workload: {spec.workload.kind} {spec.workload.name!r}: {exc}")
+        older = scaling.competing_policies(dict(self.body), await self.listed("memorypolicies", (self.namespace,)))
+        if older:
+            message = (
+                f"spec.workload: MemoryPolicy {older[0]!r} already manages {spec.workload.kind}"
+                f" {spec.workload.name!r}; this policy does nothing while it exists"
+            )
+            return NotReady("Conflict", message, True)
+        return spec, workload
+
+    async def apply(self, read: Read, decision: policy_decisions.Decision) -> None:
+        """Do what the pass decided, each effect once: the scheduler's relief and replication, what
+        the read found to show, marks, requests, the scale-up, events; the status last but one, so
+        that a finished drain is annotated as recorded only once the status holds it."""
+        inputs = read.inputs
+        status = await self.configure_scheduler(read, decision.status)
+        if inputs.recycling is not None:
+            await recycle.apply_seen(self.client, body=self.body, seen=inputs.recycling, logger=self.logger)
         for mark in decision.marks:
             await recycle.mark(self.client, self.namespace, mark.pod, mark.mark)
             self.logger.info("recycling %s: %s", mark.pod, mark.message)
@@ -220,20 +229,48 @@ class Policy:
             await self.create(request)
         if decision.scale_up_to is not None:
             await workloads.scale_to(self.client, self.namespace, inputs.spec.workload, decision.scale_up_to, up=True)
-        for event in decision.events:
+        for event in (*read.events, *decision.events):
             kopf.event(self.body, type=event.type, reason=event.reason, message=event.message)
-        await self.write(old, decision.status)
-        memory = decision.status.memory
+        await self.write(read.old, status)
+        memory = status.memory
         metrics.policy_observed(
             self.namespace,
             self.name,
             action=decision.action.value,
             desired=decision.desired,
-            replicas=decision.status.replicas or 0,
+            replicas=status.replicas or 0,
             utilization=memory.percent / 100 if memory is not None and inputs.usage is not None else None,
         )
         await recycle.mark_recorded(self.client, self.namespace, decision.recorded)
         self.steady = decision.steady
+
+    async def configure_scheduler(self, read: Read, status: specs.MemoryPolicyStatus) -> specs.MemoryPolicyStatus:
+        """Relief and replication in the vouched-for scheduler; ``status`` with what they report.
+        Untouched when the pass could not reach the scheduler."""
+        if read.scheduler is None or read.snapshot is None:
+            return status
+        spec, found = read.inputs.spec, read.inputs.status
+        pressure = await relief_install.reconcile(
+            scheduler=read.scheduler,
+            spec=spec,
+            old=found.pressure,
+            namespace=self.namespace,
+            policy=self.name,
+            logger=self.logger,
+        )
+        # Replication targets: its own module; the scheduler keeps the copies between passes.
+        replicated = await replication.reconcile(
+            scheduler=read.scheduler,
+            client=self.client,
+            spec=spec,
+            old=found.replication,
+            namespace=self.namespace,
+            policy=self.name,
+            snapshot=read.snapshot,
+            workload=read.workload,
+            logger=self.logger,
+        )
+        return status.model_copy(update={"pressure": pressure, "replication": replicated})
 
     async def read_recycling(
         self,
@@ -250,16 +287,13 @@ class Policy:
         if self.window is None or (self.window.seconds, self.window.spacing) != (window.seconds, window.spacing):
             self.window = window
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
-        return await recycle.observe(
-            self.client,
-            body=self.body,
+        return recycle.observe(
             pods=pods,
             snapshot=snapshot.named_by_pod(workloads.worker_names(pods)),
             window=self.window,
             requests=requests,
             record=status.recycle or specs.RecycleStatus(),
             now=now,
-            logger=self.logger,
         )
 
     async def workload(self, ref: specs.WorkloadRef) -> dict[str, Any] | None:
@@ -283,7 +317,23 @@ class Policy:
         self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
     ) -> AsyncIterator[tuple[daskrpc.Scheduler, snapshots.SchedulerSnapshot] | None]:
         """The scheduler, vouched for, and its workers and their memory (no keys: cheap), for as
-        long as the caller acts on it; None with the reason in a condition."""
+        long as the caller acts on it; None with the reason in ``SchedulerReachable``, which is set
+        here, in this one place."""
+        async with self.reach_scheduler(spec) as (seen, connection):
+            status.conditions = policy_decisions.scheduler_reachable(status.conditions, seen, generation)
+            if seen.foreign:  # nothing is read from it or kept about it: no memory, no relief, no recycling
+                status.memory = None
+            yield connection
+
+    @contextlib.asynccontextmanager
+    async def reach_scheduler(
+        self, spec: specs.MemoryPolicySpec
+    ) -> AsyncIterator[
+        tuple[policy_decisions.SchedulerSeen, tuple[daskrpc.Scheduler, snapshots.SchedulerSnapshot] | None]
+    ]:
+        """How the scheduler was reached and, when it was, the scheduler, vouched for, and its
+        workers and their memory (no keys: cheap), for as long as the caller acts on it."""
+        Seen = policy_decisions.SchedulerSeen
         try:
             self.security = security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
         except (scheduler_tls.SecretUnusable, kube.ApiError) as exc:
@@ -291,15 +341,8 @@ class Policy:
             cause = exc.cause if isinstance(exc, scheduler_tls.SecretUnusable) else exc
             forbidden = isinstance(cause, kube.ApiError) and cause.code == 403
             detail = cause.message if isinstance(cause, kube.ApiError) and forbidden else str(cause)
-            status.conditions = conditions.set_condition(
-                status.conditions,
-                "SchedulerReachable",
-                False,
-                reason="Forbidden" if forbidden else "SecretUnusable",
-                message=f"spec.scheduler.tls.secretName: {detail}",
-                generation=generation,
-            )
-            yield None
+            reason = "Forbidden" if forbidden else "SecretUnusable"
+            yield Seen(reason, f"spec.scheduler.tls.secretName: {detail}"), None
             return
         async with contextlib.AsyncExitStack() as stack:
             try:
@@ -307,50 +350,34 @@ class Policy:
                 # to be this namespace's (the vouch); then what recycling reads, and the preStop
                 # drains' figures for status.safetyNet (hook_losses), from memops' agent, which is
                 # told where the workers run: a preStop hook names only its own worker's node.
-                scheduler = await stack.enter_async_context(
-                    daskrpc.vetted(spec.scheduler.address, vouch=self.verify_tenancy, security=security, timeout=5)
+                query = {
+                    "keys": False,
+                    "processing": spec.recycle is not None,
+                    "drains": True,
+                    "nodes": lambda: self.nodes,
+                }
+                found = await stack.enter_async_context(
+                    vetting.reach(
+                        spec.scheduler.address, vouch=self.verify_tenancy, security=security, timeout=5, snapshot=query
+                    )
                 )
-                snapshot = await scheduler.snapshot(
-                    keys=False,
-                    processing=spec.recycle is not None,
-                    drains=True,
-                    nodes=lambda: self.nodes,
-                )
+                scheduler, snapshot = found.scheduler, found.snapshot
+                assert snapshot is not None
             except daskrpc.Unvouched as exc:
-                # Nothing is read from it or written about it: no memory, no relief, no recycling.
-                status.memory = None
-                status.conditions = conditions.set_condition(
-                    status.conditions,
-                    "SchedulerReachable",
-                    False,
-                    reason=exc.verdict.reason.value,
-                    message=f"spec.scheduler.address: {exc.verdict.message}",
-                    generation=generation,
-                )
-                failed = True
+                message = f"spec.scheduler.address: {exc.verdict.message}"
+                seen = Seen(exc.verdict.reason.value, message, foreign=True)
             except (daskrpc.SchedulerUnreachable, kube.ApiError, ValueError) as exc:
                 forbidden = isinstance(exc, kube.ApiError) and exc.code == 403
-                status.conditions = conditions.set_condition(
-                    status.conditions,
-                    "SchedulerReachable",
-                    False,
-                    reason="Forbidden" if forbidden else "SchedulerUnreachable",
-                    message=f"spec.scheduler.tls.secretName: {exc.message}"
-                    if isinstance(exc, kube.ApiError) and forbidden
-                    else f"spec.scheduler.address: {exc}",
-                    generation=generation,
-                )
-                failed = True
+                if isinstance(exc, kube.ApiError) and forbidden:
+                    seen = Seen("Forbidden", f"spec.scheduler.tls.secretName: {exc.message}")
+                else:
+                    seen = Seen("SchedulerUnreachable", f"spec.scheduler.address: {exc}")
             else:
-                failed = False
-            if failed:
-                yield None
+                # Each worker under its pod's name, found by address (status.memory, recycling).
+                named = snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
+                yield Seen(), (scheduler, named)
                 return
-            status.conditions = conditions.set_condition(
-                status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
-            )
-            # Each worker under its pod's name, found by address (status.memory, recycling).
-            yield scheduler, snapshot.named_by_pod({w.name: self.tenants[w.address] for w in snapshot.workers})
+            yield seen, None
 
     async def verify_tenancy(self, workers: Sequence[snapshots.WorkerInfo]) -> tenancy.Verdict:
         """:func:`memops.tenancy.check` against the namespace's pods, listed only when a worker
@@ -377,9 +404,9 @@ class Policy:
             return
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
-            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as scheduler:
-                await relief_install.remove(self.body, scheduler=scheduler, logger=self.logger)
-                await replication.remove(self.body, scheduler=scheduler, logger=self.logger)
+            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as found:
+                await relief_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                await replication.remove(self.body, scheduler=found.scheduler, logger=self.logger)
         except (
             daskrpc.SchedulerUnreachable,
             daskrpc.Unvouched,
@@ -391,35 +418,36 @@ class Policy:
 
     async def safety_net(
         self, spec: specs.MemoryPolicySpec, current: specs.SafetyNetStatus | None
-    ) -> specs.SafetyNetStatus | None:
+    ) -> tuple[specs.SafetyNetStatus | None, tuple[policy_decisions.Event, ...]]:
         """The workload's pods that left with a failed preStop hook, from the kubelet's events.
 
-        Each one new to the status also becomes a Warning event on the policy: such a pod was
-        removed without the safety net's drain.
+        Each one new to the status also becomes a Warning event on the policy (posted by the
+        apply): such a pod was removed without the safety net's drain.
         """
         if time.monotonic() - self.hooks_read < _HOOK_EVENTS_SECONDS:
-            return current
+            return current, ()
         path = kube.resource_path("", "v1", "events", self.namespace)
         try:
             events = await self.client.list(path, field_selector=f"reason={safetynet.FAILED_PRE_STOP_HOOK}")
         except kube.ApiError as exc:
             self.logger.warning("cannot read the FailedPreStopHook events: %s", exc)
-            return current
+            return current, ()
         self.hooks_read = time.monotonic()
         previous = current.failedHooks if current is not None else []
         hooks = safetynet.failed_hooks(events, spec.workload, previous)
-        for hook in hooks:
-            if hook not in previous:
-                kopf.event(
-                    self.body,
-                    type="Warning",
-                    reason=safetynet.FAILED_PRE_STOP_HOOK,
-                    message=f"pod {hook.pod} left with a failed preStop hook at {hook.time}: the safety net did"
-                    " not drain it, and data held only there may be lost",
-                )
+        posted = tuple(
+            policy_decisions.Event(
+                "Warning",
+                safetynet.FAILED_PRE_STOP_HOOK,
+                f"pod {hook.pod} left with a failed preStop hook at {hook.time}: the safety net did"
+                " not drain it, and data held only there may be lost",
+            )
+            for hook in hooks
+            if hook not in previous
+        )
         if not hooks:
-            return current
-        return (current or specs.SafetyNetStatus()).model_copy(update={"failedHooks": hooks})
+            return current, posted
+        return (current or specs.SafetyNetStatus()).model_copy(update={"failedHooks": hooks}), posted
 
     async def create(self, request: dict[str, Any]) -> None:
         """Create one of the policy's RetirementRequests; one that exists already (a repeated pass) stays."""
@@ -441,25 +469,11 @@ class Policy:
         except pydantic.ValidationError:
             old = specs.MemoryPolicyStatus()  # unreadable: written afresh
         status = old.model_copy(deep=True, update={"observedGeneration": generation})
+        blocker = policy_decisions.NotReady("InternalError", f"{type(exc).__name__}: {exc}")
         try:
-            await self.not_ready(old, status, "InternalError", f"{type(exc).__name__}: {exc}", generation)
+            await self.write(old, policy_decisions.not_ready(status, blocker, generation))
         except Exception as again:  # the status cannot be written either: the next pass tries again
             self.logger.warning("could not record the failure: %s", again)
-
-    async def not_ready(
-        self,
-        old: specs.MemoryPolicyStatus,
-        status: specs.MemoryPolicyStatus,
-        reason: str,
-        message: str,
-        generation: int,
-    ) -> None:
-        status.message = message
-        status.conditions = conditions.with_kstatus(status.conditions, generation=generation, stalled=(reason, message))
-        status.conditions = conditions.set_condition(
-            status.conditions, "Ready", False, reason=reason, message=message, generation=generation
-        )
-        await self.write(old, status)
 
     async def write(self, old: specs.MemoryPolicyStatus, status: specs.MemoryPolicyStatus) -> None:
         if status == old:
@@ -494,13 +508,9 @@ def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
     )
 
 
-
-
 def _own(raw: Any) -> dict[str, Any]:
     fields = specs.MemoryPolicyStatus.model_fields
     return {k: v for k, v in dict(raw or {}).items() if k in fields}
-
-
 
 
 _LISTED = {
@@ -568,6 +578,12 @@ INDEX_NAMES = {
 
 def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = frozenset()) -> None:
     """The indexes and the daemon; ``host_roots``: the host directories medium Node may mount."""
+    _register_indexes(registry)
+    _register_daemon(registry, host_roots=host_roots)
+
+
+def _register_indexes(registry: kopf.OperatorRegistry) -> None:
+    """What every pass of every policy reads (:class:`Cache`), kept current by Kopf's watches."""
 
     @kopf.index(specs.GROUP, specs.VERSION, "memorypolicies", registry=registry, id="memops_policies")
     def memops_policies(
@@ -611,6 +627,10 @@ def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = fr
         namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, ...], dict[str, Any]]:
         return {(namespace or "", labels[objects.POLICY_LABEL]): _slim(body)}
+
+
+def _register_daemon(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str]) -> None:
+    """One daemon per policy, running its passes (:func:`_loop`)."""
 
     # The backoff lets a deleted policy's daemon finish removing its relief before it is cancelled.
     @kopf.daemon(

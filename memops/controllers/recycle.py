@@ -1,8 +1,8 @@
 """Recycling under a MemoryPolicy, the I/O half: sample memory, mark workers, record finished drains.
 
-:mod:`memops.controllers.policy` calls :func:`observe` while it reads a pass, and :func:`mark`
-and :func:`mark_recorded` while it applies one; which workers to mark and drain, and how many
-to surge, is decided in :mod:`memops.policy_decisions`. What
+:mod:`memops.controllers.policy` calls :func:`observe` while it reads a pass (it reads only),
+and :func:`apply_seen`, :func:`mark` and :func:`mark_recorded` while it applies one; which workers
+to mark and drain, and how many to surge, is decided in :mod:`memops.policy_decisions`. What
 matters lives in Kubernetes objects: a worker being recycled carries the
 ``memops.dev/recycle`` annotation (why, and since when); its drain is a RetirementRequest that
 the policy owns, labelled ``memops.dev/purpose: recycle``; a finished one is recorded in the
@@ -39,26 +39,22 @@ def _pod_path(namespace: str, name: str) -> str:
     return kube.resource_path("", "v1", "pods", namespace, name)
 
 
-async def observe(
-    client: kube.Kube,
+def observe(
     *,
-    body: kopf.Body,
     pods: list[objects.Obj],
     snapshot: snapshots.SchedulerSnapshot,
     window: recycle_decisions.Window,
     requests: list[objects.Obj],
     record: specs.RecycleStatus,
     now: float,
-    logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> policy_decisions.RecycleSeen:
-    """The recycling pass' reading: sample the workers' memory, show it on their pods, and record
-    the drains that finished; what to mark and drain next is :func:`memops.policy_decisions.decide`'s."""
-    namespace = str(body.metadata.namespace)
+    """The recycling pass' reading: sample the workers' memory, and find what to show on their
+    pods and the drains that finished (applied by :func:`apply_seen`); what to mark and drain
+    next is :func:`memops.policy_decisions.decide`'s."""
     window.add(snapshot.workers, now)
-    await _annotate_unmanaged(client, namespace, pods, window, now)
     mine = [r for r in requests if (r["metadata"].get("labels") or {}).get(objects.PURPOSE_LABEL) == "recycle"]
     record = record.model_copy(deep=True)
-    recorded = await _record_finished(client, body, namespace, mine, record, logger)
+    recorded, ended, unmark = _record_finished(mine, record)
     return policy_decisions.RecycleSeen(
         pods=tuple(
             policy_decisions.PodSeen(
@@ -73,7 +69,36 @@ async def observe(
         connected=frozenset(w.name for w in snapshot.workers if w.status == "running"),
         record=record,
         recorded=recorded,
+        unmanaged=_unmanaged_to_show(pods, window, now),
+        ended=ended,
+        unmark=unmark,
     )
+
+
+async def apply_seen(
+    client: kube.Kube,
+    *,
+    body: kopf.Body,
+    seen: policy_decisions.RecycleSeen,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> None:
+    """What :func:`observe` found to show: the unmanaged memory on the pods, an event and a metric
+    for each finished drain, and no mark any more on a pod whose drain failed."""
+    namespace = str(body.metadata.namespace)
+    for name, shown in seen.unmanaged.items():
+        await _patch_pod(client, namespace, name, {objects.UNMANAGED_ANNOTATION: shown})
+    for entry in seen.ended:
+        metrics.recycled(namespace, str(body.metadata.name), entry.reason, entry.outcome)
+        took = f" in {entry.seconds:.0f}s" if entry.seconds is not None else ""
+        if entry.outcome == "Recycled":
+            kopf.event(body, type="Normal", reason="Recycled", message=f"recycled {entry.pod} ({entry.reason}){took}")
+        else:
+            kopf.event(body, type="Warning", reason="RecycleFailed", message=f"kept {entry.pod}: {entry.message}")
+        logger.info("recycling of %s ended: %s%s", entry.pod, entry.outcome, took)
+    for pod in seen.unmark:
+        # The pod stays, unmarked: its data had nowhere to go. The rule may mark it again
+        # later, after a full window of fresh evidence.
+        await _patch_pod(client, namespace, pod, {objects.RECYCLE_ANNOTATION: None})
 
 
 async def mark(client: kube.Kube, namespace: str, pod: str, mark: Mapping[str, str]) -> None:
@@ -103,33 +128,34 @@ async def mark_recorded(client: kube.Kube, namespace: str, names: tuple[str, ...
                 raise
 
 
-async def _annotate_unmanaged(
-    client: kube.Kube, namespace: str, pods: list[objects.Obj], window: recycle_decisions.Window, now: float
-) -> None:
-    """Show each worker's unmanaged memory on its pod, written only when the whole percent changes."""
+def _unmanaged_to_show(pods: list[objects.Obj], window: recycle_decisions.Window, now: float) -> dict[str, str]:
+    """Each worker's unmanaged memory to show on its pod, only where the whole percent changed."""
+    shown: dict[str, str] = {}
     for pod in pods:
         name = str(pod["metadata"]["name"])
-        shown = recycle_decisions.annotation_percent(window.samples, name, now)
-        if shown is not None and (pod["metadata"].get("annotations") or {}).get(objects.UNMANAGED_ANNOTATION) != shown:
-            try:
-                await client.merge_patch(
-                    _pod_path(namespace, name), {"metadata": {"annotations": {objects.UNMANAGED_ANNOTATION: shown}}}
-                )
-            except kube.ApiError as exc:
-                if exc.code != 404:  # the pod went away meanwhile: nothing to show
-                    raise
+        percent = recycle_decisions.annotation_percent(window.samples, name, now)
+        if (
+            percent is not None
+            and (pod["metadata"].get("annotations") or {}).get(objects.UNMANAGED_ANNOTATION) != percent
+        ):
+            shown[name] = percent
+    return shown
 
 
-async def _record_finished(
-    client: kube.Kube,
-    body: kopf.Body,
-    namespace: str,
-    requests: list[objects.Obj],
-    record: specs.RecycleStatus,
-    logger: logging.Logger | logging.LoggerAdapter[Any],
-) -> tuple[str, ...]:
-    """Move finished recycling drains into ``status.recycle.recent``, once each."""
-    recorded = []
+async def _patch_pod(client: kube.Kube, namespace: str, pod: str, annotations: Mapping[str, str | None]) -> None:
+    try:
+        await client.merge_patch(_pod_path(namespace, pod), {"metadata": {"annotations": dict(annotations)}})
+    except kube.ApiError as exc:
+        if exc.code != 404:  # the pod went away meanwhile: nothing to show
+            raise
+
+
+def _record_finished(
+    requests: list[objects.Obj], record: specs.RecycleStatus
+) -> tuple[tuple[str, ...], tuple[specs.Recycling, ...], tuple[str, ...]]:
+    """Move finished recycling drains into ``status.recycle.recent`` (in ``record``), once each:
+    the requests to annotate as recorded, the entries new to the record, the pods to unmark."""
+    recorded, ended, unmark = [], [], []
     for request in requests:
         meta, state = request["metadata"], request.get("status") or {}
         if not objects.is_finished(request) or (meta.get("annotations") or {}).get(objects.RECORDED_ANNOTATION):
@@ -139,36 +165,21 @@ async def _record_finished(
         pod = str(annotations.get(objects.POD_ANNOTATION, ""))
         succeeded = state["phase"] == specs.Phase.SUCCEEDED.value
         start, end = str(mark.get("startTime", "")), str(state.get("completionTime", ""))
-        seconds = _seconds_between(start, end) if start and end else None
         entry = specs.Recycling(
             pod=pod,
             reason=str(mark.get("reason", "")),
             message=str(mark.get("message", "")) if succeeded else str(state.get("message", "")),
             startTime=start,
             completionTime=end,
-            seconds=seconds,
+            seconds=_seconds_between(start, end) if start and end else None,
             outcome="Recycled" if succeeded else "Kept",
             request=str(meta["name"]),
         )
         if all(r.request != entry.request for r in record.recent):
-            metrics.recycled(namespace, str(body.metadata.name), entry.reason, entry.outcome)
             record.recent = [*record.recent, entry][-_RECENT:]
             record.total += 1 if succeeded else 0
-            took = f" in {seconds:.0f}s" if seconds is not None else ""
-            if succeeded:
-                kopf.event(body, type="Normal", reason="Recycled", message=f"recycled {pod} ({entry.reason}){took}")
-            else:
-                kopf.event(body, type="Warning", reason="RecycleFailed", message=f"kept {pod}: {entry.message}")
-            logger.info("recycling of %s ended: %s%s", pod, entry.outcome, took)
+            ended.append(entry)
         if not succeeded:
-            # The pod stays, unmarked: its data had nowhere to go. The rule may mark it again
-            # later, after a full window of fresh evidence.
-            try:
-                await client.merge_patch(
-                    _pod_path(namespace, pod), {"metadata": {"annotations": {objects.RECYCLE_ANNOTATION: None}}}
-                )
-            except kube.ApiError as exc:
-                if exc.code != 404:
-                    raise
+            unmark.append(pod)
         recorded.append(str(meta["name"]))
-    return tuple(recorded)
+    return tuple(recorded), tuple(ended), tuple(unmark)

@@ -9,6 +9,7 @@ is Succeeded or Failed. The decisions are pure functions in :mod:`memops.snapsho
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from typing import Any
@@ -24,10 +25,10 @@ from memops import (
     kube,
     metrics,
     objects,
+    retirement_decisions,
     selectors,
     snapshots,
     specs,
-    tenancy,
     timestamps,
 )
 from memops.controllers import loop, scheduler_tls, vetting, workloads
@@ -78,9 +79,7 @@ class Retirement:
             if status.phase in objects.TERMINAL_PHASES:
                 return None
             before = status.model_copy(deep=True)
-            status = await self.step(status)
-            if conditions.is_true(status.conditions, "Retrying"):
-                status = await self.recovered(status)
+            status = await self.step(status)  # a step that went through clears Retrying in its write
             if status.phase in objects.TERMINAL_PHASES:
                 return None
             # Progress goes on at once; no progress waits before trying again.
@@ -114,7 +113,9 @@ class Retirement:
         try:
             deadline = self.deadline(status)
             if not transient and (deadline is None or timestamps.now() >= deadline):
-                return await self.fail(status, reason, f"{message}; gave up at spec.timeout", generation)
+                message = f"{message}; gave up at spec.timeout"
+                failed = retirement_decisions.fail(status, reason, message, generation=generation, now=timestamps.now())
+                return await self.apply(status, failed, recovered=False)
             until = f"; retrying until {timestamps.render(deadline)}" if deadline and not transient else "; retrying"
             status.conditions = conditions.set_condition(
                 status.conditions, "Retrying", True, reason=reason, message=message + until, generation=generation
@@ -122,16 +123,6 @@ class Retirement:
             await self.write(status)
         except Exception as again:  # the status cannot be written either: the next attempt tries again
             self.logger.warning("could not record the failure: %s", again)
-        return status
-
-    async def recovered(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
-        status.conditions = conditions.set_condition(
-            status.conditions, "Retrying", False, reason="Recovered", generation=status.observedGeneration
-        )
-        try:
-            await self.write(status)
-        except Exception as exc:
-            self.logger.warning("could not record the recovery: %s", exc)
         return status
 
     def deadline(self, status: specs.RetirementRequestStatus) -> datetime.datetime | None:
@@ -174,235 +165,183 @@ class Retirement:
                 return
 
     async def step(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
+        """One step: read the facts, decide, apply; at most one status write."""
         generation = int(self.body.metadata.get("generation", 1))
         if status.phase == specs.Phase.PENDING:
-            try:
-                spec = specs.RetirementRequestSpec.model_validate(dict(self.body.spec))
-            except pydantic.ValidationError as exc:
-                return await self.fail(status, "InvalidSpec", drain_decisions.explain_invalid(exc), generation)
-            return await self.start(spec, status, generation)
-        await self.refuse_spec_changes(status, generation)
-        # Once started, only the spec accepted at the start counts: a request is one-shot.
-        assert status.acceptedSpec is not None
-        return await self.drain(status.acceptedSpec, status)
+            decision = await self.start(status, generation)
+        else:
+            # Once started, only the spec accepted at the start counts: a request is one-shot.
+            assert status.acceptedSpec is not None
+            decision = await self.drain(status.acceptedSpec, status)
+            decision = self.refuse_spec_changes(decision, status, generation)
+        return await self.apply(status, decision)
+
+    async def apply(
+        self,
+        status: specs.RetirementRequestStatus,
+        decision: retirement_decisions.Decision,
+        *,
+        recovered: bool = True,
+    ) -> specs.RetirementRequestStatus:
+        """The decision's effects, in order: claims, pod ranking, released claims, events; the status
+        last, and only if it changed. ``recovered``: the step went through, so Retrying clears."""
+        for pod_object in decision.claim:
+            await workloads.claim_pod(self.client, pod_object, self.name)  # 409/422: another request won; retry
+        if decision.mark_for_deletion:
+            assert status.acceptedSpec is not None
+            workload = status.acceptedSpec.workload
+            await workloads.mark_for_deletion(self.client, self.namespace, workload, list(decision.mark_for_deletion))
+        if decision.release is not None:
+            await self.release(decision.release)
+        for event in decision.events:
+            kopf.event(self.body, type=event.type, reason=event.reason, message=event.message)
+        written = retirement_decisions.summarize(
+            decision.status, was_retrying=recovered and conditions.is_true(status.conditions, "Retrying")
+        )
+        if written != status:
+            await self.write(written)
+        if decision.started:
+            metrics.drain_started(self.namespace)
+        if decision.finished is not None:
+            seconds = _seconds(written.startTime, written.completionTime)
+            metrics.drain_finished(self.namespace, written, decision.finished, seconds)
+        return written
+
+    async def release(self, release: retirement_decisions.Release) -> None:
+        try:
+            await workloads.release_claims(
+                self.client, self.namespace, list(release.pods), self.name, keep_cost=release.keep_cost
+            )
+        except kube.ApiError as exc:
+            if not release.tolerate_errors:
+                raise
+            self.logger.warning("could not release the claims on %s: %s", ", ".join(release.pods), exc)
+
+    def refuse_spec_changes(
+        self, decision: retirement_decisions.Decision, read: specs.RetirementRequestStatus, generation: int
+    ) -> retirement_decisions.Decision:
+        """A spec changed after the start is refused once, in the step's own write."""
+        if generation <= read.observedGeneration or generation == self._rejected_generation:
+            return decision
+        self._rejected_generation = generation
+        status = decision.status.model_copy(deep=True)
+        status.conditions, event = retirement_decisions.refuse_spec_change(status, generation)
+        return dataclasses.replace(decision, status=status, events=(event, *decision.events))
 
     # -- starting -----------------------------------------------------------------------------
 
-    async def start(
-        self, spec: specs.RetirementRequestSpec, status: specs.RetirementRequestStatus, generation: int
-    ) -> specs.RetirementRequestStatus:
+    async def start(self, status: specs.RetirementRequestStatus, generation: int) -> retirement_decisions.Decision:
+        now = timestamps.now()
+        try:
+            spec = specs.RetirementRequestSpec.model_validate(dict(self.body.spec))
+        except pydantic.ValidationError as exc:
+            return retirement_decisions.fail(
+                status, "InvalidSpec", drain_decisions.explain_invalid(exc), generation=generation, now=now
+            )
         created = timestamps.parse(str(self.body.metadata["creationTimestamp"]))
         deadline = created + specs.parse_duration(spec.timeout)
+        facts = await self.read_start(spec, deadline)
+        now = timestamps.now()
+        with metrics.deciding("choose_workers"):
+            return retirement_decisions.start(
+                spec, status, facts, name=self.name, generation=generation, deadline=deadline, now=now
+            )
+
+    async def read_start(
+        self, spec: specs.RetirementRequestSpec, deadline: datetime.datetime
+    ) -> retirement_decisions.StartFacts:
+        """The workload, its pods and the vetted scheduler's snapshot; or what blocks the start."""
+        Blocker = retirement_decisions.Blocker
         workload = await workloads.get(self.client, self.namespace, spec.workload)
         if workload is None:
-            return await self.fail(
-                status,
-                "WorkloadNotFound",
+            message = (
                 f"spec.workload.name: {spec.workload.kind} "
-                f"{spec.workload.name!r} not found in namespace {self.namespace}",
-                generation,
+                f"{spec.workload.name!r} not found in namespace {self.namespace}"
             )
+            return retirement_decisions.StartFacts(blocker=Blocker("WorkloadNotFound", message))
         try:
             workloads.selector(workload)
         except selectors.InvalidSelector as exc:
             message = f"{spec.workload.kind} {spec.workload.name!r}: {exc}"
-            return await self.fail(status, "InvalidSelector", message, generation)
-        judge = vetting.Tenancy(self.client, self.namespace)
+            return retirement_decisions.StartFacts(blocker=Blocker("InvalidSelector", message))
+        wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
         try:
-            wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
-            # Identity only (no code sent) until the scheduler is shown to be this namespace's,
-            # then the snapshot on that same connection, of the workers that were vouched for.
-            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=wait, vouch=judge) as vetted:
-                snapshot = await vetted.snapshot()
+            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=wait, snapshot={}) as found:
+                snapshot = found.snapshot
         except daskrpc.Unvouched as exc:
-            return await self.refuse_scheduler(status, exc.verdict, deadline, generation)
+            return retirement_decisions.StartFacts(blocker=Blocker.unvouched(exc.verdict))
         except daskrpc.SchedulerMisbehaved as exc:  # not a Dask scheduler, or a hostile one: never retried
-            return await self.fail(status, "SchedulerMisbehaved", f"spec.scheduler.address: {exc}", generation)
+            message = f"spec.scheduler.address: {exc}"
+            return retirement_decisions.StartFacts(blocker=Blocker("SchedulerMisbehaved", message))
         except daskrpc.SchedulerUnreachable as exc:
-            status.conditions = conditions.set_condition(
-                status.conditions,
-                "SchedulerReachable",
-                False,
-                reason="SchedulerUnreachable",
-                message=f"spec.scheduler.address: {exc}; retrying until {timestamps.render(deadline)}",
-                generation=generation,
-            )
-            if timestamps.now() >= deadline:
-                return await self.fail(status, "SchedulerUnreachable", f"spec.scheduler.address: {exc}", generation)
-            await self.write(status)
-            return status
+            return retirement_decisions.StartFacts(blocker=Blocker.unreachable(exc))
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
-        pod_names = [p["metadata"]["name"] for p in pods]
         infos = [workloads.pod_info(p) for p in pods]
-        located = snapshots.workers_by_pod(infos, snapshot.workers)
-        unknown = snapshots.unidentified(infos, located)
-        taken = drain_decisions.claimed_by_others(pods, self.name)
-        if spec.workers is not None:
-            for index, pod in enumerate(spec.workers):
-                if pod not in pod_names:
-                    return await self.fail(
-                        status,
-                        "WorkerNotFound",
-                        f"spec.workers[{index}]: pod {pod!r} is not a running"
-                        f" pod of {spec.workload.kind} {spec.workload.name!r}",
-                        generation,
-                    )
-                if pod in taken:
-                    return await self.fail(
-                        status,
-                        "WorkerClaimed",
-                        f"spec.workers[{index}]: pod {pod!r} is already being retired by another RetirementRequest",
-                        generation,
-                    )
-            chosen = list(dict.fromkeys(spec.workers))  # a set, whatever let a repeat through
-        else:
-            assert spec.count is not None
-            with metrics.deciding("choose_workers"):
-                chosen = snapshots.choose_workers(
-                    pod_names, snapshot, spec.count, exclude=taken | set(unknown), located=located
-                )
-        if unknown:
-            status.conditions = conditions.set_condition(
-                status.conditions,
-                "WorkersUnidentified",
-                True,
-                reason="NoWorkerAtPodAddress",
-                message=drain_decisions.unidentified_message(unknown),
-                generation=generation,
-            )
-        if not chosen:
-            message = "no worker could be chosen: every pod is taken or none exists"
-            if unknown:
-                message += f"; {drain_decisions.unidentified_message(unknown)}"
-            return await self.fail(status, "NoWorkers", message, generation)
-        for pod_object in pods:
-            if pod_object["metadata"]["name"] in chosen:
-                await workloads.claim_pod(self.client, pod_object, self.name)  # 409/422: another request won; retry
-        started = timestamps.now()
-        status = status.model_copy(
-            update={
-                "phase": specs.Phase.DRAINING,
-                "observedGeneration": generation,
-                "startTime": timestamps.render(started),
-                "deadline": timestamps.render(started + specs.parse_duration(spec.timeout)),
-                "onTimeout": spec.onTimeout,
-                "acceptedSpec": spec,
-                "requested": spec.count if spec.count is not None else len(chosen),
-                "workers": [drain_decisions.entry(pod, located.get(pod, ()), unknown=pod in unknown) for pod in chosen],
-            }
-        )
-        status.conditions = conditions.set_condition(
-            status.conditions, "SchedulerReachable", True, reason="Connected", generation=generation
-        )
-        status.conditions = conditions.set_condition(
-            status.conditions,
-            "Draining",
-            True,
-            reason="DrainStarted",
-            message=f"draining {len(chosen)} workers: {', '.join(chosen)}",
-            generation=generation,
-        )
-        await self.write(status)
-        metrics.drain_started(self.namespace)
-        kopf.event(
-            self.body,
-            type="Normal",
-            reason="DrainStarted",
-            message=f"draining {len(chosen)} workers through the scheduler: {', '.join(chosen)}",
-        )
-        return status
-
-    async def refuse_scheduler(
-        self,
-        status: specs.RetirementRequestStatus,
-        verdict: tenancy.Verdict,
-        deadline: datetime.datetime,
-        generation: int,
-    ) -> specs.RetirementRequestStatus:
-        """The scheduler is not shown to be this namespace's: nothing is asked of it or written
-        about it. Retried until the deadline, as an unreachable scheduler is (a worker may be
-        joining, or its pod just gone), then Failed."""
-        status.conditions = conditions.set_condition(
-            status.conditions,
-            "SchedulerReachable",
-            False,
-            reason=verdict.reason.value,
-            message=f"spec.scheduler.address: {verdict.message}; retrying until {timestamps.render(deadline)}",
-            generation=generation,
-        )
-        if timestamps.now() >= deadline:
-            message = f"spec.scheduler.address: {verdict.message}"
-            return await self.fail(status, verdict.reason.value, message, generation)
-        await self.write(status)
-        return status
+        assert snapshot is not None
+        return retirement_decisions.StartFacts(pods=pods, infos=infos, snapshot=snapshot)
 
     # -- draining -------------------------------------------------------------------------------
 
     async def drain(
         self, spec: specs.RetirementRequestSpec, status: specs.RetirementRequestStatus
-    ) -> specs.RetirementRequestStatus:
-        on_timeout = status.onTimeout or specs.OnTimeout.ABORT
+    ) -> retirement_decisions.Decision:
+        """One part of the drain per step, each ending in its own write: an ordered removal first
+        (its scale-down recorded, then ordered), then the scheduler's retirement, then the end."""
         deadline = timestamps.parse(status.deadline)
-        draining = [w for w in status.workers if w.state == specs.WorkerState.DRAINING and not w.removable]
-        if draining:
-            status = await self.retire(spec.scheduler, status, draining, deadline, on_timeout)
         if drain_decisions.to_remove(status.workers):
-            if spec.removePods:
-                status = await self.remove(spec, status, deadline)
-            else:  # an eviction's drain: the evicting client removes the pods, which the gate now admits
-                status.workers = eviction.mark_drained(status.workers)
-                await self.write(status)
+            if not spec.removePods:
+                return retirement_decisions.left_to_eviction(status)
+            if retirement_decisions.needs_scale_down(status):
+                facts = await self.read_removal(spec.workload, drain_decisions.to_remove(status.workers))
+                return retirement_decisions.plan_scale_down(status, facts, deadline=deadline, now=timestamps.now())
+            return await self.remove(spec.workload, status)
+        if retirement_decisions.draining(status):
+            return await self.retire(spec.scheduler, status, deadline)
         if any(w.state == specs.WorkerState.DRAINING for w in status.workers):
-            return status
-        return await self.finish(status)
+            return retirement_decisions.Decision(status=status)
+        return retirement_decisions.conclude(status, now=timestamps.now())
 
     async def retire(
         self,
         scheduler: specs.SchedulerRef,
         status: specs.RetirementRequestStatus,
-        draining: list[specs.WorkerStatus],
         deadline: datetime.datetime,
-        on_timeout: specs.OnTimeout,
-    ) -> specs.RetirementRequestStatus:
+    ) -> retirement_decisions.Decision:
+        """The scheduler's retirement of the draining workers: the one effect whose outcome is the
+        fact that the decision judges (:func:`memops.drain_decisions.judge_drain`)."""
+        on_timeout = status.onTimeout or specs.OnTimeout.ABORT
         judge = vetting.Tenancy(self.client, self.namespace)
+        addresses = retirement_decisions.addresses(retirement_decisions.draining(status))
         try:
             # Everything on the one connection whose workers the tenancy check vouched for: the
             # holdings before, the retirement, and the holdings after.
-            vetted_scheduler = vetting.vetted(self.client, self.namespace, scheduler, timeout=_RPC_SECONDS, vouch=judge)
-            async with vetted_scheduler as vetted:
-                addresses = [a for w in draining for a in (w.addresses or ([w.address] if w.address else []))]
+            # Who holds each key of these workers now (once), to tell afterwards what moved.
+            query = {"placement_of": addresses, "processing": False} if self.before is None else None
+            reached = vetting.vetted(
+                self.client, self.namespace, scheduler, timeout=_RPC_SECONDS, vouch=judge, snapshot=query
+            )
+            async with reached as found:
+                vetted = found.scheduler
                 if self.before is None:
-                    # Who holds each key of these workers now, to tell afterwards what moved.
-                    self.before = await vetted.snapshot(placement_of=addresses, processing=False)
+                    self.before = found.snapshot
+                assert self.before is not None
                 remaining = max((deadline - timestamps.now()).total_seconds(), 0.0)
                 # Every worker's node: off the drained workers' nodes first where those nodes are
                 # going (a node drain); else spilled keys go to neighbours there, by link.
-                nodes = snapshots.nodes_of_workers(judge.pods, vetted.workers)
                 outcome = await vetted.retire_workers(
                     addresses,
                     timeout=remaining,
-                    nodes=nodes,
+                    nodes=snapshots.nodes_of_workers(judge.pods, vetted.workers),
                     nodes_dying=eviction.drains_node(self.body.metadata.get("labels")),
                 )
                 after = await vetted.snapshot(placement=list(self.before.who_has), processing=False)
         except daskrpc.Unvouched as exc:
-            return await self.refuse_drain(status, exc.verdict, deadline, on_timeout)
+            blocker = retirement_decisions.Blocker.unvouched(exc.verdict)
+            return retirement_decisions.drain_blocked(status, blocker, deadline=deadline, now=timestamps.now())
         except daskrpc.SchedulerUnreachable as exc:
-            if timestamps.now() < deadline:
-                status.conditions = conditions.set_condition(
-                    status.conditions,
-                    "SchedulerReachable",
-                    False,
-                    reason="SchedulerUnreachable",
-                    message=f"{exc}; retrying until {status.deadline}",
-                    generation=status.observedGeneration,
-                )
-                await self.write(status)
-                return status
-            status.workers = drain_decisions.judge_unreachable(status.workers, on_timeout=on_timeout, reason=str(exc))
-            await self.write(status)
-            return status
-        status.workers = drain_decisions.judge_drain(
+            blocker = retirement_decisions.Blocker.unreachable(exc)
+            return retirement_decisions.drain_blocked(status, blocker, deadline=deadline, now=timestamps.now())
+        workers = drain_decisions.judge_drain(
             status.workers,
             before=self.before,
             after=after,
@@ -413,197 +352,32 @@ class Retirement:
             lost_at_deadline=outcome.lost_at_deadline,
             linked=outcome.linked,
         )
-        status.conditions = conditions.set_condition(
-            status.conditions, "SchedulerReachable", True, reason="Connected", generation=status.observedGeneration
-        )
-        await self.write(status)
-        for worker in status.workers:
-            if worker.state == specs.WorkerState.KEPT:
-                kopf.event(self.body, type="Warning", reason="WorkerKept", message=f"{worker.pod}: {worker.message}")
-            elif worker.state == specs.WorkerState.FORCED:
-                kopf.event(self.body, type="Warning", reason="WorkerForced", message=f"{worker.pod}: {worker.message}")
-        return status
+        return retirement_decisions.drained(status, workers)
 
-    async def refuse_drain(
-        self,
-        status: specs.RetirementRequestStatus,
-        verdict: tenancy.Verdict,
-        deadline: datetime.datetime,
-        on_timeout: specs.OnTimeout,
-    ) -> specs.RetirementRequestStatus:
-        """The scheduler stopped being shown as this namespace's mid-drain: retire nothing there;
-        at the deadline judge the pods as with an unreachable scheduler."""
-        if timestamps.now() < deadline:
-            status.conditions = conditions.set_condition(
-                status.conditions,
-                "SchedulerReachable",
-                False,
-                reason=verdict.reason.value,
-                message=f"{verdict.message}; retrying until {status.deadline}",
-                generation=status.observedGeneration,
-            )
-        else:
-            status.workers = drain_decisions.judge_unreachable(
-                status.workers, on_timeout=on_timeout, reason=verdict.message
-            )
-        await self.write(status)
-        return status
+    # -- removing -------------------------------------------------------------------------------
+
+    async def read_removal(self, workload: specs.WorkloadRef, pods: list[str]) -> retirement_decisions.RemovalFacts:
+        """What stands before the scale-down: not-ready pods the ReplicaSet would remove first, a
+        worker Deployment that is not the workload's; else the replicas now."""
+        blockers = await workloads.outranking_pods(self.client, self.namespace, workload, pods)
+        if blockers:
+            return retirement_decisions.RemovalFacts(outranking=blockers)
+        try:
+            deployments = await workloads.worker_deployments(self.client, self.namespace, workload, pods)
+        except workloads.ForeignDeployment as exc:
+            return retirement_decisions.RemovalFacts(foreign=str(exc))
+        replicas = await workloads.replicas(self.client, self.namespace, workload)
+        return retirement_decisions.RemovalFacts(deployments=deployments, replicas=replicas)
 
     async def remove(
-        self,
-        spec: specs.RetirementRequestSpec,
-        status: specs.RetirementRequestStatus,
-        deadline: datetime.datetime,
-    ) -> specs.RetirementRequestStatus:
-        workload_ref = spec.workload
-        pods = drain_decisions.to_remove(status.workers)
-        if status.scaleDown is None or not set(pods) <= set(status.scaleDown.pods):
-            blockers = await workloads.outranking_pods(self.client, self.namespace, workload_ref, pods)
-            if blockers:
-                message = (
-                    f"waiting: pods {', '.join(blockers)} are not ready, and the ReplicaSet would remove"
-                    " them before the drained ones"
-                )
-                if timestamps.now() >= deadline:
-                    status.workers = drain_decisions.keep_blocked(status.workers, message)
-                    await self.write(status)
-                    return status
-                status.conditions = conditions.set_condition(
-                    status.conditions,
-                    "Draining",
-                    True,
-                    reason="WaitingForPods",
-                    message=message,
-                    generation=status.observedGeneration,
-                )
-                await self.write(status)
-                return status
-            try:
-                deployments = await workloads.worker_deployments(self.client, self.namespace, workload_ref, pods)
-            except workloads.ForeignDeployment as exc:
-                status.workers = drain_decisions.keep_blocked(status.workers, f"waiting: {exc}")
-                status.conditions = conditions.set_condition(
-                    status.conditions,
-                    "Draining",
-                    True,
-                    reason="ForeignDeployment",
-                    message=f"refused to delete: {exc}",
-                    generation=status.observedGeneration,
-                )
-                await self.write(status)
-                return status
-            await workloads.mark_for_deletion(self.client, self.namespace, workload_ref, pods)
-            replicas = await workloads.replicas(self.client, self.namespace, workload_ref)
-            # Recorded before the scale-down is ordered: a restarted operator must not lower it twice.
-            status.scaleDown = specs.ScaleDown(
-                pods=pods,
-                replicasFrom=replicas,
-                replicasTo=max(replicas - len(pods), 0),
-                deployments=deployments,
-            )
-            await self.write(status)
+        self, workload: specs.WorkloadRef, status: specs.RetirementRequestStatus
+    ) -> retirement_decisions.Decision:
+        """Order the recorded scale-down (again, after a restart: it is idempotent) and wait for its pods."""
         assert status.scaleDown is not None
-        await workloads.remove(self.client, self.namespace, workload_ref, status.scaleDown)
+        pods = drain_decisions.to_remove(status.workers)
+        await workloads.remove(self.client, self.namespace, workload, status.scaleDown)
         gone = await workloads.wait_pods_gone(self.client, self.namespace, pods, timeout=60)
-        status.workers = drain_decisions.mark_removed(status.workers, gone)
-        await self.write(status)
-        for pod in gone:
-            kopf.event(self.body, type="Normal", reason="PodRemoved", message=f"{pod}: drained and removed")
-        return status
-
-    async def finish(self, status: specs.RetirementRequestStatus) -> specs.RetirementRequestStatus:
-        requested = status.requested or len(status.workers)
-        status = drain_decisions.conclude(status, requested=requested, at=timestamps.render(timestamps.now()))
-        succeeded = status.phase == specs.Phase.SUCCEEDED
-        status.conditions = conditions.set_condition(
-            status.conditions,
-            "Draining",
-            False,
-            reason="Finished",
-            message=status.message,
-            generation=status.observedGeneration,
-        )
-        status.conditions = conditions.set_condition(
-            status.conditions,
-            "Complete" if succeeded else "Failed",
-            True,
-            reason="Retired" if succeeded else "WorkersKept",
-            message=status.message,
-            generation=status.observedGeneration,
-        )
-        if status.bytesLost:
-            status.conditions = conditions.set_condition(
-                status.conditions,
-                "DataLost",
-                True,
-                reason="Forced",
-                message=f"{status.bytesLost} bytes lost by forced removal (onTimeout: Force)",
-                generation=status.observedGeneration,
-            )
-        await workloads.release_claims(
-            self.client,
-            self.namespace,
-            [w.pod for w in status.workers if not w.podRemoved],
-            self.name,
-            keep_cost=status.scaleDown.pods if status.scaleDown is not None else (),
-        )
-        await self.write(status)
-        metrics.drain_finished(
-            self.namespace,
-            status,
-            "Retired" if succeeded else "WorkersKept",
-            _seconds(status.startTime, status.completionTime),
-        )
-        kopf.event(
-            self.body,
-            type="Normal" if succeeded else "Warning",
-            reason="Succeeded" if succeeded else "Failed",
-            message=status.message,
-        )
-        return status
-
-    async def fail(
-        self, status: specs.RetirementRequestStatus, reason: str, message: str, generation: int
-    ) -> specs.RetirementRequestStatus:
-        ordered = set(status.scaleDown.pods) if status.scaleDown is not None else set()
-        status = status.model_copy(
-            update={
-                "phase": specs.Phase.FAILED,
-                "message": message,
-                "observedGeneration": generation,
-                "completionTime": timestamps.render(timestamps.now()),
-                # A drain that had started: every pod whose removal was not ordered is kept.
-                "workers": drain_decisions.keep_unfinished(status.workers, f"{reason}: {message}", ordered=ordered),
-            }
-        )
-        status.conditions = conditions.set_condition(
-            status.conditions, "Failed", True, reason=reason, message=message, generation=generation
-        )
-        await self.write(status)
-        kept = [w.pod for w in status.workers if w.state == specs.WorkerState.KEPT]
-        if kept:
-            try:
-                await workloads.release_claims(self.client, self.namespace, kept, self.name)
-            except kube.ApiError as exc:  # the request is Failed already; a stale claim only blocks others
-                self.logger.warning("could not release the claims on %s: %s", ", ".join(kept), exc)
-        metrics.drain_finished(self.namespace, status, reason, _seconds(status.startTime, status.completionTime))
-        kopf.event(self.body, type="Warning", reason=reason, message=message)
-        return status
-
-    async def refuse_spec_changes(self, status: specs.RetirementRequestStatus, generation: int) -> None:
-        if generation <= status.observedGeneration or generation == self._rejected_generation:
-            return
-        self._rejected_generation = generation
-        message = (
-            f"spec changed at generation {generation} after the drain started at generation"
-            f" {status.observedGeneration}; a RetirementRequest is one-shot, so the change is ignored:"
-            " create a new request instead"
-        )
-        status.conditions = conditions.set_condition(
-            status.conditions, "SpecChangeRejected", True, reason="OneShot", message=message, generation=generation
-        )
-        await self.write(status)
-        kopf.event(self.body, type="Warning", reason="SpecChangeRejected", message=message)
+        return retirement_decisions.removed(status, gone)
 
     # -- I/O helpers ----------------------------------------------------------------------------
 

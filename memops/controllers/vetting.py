@@ -4,15 +4,17 @@ The scheduler's address is written by users, and what answers there may change f
 connection to the next (an ExternalName Service or DNS that its owner switches, a TCP proxy that
 routes each connection its own way). So every controller that speaks to a scheduler (the
 MemoryPolicy's pass and goodbye, each RetirementRequest step, the eviction gate) does it through
-:func:`memops.daskrpc.vetted`: one connection, ``identity`` judged by :func:`memops.tenancy.check`
-against the namespace's pods first, then everything else on that same connection. The client
-certificates come from :mod:`memops.controllers.scheduler_tls`.
+:func:`reach`, the one sequence: one connection, ``identity`` judged by :func:`memops.tenancy.check`
+against the namespace's pods first, then the snapshot and everything else on that same connection.
+:func:`vetted` adds the client certificates, from :mod:`memops.controllers.scheduler_tls`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import dataclasses
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 from memops import daskrpc, kube, snapshots, specs, tenancy
 from memops.controllers import scheduler_tls, workloads
@@ -32,6 +34,36 @@ class Tenancy:
         return tenancy.check(workers, self.pods, self.namespace)
 
 
+@dataclasses.dataclass(frozen=True)
+class Vetted:
+    """A scheduler shown to be the namespace's, on the connection that everything else goes over,
+    and its snapshot taken right after the vouch (None when none was asked for)."""
+
+    scheduler: daskrpc.Scheduler
+    snapshot: snapshots.SchedulerSnapshot | None
+
+
+@contextlib.asynccontextmanager
+async def reach(
+    address: str,
+    *,
+    vouch: daskrpc.Vouch,
+    security: Any,
+    timeout: float,
+    snapshot: Mapping[str, Any] | None = None,
+) -> AsyncIterator[Vetted]:
+    """Identity, then the tenancy check (``vouch``), then the snapshot (the keyword arguments of
+    :meth:`memops.daskrpc.Scheduler.snapshot` in ``snapshot``; None: no snapshot), on one
+    connection, which stays open for as long as the caller acts on it.
+
+    Raises :class:`memops.daskrpc.Unvouched` (nothing but ``identity`` was sent), and what
+    :func:`memops.daskrpc.vetted` raises.
+    """
+    async with daskrpc.vetted(address, vouch=vouch, security=security, timeout=timeout) as scheduler:
+        taken = await scheduler.snapshot(**snapshot) if snapshot is not None else None
+        yield Vetted(scheduler, taken)
+
+
 @contextlib.asynccontextmanager
 async def vetted(
     client: kube.Kube,
@@ -40,14 +72,14 @@ async def vetted(
     *,
     timeout: float,
     vouch: daskrpc.Vouch | None = None,
-) -> AsyncIterator[daskrpc.Scheduler]:
-    """The namespace's scheduler (:func:`memops.daskrpc.vetted`), with the client certificates of
-    ``spec.scheduler.tls`` and, unless another ``vouch`` is given, a fresh :class:`Tenancy` check.
+    snapshot: Mapping[str, Any] | None = None,
+) -> AsyncIterator[Vetted]:
+    """:func:`reach` with the client certificates of ``spec.scheduler.tls`` and, unless another
+    ``vouch`` is given, a fresh :class:`Tenancy` check.
 
-    Raises :class:`memops.controllers.scheduler_tls.SecretUnusable`, and what
-    :func:`memops.daskrpc.vetted` raises (:class:`memops.daskrpc.Unvouched` among them).
+    Raises :class:`memops.controllers.scheduler_tls.SecretUnusable`, and what :func:`reach` raises.
     """
     security = await scheduler_tls.security_for(client, namespace, scheduler)
     judge = vouch if vouch is not None else Tenancy(client, namespace)
-    async with daskrpc.vetted(scheduler.address, vouch=judge, security=security, timeout=timeout) as vouched:
-        yield vouched
+    async with reach(scheduler.address, vouch=judge, security=security, timeout=timeout, snapshot=snapshot) as found:
+        yield found

@@ -47,7 +47,7 @@ from typing import Any
 from memops.scheduler import drain, holdings, relief, replication, rules
 
 NAME = "memops_agent"
-VERSION = 8
+VERSION = 9
 """Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
 (7: no rule in force leaves the AMM as Dask made it; 8: replication follows an index of the ruled
 keys instead of scanning keys), so that an older agent is replaced."""

@@ -50,7 +50,7 @@ import dask.config
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from memops.scheduler import handover
+from memops.scheduler import handover, transfers
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,8 @@ REFILL = 0.5
 refilled in large steps, not by a few keys after every pass (each ask is a pass at the short
 interval), and a recipient still has half a window queued when they come."""
 IN_FLIGHT_SECONDS = 10.0
-"""How long a requested copy may take, plus its transfer time below, before it is asked again."""
-TRANSFER_BYTES_PER_SECOND = 50 * 2**20
-"""A slow worker-to-worker copy: a large key counts as on its way for this much longer."""
+"""How long a requested copy may take, plus its transfer time (:mod:`memops.scheduler.transfers`),
+before it is asked again."""
 NO_RECIPIENT_SECONDS = 5.0
 """How long a drain that sets its worker back when nothing can take its keys (``restore``) waits
 for a paused worker to resume first: a recipient that the drain filled pauses until it has spilled."""
@@ -294,7 +293,7 @@ class Copy:
     linked: bool = False  # handed over by a link on a shared spill filesystem, not copied
 
     def expired(self, now: float) -> bool:
-        return now > self.asked + IN_FLIGHT_SECONDS + self.nbytes / TRANSFER_BYTES_PER_SECOND
+        return transfers.expired(self.asked, self.nbytes, IN_FLIGHT_SECONDS, now)
 
 
 @dataclasses.dataclass
@@ -353,6 +352,18 @@ def _seconds(ts: Any) -> float:
 
 def _nbytes(ts: Any) -> int:
     return int(ts.nbytes) if ts.nbytes >= 0 else int(ts.get_nbytes())
+
+
+@dataclasses.dataclass
+class _Asks:
+    """What one pass of :class:`DrainPlugin` reads once and gathers while it goes over the drained workers."""
+
+    dying_nodes: set[str]
+    draining: AbstractSet[Any]  # the drained or otherwise leaving workers' WorkerStates: no safe copy
+    from_source: Mapping[str, int]  # copies still on their way, by drained worker
+    now: float
+    batches: defaultdict[str, list[Any]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    links: defaultdict[tuple[str, str], list[Any]] = dataclasses.field(default_factory=lambda: defaultdict(list))
 
 
 class DrainPlugin(SchedulerPlugin):
@@ -552,7 +563,9 @@ class DrainPlugin(SchedulerPlugin):
         return ts is None or not ts.who_has or not ts.who_has <= draining
 
     async def step(self) -> None:
-        """One pass: copies landed or given up, keys asked for, drains ended."""
+        """One pass, in four phases: copies landed or given up (:meth:`_follow_copies`), the
+        recipients and their room (:meth:`_recipients`), keys asked for, one drained worker after
+        the other (:meth:`_drain_worker`), and the asks sent (:meth:`_send`)."""
         scheduler = self.scheduler
         now = time.monotonic()
         active = {a: d for a, d in self.workers.items() if d.state == State.DRAINING}
@@ -563,9 +576,31 @@ class DrainPlugin(SchedulerPlugin):
         for address, drained in active.items():
             if address not in scheduler.workers:
                 self._gone(drained, now)
-        # Copies: landed, or to be asked again.
+        on_way, from_source = self._follow_copies(active, now)
+        recipients = self._recipients(draining_ws, on_way)
+        groups = {r.group for r in recipients if r.group is not None}
+        if self.handover:
+            self._start_background(active, groups, now)
+        asks = _Asks(
+            # Only a drain whose node goes too keeps recipients off it: an ordinary retirement's
+            # node stays, and its neighbours take spilled keys by link, at no network cost.
+            dying_nodes={d.node for d in active.values() if d.node and d.node_dying},
+            draining=draining_ws,
+            from_source=from_source,
+            now=now,
+        )
+        for address, drained in active.items():
+            if drained.state == State.DRAINING:
+                recipients = await self._drain_worker(address, drained, recipients, asks)
+        self._send(asks)
+
+    def _follow_copies(self, active: Mapping[str, Drained], now: float) -> tuple[dict[str, int], dict[str, int]]:
+        """Copies landed (counted for their drained worker), or given up (asked again: back at the
+        head of its order); the bytes still on their way to each recipient, and the copies still
+        on their way from each drained worker."""
+        scheduler = self.scheduler
         on_way: defaultdict[str, int] = defaultdict(int)
-        from_source: defaultdict[str, int] = defaultdict(int)  # copies on their way, by drained worker
+        from_source: defaultdict[str, int] = defaultdict(int)
         for key, copy in list(self.copies.items()):
             ts = scheduler.tasks.get(key)
             target = scheduler.workers.get(copy.target)
@@ -591,115 +626,127 @@ class DrainPlugin(SchedulerPlugin):
             if not copy.linked:  # a link takes neither memory nor the window
                 on_way[copy.target] += copy.nbytes
             from_source[copy.source] += 1
-        # Recipients: running, not drained, with headroom.
+        return on_way, from_source
+
+    def _recipients(self, draining: AbstractSet[Any], on_way: Mapping[str, int]) -> list[Recipient]:
+        """Running workers that are not drained, with their headroom and window."""
         recipients = []
         target = target_fraction()
-        for ws in scheduler.running:
-            if ws in draining_ws:
+        for ws in self.scheduler.running:
+            if ws in draining:
                 continue
             limit = int(ws.memory_limit or 0)
-            used = max(int(ws.memory.process), int(ws.memory.optimistic)) + on_way[ws.address]
-            refill = on_way[ws.address] <= self.window * REFILL
+            queued = on_way.get(ws.address, 0)
+            used = max(int(ws.memory.process), int(ws.memory.optimistic)) + queued
+            refill = queued <= self.window * REFILL
             recipients.append(
                 Recipient(
                     ws.address,
                     self.nodes.get(ws.address),
                     (limit - used) if limit else UNLIMITED,
-                    self.window - on_way[ws.address] if refill else 0,
+                    self.window - queued if refill else 0,
                     self._group(ws.address),
                     room=int(limit * target) - used if limit else UNLIMITED,
-                    queued=on_way[ws.address],
+                    queued=queued,
                 )
             )
-        groups = {r.group for r in recipients if r.group is not None}
-        if self.handover:
-            self._start_background(active, groups, now)
-        # Only a drain whose node goes too keeps recipients off it: an ordinary retirement's node
-        # stays, and its neighbours take spilled keys by link, at no network cost.
-        dying_nodes = {d.node for d in active.values() if d.node and d.node_dying}
-        batches: defaultdict[str, list[Any]] = defaultdict(list)
-        links: defaultdict[tuple[str, str], list[Any]] = defaultdict(list)
-        for address, drained in active.items():
-            if drained.state != State.DRAINING:
-                continue
-            ws = scheduler.workers[address]
-            if now >= drained.deadline:
-                self._stop_at_deadline(drained, ws, draining_ws, now)
-                continue
-            if now - drained.scanned > RESCAN_SECONDS:
-                self._scan(drained, ws, draining_ws, now)
-            if self._held(drained, now):
-                continue
-            source_group = self._group(address)
-            # Node-local recipients first only where the node survives: a drain whose node is
-            # dying (a preStop hook, a node drain) keeps them last (see assign).
-            prefer = source_group if drained.node is None or not drained.node_dying else None
-            # Read every key of the worker only once nothing is left to ask for or on its way.
-            if not drained.order and not from_source[address] and self._drained(ws, draining_ws):
-                await self._finish(drained, ws, now)
-                continue
-            if not recipients and drained.restore and not self.copies:
-                # As stock: nothing can take its keys. But a paused worker may resume (one that
-                # the drain itself filled pauses until it has spilled), so give up only when
-                # none is paused, or after NO_RECIPIENT_SECONDS with none running.
-                drained.alone_since = drained.alone_since or now
-                waiting = any(w.status.name == "paused" and w not in draining_ws for w in scheduler.workers.values())
-                if not waiting or now - drained.alone_since >= NO_RECIPIENT_SECONDS:
-                    await self._no_recipients(drained, ws, now)
-                continue
-            drained.alone_since = 0.0
-            # Keys still to ask for, in rank order: held only by drained workers, not on their
-            # way; as many as the recipients' windows take (the rest wait, in order).
-            budget = sum(max(r.window, 0) for r in recipients)
-            pending: list[Key] = []
-            tasks: dict[str, Any] = {}
-            kept: list[Any] = []
-            index = 0
-            for index, key in enumerate(drained.order):  # noqa: B007 (read after the loop)
-                if budget <= 0:
-                    break
-                ts = scheduler.tasks.get(key)
-                if self._safe(ts, draining_ws) or key in self.copies or ws not in ts.who_has:
-                    continue  # moved, forgotten, asked for, or left this worker: out of its order
-                nbytes = _nbytes(ts)
-                # Already ranked: names, sizes and where it is spilled suffice.
-                pending.append(Key(str(key), nbytes, False, group=prefer if key in drained.spilled else None))
-                tasks[str(key)] = key
-                kept.append(key)
-                budget -= nbytes
+        return recipients
+
+    async def _drain_worker(
+        self, address: str, drained: Drained, recipients: list[Recipient], asks: _Asks
+    ) -> list[Recipient]:
+        """One drained worker's part of a pass: stopped at its deadline, finished, given up for
+        want of recipients, or its next keys asked for; returns the recipients as the next
+        worker's keys see them (their headroom and windows less what this one took)."""
+        scheduler, now = self.scheduler, asks.now
+        ws = scheduler.workers[address]
+        if now >= drained.deadline:
+            self._stop_at_deadline(drained, ws, asks.draining, now)
+            return recipients
+        if now - drained.scanned > RESCAN_SECONDS:
+            self._scan(drained, ws, asks.draining, now)
+        if self._held(drained, now):
+            return recipients
+        # Read every key of the worker only once nothing is left to ask for or on its way.
+        if not drained.order and not asks.from_source.get(address) and self._drained(ws, asks.draining):
+            await self._finish(drained, ws, now)
+            return recipients
+        if not recipients and drained.restore and not self.copies:
+            # As stock: nothing can take its keys. But a paused worker may resume (one that
+            # the drain itself filled pauses until it has spilled), so give up only when
+            # none is paused, or after NO_RECIPIENT_SECONDS with none running.
+            drained.alone_since = drained.alone_since or now
+            waiting = any(w.status.name == "paused" and w not in asks.draining for w in scheduler.workers.values())
+            if not waiting or now - drained.alone_since >= NO_RECIPIENT_SECONDS:
+                await self._no_recipients(drained, ws, now)
+            return recipients
+        drained.alone_since = 0.0
+        taken = self._ask_keys(address, drained, ws, recipients, asks)
+        return [
+            dataclasses.replace(
+                r,
+                headroom=r.headroom - taken[r.name],
+                window=r.window - taken[r.name],
+                room=None if r.room is None else r.room - taken[r.name],
+                queued=r.queued + taken[r.name],
+            )
+            for r in recipients
+        ]
+
+    def _ask_keys(
+        self, address: str, drained: Drained, ws: Any, recipients: list[Recipient], asks: _Asks
+    ) -> defaultdict[str, int]:
+        """Keys still to ask for, in rank order: held only by drained workers, not on their way;
+        as many as the recipients' windows take (the rest wait, in order). Each is placed
+        (:func:`assign`) and queued in ``asks``; returns the bytes each recipient was given."""
+        scheduler = self.scheduler
+        source_group = self._group(address)
+        # Node-local recipients first only where the node survives: a drain whose node is
+        # dying (a preStop hook, a node drain) keeps them last (see assign).
+        prefer = source_group if drained.node is None or not drained.node_dying else None
+        budget = sum(max(r.window, 0) for r in recipients)
+        pending: list[Key] = []
+        tasks: dict[str, Any] = {}
+        kept: list[Any] = []
+        index = 0
+        for index, key in enumerate(drained.order):  # noqa: B007 (read after the loop)
+            if budget <= 0:
+                break
+            ts = scheduler.tasks.get(key)
+            if self._safe(ts, asks.draining) or key in self.copies or ws not in ts.who_has:
+                continue  # moved, forgotten, asked for, or left this worker: out of its order
+            nbytes = _nbytes(ts)
+            # Already ranked: names, sizes and where it is spilled suffice.
+            pending.append(Key(str(key), nbytes, False, group=prefer if key in drained.spilled else None))
+            tasks[str(key)] = key
+            kept.append(key)
+            budget -= nbytes
+        else:
+            index = len(drained.order)
+        chosen, _unplaced = assign(pending, recipients, asks.dying_nodes, self.window)  # the unplaced wait in order
+        taken: defaultdict[str, int] = defaultdict(int)
+        for name, target in chosen:
+            key = tasks[name]
+            nbytes = _nbytes(scheduler.tasks[key])
+            # Linked wherever the recipient shares the spill filesystem, preferred or not.
+            linked = source_group is not None and key in drained.spilled and self._group(target) == source_group
+            self.copies[key] = Copy(target, nbytes, asks.now, source=address, linked=linked)
+            if linked:
+                asks.links[(address, target)].append(key)
             else:
-                index = len(drained.order)
-            chosen, _unplaced = assign(pending, recipients, dying_nodes, self.window)  # the unplaced wait in order
-            taken: defaultdict[str, int] = defaultdict(int)
-            for name, target in chosen:
-                key = tasks[name]
-                nbytes = _nbytes(scheduler.tasks[key])
-                # Linked wherever the recipient shares the spill filesystem, preferred or not.
-                linked = source_group is not None and key in drained.spilled and self._group(target) == source_group
-                self.copies[key] = Copy(target, nbytes, now, source=address, linked=linked)
-                if linked:
-                    links[(address, target)].append(key)
-                else:
-                    batches[target].append(key)
-                    taken[target] += nbytes
-                drained.asked += 1
-            chosen_keys = {tasks[name] for name, _ in chosen}
-            drained.order = [k for k in kept if k not in chosen_keys] + drained.order[index:]
-            # The next worker's keys see these recipients' new headroom and windows.
-            recipients = [
-                dataclasses.replace(
-                    r,
-                    headroom=r.headroom - taken[r.name],
-                    window=r.window - taken[r.name],
-                    room=None if r.room is None else r.room - taken[r.name],
-                    queued=r.queued + taken[r.name],
-                )
-                for r in recipients
-            ]
+                asks.batches[target].append(key)
+                taken[target] += nbytes
+            drained.asked += 1
+        chosen_keys = {tasks[name] for name, _ in chosen}
+        drained.order = [k for k in kept if k not in chosen_keys] + drained.order[index:]
+        return taken
+
+    def _send(self, asks: _Asks) -> None:
+        """The pass' asks: copies requested of their recipients in one batch each, links started."""
         stimulus_id = f"memops-drain-{time.time()}"
-        for target, keys in batches.items():
-            scheduler.request_acquire_replicas(target, keys, stimulus_id=stimulus_id)
-        for (source, target), keys in links.items():
+        for target, keys in asks.batches.items():
+            self.scheduler.request_acquire_replicas(target, keys, stimulus_id=stimulus_id)
+        for (source, target), keys in asks.links.items():
             task = asyncio.get_running_loop().create_task(self._link(source, target, keys))
             self.links.add(task)
             task.add_done_callback(self.links.discard)

@@ -20,11 +20,12 @@ last 30 s (it filled up once and may again; keys sent back would only move twice
 are left on a hot worker because no peer has room for them, the worker is *starved*: the
 operator then asks for more workers.
 
-The module imports nothing from memops: the operator sends it to the scheduler by value over
-the comm, with memops' agent (:mod:`memops.scheduler.agent`), so a stock Dask image runs it;
-the agent's comm handler answers the operator's calls (:func:`configure`). :func:`choose`
-is pure and decides everything; :class:`PressureRelief` only reads the scheduler's state for it
-and turns its plan into AMM suggestions.
+The module imports nothing from memops but :mod:`memops.scheduler.transfers` (sent with it):
+the operator sends it to the scheduler by value over the comm, with memops' agent
+(:mod:`memops.scheduler.agent`), so a stock Dask image runs it; the agent's comm handler
+answers the operator's calls (:func:`configure`). :func:`choose` is pure and decides
+everything; :class:`PressureRelief` only reads the scheduler's state for it and turns its plan
+into AMM suggestions.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import Any
 
 from distributed.active_memory_manager import ActiveMemoryManagerExtension, ActiveMemoryManagerPolicy, Suggestion
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+from memops.scheduler import transfers
 
 NAME = "memops-pressure-relief"
 LANDING = 2.0
@@ -59,11 +62,9 @@ FORGET_SECONDS = 60.0
 COOLING_SECONDS = 30.0
 """A worker relieved this recently is sent no keys (see :func:`choose`'s ``cooling``)."""
 IN_FLIGHT_SECONDS = 5.0
-"""How long a planned copy or drop may take, plus the transfer time below, before relief gives
-up on it (the copy went nowhere, or the worker kept its replica) and plans that key afresh."""
-TRANSFER_BYTES_PER_SECOND = 50 * 2**20
-"""A slow worker-to-worker copy: a large key's copy counts as under way for this much longer,
-so that it is not planned a second time (to a second recipient) while it is still moving."""
+"""How long a planned copy or drop may take, plus its transfer time
+(:mod:`memops.scheduler.transfers`), before relief gives up on it (the copy went nowhere, or the
+worker kept its replica) and plans that key afresh."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,62 @@ def needs_relief(
     return left > above * worker.limit or (worker.name in relieving and left > to * worker.limit)
 
 
+def _rooms(
+    workers: Sequence[Load], excluded: Collection[str], incoming: Mapping[str, int], *, above: float
+) -> list[tuple[float, str]]:
+    """The peers that may take keys (running, staying, limited, not ``excluded``) as a heap of
+    (minus their headroom under ``above``, name): the most room first, so that a key that does
+    not fit on the first fits nowhere."""
+    rooms = [
+        (w.process + incoming.get(w.name, 0) - above * w.limit, w.name)
+        for w in workers
+        if w.running and not w.leaving and w.limit and w.name not in excluded
+    ]
+    heapq.heapify(rooms)
+    return rooms
+
+
+def _plan_moves(
+    worker: str,
+    keys: Sequence[Key],
+    *,
+    need: int,
+    rooms: list[tuple[float, str]],
+    leaving: Collection[str],
+    landing: float,
+) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]], bool, int]:
+    """One hot worker's moves until ``need`` bytes are off it: drops of the keys with a copy on
+    another staying worker first (no transfer), then copies of the largest keys, each to the peer
+    with the most room (``rooms``, a heap, updated). Returns the drops, the copies, whether a key
+    fitted on no peer, and the bytes still to move."""
+    largest_first = sorted(keys, key=_size, reverse=True)  # stable: ties keep their order
+    elsewhere: list[Key] = []
+    only_here: list[Key] = []
+    for key in largest_first:
+        copied = len(key.holders) > 1 and any(h != worker and h not in leaving for h in key.holders)
+        (elsewhere if copied else only_here).append(key)
+    drops: list[tuple[str, str]] = []
+    copies: list[tuple[str, str, str]] = []
+    unplaced = False
+    for key in elsewhere:
+        if need <= 0:
+            break
+        drops.append((key.key, worker))
+        need -= key.nbytes
+    for key in only_here:
+        if need <= 0:
+            break
+        cost = int(landing * key.nbytes)
+        if not rooms or cost > -rooms[0][0]:
+            unplaced = True
+            continue  # a smaller key may still fit somewhere
+        minus_room, recipient = heapq.heappop(rooms)
+        heapq.heappush(rooms, (minus_room + cost, recipient))
+        copies.append((key.key, worker, recipient))
+        need -= key.nbytes
+    return drops, copies, unplaced, need
+
+
 def choose(
     workers: Sequence[Load],
     keys: Mapping[str, Sequence[Key]],
@@ -136,58 +193,33 @@ def choose(
     memory is not Dask data, which moving cannot help); one whose keys fit on no peer is, and it
     stays among the workers being relieved until it is under ``to``.
     """
-    freed, incoming = freed or {}, incoming or {}
-    projected = {w.name: w.process + incoming.get(w.name, 0) for w in workers}
+    freed = freed or {}
     leaving = {w.name for w in workers if w.leaving}
     candidates = sorted(
         (w for w in workers if needs_relief(w, above=above, to=to, freed=freed, relieving=relieving)),
         key=lambda w: (w.limit * above - w.process, w.name),  # the most over first
     )
-    hot_names = {w.name for w in candidates}
-    peers = [
-        w
-        for w in workers
-        if w.running and not w.leaving and w.limit and w.name not in hot_names and w.name not in cooling
-    ]
+    rooms = _rooms(workers, {w.name for w in candidates} | set(cooling), incoming or {}, above=above)
     drops: list[tuple[str, str]] = []
     copies: list[tuple[str, str, str]] = []
     hot: list[str] = []
     starved: list[str] = []
-    # Peers by headroom under ``above``, the most first: a key that does not fit on the first fits nowhere.
-    rooms = [(projected[p.name] - above * p.limit, p.name) for p in peers]
-    heapq.heapify(rooms)
     for worker in candidates:
         need = worker.process - freed.get(worker.name, 0) - int(to * worker.limit)
-        largest_first = sorted(keys.get(worker.name, ()), key=_size, reverse=True)  # stable: ties keep their order
-        elsewhere: list[Key] = []
-        only_here: list[Key] = []
-        for key in largest_first:
-            copied = len(key.holders) > 1 and any(h != worker.name and h not in leaving for h in key.holders)
-            (elsewhere if copied else only_here).append(key)
-        planned, unplaced = False, False
-        # Keys with a copy elsewhere first: dropping them costs no transfer.
-        for key in elsewhere:
-            if need <= 0:
-                break
-            drops.append((key.key, worker.name))
-            need -= key.nbytes
-            planned = True
-        for key in only_here:
-            if need <= 0:
-                break
-            cost = int(landing * key.nbytes)
-            if not rooms or cost > -rooms[0][0]:
-                unplaced = True
-                continue  # a smaller key may still fit somewhere
-            minus_room, recipient = heapq.heappop(rooms)
-            heapq.heappush(rooms, (minus_room + cost, recipient))
-            copies.append((key.key, worker.name, recipient))
-            need -= key.nbytes
-            planned = True
+        planned_drops, planned_copies, unplaced, need = _plan_moves(
+            worker.name, keys.get(worker.name, ()), need=need, rooms=rooms, leaving=leaving, landing=landing
+        )
+        drops += planned_drops
+        copies += planned_copies
         starving = need > 0 and unplaced
         # Over relieveAbove it is hot whatever happens; between the two thresholds only while
         # there is something to do, so that a worker whose memory is not keys is let go.
-        if worker.process - freed.get(worker.name, 0) > above * worker.limit or planned or starving:
+        if (
+            worker.process - freed.get(worker.name, 0) > above * worker.limit
+            or planned_drops
+            or planned_copies
+            or starving
+        ):
             hot.append(worker.name)
         if starving:
             starved.append(worker.name)
@@ -208,7 +240,7 @@ class Move:
 
     def expired(self, now: float) -> bool:
         """Given up: the copy never landed (the recipient went away, or a drop was refused)."""
-        return not self.left and now > self.planned + IN_FLIGHT_SECONDS + self.nbytes / TRANSFER_BYTES_PER_SECOND
+        return not self.left and transfers.expired(self.planned, self.nbytes, IN_FLIGHT_SECONDS, now)
 
 
 class PressureRelief(ActiveMemoryManagerPolicy):
@@ -231,9 +263,59 @@ class PressureRelief(ActiveMemoryManagerPolicy):
         )
 
     def run(self) -> Generator[Suggestion, Any, None]:
+        """Follow the moves under way, then plan afresh for the workers that need relief (:func:`choose`)."""
         scheduler = self.manager.scheduler
         now = time.time()  # wall clock, as WorkerState.last_seen (the last heartbeat)
         by_address = dict(scheduler.workers)
+        freed, incoming = yield from self._follow(by_address, now)
+        # Process memory is as old as the last heartbeat; what landed since is in ``incoming``.
+        loads = [
+            Load(
+                ws.address,
+                int(ws.memory.process),
+                int(ws.memory_limit or 0),
+                running=ws in scheduler.running,
+                leaving=ws.status.name not in ("running", "paused"),
+            )
+            for ws in by_address.values()
+        ]
+        relieving = set(self.hot)
+        self.relieved.update(dict.fromkeys(relieving, now))
+        self.relieved = {w: t for w, t in self.relieved.items() if now - t < COOLING_SECONDS and w in by_address}
+        hot = [w.name for w in loads if needs_relief(w, above=self.above, to=self.to, freed=freed, relieving=relieving)]
+        if not hot:
+            self.hot, self.starved = (), ()
+            return
+        tasks, keys = self._keys(hot, by_address, now)
+        plan = choose(
+            loads,
+            keys,
+            above=self.above,
+            to=self.to,
+            freed=freed,
+            incoming=incoming,
+            relieving=relieving,
+            cooling=set(self.relieved),
+            landing=LANDING,
+        )
+        self.hot, self.starved = plan.hot, plan.starved
+        for key, source in plan.drops:
+            ts = tasks[key]
+            if (yield Suggestion("drop", ts, {by_address[source]})) is not None:
+                self.moves[ts.key] = Move(source, int(ts.nbytes), "", now, dropping=True)
+        for key, source, target in plan.copies:
+            ts = tasks[key]
+            chosen = yield Suggestion("replicate", ts, {by_address[target]})
+            if chosen is not None:
+                self.moves[ts.key] = Move(source, int(ts.nbytes), chosen.address, now)
+
+    def _follow(
+        self, by_address: Mapping[str, Any], now: float
+    ) -> Generator[Suggestion, Any, tuple[dict[str, int], dict[str, int]]]:
+        """The moves under way: counted once their key left the hot worker, its replica dropped
+        once the copy landed, forgotten once both workers' memory shows them. Returns the bytes
+        still leaving each hot worker and still coming to each recipient."""
+        scheduler = self.manager.scheduler
         freed: dict[str, int] = {}
         incoming: dict[str, int] = {}
         for key, move in list(self.moves.items()):
@@ -273,24 +355,13 @@ class PressureRelief(ActiveMemoryManagerPolicy):
                     incoming[move.target] = incoming.get(move.target, 0) + int(cost * move.nbytes)
             if gone_shown and not cost:
                 del self.moves[key]  # both workers' memory shows it: done
-        # Process memory is as old as the last heartbeat; what landed since is in ``incoming``.
-        loads = [
-            Load(
-                ws.address,
-                int(ws.memory.process),
-                int(ws.memory_limit or 0),
-                running=ws in scheduler.running,
-                leaving=ws.status.name not in ("running", "paused"),
-            )
-            for ws in by_address.values()
-        ]
-        relieving = set(self.hot)
-        self.relieved.update(dict.fromkeys(relieving, now))
-        self.relieved = {w: t for w, t in self.relieved.items() if now - t < COOLING_SECONDS and w in by_address}
-        hot = [w.name for w in loads if needs_relief(w, above=self.above, to=self.to, freed=freed, relieving=relieving)]
-        if not hot:
-            self.hot, self.starved = (), ()
-            return
+        return freed, incoming
+
+    def _keys(
+        self, hot: Sequence[str], by_address: Mapping[str, Any], now: float
+    ) -> tuple[dict[str, Any], dict[str, list[Key]]]:
+        """The hot workers' keys in memory that are not already on their way, as :func:`choose`
+        reads them (names as strings), and the tasks by those names."""
         tasks = {}
         keys: dict[str, list[Key]] = {}
         for address in hot:
@@ -300,27 +371,7 @@ class PressureRelief(ActiveMemoryManagerPolicy):
                     continue  # already on its way
                 tasks[str(ts.key)] = ts  # choose() speaks strings
                 keys[address].append(Key(str(ts.key), int(ts.nbytes), tuple(w.address for w in ts.who_has or ())))
-        plan = choose(
-            loads,
-            keys,
-            above=self.above,
-            to=self.to,
-            freed=freed,
-            incoming=incoming,
-            relieving=relieving,
-            cooling=set(self.relieved),
-            landing=LANDING,
-        )
-        self.hot, self.starved = plan.hot, plan.starved
-        for key, source in plan.drops:
-            ts = tasks[key]
-            if (yield Suggestion("drop", ts, {by_address[source]})) is not None:
-                self.moves[ts.key] = Move(source, int(ts.nbytes), "", now, dropping=True)
-        for key, source, target in plan.copies:
-            ts = tasks[key]
-            chosen = yield Suggestion("replicate", ts, {by_address[target]})
-            if chosen is not None:
-                self.moves[ts.key] = Move(source, int(ts.nbytes), chosen.address, now)
+        return tasks, keys
 
     def state(self) -> dict[str, Any]:
         return {

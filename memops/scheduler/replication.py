@@ -51,7 +51,7 @@ from distributed.active_memory_manager import (
 )
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from memops.scheduler import holdings, replication_index
+from memops.scheduler import holdings, replication_index, transfers
 from memops.scheduler import rules as ruling
 
 NAME = "memops-replication"
@@ -73,7 +73,6 @@ INTERVAL = 0.5
 LANDING = 2.0
 """A copy costs its recipient about twice its size while it lands (as in :mod:`relief`)."""
 IN_FLIGHT_SECONDS = 5.0
-TRANSFER_BYTES_PER_SECOND = 50 * 2**20
 """A planned copy counts as a holder for this long (plus its size at this rate), so that a copy
 still on its way is not planned a second time."""
 
@@ -409,7 +408,7 @@ class Replication(ActiveMemoryManagerPolicy):
                 continue
             if (yield Suggestion("replicate", ts, {ws})) is not None:
                 nbytes = ts.get_nbytes()
-                deadline = now + IN_FLIGHT_SECONDS + nbytes / TRANSFER_BYTES_PER_SECOND
+                deadline = transfers.given_up_at(now, nbytes, IN_FLIGHT_SECONDS)
                 self.in_flight[key] = (recipient, deadline, nbytes)
                 index.note(ts)  # off target while its copy is on its way (read on the next pass)
                 self.figures.copies += 1

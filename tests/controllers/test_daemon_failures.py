@@ -20,19 +20,17 @@ import asyncio
 import base64
 import hashlib
 import logging
-import signal
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
 import kopf
 import pytest
 from kopf._core.engines import posting
-from memops_sandbox import build, upstream
 
 from memops import kube, specs
 from memops.controllers import policy, retirement, workloads
+from tests import polling
 
 LOGGER = logging.getLogger("test")
 
@@ -52,22 +50,6 @@ class Stopped:
         except TimeoutError:
             pass
         return bool(self)
-
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The control plane's state directory (its admin kubeconfig is ``kubeconfig``)."""
-    try:
-        build.ensure()
-    except build.BuildError as error:
-        pytest.skip(f"the control plane's binaries cannot be built here: {error}")
-    state_dir = tmp_path_factory.mktemp("daemons") / "plane"
-    process = upstream.launch_plane(state_dir)
-    try:
-        yield state_dir
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
 
 
 class Namespaced:
@@ -109,16 +91,6 @@ def _quiet_events() -> None:
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False
     posting.settings_var.set(settings)
-
-
-async def _poll(what: str, check: Callable[[], Awaitable[Any]], timeout: float = 15) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await check()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
@@ -180,7 +152,7 @@ async def test_an_unusable_secret_is_a_condition_then_a_failure_at_the_deadline(
     _quiet_events()
     task = asyncio.create_task(_run_request(ns, "tls", spec))
     try:
-        retrying = await _poll("the Retrying condition", lambda: _retrying(ns, "tls"))
+        retrying = await polling.poll(lambda: _retrying(ns, "tls"), timeout=15, what="the Retrying condition")
         assert retrying["reason"] == "SecretUnusable"
         assert retrying["message"].startswith("spec.scheduler.tls.secretName: Secret 'dask-tls'")
         assert detail in retrying["message"]
@@ -231,7 +203,7 @@ async def test_an_unexpected_error_is_a_condition_then_a_failure_at_the_deadline
     monkeypatch.setattr(workloads, "get", broken)
     task = asyncio.create_task(_run_request(ns, "bug", {**SPEC, "count": 1, "timeout": "3s"}))
     try:
-        retrying = await _poll("the Retrying condition", lambda: _retrying(ns, "bug"))
+        retrying = await polling.poll(lambda: _retrying(ns, "bug"), timeout=15, what="the Retrying condition")
         assert (retrying["reason"], retrying["message"].split(";")[0]) == ("InternalError", "RuntimeError: a bug")
         ended = await asyncio.wait_for(task, 20)
     finally:
@@ -283,7 +255,7 @@ async def test_an_unexpected_error_in_a_policy_pass_is_a_condition(
         return ready if ready is not None and ready["reason"] == "InternalError" else None
 
     try:
-        ready = await _poll("the policy's Ready=False condition", not_ready)
+        ready = await polling.poll(not_ready, timeout=15, what="the policy's Ready=False condition")
         assert (ready["status"], ready["message"]) == ("False", "RuntimeError: a bug")
         assert not task.done(), "the loop carries on"
     finally:

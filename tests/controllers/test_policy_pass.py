@@ -11,71 +11,23 @@ to the real scheduler). Kopf's event posting is switched off (it needs a running
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import logging
-import signal
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
 from distributed import Client, Scheduler, Worker
 from kopf._core.engines import posting
-from memops_sandbox import build, upstream
 
 from memops import daskcomm, daskrpc, kube, specs
 from memops.controllers import policy
 from memops.scheduler import drain
+from tests import polling
 
 LOGGER = logging.getLogger("test")
 POD = "w-5d4f8b7c9-abcde"
 """A Deployment's pod name, as the hook's drain names it (and as the worker is named)."""
 NODE = "node-a"
-
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The control plane's state directory (its admin kubeconfig is ``kubeconfig``)."""
-    try:
-        build.ensure()
-    except build.BuildError as error:
-        pytest.skip(f"the control plane's binaries cannot be built here: {error}")
-    state_dir = tmp_path_factory.mktemp("pass") / "plane"
-    process = upstream.launch_plane(state_dir)
-    try:
-        yield state_dir
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
-
-
-@pytest.fixture
-async def client(plane: Path, request: pytest.FixtureRequest) -> AsyncIterator[tuple[kube.Kube, str]]:
-    """The admin's client and this test's namespace, with Deployment ``w`` and its one pod, Running
-    at 127.0.0.1 on node ``NODE``."""
-    kube_client = kube.Kube(kube.load_connection(str(plane / "kubeconfig")))
-    namespace = "t-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
-    template = {"metadata": {"labels": {"app": "w"}}, "spec": {"containers": [{"name": "w", "image": "w.invalid/w:1"}]}}
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "w", "namespace": namespace},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "w"}}, "template": template},
-    }
-    pods = kube.resource_path("", "v1", "pods", namespace)
-    running = {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}
-    try:
-        await kube_client.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})
-        await kube_client.request("POST", kube.resource_path("apps", "v1", "deployments", namespace), body=deployment)
-        # Bound to a node, as the scheduler would (no node runs: its name is all the pass reads).
-        pod = {"metadata": {"name": POD, **template["metadata"]}, "spec": {**template["spec"], "nodeName": NODE}}
-        await kube_client.request("POST", pods, body=pod)
-        await kube_client.merge_patch(f"{pods}/{POD}/status", {"status": running})
-        yield kube_client, namespace
-    finally:
-        await kube_client.close()
 
 
 class Asked:
@@ -126,9 +78,11 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
         data = await dask_client.scatter({f"h{i}": b"h" * 1024 for i in range(3)}, workers=[worker.address])
         # The hook's drain: no other worker can take the keys, so it stops at its deadline.
         await daskrpc.start_drain(scheduler.address, names=[POD], deadline=0.3, origin="preStop")
-        async with asyncio.timeout(10):
-            while (await daskrpc.drain_status(scheduler.address))[worker.address]["state"] == drain.State.DRAINING:
-                await asyncio.sleep(0.05)
+
+        async def stopped() -> bool:
+            return (await daskrpc.drain_status(scheduler.address))[worker.address]["state"] != drain.State.DRAINING
+
+        await polling.poll(stopped, timeout=10, what="the hook's drain to stop", interval=0.05)
         spec = {"scheduler": {"address": scheduler.address}, "workload": {"kind": "Deployment", "name": "w"}}
         body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": spec}
         path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", namespace)

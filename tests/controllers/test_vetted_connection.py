@@ -15,17 +15,13 @@ event posting is switched off (it needs a running operator).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import signal
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import kopf
 import pytest
 from kopf._core.engines import posting
-from memops_sandbox import build, upstream
 
 from memops import kube, specs
 from memops.controllers import policy, retirement
@@ -34,48 +30,7 @@ from tests.scheduler import forwarder
 LOGGER = logging.getLogger("test")
 POD = "w-5d4f8b7c9-abcde"
 A_IP, B_IP = forwarder.A_IP, forwarder.B_IP
-
-
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The control plane's state directory (its admin kubeconfig is ``kubeconfig``)."""
-    try:
-        build.ensure()
-    except build.BuildError as error:
-        pytest.skip(f"the control plane's binaries cannot be built here: {error}")
-    state_dir = tmp_path_factory.mktemp("vetted") / "plane"
-    process = upstream.launch_plane(state_dir)
-    try:
-        yield state_dir
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
-
-
-@pytest.fixture
-async def client(plane: Path, request: pytest.FixtureRequest) -> AsyncIterator[tuple[kube.Kube, str]]:
-    """The admin's client and tenant A's namespace, with Deployment ``w`` and its one pod, Running at A_IP."""
-    kube_client = kube.Kube(kube.load_connection(str(plane / "kubeconfig")))
-    namespace = "t-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
-    template = {"metadata": {"labels": {"app": "w"}}, "spec": {"containers": [{"name": "w", "image": "w.invalid/w:1"}]}}
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "w", "namespace": namespace},
-        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "w"}}, "template": template},
-    }
-    pods = kube.resource_path("", "v1", "pods", namespace)
-    running = {"phase": "Running", "podIP": A_IP, "podIPs": [{"ip": A_IP}]}
-    try:
-        await kube_client.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})
-        await kube_client.request("POST", kube.resource_path("apps", "v1", "deployments", namespace), body=deployment)
-        pod = {"metadata": {"name": POD, **template["metadata"]}, "spec": {**template["spec"], "nodeName": "node-a"}}
-        await kube_client.request("POST", pods, body=pod)
-        await kube_client.merge_patch(f"{pods}/{POD}/status", {"status": running})
-        yield kube_client, namespace
-    finally:
-        await kube_client.close()
+POD_IP = A_IP  # the pod of the client fixture (tests/controllers/conftest.py) is tenant A's worker
 
 
 @pytest.fixture

@@ -14,38 +14,22 @@ import asyncio
 import base64
 import datetime
 import json
-import signal
 import stat
 import sys
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
 import yaml
-from memops_sandbox import build, install, nodeagent_api, upstream
+from memops_sandbox import install, nodeagent_api
 
 from memops import kube
 
 CREDENTIAL_ID = "authentication.kubernetes.io/credential-id"
 
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The control plane's state directory (its admin kubeconfig is ``kubeconfig``)."""
-    try:
-        build.ensure()
-    except build.BuildError as error:
-        pytest.skip(f"the control plane's binaries cannot be built here: {error}")
-    state_dir = tmp_path_factory.mktemp("credentials") / "plane"
-    process = upstream.launch_plane(state_dir)
-    try:
-        yield state_dir
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
 
 
 @pytest.fixture

@@ -1,15 +1,25 @@
-"""Dask workers as their own processes (``dask worker``: a nanny and its worker), in their own
-session, so that SIGKILL of the session takes both at once, as a node lost without notice does:
-no drain, no preStop, no nanny left to restart the worker."""
+"""Dask clusters of real processes for the scheduler tests.
+
+:func:`local_cluster`: the suite's one ``LocalCluster`` setup (worker processes, one thread each,
+no dashboard) and a client of it. :func:`spawn`: workers as their own processes (``dask worker``:
+a nanny and its worker), in their own session, so that SIGKILL of the session takes both at once,
+as a node lost without notice does: no drain, no preStop, no nanny left to restart the worker."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
+
+import dask.config
+from distributed import Client, LocalCluster
+
+from tests import polling
 
 OPTIONS = ("--no-dashboard", "--death-timeout", "30")
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -48,6 +58,31 @@ def kill(process: subprocess.Popen[bytes]) -> None:
 
 async def wait_for_workers(count_of: object, count: int, timeout: float = 60) -> None:
     """Poll ``count_of()`` (an awaitable factory) until it reaches ``count``."""
-    async with asyncio.timeout(timeout):
-        while await count_of() < count:  # type: ignore[operator]
-            await asyncio.sleep(0.2)
+
+    async def enough() -> bool:
+        return bool(await count_of() >= count)  # type: ignore[operator]
+
+    await polling.poll(enough, timeout=timeout, what=f"{count} workers", interval=0.2)
+
+
+@contextlib.asynccontextmanager
+async def local_cluster(
+    n_workers: int, *, config: Mapping[str, Any] | None = None, wait: bool = False, **options: Any
+) -> AsyncIterator[tuple[LocalCluster, Client]]:
+    """A LocalCluster of ``n_workers`` worker processes under the Dask ``config``, and a client of
+    it; ``wait``: until every worker has connected; ``options``: LocalCluster's (memory_limit, ...)."""
+    with dask.config.set(dict(config or {})):
+        async with (
+            LocalCluster(
+                n_workers=n_workers,
+                processes=True,
+                threads_per_worker=1,
+                dashboard_address=None,
+                asynchronous=True,
+                **options,
+            ) as local,
+            Client(local, asynchronous=True) as client,
+        ):
+            if wait:
+                await client.wait_for_workers(n_workers, timeout=60)
+            yield local, client

@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import dask
@@ -26,6 +26,7 @@ from distributed.security import Security
 
 from memops import daskrpc, snapshots, tenancy
 from memops.scheduler import drain
+from tests import polling
 
 MiB = 2**20
 
@@ -59,13 +60,6 @@ async def all_intact(client: Client, data: dict[str, tuple[Future, bytes]]) -> b
 async def statuses(address: str, **kwargs: Any) -> dict[str, str]:
     snapshot = await daskrpc.fetch_snapshot(address, keys=False, **kwargs)
     return {w.address: w.status for w in snapshot.workers}
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.1)
 
 
 def identity_calls(cluster: LocalCluster) -> int:
@@ -175,7 +169,7 @@ async def test_retiring_every_worker_retires_none_and_loses_nothing(cluster: Loc
     async def all_running() -> bool:  # the scheduler asks each worker to go back; each reports back
         return await statuses(cluster.scheduler_address) == dict.fromkeys(workers, "running")
 
-    await eventually(all_running)
+    await polling.poll(all_running, timeout=15, what="all_running")
     assert await all_intact(client, data)
 
 
@@ -194,7 +188,7 @@ async def test_timeout_returns_promptly_and_the_scheduler_finishes_alone(cluster
     async def a_gone() -> bool:
         return a not in await statuses(cluster.scheduler_address)
 
-    await eventually(a_gone)  # no second call: the handler went on after we hung up
+    await polling.poll(a_gone, timeout=15, what="a_gone")  # no second call: the handler went on after we hung up
     assert await all_intact(client, data)
 
 
@@ -221,7 +215,7 @@ async def test_retire_again_waits_for_the_retirement_in_progress(
                 events = cluster.scheduler.get_events(a)
                 return any(msg.get("action") == "could-not-retire" for _, msg in events)
 
-            await eventually(first_gave_up)  # at the next AMM run, within 2 s
+            await polling.poll(first_gave_up, timeout=15, what="first_gave_up")  # at the next AMM run, within 2 s
         assert (await statuses(cluster.scheduler_address))[a] == "closing_gracefully"
         asked = identity_calls(cluster)
         second = asyncio.create_task(daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=20))
@@ -229,7 +223,7 @@ async def test_retire_again_waits_for_the_retirement_in_progress(
         async def second_has_asked() -> bool:  # while a is frozen, so it was told closing_gracefully
             return identity_calls(cluster) > asked
 
-        await eventually(second_has_asked)
+        await polling.poll(second_has_asked, timeout=15, what="second_has_asked")
         assert not second.done()
     outcome = await second
     assert not outcome.timed_out
@@ -242,7 +236,7 @@ async def test_retire_again_waits_for_the_retirement_in_progress(
         async def a_running() -> bool:
             return (await statuses(cluster.scheduler_address))[a] == "running"
 
-        await eventually(a_running)  # the worker must not stay leaving
+        await polling.poll(a_running, timeout=15, what="a_running")  # the worker must not stay leaving
         gave_up = [msg for _, msg in cluster.scheduler.get_events(a) if msg.get("action") == "could-not-retire"]
         assert len(gave_up) == 1, "one retirement only: a second one would restore a stale closing_gracefully"
     assert await all_intact(client, data)

@@ -20,6 +20,8 @@ from distributed import Client, LocalCluster
 
 from memops import daskrpc
 from memops.scheduler import drain
+from tests import polling
+from tests.scheduler import processes
 
 MiB = 2**20
 
@@ -173,17 +175,9 @@ def test_assign(
 
 @pytest.fixture
 async def cluster() -> AsyncIterator[tuple[LocalCluster, Client]]:
-    with dask.config.set({"distributed.scheduler.active-memory-manager.start": True}):
-        async with LocalCluster(
-            n_workers=4,
-            processes=True,
-            threads_per_worker=1,
-            memory_limit="1GiB",
-            dashboard_address=None,
-            asynchronous=True,
-        ) as local:
-            async with Client(local, asynchronous=True) as client:
-                yield local, client
+    config = {"distributed.scheduler.active-memory-manager.start": True}
+    async with processes.local_cluster(4, config=config, memory_limit="1GiB") as both:
+        yield both
 
 
 async def received(client: Client) -> dict[str, collections.Counter[str]]:
@@ -196,12 +190,11 @@ async def received(client: Client) -> dict[str, collections.Counter[str]]:
 
 
 async def until_finished(address: str, worker: str, bound: float = 60) -> dict[str, Any]:
-    async with asyncio.timeout(bound):
-        while True:
-            state = (await daskrpc.drain_status(address, [worker]))[worker]
-            if state["state"] != drain.State.DRAINING:
-                return dict(state)
-            await asyncio.sleep(0.05)
+    async def finished() -> dict[str, Any] | None:
+        state = (await daskrpc.drain_status(address, [worker]))[worker]
+        return dict(state) if state["state"] != drain.State.DRAINING else None
+
+    return await polling.poll(finished, timeout=bound, what=f"the drain of {worker} to end", interval=0.05)
 
 
 async def test_each_key_moves_once_to_recipients_off_the_dying_node(cluster: tuple[LocalCluster, Client]) -> None:
@@ -258,9 +251,7 @@ async def test_a_short_deadline_moves_the_keys_that_cannot_be_recomputed_first(
     async def running_again() -> bool:
         return local.scheduler.workers[dying].status.name == "running"
 
-    async with asyncio.timeout(10):
-        while not await running_again():
-            await asyncio.sleep(0.05)
+    await polling.poll(running_again, timeout=10, what="the worker running again", interval=0.05)
     assert len(await client.gather(computed)) == 150
 
 
@@ -286,12 +277,6 @@ def pause(dask_worker: Any) -> None:
 def resume(dask_worker: Any) -> None:
     """Run on a worker: its memory monitor resumes it, back under the configured threshold."""
     dask_worker.memory_manager.memory_pause_fraction = dask.config.get("distributed.worker.memory.pause")
-
-
-async def until(predicate: Any, bound: float = 10) -> None:
-    async with asyncio.timeout(bound):
-        while not predicate():
-            await asyncio.sleep(0.05)
 
 
 async def test_a_hook_keeps_keys_off_its_nodes_other_workers_where_the_operator_located_them(
@@ -333,7 +318,9 @@ async def test_a_node_said_dying_by_any_caller_stays_dying(cluster: tuple[LocalC
     others = [neighbour, far1, far2]
     data = await client.scatter({f"d{i}": b"d" * (256 * 1024) for i in range(60)}, workers=[dying], hash=False)
     await client.run(pause, workers=others)
-    await until(lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running)
+    await polling.poll(
+        lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running, timeout=10, interval=0.05
+    )
     address = local.scheduler_address
     for nodes_dying in (False, True, False):
         await daskrpc.start_drain(address, [dying], deadline=60, nodes=nodes, nodes_dying=nodes_dying)
@@ -365,7 +352,9 @@ async def test_a_retirement_waits_for_a_paused_recipient_before_it_gives_up(
     first, *others = sorted(local.scheduler.workers)
     data = await client.scatter({f"p{i}": b"p" * (256 * 1024) for i in range(40)}, workers=[first], hash=False)
     await client.run(pause, workers=others)
-    await until(lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running)
+    await polling.poll(
+        lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running, timeout=10, interval=0.05
+    )
     await daskrpc.start_drain(address, [first], deadline=60, restore=True, nodes_dying=False)
     await asyncio.sleep(1.0)
     assert (await daskrpc.drain_status(address, [first]))[first]["state"] == drain.State.DRAINING, "it waits"
@@ -377,12 +366,14 @@ async def test_a_retirement_waits_for_a_paused_recipient_before_it_gives_up(
     second, *paused = others
     kept = await client.scatter({f"q{i}": b"q" * (256 * 1024) for i in range(10)}, workers=[second], hash=False)
     await client.run(pause, workers=paused)
-    await until(lambda: not {local.scheduler.workers[w] for w in paused} & local.scheduler.running)
+    await polling.poll(
+        lambda: not {local.scheduler.workers[w] for w in paused} & local.scheduler.running, timeout=10, interval=0.05
+    )
     await daskrpc.start_drain(address, [second], deadline=60, restore=True, nodes_dying=False)
     state = await until_finished(address, second)
     assert state["state"] == drain.State.NO_RECIPIENTS and state["keysMoved"] == 0
     assert state["seconds"] >= drain.NO_RECIPIENT_SECONDS - 0.1
-    await until(lambda: local.scheduler.workers[second].status.name == "running")
+    await polling.poll(lambda: local.scheduler.workers[second].status.name == "running", timeout=10, interval=0.05)
     assert {w for f in kept.values() for w in local.scheduler.tasks[f.key].who_has} == {local.scheduler.workers[second]}
     await client.run(resume, workers=paused)
 
@@ -396,7 +387,9 @@ async def test_the_shorter_deadline_of_two_callers_stops_the_drain(cluster: tupl
     dying, *others = sorted(local.scheduler.workers)
     data = await client.scatter({f"t{i}": b"t" * MiB for i in range(5)}, workers=[dying], hash=False)
     await client.run(pause, workers=others)
-    await until(lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running)
+    await polling.poll(
+        lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running, timeout=10, interval=0.05
+    )
     address = local.scheduler_address
     await daskrpc.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
     begun = time.monotonic()

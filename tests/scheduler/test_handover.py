@@ -9,7 +9,6 @@ inodes and link counts.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import pathlib
@@ -25,6 +24,8 @@ from distributed.protocol.serialize import to_serialize
 
 from memops import daskrpc
 from memops.scheduler import drain, handover
+from tests import polling
+from tests.scheduler import processes
 
 MiB = 2**20
 SPILL_CONFIG = {
@@ -49,19 +50,9 @@ def shm() -> Iterator[str]:
 @pytest.fixture
 async def cluster(shm: str) -> AsyncIterator[tuple[LocalCluster, Client]]:
     """Three worker processes that spill into one tmpfs root: one node's workers."""
-    with dask.config.set(SPILL_CONFIG):
-        async with LocalCluster(
-            n_workers=3,
-            processes=True,
-            threads_per_worker=1,
-            memory_limit="256MiB",
-            local_directory=shm,
-            dashboard_address=None,
-            asynchronous=True,
-        ) as local:
-            async with Client(local, asynchronous=True) as client:
-                await handover.install(local.scheduler)
-                yield local, client
+    async with processes.local_cluster(3, config=SPILL_CONFIG, memory_limit="256MiB", local_directory=shm) as both:
+        await handover.install(both[0].scheduler)
+        yield both
 
 
 def value(i: int) -> bytes:
@@ -89,12 +80,6 @@ async def network(client: Client) -> dict[str, tuple[int, int]]:
     return dict(await client.run(counters))
 
 
-async def until(condition: Any, bound: float = 20) -> None:
-    async with asyncio.timeout(bound):
-        while not condition():
-            await asyncio.sleep(0.02)
-
-
 async def test_a_spilled_key_is_handed_over_by_a_hardlink(cluster: tuple[LocalCluster, Client]) -> None:
     """The receiver's spill file is the sender's (one inode, two links), the scheduler lists both
     holders, the receiver computes on it with the right bytes, and no byte went over the network;
@@ -113,7 +98,9 @@ async def test_a_spilled_key_is_handed_over_by_a_hardlink(cluster: tuple[LocalCl
     assert (linked, left) == ([key], [])
     sent, received = (await spill_files(client, sender))[str(key)], (await spill_files(client, receiver))[str(key)]
     assert sent[0] == received[0] and sent[1] == received[1] == 2, "one inode, two links"
-    await until(lambda: {ws.address for ws in scheduler.tasks[key].who_has} == {sender, receiver})
+    await polling.poll(
+        lambda: {ws.address for ws in scheduler.tasks[key].who_has} == {sender, receiver}, timeout=20, interval=0.02
+    )
     digest = await client.submit(
         lambda b: hashlib.sha256(b).hexdigest(), future, workers=[receiver], allow_other_workers=False, pure=False
     )
@@ -122,11 +109,13 @@ async def test_a_spilled_key_is_handed_over_by_a_hardlink(cluster: tuple[LocalCl
     assert after[sender][0] == before[sender][0], "the sender sent nothing"
     assert after[receiver][1] == before[receiver][1], "the receiver received nothing from a peer"
     await scheduler.retire_workers([sender], close_workers=True)  # the only other holder is the receiver
-    await until(lambda: sender not in scheduler.workers)
+    await polling.poll(lambda: sender not in scheduler.workers, timeout=20, interval=0.02)
     # The sender's spill directory goes with its process.
-    async with asyncio.timeout(20):
-        while (await spill_files(client, receiver))[str(key)][1] != 1:
-            await asyncio.sleep(0.1)
+
+    async def one_link() -> bool:
+        return (await spill_files(client, receiver))[str(key)][1] == 1
+
+    await polling.poll(one_link, timeout=20, what="the receiver's link alone")
     assert await client.gather(future) == value(1)
 
 
@@ -151,7 +140,7 @@ async def test_a_receiver_on_another_filesystem_is_refused(cluster: tuple[LocalC
         with dask.config.set(SPILL_CONFIG):
             async with Nanny(scheduler.address, local_directory=elsewhere, memory_limit="256MiB", nthreads=1) as nanny:
                 far = nanny.worker_address
-                await until(lambda: far in scheduler.workers)
+                await polling.poll(lambda: far in scheduler.workers, timeout=20, interval=0.02)
                 [future] = await client.scatter([value(2)], workers=[sender])
                 ident = {a: await handover.identify(scheduler, a) for a in (sender, far)}
                 assert ident[far]["directory"] and not handover.same_filesystem(ident[sender], ident[far])
@@ -242,20 +231,24 @@ async def test_a_drain_of_spilled_data_moves_no_byte_over_the_network(cluster: t
     data = await client.scatter({f"s{i}": value(i) for i in range(40)}, workers=[dying], hash=False)
     before = await network(client)
     await daskrpc.start_drain(local.scheduler_address, [dying], deadline=60)
-    async with asyncio.timeout(60):
-        while (state := (await daskrpc.drain_status(local.scheduler_address, [dying]))[dying])["state"] == "draining":
-            await asyncio.sleep(0.05)
+
+    async def ended() -> dict[str, Any] | None:
+        state = (await daskrpc.drain_status(local.scheduler_address, [dying]))[dying]
+        return dict(state) if state["state"] != "draining" else None
+
+    state = await polling.poll(ended, timeout=60, what="the drain to end", interval=0.05)
     assert state["state"] == drain.State.DONE
     assert state["keysMoved"] == state["keysLinked"] == 40 and state["bytesLinked"] == 40 * MiB
-    await until(lambda: dying not in scheduler.workers)
+    await polling.poll(lambda: dying not in scheduler.workers, timeout=20, interval=0.02)
     after = await network(client)
     assert {w: after[w] for w in after} == {w: before[w] for w in after}, "no byte over the network"
-    async with asyncio.timeout(20):  # the sender's spill directory goes with its process
-        while True:
-            links = [await spill_files(client, w) for w in after]
-            if all(n == 1 for f in links for _, n in f.values()):
-                break
-            await asyncio.sleep(0.1)
+
+    async def single_links() -> list[Any] | None:
+        links = [await spill_files(client, w) for w in after]
+        return links if all(n == 1 for f in links for _, n in f.values()) else None
+
+    # The sender's spill directory goes with its process.
+    links = await polling.poll(single_links, timeout=20, what="one link per spilled key")
     assert sum(len(f) for f in links) == 40
     assert min(len(f) for f in links) >= 10, "spread over both recipients"
     assert await client.gather(list(data.values())) == [value(i) for i in range(40)]
@@ -268,7 +261,7 @@ async def test_without_hand_over_the_drain_copies(cluster: tuple[LocalCluster, C
     dying = sorted(scheduler.workers)[0]
     data = await client.scatter({f"c{i}": value(i) for i in range(10)}, workers=[dying], hash=False)
     drain.start(scheduler, workers=[dying], deadline=60, handover=False)
-    await until(lambda: dying not in scheduler.workers, bound=60)
+    await polling.poll(lambda: dying not in scheduler.workers, timeout=60, interval=0.02)
     received = sum(n for _, n in (await network(client)).values())
     assert received == 10
     assert await client.gather(list(data.values())) == [value(i) for i in range(10)]

@@ -16,6 +16,7 @@ from distributed import Client, LocalCluster
 from distributed.security import Security
 
 from memops import daskrpc, safetynet
+from tests import polling
 
 
 async def run_hook(address: str, name: str, extra_env: dict[str, str]) -> int:
@@ -162,12 +163,11 @@ async def dask_workers(address: str, host: str, *args: str) -> AsyncIterator[asy
 
 
 async def wait_for_workers(client: Client, count: int) -> dict[str, Any]:
-    async def connected() -> dict[str, Any]:
-        while len(workers := (await client.scheduler.identity())["workers"]) < count:
-            await asyncio.sleep(0.1)
-        return workers
+    async def connected() -> dict[str, Any] | None:
+        workers: dict[str, Any] = (await client.scheduler.identity())["workers"]
+        return workers if len(workers) >= count else None
 
-    return await asyncio.wait_for(connected(), 60)
+    return await polling.poll(connected, timeout=60, what=f"{count} workers")
 
 
 def host_of(address: str) -> str:
@@ -245,9 +245,8 @@ async def test_the_hook_of_a_pod_that_memops_already_drained_succeeds() -> None:
             leaving = sorted(a for a in workers if host_of(a) == POD_IP)
             await daskrpc.start_drain(address, leaving, deadline=30, nodes_dying=False)
 
-            async def drained() -> None:
-                while set((await client.scheduler.identity())["workers"]) & set(leaving):
-                    await asyncio.sleep(0.1)
+            async def drained() -> bool:
+                return not set((await client.scheduler.identity())["workers"]) & set(leaving)
 
-            await asyncio.wait_for(drained(), 60)
+            await polling.poll(drained, timeout=60, what="the drained workers gone")
             assert await run_hook(address, "dask-worker-7d4b9-x2x9z", {"MEMOPS_POD_IPS": POD_IP}) == 0

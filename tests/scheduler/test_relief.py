@@ -14,13 +14,14 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-import dask
 import distributed.scheduler
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from memops import daskrpc
 from memops.scheduler import relief
+from tests import polling
+from tests.scheduler import processes
 
 LIMIT = 512 * 2**20
 CHUNK = 8 * 2**20
@@ -30,42 +31,22 @@ OWNER = "default/relief"
 
 @pytest.fixture
 async def cluster() -> AsyncIterator[tuple[str, Client]]:
-    with dask.config.set(
-        {
-            "distributed.worker.memory.target": False,
-            "distributed.worker.memory.spill": False,
-            "distributed.worker.memory.pause": False,
-            "distributed.worker.memory.terminate": False,
-            "distributed.worker.memory.monitor-interval": "50ms",
-            "distributed.scheduler.active-memory-manager.start": True,
-            "distributed.scheduler.active-memory-manager.interval": "300ms",
-        }
-    ):
-        async with LocalCluster(
-            n_workers=3,
-            processes=True,
-            threads_per_worker=1,
-            memory_limit=LIMIT,
-            dashboard_address=None,
-            asynchronous=True,
-        ) as local:
-            async with Client(local, asynchronous=True) as client:
-                yield local.scheduler_address, client
+    config = {
+        "distributed.worker.memory.target": False,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": False,
+        "distributed.worker.memory.terminate": False,
+        "distributed.worker.memory.monitor-interval": "50ms",
+        "distributed.scheduler.active-memory-manager.start": True,
+        "distributed.scheduler.active-memory-manager.interval": "300ms",
+    }
+    async with processes.local_cluster(3, config=config, memory_limit=LIMIT) as (local, client):
+        yield local.scheduler_address, client
 
 
 async def process_memory(client: Client) -> dict[str, int]:
     info = await client.scheduler.identity()
     return {address: int(w["metrics"]["memory"]) for address, w in info["workers"].items()}
-
-
-async def wait_until(predicate: Any, timeout: float, what: str) -> Any:
-    try:
-        async with asyncio.timeout(timeout):
-            while not (value := await predicate()):
-                await asyncio.sleep(0.2)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
-    return value
 
 
 async def load(client: Client, address: str, share: float, digests: dict[str, str] | None = None) -> dict[str, Any]:
@@ -97,7 +78,7 @@ async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: 
         peaks.update({p: max(peaks[p], memory[p]) for p in peers})
         return memory[hot] <= TO * LIMIT
 
-    await wait_until(relieved, 30, "the hot worker to be under relieveTo")
+    await polling.poll(relieved, timeout=30, what="the hot worker to be under relieveTo", interval=0.2)
     # Every key has one copy again: each move ended with the hot worker's copy dropped, whether
     # relief or the scheduler's ReduceReplicas dropped it.
     futures_by_key = {str(f.key): f for f in futures.values()}
@@ -106,7 +87,7 @@ async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: 
         who_has: dict[str, list[str]] = await client.scheduler.who_has(keys=list(futures_by_key))
         return who_has if all(len(holders) == 1 for holders in who_has.values()) else None
 
-    who_has = await wait_until(settled, 30, "one copy of each key")
+    who_has = await polling.poll(settled, timeout=30, what="one copy of each key", interval=0.2)
 
     moved = [k for k, holders in who_has.items() if hot not in holders]
 
@@ -114,7 +95,7 @@ async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: 
         state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
         return state if state is not None and not state["hot"] else None
 
-    state = await wait_until(done, 15, "relief to see the worker relieved")
+    state = await polling.poll(done, timeout=15, what="relief to see the worker relieved", interval=0.2)
     assert state["starved"] == []
     # Relief counts a move in the cycle that sees the key leave the hot worker; a key whose last
     # copy there went between two cycles (ReduceReplicas dropped it first) can go uncounted, so
@@ -140,7 +121,7 @@ async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: t
         state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
         return state["starved"] if state and state["starved"] else None
 
-    assert sorted(await wait_until(starved, 20, "relief to report starvation")) == workers
+    assert sorted(await polling.poll(starved, timeout=20, what="relief to report starvation", interval=0.2)) == workers
     state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
     assert state is not None and state["keysMoved"] == 0
     # Another policy on the same scheduler neither retunes nor removes it; it learns whose it is.

@@ -13,7 +13,7 @@ import asyncio
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import dask
@@ -22,6 +22,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from memops import daskrpc
+from tests import polling
 from tests.scheduler import processes
 
 OWNER = "default/replication"
@@ -48,9 +49,7 @@ class Cluster:
         return {a: PLACES[n] for n, a in (await self.addresses()).items() if n in PLACES}
 
     async def configure(self, rules: dict[str, Any] | None) -> dict[str, Any] | None:
-        return await daskrpc.configure_replication(
-            self.address, rules=rules, places=await self.places(), owner=OWNER
-        )
+        return await daskrpc.configure_replication(self.address, rules=rules, places=await self.places(), owner=OWNER)
 
     async def who_has(self, keys: list[str]) -> dict[str, list[str]]:
         result: dict[str, list[str]] = await self.client.scheduler.who_has(keys=keys)
@@ -77,16 +76,6 @@ async def cluster() -> AsyncIterator[Cluster]:
                     processes.kill(process)
 
 
-async def wait_until(predicate: Callable[[], Awaitable[Any]], timeout: float, what: str) -> Any:
-    try:
-        async with asyncio.timeout(timeout):
-            while not (value := await predicate()):
-                await asyncio.sleep(0.1)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
-    return value
-
-
 RULES = {
     "default": 1,
     "keys": [{"prefix": "load-parquet", "replicas": 2}],
@@ -109,7 +98,7 @@ async def test_ruled_keys_reach_their_target_and_stay_there_while_reduce_replica
         who_has = await cluster.who_has(ruled_keys + unruled_keys)
         return all(len(who_has[k]) == 2 for k in ruled_keys) and all(len(who_has[k]) == 1 for k in unruled_keys)
 
-    await wait_until(at_target, 30, "ruled keys at 2 copies, unruled at 1")
+    await polling.poll(at_target, timeout=30, what="ruled keys at 2 copies, unruled at 1")
     figures = await cluster.configure(RULES)
     assert figures is not None
     vetoed = figures["vetoed"]
@@ -133,7 +122,7 @@ async def test_ruled_keys_reach_their_target_and_stay_there_while_reduce_replica
         who_has = await cluster.who_has(ruled_keys)
         return all(len(who_has[k]) == 1 for k in ruled_keys)
 
-    await wait_until(reduced, 15, "ReduceReplicas back in charge of the formerly ruled keys")
+    await polling.poll(reduced, timeout=15, what="ReduceReplicas back in charge of the formerly ruled keys")
     policies = await client.run_on_scheduler(
         lambda dask_scheduler: sorted(type(p).__name__ for p in dask_scheduler.extensions["amm"].policies)
     )
@@ -151,7 +140,7 @@ async def test_a_copy_lost_with_a_sigkilled_worker_is_made_again(cluster: Cluste
         who_has = await cluster.who_has(keys)
         return all(len(who_has[k]) == 2 for k in keys)
 
-    await wait_until(at_target, 30, "2 copies of each ruled key")
+    await polling.poll(at_target, timeout=30, what="2 copies of each ruled key")
     addresses = await cluster.addresses()
     by_address = {a: n for n, a in addresses.items()}
     who_has = await cluster.who_has(keys)
@@ -164,7 +153,7 @@ async def test_a_copy_lost_with_a_sigkilled_worker_is_made_again(cluster: Cluste
         now = await cluster.who_has(keys)
         return all(len(now[k]) == 2 and addresses[victim] not in now[k] for k in keys)
 
-    await wait_until(restored, 30, "the lost copies made again")
+    await polling.poll(restored, timeout=30, what="the lost copies made again")
     print(f"target restored {time.monotonic() - started:.1f}s after SIGKILL ({len(lost)} copies lost)")
     assert all(len(v) > 0 for v in (await client.gather(ruled)))  # nothing recomputed or lost
 
@@ -183,7 +172,7 @@ async def test_sigkilled_spot_pods_lose_no_key_under_a_pod_rule(cluster: Cluster
         who_has = await cluster.who_has(keys)
         return all(any(h not in spot for h in who_has[k]) for k in keys)
 
-    await wait_until(outside, 30, "a copy of each key off the spot pods")
+    await polling.poll(outside, timeout=30, what="a copy of each key off the spot pods")
     who_has = await cluster.who_has(keys)
     assert all(len(who_has[k]) == 2 for k in keys), who_has  # one copy on a spot pod, one off
     for name in ("w0", "w1"):
@@ -192,6 +181,6 @@ async def test_sigkilled_spot_pods_lose_no_key_under_a_pod_rule(cluster: Cluster
     async def gone() -> bool:
         return len(await cluster.addresses()) == 2
 
-    await wait_until(gone, 30, "the spot workers gone from the scheduler")
+    await polling.poll(gone, timeout=30, what="the spot workers gone from the scheduler")
     values = await asyncio.wait_for(client.gather(futures), 30)
     assert len(values) == 12 and all(len(v) == CHUNK for v in values)

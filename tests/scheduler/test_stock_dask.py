@@ -27,7 +27,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import dask
 import distributed
 import pytest
 from distributed import Client, LocalCluster, Scheduler
@@ -35,6 +34,7 @@ from distributed.active_memory_manager import ActiveMemoryManagerPolicy, ReduceR
 
 from memops import daskcomm, daskrpc
 from memops.scheduler import replication
+from tests.scheduler import processes
 
 OWNER = "default/stock"
 NO_RULE: dict[str, Any] = {"default": 1, "keys": [], "pods": []}
@@ -48,22 +48,14 @@ STOCK_WARNINGS = (
 
 @pytest.fixture
 async def cluster() -> AsyncIterator[tuple[LocalCluster, Client]]:
-    with dask.config.set(
-        {
-            # Driven by hand, and by a measure that heartbeats do not move: the same cluster
-            # state gives the same decisions, before memops and after.
-            "distributed.scheduler.active-memory-manager.start": False,
-            "distributed.scheduler.active-memory-manager.measure": "managed",
-        }
-    ):
-        async with (
-            LocalCluster(
-                n_workers=WORKERS, threads_per_worker=1, processes=True, dashboard_address=None, asynchronous=True
-            ) as local,
-            Client(local, asynchronous=True) as client,
-        ):
-            await client.wait_for_workers(WORKERS, timeout=60)
-            yield local, client
+    config = {
+        # Driven by hand, and by a measure that heartbeats do not move: the same cluster
+        # state gives the same decisions, before memops and after.
+        "distributed.scheduler.active-memory-manager.start": False,
+        "distributed.scheduler.active-memory-manager.measure": "managed",
+    }
+    async with processes.local_cluster(WORKERS, config=config, wait=True) as both:
+        yield both
 
 
 class Warnings(logging.Handler):

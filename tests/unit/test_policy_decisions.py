@@ -278,3 +278,50 @@ def test_recycling(
     assert decision.recorded == ("old-drain",)
     assert decision.status.recycle is not None
     assert [r.pod for r in decision.status.recycle.recycling] == sorted(set(marks) | set(marked))
+
+
+@pytest.mark.parametrize(
+    ("blocker", "conflict"),
+    [
+        pytest.param(policy_decisions.NotReady("InvalidSpec", "spec.replicas: too many"), None, id="invalid-spec"),
+        pytest.param(
+            policy_decisions.NotReady("Conflict", "spec.workload: MemoryPolicy 'a' already manages it", True),
+            ("True", "AnotherPolicy", "spec.workload: MemoryPolicy 'a' already manages it"),
+            id="another-policy",
+        ),
+    ],
+)
+def test_a_blocked_policy_is_not_ready_and_stalled(
+    blocker: policy_decisions.NotReady, conflict: tuple[str, str, str] | None
+) -> None:
+    status = policy_decisions.not_ready(specs.MemoryPolicyStatus(), blocker, 4)
+    found = {c.type: (c.status, c.reason, c.message) for c in status.conditions}
+    assert status.message == blocker.message
+    assert found["Ready"] == ("False", blocker.reason, blocker.message)
+    assert found["Stalled"] == ("True", blocker.reason, blocker.message)
+    assert found["Reconciling"][0] == "False"
+    assert found.get("Conflict") == conflict
+    assert {c.observedGeneration for c in status.conditions} == {4}
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [
+        pytest.param(policy_decisions.SchedulerSeen(), ("True", "Connected", ""), id="connected"),
+        pytest.param(
+            policy_decisions.SchedulerSeen("SchedulerUnreachable", "spec.scheduler.address: refused"),
+            ("False", "SchedulerUnreachable", "spec.scheduler.address: refused"),
+            id="unreachable",
+        ),
+        pytest.param(
+            policy_decisions.SchedulerSeen("ForeignScheduler", "spec.scheduler.address: not ours", foreign=True),
+            ("False", "ForeignScheduler", "spec.scheduler.address: not ours"),
+            id="foreign",
+        ),
+    ],
+)
+def test_the_scheduler_reachable_condition(
+    seen: policy_decisions.SchedulerSeen, expected: tuple[str, str, str]
+) -> None:
+    [condition] = policy_decisions.scheduler_reachable([], seen, 2)
+    assert (condition.type, condition.status, condition.reason, condition.message) == ("SchedulerReachable", *expected)
