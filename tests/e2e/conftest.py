@@ -120,7 +120,12 @@ class Sandbox:
     def signal_scheduler(self, sig: signal.Signals) -> None:
         os.killpg(self.scheduler_pid(), sig)
 
-    def start_operator(self) -> subprocess.Popen[bytes]:
+    def start_operator(self) -> subprocess.Popen[bytes] | None:
+        """Start the operator: on real Nodes the chart's Deployment, scaled to one pod; on the node
+        agent's, a process of its own (the sandbox started with ``operator=False``)."""
+        if self.real_nodes:
+            self.kubectl("scale", "-n", OPERATOR_NAMESPACE, "deployment/memops", "--replicas=1")
+            return None
         log = (self.state_dir / "operator.log").open("ab")
         self.operator = subprocess.Popen(
             [str(BIN / "memops"), "run", "--all-namespaces", "--standalone", f"--shared-spill-host-root={SPILL_ROOT}"],
@@ -133,11 +138,29 @@ class Sandbox:
         return self.operator
 
     def kill_operator(self) -> None:
+        """SIGKILL the operator. On real Nodes its pod is deleted at once (no grace period), and its
+        Deployment starts another: a crash and a restart."""
+        if self.real_nodes:
+            self.kubectl(
+                "delete",
+                "pod",
+                "-n",
+                OPERATOR_NAMESPACE,
+                "-l",
+                OPERATOR_PODS,
+                "--grace-period=0",
+                "--force",
+                "--wait=false",
+            )
+            return
         assert self.operator is not None
         os.killpg(self.operator.pid, signal.SIGKILL)
         self.operator.wait(10)
 
     def operator_log(self) -> str:
+        if self.real_nodes:
+            args = ("logs", "-n", OPERATOR_NAMESPACE, "-l", OPERATOR_PODS, "--tail=-1", "--prefix")
+            return self.kubectl(*args, check=False).stdout
         path = self.state_dir / "operator.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
@@ -153,6 +176,10 @@ class Sandbox:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(10)
 
+
+OPERATOR_NAMESPACE = "memops-system"
+OPERATOR_PODS = "app.kubernetes.io/component=operator"
+"""The chart's operator pods, on real Nodes."""
 
 # The chart's feature-gated permissions, all on: the scenarios use TLS schedulers and DaskWorkerGroups;
 # and the host directory of their shared spill allowed.
