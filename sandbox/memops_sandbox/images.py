@@ -68,7 +68,7 @@ DASK_REPOSITORY = "localhost/memops/dask"
 NAMESPACE = "k8s.io"
 """The containerd namespace that the kubelet's CRI plugin reads."""
 NAMES = ("pause", "dask", "operator")
-FORMAT = "1"
+FORMAT = "2"
 """Bumped when the way images are written changes: part of every cache key."""
 
 DASK_DISTRIBUTIONS = ("dask", "distributed", "numpy", "pandas", "cloudpickle", "msgpack")
@@ -536,7 +536,12 @@ def console_scripts(site_packages: Path, python: str) -> dict[str, bytes]:
         for entry in distribution.entry_points.select(group="console_scripts"):
             module, _, attribute = entry.value.partition(":")
             head = attribute.split(".")[0]
-            body = f"#!{python}\nimport sys\nfrom {module} import {head}\nsys.exit({attribute}())\n"
+            # The __main__ guard as pip writes it: multiprocessing's spawn (the nanny's worker
+            # processes) imports this file again in each child.
+            body = (
+                f"#!{python}\nimport sys\nfrom {module} import {head}\n\n"
+                f"if __name__ == '__main__':\n    sys.exit({attribute}())\n"
+            )
             scripts[entry.name] = body.encode()
     return scripts
 
@@ -560,8 +565,8 @@ def venv_entries(prefix: str, site_packages: Path, seen: set[str]) -> list[Entry
     image_site = f"{prefix}/lib/{version}/site-packages"
     entries.append(Entry(image_site, "dir"))
     for entry in _tree(site_packages, set(), skip=lambda p: p.parent == site_packages and p.name == "bin"):
-        if entry.path == str(site_packages):
-            continue
+        if not Path(entry.path).is_relative_to(site_packages) or entry.path == str(site_packages):
+            continue  # the build directory's own parents
         relative = Path(entry.path).relative_to(site_packages)
         entries.append(dataclasses.replace(entry, path=f"{image_site}/{relative}"))
     return entries
