@@ -268,12 +268,13 @@ def test_dask_scheduler_and_workers_run_in_the_image_and_read_the_cgroup_limit(
     logs.mkdir(exist_ok=True)
     limit = 512 * 2**20
     scheduler = containerd.ctr(
-        "run", "--detach", "--net-host", "--log-uri", f"file://{logs / 'scheduler.log'}", ref, "dask-scheduler", "dask", "scheduler", "--host", "127.0.0.1",
-        "--port", str(port), "--no-dashboard",
+        "run", "--detach", "--net-host", "--log-uri", f"file://{logs / 'scheduler.log'}", ref, "dask-scheduler",
+        "dask", "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
     )  # fmt: skip
     assert scheduler.returncode == 0, scheduler.stderr
     worker = containerd.ctr(
-        "run", "--detach", "--net-host", "--log-uri", f"file://{logs / 'worker.log'}", "--memory-limit", str(limit), "--mount", CGROUPS, ref, "dask-worker",
+        "run", "--detach", "--net-host", "--log-uri", f"file://{logs / 'worker.log'}", "--memory-limit", str(limit),
+        "--mount", CGROUPS, ref, "dask-worker",
         "dask", "worker", f"tcp://127.0.0.1:{port}", "--nworkers", "2", "--memory-limit", "auto",
         "--host", "127.0.0.1", "--no-dashboard",
     )  # fmt: skip
