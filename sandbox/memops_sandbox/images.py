@@ -490,8 +490,8 @@ def environment_pins(exclude: Iterable[str] = ()) -> dict[str, str]:
         name = _canonical(distribution.metadata["Name"] or "")
         if not name or name in excluded:
             continue
-        direct = distribution.read_text("direct_url.json")
-        if direct and '"editable": true' in direct.replace(" ", "").replace('"editable":true', '"editable": true'):
+        direct = json.loads(distribution.read_text("direct_url.json") or "{}")
+        if direct.get("dir_info", {}).get("editable"):
             continue
         pins.setdefault(name, distribution.version)
     return pins
