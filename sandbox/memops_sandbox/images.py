@@ -70,6 +70,8 @@ NAMESPACE = "k8s.io"
 NAMES = ("pause", "dask", "operator")
 FORMAT = "2"
 """Bumped when the way images are written changes: part of every cache key."""
+PRUNE_AFTER = 7 * 24 * 3600
+"""Seconds after its last use that an archive for other inputs is removed."""
 
 DASK_DISTRIBUTIONS = ("dask", "distributed", "numpy", "pandas", "cloudpickle", "msgpack")
 FALLBACK_PINS = {"numpy": "2.4.6", "pandas": "3.1.1"}
@@ -722,26 +724,41 @@ def ensure_image(name: str, *, stream: TextIO = sys.stderr) -> ImageArchive:
     key = cache_key(name, image_inputs(name))
     archive = ImageArchive(name=name, ref=ref_of(name), path=archive_path(name, key))
     if archive.path.is_file():
+        archive.path.touch()  # in use: see prune()
         return archive
     archive.path.parent.mkdir(parents=True, exist_ok=True)
-    with build._locked(archive.path.with_suffix(".lock"), stream):
+    # One lock per image name: under it, a staging directory of that name is a killed build's.
+    with build._locked(archive.path.parent / f"{name}.lock", stream):
         if archive.path.is_file():
             return archive
+        for stale in archive.path.parent.glob(f".{name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         started = time.monotonic()
         print(f"memops-sandbox: building the {name} image ({archive.ref})", file=stream, flush=True)
         with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=archive.path.parent) as scratch:
             staging = Path(scratch) / "image.tar"
             _BUILDERS[name](Path(scratch), staging, stream)
             staging.rename(archive.path)
-        for stale in archive.path.parent.glob(f"{name}-*.tar"):  # earlier inputs' archives
-            if stale != archive.path:
-                stale.unlink(missing_ok=True)
+        prune(name, keep=archive.path)
         size = archive.path.stat().st_size / 2**20
         print(
             f"memops-sandbox: the {name} image built in {time.monotonic() - started:.0f} s ({size:.0f} MiB)",
             file=stream,
         )
     return archive
+
+
+def prune(name: str, *, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove archives of ``name`` for other inputs not used for :data:`PRUNE_AFTER` seconds.
+    Not at once: two environments (two checkouts, two virtual environments) may share the cache
+    and each use its own."""
+    now = time.time() if now is None else now
+    removed = []
+    for stale in keep.parent.glob(f"{name}-*.tar"):
+        if stale != keep and now - stale.stat().st_mtime > PRUNE_AFTER:
+            stale.unlink(missing_ok=True)
+            removed.append(stale)
+    return removed
 
 
 def ensure(names: Iterable[str] = NAMES, *, stream: TextIO = sys.stderr) -> dict[str, ImageArchive]:

@@ -323,3 +323,17 @@ def test_pause_waits_until_sigterm(containerd: Containerd, imported: dict[str, i
     finally:
         containerd.ctr("tasks", "delete", "--force", "pause")
         containerd.ctr("containers", "delete", "pause")
+
+
+def test_archives_for_other_inputs_stay_while_another_environment_may_use_them(tmp_path: Path) -> None:
+    """Two checkouts (two environments, two keys) share one cache: neither removes the other's
+    archive, only one unused for a week."""
+    keep, recent, old = (tmp_path / f"dask-{key}.tar" for key in ("a", "b", "c"))
+    for path in (keep, recent, old):
+        path.write_bytes(b"")
+    week_ago = time.time() - images.PRUNE_AFTER - 60
+    os.utime(old, (week_ago, week_ago))
+    (tmp_path / "operator-d.tar").write_bytes(b"")
+    os.utime(tmp_path / "operator-d.tar", (week_ago, week_ago))
+    assert images.prune("dask", keep=keep) == [old]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dask-a.tar", "dask-b.tar", "operator-d.tar"]
