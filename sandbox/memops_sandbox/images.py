@@ -586,6 +586,11 @@ def _strip(site_packages: Path) -> None:
 # --- repository sources (the operator) -----------------------------------------------------
 
 
+def has_checkout() -> bool:
+    """Whether the sandbox runs from a memops checkout (the operator image's sources)."""
+    return (DOCKERFILE.parents[1] / "pyproject.toml").is_file() and DOCKERFILE.is_file()
+
+
 def repository_root() -> Path:
     """The checkout this sandbox was installed from: the operator image is built from it."""
     root = DOCKERFILE.parents[1]

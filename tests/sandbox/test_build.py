@@ -294,3 +294,28 @@ def test_no_runc_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(build.shutil, "which", lambda *_, **__: None)
     with pytest.raises(build.BuildError, match="apt-get install -y --no-install-recommends runc"):
         build.find_runc("/nonexistent")
+
+
+def test_the_build_command_says_how_long_each_part_took(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from memops_sandbox import cli, images
+
+    parts = [(name, build.Binaries("v1", tmp_path / name), 12.5) for name in ("kubernetes", "containerd")]
+    monkeypatch.setattr(build, "ensure_all", lambda version: parts)
+    (tmp_path / "image.tar").write_bytes(b"x" * 2**20)
+    monkeypatch.setattr(
+        images,
+        "ensure_image",
+        lambda name: images.ImageArchive(name, f"localhost/memops/{name}:1", tmp_path / "image.tar"),
+    )
+    monkeypatch.setattr(images, "has_checkout", lambda: True)
+    assert cli.main(["build"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"memops-sandbox: kubernetes v1 in {tmp_path / 'kubernetes'} (12.5 s)" in lines
+    assert f"memops-sandbox: containerd v1 in {tmp_path / 'containerd'} (12.5 s)" in lines
+    for name in images.NAMES:
+        assert any(
+            line.startswith(f"memops-sandbox: image localhost/memops/{name}:1 in ") and " s)" in line for line in lines
+        )
+    assert lines[-1].startswith("memops-sandbox: built in ")
