@@ -60,6 +60,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+import packaging.requirements
+
 from memops_sandbox import build
 
 PAUSE_REF = "localhost/memops/pause:1"
@@ -665,12 +667,41 @@ def image_inputs(name: str) -> dict[str, Any]:
     raise ImageError(f"no image called {name!r}: {', '.join(NAMES)}")
 
 
+def requirement_closure(names: Iterable[str]) -> set[str]:
+    """``names`` and every distribution they require, transitively, as installed here (extras
+    off): what pip may install for them, so the only versions that decide their image."""
+    seen: set[str] = set()
+    todo = [_canonical(name) for name in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            lines = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in lines:
+            requirement = packaging.requirements.Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(_canonical(requirement.name))
+    return seen
+
+
+def _constraints(names: Iterable[str]) -> dict[str, str]:
+    # Only the closure: another environment that differs elsewhere (a test tool, a linter) makes
+    # the same image, under the same key.
+    closure = requirement_closure(names)
+    pins = environment_pins(exclude=("memops", "memops-sandbox", "pip", "setuptools", "wheel"))
+    return {name: version for name, version in pins.items() if name in closure}
+
+
 def _dask_constraints() -> dict[str, str]:
-    return {**environment_pins(exclude=("memops", "memops-sandbox", "pip", "setuptools", "wheel")), **dask_pins()}
+    return {**_constraints(DASK_DISTRIBUTIONS), **dask_pins()}
 
 
 def _operator_constraints() -> dict[str, str]:
-    return environment_pins(exclude=("memops", "memops-sandbox", "pip", "setuptools", "wheel"))
+    return _constraints(["memops"])
 
 
 def archive_path(name: str, key: str) -> Path:
