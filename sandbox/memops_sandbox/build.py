@@ -167,8 +167,7 @@ def cache_root(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
 
 def cached(version: str | None = None) -> Binaries:
     """Where the binaries of ``version`` are (or will be) in the cache."""
-    version = version or kubernetes_version()
-    return Binaries(version=version, directory=cache_root() / version / "bin")
+    return control_plane(version or kubernetes_version()).binaries
 
 
 def rewrite_go_mod(text: str, version: str) -> str:

@@ -60,6 +60,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+import packaging.requirements
+
 from memops_sandbox import build
 
 PAUSE_REF = "localhost/memops/pause:1"
@@ -68,8 +70,10 @@ DASK_REPOSITORY = "localhost/memops/dask"
 NAMESPACE = "k8s.io"
 """The containerd namespace that the kubelet's CRI plugin reads."""
 NAMES = ("pause", "dask", "operator")
-FORMAT = "1"
+FORMAT = "2"
 """Bumped when the way images are written changes: part of every cache key."""
+PRUNE_AFTER = 7 * 24 * 3600
+"""Seconds after its last use that an archive for other inputs is removed."""
 
 DASK_DISTRIBUTIONS = ("dask", "distributed", "numpy", "pandas", "cloudpickle", "msgpack")
 FALLBACK_PINS = {"numpy": "2.4.6", "pandas": "3.1.1"}
@@ -490,8 +494,8 @@ def environment_pins(exclude: Iterable[str] = ()) -> dict[str, str]:
         name = _canonical(distribution.metadata["Name"] or "")
         if not name or name in excluded:
             continue
-        direct = distribution.read_text("direct_url.json")
-        if direct and '"editable": true' in direct.replace(" ", "").replace('"editable":true', '"editable": true'):
+        direct = json.loads(distribution.read_text("direct_url.json") or "{}")
+        if direct.get("dir_info", {}).get("editable"):
             continue
         pins.setdefault(name, distribution.version)
     return pins
@@ -536,7 +540,12 @@ def console_scripts(site_packages: Path, python: str) -> dict[str, bytes]:
         for entry in distribution.entry_points.select(group="console_scripts"):
             module, _, attribute = entry.value.partition(":")
             head = attribute.split(".")[0]
-            body = f"#!{python}\nimport sys\nfrom {module} import {head}\nsys.exit({attribute}())\n"
+            # The __main__ guard as pip writes it: multiprocessing's spawn (the nanny's worker
+            # processes) imports this file again in each child.
+            body = (
+                f"#!{python}\nimport sys\nfrom {module} import {head}\n\n"
+                f"if __name__ == '__main__':\n    sys.exit({attribute}())\n"
+            )
             scripts[entry.name] = body.encode()
     return scripts
 
@@ -560,8 +569,8 @@ def venv_entries(prefix: str, site_packages: Path, seen: set[str]) -> list[Entry
     image_site = f"{prefix}/lib/{version}/site-packages"
     entries.append(Entry(image_site, "dir"))
     for entry in _tree(site_packages, set(), skip=lambda p: p.parent == site_packages and p.name == "bin"):
-        if entry.path == str(site_packages):
-            continue
+        if not Path(entry.path).is_relative_to(site_packages) or entry.path == str(site_packages):
+            continue  # the build directory's own parents
         relative = Path(entry.path).relative_to(site_packages)
         entries.append(dataclasses.replace(entry, path=f"{image_site}/{relative}"))
     return entries
@@ -577,6 +586,11 @@ def _strip(site_packages: Path) -> None:
 
 
 # --- repository sources (the operator) -----------------------------------------------------
+
+
+def has_checkout() -> bool:
+    """Whether the sandbox runs from a memops checkout (the operator image's sources)."""
+    return (DOCKERFILE.parents[1] / "pyproject.toml").is_file() and DOCKERFILE.is_file()
 
 
 def repository_root() -> Path:
@@ -653,12 +667,41 @@ def image_inputs(name: str) -> dict[str, Any]:
     raise ImageError(f"no image called {name!r}: {', '.join(NAMES)}")
 
 
+def requirement_closure(names: Iterable[str]) -> set[str]:
+    """``names`` and every distribution they require, transitively, as installed here (extras
+    off): what pip may install for them, so the only versions that decide their image."""
+    seen: set[str] = set()
+    todo = [_canonical(name) for name in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            lines = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in lines:
+            requirement = packaging.requirements.Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(_canonical(requirement.name))
+    return seen
+
+
+def _constraints(names: Iterable[str]) -> dict[str, str]:
+    # Only the closure: another environment that differs elsewhere (a test tool, a linter) makes
+    # the same image, under the same key.
+    closure = requirement_closure(names)
+    pins = environment_pins(exclude=("memops", "memops-sandbox", "pip", "setuptools", "wheel"))
+    return {name: version for name, version in pins.items() if name in closure}
+
+
 def _dask_constraints() -> dict[str, str]:
-    return {**environment_pins(exclude=("memops", "memops-sandbox", "pip", "setuptools", "wheel")), **dask_pins()}
+    return {**_constraints(DASK_DISTRIBUTIONS), **dask_pins()}
 
 
 def _operator_constraints() -> dict[str, str]:
-    return environment_pins(exclude=("memops", "memops-sandbox", "pip", "setuptools", "wheel"))
+    return _constraints(["memops"])
 
 
 def archive_path(name: str, key: str) -> Path:
@@ -717,26 +760,41 @@ def ensure_image(name: str, *, stream: TextIO = sys.stderr) -> ImageArchive:
     key = cache_key(name, image_inputs(name))
     archive = ImageArchive(name=name, ref=ref_of(name), path=archive_path(name, key))
     if archive.path.is_file():
+        archive.path.touch()  # in use: see prune()
         return archive
     archive.path.parent.mkdir(parents=True, exist_ok=True)
-    with build._locked(archive.path.with_suffix(".lock"), stream):
+    # One lock per image name: under it, a staging directory of that name is a killed build's.
+    with build._locked(archive.path.parent / f"{name}.lock", stream):
         if archive.path.is_file():
             return archive
+        for stale in archive.path.parent.glob(f".{name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         started = time.monotonic()
         print(f"memops-sandbox: building the {name} image ({archive.ref})", file=stream, flush=True)
         with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=archive.path.parent) as scratch:
             staging = Path(scratch) / "image.tar"
             _BUILDERS[name](Path(scratch), staging, stream)
             staging.rename(archive.path)
-        for stale in archive.path.parent.glob(f"{name}-*.tar"):  # earlier inputs' archives
-            if stale != archive.path:
-                stale.unlink(missing_ok=True)
+        prune(name, keep=archive.path)
         size = archive.path.stat().st_size / 2**20
         print(
             f"memops-sandbox: the {name} image built in {time.monotonic() - started:.0f} s ({size:.0f} MiB)",
             file=stream,
         )
     return archive
+
+
+def prune(name: str, *, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove archives of ``name`` for other inputs not used for :data:`PRUNE_AFTER` seconds.
+    Not at once: two environments (two checkouts, two virtual environments) may share the cache
+    and each use its own."""
+    now = time.time() if now is None else now
+    removed = []
+    for stale in keep.parent.glob(f"{name}-*.tar"):
+        if stale != keep and now - stale.stat().st_mtime > PRUNE_AFTER:
+            stale.unlink(missing_ok=True)
+            removed.append(stale)
+    return removed
 
 
 def ensure(names: Iterable[str] = NAMES, *, stream: TextIO = sys.stderr) -> dict[str, ImageArchive]:

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import io
+import json
 import re
 import shutil
 import site
 import subprocess
 import sys
+import tarfile
 import venv
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import packaging.requirements
 import pytest
@@ -134,7 +138,7 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
     runtime = {re.split(r"[<>=!~ ;\[]", line, maxsplit=1)[0].lower() for line in requires if "extra ==" not in line}
     assert not runtime & SANDBOX_ONLY
     assert not dependency_closure(runtime) & SANDBOX_ONLY
-    assert "memops-sandbox; extra == \"sandbox\"" in requires
+    assert 'memops-sandbox; extra == "sandbox"' in requires
     assert {name.split("/")[0] for name in sources} == {"memops"}
     assert not [name for name in sources if name.startswith(("memops/cluster/", "memops/sandbox"))]
     for name, source in sources.items():
@@ -177,3 +181,52 @@ def test_the_wheel_installs_and_runs(tmp_path: Path) -> None:
     assert generated == sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
     for name in generated:
         assert (out / name).read_bytes() == (ROOT / "crds" / name).read_bytes()
+
+
+def _operator_image_config(path: Path) -> tuple[dict[str, Any], set[str]]:
+    """The config of the image in an OCI archive, and the paths of its files."""
+    with tarfile.open(path) as archive:
+
+        def blob(digest: str) -> bytes:
+            member = archive.extractfile(f"blobs/sha256/{digest.removeprefix('sha256:')}")
+            assert member is not None
+            return member.read()
+
+        (entry,) = json.loads(archive.extractfile("index.json").read())["manifests"]  # type: ignore[union-attr]
+        manifest = json.loads(blob(entry["digest"]))
+        files: set[str] = set()
+        for layer in manifest["layers"]:
+            with tarfile.open(fileobj=io.BytesIO(blob(layer["digest"]))) as contents:
+                files |= {"/" + name for name in contents.getnames()}
+        return json.loads(blob(manifest["config"]["digest"])), files
+
+
+@pytest.mark.timeout(300)
+def test_the_sandbox_builds_the_operator_image_the_dockerfile_describes() -> None:
+    """The sandbox cannot run ``docker build`` (no engine, no registry for the base image), so it
+    writes the operator's image itself: with the user, entry point, command and environment of
+    the Dockerfile's runtime stage, and memops installed where the Dockerfile copies it."""
+    images = pytest.importorskip("memops_sandbox.images", reason="the sandbox (memops-sandbox) is not installed")
+    archive = images.ensure_image("operator")
+    image, files = _operator_image_config(archive.path)
+    config = image["config"]
+    runtime = DOCKERFILE.read_text().split("\nFROM ")[-1]
+    user = re.search(r"^USER (\S+)$", runtime, flags=re.MULTILINE)
+    entrypoint = re.search(r"^ENTRYPOINT (.+)$", runtime, flags=re.MULTILINE)
+    cmd = re.search(r"^CMD (.+)$", runtime, flags=re.MULTILINE)
+    assert user and entrypoint and cmd
+    assert config["User"] == user.group(1)
+    assert config["Entrypoint"] == json.loads(entrypoint.group(1))
+    assert config["Cmd"] == json.loads(cmd.group(1))
+    env_block = re.search(r"^ENV ((?:.*\\\n)*.*)$", runtime, flags=re.MULTILINE)
+    assert env_block
+    declared = dict(re.findall(r"(\w+)=(\S+)", env_block.group(1)))
+    assert set(declared) == {"PATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED"}
+    env = dict(item.split("=", 1) for item in config["Env"])
+    for key, value in declared.items():
+        head, _, tail = value.partition("$PATH")
+        assert env[key].startswith(head) and env[key].endswith(tail), (key, env[key], value)
+    copied = re.search(r"^COPY --from=build (\S+) (\S+)$", runtime, flags=re.MULTILINE)
+    assert copied and copied.group(2) == images.OPERATOR_PREFIX
+    assert f"{copied.group(2)}/bin/memops" in files, "the entry point is on the image's PATH"
+    assert not [name for name in files if name.endswith(".opt-1.pyc")], "no bytecode that nothing runs"

@@ -152,8 +152,8 @@ def test_the_pki_names_what_the_api_server_and_its_clients_check(tmp_path: Path)
 
 @pytest.mark.timeout(180)
 def test_the_wheel_ships_the_go_module(tmp_path: Path) -> None:
-    """Installed from a wheel, the sandbox can still build: go.mod, go.sum and the Go sources are
-    package data."""
+    """Installed from a wheel, the sandbox can still build: go.mod, go.sum and the Go sources of
+    every module (the control plane's, containerd's, the CNI plugins', pause's) are package data."""
     project = build.MODULE.parents[1]
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(project)],
@@ -162,9 +162,12 @@ def test_the_wheel_ships_the_go_module(tmp_path: Path) -> None:
     )
     (wheel,) = tmp_path.glob("memops_sandbox-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    module = [p.relative_to(build.MODULE) for p in build.MODULE.rglob("*") if p.is_file()]
-    shipped = {f"memops_sandbox/kubernetes/{path}" for path in module}
-    assert shipped and shipped <= names, shipped - names
+    for directory in (build.MODULE, build.CONTAINERD_MODULE, build.CNI_MODULE, build.PAUSE_MODULE):
+        module = [
+            p.relative_to(directory) for p in directory.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        ]
+        shipped = {f"memops_sandbox/{directory.name}/{path}" for path in module}
+        assert shipped and shipped <= names, shipped - names
 
 
 def test_a_second_run_waits_for_the_first_build_and_does_not_build_again(
@@ -216,3 +219,103 @@ def test_only_the_api_server_holds_a_certificate_of_the_webhook_client_ca(tmp_pa
     assert plugins == dict.fromkeys(
         ("ValidatingAdmissionWebhook", "MutatingAdmissionWebhook"), str(tmp_path / "webhook-clients.kubeconfig")
     )
+
+
+def test_each_component_has_a_cache_directory_keyed_by_its_own_version(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The nodes' binaries never share the control plane's directory: a control plane built
+    before they existed stays complete, and is never rebuilt (or removed) for them."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    components = {c.name: c for c in (build.control_plane("v1.36.4"), *build.node_components("v1.36.4"))}
+    assert set(components) == {"kubernetes", "kubernetes-node", "containerd", "cni", "pause"}
+    directories = {name: c.binaries.directory.relative_to(tmp_path / "memops") for name, c in components.items()}
+    assert (
+        directories["kubernetes"]
+        == Path("kubernetes/v1.36.4/bin")
+        == build.cached("v1.36.4").directory.relative_to(tmp_path / "memops")
+    )
+    assert directories["kubernetes-node"] == Path("kubernetes-node/v1.36.4/bin")
+    assert (
+        directories["containerd"]
+        == Path("containerd") / build.pinned_version(build.CONTAINERD_MODULE, build.CONTAINERD) / "bin"
+    )
+    assert directories["cni"] == Path("cni") / build.pinned_version(build.CNI_MODULE, build.CNI) / "bin"
+    assert len({d.parts[0] for d in directories.values()}) == len(directories), "one directory per component"
+    assert set(build.cached("v1.36.4").names) == set(build.BINARIES)
+    assert components["kubernetes-node"].binaries.names == ("kubelet", "kube-proxy")
+    assert components["containerd"].binaries.names == ("containerd", "containerd-shim-runc-v2", "ctr")
+    assert set(components["cni"].binaries.names) == {"bridge", "host-local", "loopback", "portmap"}
+
+
+def test_a_control_plane_without_the_node_binaries_is_complete(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "go_command", lambda *_: pytest.fail("rebuilt a complete control plane"))
+    binaries = build.cached("v1.36.4")
+    binaries.directory.mkdir(parents=True)
+    for name in build.BINARIES:
+        (binaries.directory / name).write_bytes(b"")
+    assert build.ensure("v1.36.4") == binaries
+
+
+def test_the_pinned_releases_are_read_from_the_shipped_modules() -> None:
+    assert build.pinned_version(build.CONTAINERD_MODULE, build.CONTAINERD) == "v2.4.2"
+    assert build.pinned_version(build.CNI_MODULE, build.CNI) == "v1.10.0"
+    tools = (build.MODULE / "tools.go").read_text()
+    assert all(f'"k8s.io/kubernetes/cmd/{name}"' in tools for name in (*build.COMMANDS, *build.NODE_COMMANDS))
+
+
+def test_the_pause_version_is_a_hash_of_its_sources(tmp_path: Path) -> None:
+    module = tmp_path / "pause"
+    module.mkdir()
+    (module / "go.mod").write_text("module memops.dev/pause\n")
+    (module / "main.go").write_text("package main\nfunc main() {}\n")
+    first = build.sources_hash(module)
+    (module / "README").write_text("not a source")
+    assert build.sources_hash(module) == first
+    (module / "main.go").write_text("package main\nfunc main() { select {} }\n")
+    assert build.sources_hash(module) != first
+
+
+def test_the_nodes_binaries_are_built_static_and_stamped() -> None:
+    containerd = build.containerd()
+    for target in containerd.targets:
+        argv = build.go_build_argv(target, Path("/out"))
+        assert target.static, "the shim runs in any mount namespace; containerd needs no cgo"
+        assert argv[argv.index("-tags") + 1] == "no_btrfs"
+        assert f"-X github.com/containerd/containerd/v2/version.Version={containerd.version}" in target.ldflags
+        assert argv[-1] == f"github.com/containerd/containerd/v2/cmd/{target.name}"
+    assert all(t.static for t in (*build.cni_plugins().targets, *build.pause().targets))
+    kubelet = build.kubernetes_node("v1.36.4").targets[0]
+    assert "-X k8s.io/component-base/version.gitVersion=v1.36.4" in kubelet.ldflags and not kubelet.static
+
+
+def test_no_runc_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build.shutil, "which", lambda *_, **__: None)
+    with pytest.raises(build.BuildError, match="apt-get install -y --no-install-recommends runc"):
+        build.find_runc("/nonexistent")
+
+
+def test_the_build_command_says_how_long_each_part_took(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from memops_sandbox import cli, images
+
+    parts = [(name, build.Binaries("v1", tmp_path / name), 12.5) for name in ("kubernetes", "containerd")]
+    monkeypatch.setattr(build, "ensure_all", lambda version: parts)
+    (tmp_path / "image.tar").write_bytes(b"x" * 2**20)
+    monkeypatch.setattr(
+        images,
+        "ensure_image",
+        lambda name: images.ImageArchive(name, f"localhost/memops/{name}:1", tmp_path / "image.tar"),
+    )
+    monkeypatch.setattr(images, "has_checkout", lambda: True)
+    assert cli.main(["build"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"memops-sandbox: kubernetes v1 in {tmp_path / 'kubernetes'} (12.5 s)" in lines
+    assert f"memops-sandbox: containerd v1 in {tmp_path / 'containerd'} (12.5 s)" in lines
+    for name in images.NAMES:
+        assert any(
+            line.startswith(f"memops-sandbox: image localhost/memops/{name}:1 in ") and " s)" in line for line in lines
+        )
+    assert lines[-1].startswith("memops-sandbox: built in ")

@@ -602,8 +602,11 @@ def test_scale_down_removes_pods_and_ends_their_processes(plane: Plane, agent: A
     assert len({p["spec"]["nodeName"] for p in pods} | set()) >= 1
     plane.kubectl("scale", "deployment", "scaled", "--replicas=1", "-n", namespace)
     left = wait_for(
-        lambda: (names := [p["metadata"]["name"] for p in pods_of(plane, namespace, "scaled")]) and len(names) == 1
-        and names,
+        lambda: (
+            (names := [p["metadata"]["name"] for p in pods_of(plane, namespace, "scaled")])
+            and len(names) == 1
+            and names
+        ),
         timeout=60,
         what="one pod left",
     )
@@ -635,9 +638,7 @@ def test_shutdown_gives_every_container_its_grace_with_prestop(plane: Plane, nam
     process = start_agent(plane, run_dir, [LONE_NODE])
     try:
         wait_for(
-            lambda: any(
-                n["metadata"]["name"] == LONE_NODE and ready(n) for n in plane.get("nodes")["items"]
-            ),
+            lambda: any(n["metadata"]["name"] == LONE_NODE and ready(n) for n in plane.get("nodes")["items"]),
             what="the lone node Ready",
         )
         program = pod_program("while True: time.sleep(1)\n")
