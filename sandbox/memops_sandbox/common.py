@@ -42,7 +42,7 @@ def worker_deployment(
     address on the way to the scheduler), which is how memops tells that it is this pod's.
 
     With ``image`` (real Nodes), the container runs that image with ``resources.limits.memory``
-    of ``memory_limit`` and no ``--memory-limit``: Dask reads its limit from the container's
+    of ``memory_limit``, and ``--memory-limit 1.0``: all of what Dask reads from the container's
     cgroup, as on a cluster. Without, the process node agent runs ``dask worker`` as a host
     process with ``--memory-limit``."""
     deployment: dict[str, Any] = {
@@ -91,8 +91,12 @@ def worker_deployment(
         container["image"] = image
         container["imagePullPolicy"] = "IfNotPresent"
         index = container["args"].index("--memory-limit")
-        del container["args"][index : index + 2]
-        container["resources"] = {"limits": {"memory": quantity(memory_limit)}}
+        # A fraction (at most 1) is of the memory Dask finds, the cgroup's limit: the container's
+        # whole limit, whatever CPUs it sees ("auto" would take the share of the CPUs that its
+        # thread is, and Dask reads no CPU quota where cpu and cpuacct are mounted apart).
+        container["args"][index + 1] = "1.0"
+        # A small CPU request: the Nodes share this machine's cores.
+        container["resources"] = {"limits": {"memory": quantity(memory_limit)}, "requests": {"cpu": "50m"}}
     return deployment
 
 

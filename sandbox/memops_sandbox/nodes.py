@@ -52,6 +52,9 @@ CGROUP_PARENT = "memops-sandbox"
 """The cgroup every Node's ``cgroupRoot`` is under, in each hierarchy."""
 RUN_ROOT = Path("/run/memops-sandbox")
 """Sockets (a unix socket's path is limited to 108 bytes, the state directory's is not)."""
+DISK_ROOT = Path("/var/lib/memops-sandbox")
+"""The kubelets' root directories (pods' volumes; the kubelet's own sockets are in them, so the
+path is short), on disk: an emptyDir there is a disk's, as on a node, not memory."""
 POD_NETWORK = ipaddress.IPv4Network("10.244.0.0/16")
 CGROUP_FS = Path("/sys/fs/cgroup")
 RUNC = "runc"
@@ -246,7 +249,7 @@ def kubelet_argv(node: Node, binaries: NodeBinaries, kubeconfig: Path) -> list[s
         f"--kubeconfig={kubeconfig}",
         f"--hostname-override={node.name}",
         f"--node-ip={node.ip}",
-        f"--root-dir={node.root / 'kubelet'}",
+        f"--root-dir={DISK_ROOT / node.name}",
         f"--cert-dir={node.root / 'kubelet-pki'}",
         "--v=1",
     ]
@@ -386,7 +389,7 @@ def clean(state_dir: Path, count: int = 16) -> None:
     for hierarchy in _hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
-    for root in (state_dir / "nodes", RUN_ROOT):
+    for root in (state_dir / "nodes", RUN_ROOT, DISK_ROOT):
         for point in _mounts_under(root):
             subprocess.run(["umount", "-l", point], capture_output=True, check=False)
     for hierarchy in _hierarchies():
@@ -395,6 +398,7 @@ def clean(state_dir: Path, count: int = 16) -> None:
     for index in range(count):
         subprocess.run(["ip", "link", "delete", f"{PREFIX}{index}"], capture_output=True, check=False)
     shutil.rmtree(RUN_ROOT, ignore_errors=True)
+    shutil.rmtree(DISK_ROOT, ignore_errors=True)
 
 
 def prepare_network(nodes: Sequence[Node]) -> None:

@@ -78,8 +78,6 @@ def nodes_of(sandbox: Sandbox) -> dict[str, str]:
     }
 
 
-
-
 def setup(sandbox: Sandbox, client: distributed.Client) -> tuple[str, list[str], Holdings]:
     """A node with workers while the other has some too (room for the data), the node's pods,
     and unique data on every worker."""

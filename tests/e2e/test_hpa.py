@@ -163,9 +163,7 @@ def hpa_condition(sandbox: Sandbox, name: str, kind: str) -> dict[str, Any] | No
     return next((c for c in status.get("conditions", []) if c["type"] == kind), None)
 
 
-def test_a_real_hpa_scales_the_policy_and_every_scale_down_is_a_drain(
-    sandbox: Sandbox, metrics: MetricsServer
-) -> None:
+def test_a_real_hpa_scales_the_policy_and_every_scale_down_is_a_drain(sandbox: Sandbox, metrics: MetricsServer) -> None:
     pods = sandbox.pods()
     assert len(pods) == 4
     sandbox.apply(memory_policy("autoscaled", sandbox.scheduler_address, replicas=4))
@@ -193,9 +191,11 @@ def test_a_real_hpa_scales_the_policy_and_every_scale_down_is_a_drain(
         )
         gone = set(pods) - set(sandbox.pods())
         requests = sandbox.wait_for(
-            lambda: (found := owned_requests(sandbox, "autoscaled"))
-            and all(r.get("status", {}).get("phase") in ("Succeeded", "Failed") for r in found)
-            and found,
+            lambda: (
+                (found := owned_requests(sandbox, "autoscaled"))
+                and all(r.get("status", {}).get("phase") in ("Succeeded", "Failed") for r in found)
+                and found
+            ),
             timeout=60,
             what="the policy's RetirementRequests finished",
         )

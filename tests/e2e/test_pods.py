@@ -173,9 +173,7 @@ def test_deleting_a_request_mid_drain_gives_its_pod_back(sandbox: Sandbox) -> No
             lambda: (new := workers_by_name(client).get(pods[0])) is not None and new != old,
             what="the pod's new worker",
         )
-        sandbox.apply(
-            retirement_request("second", scheduler={"address": sandbox.scheduler_address}, workers=[pods[0]])
-        )
+        sandbox.apply(retirement_request("second", scheduler={"address": sandbox.scheduler_address}, workers=[pods[0]]))
         done = sandbox.wait_phase("second", "Succeeded", "Failed")
         assert done["status"]["phase"] == "Succeeded", done["status"]
         assert pods[0] not in sandbox.pods()
@@ -205,9 +203,11 @@ def test_deleting_the_policy_mid_drain_gives_its_pod_back(sandbox: Sandbox) -> N
                 }
             )
             sandbox.wait_for(
-                lambda: (sandbox.get("pod", pods[0])["metadata"].get("annotations") or {}).get(
-                    "memops.dev/retirement-request", ""
-                ).startswith("shrink-"),
+                lambda: (
+                    (sandbox.get("pod", pods[0])["metadata"].get("annotations") or {})
+                    .get("memops.dev/retirement-request", "")
+                    .startswith("shrink-")
+                ),
                 what="the policy's request to claim the pod",
             )
             sandbox.kubectl("delete", "mempol", "shrink", "--wait=false")

@@ -31,7 +31,8 @@ def cgroup_limit(pid: int) -> int:
 def test_workers_are_containers_whose_limit_dask_reads_from_the_cgroup(real_sandbox: Sandbox) -> None:
     """Every worker pod runs in a container under a real kubelet (a containerd container ID), its
     container's cgroup carries the pod's ``resources.limits.memory``, and each Dask worker's
-    ``memory_limit`` is that limit: read from the cgroup, as no ``--memory-limit`` is passed."""
+    ``memory_limit`` is that limit: read from the cgroup (``--memory-limit 1.0``, a fraction of it),
+    as the manifest names no size."""
     sandbox = real_sandbox
     nodes = {n["metadata"]["name"]: n for n in sandbox.get("nodes")["items"]}
     assert len(nodes) == 2
@@ -45,7 +46,7 @@ def test_workers_are_containers_whose_limit_dask_reads_from_the_cgroup(real_sand
     for pod in pods:
         name = pod["metadata"]["name"]
         [container] = pod["spec"]["containers"]
-        assert "--memory-limit" not in container["args"]
+        assert container["args"][container["args"].index("--memory-limit") + 1] == "1.0"
         limit = int(container["resources"]["limits"]["memory"])
         [status] = pod["status"]["containerStatuses"]
         assert status["containerID"].startswith("containerd://") and status["ready"], status

@@ -37,10 +37,12 @@ def test_scattered_data_keeps_two_copies_through_a_sigkilled_pod(sandbox: Sandbo
 
         sandbox.wait_for(two_copies, what="two copies of each scattered key")
         status = sandbox.wait_for(
-            lambda: (s := sandbox.get("mempol", "copies").get("status", {}).get("replication"))
-            and s.get("keysUnder") == 0
-            and s.get("bytesSpent", 0) > 0
-            and s,
+            lambda: (
+                (s := sandbox.get("mempol", "copies").get("status", {}).get("replication"))
+                and s.get("keysUnder") == 0
+                and s.get("bytesSpent", 0) > 0
+                and s
+            ),
             what="status.replication at target",
         )
         assert status["budgetBytes"] > status["bytesSpent"]

@@ -218,8 +218,9 @@ def test_worker_killed_mid_drain(sandbox_factory: Callable[..., Sandbox]) -> Non
                 )
             )
             sandbox.wait_for(
-                lambda: client.scheduler_info(n_workers=-1)["workers"].get(victim, {}).get("status")
-                == "closing_gracefully",
+                lambda: (
+                    client.scheduler_info(n_workers=-1)["workers"].get(victim, {}).get("status") == "closing_gracefully"
+                ),
                 timeout=60,
                 what="the scheduler to be draining the worker",
             )

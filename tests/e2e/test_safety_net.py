@@ -79,9 +79,10 @@ def test_a_pod_that_left_with_a_failed_hook_is_in_the_policys_status(sandbox: Sa
 
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         sandbox.wait_for(
-            lambda: {str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()}
-            >= set(bare_pods())
-            and len(bare_pods()) == 2,
+            lambda: (
+                {str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()} >= set(bare_pods())
+                and len(bare_pods()) == 2
+            ),
             what="the two bare workers",
         )
         pods = bare_pods()
