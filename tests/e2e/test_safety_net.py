@@ -165,12 +165,15 @@ def host_of(address: str) -> str:
     ("extra", "per_pod"), [pytest.param((), 1, id="chart-args"), pytest.param(("--nworkers", "2"), 2, id="nworkers-2")]
 )
 def test_a_direct_scale_down_drains_every_worker_of_the_pod_named_or_not(
-    sandbox: Sandbox, extra: tuple[str, ...], per_pod: int
+    real_sandbox: Sandbox, extra: tuple[str, ...], per_pod: int
 ) -> None:
     """``kubectl scale deployment`` under a MemoryPolicy, for workers that are not named after their
     pod: the preStop hook finds every worker on the pod's IP and drains them all before SIGTERM:
     no key is lost, and no hook failed. (Before: the hook found no worker named after the pod,
-    exited 0 at once, and the pod's unique data went with it.)"""
+    exited 0 at once, and the pod's unique data went with it.) On real Nodes: the workers run in
+    containers of Dask's image, the kubelet runs the hook in the container and sends SIGTERM
+    after it, and the webhook is the chart's operator pod behind its Service."""
+    sandbox = real_sandbox
     sandbox.apply(chart_workers(sandbox.scheduler_address, "chart", *extra))
     sandbox.apply(memory_policy("chart", sandbox.scheduler_address, workload="chart"))
     sandbox.wait_for(lambda: (c := condition(sandbox, "chart", "Ready")) and c["status"] == "True", what="Ready")
