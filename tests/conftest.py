@@ -5,6 +5,8 @@ Sets ``$MEMOPS_AUDIT_LOG`` (unless it is already set) for the whole session, bef
 sandbox starts; the sandboxes inherit it. ``tests/packaging/test_rbac.py``, which runs after
 ``tests/e2e``, reads the operator's requests from it and checks the shipped RBAC against them.
 
+The folders that start no sandbox run first (:data:`NO_SANDBOX`).
+
 ``plane``: an upstream control plane (kube-apiserver, etcd, the controller manager; no node),
 one per test module that asks for it; its state directory is yielded. Nothing is mocked.
 """
@@ -19,6 +21,20 @@ from pathlib import Path
 import pytest
 from memops_sandbox import build, upstream
 from memops_sandbox import common as sandbox
+
+NO_SANDBOX = ("unit", "fuzz", "scheduler")
+"""The test folders that start no control plane: they run first, so that CI can build the
+sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+
+    def needs_a_sandbox(item: pytest.Item) -> bool:
+        path = Path(str(item.fspath)).resolve()
+        return not (path.is_relative_to(tests) and path.relative_to(tests).parts[0] in NO_SANDBOX)
+
+    items.sort(key=needs_a_sandbox)  # stable: each group keeps its order (packaging after e2e)
 
 
 @pytest.fixture(scope="session", autouse=True)
