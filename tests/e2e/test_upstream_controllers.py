@@ -44,12 +44,10 @@ def rolled_out(sandbox: Sandbox, revision: str) -> bool:
     )
 
 
-def test_a_rollout_under_a_policy_loses_no_key(real_sandbox: Sandbox) -> None:
+def test_a_rollout_under_a_policy_loses_no_key(sandbox: Sandbox) -> None:
     """The Deployment controller replaces every pod through a second ReplicaSet; each old pod that
     leaves is drained by its preStop hook (the safety net, given to the pods made under the policy),
-    so the data moves ahead of the rollout and no key is lost. On real Nodes: the kubelet runs each
-    hook in its container, then SIGTERM."""
-    sandbox = real_sandbox
+    so the data moves ahead of the rollout and no key is lost."""
     sandbox.apply(memory_policy("rollout", sandbox.scheduler_address))  # no replicas: it adopts the count
     sandbox.wait_for(lambda: ready(sandbox, "rollout"), what="the policy Ready")
     # The sandbox's pods predate the policy: a first rollout gives every pod the safety net.
