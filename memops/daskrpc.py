@@ -84,6 +84,7 @@ from memops.scheduler import (
     relief,
     replication,
     replication_index,
+    resize,
     rules,
     transfers,
 )
@@ -91,7 +92,7 @@ from memops.scheduler import (
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-for _module in (agent, drain, handover, holdings, relief, replication, replication_index, rules, transfers):
+for _module in (agent, drain, handover, holdings, relief, replication, replication_index, resize, rules, transfers):
     cloudpickle.register_pickle_by_value(_module)
 
 
