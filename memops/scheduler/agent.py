@@ -29,8 +29,8 @@ Operations (``operation``, its arguments, what ``result`` holds):
   per drained worker its state, the keys and bytes still held nowhere else, moved, on their way,
   and lost at the deadline; ``nodes`` (worker address -> node) is recorded first, so that a later
   drain keeps keys off every worker of a dying node, not only those its caller names;
-- ``resize`` (``worker``, ``limit``, ``maximum``): :func:`memops.scheduler.resize.resize`: sets
-  the worker's memory limit to ``limit`` bytes (at most ``maximum``) in its nanny, its worker and
+- ``resize`` (``worker``, ``memory_limit``, ``maximum``): :func:`memops.scheduler.resize.resize`: sets
+  the worker's memory limit to ``memory_limit`` bytes (at most ``maximum``) in its nanny, its worker and
   the scheduler's ``WorkerState``, after its pod was resized in place; which parts took it;
 - ``hello``: the agent's version.
 
@@ -129,8 +129,11 @@ def _drain_status(
     )
 
 
-async def _resize(dask_scheduler: Any, worker: str = "", limit: Any = None, maximum: Any = None) -> dict[str, Any]:
-    return await resize.resize(dask_scheduler, worker=str(worker), limit=limit, maximum=maximum)
+async def _resize(
+    dask_scheduler: Any, worker: str = "", memory_limit: Any = None, maximum: Any = None
+) -> dict[str, Any]:
+    # Not ``limit``: the operator's comm takes that name for the size a reply may build.
+    return await resize.resize(dask_scheduler, worker=str(worker), memory_limit=memory_limit, maximum=maximum)
 
 
 def _hello(dask_scheduler: Any) -> dict[str, Any]:

@@ -8,8 +8,9 @@ A Dask worker reads its memory limit once, at start, and three copies of it then
   two figures were computed from it at start and are set here too: the spill buffer's target
   (``data.n``, ``target`` * limit) and the worker state's ``transfer_incoming_bytes_limit``;
 - the nanny's ``memory_manager.memory_limit``: the nanny's own monitor kills the worker when its
-  RSS passes ``terminate`` * this copy (it reads it at every tick), and the nanny passes this copy
-  to the worker it starts again after a restart, so a new limit survives a restart;
+  RSS passes ``terminate`` * this copy (it reads it at every tick); the nanny starts its worker
+  again (after a kill or a restart) with the arguments it first made its worker process with, so
+  the limit among them is set too, and a new limit survives a restart;
 - the scheduler's ``WorkerState.memory_limit`` (with ``total_memory``): what relief, replication,
   the drain, rebalance and Dask's adaptive scaling read. A worker that reconnects registers with
   its own (new) copy.
@@ -20,7 +21,7 @@ by value, as :mod:`memops.scheduler.handover` is):
 - In each worker and each nanny, :class:`WorkerLimitPlugin` and :class:`NannyLimitPlugin`
   (installed by the scheduler on every worker and nanny, present and future, through
   ``register_worker_plugin`` and ``register_nanny_plugin``, so a stock Dask image works) register
-  the comm handler :data:`NAME` (argument ``limit``, bytes), which sets that process's copy and
+  the comm handler :data:`NAME` (argument ``memory_limit``, bytes), which sets that process's copy and
   answers plain data: ``{"result": {"previous": bytes, "limit": bytes, ...}}`` or ``{"error":
   text}``. A decrease is refused, changing nothing, where the process would be over a threshold of
   the smaller limit at once: the worker's memory over ``pause`` * the new limit (it would pause),
@@ -130,6 +131,11 @@ def set_nanny_limit(nanny: Any, limit: int) -> dict[str, Any]:
         if rss is not None and rss > terminate * limit:
             return {"error": f"the worker's RSS ({rss} bytes) is over the kill threshold of {limit} bytes"}
     manager.memory_limit = limit
+    # The nanny starts its worker again (after a kill, a restart) from the arguments its process
+    # object was made with, not from its memory manager: the new limit goes there too.
+    kwargs = getattr(getattr(nanny, "process", None), "worker_kwargs", None)
+    if isinstance(kwargs, dict) and "memory_limit" in kwargs:
+        kwargs["memory_limit"] = limit
     return {"result": {"previous": int(previous), "limit": int(manager.memory_limit)}}
 
 
@@ -148,10 +154,10 @@ def _worker_rss(nanny: Any) -> int | None:
 
 
 def _handler(apply: Any, server: Any) -> Any:
-    def handle(limit: Any = None) -> dict[str, Any]:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
-            return {"error": "limit: a positive number of bytes"}
-        return dict(apply(server, limit))
+    def handle(memory_limit: Any = None) -> dict[str, Any]:
+        if not isinstance(memory_limit, int) or isinstance(memory_limit, bool) or memory_limit <= 0:
+            return {"error": "memory_limit: a positive number of bytes"}
+        return dict(apply(server, memory_limit))
 
     return handle
 
@@ -201,7 +207,7 @@ async def call(scheduler: Any, address: str, limit: int) -> dict[str, Any]:
         async with asyncio.timeout(CALL_SECONDS):
             comm = await connect(address, deserialize=False, **scheduler.connection_args)
             try:
-                await comm.write({"op": NAME, "limit": limit, "reply": True})
+                await comm.write({"op": NAME, "memory_limit": limit, "reply": True})
                 reply = await comm.read()
             finally:
                 await comm.close()
@@ -222,8 +228,8 @@ def set_scheduler_limit(scheduler: Any, ws: Any, limit: int) -> dict[str, Any]:
     return {"previous": previous, "limit": limit}
 
 
-async def resize(scheduler: Any, worker: str = "", limit: Any = None, maximum: Any = None) -> dict[str, Any]:
-    """Set the memory limit of ``worker`` (its address) to ``limit`` bytes, at most ``maximum``,
+async def resize(scheduler: Any, worker: str = "", memory_limit: Any = None, maximum: Any = None) -> dict[str, Any]:
+    """Set the memory limit of ``worker`` (its address) to ``memory_limit`` bytes, at most ``maximum``,
     in its nanny, its worker and the scheduler (see the module's docstring for the order).
 
     Returns plain data: ``worker``, ``limit``, ``previous`` (the scheduler's copy before),
@@ -231,14 +237,14 @@ async def resize(scheduler: Any, worker: str = "", limit: Any = None, maximum: A
     part did not take it) and ``parts`` (each part's answer)."""
     reply: dict[str, Any] = {
         "worker": str(worker),
-        "limit": limit if isinstance(limit, int) else None,
+        "limit": memory_limit if isinstance(memory_limit, int) and not isinstance(memory_limit, bool) else None,
         "previous": None,
         "applied": [],
         "refused": None,
         "parts": {},
     }
     try:
-        limit = checked_limit(limit, maximum)
+        limit = checked_limit(memory_limit, maximum)
     except LimitError as exc:
         reply["refused"] = str(exc)
         return reply

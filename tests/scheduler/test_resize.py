@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 from distributed import Client, LocalCluster
 
+from memops import daskrpc
 from memops.scheduler import agent, resize
 from tests import polling
-from tests.scheduler import processes
+from tests.scheduler import processes, test_without_memops
 
 MiB = 2**20
 OLD = 256 * MiB
@@ -89,7 +90,7 @@ async def test_growth_reaches_the_scheduler_the_worker_and_the_nanny(cluster: tu
     [address] = local.scheduler.workers
     total = local.scheduler.total_memory
 
-    reply = await call_agent(local, worker=address, limit=NEW, maximum=NEW)
+    reply = await call_agent(local, worker=address, memory_limit=NEW, maximum=NEW)
 
     assert reply["refused"] is None, reply
     assert reply["applied"] == ["nanny", "worker", "scheduler"]
@@ -110,7 +111,7 @@ async def test_a_grown_worker_survives_above_the_old_kill_threshold_and_pauses_a
     local, client = cluster
     [address] = local.scheduler.workers
     [nanny] = local.workers.values()
-    reply = await call_agent(local, worker=address, limit=NEW, maximum=NEW)
+    reply = await call_agent(local, worker=address, memory_limit=NEW, maximum=NEW)
     assert reply["applied"] == ["nanny", "worker", "scheduler"], reply
     pid = nanny.process.process.pid
 
@@ -144,7 +145,7 @@ async def test_a_shrunk_worker_pauses_at_the_smaller_limit(cluster: tuple[LocalC
     if rss > 0.7 * small:
         pytest.skip(f"the worker's resting RSS ({rss} bytes) leaves no room under 80% of {small} bytes")
 
-    reply = await call_agent(local, worker=address, limit=small, maximum=NEW)
+    reply = await call_agent(local, worker=address, memory_limit=small, maximum=NEW)
 
     assert reply["refused"] is None, reply
     assert reply["applied"] == ["worker", "nanny", "scheduler"]
@@ -167,7 +168,7 @@ async def test_a_shrink_below_the_worker_s_memory_is_refused_and_changes_nothing
     rss = await rss_to(client, address, 160 * MiB)
     small = int(rss / 0.8) - 16 * MiB  # its memory is over 80% of it
 
-    reply = await call_agent(local, worker=address, limit=small, maximum=NEW)
+    reply = await call_agent(local, worker=address, memory_limit=small, maximum=NEW)
 
     assert reply["applied"] == [], reply
     assert reply["refused"].startswith("worker: "), reply
@@ -196,8 +197,54 @@ def test_limits_are_validated(limit: Any, maximum: Any, why: str) -> None:
 async def test_an_invalid_limit_or_unknown_worker_changes_nothing(cluster: tuple[LocalCluster, Client]) -> None:
     local, client = cluster
     [address] = local.scheduler.workers
-    above = await call_agent(local, worker=address, limit=NEW * 2, maximum=NEW)
-    unknown = await call_agent(local, worker="tcp://127.0.0.1:1", limit=NEW, maximum=NEW)
+    above = await call_agent(local, worker=address, memory_limit=NEW * 2, maximum=NEW)
+    unknown = await call_agent(local, worker="tcp://127.0.0.1:1", memory_limit=NEW, maximum=NEW)
     assert (above["applied"], unknown["applied"]) == ([], [])
     assert "above the maximum" in above["refused"] and unknown["refused"] == "no such worker"
     assert await reported_limit(client, address) == OLD
+
+
+async def test_a_worker_restarted_by_its_nanny_keeps_the_new_limit(cluster: tuple[LocalCluster, Client]) -> None:
+    """The nanny starts a new worker process with its own copy of the limit: the grown one."""
+    local, client = cluster
+    [address] = local.scheduler.workers
+    reply = await call_agent(local, worker=address, memory_limit=NEW, maximum=NEW)
+    assert reply["applied"] == ["nanny", "worker", "scheduler"], reply
+
+    await client.restart_workers([address])
+
+    [again] = local.scheduler.workers
+    assert await reported_limit(client, again) == NEW
+    assert (await client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit)) == {again: NEW}
+
+
+async def test_the_operator_resizes_a_worker_where_memops_is_not_installed(unused_tcp_port: int) -> None:
+    """Through the operator's comm (msgpack only) to a scheduler, a nanny and a worker in which
+    ``import memops`` fails: the plugins arrive by value, and every part takes the limit."""
+    address = f"tcp://127.0.0.1:{unused_tcp_port}"
+    scheduler = test_without_memops.stock(
+        "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(unused_tcp_port)
+    )
+    worker = test_without_memops.stock(
+        "distributed.cli.dask_worker", address, "--nthreads", "1", "--memory-limit", str(OLD), *processes.OPTIONS
+    )
+    try:
+
+        async def workers() -> list[Any]:
+            try:
+                return list((await daskrpc.fetch_snapshot(address, timeout=5)).workers)
+            except daskrpc.SchedulerUnreachable:
+                return []
+
+        [before] = await polling.poll(workers, timeout=60, what="the worker", interval=0.2)
+        assert before.memory_limit == OLD
+        async with daskrpc.connect(address, timeout=10) as connected:
+            reply = await connected.resize_worker(before.address, memory_limit=NEW, maximum=NEW, timeout=40)
+        assert reply["refused"] is None, reply
+        assert list(reply["applied"]) == ["nanny", "worker", "scheduler"]
+        assert reply["parts"]["nanny"]["limit"] == reply["parts"]["worker"]["limit"] == NEW
+        [after] = await workers()
+        assert (after.address, after.memory_limit) == (before.address, NEW)
+    finally:
+        for process in (worker, scheduler):
+            processes.kill(process)
