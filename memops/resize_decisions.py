@@ -6,7 +6,7 @@ scheduler), its container's memory as the pod says it (:func:`container_memory`:
 ``allocatedResources``), the pod's resize conditions (:func:`resize_status`), what its node can
 still grant (:func:`node_room`) and what relief could place on its peers; :func:`decide` says what
 to do with it, as one :class:`Decision`. No I/O: the pod's ``resize`` subresource is patched by
-:func:`memops.kube.resize_container_memory`, Dask's copies of the limit are set by the agent's
+:func:`memops.controllers.resize.resize_container_memory`, Dask's copies of the limit are set by the agent's
 ``resize`` (:mod:`memops.scheduler.resize`).
 
 The order of a change, which the decisions keep over several passes (each pass reads where things
