@@ -84,6 +84,7 @@ from memops.scheduler import (
     relief,
     replication,
     replication_index,
+    resize,
     rules,
     transfers,
 )
@@ -91,7 +92,7 @@ from memops.scheduler import (
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-for _module in (agent, drain, handover, holdings, relief, replication, replication_index, rules, transfers):
+for _module in (agent, drain, handover, holdings, relief, replication, replication_index, resize, rules, transfers):
     cloudpickle.register_pickle_by_value(_module)
 
 
@@ -588,6 +589,20 @@ class Scheduler:
                 origin=origin,
             )
         return dict(_mapping(self.address, state, "the agent's drain state"))
+
+    async def resize_worker(
+        self, worker_address: str, *, memory_limit: int, maximum: int, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Tell Dask a worker's new memory limit (bytes, at most ``maximum``), once its pod has it:
+        the agent's ``resize`` (:mod:`memops.scheduler.resize`) sets its nanny's, its worker's and
+        the scheduler's copies. The reply's ``applied`` lists the parts that hold it, ``refused``
+        says why the next did not (None when all did). It talks to the worker and its nanny: give
+        ``timeout`` room for two calls of :data:`memops.scheduler.resize.CALL_SECONDS`."""
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            state = await _agent(
+                comm, "resize", worker=str(worker_address), memory_limit=int(memory_limit), maximum=int(maximum)
+            )
+        return dict(_mapping(self.address, state, "the agent's resize reply"))
 
     async def drain_status(
         self, worker_addresses: Sequence[str] = (), *, timeout: float | None = None

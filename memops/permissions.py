@@ -2,7 +2,8 @@
 
 The Helm chart and the kustomize manifests leave out two permissions unless the feature that
 needs them is on: reading Secrets (a ``tls://`` scheduler's client certificate) and deleting
-Deployments, with reading and patching DaskWorkerGroups (dask-kubernetes' worker groups). When
+Deployments, with reading and patching DaskWorkerGroups (dask-kubernetes' worker groups), and
+patching a pod's ``resize`` subresource (in-place growth). When
 the operator meets such a feature without the permission, the API server answers 403;
 :func:`explain_forbidden` turns that into a message that names the missing permission and the
 value that grants it, which the controllers put into their conditions. Pure: called by :mod:`memops.kube` on every 403.
@@ -26,12 +27,14 @@ FEATURE_GATED: dict[Permission, str] = {
     Permission("kubernetes.dask.org", "daskworkergroups", "get"): "rbac.daskWorkerGroups=true",
     Permission("kubernetes.dask.org", "daskworkergroups", "patch"): "rbac.daskWorkerGroups=true",
     Permission("apps", "replicasets", "get"): "rbac.daskWorkerGroups=true",
+    Permission("", "pods/resize", "patch"): "rbac.podResize=true",
 }
 """Permission -> the Helm value that grants it (kustomize: the component of the same name)."""
 
 KUSTOMIZE_COMPONENTS = {
     "rbac.schedulerTLS=true": "deploy/kustomize/components/scheduler-tls",
     "rbac.daskWorkerGroups=true": "deploy/kustomize/components/daskworkergroups",
+    "rbac.podResize=true": "deploy/kustomize/components/pod-resize",
 }
 
 _PATH = re.compile(

@@ -29,6 +29,9 @@ Operations (``operation``, its arguments, what ``result`` holds):
   per drained worker its state, the keys and bytes still held nowhere else, moved, on their way,
   and lost at the deadline; ``nodes`` (worker address -> node) is recorded first, so that a later
   drain keeps keys off every worker of a dying node, not only those its caller names;
+- ``resize`` (``worker``, ``memory_limit``, ``maximum``): :func:`memops.scheduler.resize.resize`: sets
+  the worker's memory limit to ``memory_limit`` bytes (at most ``maximum``) in its nanny, its worker and
+  the scheduler's ``WorkerState``, after its pod was resized in place; which parts took it;
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
@@ -41,16 +44,17 @@ this package, which the operator sends by value with it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import inspect
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
-from memops.scheduler import drain, holdings, relief, replication, rules
+from memops.scheduler import drain, holdings, relief, replication, resize, rules
 
 NAME = "memops_agent"
-VERSION = 9
+VERSION = 10
 """Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
 (7: no rule in force leaves the AMM as Dask made it; 8: replication follows an index of the ruled
-keys instead of scanning keys), so that an older agent is replaced."""
+keys instead of scanning keys; 10: ``resize``), so that an older agent is replaced."""
 EVENTS = "memops-agent"
 """The scheduler's event topic where :func:`install` logs ``{"action": "installed", "agent":
 VERSION}``. The operator reads it (the stock ``events`` handler, read-only) to learn whether the
@@ -125,6 +129,13 @@ def _drain_status(
     )
 
 
+async def _resize(
+    dask_scheduler: Any, worker: str = "", memory_limit: Any = None, maximum: Any = None
+) -> dict[str, Any]:
+    # Not ``limit``: the operator's comm takes that name for the size a reply may build.
+    return await resize.resize(dask_scheduler, worker=str(worker), memory_limit=memory_limit, maximum=maximum)
+
+
 def _hello(dask_scheduler: Any) -> dict[str, Any]:
     return {"version": VERSION}
 
@@ -135,24 +146,33 @@ OPERATIONS: dict[str, Callable[..., Any]] = {
     "replication": _replication,
     "drain": _drain,
     "drain_status": _drain_status,
+    "resize": _resize,
     "hello": _hello,
 }
 
 
-def handler(dask_scheduler: Any) -> Callable[..., dict[str, Any]]:
+def handler(dask_scheduler: Any) -> Callable[..., dict[str, Any] | Awaitable[dict[str, Any]]]:
     """The comm handler for this scheduler (named ``handle``: distributed passes the comm only
     to handlers whose first argument is called ``comm``)."""
 
-    def handle(operation: str = "", **arguments: Any) -> dict[str, Any]:
+    def handle(operation: str = "", **arguments: Any) -> dict[str, Any] | Awaitable[dict[str, Any]]:
         function = OPERATIONS.get(operation)
         if function is None:
             return {"agent": VERSION, "error": f"unknown operation {operation!r}"}
         try:
-            return {"agent": VERSION, "result": function(dask_scheduler, **arguments)}
+            result = function(dask_scheduler, **arguments)
         except rules.RuleError as exc:  # a rule refused: the message names its field
             return {"agent": VERSION, "error": str(exc)}
+        if inspect.isawaitable(result):
+            # An operation that talks to workers (resize): distributed awaits a handler's coroutine.
+            return _wrapped(result)
+        return {"agent": VERSION, "result": result}
 
     return handle
+
+
+async def _wrapped(result: Awaitable[Any]) -> dict[str, Any]:
+    return {"agent": VERSION, "result": await result}
 
 
 def install(dask_scheduler: Any) -> None:

@@ -18,7 +18,7 @@ NAMESPACED = manifests.KUSTOMIZE / "overlays" / "namespaced"
 NAMESPACED_VALUES = {"watchNamespaces": ["dask"], "webhook": {"allowUnauthenticatedSources": True}}
 CERT_MANAGER = {"webhook": {"certManager": {"enabled": True}}}
 # Each kustomize component and the chart value it stands for.
-COMPONENTS = {"scheduler-tls": "schedulerTLS", "daskworkergroups": "daskWorkerGroups"}
+COMPONENTS = {"scheduler-tls": "schedulerTLS", "daskworkergroups": "daskWorkerGroups", "pod-resize": "podResize"}
 
 
 def _kinds(objects: list[dict[str, Any]]) -> set[tuple[str, str]]:

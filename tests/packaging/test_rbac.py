@@ -72,6 +72,7 @@ E2E_ONLY = {
     ("", "pods", "get"): "tests/e2e/test_daskworkergroup.py",
     ("", "nodes", "get"): "tests/e2e/test_replication.py",
     ("", "secrets", "get"): "tests/e2e/test_safety_net.py",
+    ("", "pods/resize", "patch"): "tests/e2e/test_resize.py",
 }
 
 # Served by the upstream plane only, whose own audit log tests/e2e/test_eviction.py reads to
@@ -82,7 +83,7 @@ UPSTREAM_ONLY = {("", "nodes", "list"), ("", "nodes", "watch")}
 FEATURES = {key.split("=")[0].removeprefix("rbac."): True for key in permissions.FEATURE_GATED.values()}
 # A namespaced install whose webhook is open to any source, which the chart refuses unless told.
 OPEN = {"webhook": {"allowUnauthenticatedSources": True}}
-COMPONENTS = {"schedulerTLS": "scheduler-tls", "daskWorkerGroups": "daskworkergroups"}
+COMPONENTS = {"schedulerTLS": "scheduler-tls", "daskWorkerGroups": "daskworkergroups", "podResize": "pod-resize"}
 CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces", "nodes"}
 # Namespaced mode peers through a KopfPeering in each watched namespace instead.
 PEERING_SWAP = {"clusterkopfpeerings": "kopfpeerings"}

@@ -62,6 +62,7 @@ def test_requested_permission(
         pytest.param(
             "DELETE", "/apis/apps/v1/namespaces/dask/deployments/w", "needs rbac.daskWorkerGroups=true", id="groups"
         ),
+        pytest.param("PATCH", "/api/v1/namespaces/dask/pods/w-1/resize", "needs rbac.podResize=true", id="pod-resize"),
         pytest.param("GET", "/api/v1/namespaces/dask/pods", "Role or ClusterRole lacks it", id="not-gated"),
     ],
 )

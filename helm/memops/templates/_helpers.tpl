@@ -105,6 +105,13 @@ tests/packaging/test_rbac.py checks it against the requests the operator really 
   resources: [replicasets]
   verbs: [get]
 {{- end }}
+{{- if .Values.rbac.podResize }}
+# rbac.podResize: a worker pod's memory resized in place (spec.resize), through the pod's resize
+# subresource, the only way the API server takes a change of a running pod's resources.
+- apiGroups: [""]
+  resources: [pods/resize]
+  verbs: [patch]
+{{- end }}
 {{- if .Values.rbac.schedulerTLS }}
 # rbac.schedulerTLS: the client certificate of a tls:// scheduler (spec.scheduler.tls.secretName).
 - apiGroups: [""]

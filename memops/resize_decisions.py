@@ -1,0 +1,302 @@
+"""Pure decisions of in-place growth: grow a worker's memory, tell Dask, shrink it back, or fall back.
+
+The policy pass gathers, per worker: Dask's view of its memory (:class:`WorkerMemory`, from the
+scheduler), its container's memory as the pod says it (:func:`container_memory`: what is asked in
+``spec`` and what the kubelet applied, in ``status.containerStatuses[].resources`` and
+``allocatedResources``), the pod's resize conditions (:func:`resize_status`), what its node can
+still grant (:func:`node_room`) and what relief could place on its peers; :func:`decide` says what
+to do with it, as one :class:`Decision`. No I/O: the pod's ``resize`` subresource is patched by
+:func:`memops.controllers.resize.resize_container_memory`, Dask's copies of the limit are set by the agent's
+``resize`` (:mod:`memops.scheduler.resize`).
+
+The order of a change, which the decisions keep over several passes (each pass reads where things
+stand, so an operator restart between two steps loses nothing):
+
+- growth: the container first (:attr:`Action.GROW`, a patch of ``pods/resize``); once the kubelet
+  reports the new limit applied, Dask (:attr:`Action.TELL_DASK`): the nanny's kill threshold rises
+  only when the cgroup has the room;
+- decrease: Dask first, then the container, in one step (:attr:`Action.SHRINK`): the worker refuses
+  a limit whose pause threshold it is over, and if the container's patch fails, the next pass finds
+  Dask below the container and raises it again (:attr:`Action.TELL_DASK`). A decrease is asked only
+  where the worker's memory is under the smaller limit's target (Dask's ``target`` fraction, 60%),
+  so that Dask spills nothing for it; the limit goes down step by step as the memory does;
+- a growth the kubelet defers or refuses (``PodResizePending``, reason ``Deferred`` or
+  ``Infeasible``), or that failed (``PodResizeInProgress``, reason ``Error``), falls back: relief
+  where the peers have room for the excess, else one more worker. An infeasible ask is taken back
+  (``revert_to``): it never comes true, and a deferred one does once the node has room. A decrease
+  that is pending or failed is taken back.
+
+Assumed: Dask's limit for a container limit L is L (``--memory-limit`` from the container's limit,
+or ``auto`` with as many threads as the container's CPUs); the scheduler's ``memory_limit`` is
+compared with the container's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from memops import specs
+from memops.resize_spec import ResizeSettings
+
+# -- quantities ---------------------------------------------------------------------------------
+
+_BINARY = (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))
+
+
+def to_quantity(nbytes: int) -> str:
+    """Bytes as an exact Kubernetes quantity: the largest binary unit that divides them
+    (``536870912`` is ``512Mi``), else the plain number. Never rounded: a resize asks for exactly
+    what was decided, and the kubelet reports it back in the same form."""
+    if nbytes < 0:
+        raise ValueError(f"a memory quantity is not negative: {nbytes}")
+    for suffix, unit in _BINARY:
+        if nbytes and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
+
+
+def from_quantity(text: Any) -> int | None:
+    """A memory quantity of a pod (``"512Mi"``, ``"1G"``) in bytes, rounded up as the kubelet
+    rounds it; None when absent or not a quantity."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return specs.parse_quantity(text)
+    except ValueError:
+        return None
+
+
+def round_up(nbytes: int, step: int) -> int:
+    return -(-nbytes // step) * step
+
+
+def round_down(nbytes: int, step: int) -> int:
+    return (nbytes // step) * step
+
+
+# -- what the pod says --------------------------------------------------------------------------
+
+
+class PodResize(enum.StrEnum):
+    NONE = ""
+    IN_PROGRESS = "InProgress"  # PodResizeInProgress: the kubelet has accepted it and is applying it
+    DEFERRED = "Deferred"  # PodResizePending: not now (the node lacks room); retried by the kubelet
+    INFEASIBLE = "Infeasible"  # PodResizePending: never on this node (more than it has, or not allowed)
+    ERROR = "Error"  # PodResizeInProgress with reason Error: the runtime failed to apply it
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeStatus:
+    state: PodResize
+    message: str = ""
+
+
+def resize_status(pod: Mapping[str, Any]) -> ResizeStatus:
+    """The pod's resize state from its conditions (Kubernetes 1.33+: ``PodResizePending``,
+    ``PodResizeInProgress``), or from ``status.resize`` where an older API server still sets it."""
+    status = pod.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or () if isinstance(c, Mapping)}
+    pending = conditions.get("PodResizePending")
+    if pending is not None and pending.get("status") == "True":
+        reason = str(pending.get("reason") or "")
+        state = PodResize.INFEASIBLE if reason == "Infeasible" else PodResize.DEFERRED
+        return ResizeStatus(state, str(pending.get("message") or ""))
+    progress = conditions.get("PodResizeInProgress")
+    if progress is not None and progress.get("status") == "True":
+        state = PodResize.ERROR if progress.get("reason") == "Error" else PodResize.IN_PROGRESS
+        return ResizeStatus(state, str(progress.get("message") or ""))
+    legacy = {"Proposed": PodResize.IN_PROGRESS, "InProgress": PodResize.IN_PROGRESS}
+    legacy |= {"Deferred": PodResize.DEFERRED, "Infeasible": PodResize.INFEASIBLE}
+    return ResizeStatus(legacy.get(str(status.get("resize") or ""), PodResize.NONE))
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerMemory:
+    """One container's memory, in bytes (None: not set)."""
+
+    request: int | None  # spec.containers[].resources.requests: what is asked
+    limit: int | None  # spec.containers[].resources.limits: what is asked
+    allocated: int | None  # status.containerStatuses[].allocatedResources: the request the node admitted
+    actual_limit: int | None  # status.containerStatuses[].resources.limits: what the runtime applied
+    decrease_allowed: bool  # its resizePolicy for memory is NotRequired (the default): no restart
+
+    @property
+    def applied_limit(self) -> int | None:
+        """The limit in force: the kubelet's report, or the asked one where it reports none."""
+        return self.actual_limit if self.actual_limit is not None else self.limit
+
+
+def container_memory(pod: Mapping[str, Any], container: str) -> ContainerMemory | None:
+    """The memory of the container named ``container`` of the pod, or None when it has none."""
+    spec = next((c for c in (pod.get("spec") or {}).get("containers") or () if c.get("name") == container), None)
+    if spec is None:
+        return None
+    resources = spec.get("resources") or {}
+    policies = {p.get("resourceName"): p.get("restartPolicy") for p in spec.get("resizePolicy") or ()}
+    statuses = (pod.get("status") or {}).get("containerStatuses") or ()
+    status: Mapping[str, Any] = next((s for s in statuses if s.get("name") == container), {})
+    applied = status.get("resources") or {}
+    return ContainerMemory(
+        request=from_quantity((resources.get("requests") or {}).get("memory")),
+        limit=from_quantity((resources.get("limits") or {}).get("memory")),
+        allocated=from_quantity((status.get("allocatedResources") or {}).get("memory")),
+        actual_limit=from_quantity((applied.get("limits") or {}).get("memory")),
+        decrease_allowed=policies.get("memory", "NotRequired") == "NotRequired",
+    )
+
+
+def node_room(allocatable: int, requests: Iterable[int]) -> int:
+    """Bytes of memory request the node can still grant: its allocatable memory minus the requests
+    of the pods on it (this worker's included; terminated pods left out by the caller). The kubelet
+    admits a resize whose requests fit in it."""
+    return max(allocatable - sum(requests), 0)
+
+
+# -- the decision -------------------------------------------------------------------------------
+
+
+class Action(enum.StrEnum):
+    NONE = "None"
+    WAIT = "Wait"  # the kubelet is applying a resize
+    GROW = "Grow"  # patch the pod's resize to ``limit`` (and ``request``)
+    TELL_DASK = "TellDask"  # the container has ``limit``: set Dask's copies to it
+    SHRINK = "Shrink"  # set Dask's copies to ``limit``, then patch the pod's resize to it
+    REVERT = "Revert"  # patch the pod's resize back to ``limit``, what the container has
+    RELIEVE = "Relieve"  # leave the worker to relief: its peers have room for the excess
+    SCALE_UP = "ScaleUp"  # one more worker
+
+
+class Reason(enum.StrEnum):
+    NO_PRESSURE = "NoPressure"
+    PEERS_HAVE_ROOM = "PeersHaveRoom"  # relief places the excess, and moving it costs less
+    PEERS_FULL = "PeersFull"  # grown: relief cannot place the excess
+    MOVING_COSTS_MORE = "MovingCostsMore"  # grown: the excess is over preferGrowthAbove
+    AT_MAXIMUM = "AtMaximum"  # no growth: the limit is at the policy's maxLimit
+    NODE_FULL = "NodeFull"  # no growth: the node cannot grant more
+    RESIZING = "Resizing"
+    RESIZE_DEFERRED = "ResizeDeferred"
+    RESIZE_INFEASIBLE = "ResizeInfeasible"
+    RESIZE_FAILED = "ResizeFailed"
+    CONTAINER_RESIZED = "ContainerResized"  # Dask's limit differs from the container's
+    PRESSURE_GONE = "PressureGone"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerMemory:
+    """Dask's view of a worker (the scheduler's ``WorkerState.memory`` and ``memory_limit``), bytes."""
+
+    process: int
+    managed: int  # in memory
+    unmanaged: int
+    spilled: int
+    limit: int  # Dask's memory limit
+    target: float | None = 0.6  # Dask's fractions (None: off)
+    pause: float | None = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    worker: WorkerMemory
+    container: ContainerMemory
+    resize: ResizeStatus
+    baseline_limit: int
+    """The container's limit in its workload's template: a decrease goes no lower."""
+    baseline_request: int | None
+    """The container's request in its workload's template."""
+    node_room: int
+    """:func:`node_room` of the worker's node."""
+    peers_room: int
+    """Bytes that relief could place on the worker's peers."""
+    seconds_since_resize: float | None = None
+    """Since the worker's last resize (None: never resized)."""
+    spill_charged: bool = False
+    """The worker spills to a tmpfs charged to its pod (sharedSpill): spilled bytes use its limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: Reason
+    limit: int | None = None  # bytes: the container's (and Dask's) new limit
+    request: int | None = None  # bytes: the container's new request (None: unchanged)
+    revert_to: int | None = None  # bytes: take back a pending ask of the pod, to this limit
+    message: str = ""
+
+
+def used_bytes(inputs: Inputs) -> int:
+    """What counts against the limit: the process, and the spill tmpfs where the pod pays for it."""
+    worker = inputs.worker
+    return worker.process + (worker.spilled if inputs.spill_charged else 0)
+
+
+def _request_for(inputs: Inputs, limit: int, applied: int) -> int | None:
+    """The request that goes with a new limit: moved by as much as the limit, so that a
+    Guaranteed pod (request = limit) stays Guaranteed and a Burstable one keeps its gap; never
+    below the template's request (or the new limit, if that is smaller), never above the limit."""
+    request = inputs.container.request
+    if request is None:
+        return None
+    floor = min(inputs.baseline_request if inputs.baseline_request is not None else request, limit)
+    return min(max(request + (limit - applied), floor), limit)
+
+
+def _fallback(inputs: Inputs, reason: Reason, needed: int, message: str, revert_to: int | None = None) -> Decision:
+    """Relief where the peers have room for ``needed`` bytes, else one more worker."""
+    if needed <= 0:
+        return Decision(Action.NONE, reason, revert_to=revert_to, message=message)
+    action = Action.RELIEVE if inputs.peers_room >= needed else Action.SCALE_UP
+    return Decision(action, reason, revert_to=revert_to, message=message)
+
+
+def decide(inputs: Inputs, settings: ResizeSettings) -> Decision:
+    """What to do about one worker's memory limit (see the module's docstring)."""
+    container = inputs.container
+    worker = inputs.worker
+    applied = container.applied_limit
+    if applied is None or container.limit is None or worker.limit <= 0:
+        return Decision(Action.NONE, Reason.NO_PRESSURE, message="the container or the worker has no memory limit")
+    used = used_bytes(inputs)
+    needed = math.ceil(used - settings.grow_to * worker.limit)
+    # 1. The kubelet's answer to the last ask.
+    failed = {
+        PodResize.DEFERRED: Reason.RESIZE_DEFERRED,
+        PodResize.INFEASIBLE: Reason.RESIZE_INFEASIBLE,
+        PodResize.ERROR: Reason.RESIZE_FAILED,
+    }
+    if inputs.resize.state in failed:
+        reason = failed[inputs.resize.state]
+        if container.limit < applied:  # a decrease: take it back, Dask follows on the next pass
+            return Decision(Action.REVERT, reason, limit=applied, message=inputs.resize.message)
+        revert = applied if inputs.resize.state is not PodResize.DEFERRED else None
+        return _fallback(inputs, reason, needed, inputs.resize.message, revert_to=revert)
+    if inputs.resize.state is PodResize.IN_PROGRESS or container.limit != applied:
+        return Decision(Action.WAIT, Reason.RESIZING)
+    # 2. The container has a limit that Dask does not know yet.
+    if worker.limit != applied:
+        return Decision(Action.TELL_DASK, Reason.CONTAINER_RESIZED, limit=applied)
+    # 3. Pressure: relief first where it can place the excess cheaply, else growth.
+    if used >= settings.grow_above * worker.limit:
+        if 0 < needed <= inputs.peers_room and needed <= settings.prefer_growth_above:
+            return Decision(Action.RELIEVE, Reason.PEERS_HAVE_ROOM)
+        wanted = round_up(math.ceil(used / settings.grow_to), settings.step)
+        cap = round_down(min(settings.max_limit, applied + inputs.node_room), settings.step)
+        limit = min(wanted, cap)
+        if limit <= applied:
+            full = Reason.AT_MAXIMUM if applied >= settings.max_limit else Reason.NODE_FULL
+            return _fallback(inputs, full, needed, f"cannot grow past {to_quantity(applied)}")
+        reason = Reason.PEERS_FULL if needed > inputs.peers_room else Reason.MOVING_COSTS_MORE
+        return Decision(Action.GROW, reason, limit=limit, request=_request_for(inputs, limit, applied))
+    # 4. No pressure: lower a grown limit, to what keeps the memory under the smaller limit's target.
+    cooled = inputs.seconds_since_resize is None or inputs.seconds_since_resize >= settings.cooldown
+    if settings.shrink and container.decrease_allowed and applied > inputs.baseline_limit and cooled:
+        share = min(worker.target or settings.grow_to, settings.grow_to)
+        limit = max(inputs.baseline_limit, round_up(math.ceil(used / share), settings.step))
+        if limit <= applied - settings.step:
+            return Decision(
+                Action.SHRINK, Reason.PRESSURE_GONE, limit=limit, request=_request_for(inputs, limit, applied)
+            )
+    return Decision(Action.NONE, Reason.NO_PRESSURE)

@@ -1,0 +1,98 @@
+"""The MemoryPolicy's ``spec.resize``: grow a worker's memory in place before it is killed.
+
+A model in the style of :mod:`memops.specs` (which it builds on), kept apart until it is wired
+into ``MemoryPolicySpec`` as ``resize: ResizeSpec | None``; :mod:`memops.resize_decisions`
+reads it through :meth:`ResizeSpec.settings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pydantic
+
+from memops import specs
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeSettings:
+    """``spec.resize`` in the units the decisions use."""
+
+    max_limit: int
+    """Bytes: the largest container memory limit a worker is grown to."""
+    grow_above: float
+    """Share of the limit: memory over it, that relief cannot place, grows the worker."""
+    grow_to: float
+    """Share of the grown limit that the worker's memory then uses."""
+    prefer_growth_above: int
+    """Bytes: when relief would move more than this, grow instead, even where peers have room."""
+    shrink: bool
+    """Whether to lower a grown limit again once the pressure is gone."""
+    step: int
+    """Bytes: limits are whole multiples of it."""
+    cooldown: float
+    """Seconds after a resize during which no decrease is asked."""
+
+
+class ResizeSpec(specs.Model):
+    """Grow a worker's memory limit in place (the pod's resize subresource, Kubernetes 1.35+) when it
+    nears Dask's pause threshold and relief cannot place its keys, and tell Dask the new limit."""
+
+    maxLimit: specs.Quantity = pydantic.Field(
+        description=(
+            "The largest memory limit a worker's container is grown to (16Gi). Growth is also bounded"
+            " by what the node can grant: its allocatable memory minus the requests of its pods."
+        )
+    )
+    growAbove: specs.Percent = pydantic.Field(
+        default="75%",
+        description=(
+            "Process memory over this share of the limit grows the worker, when relief cannot place the"
+            " excess on peers or would move more than preferGrowthAbove. Keep it below Dask's pause"
+            " threshold (80% by default), and above pressure.relieveAbove so that relief tries first."
+        ),
+    )
+    growTo: specs.Percent = pydantic.Field(
+        default="60%", description="The grown limit puts the worker's memory at this share of it."
+    )
+    preferGrowthAbove: specs.Quantity = pydantic.Field(
+        default="1Gi",
+        description=(
+            "When relief would move more than this to bring the worker under growTo, grow instead: moving"
+            " costs the network, serialization and the peers' room; growing costs only node memory."
+        ),
+    )
+    shrink: bool = pydantic.Field(
+        default=True,
+        description=(
+            "Lower a grown limit again, toward the pod's own, once the worker's memory is under the smaller"
+            " limit's target: Dask first, then the container. Needs the container's resizePolicy for memory"
+            " to be NotRequired (decreases are best-effort, Kubernetes 1.34+); otherwise a grown worker"
+            " keeps its limit until it is replaced."
+        ),
+    )
+    step: specs.Quantity = pydantic.Field(
+        default="64Mi", description="Limits are whole multiples of this, so that small changes do not resize."
+    )
+    cooldown: specs.Duration = pydantic.Field(
+        default="5m", description="No decrease within this time of the worker's last resize."
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _to_below_above(self) -> ResizeSpec:
+        if specs.parse_percent(self.growTo) >= specs.parse_percent(self.growAbove):
+            raise ValueError(f"resize.growTo ({self.growTo}) must be below resize.growAbove ({self.growAbove})")
+        if specs.parse_quantity(self.step) > specs.parse_quantity(self.maxLimit):
+            raise ValueError(f"resize.step ({self.step}) must not be above resize.maxLimit ({self.maxLimit})")
+        return self
+
+    def settings(self) -> ResizeSettings:
+        return ResizeSettings(
+            max_limit=specs.parse_quantity(self.maxLimit),
+            grow_above=specs.parse_percent(self.growAbove) / 100,
+            grow_to=specs.parse_percent(self.growTo) / 100,
+            prefer_growth_above=specs.parse_quantity(self.preferGrowthAbove),
+            shrink=self.shrink,
+            step=specs.parse_quantity(self.step),
+            cooldown=specs.parse_duration(self.cooldown).total_seconds(),
+        )

@@ -1,0 +1,362 @@
+"""In-place growth's decisions (:mod:`memops.resize_decisions`) and its spec (:mod:`memops.resize_spec`).
+
+A worker of 1Gi whose pod asks 1Gi and holds 1Gi, on a node with 4Gi to spare and peers with no
+room, under ``resize: {maxLimit: 4Gi}`` (grow above 75%, to 60%, steps of 64Mi); each case
+changes what it names."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import pydantic
+import pytest
+
+from memops import resize_decisions as rd
+from memops.resize_spec import ResizeSpec
+
+Mi = 2**20
+Gi = 2**30
+SETTINGS = ResizeSpec(maxLimit="4Gi").settings()
+
+
+def inputs(
+    process: int = 300 * Mi,
+    *,
+    dask_limit: int = Gi,
+    limit: int = Gi,
+    actual: int | None = Gi,
+    request: int | None = Gi,
+    state: rd.PodResize = rd.PodResize.NONE,
+    baseline: int = Gi,
+    baseline_request: int | None = Gi,
+    node_room: int = 4 * Gi,
+    peers_room: int = 0,
+    since: float | None = None,
+    decrease_allowed: bool = True,
+    spilled: int = 0,
+    spill_charged: bool = False,
+) -> rd.Inputs:
+    return rd.Inputs(
+        worker=rd.WorkerMemory(
+            process=process, managed=process // 2, unmanaged=process // 2, spilled=spilled, limit=dask_limit
+        ),
+        container=rd.ContainerMemory(
+            request=request, limit=limit, allocated=request, actual_limit=actual, decrease_allowed=decrease_allowed
+        ),
+        resize=rd.ResizeStatus(state),
+        baseline_limit=baseline,
+        baseline_request=baseline_request,
+        node_room=node_room,
+        peers_room=peers_room,
+        seconds_since_resize=since,
+        spill_charged=spill_charged,
+    )
+
+
+def decision(action: rd.Action, reason: rd.Reason, **fields: Any) -> rd.Decision:
+    return rd.Decision(action, reason, **fields)
+
+
+HOT = 800 * Mi  # 78% of 1Gi: over growAbove (75%)
+GROWN = 1344 * Mi  # 800Mi / 60% = 1333.4Mi, up to a multiple of 64Mi (21 * 64Mi)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        pytest.param(inputs(), decision(rd.Action.NONE, rd.Reason.NO_PRESSURE), id="calm"),
+        pytest.param(
+            inputs(HOT),
+            decision(rd.Action.GROW, rd.Reason.PEERS_FULL, limit=GROWN, request=GROWN),
+            id="near-pause-peers-full-grows-request-with-limit",
+        ),
+        pytest.param(
+            inputs(HOT, request=512 * Mi, baseline_request=512 * Mi),
+            decision(rd.Action.GROW, rd.Reason.PEERS_FULL, limit=GROWN, request=GROWN - 512 * Mi),
+            id="burstable-keeps-its-gap",
+        ),
+        pytest.param(
+            inputs(HOT, peers_room=Gi),
+            decision(rd.Action.RELIEVE, rd.Reason.PEERS_HAVE_ROOM),
+            id="peers-have-room-relief-moves-it",
+        ),
+        pytest.param(
+            inputs(int(3.6 * Gi), limit=4 * Gi, actual=4 * Gi, dask_limit=4 * Gi, peers_room=4 * Gi),
+            decision(rd.Action.RELIEVE, rd.Reason.AT_MAXIMUM, message="cannot grow past 4Gi"),
+            id="at-maximum-falls-back-to-relief-even-when-moving-costs-more",
+        ),
+        pytest.param(
+            inputs(int(3.6 * Gi), limit=4 * Gi, actual=4 * Gi, dask_limit=4 * Gi),
+            decision(rd.Action.SCALE_UP, rd.Reason.AT_MAXIMUM, message="cannot grow past 4Gi"),
+            id="at-maximum-peers-full-scales-up",
+        ),
+        pytest.param(
+            inputs(int(2.9 * Gi), limit=3 * Gi, actual=3 * Gi, dask_limit=3 * Gi, peers_room=4 * Gi),
+            decision(rd.Action.GROW, rd.Reason.MOVING_COSTS_MORE, limit=4 * Gi, request=2 * Gi),
+            id="moving-more-than-preferGrowthAbove-grows-up-to-the-maximum",
+        ),
+        pytest.param(
+            inputs(HOT, node_room=100 * Mi),
+            decision(rd.Action.GROW, rd.Reason.PEERS_FULL, limit=Gi + 64 * Mi, request=Gi + 64 * Mi),
+            id="node-grants-part-of-it",
+        ),
+        pytest.param(
+            inputs(HOT, node_room=32 * Mi),
+            decision(rd.Action.SCALE_UP, rd.Reason.NODE_FULL, message="cannot grow past 1Gi"),
+            id="node-full-peers-full-scales-up",
+        ),
+        pytest.param(
+            inputs(HOT, node_room=32 * Mi, peers_room=Gi),
+            decision(rd.Action.RELIEVE, rd.Reason.PEERS_HAVE_ROOM),
+            id="node-full-peers-room-relieves",
+        ),
+        pytest.param(
+            inputs(600 * Mi, spilled=200 * Mi, spill_charged=True),
+            decision(rd.Action.GROW, rd.Reason.PEERS_FULL, limit=GROWN, request=GROWN),
+            id="tmpfs-spill-counts-against-the-limit",
+        ),
+        pytest.param(
+            inputs(600 * Mi, spilled=200 * Mi),
+            decision(rd.Action.NONE, rd.Reason.NO_PRESSURE),
+            id="disk-spill-does-not",
+        ),
+        # The kubelet's answers.
+        pytest.param(
+            inputs(HOT, limit=GROWN, state=rd.PodResize.IN_PROGRESS),
+            decision(rd.Action.WAIT, rd.Reason.RESIZING),
+            id="in-progress-waits",
+        ),
+        pytest.param(
+            inputs(HOT, limit=GROWN), decision(rd.Action.WAIT, rd.Reason.RESIZING), id="asked-not-yet-applied-waits"
+        ),
+        pytest.param(
+            inputs(HOT, limit=GROWN, state=rd.PodResize.DEFERRED),
+            decision(rd.Action.SCALE_UP, rd.Reason.RESIZE_DEFERRED),
+            id="deferred-peers-full-scales-up-and-keeps-the-ask",
+        ),
+        pytest.param(
+            inputs(HOT, limit=GROWN, state=rd.PodResize.DEFERRED, peers_room=Gi),
+            decision(rd.Action.RELIEVE, rd.Reason.RESIZE_DEFERRED),
+            id="deferred-peers-room-relieves",
+        ),
+        pytest.param(
+            inputs(HOT, limit=GROWN, state=rd.PodResize.INFEASIBLE, peers_room=Gi),
+            decision(rd.Action.RELIEVE, rd.Reason.RESIZE_INFEASIBLE, revert_to=Gi),
+            id="infeasible-relieves-and-takes-the-ask-back",
+        ),
+        pytest.param(
+            inputs(HOT, limit=GROWN, state=rd.PodResize.ERROR),
+            decision(rd.Action.SCALE_UP, rd.Reason.RESIZE_FAILED, revert_to=Gi),
+            id="failed-scales-up",
+        ),
+        pytest.param(
+            inputs(300 * Mi, limit=GROWN, state=rd.PodResize.INFEASIBLE),
+            decision(rd.Action.NONE, rd.Reason.RESIZE_INFEASIBLE, revert_to=Gi),
+            id="infeasible-without-pressure-only-takes-it-back",
+        ),
+        # Dask follows the container.
+        pytest.param(
+            inputs(HOT, limit=GROWN, actual=GROWN, request=GROWN),
+            decision(rd.Action.TELL_DASK, rd.Reason.CONTAINER_RESIZED, limit=GROWN),
+            id="grown-container-then-dask",
+        ),
+        pytest.param(
+            inputs(300 * Mi, limit=GROWN, actual=GROWN, request=GROWN, dask_limit=Gi),
+            decision(rd.Action.TELL_DASK, rd.Reason.CONTAINER_RESIZED, limit=GROWN),
+            id="shrink-whose-patch-failed-dask-raised-again",
+        ),
+        # Shrink.
+        pytest.param(
+            inputs(300 * Mi, limit=2 * Gi, actual=2 * Gi, dask_limit=2 * Gi, request=2 * Gi),
+            decision(rd.Action.SHRINK, rd.Reason.PRESSURE_GONE, limit=Gi, request=Gi),
+            id="pressure-gone-back-to-the-baseline",
+        ),
+        pytest.param(
+            inputs(1200 * Mi, limit=3 * Gi, actual=3 * Gi, dask_limit=3 * Gi, request=3 * Gi),
+            decision(rd.Action.SHRINK, rd.Reason.PRESSURE_GONE, limit=2048 * Mi, request=2048 * Mi),
+            id="partway-memory-under-the-smaller-limit-s-target",
+        ),
+        pytest.param(
+            inputs(1200 * Mi, limit=2 * Gi, actual=2 * Gi, dask_limit=2 * Gi, request=2 * Gi),
+            decision(rd.Action.NONE, rd.Reason.NO_PRESSURE),
+            id="memory-over-any-smaller-limit-s-target-stays",
+        ),
+        pytest.param(
+            inputs(300 * Mi, limit=2 * Gi, actual=2 * Gi, dask_limit=2 * Gi, since=60),
+            decision(rd.Action.NONE, rd.Reason.NO_PRESSURE),
+            id="cooling-down",
+        ),
+        pytest.param(
+            inputs(300 * Mi, limit=2 * Gi, actual=2 * Gi, dask_limit=2 * Gi, decrease_allowed=False),
+            decision(rd.Action.NONE, rd.Reason.NO_PRESSURE),
+            id="decrease-would-restart-the-container",
+        ),
+        pytest.param(
+            inputs(300 * Mi, limit=Gi, actual=2 * Gi, dask_limit=Gi, state=rd.PodResize.INFEASIBLE),
+            decision(rd.Action.REVERT, rd.Reason.RESIZE_INFEASIBLE, limit=2 * Gi),
+            id="refused-decrease-is-taken-back",
+        ),
+        pytest.param(
+            inputs(limit=Gi, actual=None, request=None),
+            decision(rd.Action.NONE, rd.Reason.NO_PRESSURE),
+            id="no-status-yet-reads-the-spec",
+        ),
+        pytest.param(
+            inputs(limit=None, actual=None),  # type: ignore[arg-type]
+            decision(rd.Action.NONE, rd.Reason.NO_PRESSURE, message="the container or the worker has no memory limit"),
+            id="no-limit",
+        ),
+    ],
+)
+def test_decide(given: rd.Inputs, expected: rd.Decision) -> None:
+    assert rd.decide(given, SETTINGS) == expected
+
+
+def test_a_grown_limit_is_one_the_worker_sits_under_grow_to() -> None:
+    """Grown, the worker is no longer over growAbove: the next pass does not grow it again."""
+    grown = rd.decide(inputs(HOT), SETTINGS)
+    assert grown.limit is not None
+    after = inputs(HOT, limit=grown.limit, actual=grown.limit, request=grown.request, dask_limit=grown.limit, since=0)
+    assert HOT <= SETTINGS.grow_to * grown.limit
+    assert rd.decide(after, SETTINGS) == decision(rd.Action.NONE, rd.Reason.NO_PRESSURE)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        pytest.param(512 * Mi, "512Mi", id="Mi"),
+        pytest.param(4 * Gi, "4Gi", id="Gi"),
+        pytest.param(1536 * Mi, "1536Mi", id="not-whole-Gi"),
+        pytest.param(1000, "1000", id="bytes"),
+        pytest.param(3 * 2**10, "3Ki", id="Ki"),
+        pytest.param(0, "0", id="zero"),
+    ],
+)
+def test_quantities_round_trip(nbytes: int, text: str) -> None:
+    assert rd.to_quantity(nbytes) == text
+    assert rd.from_quantity(text) == nbytes
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [
+        pytest.param("1G", 10**9, id="decimal"),
+        pytest.param("1.5Gi", 3 * Gi // 2, id="fraction"),
+        pytest.param("1500m", 2, id="milli-rounds-up"),
+        pytest.param("-1Gi", None, id="negative"),
+        pytest.param(None, None, id="absent"),
+        pytest.param("lots", None, id="garbage"),
+    ],
+)
+def test_pod_quantities(text: Any, nbytes: int | None) -> None:
+    assert rd.from_quantity(text) == nbytes
+
+
+def pod(conditions: Sequence[dict[str, Any]] = (), **status: Any) -> dict[str, Any]:
+    return {
+        "spec": {
+            "containers": [
+                {"name": "sidecar"},
+                {
+                    "name": "worker",
+                    "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+                    "resizePolicy": [{"resourceName": "cpu", "restartPolicy": "RestartContainer"}],
+                },
+            ]
+        },
+        "status": {
+            "conditions": list(conditions),
+            "containerStatuses": [
+                {
+                    "name": "worker",
+                    "allocatedResources": {"memory": "1Gi"},
+                    "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1536Mi"}},
+                }
+            ],
+            **status,
+        },
+    }
+
+
+def test_container_memory_reads_the_ask_and_what_the_kubelet_applied() -> None:
+    memory = rd.container_memory(pod(), "worker")
+    assert memory == rd.ContainerMemory(
+        request=Gi, limit=2 * Gi, allocated=Gi, actual_limit=1536 * Mi, decrease_allowed=True
+    )
+    assert memory.applied_limit == 1536 * Mi
+    assert rd.container_memory(pod(), "missing") is None
+    sidecar = rd.container_memory(pod(), "sidecar")
+    assert sidecar is not None and (sidecar.limit, sidecar.applied_limit) == (None, None)
+
+
+def test_a_memory_resize_policy_of_restart_forbids_decreases() -> None:
+    body = pod()
+    body["spec"]["containers"][1]["resizePolicy"] = [{"resourceName": "memory", "restartPolicy": "RestartContainer"}]
+    memory = rd.container_memory(body, "worker")
+    assert memory is not None and not memory.decrease_allowed
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        pytest.param(pod(), rd.ResizeStatus(rd.PodResize.NONE), id="none"),
+        pytest.param(
+            pod([{"type": "PodResizePending", "status": "True", "reason": "Deferred", "message": "Node didn't have"}]),
+            rd.ResizeStatus(rd.PodResize.DEFERRED, "Node didn't have"),
+            id="deferred",
+        ),
+        pytest.param(
+            pod([{"type": "PodResizePending", "status": "True", "reason": "Infeasible", "message": "too big"}]),
+            rd.ResizeStatus(rd.PodResize.INFEASIBLE, "too big"),
+            id="infeasible",
+        ),
+        pytest.param(
+            pod([{"type": "PodResizeInProgress", "status": "True"}]),
+            rd.ResizeStatus(rd.PodResize.IN_PROGRESS),
+            id="in-progress",
+        ),
+        pytest.param(
+            pod([{"type": "PodResizeInProgress", "status": "True", "reason": "Error", "message": "runc said no"}]),
+            rd.ResizeStatus(rd.PodResize.ERROR, "runc said no"),
+            id="error",
+        ),
+        pytest.param(
+            pod([{"type": "PodResizePending", "status": "False", "reason": "Deferred"}]),
+            rd.ResizeStatus(rd.PodResize.NONE),
+            id="condition-false",
+        ),
+        pytest.param(pod(resize="Infeasible"), rd.ResizeStatus(rd.PodResize.INFEASIBLE), id="legacy-status-resize"),
+    ],
+)
+def test_resize_status(given: dict[str, Any], expected: rd.ResizeStatus) -> None:
+    assert rd.resize_status(given) == expected
+
+
+def test_node_room_is_allocatable_minus_every_request() -> None:
+    assert rd.node_room(8 * Gi, [Gi, 2 * Gi, 512 * Mi]) == 4 * Gi + 512 * Mi
+    assert rd.node_room(Gi, [2 * Gi]) == 0
+
+
+def test_the_spec_in_decision_units() -> None:
+    spec = ResizeSpec.model_validate({"maxLimit": "16Gi", "growAbove": "78%", "cooldown": "10m", "shrink": False})
+    assert spec.settings() == dataclasses.replace(
+        SETTINGS, max_limit=16 * Gi, grow_above=0.78, cooldown=600.0, shrink=False
+    )
+    assert SETTINGS.step == 64 * Mi and SETTINGS.prefer_growth_above == Gi and SETTINGS.grow_to == 0.6
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        pytest.param({"maxLimit": "4Gi", "growTo": "80%"}, "growTo", id="to-above-above"),
+        pytest.param({"maxLimit": "64Mi", "step": "128Mi"}, "step", id="step-above-maximum"),
+        pytest.param({"maxLimit": "0"}, "more than zero", id="zero-maximum"),
+        pytest.param({}, "maxLimit", id="maximum-required"),
+        pytest.param({"maxLimit": "4Gi", "grow": True}, "grow", id="unknown-field"),
+    ],
+)
+def test_the_spec_refuses(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=message):
+        ResizeSpec.model_validate(fields)
