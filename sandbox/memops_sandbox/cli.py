@@ -64,7 +64,8 @@ def sandbox(
     except ValueError as error:
         print(f"memops sandbox: {error}", file=sys.stderr)
         return 2
-    directory = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
+    # Absolute: the API server refuses a relative path in its admission configuration.
+    directory = Path(state_dir).resolve() if state_dir else Path(tempfile.mkdtemp(prefix="memops-sandbox-"))
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / "sandbox.log"
     log_to(log)
@@ -83,8 +84,13 @@ def sandbox(
             f'  sed "s|tcp://dask-scheduler:8786|$(cat {directory / "scheduler-address"})|"'
             " deploy/examples/retirementrequest.yaml | kubectl apply -f -\n"
             "  kubectl get retire -w\n"
-            f"Logs: {log}, {directory / 'logs'}/, {directory / 'scheduler.log'}, {directory / 'pods'}/."
-            " Stop with Ctrl-C.",
+            f"Logs: {log}, {directory / 'logs'}/, "
+            + (
+                f"{directory / 'scheduler.log'}, {directory / 'pods'}/."
+                if node_agent
+                else f"{directory / 'nodes'}/<node>/pod-logs/ (or kubectl logs)."
+            )
+            + " Stop with Ctrl-C.",
             flush=True,
         )
 

@@ -337,8 +337,15 @@ def make_cgroups(node: Node) -> None:
                     (current / name).write_text((parent / name).read_text())
 
 
+def _cgroup_dirs(top: Path) -> list[Path]:
+    """``top`` and the cgroups under it, deepest first. The kubelet and runc remove cgroups
+    meanwhile: a walk that meets a vanished directory goes on without it."""
+    found = [Path(root) for root, _, _ in os.walk(top, onerror=lambda _: None)]
+    return sorted(found, key=lambda path: -len(path.parts))
+
+
 def _kill_cgroup_tree(top: Path) -> None:
-    for directory in [*sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), top]:
+    for directory in _cgroup_dirs(top):
         for name in ("cgroup.procs", "tasks"):
             with contextlib.suppress(OSError):
                 for pid in (directory / name).read_text().split():
@@ -347,7 +354,7 @@ def _kill_cgroup_tree(top: Path) -> None:
 
 
 def _remove_cgroup_tree(top: Path) -> None:
-    for directory in [*sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), top]:
+    for directory in _cgroup_dirs(top):
         for _ in range(50):
             try:
                 directory.rmdir()
@@ -590,7 +597,10 @@ async def _stop(processes: dict[str, asyncio.subprocess.Process], binaries: Node
             await common.stop(process, grace=5)
     for hierarchy in _hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
-            _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
+            try:
+                _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
+            except OSError:
+                logger.exception("killing the containers under %s", hierarchy / CGROUP_PARENT)
     for name, process in processes.items():
         if name.startswith("containerd-"):
             await common.stop(process, grace=5)

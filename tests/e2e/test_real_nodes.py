@@ -4,6 +4,10 @@ enforces and Dask reads from the container's cgroup, as on a cluster."""
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +135,40 @@ def test_a_worker_killed_by_the_kernel_loses_its_keys(real_sandbox: Sandbox) -> 
         assert killed["reason"] == "OOMKilled", killed
         mine = sorted(holdings.keys_of(pod))
         sandbox.wait_for(lambda: sorted(holdings.lost()) == mine, what="its keys gone with it")
+
+
+def leftovers() -> dict[str, Any]:
+    """What a sandbox with real Nodes makes on this machine and must take away again."""
+    processes = [
+        pid for pid in real_nodes._processes_mentioning(str(real_nodes.RUN_ROOT)) if Path(f"/proc/{pid}").exists()
+    ]
+    bridges = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, check=True).stdout
+    mounts = Path("/proc/self/mountinfo").read_text()
+    nat = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True, check=True).stdout
+    found = {
+        "processes": processes,
+        "bridges": [line.split()[0] for line in bridges.splitlines() if line.startswith(real_nodes.PREFIX)],
+        "cgroups": [str(h) for h in real_nodes._hierarchies() if (h / real_nodes.CGROUP_PARENT).exists()],
+        "directories": [str(d) for d in (real_nodes.RUN_ROOT, real_nodes.DISK_ROOT) if d.exists()],
+        "mounts": [line for line in mounts.splitlines() if "memops-sandbox" in line],
+        "services": [line for line in nat.splitlines() if line.startswith("-N KUBE-SERVICES")],
+    }
+    return {what: items for what, items in found.items() if items}
+
+
+def test_a_crash_is_cleaned_up_by_the_next_start_and_a_stop_leaves_nothing(tmp_path: Path) -> None:
+    """SIGKILL to the sandbox leaves containers, shims, mounts, cgroups and bridges behind (the
+    shims outlive it, as they outlive containerd): the next start removes them and comes up. Its
+    stop by SIGTERM is bounded, and leaves nothing of either."""
+    first = tmp_path / "first"
+    crashed = sandbox_cli.launch(first, 1, real_nodes=True)
+    os.killpg(crashed.pid, signal.SIGKILL)
+    crashed.wait(10)
+    assert leftovers(), "a SIGKILL leaves something behind"
+    second = tmp_path / "second"
+    process = sandbox_cli.launch(second, 1, real_nodes=True)
+    began = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.wait(60)
+    assert time.monotonic() - began < 30, "the stop is bounded"
+    assert leftovers() == {}
