@@ -115,8 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "sandbox":
         if importlib.util.find_spec("memops_sandbox") is None:
             print(
-                "memops sandbox needs the memops-sandbox package: pip install 'memops[sandbox]'"
-                " (from a checkout: pip install -e ./sandbox -e .)",
+                "memops sandbox runs from a checkout of memops (it installs the chart in helm/memops and builds"
+                " the operator's image from the sources): git clone the repository, then pip install -e . -e ./sandbox",
                 file=sys.stderr,
             )
             return 2

@@ -39,6 +39,18 @@ def sandbox(
     type next. Every process' log goes to a file in the state directory: this process' own
     (the launcher, the node agent) to ``sandbox.log``, the control plane's and the operator's to
     ``logs/``, the Dask scheduler's to ``scheduler.log``, the pods' to ``pods/``."""
+    if not build_only:
+        from memops_sandbox import install
+
+        try:
+            install.chart_directory()
+        except FileNotFoundError:
+            print(
+                "memops sandbox: runs from a checkout of memops (the chart in helm/memops, the operator's sources):"
+                " git clone the repository, then pip install -e . -e ./sandbox",
+                file=sys.stderr,
+            )
+            return 2
     if not node_agent and not build_only:
         from memops_sandbox import nodes as real_nodes
 
