@@ -151,6 +151,9 @@ def containerd_config(node: Node, binaries: NodeBinaries) -> str:
         f'  sandbox = "{images.PAUSE_REF}"',
         "[plugins.'io.containerd.cri.v1.runtime']",
         *_toml_table(runtime, "plugins.'io.containerd.cri.v1.runtime'"),
+        # NRI's socket is one per machine (/var/run/nri/nri.sock): a second containerd fails on it.
+        "[plugins.'io.containerd.nri.v1.nri']",
+        "  disable = true",
         "[plugins.'io.containerd.grpc.v1.cri']",
         '  stream_server_address = "127.0.0.1"',
         '  stream_server_port = "0"',

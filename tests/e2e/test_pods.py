@@ -62,8 +62,9 @@ def scatter_to(client: distributed.Client, holdings: Holdings, address: str, tag
 
 def test_workers_without_their_pod_name_are_drained_by_address(sandbox_factory: Any) -> None:
     """`dask worker` without --name, and with --nworkers 2: each worker is found by its pod's IP,
-    drained, and its pod removed only then; no key is lost."""
-    sandbox = sandbox_factory(1)
+    drained, and its pod removed only then; no key is lost. On real Nodes: each pod's workers
+    find their address in its network namespace, as on a cluster."""
+    sandbox = sandbox_factory(1, real_nodes=True)
     sandbox.apply(worker_deployment(sandbox, "unnamed", 2))
     sandbox.apply(worker_deployment(sandbox, "pair", 1, "--nworkers", "2"))
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
