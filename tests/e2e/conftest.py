@@ -99,7 +99,7 @@ class Sandbox:
     @property
     def real_nodes(self) -> bool:
         """Whether the Nodes are real kubelets (else the process node agent's)."""
-        return (self.state_dir / "nodes").is_dir()
+        return (self.state_dir / "kube-proxy.yaml").exists()  # only real Nodes run kube-proxy
 
     def pod_pid(self, pod: str) -> int:
         """The pid of the pod's (first) container's first process: a process group's leader."""
