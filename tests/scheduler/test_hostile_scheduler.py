@@ -1,6 +1,6 @@
 """A hostile "scheduler" at ``spec.scheduler.address``: nothing it sends runs, memory stays flat.
 
-The operator's channel (:mod:`memops.daskrpc`) and the preStop hook (run as the kubelet runs
+The operator's channel (:mod:`memops.clients.daskrpc`) and the preStop hook (run as the kubelet runs
 it) against each route of :mod:`tests.scheduler.hostile`: the marker file that unpickling
 would create never exists, the process' memory grows by less than a few MiB, and the call
 fails with the typed error.
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from memops import daskrpc, safetynet
+from memops.clients import daskrpc
+from memops.decisions import safetynet
 from tests.scheduler import hostile
 
 MiB = 2**20

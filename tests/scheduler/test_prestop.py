@@ -15,7 +15,8 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.security import Security
 
-from memops import daskrpc, safetynet
+from memops.clients import daskrpc
+from memops.decisions import safetynet
 from tests import polling
 
 

@@ -4,7 +4,8 @@ from typing import Any
 
 import pytest
 
-from memops import safetynet, specs
+from memops import specs
+from memops.decisions import safetynet
 
 SPEC = specs.MemoryPolicySpec.model_validate(
     {

@@ -9,7 +9,8 @@ from typing import Any
 import pydantic
 import pytest
 
-from memops import cli, policy_decisions, safetynet, shared_spill, specs
+from memops import cli, specs
+from memops.decisions import policy_decisions, safetynet, shared_spill
 from tests.unit.test_policy_decisions import _inputs, _spec
 
 GI = 2**30

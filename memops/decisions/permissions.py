@@ -5,7 +5,8 @@ needs them is on: reading Secrets (a ``tls://`` scheduler's client certificate) 
 Deployments, with reading and patching DaskWorkerGroups (dask-kubernetes' worker groups). When
 the operator meets such a feature without the permission, the API server answers 403;
 :func:`explain_forbidden` turns that into a message that names the missing permission and the
-value that grants it, which the controllers put into their conditions. Pure: called by :mod:`memops.kube` on every 403.
+value that grants it, which the controllers put into their conditions. Pure: called by
+:mod:`memops.clients.kube` on every 403.
 """
 
 from __future__ import annotations

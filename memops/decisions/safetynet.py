@@ -7,7 +7,7 @@ adds a ``preStop`` hook that asks the scheduler to drain this pod's workers (mem
 deadline where the operator's agent runs, stock ``retire_workers`` elsewhere), and a grace
 period long enough for the drain. The pods are mutated, never the user's Deployment, so GitOps tools see
 no drift. The hook uses only what ``distributed`` ships (msgpack), so a stock Dask image works,
-and speaks to the scheduler through :mod:`memops.daskcomm`'s client, carried as source.
+and speaks to the scheduler through :mod:`memops.clients.daskcomm`'s client, carried as source.
 
 Pure: :func:`plan_injection` builds the JSON-patch-free description of the change, which the
 webhook applies to the pod; :func:`failed_hooks` reads the kubelet's ``FailedPreStopHook``
@@ -23,7 +23,9 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from memops import daskcomm, objects, shared_spill, specs, timestamps
+from memops import specs
+from memops.clients import daskcomm
+from memops.decisions import objects, shared_spill, timestamps
 
 ANNOTATION = objects.SAFETY_NET_ANNOTATION
 FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
@@ -200,9 +202,9 @@ sys.exit(asyncio.run(asyncio.wait_for(_main(_DEADLINE), _DEADLINE + 5)))
 
 PRE_STOP_SCRIPT = inspect.getsource(daskcomm) + _PRE_STOP_MAIN
 """Runs in the worker's container, with the image's own Python and only what ``distributed``
-brings (msgpack). It is :mod:`memops.daskcomm`'s source and a short main, so the hook and the
+brings (msgpack). It is :mod:`memops.clients.daskcomm`'s source and a short main, so the hook and the
 operator share one client, and the hook never unpickles what the address sends it either.
-It finds the pod's workers as the operator does (:func:`memops.snapshots.workers_by_pod`): every
+It finds the pod's workers as the operator does (:func:`memops.decisions.snapshots.workers_by_pod`): every
 worker whose address is on the pod's IP (``MEMOPS_POD_IPS``), so ``dask worker`` without
 ``--name`` and each of ``--nworkers 2`` are found, and drains them all in one drain; a worker
 named after the pod (or ``DASK_WORKER_NAME``) only where no IP can tell (a host name as its
@@ -248,7 +250,7 @@ def plan_injection(
     """The pod's new ``spec`` and annotations: a preStop drain on its first container, and a
     grace period that covers ``drain.timeout``. An existing preStop hook is left alone. With
     ``sharedSpill``, also the spill volume, its mount and Dask's configuration
-    (:mod:`memops.shared_spill`), unless the pod's memory cannot hold it or its ``hostPath`` is
+    (:mod:`memops.decisions.shared_spill`), unless the pod's memory cannot hold it or its ``hostPath`` is
     not among ``host_roots``, the host directories the operator was allowed. ``namespace``: the
     pod's (the admission request's; else the pod's own ``metadata.namespace``), whose directory
     of the host root a medium Node spill mounts."""
