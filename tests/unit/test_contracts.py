@@ -130,5 +130,5 @@ def test_the_folders_are_the_layers() -> None:
     a folder that the top layers contract places."""
     top = next(c for c in contracts() if c["type"] == "layers" and "memops.cli" in layer_names(c))
     flat = sorted(m for m in children("memops") if not (PACKAGE / m.rpartition(".")[2]).is_dir())
-    assert flat == ["memops.cli", "memops.crds", "memops.specs"], flat
+    assert flat == ["memops.cli", "memops.crds"], flat
     assert set(children("memops")) == set(layer_names(top))
