@@ -25,7 +25,7 @@ itself, over asyncio streams (``tcp://`` and ``tls://``), and:
   sent): what it concluded, and the limit that it applied.
 
 Used by :mod:`memops.clients.daskrpc` (the operator) and, as source text, by the safety net's preStop
-hook (:data:`memops.decisions.safetynet.PRE_STOP_SCRIPT`), which runs in a worker's container with only a
+hook (:data:`memops.clients.prestop_hook.PRE_STOP_SCRIPT`), which runs in a worker's container with only a
 stock ``distributed`` installed. So this module imports only the standard library and msgpack,
 nothing from memops or distributed, and keeps to what Python 3.9 has.
 

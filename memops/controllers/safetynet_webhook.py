@@ -23,6 +23,7 @@ import kopf
 import pydantic
 
 from memops import specs
+from memops.clients import prestop_hook
 from memops.controllers import policy, webhook_server, workloads
 from memops.decisions import safetynet, selectors, shapes, shared_spill
 
@@ -111,7 +112,9 @@ def plan_for_pod(
     if found is None:
         return None
     name, spec = found
-    return name, safetynet.plan_injection(pod, name, spec, host_roots=host_roots, namespace=namespace)
+    return name, safetynet.plan_injection(
+        pod, name, spec, hook=prestop_hook.PRE_STOP_SCRIPT, host_roots=host_roots, namespace=namespace
+    )
 
 
 def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = frozenset()) -> None:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from memops.clients import daskrpc
-from memops.decisions import safetynet
+from memops.clients import daskrpc, prestop_hook
 from tests.scheduler import hostile
 
 MiB = 2**20
@@ -72,7 +71,7 @@ async def run_hook(address: str, **env: str) -> tuple[int, str, int]:
     """The hook as the kubelet runs it: (exit code, stderr, its peak memory in bytes)."""
     hook_env = {
         **os.environ,
-        "HOOK": safetynet.PRE_STOP_SCRIPT,
+        "HOOK": prestop_hook.PRE_STOP_SCRIPT,
         "MEMOPS_SCHEDULER_ADDRESS": address,
         "MEMOPS_POD_NAME": "worker-0",
         "MEMOPS_DRAIN_TIMEOUT": "10",
