@@ -10,7 +10,7 @@ from typing import Any
 
 import distributed
 
-from memops.decisions import replication_plan
+from memops.decisions import replication_plan as replication
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import scatter_unique, workers_by_name
 from tests.e2e.test_policy import memory_policy
@@ -48,10 +48,10 @@ def test_scattered_data_keeps_two_copies_through_a_sigkilled_pod(sandbox: Sandbo
         def annotated() -> dict[str, str] | None:
             meta = sandbox.get("pod", pods[0])["metadata"]
             values = meta.get("annotations") or {}
-            return values if replication_plan.UNIQUE_BYTES in values else None
+            return values if replication.UNIQUE_BYTES in values else None
 
         values = sandbox.wait_for(annotated, what="the pod's replication annotations")
-        assert values[replication_plan.TARGET] == "1" and values[replication_plan.UNDER] == "0"
+        assert values[replication.TARGET] == "1" and values[replication.UNDER] == "0"
         assert "controller.kubernetes.io/pod-deletion-cost" in values
 
         # A pod lost without notice: nanny and worker SIGKILLed together, no preStop.
