@@ -49,7 +49,8 @@ from pathlib import Path
 from distributed.core import Status
 from distributed.scheduler import TaskGroup, TaskPrefix, TaskState, WorkerState
 
-from memops import autoscaling, recycle_decisions, snapshots, specs
+from memops import specs
+from memops.decisions import autoscaling, recycle_decisions, snapshots
 from memops.scheduler import holdings, replication
 from memops.scheduler import rules as replication_rules
 

@@ -1,7 +1,7 @@
 """What a request to the API server costs: memops' client against ``kubernetes_asyncio``'s own.
 
 memops takes its credentials from ``kubernetes_asyncio``'s configuration loader but sends its
-requests with its own small client (:class:`memops.kube.Kube`: paths, JSON dicts, ApiError). The
+requests with its own small client (:class:`memops.clients.kube.Kube`: paths, JSON dicts, ApiError). The
 library's generated client (``CoreV1Api`` on its ``ApiClient``, aiohttp underneath too) would be
 the alternative. Both, with the same credentials, on the same upstream API server
 (``memops-sandbox plane``), interleaved round by round so that a loaded machine slows both alike:
@@ -33,7 +33,7 @@ from kubernetes_asyncio import client as library
 from kubernetes_asyncio import config as library_config
 from memops_sandbox import upstream
 
-from memops import kube
+from memops.clients import kube
 
 NAMESPACE = "bench"
 

@@ -28,7 +28,8 @@ from typing import Any
 from distributed import Client, LocalCluster
 from distributed.security import Security
 
-from memops import daskrpc, snapshots, tenancy
+from memops.clients import daskrpc
+from memops.decisions import snapshots, tenancy
 
 
 async def vouch(workers: Sequence[snapshots.WorkerInfo]) -> tenancy.Verdict:

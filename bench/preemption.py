@@ -6,7 +6,7 @@ holding SIZE of data that exists nowhere else (scattered: it cannot be recompute
 both of node-a's pods are "deleted with --grace-period=25", as the kubelet does it: each pod's
 preStop hook runs, then SIGTERM, and whatever still runs at t=25 s gets SIGKILL.
 
-- memops: the safety net's preStop hook (``memops.safetynet.PRE_STOP_SCRIPT``) with memops'
+- memops: the safety net's preStop hook (``memops.decisions.prestop_hook.PRE_STOP_SCRIPT``) with memops'
   agent in the scheduler (the operator installs it): memops' drain, by value, off node-a;
 - stock: the same hook on a scheduler without the agent: stock ``retire_workers``;
 - nothing: no hook: SIGTERM at once (``dask worker`` closes without draining).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import distributed
 
-from memops import daskrpc, safetynet
+from memops.clients import daskrpc, prestop_hook
 
 MIB = 2**20
 GIB = 2**30
@@ -118,7 +118,7 @@ def run(mode: str, size: int, memory: str) -> Outcome:
                     (
                         name,
                         subprocess.Popen(
-                            [sys.executable, "-c", safetynet.PRE_STOP_SCRIPT],
+                            [sys.executable, "-c", prestop_hook.PRE_STOP_SCRIPT],
                             env=env,
                             start_new_session=True,
                             stdout=subprocess.DEVNULL,

@@ -34,7 +34,7 @@ from typing import Any
 import benchkit
 import distributed
 
-from memops import daskrpc
+from memops.clients import daskrpc
 
 MIB = 2**20
 GIB = 2**30

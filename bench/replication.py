@@ -15,7 +15,7 @@ Active Memory Manager runs ReduceReplicas every 2 s, its default, throughout.
 3. Persisted intermediates: a persisted ``load-parquet`` stage, then one worker SIGKILLed and a
    reduction over the stage computed: load tasks run again, with and without a prefix rule.
 4. Pod annotation writes per minute at 200 workers: the operator's own batching
-   (:func:`memops.replication.plan_annotations`) over 10 minutes of policy passes every 2 s,
+   (:func:`memops.decisions.replication_plan.plan_annotations`) over 10 minutes of policy passes every 2 s,
    with each worker's figures drifting (a few percent a pass, and now and then a jump as tasks
    land or keys are released), against a write on every pass in which a figure changed. Counted
    from the merge-patches that the function plans, one per pod written; the API server is not
@@ -45,7 +45,8 @@ import dask
 import distributed
 from distributed import Client, LocalCluster
 
-from memops import daskrpc, replication
+from memops.clients import daskrpc
+from memops.decisions import replication_plan
 
 OPTIONS = ("--no-dashboard", "--death-timeout", "30")
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -252,9 +253,9 @@ def annotation_writes(workers: int = 200, minutes: int = 10, seed: int = 0) -> d
             shared[p] = max(0, int(shared[p] * (1 + rng.gauss(0, 0.03))))
             if rng.random() < 0.01:
                 under[p] = rng.choice((0, 0, 1, 3))
-        figures = {p: replication.PodFigures(unique[p], shared[p], 2, under[p]) for p in pods}
+        figures = {p: replication_plan.PodFigures(unique[p], shared[p], 2, under[p]) for p in pods}
         naive += sum(1 for p in pods if figures[p].annotations().items() - pods[p].items())
-        patches = replication.plan_annotations(pods, figures, now)
+        patches = replication_plan.plan_annotations(pods, figures, now)
         batched += len(patches)
         for p, values in patches.items():
             pods[p] = {**pods[p], **values}

@@ -60,7 +60,7 @@ import distributed
 import yaml
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
-from memops import daskrpc
+from memops.clients import daskrpc
 
 MIB = 2**20
 GIB = 2**30

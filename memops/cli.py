@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    from memops import shared_spill
+    from memops.decisions import shared_spill
 
     try:
         host_roots = shared_spill.host_roots(args.host_roots)
@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"memops run: {error}", file=sys.stderr)
         return 2
     if args.metrics_port:
-        from memops import metrics
+        from memops.controllers import metrics
 
         metrics.serve(args.metrics_port, args.metrics_host)
     if bool(args.webhook_cert_file) != bool(args.webhook_key_file):

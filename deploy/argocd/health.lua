@@ -1,5 +1,5 @@
 -- Argo CD health of memops' kinds (memops.dev MemoryPolicy and RetirementRequest), read from
--- the kstatus conditions memops writes (Ready, Reconciling, Stalled; memops/conditions.py) and
+-- the kstatus conditions memops writes (Ready, Reconciling, Stalled; memops/decisions/conditions.py) and
 -- from status.observedGeneration against metadata.generation.
 local function condition(status, kind)
   if status.conditions == nil then

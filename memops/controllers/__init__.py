@@ -17,8 +17,8 @@ from typing import Any, cast
 
 import kopf
 
-from memops import kube
-from memops.controllers import eviction, policy, retirement, safetynet_webhook
+from memops.clients import kube
+from memops.controllers import eviction_webhook, policy, retirement, safetynet_webhook
 
 PREFIX = "memops.dev"
 
@@ -126,7 +126,8 @@ def make_registry(
             logger.info("shared spill of medium Node is refused: no --shared-spill-host-root")
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
         memo.retirement_daemons = set()  # uids of requests whose daemon runs: see memops.controllers.retirement
-        memo.eviction_gate = eviction.Guards()  # per policy: see memops.controllers.eviction.decide_and_drain
+        # per policy: see memops.controllers.eviction_webhook.decide_and_drain
+        memo.eviction_gate = eviction_webhook.Guards()
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -135,10 +136,10 @@ def make_registry(
 
     retirement.register(registry)
     policy.register(registry, host_roots=host_roots)
-    eviction.register_node_signals(registry)
+    eviction_webhook.register_node_signals(registry)
     if webhook is not None:
         safetynet_webhook.register(registry, host_roots=host_roots)
-        eviction.register_gate(registry)
+        eviction_webhook.register_gate(registry)
     return registry
 
 

@@ -1,12 +1,12 @@
 """What the safety net's preStop drains lost, read from memops' agent into the policy's status.
 
-The hook asks memops' agent in the scheduler for the drain (:mod:`memops.safetynet`); when the
+The hook asks memops' agent in the scheduler for the drain (:mod:`memops.decisions.safetynet`); when the
 pod's time runs out first, only the agent knows what stayed on the worker (its ``drain_status``,
 ``lostAtDeadline``). The policy's pass reads it with the workers, on the same connection
-(:meth:`memops.daskrpc.Scheduler.snapshot` with ``drains``), and records it here, level-based: the
+(:meth:`memops.clients.daskrpc.Scheduler.snapshot` with ``drains``), and records it here, level-based: the
 agent keeps every drain's figures until the scheduler restarts, and
-:func:`memops.safetynet.hook_losses` keys each record by pod and time, so a drain is recorded
-(and counted in the metrics, once the status holds it: :func:`memops.metrics.hook_losses`) once,
+:func:`memops.decisions.safetynet.hook_losses` keys each record by pod and time, so a drain is recorded
+(and counted in the metrics, once the status holds it: :func:`memops.controllers.metrics.hook_losses`) once,
 whatever the passes and restarts of the operator.
 """
 
@@ -16,7 +16,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from memops import safetynet, specs
+from memops import specs
+from memops.decisions import safetynet
 
 
 def read(

@@ -1,8 +1,8 @@
 """MemoryPolicy: keep a workload at the policy's replicas; every scale-down drains first.
 
 One Kopf daemon per policy. Each pass reads the workload, the policy's own RetirementRequests,
-the scheduler and what else touches the workload into one :class:`memops.policy_decisions.Inputs`,
-decides with :func:`memops.policy_decisions.decide`, then applies the decision once: scale-up
+the scheduler and what else touches the workload into one :class:`memops.decisions.policy_decisions.Inputs`,
+decides with :func:`memops.decisions.policy_decisions.decide`, then applies the decision once: scale-up
 raises the workload's replicas directly; scale-down creates a RetirementRequest that the policy
 owns (visible with ``kubectl get retire``), which drains the chosen workers and removes exactly
 their pods. ``kubectl scale mempol/NAME``, an HPA or KEDA whose target is the policy, and a
@@ -23,12 +23,22 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import (
-    autoscaling,
-    daskrpc,
-    drain_decisions,
-    kube,
+from memops import specs
+from memops.clients import daskrpc, kube
+from memops.controllers import (
+    hook_losses,
+    loop,
     metrics,
+    recycle,
+    relief_install,
+    replication_install,
+    scheduler_tls,
+    vetting,
+    workloads,
+)
+from memops.decisions import (
+    autoscaling,
+    drain_decisions,
     objects,
     policy_decisions,
     recycle_decisions,
@@ -37,18 +47,7 @@ from memops import (
     selectors,
     shared_spill,
     snapshots,
-    specs,
     tenancy,
-)
-from memops.controllers import (
-    hook_losses,
-    loop,
-    recycle,
-    relief_install,
-    replication,
-    scheduler_tls,
-    vetting,
-    workloads,
 )
 
 _IDLE_SECONDS = 2.0
@@ -122,7 +121,7 @@ class Policy:
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
 
     async def reconcile(self) -> None:
-        """One pass: read, decide (:func:`memops.policy_decisions.decide`), apply."""
+        """One pass: read, decide (:func:`memops.decisions.policy_decisions.decide`), apply."""
         self.steady = False
         # The scheduler's connection stays open from the read to the apply: the apply configures
         # relief and replication on the connection whose workers the tenancy check vouched for.
@@ -259,7 +258,7 @@ class Policy:
             logger=self.logger,
         )
         # Replication targets: its own module; the scheduler keeps the copies between passes.
-        replicated = await replication.reconcile(
+        replicated = await replication_install.reconcile(
             scheduler=read.scheduler,
             client=self.client,
             spec=spec,
@@ -380,7 +379,7 @@ class Policy:
             yield seen, None
 
     async def verify_tenancy(self, workers: Sequence[snapshots.WorkerInfo]) -> tenancy.Verdict:
-        """:func:`memops.tenancy.check` against the namespace's pods, listed only when a worker
+        """:func:`memops.decisions.tenancy.check` against the namespace's pods, listed only when a worker
         is not among those the last check showed to be pods here, or that check is old: a
         listing of the namespace's pods on every pass of every policy would cost more API
         requests than everything else a policy at rest does."""
@@ -406,7 +405,7 @@ class Policy:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
             async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as found:
                 await relief_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
-                await replication.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                await replication_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
         except (
             daskrpc.SchedulerUnreachable,
             daskrpc.Unvouched,

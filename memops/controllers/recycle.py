@@ -2,12 +2,12 @@
 
 :mod:`memops.controllers.policy` calls :func:`observe` while it reads a pass (it reads only),
 and :func:`apply_seen`, :func:`mark` and :func:`mark_recorded` while it applies one; which workers
-to mark and drain, and how many to surge, is decided in :mod:`memops.policy_decisions`. What
+to mark and drain, and how many to surge, is decided in :mod:`memops.decisions.policy_decisions`. What
 matters lives in Kubernetes objects: a worker being recycled carries the
 ``memops.dev/recycle`` annotation (why, and since when); its drain is a RetirementRequest that
 the policy owns, labelled ``memops.dev/purpose: recycle``; a finished one is recorded in the
 policy's ``status.recycle`` and then annotated as recorded. A restarted operator finds all of
-it and carries on. Only the memory samples live in the daemon (:class:`memops.recycle_decisions.Window`).
+it and carries on. Only the memory samples live in the daemon (:class:`memops.decisions.recycle_decisions.Window`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from typing import Any
 
 import kopf
 
-from memops import kube, metrics, objects, policy_decisions, recycle_decisions, snapshots, specs, timestamps
+from memops import specs
+from memops.clients import kube
+from memops.controllers import metrics
+from memops.decisions import objects, policy_decisions, recycle_decisions, snapshots, timestamps
 
 _RECENT = 10
 
@@ -50,7 +53,7 @@ def observe(
 ) -> policy_decisions.RecycleSeen:
     """The recycling pass' reading: sample the workers' memory, and find what to show on their
     pods and the drains that finished (applied by :func:`apply_seen`); what to mark and drain
-    next is :func:`memops.policy_decisions.decide`'s."""
+    next is :func:`memops.decisions.policy_decisions.decide`'s."""
     window.add(snapshot.workers, now)
     mine = [r for r in requests if (r["metadata"].get("labels") or {}).get(objects.PURPOSE_LABEL) == "recycle"]
     record = record.model_copy(deep=True)

@@ -15,7 +15,9 @@ from typing import Any
 
 import kopf
 
-from memops import daskrpc, metrics, specs
+from memops import specs
+from memops.clients import daskrpc
+from memops.controllers import metrics
 
 
 def owner_of(namespace: str, policy: str) -> str:

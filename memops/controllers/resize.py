@@ -1,6 +1,6 @@
 """The Kubernetes half of in-place growth: a worker pod's memory, read and resized in place.
 
-:func:`read_container_memory` reads what :func:`memops.resize_decisions.decide` needs of the pod
+:func:`read_container_memory` reads what :func:`memops.decisions.resize_decisions.decide` needs of the pod
 (its container's memory as asked and as applied, its resize conditions);
 :func:`resize_container_memory` patches the pod's ``resize`` subresource (KEP-1287, GA in
 Kubernetes 1.35) for one container's memory. The API server refuses changes to a pod's resources
@@ -13,7 +13,8 @@ Dask's side (the worker's, the nanny's and the scheduler's copies of the limit) 
 
 from __future__ import annotations
 
-from memops import kube, objects, resize_decisions
+from memops.clients import kube
+from memops.decisions import objects, resize_decisions
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 """A strategic merge patch merges ``containers`` by name: the other containers, and the other

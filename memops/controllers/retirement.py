@@ -3,8 +3,8 @@
 One Kopf daemon per request. Kopf starts it when the request appears and again for every
 request after an operator restart; the daemon reads the request's status and the scheduler
 and carries on from there, so nothing lives only in this process. It exits once the phase
-is Succeeded or Failed. The decisions are pure functions in :mod:`memops.snapshots` and
-:mod:`memops.drain_decisions`; this module reads, calls them, and writes.
+is Succeeded or Failed. The decisions are pure functions in :mod:`memops.decisions.snapshots` and
+:mod:`memops.decisions.drain_decisions`; this module reads, calls them, and writes.
 """
 
 from __future__ import annotations
@@ -17,21 +17,19 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import (
+from memops import specs
+from memops.clients import daskrpc, kube
+from memops.controllers import loop, metrics, scheduler_tls, vetting, workloads
+from memops.decisions import (
     conditions,
-    daskrpc,
     drain_decisions,
-    eviction,
-    kube,
-    metrics,
+    eviction_gate,
     objects,
     retirement_decisions,
     selectors,
     snapshots,
-    specs,
     timestamps,
 )
-from memops.controllers import loop, scheduler_tls, vetting, workloads
 
 _RETRY_SECONDS = 2.0
 _MAX_RETRY_SECONDS = 30.0  # the wait grows with each failure in a row, up to this
@@ -308,7 +306,7 @@ class Retirement:
         deadline: datetime.datetime,
     ) -> retirement_decisions.Decision:
         """The scheduler's retirement of the draining workers: the one effect whose outcome is the
-        fact that the decision judges (:func:`memops.drain_decisions.judge_drain`)."""
+        fact that the decision judges (:func:`memops.decisions.drain_decisions.judge_drain`)."""
         on_timeout = status.onTimeout or specs.OnTimeout.ABORT
         judge = vetting.Tenancy(self.client, self.namespace)
         addresses = retirement_decisions.addresses(retirement_decisions.draining(status))
@@ -332,7 +330,7 @@ class Retirement:
                     addresses,
                     timeout=remaining,
                     nodes=snapshots.nodes_of_workers(judge.pods, vetted.workers),
-                    nodes_dying=eviction.drains_node(self.body.metadata.get("labels")),
+                    nodes_dying=eviction_gate.drains_node(self.body.metadata.get("labels")),
                 )
                 after = await vetted.snapshot(placement=list(self.before.who_has), processing=False)
         except daskrpc.Unvouched as exc:

@@ -4,7 +4,7 @@ Kopf serves the webhook and, with ``settings.admission.managed``, creates the
 MutatingWebhookConfiguration itself (the sandbox); the Helm chart and the kustomize manifests
 ship their own and run ``memops run --webhook-unmanaged`` with a certificate from a Secret.
 The handler finds the policy whose workload selects the new pod and applies
-:func:`memops.safetynet.plan_injection`. It ignores its own failures (``failurePolicy: Ignore``):
+:func:`memops.decisions.safetynet.plan_injection`. It ignores its own failures (``failurePolicy: Ignore``):
 an operator that is down must never block pod creation.
 
 A pod creation costs no API request: the policies and Deployments come from the Kopf indexes
@@ -22,8 +22,10 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import safetynet, selectors, shapes, shared_spill, specs
+from memops import specs
+from memops.clients import prestop_hook
 from memops.controllers import policy, webhook_server, workloads
+from memops.decisions import safetynet, selectors, shapes, shared_spill
 
 CONFIGURATION = "memops.dev"
 
@@ -66,7 +68,7 @@ def policy_for(
     ``policies`` are the namespace's policies and ``deployments`` the Deployments by
     ``(namespace, name)``, as the policy controller's indexes keep them. A policy of another
     namespace is never chosen, even if handed in: its Secret could not be the pod's. Malformed
-    cached objects (not :data:`memops.shapes.LISTED`) are left out.
+    cached objects (not :data:`memops.decisions.shapes.LISTED`) are left out.
     """
     listed = shapes.well_formed(shapes.LISTED, policies)
     mine = [p for p in listed if p["metadata"].get("namespace", namespace) == namespace]
@@ -94,9 +96,9 @@ def plan_for_pod(
     deployments: Mapping[tuple[str, ...], Iterable[Mapping[str, Any]]],
     host_roots: frozenset[str] = frozenset(),
 ) -> tuple[str, dict[str, Any]] | None:
-    """The new pod's change (:func:`memops.safetynet.plan_injection`) and its policy's name, or
+    """The new pod's change (:func:`memops.decisions.safetynet.plan_injection`) and its policy's name, or
     None when no policy's workload selects it. Pure: what the handler decides, from the pod and
-    the caches. Raises :class:`memops.shapes.MalformedObject` for a pod whose fields are not what
+    the caches. Raises :class:`memops.decisions.shapes.MalformedObject` for a pod whose fields are not what
     the API server sends; malformed cached objects are left out."""
     shapes.check(shapes.POD, pod, "pod")
     metadata = pod.get("metadata") or {}
@@ -110,7 +112,9 @@ def plan_for_pod(
     if found is None:
         return None
     name, spec = found
-    return name, safetynet.plan_injection(pod, name, spec, host_roots=host_roots, namespace=namespace)
+    return name, safetynet.plan_injection(
+        pod, name, spec, hook=prestop_hook.PRE_STOP_SCRIPT, host_roots=host_roots, namespace=namespace
+    )
 
 
 def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = frozenset()) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memops import daskrpc, kube, specs
+from memops import specs
+from memops.clients import daskrpc, kube
 
 
 class SecretUnusable(Exception):

@@ -4,7 +4,7 @@ The scheduler's address is written by users, and what answers there may change f
 connection to the next (an ExternalName Service or DNS that its owner switches, a TCP proxy that
 routes each connection its own way). So every controller that speaks to a scheduler (the
 MemoryPolicy's pass and goodbye, each RetirementRequest step, the eviction gate) does it through
-:func:`reach`, the one sequence: one connection, ``identity`` judged by :func:`memops.tenancy.check`
+:func:`reach`, the one sequence: one connection, ``identity`` judged by :func:`memops.decisions.tenancy.check`
 against the namespace's pods first, then the snapshot and everything else on that same connection.
 :func:`vetted` adds the client certificates, from :mod:`memops.controllers.scheduler_tls`.
 """
@@ -16,8 +16,10 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from memops import daskrpc, kube, snapshots, specs, tenancy
+from memops import specs
+from memops.clients import daskrpc, kube
 from memops.controllers import scheduler_tls, workloads
+from memops.decisions import snapshots, tenancy
 
 
 class Tenancy:
@@ -53,11 +55,11 @@ async def reach(
     snapshot: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Vetted]:
     """Identity, then the tenancy check (``vouch``), then the snapshot (the keyword arguments of
-    :meth:`memops.daskrpc.Scheduler.snapshot` in ``snapshot``; None: no snapshot), on one
+    :meth:`memops.clients.daskrpc.Scheduler.snapshot` in ``snapshot``; None: no snapshot), on one
     connection, which stays open for as long as the caller acts on it.
 
-    Raises :class:`memops.daskrpc.Unvouched` (nothing but ``identity`` was sent), and what
-    :func:`memops.daskrpc.vetted` raises.
+    Raises :class:`memops.clients.daskrpc.Unvouched` (nothing but ``identity`` was sent), and what
+    :func:`memops.clients.daskrpc.vetted` raises.
     """
     async with daskrpc.vetted(address, vouch=vouch, security=security, timeout=timeout) as scheduler:
         taken = await scheduler.snapshot(**snapshot) if snapshot is not None else None

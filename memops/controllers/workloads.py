@@ -1,6 +1,6 @@
 """What memops does to the workload whose pods run the workers: a Deployment or a DaskWorkerGroup.
 
-Called by the controllers; every function here is a few API calls through :mod:`memops.kube`.
+Called by the controllers; every function here is a few API calls through :mod:`memops.clients.kube`.
 
 Deployment: the order of removal follows the ReplicaSet controller's own rules: memops marks
 exactly the drained pods with the lowest ``controller.kubernetes.io/pod-deletion-cost`` and
@@ -26,7 +26,9 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from memops import kube, objects, selectors, snapshots, specs
+from memops import specs
+from memops.clients import kube
+from memops.decisions import objects, selectors, snapshots
 
 DASK_GROUP, DASK_VERSION = "kubernetes.dask.org", "v1"
 WORKER_NAME_ENV = "DASK_WORKER_NAME"
@@ -72,7 +74,7 @@ def selector_of(workload: objects.Obj) -> Any:
 
 
 def selector(workload: objects.Obj) -> str:
-    """The selector as a ``labelSelector``; raises :class:`memops.selectors.InvalidSelector`
+    """The selector as a ``labelSelector``; raises :class:`memops.decisions.selectors.InvalidSelector`
     for an empty or missing one, which memops never reads as "every pod"."""
     return selectors.render(selector_of(workload))
 
@@ -93,7 +95,8 @@ def worker_names(pods: list[objects.Obj]) -> dict[str, str]:
 
 
 def pod_info(pod: objects.Obj) -> snapshots.PodInfo:
-    """What :func:`memops.snapshots.workers_by_pod` and :func:`memops.tenancy.check` read of a pod."""
+    """What :func:`memops.decisions.snapshots.workers_by_pod` and :func:`memops.decisions.tenancy.check`
+    read of a pod."""
     status = pod.get("status") or {}
     spec = pod.get("spec") or {}
     ips = [str(status["podIP"])] if status.get("podIP") else []
@@ -112,7 +115,7 @@ def pod_info(pod: objects.Obj) -> snapshots.PodInfo:
 
 
 async def namespace_pods(client: kube.Kube, namespace: str) -> list[snapshots.PodInfo]:
-    """Every pod of the namespace, for the tenancy check (:mod:`memops.tenancy`)."""
+    """Every pod of the namespace, for the tenancy check (:mod:`memops.decisions.tenancy`)."""
     return [pod_info(p) for p in await client.list(kube.resource_path("", "v1", "pods", namespace))]
 
 

@@ -24,7 +24,7 @@ Operations (``operation``, its arguments, what ``result`` holds):
   ``window``, ``origin``, ``handover``):
   :func:`memops.scheduler.drain.start`: starts draining these workers by value, with a deadline,
   and returns at once with their ``drain_status``; spilled keys go by link to recipients that share
-  the spill filesystem (:mod:`memops.scheduler.handover`) unless ``handover`` is false;
+  the spill filesystem (:mod:`memops.worker.handover`) unless ``handover`` is false;
 - ``drain_status`` (``workers`` or ``names``, or neither for all; ``nodes``): :func:`memops.scheduler.drain.status`:
   per drained worker its state, the keys and bytes still held nowhere else, moved, on their way,
   and lost at the deadline; ``nodes`` (worker address -> node) is recorded first, so that a later

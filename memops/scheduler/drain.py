@@ -50,7 +50,8 @@ import dask.config
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from memops.scheduler import handover, transfers
+from memops.scheduler import transfers
+from memops.worker import handover
 
 logger = logging.getLogger(__name__)
 
@@ -917,7 +918,7 @@ def start(
     ``origin``: who asked, reported back (``preStop``: the safety net's hook, whose losses the
     operator records in the policy's status, as it cannot see them in a RetirementRequest).
     ``handover``: hand spilled keys over by link to recipients that share the spill filesystem
-    (:mod:`memops.scheduler.handover`), for every drain; False: every key by the normal transfer.
+    (:mod:`memops.worker.handover`), for every drain; False: every key by the normal transfer.
     """
     by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
     addresses = [str(a) for a in workers] + [by_name[str(n)] for n in names if str(n) in by_name]

@@ -16,7 +16,7 @@ A Dask worker reads its memory limit once, at start, and three copies of it then
   its own (new) copy.
 
 Two halves, both in this module, which imports nothing of memops beyond its siblings (it is sent
-by value, as :mod:`memops.scheduler.handover` is):
+by value, as :mod:`memops.worker.handover` is):
 
 - In each worker and each nanny, :class:`WorkerLimitPlugin` and :class:`NannyLimitPlugin`
   (installed by the scheduler on every worker and nanny, present and future, through
@@ -36,7 +36,7 @@ by value, as :mod:`memops.scheduler.handover` is):
   with the same limit finishes the job (a part already at the limit answers as it did).
 
 The kubelet's part (``pods/resize``) comes first for a growth and last for a decrease; that is
-the operator's (:mod:`memops.resize_decisions`), not this module's.
+the operator's (:mod:`memops.decisions.resize_decisions`), not this module's.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 from distributed.comm.core import connect
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
-from memops.scheduler.handover import Refused, plain
+from memops.worker.handover import Refused, plain
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from memops import daskrpc
+from memops.clients import daskrpc
 
 WORKLOAD = "dask-worker"
 NAMESPACE = "default"

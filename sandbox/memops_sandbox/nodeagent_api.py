@@ -3,7 +3,7 @@
 Used only by ``nodeagent``. It speaks the few verbs a kubelet uses (get, list, watch, create,
 patch, delete) and nothing else; every call raises ``ApiError`` on a status other than 2xx so
 that callers decide what a 404 or a 409 means. The kubeconfig is read as kubectl reads it, by
-:func:`memops.kube.load` (client certificates, tokens and token files, exec plugins).
+:func:`memops.clients.kube.load` (client certificates, tokens and token files, exec plugins).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from kubernetes_asyncio.config import kube_config
 
-from memops import kube
+from memops.clients import kube
 
 Obj = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """Fixtures of the controller tests: the real controllers' code against an upstream control plane.
 
-``client`` (on the suite's ``plane``): the admin's :class:`memops.kube.Kube` and this test's own
+``client`` (on the suite's ``plane``): the admin's :class:`memops.clients.kube.Kube` and this test's own
 namespace, holding Deployment ``w`` and one pod of it, named by the test module's ``POD``, bound to
 its ``NODE`` (no node runs: its name is all a pass reads) and Running at its ``POD_IP``
 (127.0.0.1 when the module sets none). Nothing of Kubernetes is mocked; the pod's status is
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from memops import kube
+from memops.clients import kube
 
 
 @pytest.fixture

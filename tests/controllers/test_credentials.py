@@ -23,7 +23,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from memops import kube
+from memops.clients import kube
 
 UTC = datetime.UTC
 NOW = datetime.datetime(2026, 11, 26, 9, 0, tzinfo=UTC)

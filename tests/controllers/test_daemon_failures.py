@@ -28,7 +28,8 @@ import kopf
 import pytest
 from kopf._core.engines import posting
 
-from memops import kube, specs
+from memops import specs
+from memops.clients import kube
 from memops.controllers import policy, retirement, workloads
 from tests import polling
 

@@ -1,11 +1,11 @@
 """The eviction gate's drain bounds under a burst of concurrent reviews.
 
-Inputs: the gate's decision and drain (:func:`memops.controllers.eviction.decide_and_drain`),
+Inputs: the gate's decision and drain (:func:`memops.controllers.eviction_webhook.decide_and_drain`),
 called concurrently as Kopf calls admission handlers, once per forged review; a stand-in for the
 API client (:class:`SlowApi`) whose POST of a RetirementRequest takes a while, and an index that
 has not seen any of them yet (its watch event comes after the POST returns). What is asserted:
 the RetirementRequests created, at most one per node and policy and
-:data:`memops.eviction.GATE_DRAINS_PER_WINDOW` per policy, however many reviews arrive at once.
+:data:`memops.decisions.eviction_gate.GATE_DRAINS_PER_WINDOW` per policy, however many reviews arrive at once.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import copy
 import logging
 from typing import Any, cast
 
-from memops import eviction, kube, specs, timestamps
-from memops.controllers import eviction as gate
+from memops import specs
+from memops.clients import kube
+from memops.controllers import eviction_webhook as gate
 from memops.controllers import policy
+from memops.decisions import eviction_gate, timestamps
 
 NAMESPACE, POLICY = "team", "p"
 SPEC = specs.MemoryPolicySpec.model_validate(
@@ -80,7 +82,9 @@ def _cache(requests: list[dict[str, Any]]) -> policy.Cache:
     )
 
 
-async def _burst(api: SlowApi, cache: policy.Cache, guards: gate.Guards, pods: list[str]) -> list[eviction.Decision]:
+async def _burst(
+    api: SlowApi, cache: policy.Cache, guards: gate.Guards, pods: list[str]
+) -> list[eviction_gate.Decision]:
     by_name = {p["metadata"]["name"]: p for p in api.pods}
     return await asyncio.gather(
         *(
@@ -108,10 +112,10 @@ async def test_a_burst_over_many_nodes_starts_at_most_the_bound() -> None:
     nodes = 15
     api = SlowApi([_pod(f"w-{i}", f"n{i}") for i in range(nodes)])
     decisions = await _burst(api, _cache([]), gate.Guards(), [f"w-{i}" for i in range(nodes)])
-    assert len(api.requests) == eviction.GATE_DRAINS_PER_WINDOW, sorted(api.requests)
+    assert len(api.requests) == eviction_gate.GATE_DRAINS_PER_WINDOW, sorted(api.requests)
     assert all(not d.allowed and d.code == 429 for d in decisions)
     held_back = [d for d in decisions if not d.start_drain]
-    assert len(held_back) == nodes - eviction.GATE_DRAINS_PER_WINDOW
+    assert len(held_back) == nodes - eviction_gate.GATE_DRAINS_PER_WINDOW
     assert all("the most memops starts" in d.message for d in held_back)
 
 

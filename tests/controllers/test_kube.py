@@ -7,7 +7,7 @@ import kopf
 import pytest
 from aiohttp import web
 
-from memops import kube
+from memops.clients import kube
 
 
 @pytest.mark.parametrize(

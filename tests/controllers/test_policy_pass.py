@@ -5,7 +5,7 @@ memops' CRDs, one plane for the module, a namespace per test), a real Dask sched
 in this process, and the real pass (:class:`memops.controllers.policy.Policy`), as the admin. No
 node runs: the worker's pod is written with its IP (127.0.0.1, the worker's) as a kubelet would,
 so that the scheduler is shown to be the namespace's. What memops asks the scheduler is counted
-on its side of the connection (:func:`memops.daskcomm.connect`, wrapped: every call still goes
+on its side of the connection (:func:`memops.clients.daskcomm.connect`, wrapped: every call still goes
 to the real scheduler). Kopf's event posting is switched off (it needs a running operator).
 """
 
@@ -19,7 +19,8 @@ import pytest
 from distributed import Client, Scheduler, Worker
 from kopf._core.engines import posting
 
-from memops import daskcomm, daskrpc, kube, specs
+from memops import specs
+from memops.clients import daskcomm, daskrpc, kube
 from memops.controllers import policy
 from memops.scheduler import drain
 from tests import polling

@@ -12,8 +12,9 @@ import kopf
 import pytest
 from aiohttp import web
 
-from memops import kube, resize_decisions
+from memops.clients import kube
 from memops.controllers import resize
+from memops.decisions import resize_decisions
 
 POD = {
     "metadata": {"name": "w-1", "namespace": "dask"},

@@ -23,7 +23,8 @@ import kopf
 import pytest
 from kopf._core.engines import posting
 
-from memops import kube, specs
+from memops import specs
+from memops.clients import kube
 from memops.controllers import policy, retirement
 from tests.scheduler import forwarder
 

@@ -27,7 +27,7 @@ import yaml
 from memops_sandbox import common as sandbox_cli
 from memops_sandbox import nodes as real_nodes
 
-from memops import permissions
+from memops.decisions import permissions
 
 BIN = Path(sys.executable).parent
 

@@ -7,7 +7,7 @@ import urllib.request
 import distributed
 from prometheus_client.parser import text_string_to_metric_families
 
-from memops import metrics
+from memops.controllers import metrics
 from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.data import scatter_unique
 

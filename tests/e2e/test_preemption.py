@@ -32,7 +32,7 @@ import pytest
 from memops_sandbox import common as sandbox_cli
 from prometheus_client.parser import text_string_to_metric_families
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from memops.scheduler import drain
 from tests.e2e import receipts
 from tests.e2e.conftest import SPREAD_OVER_NODES, Sandbox

@@ -10,7 +10,7 @@ from typing import Any
 
 import distributed
 
-from memops import replication
+from memops.decisions import replication_plan as replication
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import scatter_unique, workers_by_name
 from tests.e2e.test_policy import memory_policy

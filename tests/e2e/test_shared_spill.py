@@ -15,7 +15,7 @@ from typing import Any
 import distributed
 from memops_sandbox import common as sandbox_cli
 
-from memops import shared_spill
+from memops.decisions import shared_spill
 from tests.e2e.conftest import SPILL_ROOT, Sandbox
 from tests.e2e.test_policy import condition, memory_policy
 

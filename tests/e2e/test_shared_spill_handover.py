@@ -17,7 +17,8 @@ from typing import Any
 
 import distributed
 
-from memops import daskrpc, shared_spill
+from memops.clients import daskrpc
+from memops.decisions import shared_spill
 from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.test_policy import memory_policy
 from tests.e2e.test_shared_spill import HOST_PATH, MIB, fill, node_tmpfs, ready, running_pods, worker_of, workers

@@ -34,7 +34,7 @@ from typing import Any
 
 import distributed
 
-from memops import shared_spill
+from memops.decisions import shared_spill
 from tests.e2e.conftest import Sandbox
 from tests.e2e.test_policy import memory_policy
 from tests.e2e.test_shared_spill import (
@@ -151,12 +151,12 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
         return [directory, st.st_ino, st.st_size]
 
     def take(dask_worker: Any, directory: str = "", entries: Any = ()) -> Any:
-        from memops.scheduler import handover
+        from memops.worker import handover
 
         return handover.take(dask_worker, directory=directory, entries=entries)
 
     def identity(dask_worker: Any) -> Any:
-        from memops.scheduler import handover
+        from memops.worker import handover
 
         return handover.identity(dask_worker)
 
@@ -193,7 +193,7 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
             not in client.run(lambda dask_worker: list(dask_worker.data), workers=[address[b]])[address[b]]
         )
         # And the scheduler never pairs them for a hand-over: not one spill filesystem.
-        from memops.scheduler import handover
+        from memops.worker import handover
 
         ids = {t: client.run(identity, workers=[address[t]])[address[t]] for t in TENANTS}
         assert ids[a]["root"] != ids[b]["root"] and not handover.same_filesystem(ids[a], ids[b]), ids

@@ -16,7 +16,7 @@ from typing import Any
 import distributed
 from memops_sandbox import common as sandbox_cli
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from tests.e2e.conftest import Sandbox
 from tests.scheduler import forwarder, processes
 

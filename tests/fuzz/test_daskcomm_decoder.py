@@ -1,9 +1,9 @@
-"""memops.daskcomm's decoder against arbitrary bytes and hostile msgpack: only its typed errors.
+"""memops.clients.daskcomm's decoder against arbitrary bytes and hostile msgpack: only its typed errors.
 
-Whatever a peer sends, :func:`memops.daskcomm.decode` and :func:`memops.daskcomm.read_message`
-return plain data or raise :class:`~memops.daskcomm.Misbehaved` (or, for a stream that ends,
-:class:`~memops.daskcomm.Closed`), never anything else, and never build more than the
-:class:`~memops.daskcomm.Limit` allows. Each property has a fixed budget of examples and is
+Whatever a peer sends, :func:`memops.clients.daskcomm.decode` and :func:`memops.clients.daskcomm.read_message`
+return plain data or raise :class:`~memops.clients.daskcomm.Misbehaved` (or, for a stream that ends,
+:class:`~memops.clients.daskcomm.Closed`), never anything else, and never build more than the
+:class:`~memops.clients.daskcomm.Limit` allows. Each property has a fixed budget of examples and is
 derandomized: a run takes a few seconds and finds the same things every time. What a run found
 is kept below as a regression test.
 """
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memops import daskcomm
+from memops.clients import daskcomm
 
 TINY = daskcomm.Limit(bytes=64 * 2**10, objects=512, items=64)
 """Small enough that hostile examples reach every bound."""
@@ -38,7 +38,7 @@ def peak_bound(limit: daskcomm.Limit, size: int) -> int:
 
 
 def decode_within(frame: bytes, limit: daskcomm.Limit = TINY) -> Any:
-    """:func:`memops.daskcomm.decode`, checking what it allocated (traced for it alone); None
+    """:func:`memops.clients.daskcomm.decode`, checking what it allocated (traced for it alone); None
     for Misbehaved."""
     tracemalloc.start()
     try:

@@ -3,7 +3,7 @@ eviction gate's reading of the Eviction, the pod, the workload's pods and the Re
 
 Each input is a real object (a worker pod, an Eviction, an Eviction RetirementRequest, a policy)
 with fields replaced, removed, wrapped in lists or blown up. The pure parts that the handlers
-call must return a decision, or raise :class:`memops.shapes.MalformedObject`, which the handler
+call must return a decision, or raise :class:`memops.decisions.shapes.MalformedObject`, which the handler
 turns into a response (the safety net: the pod is created as it is; the gate: refused, 400);
 malformed cached objects are left out. Never a TypeError, KeyError or AttributeError, which Kopf
 would answer with a 500 refusal: a pod that cannot be created, an eviction refused for a crash.
@@ -21,9 +21,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memops import eviction, shapes, specs
-from memops.controllers import eviction as eviction_gate
-from memops.controllers import safetynet_webhook
+from memops import specs
+from memops.controllers import eviction_webhook, safetynet_webhook
+from memops.decisions import eviction_gate, shapes
 from tests.fuzz import strategies
 
 BUDGET = settings(
@@ -91,7 +91,10 @@ REQUEST = {
         "name": "evict-node-1-0123456789",
         "namespace": "default",
         "creationTimestamp": "2026-01-01T00:00:00Z",
-        "labels": {eviction.REASON_LABEL: eviction.EVICTION, eviction.NODE_LABEL: eviction.node_label("node-1")},
+        "labels": {
+            eviction_gate.REASON_LABEL: eviction_gate.EVICTION,
+            eviction_gate.NODE_LABEL: eviction_gate.node_label("node-1"),
+        },
     },
     "spec": {"workers": ["dask-worker-5d8f-x1", "dask-worker-5d8f-x2"], "onTimeout": "Abort", "removePods": False},
     "status": {
@@ -149,7 +152,7 @@ def test_safety_net_mutated_caches(data: st.DataObject) -> None:
 def gate(eviction_body: Any, pod: Any, requests: list[Any], pods: list[Any], held: int | None) -> None:
     """The gate's pure steps, in its order; MalformedObject for the Eviction or the pod is its 400."""
     try:
-        dry_run = eviction.dry_run(shapes.check(shapes.EVICTION, eviction_body, "eviction"), False)
+        dry_run = eviction_gate.dry_run(shapes.check(shapes.EVICTION, eviction_body, "eviction"), False)
         shapes.check(shapes.LISTED_POD, pod, "pod")
     except shapes.MalformedObject:
         return
@@ -162,12 +165,12 @@ def gate(eviction_body: Any, pod: Any, requests: list[Any], pods: list[Any], hel
         deployments={("default", "dask-worker"): [DEPLOYMENT]},
     )
     node = str((pod.get("spec") or {}).get("nodeName") or "")
-    mine = eviction_gate.eviction_requests(shapes.well_formed(shapes.REQUEST, requests), node)
-    latest = eviction.latest_request(name, mine)
-    decision = bounded(lambda: eviction.decide(pod=name, unique_bytes=held, request=latest, dry_run=dry_run))
-    assert isinstance(decision, eviction.Decision) and decision.message
+    mine = eviction_webhook.eviction_requests(shapes.well_formed(shapes.REQUEST, requests), node)
+    latest = eviction_gate.latest_request(name, mine)
+    decision = bounded(lambda: eviction_gate.decide(pod=name, unique_bytes=held, request=latest, dry_run=dry_run))
+    assert isinstance(decision, eviction_gate.Decision) and decision.message
     assert found is None or isinstance(found[1], specs.MemoryPolicySpec)
-    drained = eviction.pods_to_drain(shapes.well_formed(shapes.LISTED_POD, pods), node, set())
+    drained = eviction_gate.pods_to_drain(shapes.well_formed(shapes.LISTED_POD, pods), node, set())
     assert all(isinstance(p, str) for p in drained)
 
 

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from memops import conditions, specs
+from memops import specs
+from memops.decisions import conditions
 from tests.packaging import argocd, manifests
 
 

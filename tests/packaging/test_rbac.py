@@ -46,8 +46,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from memops_sandbox import common as sandbox_cli
 
-from memops import kube, permissions
+from memops.clients import kube
 from memops.controllers import workloads
+from memops.decisions import permissions
 from tests.e2e import audit
 from tests.e2e.conftest import EVERY_FEATURE, Sandbox
 from tests.packaging import argocd, manifests

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from memops_sandbox import build, upstream
 
-from memops import selectors
+from memops.decisions import selectors
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 OPERATOR = "system:serviceaccount:memops-system:memops"

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from memops_sandbox import install, nodeagent_api
 
-from memops import kube
+from memops.clients import kube
 
 CREDENTIAL_ID = "authentication.kubernetes.io/credential-id"
 

@@ -22,7 +22,7 @@ from typing import Any
 import cloudpickle
 from distributed import Client
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from memops.scheduler import agent
 from tests.scheduler import processes
 

@@ -24,7 +24,8 @@ import pytest
 from distributed import Client, Future, LocalCluster
 from distributed.security import Security
 
-from memops import daskrpc, snapshots, tenancy
+from memops.clients import daskrpc
+from memops.decisions import snapshots, tenancy
 from memops.scheduler import drain
 from tests import polling
 

@@ -18,7 +18,7 @@ import distributed
 import pytest
 from distributed import Client, LocalCluster
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from memops.scheduler import drain
 from tests import polling
 from tests.scheduler import processes

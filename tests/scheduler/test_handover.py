@@ -22,8 +22,9 @@ import pytest
 from distributed import Client, LocalCluster, Nanny
 from distributed.protocol.serialize import to_serialize
 
-from memops import daskrpc
-from memops.scheduler import drain, handover
+from memops.clients import daskrpc
+from memops.scheduler import drain
+from memops.worker import handover
 from tests import polling
 from tests.scheduler import processes
 

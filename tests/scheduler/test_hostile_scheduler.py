@@ -1,6 +1,6 @@
 """A hostile "scheduler" at ``spec.scheduler.address``: nothing it sends runs, memory stays flat.
 
-The operator's channel (:mod:`memops.daskrpc`) and the preStop hook (run as the kubelet runs
+The operator's channel (:mod:`memops.clients.daskrpc`) and the preStop hook (run as the kubelet runs
 it) against each route of :mod:`tests.scheduler.hostile`: the marker file that unpickling
 would create never exists, the process' memory grows by less than a few MiB, and the call
 fails with the typed error.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from memops import daskrpc, safetynet
+from memops.clients import daskrpc, prestop_hook
 from tests.scheduler import hostile
 
 MiB = 2**20
@@ -71,7 +71,7 @@ async def run_hook(address: str, **env: str) -> tuple[int, str, int]:
     """The hook as the kubelet runs it: (exit code, stderr, its peak memory in bytes)."""
     hook_env = {
         **os.environ,
-        "HOOK": safetynet.PRE_STOP_SCRIPT,
+        "HOOK": prestop_hook.PRE_STOP_SCRIPT,
         "MEMOPS_SCHEDULER_ADDRESS": address,
         "MEMOPS_POD_NAME": "worker-0",
         "MEMOPS_DRAIN_TIMEOUT": "10",

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from memops.controllers import retirement
 from tests.scheduler import hostile
 
@@ -31,7 +31,7 @@ async def test_whatever_is_not_a_scheduler_reads_the_same(name: str, caplog: pyt
     said: dict[str, tuple[str, str, str]] = {}
     for peer in hostile.PEERS:
         async with hostile.not_a_scheduler(peer) as address:
-            with caplog.at_level(logging.INFO, logger="memops.daskrpc"):
+            with caplog.at_level(logging.INFO, logger="memops.clients.daskrpc"):
                 with pytest.raises(daskrpc.SchedulerUnreachable) as raised:
                     await CALLS[name](address)
         exc = raised.value
@@ -49,7 +49,7 @@ async def test_an_error_text_goes_to_the_log_not_to_the_status(caplog: pytest.Lo
     """A peer's error text is its own words: the tenancy check has not vouched for it yet."""
     banner = "nginx/1.25.3 on 10.0.0.7:4242"
     async with hostile.raising(banner) as address:
-        with caplog.at_level(logging.INFO, logger="memops.daskrpc"):
+        with caplog.at_level(logging.INFO, logger="memops.clients.daskrpc"):
             with pytest.raises(daskrpc.SchedulerMisbehaved) as raised:
                 await daskrpc.fetch_snapshot(address, timeout=5)
     message = retirement._explain(raised.value)[1]

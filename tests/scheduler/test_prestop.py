@@ -15,7 +15,7 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.security import Security
 
-from memops import daskrpc, safetynet
+from memops.clients import daskrpc, prestop_hook
 from tests import polling
 
 
@@ -27,7 +27,7 @@ async def run_hook(address: str, name: str, extra_env: dict[str, str]) -> int:
         "MEMOPS_DRAIN_TIMEOUT": "60",
         **extra_env,
     }
-    hook = await asyncio.create_subprocess_exec(sys.executable, "-c", safetynet.PRE_STOP_SCRIPT, env=env)
+    hook = await asyncio.create_subprocess_exec(sys.executable, "-c", prestop_hook.PRE_STOP_SCRIPT, env=env)
     return await asyncio.wait_for(hook.wait(), 90)
 
 

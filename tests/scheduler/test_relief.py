@@ -18,7 +18,7 @@ import distributed.scheduler
 import pytest
 from distributed import Client
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from memops.scheduler import relief
 from tests import polling
 from tests.scheduler import processes

@@ -25,7 +25,7 @@ from distributed.scheduler import WorkerState
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from memops.scheduler import replication, replication_index
 from memops.scheduler import rules as ruling
 

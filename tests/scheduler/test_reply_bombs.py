@@ -4,8 +4,8 @@ A "scheduler" (:func:`tests.scheduler.hostile.bombing`) answers one operation wi
 array of empty maps (1 byte each on the wire, about 70 in Python: 8 MiB once took 650 MiB and
 stalled the event loop 7 s) or with a prelude of one-byte frames (8 MiB took 186 MiB). Each of
 the operator's calls meets the bomb at the old 64 MiB cap and at its own limit: the call fails
-with :class:`memops.daskrpc.SchedulerMisbehaved`, what it allocated stays within the call's
-:class:`memops.daskcomm.Limit` (a few MiB for what is refused unread), and the event loop that
+with :class:`memops.clients.daskrpc.SchedulerMisbehaved`, what it allocated stays within the call's
+:class:`memops.clients.daskcomm.Limit` (a few MiB for what is refused unread), and the event loop that
 serves the webhooks never stalls for 100 ms. The preStop hook, which carries the same client as
 source, is run as the kubelet runs it against the same bombs.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from memops import daskcomm, daskrpc
+from memops.clients import daskcomm, daskrpc
 from tests.scheduler import hostile
 from tests.scheduler.test_hostile_scheduler import run_hook
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from distributed import Client, LocalCluster
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from memops.scheduler import agent, resize
 from tests import polling
 from tests.scheduler import processes, test_without_memops

@@ -32,7 +32,7 @@ import pytest
 from distributed import Client, LocalCluster, Scheduler
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, ReduceReplicas
 
-from memops import daskcomm, daskrpc
+from memops.clients import daskcomm, daskrpc
 from memops.scheduler import replication
 from tests.scheduler import processes
 

@@ -1,4 +1,4 @@
-"""The vetted scheduler (:func:`memops.daskrpc.vetted`): vouched for and acted on over one connection.
+"""The vetted scheduler (:func:`memops.clients.daskrpc.vetted`): vouched for and acted on over one connection.
 
 Two real schedulers, each a ``dask scheduler`` process with one ``dask worker`` process (tenant
 A's worker at 127.0.0.2, tenant B's at 127.0.0.3), behind one address: a forwarder that sends the
@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from memops import daskrpc, snapshots, tenancy
+from memops.clients import daskrpc
+from memops.decisions import snapshots, tenancy
 from tests.scheduler import forwarder
 
 A_POD = snapshots.PodInfo(name="a-0", ips=(forwarder.A_IP,))

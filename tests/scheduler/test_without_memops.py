@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from memops import daskrpc
+from memops.clients import daskrpc
 from tests.scheduler import processes
 
 WITHOUT_MEMOPS = "import sys; sys.modules['memops'] = None; from {module} import main; sys.argv[0] = 'dask'; main()"

@@ -2,7 +2,8 @@
 
 import pytest
 
-from memops import autoscaling, specs
+from memops import specs
+from memops.decisions import autoscaling
 
 GiB = 2**30
 

@@ -1,6 +1,7 @@
 """Conditions keep their lastTransitionTime until their status changes."""
 
-from memops import conditions, specs
+from memops import specs
+from memops.decisions import conditions
 
 
 def test_transition_time_moves_only_when_status_changes() -> None:

@@ -90,19 +90,45 @@ def test_a_layers_contract_places_every_module_of_its_package(contract: dict[str
     assert missing == [], f"{package}'s modules in no layer of {contract['name']!r}: {missing}"
 
 
+def outside(module: str) -> set[str]:
+    """Every module of memops that is neither ``module``, nor under it, nor a package above it:
+    the siblings of the module and of each package that holds it."""
+    parts = module.split(".")
+    ancestors = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return {m for package in ancestors - {module} for m in children(package)} - ancestors
+
+
+def test_outside_a_module() -> None:
+    assert "memops.clients.kube" in outside("memops.clients.daskcomm")
+    assert "memops.decisions" in outside("memops.clients.daskcomm")
+    assert not {"memops.clients", "memops.clients.daskcomm"} & outside("memops.clients.daskcomm")
+
+
 @pytest.mark.parametrize(
-    "isolated",
+    ("isolated", "allowed"),
     [
-        # Sent to the scheduler by value: a stock Dask image has no memops.
-        pytest.param("memops.scheduler", id="scheduler"),
+        # Sent to the scheduler by value: a stock Dask image has no memops. It installs the
+        # worker plugin in the workers, which goes by value with it.
+        pytest.param("memops.scheduler", {"memops.worker"}, id="scheduler"),
+        # Sent by value with the scheduler's code, and from there installed in the workers.
+        pytest.param("memops.worker", set(), id="worker"),
         # Carried as source into the preStop hook, which runs in a stock Dask image.
-        pytest.param("memops.daskcomm", id="daskcomm"),
+        pytest.param("memops.clients.daskcomm", set(), id="daskcomm"),
     ],
 )
-def test_an_isolated_module_is_forbidden_every_other_module(isolated: str) -> None:
+def test_an_isolated_module_is_forbidden_every_other_module(isolated: str, allowed: set[str]) -> None:
     found = [c for c in contracts() if c["type"] == "forbidden" and c["source_modules"] == [isolated]]
     assert len(found) == 1, f"not one forbidden contract whose only source is {isolated}: {len(found)}"
     (contract,) = found
-    others = set(children("memops")) - {isolated}
-    missing = sorted(others - set(contract["forbidden_modules"]))
+    forbidden = contract["forbidden_modules"]
+    missing = sorted(m for m in outside(isolated) - allowed if not any(is_within(m, name) for name in forbidden))
     assert missing == [], f"{contract['name']!r} does not forbid {missing}"
+
+
+def test_the_folders_are_the_layers() -> None:
+    """memops/ holds the command, the CRD generator and its package's init; everything else is in
+    a folder that the top layers contract places."""
+    top = next(c for c in contracts() if c["type"] == "layers" and "memops.cli" in layer_names(c))
+    flat = sorted(m for m in children("memops") if not (PACKAGE / m.rpartition(".")[2]).is_dir())
+    assert flat == ["memops.cli", "memops.crds"], flat
+    assert set(children("memops")) == set(layer_names(top))

@@ -17,7 +17,7 @@ def test_committed_crds_match_the_models(tmp_path: Path) -> None:
         committed = ROOT / "crds" / path.name
         assert committed.exists(), f"crds/{path.name} is missing: run `memops crds`"
         assert committed.read_text() == path.read_text(), (
-            f"crds/{path.name} drifted from memops/specs.py: run `memops crds`"
+            f"crds/{path.name} drifted from memops/specs/: run `memops crds`"
         )
     assert sorted(p.name for p in (ROOT / "crds").glob("*.yaml")) == sorted(p.name for p in written)
 

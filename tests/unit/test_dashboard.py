@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from memops import metrics
+from memops.controllers import metrics
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "memops-dashboard.json"
 SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")

@@ -1,5 +1,5 @@
 """What decoding a reply may build: maps of objects that cost nothing to create, one long string,
-and all the replies decoded at one time together (:mod:`memops.daskcomm`)."""
+and all the replies decoded at one time together (:mod:`memops.clients.daskcomm`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from memops import daskcomm
+from memops.clients import daskcomm
 
 MiB = 2**20
 

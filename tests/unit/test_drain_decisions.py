@@ -2,7 +2,8 @@
 
 import pytest
 
-from memops import drain_decisions, objects, snapshots, specs
+from memops import specs
+from memops.decisions import drain_decisions, objects, snapshots
 
 A, B = "tcp://a", "tcp://b"
 

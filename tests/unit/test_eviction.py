@@ -1,4 +1,4 @@
-"""The eviction gate's decisions and the node signals (:mod:`memops.eviction`): pure, no I/O."""
+"""The eviction gate's decisions and the node signals (:mod:`memops.decisions.eviction_gate`): pure, no I/O."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from memops import eviction, specs, timestamps
+from memops import specs
+from memops.decisions import eviction_gate, timestamps
 
 Phase, State = specs.Phase, specs.WorkerState
 
@@ -17,8 +18,8 @@ def view(
     state: specs.WorkerState | None = None,
     lost: int = 0,
     on_timeout: specs.OnTimeout = specs.OnTimeout.ABORT,
-) -> eviction.RequestView:
-    return eviction.RequestView(
+) -> eviction_gate.RequestView:
+    return eviction_gate.RequestView(
         name="evict-n1-abc", phase=phase, state=state, deadline="T", bytes_lost=lost, on_timeout=on_timeout
     )
 
@@ -48,9 +49,9 @@ def view(
     ],
 )
 def test_decide(
-    unique: int | None, request_: eviction.RequestView | None, allowed: bool, start: bool, warning: bool
+    unique: int | None, request_: eviction_gate.RequestView | None, allowed: bool, start: bool, warning: bool
 ) -> None:
-    decision = eviction.decide(pod="w-1", unique_bytes=unique, request=request_)
+    decision = eviction_gate.decide(pod="w-1", unique_bytes=unique, request=request_)
     assert (decision.allowed, decision.start_drain, decision.warning) == (allowed, start, warning)
     assert decision.code == 429
     # A warning belongs to its refusal episode (the request), which names its one event.
@@ -59,11 +60,11 @@ def test_decide(
 
 
 def test_refusal_says_why_and_what_next() -> None:
-    refused = eviction.decide(pod="w-1", unique_bytes=None, request=None)
+    refused = eviction_gate.decide(pod="w-1", unique_bytes=None, request=None)
     assert "scheduler could not be asked" in refused.message and "retry" in refused.message
-    kept = eviction.decide(pod="w-1", unique_bytes=5, request=view(Phase.FAILED, State.KEPT))
+    kept = eviction_gate.decide(pod="w-1", unique_bytes=5, request=view(Phase.FAILED, State.KEPT))
     assert "onTimeout is Abort" in kept.message and "onTimeout: Force" in kept.message
-    forced = eviction.decide(pod="w-1", unique_bytes=5, request=view(Phase.SUCCEEDED, State.FORCED, 5))
+    forced = eviction_gate.decide(pod="w-1", unique_bytes=5, request=view(Phase.SUCCEEDED, State.FORCED, 5))
     assert "5 bytes lost" in forced.message
 
 
@@ -101,7 +102,7 @@ def node(
     ],
 )
 def test_node_signal(obj: dict[str, Any], signals: specs.NodeSignals, expected: str | None) -> None:
-    assert eviction.node_signal(obj, signals) == expected
+    assert eviction_gate.node_signal(obj, signals) == expected
 
 
 def test_node_signals_refuse_bad_keys() -> None:
@@ -110,14 +111,14 @@ def test_node_signals_refuse_bad_keys() -> None:
 
 
 def test_request_name_is_an_idempotency_key() -> None:
-    one = eviction.request_name("pol", "node-1", ["b", "a"])
-    assert one == eviction.request_name("pol", "node-1", ["a", "b", "a"])
-    assert one != eviction.request_name("pol", "node-1", ["a"])
-    assert one != eviction.request_name("pol", "node-1", ["a", "b"], earlier=1)
+    one = eviction_gate.request_name("pol", "node-1", ["b", "a"])
+    assert one == eviction_gate.request_name("pol", "node-1", ["a", "b", "a"])
+    assert one != eviction_gate.request_name("pol", "node-1", ["a"])
+    assert one != eviction_gate.request_name("pol", "node-1", ["a", "b"], earlier=1)
     assert one.startswith("evict-node-1-")
-    long = eviction.request_name("pol", "n" * 253, ["a"])
+    long = eviction_gate.request_name("pol", "n" * 253, ["a"])
     assert len(long) <= 253
-    assert len(eviction.node_label("n" * 253)) <= 63
+    assert len(eviction_gate.node_label("n" * 253)) <= 63
 
 
 def pod(name: str, node_name: str, phase: str = "Running", deleting: bool = False) -> dict[str, Any]:
@@ -136,7 +137,7 @@ def test_pods_to_drain_takes_the_nodes_running_unclaimed_workers_together() -> N
         pod("e", "n1", deleting=True),
         pod("f", "n1"),
     ]
-    assert eviction.pods_to_drain(pods, "n1", busy={"f"}) == ["a", "c"]
+    assert eviction_gate.pods_to_drain(pods, "n1", busy={"f"}) == ["a", "c"]
 
 
 def test_latest_request_prefers_the_unfinished_one() -> None:
@@ -147,11 +148,11 @@ def test_latest_request_prefers_the_unfinished_one() -> None:
             "status": {"phase": phase, "workers": [{"pod": "w-1", "state": state, "bytesLost": 3}]},
         }
 
-    found = eviction.latest_request(
+    found = eviction_gate.latest_request(
         "w-1", [request("old", "Succeeded", "2"), request("new", "Draining", "1", "Draining")]
     )
     assert found is not None and found.name == "new" and found.state == State.DRAINING
-    assert eviction.latest_request("w-2", [request("old", "Succeeded", "2")]) is None
+    assert eviction_gate.latest_request("w-2", [request("old", "Succeeded", "2")]) is None
 
 
 def test_mark_drained_leaves_the_pods_to_the_eviction() -> None:
@@ -160,7 +161,7 @@ def test_mark_drained_leaves_the_pods_to_the_eviction() -> None:
         specs.WorkerStatus(pod="b", state=State.FORCED, removable=True, bytesLost=5, message="removing the pod"),
         specs.WorkerStatus(pod="c", state=State.DRAINING),
     ]
-    a, b, c = eviction.mark_drained(workers)
+    a, b, c = eviction_gate.mark_drained(workers)
     assert (a.state, a.removable, a.podRemoved) == (State.RETIRED, False, False)
     assert "left to the eviction" in a.message
     assert (b.state, b.removable, b.bytesLost) == (State.FORCED, False, 5)
@@ -168,12 +169,12 @@ def test_mark_drained_leaves_the_pods_to_the_eviction() -> None:
 
 
 def test_one_refusal_event_per_pod_and_episode() -> None:
-    name = eviction.refusal_event_name("w-1", "evict-n1-abc")
-    assert name == eviction.refusal_event_name("w-1", "evict-n1-abc"), "every retry: the same event"
+    name = eviction_gate.refusal_event_name("w-1", "evict-n1-abc")
+    assert name == eviction_gate.refusal_event_name("w-1", "evict-n1-abc"), "every retry: the same event"
     assert name.startswith("w-1.memops-refused-")
-    assert name != eviction.refusal_event_name("w-1", "evict-n1-def"), "a new episode: a new event"
-    assert name != eviction.refusal_event_name("w-2", "evict-n1-abc")
-    assert len(eviction.refusal_event_name("p" * 253, "x")) <= 253
+    assert name != eviction_gate.refusal_event_name("w-1", "evict-n1-def"), "a new episode: a new event"
+    assert name != eviction_gate.refusal_event_name("w-2", "evict-n1-abc")
+    assert len(eviction_gate.refusal_event_name("p" * 253, "x")) <= 253
 
 
 SEEN = {"default/p": ("taint node.kubernetes.io/unschedulable", 100.0)}
@@ -189,7 +190,7 @@ SEEN = {"default/p": ("taint node.kubernetes.io/unschedulable", 100.0)}
     ],
 )
 def test_node_signals_are_acted_on_at_most_once_per_interval(policy: str, signal: str, now: float, due: bool) -> None:
-    assert eviction.node_signal_due(SEEN, policy, signal, now, interval=30.0) is due
+    assert eviction_gate.node_signal_due(SEEN, policy, signal, now, interval=30.0) is due
 
 
 @pytest.mark.parametrize(
@@ -205,20 +206,22 @@ def test_node_signals_are_acted_on_at_most_once_per_interval(policy: str, signal
 def test_a_dry_run_is_read_from_the_query_or_the_evictions_delete_options(
     body: dict[str, Any], admission: bool, expected: bool
 ) -> None:
-    assert eviction.dry_run(body, admission) is expected
+    assert eviction_gate.dry_run(body, admission) is expected
 
 
 def test_a_dry_run_is_answered_as_a_real_eviction_but_starts_nothing() -> None:
-    dry = eviction.decide(pod="w-1", unique_bytes=1000, request=None, dry_run=True)
+    dry = eviction_gate.decide(pod="w-1", unique_bytes=1000, request=None, dry_run=True)
     assert not dry.allowed and dry.code == 429 and not dry.start_drain and "dry run" in dry.message
-    assert eviction.decide(pod="w-1", unique_bytes=0, request=None, dry_run=True).allowed
+    assert eviction_gate.decide(pod="w-1", unique_bytes=0, request=None, dry_run=True).allowed
 
 
 @pytest.mark.parametrize(
     "labels, drains",
     [
-        pytest.param({eviction.REASON_LABEL: eviction.EVICTION, eviction.NODE_LABEL: "n1"}, True, id="eviction"),
-        pytest.param({eviction.REASON_LABEL: "scale-down"}, False, id="another-reason"),
+        pytest.param(
+            {eviction_gate.REASON_LABEL: eviction_gate.EVICTION, eviction_gate.NODE_LABEL: "n1"}, True, id="eviction"
+        ),
+        pytest.param({eviction_gate.REASON_LABEL: "scale-down"}, False, id="another-reason"),
         pytest.param({"app": "x"}, False, id="no-reason"),
         pytest.param(None, False, id="no-labels"),
     ],
@@ -226,7 +229,7 @@ def test_a_dry_run_is_answered_as_a_real_eviction_but_starts_nothing() -> None:
 def test_only_an_eviction_request_drains_its_workers_node(labels: dict[str, str] | None, drains: bool) -> None:
     """The drain keeps recipients off the workers' node only for a request that drains the node:
     an ordinary retirement's neighbours on that node take spilled keys by link."""
-    assert eviction.drains_node(labels) is drains
+    assert eviction_gate.drains_node(labels) is drains
 
 
 # -- what a review claims, confirmed; what a drain it starts may be ---------------------------------
@@ -278,7 +281,7 @@ def test_a_review_is_acted_on_only_as_the_api_bears_it_out(
 ) -> None:
     """A forged review must never make memops act on a pod that does not exist, nor in a namespace
     that the pod is not in: the gate reads the pod and starts nothing unless this says None."""
-    found = eviction.confirm_claim(review, pod)
+    found = eviction_gate.confirm_claim(review, pod)
     if doubt is None:
         assert found is None
     else:
@@ -294,11 +297,11 @@ def _request(
     age: float | None = 60,
     phase: str = "Succeeded",
     by: str | None = "system:serviceaccount:kube-system:drainer",
-    reason: str = eviction.EVICTION,
+    reason: str = eviction_gate.EVICTION,
 ) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "labels": {eviction.REASON_LABEL: reason}, "annotations": {}}
+    meta: dict[str, Any] = {"name": name, "labels": {eviction_gate.REASON_LABEL: reason}, "annotations": {}}
     if by is not None:
-        meta["annotations"][eviction.REQUESTED_BY_ANNOTATION] = by
+        meta["annotations"][eviction_gate.REQUESTED_BY_ANNOTATION] = by
     if age is not None:
         meta["creationTimestamp"] = timestamps.render(NOW - datetime.timedelta(seconds=age))
     return {"metadata": meta, "status": {"phase": phase}}
@@ -316,19 +319,21 @@ def _request(
     ],
 )
 def test_the_gates_drains_are_counted_in_the_window(requests: list[dict[str, Any]], count: int) -> None:
-    assert eviction.gate_drains_since(requests, NOW) == count
+    assert eviction_gate.gate_drains_since(requests, NOW) == count
 
 
-START = eviction.decide(pod="w-1", unique_bytes=1000, request=None)
+START = eviction_gate.decide(pod="w-1", unique_bytes=1000, request=None)
 
 
 @pytest.mark.parametrize(
     ("running", "started", "starts", "says"),
     [
         pytest.param(None, 0, True, "memops started draining", id="first-drain-starts"),
-        pytest.param(None, eviction.GATE_DRAINS_PER_WINDOW - 1, True, "memops started", id="last-within-the-bound"),
+        pytest.param(
+            None, eviction_gate.GATE_DRAINS_PER_WINDOW - 1, True, "memops started", id="last-within-the-bound"
+        ),
         pytest.param("evict-n1-1", 0, False, "one drain per node at a time", id="node-already-draining"),
-        pytest.param(None, eviction.GATE_DRAINS_PER_WINDOW, False, "the most memops starts", id="bound-reached"),
+        pytest.param(None, eviction_gate.GATE_DRAINS_PER_WINDOW, False, "the most memops starts", id="bound-reached"),
         pytest.param(None, 1000, False, "retry the eviction later", id="a-flood-of-reviews"),
     ],
 )
@@ -336,20 +341,20 @@ def test_a_drain_starts_one_per_node_and_within_the_bound(
     running: str | None, started: int, starts: bool, says: str
 ) -> None:
     """Held back, the eviction is still refused with 429 (the data stays; the client retries)."""
-    decision = eviction.guard_drain(START, pod="w-1", node="n1", running=running, started=started)
+    decision = eviction_gate.guard_drain(START, pod="w-1", node="n1", running=running, started=started)
     assert (decision.start_drain, decision.allowed, decision.code) == (starts, False, 429)
     assert says in decision.message
 
 
 def test_only_a_drain_to_start_is_guarded() -> None:
-    admitted = eviction.decide(pod="w-1", unique_bytes=0, request=None)
-    assert eviction.guard_drain(admitted, pod="w-1", node="n1", running="r", started=99) is admitted
+    admitted = eviction_gate.decide(pod="w-1", unique_bytes=0, request=None)
+    assert eviction_gate.guard_drain(admitted, pod="w-1", node="n1", running="r", started=99) is admitted
 
 
 def test_in_flight_finds_an_unfinished_request() -> None:
-    assert eviction.in_flight([_request("a"), _request("b", phase="Failed")]) is None
-    assert eviction.in_flight([_request("a"), _request("b", phase="Draining")]) == "b"
-    assert eviction.in_flight([{"metadata": {"name": "c"}}]) == "c", "no status yet: just made, in flight"
+    assert eviction_gate.in_flight([_request("a"), _request("b", phase="Failed")]) is None
+    assert eviction_gate.in_flight([_request("a"), _request("b", phase="Draining")]) == "b"
+    assert eviction_gate.in_flight([{"metadata": {"name": "c"}}]) == "c", "no status yet: just made, in flight"
 
 
 @pytest.mark.parametrize(
@@ -362,7 +367,7 @@ def test_in_flight_finds_an_unfinished_request() -> None:
     ],
 )
 def test_the_drain_records_who_asked(userinfo: dict[str, Any] | None, recorded: str) -> None:
-    assert eviction.requested_by(userinfo) == recorded
+    assert eviction_gate.requested_by(userinfo) == recorded
 
 
 @pytest.mark.parametrize(
@@ -377,4 +382,4 @@ def test_the_drain_records_who_asked(userinfo: dict[str, Any] | None, recorded: 
 def test_the_requests_the_index_does_not_show_yet(
     created: list[dict[str, Any]], indexed: list[dict[str, Any]], unseen: list[str]
 ) -> None:
-    assert [r["metadata"]["name"] for r in eviction.unseen_requests(created, indexed, NOW)] == unseen
+    assert [r["metadata"]["name"] for r in eviction_gate.unseen_requests(created, indexed, NOW)] == unseen

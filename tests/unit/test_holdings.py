@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from memops import snapshots
+from memops.decisions import snapshots
 from memops.scheduler import holdings
 
 

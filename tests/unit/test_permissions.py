@@ -9,8 +9,10 @@ import kopf
 import pytest
 from aiohttp.test_utils import TestServer
 
-from memops import kube, permissions, specs
+from memops import specs
+from memops.clients import kube
 from memops.controllers import policy
+from memops.decisions import permissions
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from memops import autoscaling, conditions, objects, policy_decisions, scaling, specs, timestamps
+from memops import specs
+from memops.decisions import autoscaling, conditions, objects, policy_decisions, scaling, timestamps
 
 NOW = 1_800_000_000.0
 OWNER = objects.Owner(name="p", namespace="dask", uid="u-1")

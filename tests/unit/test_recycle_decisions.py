@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memops import recycle_decisions, snapshots, specs
+from memops import specs
+from memops.decisions import recycle_decisions, snapshots
 
 GIB = 2**30
 LIMIT = 4 * GIB

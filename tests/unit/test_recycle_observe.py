@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from memops import objects, specs
+from memops import specs
 from memops.controllers import recycle
+from memops.decisions import objects
 
 
 def _request(name: str, phase: str, *, recorded: bool = False) -> objects.Obj:

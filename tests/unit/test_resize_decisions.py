@@ -1,4 +1,4 @@
-"""In-place growth's decisions (:mod:`memops.resize_decisions`) and its spec (:mod:`memops.resize_spec`).
+"""In-place growth's decisions (:mod:`memops.decisions.resize_decisions`) and its spec (:mod:`memops.specs.resize`).
 
 A worker of 1Gi whose pod asks 1Gi and holds 1Gi, on a node with 4Gi to spare and peers with no
 room, under ``resize: {maxLimit: 4Gi}`` (grow above 75%, to 60%, steps of 64Mi); each case
@@ -13,8 +13,8 @@ from typing import Any
 import pydantic
 import pytest
 
-from memops import resize_decisions as rd
-from memops.resize_spec import ResizeSpec
+from memops.decisions import resize_decisions as rd
+from memops.specs.resize import ResizeSpec
 
 Mi = 2**20
 Gi = 2**30

@@ -1,6 +1,6 @@
 """A RetirementRequest step's decision: from the facts it read to the status it writes and its effects.
 
-Tables over :mod:`memops.retirement_decisions`; the reasons, messages and condition types are the
+Tables over :mod:`memops.decisions.retirement_decisions`; the reasons, messages and condition types are the
 ones the request's status has always carried (the e2e suite reads the same through the API).
 """
 
@@ -10,7 +10,8 @@ import datetime
 
 import pytest
 
-from memops import conditions, objects, retirement_decisions, snapshots, specs, tenancy, timestamps
+from memops import specs
+from memops.decisions import conditions, objects, retirement_decisions, snapshots, tenancy, timestamps
 
 NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.UTC)
 LATER = NOW + datetime.timedelta(minutes=5)

@@ -4,7 +4,11 @@ from typing import Any
 
 import pytest
 
-from memops import safetynet, specs
+from memops import specs
+from memops.clients import prestop_hook
+from memops.decisions import safetynet
+
+HOOK = prestop_hook.PRE_STOP_SCRIPT
 
 SPEC = specs.MemoryPolicySpec.model_validate(
     {
@@ -23,7 +27,7 @@ def pod(**container: Any) -> dict[str, Any]:
 
 
 def test_prestop_drain_and_a_grace_period_that_covers_the_drain() -> None:
-    change = safetynet.plan_injection(pod(env=[{"name": "KEEP", "value": "1"}]), "analytics", SPEC)
+    change = safetynet.plan_injection(pod(env=[{"name": "KEEP", "value": "1"}]), "analytics", SPEC, hook=HOOK)
     container = change["spec"]["containers"][0]
     assert change["spec"]["terminationGracePeriodSeconds"] == 120 + safetynet.GRACE_MARGIN_SECONDS
     assert container["lifecycle"]["preStop"]["exec"]["command"][:2] == ["python", "-c"]
@@ -54,11 +58,11 @@ def test_a_host_network_pod_gets_no_pod_ips_as_its_proof() -> None:
     body = pod(env=own)
     assert [
         e
-        for e in safetynet.plan_injection(body, "a", SPEC)["spec"]["containers"][0]["env"]
+        for e in safetynet.plan_injection(body, "a", SPEC, hook=HOOK)["spec"]["containers"][0]["env"]
         if e["name"] == "MEMOPS_POD_IPS"
     ] == [{"name": "MEMOPS_POD_IPS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIPs"}}}]
     body["spec"]["hostNetwork"] = True
-    env = safetynet.plan_injection(body, "a", SPEC)["spec"]["containers"][0]["env"]
+    env = safetynet.plan_injection(body, "a", SPEC, hook=HOOK)["spec"]["containers"][0]["env"]
     assert "MEMOPS_POD_IPS" not in {e["name"] for e in env}
     assert "MEMOPS_POD_NAME" in {e["name"] for e in env}
 
@@ -67,20 +71,20 @@ def test_an_existing_prestop_hook_and_a_longer_grace_period_are_kept() -> None:
     own = {"preStop": {"exec": {"command": ["true"]}}}
     body = pod(lifecycle=own)
     body["spec"]["terminationGracePeriodSeconds"] = 3600
-    change = safetynet.plan_injection(body, "analytics", SPEC)
+    change = safetynet.plan_injection(body, "analytics", SPEC, hook=HOOK)
     assert change["spec"]["containers"][0]["lifecycle"] == own
     assert change["spec"]["terminationGracePeriodSeconds"] == 3600
 
 
 def test_prestop_script_compiles() -> None:
-    compile(safetynet.PRE_STOP_SCRIPT, "<preStop>", "exec")
+    compile(prestop_hook.PRE_STOP_SCRIPT, "<preStop>", "exec")
 
 
 def test_a_tls_scheduler_gets_the_policys_client_certificate_from_its_secret() -> None:
     spec = SPEC.model_copy(
         update={"scheduler": specs.SchedulerRef(address="tls://dask-scheduler:8786", tls={"secretName": "dask-tls"})}
     )
-    container = safetynet.plan_injection(pod(), "analytics", spec)["spec"]["containers"][0]
+    container = safetynet.plan_injection(pod(), "analytics", spec, hook=HOOK)["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     refs = {
         name: env[name]["valueFrom"]["secretKeyRef"] for name in ("MEMOPS_TLS_CA", "MEMOPS_TLS_CERT", "MEMOPS_TLS_KEY")
@@ -91,13 +95,13 @@ def test_a_tls_scheduler_gets_the_policys_client_certificate_from_its_secret() -
         "MEMOPS_TLS_KEY": {"name": "dask-tls", "key": "tls.key"},
     }
     assert "preStop" in container["lifecycle"]
-    plain = safetynet.plan_injection(pod(), "analytics", SPEC)["spec"]["containers"][0]
+    plain = safetynet.plan_injection(pod(), "analytics", SPEC, hook=HOOK)["spec"]["containers"][0]
     assert not any(e["name"].startswith("MEMOPS_TLS") for e in plain["env"])
 
 
 def test_the_grace_period_has_a_maximum() -> None:
     longest = SPEC.model_copy(update={"drain": specs.DrainSpec(timeout="168h")})
-    change = safetynet.plan_injection(pod(), "analytics", longest)
+    change = safetynet.plan_injection(pod(), "analytics", longest, hook=HOOK)
     assert change["spec"]["terminationGracePeriodSeconds"] == safetynet.MAX_GRACE_SECONDS == 7 * 86400 + 30
 
 

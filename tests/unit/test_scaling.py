@@ -2,7 +2,8 @@
 
 import pytest
 
-from memops import scaling, specs
+from memops import specs
+from memops.decisions import scaling
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from memops import selectors
+from memops.decisions import selectors
 
 MEXP = {"matchExpressions": [{"key": "app", "operator": "In", "values": ["mexp"]}]}
 

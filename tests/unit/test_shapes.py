@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from memops import eviction, shapes
-from memops.controllers import eviction as eviction_gate
-from memops.controllers import safetynet_webhook
+from memops.controllers import eviction_webhook, safetynet_webhook
+from memops.decisions import eviction_gate, shapes
 from tests.fuzz.test_webhooks import DEPLOYMENT, POD, POLICIES, REQUEST
 
 DEPLOYMENTS = {("default", "dask-worker"): [DEPLOYMENT]}
@@ -58,7 +57,7 @@ def test_a_pod_under_admission_needs_no_name_but_a_listed_pod_does() -> None:
     with pytest.raises(shapes.MalformedObject, match=r"metadata\.name"):
         shapes.check(shapes.LISTED_POD, unnamed, "pod")
     assert shapes.well_formed(shapes.LISTED_POD, [unnamed, POD]) == [POD]
-    assert eviction.pods_to_drain(shapes.well_formed(shapes.LISTED_POD, [unnamed, POD]), "node-1", set()) == [
+    assert eviction_gate.pods_to_drain(shapes.well_formed(shapes.LISTED_POD, [unnamed, POD]), "node-1", set()) == [
         POD["metadata"]["name"]
     ]
 
@@ -95,10 +94,10 @@ LATER = changed(("metadata", "creationTimestamp"), "2026-01-02T00:00:00Z", REQUE
 def test_malformed_cached_requests_are_left_out_of_the_gates_decision(bad: Any) -> None:
     """Before: KeyError, AttributeError or ValueError out of eviction_requests or latest_request
     (here the malformed request is the newer one, which latest_request reads)."""
-    requests = eviction_gate.eviction_requests(shapes.well_formed(shapes.REQUEST, [REQUEST, bad]), "node-1")
-    latest = eviction.latest_request("dask-worker-5d8f-x1", requests)
+    requests = eviction_webhook.eviction_requests(shapes.well_formed(shapes.REQUEST, [REQUEST, bad]), "node-1")
+    latest = eviction_gate.latest_request("dask-worker-5d8f-x1", requests)
     assert latest is not None and latest.name == REQUEST["metadata"]["name"]
-    decision = eviction.decide(pod="dask-worker-5d8f-x1", unique_bytes=10, request=latest)
+    decision = eviction_gate.decide(pod="dask-worker-5d8f-x1", unique_bytes=10, request=latest)
     assert not decision.allowed
 
 
@@ -111,4 +110,4 @@ def test_malformed_cached_requests_are_left_out_of_the_gates_decision(bad: Any) 
 )
 def test_a_malformed_eviction_is_refused_naming_the_field(body: Any, field: str) -> None:
     with pytest.raises(shapes.MalformedObject, match=f"eviction: {field}"):
-        eviction.dry_run(shapes.check(shapes.EVICTION, body, "eviction"), False)
+        eviction_gate.dry_run(shapes.check(shapes.EVICTION, body, "eviction"), False)

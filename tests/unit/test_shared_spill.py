@@ -9,7 +9,9 @@ from typing import Any
 import pydantic
 import pytest
 
-from memops import cli, policy_decisions, safetynet, shared_spill, specs
+from memops import cli, specs
+from memops.clients import prestop_hook
+from memops.decisions import policy_decisions, safetynet, shared_spill
 from tests.unit.test_policy_decisions import _inputs, _spec
 
 GI = 2**30
@@ -21,6 +23,7 @@ def spill(medium: str = "Memory", size: str = "2Gi", **fields: Any) -> specs.Sha
 
 
 NODE = {"hostPath": "/var/lib/memops/spill", "nodeSelector": {"feature.node.kubernetes.io/memory-swap.enabled": "true"}}
+HOOK = prestop_hook.PRE_STOP_SCRIPT
 ROOTS = frozenset({"/var/lib/memops/spill"})  # memops run --shared-spill-host-root /var/lib/memops/spill
 
 
@@ -477,7 +480,7 @@ def test_a_pod_that_already_mounts_the_spill_volume_name_is_refused(
     assert kind in verdict.message and "intruder" in verdict.message
     spec = _spec(sharedSpill={"sizeLimit": "2Gi", "medium": medium, **(NODE if medium == "Node" else {})})
     pod = {"metadata": {"name": "w-1", "namespace": "team-a"}, "spec": pod_spec}
-    change = safetynet.plan_injection(pod, "spill", spec, host_roots=ROOTS)
+    change = safetynet.plan_injection(pod, "spill", spec, hook=HOOK, host_roots=ROOTS)
     assert change["annotations"][shared_spill.ANNOTATION] == "Refused: VolumeNameTaken"
     assert all(v.get("name") != shared_spill.VOLUME_NAME for v in change["spec"].get("volumes") or [])
     ready = shared_spill.condition(spill_spec, pod_spec, host_roots=ROOTS).ready
@@ -519,10 +522,10 @@ def test_size_limit_binds_what_each_worker_process_spills(
 def test_plan_injection_mounts_the_pods_namespace_directory() -> None:
     spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
     pod = {"metadata": {"name": "w-1", "namespace": "team-a"}, "spec": {"containers": [worker("8Gi", request="4Gi")]}}
-    volume = safetynet.plan_injection(pod, "p", spec, host_roots=ROOTS)["spec"]["volumes"][-1]
+    volume = safetynet.plan_injection(pod, "p", spec, hook=HOOK, host_roots=ROOTS)["spec"]["volumes"][-1]
     assert volume["hostPath"]["path"] == "/var/lib/memops/spill/team-a/p"
     # The admission request's namespace wins over what the object says.
-    change = safetynet.plan_injection(pod, "p", spec, host_roots=ROOTS, namespace="team-b")
+    change = safetynet.plan_injection(pod, "p", spec, hook=HOOK, host_roots=ROOTS, namespace="team-b")
     assert change["spec"]["volumes"][-1]["hostPath"]["path"] == "/var/lib/memops/spill/team-b/p"
 
 
@@ -699,7 +702,7 @@ def _pod(container: dict[str, Any]) -> dict[str, Any]:
 
 def test_plan_injection_adds_the_spill_beside_the_safety_net() -> None:
     spec = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
-    change = safetynet.plan_injection(_pod(worker("8Gi")), "p", spec)
+    change = safetynet.plan_injection(_pod(worker("8Gi")), "p", spec, hook=HOOK)
     container = change["spec"]["containers"][0]
     names = [e["name"] for e in container["env"]]
     assert "MEMOPS_SCHEDULER_ADDRESS" in names and "DASK_TEMPORARY_DIRECTORY" in names
@@ -727,7 +730,7 @@ def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only(
     spill_spec: dict[str, Any], roots: frozenset[str], annotation: str
 ) -> None:
     spec = _spec(sharedSpill=spill_spec)
-    change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, host_roots=roots)
+    change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, hook=HOOK, host_roots=roots)
     container = change["spec"]["containers"][0]
     assert "volumes" not in change["spec"] and "volumeMounts" not in container and "affinity" not in change["spec"]
     assert not any(e["name"].startswith("DASK_") for e in container["env"])
@@ -737,7 +740,9 @@ def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only(
 
 def test_plan_injection_mounts_an_allowed_host_path() -> None:
     spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
-    change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, host_roots=ROOTS, namespace="ns")
+    change = safetynet.plan_injection(
+        _pod(worker("8Gi", request="4Gi")), "p", spec, hook=HOOK, host_roots=ROOTS, namespace="ns"
+    )
     assert change["spec"]["volumes"][0]["hostPath"]["path"] == "/var/lib/memops/spill/ns/p"
     assert change["annotations"][shared_spill.ANNOTATION] == "Node"
 

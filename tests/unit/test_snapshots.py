@@ -2,7 +2,7 @@
 
 import pytest
 
-from memops import snapshots
+from memops.decisions import snapshots
 
 
 def snapshot(

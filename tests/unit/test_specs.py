@@ -5,7 +5,8 @@ import datetime
 import pydantic
 import pytest
 
-from memops import drain_decisions, specs
+from memops import specs
+from memops.decisions import drain_decisions
 
 
 @pytest.mark.parametrize(

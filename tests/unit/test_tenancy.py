@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
-from memops import snapshots, tenancy
 from memops.controllers import workloads
+from memops.decisions import snapshots, tenancy
 
 W = snapshots.WorkerInfo
 

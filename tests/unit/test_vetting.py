@@ -1,6 +1,6 @@
-"""The controllers reach a scheduler only through the vetted seam (:func:`memops.daskrpc.vetted`).
+"""The controllers reach a scheduler only through the vetted seam (:func:`memops.clients.daskrpc.vetted`).
 
-The address-level functions of :mod:`memops.daskrpc` (``fetch_snapshot``, ``configure_relief``,
+The address-level functions of :mod:`memops.clients.daskrpc` (``fetch_snapshot``, ``configure_relief``,
 ...) open a connection of their own that nobody vouched for: they serve the sandbox, tests and
 benchmarks, which run their scheduler themselves. A controller that called one would act on
 whatever answers at the address on that connection, which need not be the scheduler that the

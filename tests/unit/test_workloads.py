@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 
-from memops import snapshots
 from memops.controllers import workloads
+from memops.decisions import snapshots
 
 
 def group(replicas: int) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """What the admission webhooks read of the objects they are handed, checked before any decision.
 
-The safety net's webhook reads a new pod (:func:`memops.safetynet.plan_injection`); the eviction
+The safety net's webhook reads a new pod (:func:`memops.decisions.safetynet.plan_injection`); the eviction
 gate reads the Eviction, the pod, the workload's pods and its RetirementRequests
-(:mod:`memops.eviction`). The deciding code reads plain dicts and trusts their shape: the API
+(:mod:`memops.decisions.eviction_gate`). The deciding code reads plain dicts and trusts their shape: the API
 server types every Pod and Eviction, and the CRDs' schemas type the requests. These shapes state
 that trust, field by field, for the fields the deciding code reads, so that an object outside it
 (a client or a cache that is not the API server, a schema that changed) is refused here, by a

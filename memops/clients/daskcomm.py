@@ -24,8 +24,8 @@ itself, over asyncio streams (``tcp://`` and ``tls://``), and:
 - says nothing that the peer chose in its exceptions' messages (no size it declared, no text it
   sent): what it concluded, and the limit that it applied.
 
-Used by :mod:`memops.daskrpc` (the operator) and, as source text, by the safety net's preStop
-hook (:data:`memops.safetynet.PRE_STOP_SCRIPT`), which runs in a worker's container with only a
+Used by :mod:`memops.clients.daskrpc` (the operator) and, as source text, by the safety net's preStop
+hook (:data:`memops.clients.prestop_hook.PRE_STOP_SCRIPT`), which runs in a worker's container with only a
 stock ``distributed`` installed. So this module imports only the standard library and msgpack,
 nothing from memops or distributed, and keeps to what Python 3.9 has.
 

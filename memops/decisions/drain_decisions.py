@@ -9,7 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import pydantic
 
-from memops import objects, snapshots, specs
+from memops import specs
+from memops.decisions import objects, snapshots
 
 
 def explain_invalid(error: pydantic.ValidationError, prefix: str = "spec") -> str:
@@ -134,7 +135,7 @@ def judge_drain(
     unique data is ``Kept``, or with ``onTimeout: Force`` marked ``Forced`` with the bytes its
     removal loses. A pod that ran several workers (``--nworkers``) is removable only when all of
     them are. ``located`` maps each pod to the workers that run in it now
-    (:func:`memops.snapshots.workers_by_pod` over ``after``); without it a worker is its pod's by
+    (:func:`memops.decisions.snapshots.workers_by_pod` over ``after``); without it a worker is its pod's by
     name. ``before`` is the snapshot taken when this process began the drain; after an operator
     restart it may not know the workers any more, and the status' own figures stand.
     ``lost_at_deadline``: by worker address, (keys, bytes) that memops' drain left on it at its

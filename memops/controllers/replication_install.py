@@ -2,10 +2,10 @@
 
 Once per policy pass (:class:`memops.controllers.policy.Policy`): read the workload's pods and
 their nodes' labels, turn ``spec.replication`` into the agent's plain data
-(:func:`memops.replication.agent_rules`), make one idempotent call that installs, retunes or
-removes replication in the scheduler (:meth:`memops.daskrpc.Scheduler.configure_replication`, on
+(:func:`memops.decisions.replication_plan.agent_rules`), make one idempotent call that installs, retunes or
+removes replication in the scheduler (:meth:`memops.clients.daskrpc.Scheduler.configure_replication`, on
 the connection that the pass vouched for), and write the pods' annotations that moved
-(:func:`memops.replication.plan_annotations`): one merge-patch per pod, at most one every 30 s.
+(:func:`memops.decisions.replication_plan.plan_annotations`): one merge-patch per pod, at most one every 30 s.
 Returns ``status.replication``. When the policy is deleted, :func:`remove` takes replication out
 of the scheduler.
 """
@@ -19,8 +19,10 @@ from typing import Any
 
 import kopf
 
-from memops import daskrpc, kube, metrics, replication, snapshots, specs
-from memops.controllers import relief_install, workloads
+from memops import specs
+from memops.clients import daskrpc, kube
+from memops.controllers import metrics, relief_install, workloads
+from memops.decisions import replication_plan, snapshots
 
 DEFAULT_CEILING = 0.7
 """No copy may push a worker over this share of its limit when pressure relief is off (relief's
@@ -50,7 +52,7 @@ async def reconcile(
     addresses = {names.get(w.name, w.name): w.address for w in snapshot.workers}
     nodes = await _node_labels(client, pods)
     ceiling = specs.parse_percent(spec.pressure.relieveAbove) / 100 if spec.pressure else DEFAULT_CEILING
-    rules, places = replication.agent_rules(
+    rules, places = replication_plan.agent_rules(
         spec.replication, pods=pods, nodes=nodes, addresses=addresses, ceiling=ceiling
     )
     try:
@@ -98,8 +100,10 @@ async def annotate(
 ) -> int:
     """Write the annotations that moved; returns how many pods were written."""
     current = {str(p["metadata"]["name"]): dict(p["metadata"].get("annotations") or {}) for p in pods}
-    per_pod = replication.pod_figures(agent_workers=figures.get("workers") or {}, addresses=addresses, default=default)
-    patches = replication.plan_annotations(current, per_pod, time.time())
+    per_pod = replication_plan.pod_figures(
+        agent_workers=figures.get("workers") or {}, addresses=addresses, default=default
+    )
+    patches = replication_plan.plan_annotations(current, per_pod, time.time())
     for pod, values in patches.items():
         try:
             await client.merge_patch(

@@ -16,7 +16,8 @@ import datetime
 import enum
 from collections.abc import Mapping, Sequence
 
-from memops import conditions, drain_decisions, eviction, objects, snapshots, specs, tenancy, timestamps
+from memops import specs
+from memops.decisions import conditions, drain_decisions, eviction_gate, objects, snapshots, tenancy, timestamps
 
 Event = objects.Event  # one event type for both kinds' decisions
 
@@ -136,7 +137,7 @@ def ended(
 
 def summarize(status: specs.RetirementRequestStatus, *, was_retrying: bool = False) -> specs.RetirementRequestStatus:
     """The status as written: a step that went through clears ``Retrying``; then ``Ready``,
-    ``Reconciling`` and ``Stalled`` from the phase (:func:`memops.conditions.request_summary`)."""
+    ``Reconciling`` and ``Stalled`` from the phase (:func:`memops.decisions.conditions.request_summary`)."""
     found = status.conditions
     if was_retrying:
         found = conditions.set_condition(
@@ -368,7 +369,7 @@ def drain_blocked(
 
 
 def drained(status: specs.RetirementRequestStatus, workers: list[specs.WorkerStatus]) -> Decision:
-    """The scheduler answered a drain; ``workers`` is :func:`memops.drain_decisions.judge_drain`'s verdict."""
+    """The scheduler answered a drain; ``workers`` is :func:`memops.decisions.drain_decisions.judge_drain`'s verdict."""
     status = status.model_copy(update={"workers": workers})
     status.conditions = _reachable(status, True, reason="Connected", generation=status.observedGeneration)
     events = []
@@ -428,7 +429,7 @@ def removed(status: specs.RetirementRequestStatus, gone: Sequence[str]) -> Decis
 
 def left_to_eviction(status: specs.RetirementRequestStatus) -> Decision:
     """An eviction's drain (``removePods: false``): the evicting client removes the pods, which the gate now admits."""
-    return Decision(status=status.model_copy(update={"workers": eviction.mark_drained(status.workers)}))
+    return Decision(status=status.model_copy(update={"workers": eviction_gate.mark_drained(status.workers)}))
 
 
 # -- finishing -------------------------------------------------------------------------------------

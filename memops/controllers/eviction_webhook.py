@@ -1,15 +1,15 @@
 """The eviction gate (a validating webhook on ``pods/eviction``) and the node signals.
 
-The gate answers each eviction of a MemoryPolicy's worker pod by :func:`memops.eviction.decide`:
+The gate answers each eviction of a MemoryPolicy's worker pod by :func:`memops.decisions.eviction_gate.decide`:
 admitted when the pod holds nothing unique, else refused with 429, which ``kubectl drain``,
 cluster-autoscaler and Karpenter retry, while the node's workers drain in one RetirementRequest
 with ``removePods: false``. The node handler starts that request as soon as a Node is tainted or
-labelled for its end (:func:`memops.eviction.node_signal`), before any eviction arrives.
+labelled for its end (:func:`memops.decisions.eviction_gate.node_signal`), before any eviction arrives.
 
 The webhook must answer within its ``timeoutSeconds``: the scheduler is given
 :data:`ASK_SECONDS`, and one that does not answer in time counts as unknown (refused while the
 drain's deadline has not passed). State lives in the RetirementRequests only; their names are
-the idempotency keys (:func:`memops.eviction.request_name`).
+the idempotency keys (:func:`memops.decisions.eviction_gate.request_name`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from typing import Any
 import kopf
 import pydantic
 
-from memops import daskrpc, eviction, kube, objects, shapes, snapshots, specs, timestamps
+from memops import specs
+from memops.clients import daskrpc, kube
 from memops.controllers import policy, safetynet_webhook, scheduler_tls, vetting, workloads
+from memops.decisions import eviction_gate, objects, shapes, snapshots, timestamps
 
 ASK_SECONDS = 4.0
 """The scheduler's share of the webhook's time (the chart's timeoutSeconds is 10)."""
@@ -43,8 +45,8 @@ def eviction_requests(requests: Iterable[Mapping[str, Any]], node: str) -> list[
     return [
         r
         for r in requests
-        if (r["metadata"].get("labels") or {}).get(eviction.REASON_LABEL) == eviction.EVICTION
-        and (r["metadata"].get("labels") or {}).get(eviction.NODE_LABEL) == eviction.node_label(node)
+        if (r["metadata"].get("labels") or {}).get(eviction_gate.REASON_LABEL) == eviction_gate.EVICTION
+        and (r["metadata"].get("labels") or {}).get(eviction_gate.NODE_LABEL) == eviction_gate.node_label(node)
     ]
 
 
@@ -89,19 +91,22 @@ async def request_drain(
     """Create the node's Eviction RetirementRequest for these pods (a 409 means it exists: the
     same pods, the same name); return it as the API answered (on a 409: as it was sent, stamped
     now). ``requested_by``: the user of the eviction that started it (the gate's), recorded in
-    :data:`memops.eviction.REQUESTED_BY_ANNOTATION`."""
+    :data:`memops.decisions.eviction_gate.REQUESTED_BY_ANNOTATION`."""
     namespace, name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
-    request_name = eviction.request_name(name, node, pods, earlier)
+    request_name = eviction_gate.request_name(name, node, pods, earlier)
     owner = objects.Owner(name=name, namespace=namespace, uid=str(policy_body["metadata"]["uid"]))
     annotations = {"memops.dev/why": why[:1024]}
     if requested_by is not None:
-        annotations[eviction.REQUESTED_BY_ANNOTATION] = requested_by
+        annotations[eviction_gate.REQUESTED_BY_ANNOTATION] = requested_by
     body = objects.policy_request(
         owner,
         spec,
         name=request_name,
         workers=tuple(pods),
-        labels={eviction.REASON_LABEL: eviction.EVICTION, eviction.NODE_LABEL: eviction.node_label(node)},
+        labels={
+            eviction_gate.REASON_LABEL: eviction_gate.EVICTION,
+            eviction_gate.NODE_LABEL: eviction_gate.node_label(node),
+        },
         annotations=annotations,
     )
     # An eviction's drain: the evicting client removes the pods, which the gate then admits.
@@ -194,7 +199,7 @@ async def read_review(client: kube.Kube, body: kopf.Body, dryrun: bool) -> tuple
     namespace, name = str(body.metadata.namespace or ""), str(body.metadata.name or "")
     pod: Obj | None = None
     try:
-        dryrun = eviction.dry_run(shapes.check(shapes.EVICTION, dict(body), "eviction"), dryrun)
+        dryrun = eviction_gate.dry_run(shapes.check(shapes.EVICTION, dict(body), "eviction"), dryrun)
         if namespace and name:
             pod = await client.get_or_none(kube.resource_path("", "v1", "pods", namespace, name))
             if pod is not None:
@@ -217,14 +222,14 @@ async def answer(
 ) -> None:
     """The gate's answer to one eviction: returns to admit it, raises AdmissionError to refuse it."""
     # What the review says is a claim until the API bears it out: a review may come from
-    # anyone who reaches the webhook (see memops.eviction's docstring).
+    # anyone who reaches the webhook (see memops.decisions.eviction_gate's docstring).
     namespace, name = str(body.metadata.namespace or ""), str(body.metadata.name or "")
     client: kube.Kube = memo.kube
     review = await read_review(client, body, dryrun)
     if review is None:
         return  # the API server decides the eviction itself
     dryrun, pod = review
-    doubt = eviction.confirm_claim(dict(body), pod)
+    doubt = eviction_gate.confirm_claim(dict(body), pod)
     if doubt is not None or pod is None:
         logger.info("eviction review of %s/%s: nothing to do, %s", namespace, name, doubt)
         return
@@ -238,7 +243,7 @@ async def answer(
         return
     policy_name, spec = found
     held = await unique_bytes(client, namespace, spec, pod)
-    user = eviction.requested_by(userinfo)
+    user = eviction_gate.requested_by(userinfo)
     decision = await decide_and_drain(
         client,
         cache,
@@ -253,9 +258,9 @@ async def answer(
     )
     if decision.warning and not dryrun:
         try:
-            event = eviction.refusal_event_name(name, decision.episode)
+            event = eviction_gate.refusal_event_name(name, decision.episode)
             await post_event(
-                client, pod, eviction.REFUSED_EVENT, f"{decision.message} (eviction by {user})", name=event
+                client, pod, eviction_gate.REFUSED_EVENT, f"{decision.message} (eviction by {user})", name=event
             )
         except kube.ApiError as exc:  # the answer matters more than its event
             logger.warning("could not post the EvictionRefused event on %s: %s", name, exc)
@@ -267,7 +272,7 @@ async def answer(
 @dataclasses.dataclass
 class Guard:
     """One policy's gate: its decisions and drains one at a time, and the requests it made that
-    the index may not show yet (see :func:`memops.eviction.unseen_requests`)."""
+    the index may not show yet (see :func:`memops.decisions.eviction_gate.unseen_requests`)."""
 
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     created: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
@@ -312,27 +317,27 @@ async def decide_and_drain(
     dryrun: bool,
     user: str,
     logger: logging.Logger | logging.LoggerAdapter[Any],
-) -> eviction.Decision:
+) -> eviction_gate.Decision:
     """The gate's decision on ``pod``'s eviction (``held``: its unique bytes, by the scheduler),
     and the drain it starts, under ``guard``: reviews are answered concurrently, and each would
     otherwise read the same index and start its own drain past the bounds of
-    :func:`memops.eviction.guard_drain`."""
+    :func:`memops.decisions.eviction_gate.guard_drain`."""
     namespace, name = str(pod["metadata"]["namespace"]), str(pod["metadata"]["name"])
     node = str(pod["spec"]["nodeName"])
     async with guard.lock:
         now = timestamps.now()
         indexed = shapes.well_formed(shapes.REQUEST, cache.of("retirementrequests").get((namespace, policy_name), []))
-        guard.created = eviction.unseen_requests(guard.created, indexed, now)
+        guard.created = eviction_gate.unseen_requests(guard.created, indexed, now)
         mine = [*indexed, *guard.created]
         requests = eviction_requests(mine, node)
-        decision = eviction.guard_drain(
-            eviction.decide(
-                pod=name, unique_bytes=held, request=eviction.latest_request(name, requests), dry_run=dryrun
+        decision = eviction_gate.guard_drain(
+            eviction_gate.decide(
+                pod=name, unique_bytes=held, request=eviction_gate.latest_request(name, requests), dry_run=dryrun
             ),
             pod=name,
             node=node,
-            running=eviction.in_flight(requests),
-            started=eviction.gate_drains_since(mine, now),
+            running=eviction_gate.in_flight(requests),
+            started=eviction_gate.gate_drains_since(mine, now),
         )
         if decision.start_drain and not dryrun:
             created = await start_drain(
@@ -373,7 +378,7 @@ async def start_drain(
         return None
     try:
         listed = shapes.well_formed(shapes.LISTED_POD, await workloads.pods(client, namespace, spec.workload))
-        chosen = eviction.pods_to_drain(listed, node, ())
+        chosen = eviction_gate.pods_to_drain(listed, node, ())
         if name not in chosen:
             logger.info(
                 "eviction of %s: not one of policy %s's running workers on %s; no drain", name, policy_name, node
@@ -397,8 +402,8 @@ async def start_drain(
     drains = ", ".join(chosen)
     message = f"eviction of pod {name} by {user} refused: memops drains {drains} first (RetirementRequest {created})"
     try:
-        event = eviction.drain_event_name(name, created)
-        await post_event(client, pod, eviction.DRAIN_STARTED_EVENT, message, name=event, type_="Normal")
+        event = eviction_gate.drain_event_name(name, created)
+        await post_event(client, pod, eviction_gate.DRAIN_STARTED_EVENT, message, name=event, type_="Normal")
     except kube.ApiError as exc:  # the request records the user too
         logger.warning("could not post the EvictionDrainStarted event on %s: %s", name, exc)
     return made
@@ -418,13 +423,13 @@ def register_node_signals(registry: kopf.OperatorRegistry) -> None:
             spec = _spec(policy_body)
             if spec is None:
                 continue
-            signal = eviction.node_signal(dict(body), spec.eviction.nodeSignals)
+            signal = eviction_gate.node_signal(dict(body), spec.eviction.nodeSignals)
             namespace, policy_name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
             key, now = f"{namespace}/{policy_name}", time.monotonic()
             if signal is None:
                 seen.pop(key, None)  # the node is back: a new signal acts at once
                 continue
-            if not eviction.node_signal_due(seen, key, signal, now):
+            if not eviction_gate.node_signal_due(seen, key, signal, now):
                 continue
             seen[key] = (signal, now)
             requests = eviction_requests(cache.of("retirementrequests").get((namespace, policy_name), []), node)
@@ -432,7 +437,9 @@ def register_node_signals(registry: kopf.OperatorRegistry) -> None:
             # handles what they hold again, when their eviction comes.
             done = {w for r in requests for w in (r.get("spec") or {}).get("workers") or []}
             try:
-                pods = eviction.pods_to_drain(await workloads.pods(memo.kube, namespace, spec.workload), node, done)
+                pods = eviction_gate.pods_to_drain(
+                    await workloads.pods(memo.kube, namespace, spec.workload), node, done
+                )
             except kube.ApiError as exc:
                 del seen[key]  # the next event of this node tries again
                 raise kopf.TemporaryError(f"cannot list the workers on node {node}: {exc}", delay=5) from exc

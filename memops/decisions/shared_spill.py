@@ -1,6 +1,6 @@
 """Shared spill: what a worker pod gets so that Dask spills to a tmpfs, and whether it fits.
 
-Pure. :func:`memops.safetynet.plan_injection` (the mutating webhook, at pod creation) calls
+Pure. :func:`memops.decisions.safetynet.plan_injection` (the mutating webhook, at pod creation) calls
 :func:`plan` on the new pod and, unless it refuses, :func:`apply` to the pod's spec; the policy
 pass calls :func:`condition` on the workload's pod template to report the same verdict in the
 policy's status. Both read the same container, so the status says what the webhook does.
@@ -22,7 +22,7 @@ to have any host directory mounted into pods. None allowed (the default): medium
 Medium Node is one tmpfs per node, but never one directory for every tenant: the pod's hostPath
 volume is ``<root>/<namespace>/<policy>`` itself (:func:`spill_directory`), not the root, so no
 mount of it, in any container of the pod, reaches more than the spill of its own policy's workers,
-and the hand-over by hardlink (:mod:`memops.scheduler.handover`) links only between workers of one
+and the hand-over by hardlink (:mod:`memops.worker.handover`) links only between workers of one
 policy. A pod that already names the volume is refused (:func:`volume_name_refusal`). A policy's
 ``sizeLimit`` binds there as Dask's ``max-spill`` per worker process (:data:`MAX_SPILL_ENV`).
 """

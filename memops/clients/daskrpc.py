@@ -6,9 +6,9 @@ and unauthenticated): only handlers that every stock scheduler serves (``identit
 that memops' agent adds (:mod:`memops.scheduler.agent`).
 
 The scheduler's address is written by users, so the peer is hostile input: every call goes
-through :mod:`memops.daskcomm`, which speaks msgpack only, never unpickles (not even an error
+through :mod:`memops.clients.daskcomm`, which speaks msgpack only, never unpickles (not even an error
 reply's exception), and bounds what each reply may build by the call's
-:class:`memops.daskcomm.Limit` (its bytes, before reading it; the objects that decoding it
+:class:`memops.clients.daskcomm.Limit` (its bytes, before reading it; the objects that decoding it
 creates, while decoding). A reply that it refuses, or one of the wrong shape, raises
 :class:`SchedulerMisbehaved`; a peer that does not answer the Dask handshake (a closed port, a
 silent one, another protocol) raises :class:`SchedulerUnreachable`, all with one message, which
@@ -75,11 +75,11 @@ import cloudpickle
 from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
-from memops import daskcomm, snapshots, tenancy
+from memops.clients import daskcomm
+from memops.decisions import snapshots, tenancy
 from memops.scheduler import (
     agent,
     drain,
-    handover,
     holdings,
     relief,
     replication,
@@ -88,6 +88,7 @@ from memops.scheduler import (
     rules,
     transfers,
 )
+from memops.worker import handover
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class SchedulerMisbehaved(SchedulerUnreachable):
     Raised only once the peer has answered the Dask handshake: a peer that does not is
     :class:`SchedulerUnreachable`, like a closed port. Its message holds no text and no number
     that the peer chose: ``cause`` is memops' own words when a str, and a
-    :class:`memops.daskcomm.Misbehaved`'s message (which quotes nothing of the peer); any other
+    :class:`memops.clients.daskcomm.Misbehaved`'s message (which quotes nothing of the peer); any other
     exception reads as a reply of the wrong shape.
     """
 
@@ -165,7 +166,7 @@ class RetireOutcome:
     by_memops: bool = False
     """Drained by memops' own drain (:mod:`memops.scheduler.drain`), not stock ``retire_workers``."""
     linked: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    """Address -> (keys, bytes) that memops' drain handed over by link (:mod:`memops.scheduler.handover`)."""
+    """Address -> (keys, bytes) that memops' drain handed over by link (:mod:`memops.worker.handover`)."""
 
 
 _COMM_ERRORS = (OSError, TimeoutError)
@@ -251,7 +252,7 @@ def _mapping(address: str, value: Any, what: str) -> Mapping[Any, Any]:
 
 
 Vouch = Callable[[Sequence[snapshots.WorkerInfo]], Awaitable[tenancy.Verdict]]
-"""Judges the workers of a scheduler's ``identity`` (the tenancy check: :func:`memops.tenancy.check`)."""
+"""Judges the workers of a scheduler's ``identity`` (the tenancy check: :func:`memops.decisions.tenancy.check`)."""
 
 
 class Unvouched(Exception):
@@ -413,7 +414,7 @@ class Scheduler:
         where they cost the workers and the replicated keys rather than every key. A scheduler that
         refuses ``run_function`` is asked for ``who_has`` and ``nbytes`` of every key instead, and the
         sums are done here, in a thread: the same figures, at a cost that grows with the keys, and
-        ``who_has`` then covers every key (within :data:`memops.daskcomm.KEYS`: some 300,000 keys).
+        ``who_has`` then covers every key (within :data:`memops.clients.daskcomm.KEYS`: some 300,000 keys).
 
         ``drains`` also asks memops' agent for every drain's figures (:meth:`drain_status`, in
         ``drains`` of the snapshot; None where the scheduler does not run the agent). ``nodes``
@@ -701,7 +702,7 @@ def _identified(
 
 def _drains(address: str, state: Any) -> dict[str, Any]:
     """The agent's ``drain_status`` reply: a map by worker address. Its entries are hostile
-    input still, each checked where it is read (:func:`memops.safetynet.hook_losses`)."""
+    input still, each checked where it is read (:func:`memops.decisions.safetynet.hook_losses`)."""
     return {str(a): figures for a, figures in _mapping(address, state, "the agent's drain status").items()}
 
 

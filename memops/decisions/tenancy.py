@@ -10,7 +10,7 @@ hostNetwork pod there whatever its namespace, so it proves nothing: such pods vo
 Until the rule holds, the controllers ask the scheduler for nothing but ``identity`` (no code
 sent, no holdings read, no retirement, no relief) and write no worker name or memory figure
 into a status, nor the foreign workers' addresses (they may be another tenant's). Called, as the
-vouch of :func:`memops.daskrpc.vetted`, by the controllers (:mod:`memops.controllers.vetting`)
+vouch of :func:`memops.clients.daskrpc.vetted`, by the controllers (:mod:`memops.controllers.vetting`)
 with the workers of ``identity`` and the pods of the resource's own namespace.
 """
 
@@ -20,7 +20,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memops import snapshots
+from memops.decisions import snapshots
 
 
 class Reason(enum.StrEnum):

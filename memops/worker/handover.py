@@ -28,7 +28,7 @@ Two halves, both in this module, which imports nothing of memops (it is sent by 
     sender reported; anything else is refused and falls back to the normal transfer.
 
   The shared root lies in the pod's spill mount, which is its policy's own directory of the node's
-  tmpfs (``<root>/<namespace>/<policy>``, :func:`memops.shared_spill.spill_directory`): "inside
+  tmpfs (``<root>/<namespace>/<policy>``, :func:`memops.decisions.shared_spill.spill_directory`): "inside
   its own shared root" means inside its policy's directory, so another tenant's file is never
   linked, whatever it is named. Paths are the ones each worker sees: two workers of one policy
   mount the one directory at the same mount path, so the sender's path names the same file in

@@ -1,6 +1,6 @@
 """Pure deciding code over what the scheduler knows: which workers to retire, what moved, what was lost.
 
-No I/O and no Dask imports. :mod:`memops.daskrpc` builds a :class:`SchedulerSnapshot` from
+No I/O and no Dask imports. :mod:`memops.clients.daskrpc` builds a :class:`SchedulerSnapshot` from
 what the scheduler answers; the controllers and the benchmarks call the functions here.
 Keys are Dask's keys as the scheduler sends them (strings, or tuples of them), worker
 addresses are Dask comm addresses. A worker belongs to the pod whose IP its address carries

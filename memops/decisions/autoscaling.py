@@ -20,7 +20,8 @@ import enum
 import math
 from collections.abc import Sequence
 
-from memops import snapshots, specs
+from memops import specs
+from memops.decisions import snapshots
 
 TOLERANCE = 0.1
 

@@ -6,7 +6,8 @@ Deployments, with reading and patching DaskWorkerGroups (dask-kubernetes' worker
 patching a pod's ``resize`` subresource (in-place growth). When
 the operator meets such a feature without the permission, the API server answers 403;
 :func:`explain_forbidden` turns that into a message that names the missing permission and the
-value that grants it, which the controllers put into their conditions. Pure: called by :mod:`memops.kube` on every 403.
+value that grants it, which the controllers put into their conditions. Pure: called by
+:mod:`memops.clients.kube` on every 403.
 """
 
 from __future__ import annotations

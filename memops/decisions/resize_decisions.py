@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from memops import specs
-from memops.resize_spec import ResizeSettings
+from memops.specs.resize import ResizeSettings
 
 # -- quantities ---------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ condition carries the ``observedGeneration`` it was computed for.
 
 from __future__ import annotations
 
-from memops import specs, timestamps
+from memops import specs
+from memops.decisions import timestamps
 
 
 def now() -> str:

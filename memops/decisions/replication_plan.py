@@ -1,6 +1,6 @@
 """Replication targets, operator side: pure decisions from pods, nodes and the scheduler's figures.
 
-Called by :mod:`memops.controllers.replication` on every policy pass:
+Called by :mod:`memops.controllers.replication_install` on every policy pass:
 
 - :func:`agent_rules`: ``spec.replication`` as the plain data that memops' agent takes
   (:func:`memops.scheduler.rules.parse`): key rules as written, each pod rule turned into the
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.objects import POD_DELETION_COST
+from memops.decisions.objects import POD_DELETION_COST
 
 ZONE_LABEL = "topology.kubernetes.io/zone"
 UNIQUE_BYTES = "memops.dev/unique-bytes"

@@ -1,7 +1,7 @@
 """The MemoryPolicy's ``spec.resize``: grow a worker's memory in place before it is killed.
 
 A model in the style of :mod:`memops.specs` (which it builds on), kept apart until it is wired
-into ``MemoryPolicySpec`` as ``resize: ResizeSpec | None``; :mod:`memops.resize_decisions`
+into ``MemoryPolicySpec`` as ``resize: ResizeSpec | None``; :mod:`memops.decisions.resize_decisions`
 reads it through :meth:`ResizeSpec.settings`.
 """
 
@@ -11,7 +11,7 @@ import dataclasses
 
 import pydantic
 
-from memops import specs
+from memops.specs import common, memorypolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,17 +34,17 @@ class ResizeSettings:
     """Seconds after a resize during which no decrease is asked."""
 
 
-class ResizeSpec(specs.Model):
+class ResizeSpec(common.Model):
     """Grow a worker's memory limit in place (the pod's resize subresource, Kubernetes 1.35+) when it
     nears Dask's pause threshold and relief cannot place its keys, and tell Dask the new limit."""
 
-    maxLimit: specs.Quantity = pydantic.Field(
+    maxLimit: memorypolicy.Quantity = pydantic.Field(
         description=(
             "The largest memory limit a worker's container is grown to (16Gi). Growth is also bounded"
             " by what the node can grant: its allocatable memory minus the requests of its pods."
         )
     )
-    growAbove: specs.Percent = pydantic.Field(
+    growAbove: common.Percent = pydantic.Field(
         default="75%",
         description=(
             "Process memory over this share of the limit grows the worker, when relief cannot place the"
@@ -52,10 +52,10 @@ class ResizeSpec(specs.Model):
             " threshold (80% by default), and above pressure.relieveAbove so that relief tries first."
         ),
     )
-    growTo: specs.Percent = pydantic.Field(
+    growTo: common.Percent = pydantic.Field(
         default="60%", description="The grown limit puts the worker's memory at this share of it."
     )
-    preferGrowthAbove: specs.Quantity = pydantic.Field(
+    preferGrowthAbove: memorypolicy.Quantity = pydantic.Field(
         default="1Gi",
         description=(
             "When relief would move more than this to bring the worker under growTo, grow instead: moving"
@@ -71,28 +71,28 @@ class ResizeSpec(specs.Model):
             " keeps its limit until it is replaced."
         ),
     )
-    step: specs.Quantity = pydantic.Field(
+    step: memorypolicy.Quantity = pydantic.Field(
         default="64Mi", description="Limits are whole multiples of this, so that small changes do not resize."
     )
-    cooldown: specs.Duration = pydantic.Field(
+    cooldown: common.Duration = pydantic.Field(
         default="5m", description="No decrease within this time of the worker's last resize."
     )
 
     @pydantic.model_validator(mode="after")
     def _to_below_above(self) -> ResizeSpec:
-        if specs.parse_percent(self.growTo) >= specs.parse_percent(self.growAbove):
+        if common.parse_percent(self.growTo) >= common.parse_percent(self.growAbove):
             raise ValueError(f"resize.growTo ({self.growTo}) must be below resize.growAbove ({self.growAbove})")
-        if specs.parse_quantity(self.step) > specs.parse_quantity(self.maxLimit):
+        if memorypolicy.parse_quantity(self.step) > memorypolicy.parse_quantity(self.maxLimit):
             raise ValueError(f"resize.step ({self.step}) must not be above resize.maxLimit ({self.maxLimit})")
         return self
 
     def settings(self) -> ResizeSettings:
         return ResizeSettings(
-            max_limit=specs.parse_quantity(self.maxLimit),
-            grow_above=specs.parse_percent(self.growAbove) / 100,
-            grow_to=specs.parse_percent(self.growTo) / 100,
-            prefer_growth_above=specs.parse_quantity(self.preferGrowthAbove),
+            max_limit=memorypolicy.parse_quantity(self.maxLimit),
+            grow_above=common.parse_percent(self.growAbove) / 100,
+            grow_to=common.parse_percent(self.growTo) / 100,
+            prefer_growth_above=memorypolicy.parse_quantity(self.preferGrowthAbove),
             shrink=self.shrink,
-            step=specs.parse_quantity(self.step),
-            cooldown=specs.parse_duration(self.cooldown).total_seconds(),
+            step=memorypolicy.parse_quantity(self.step),
+            cooldown=common.parse_duration(self.cooldown).total_seconds(),
         )

@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import kopf
 
-from memops import objects, permissions
+from memops.decisions import objects, permissions
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The eviction gate's decisions, and the node signals that start a drain before the eviction.
 
-Pure: :mod:`memops.controllers.eviction` gathers the inputs (the pod, the policy, what the
+Pure: :mod:`memops.controllers.eviction_webhook` gathers the inputs (the pod, the policy, what the
 scheduler says the pod's workers hold alone, the pod's Eviction RetirementRequest) and acts on
 the :class:`Decision`.
 
@@ -40,7 +40,8 @@ import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from memops import specs, timestamps
+from memops import specs
+from memops.decisions import timestamps
 
 REASON_LABEL = "memops.dev/reason"
 """On a RetirementRequest: why it exists. ``eviction`` for the gate's and the node signals' drains."""

@@ -18,7 +18,8 @@ import dataclasses
 import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from memops import snapshots, specs
+from memops import specs
+from memops.decisions import snapshots
 
 RECENT_TO_OLD_SECONDS = 30.0
 """The scheduler's default ``recent-to-old-time``: unmanaged memory older than this is "old"."""

@@ -1,15 +1,15 @@
 """One MemoryPolicy pass, decided: from what the pass read to what it does and what its status says.
 
 Pure: no I/O, and time is ``Inputs.now`` (only a condition that changes is stamped with the
-clock, by :func:`memops.conditions.set_condition`). :class:`memops.controllers.policy.Policy`
+clock, by :func:`memops.decisions.conditions.set_condition`). :class:`memops.controllers.policy.Policy`
 reads the cluster and the scheduler into one :class:`Inputs`, calls :func:`decide`, and
 applies the :class:`Decision` it returns once (marks, requests, the scale-up, events, the status), as
-:func:`memops.conditions.request_summary` does for a RetirementRequest's conditions.
+:func:`memops.decisions.conditions.request_summary` does for a RetirementRequest's conditions.
 
 The order inside :func:`decide` is the order of the policy's promises: the count to steer towards
 (``spec.replicas``, or memory-driven autoscaling raised for starved workers), then recycling
 (which may ask for workers above that count while replacements start), then one scaling step
-(:func:`memops.scaling.plan_scale`), then the conditions, derived from the final state.
+(:func:`memops.decisions.scaling.plan_scale`), then the conditions, derived from the final state.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memops import autoscaling, conditions, objects, recycle_decisions, scaling, shared_spill, specs, timestamps
+from memops import specs
+from memops.decisions import autoscaling, conditions, objects, recycle_decisions, scaling, shared_spill, timestamps
 
 
 @dataclasses.dataclass(frozen=True)
