@@ -266,7 +266,7 @@ async def test_a_real_scheduler_with_50_workers_agrees_with_a_full_scan_through_
                 who_has = await client.scheduler.who_has(keys=[str(f.key) for f in ruled])
                 return all(len(h) >= 2 for h in who_has.values())
 
-            await wait_until(settled, 60, "ruled keys at two copies")
+            await wait_until(settled, 180, "ruled keys at two copies")  # a bound, not a speed: CI runs builds beside
             assert agrees(scheduler) >= 300
             for _ in range(12):
                 what = rng.choice(("lose", "lose", "join", "rule", "rule"))
