@@ -41,6 +41,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from distributed.active_memory_manager import (
@@ -151,8 +152,18 @@ def decide(
     by_address = {w.address: w for w in workers}
     leaving = {w.address for w in workers if w.leaving}
     budget = int(max_fraction * sum(w.limit for w in workers if not w.leaving))
-    projected = {w.address: w.memory for w in workers}
-    recipients = [w for w in workers if w.running and not w.leaving and w.limit]
+    drops, under, spent = _drops(items, by_address, leaving, spent)
+    copies, unserved, spent = _copies(
+        under, workers, by_address, budget=budget, ceiling=ceiling, landing=landing, max_copies=max_copies, spent=spent
+    )
+    return Plan(tuple(copies), tuple(drops), tuple(unserved), spent, budget)
+
+
+def _drops(
+    items: Iterable[Item], by_address: Mapping[str, Worker], leaving: AbstractSet[str], spent: int
+) -> tuple[list[tuple[str, str]], list[tuple[Item, list[str], int]], int]:
+    """:func:`decide`'s first half: the extra copies to drop, the keys under target (with their
+    staying holders and how many copies they lack), and the extra copies' bytes then."""
     drops: list[tuple[str, str]] = []
     under: list[tuple[Item, list[str], int]] = []
     for item in items:
@@ -176,6 +187,24 @@ def decide(
             outside = [h for h in holders if h not in away]
             spent -= item.nbytes
             excess -= 1
+    return drops, under, spent
+
+
+def _copies(
+    under: list[tuple[Item, list[str], int]],
+    workers: Sequence[Worker],
+    by_address: Mapping[str, Worker],
+    *,
+    budget: int,
+    ceiling: float,
+    landing: float,
+    max_copies: int,
+    spent: int,
+) -> tuple[list[tuple[str, str]], list[str], int]:
+    """:func:`decide`'s second half: each key under target, in :func:`value_order`, copied to
+    the best recipient within the budget; the copies, the keys none could take, the bytes spent."""
+    projected = {w.address: w.memory for w in workers}
+    recipients = [w for w in workers if w.running and not w.leaving and w.limit]
     copies: list[tuple[str, str]] = []
     unserved: list[str] = []
     order = sorted(recipients, key=lambda w: (projected[w.address] / w.limit, w.address))
@@ -187,22 +216,9 @@ def decide(
             cost = int(landing * item.nbytes)
             if len(copies) >= max_copies or (holders and spent + item.nbytes > budget):
                 break
-            best: tuple[tuple[bool, bool, float], Worker] | None = None
-            nodes = {by_address[h].node for h in holders if by_address[h].node}
-            zones = {by_address[h].zone for h in holders if by_address[h].zone}
-            for w in order:
-                if w.address in holders or w.address in item.target.away:
-                    continue
-                if projected[w.address] + cost > ceiling * w.limit:
-                    continue
-                score = (w.node in nodes or not w.node, w.zone in zones or not w.zone, projected[w.address] / w.limit)
-                if best is None or score < best[0]:
-                    best = (score, w)
-                if score[:2] == floor:
-                    break  # ``order`` is by fullness: nothing later places it better
-            if best is None:
+            recipient = _best_recipient(item, holders, order, by_address, projected, cost, ceiling, floor)
+            if recipient is None:
                 break
-            recipient = best[1]
             copies.append((item.key, recipient.address))
             projected[recipient.address] += cost
             spent += item.nbytes if holders else 0
@@ -214,7 +230,34 @@ def decide(
             order = []  # the rest wait for the next pass
         elif served and len(copies) % 64 == 0:
             order = sorted(recipients, key=lambda w: (projected[w.address] / w.limit, w.address))
-    return Plan(tuple(copies), tuple(drops), tuple(unserved), spent, budget)
+    return copies, unserved, spent
+
+
+def _best_recipient(
+    item: Item,
+    holders: Sequence[str],
+    order: Sequence[Worker],
+    by_address: Mapping[str, Worker],
+    projected: Mapping[str, int],
+    cost: int,
+    ceiling: float,
+    floor: tuple[bool, bool],
+) -> Worker | None:
+    """Another node, then another zone, then the least full, staying under ``ceiling``."""
+    best: tuple[tuple[bool, bool, float], Worker] | None = None
+    nodes = {by_address[h].node for h in holders if by_address[h].node}
+    zones = {by_address[h].zone for h in holders if by_address[h].zone}
+    for w in order:
+        if w.address in holders or w.address in item.target.away:
+            continue
+        if projected[w.address] + cost > ceiling * w.limit:
+            continue
+        score = (w.node in nodes or not w.node, w.zone in zones or not w.zone, projected[w.address] / w.limit)
+        if best is None or score < best[0]:
+            best = (score, w)
+        if score[:2] == floor:
+            break  # ``order`` is by fullness: nothing later places it better
+    return None if best is None else best[1]
 
 
 # -- inside the scheduler ---------------------------------------------------------------------------
