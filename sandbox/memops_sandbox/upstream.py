@@ -286,7 +286,7 @@ async def _serve_on_real_nodes(
             await install.install_operator(api, objects, plane.pki.path("webhook-client-ca").read_bytes())
             await _together(
                 common.wait_for_workers(address, workers, common.start_allowance(workers)),
-                *([_operator_ready(api, state_dir)] if operator else []),
+                *([_operator_ready(api, state_dir, install.webhook_service_hosts(values)[0])] if operator else []),
             )
         (state_dir / "scheduler-address").write_text(address + "\n")
         (state_dir / "ready").write_text("ready\n")
@@ -295,23 +295,44 @@ async def _serve_on_real_nodes(
         await asyncio.Event().wait()
 
 
-async def _operator_ready(api: controlplane.Api, state_dir: Path, timeout: float = 120) -> None:
-    """Until the chart's operator pod is Ready (Kopf's /healthz answers); then its metrics'
-    address goes to ``DIR/metrics-url``."""
+async def _operator_ready(api: controlplane.Api, state_dir: Path, webhook_host: str, timeout: float = 120) -> None:
+    """Until the chart's operator pod is Ready (Kopf's /healthz answers) and its webhook's Service
+    takes connections where the API server calls it (kube-proxy programs the Service a moment
+    after the pod is Ready; until then a call fails open, and pods miss the safety net); then its
+    metrics' address goes to ``DIR/metrics-url``."""
     selector = "app.kubernetes.io/component=operator"
+    name, namespace = webhook_host.split(".")[:2]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         listed = await api.get(f"/api/v1/namespaces/{install.NAMESPACE}/pods?labelSelector={selector}")
-        for pod in listed["items"]:
-            conditions = pod.get("status", {}).get("conditions") or []
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
-                ports = {p.get("name"): p["containerPort"] for p in pod["spec"]["containers"][0].get("ports", [])}
-                if "metrics" in ports:
-                    url = f"http://{pod['status']['podIP']}:{ports['metrics']}/metrics\n"
-                    (state_dir / "metrics-url").write_text(url)
-                return
+        ready = [
+            pod
+            for pod in listed["items"]
+            if any(
+                c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions") or []
+            )
+        ]
+        service = await api.get(f"/api/v1/namespaces/{namespace}/services/{name}")
+        if ready and await _accepts(service["spec"]["clusterIP"], 443):
+            ports = {p.get("name"): p["containerPort"] for p in ready[0]["spec"]["containers"][0].get("ports", [])}
+            if "metrics" in ports:
+                url = f"http://{ready[0]['status']['podIP']}:{ports['metrics']}/metrics\n"
+                (state_dir / "metrics-url").write_text(url)
+            return
         await asyncio.sleep(0.2)
-    raise TimeoutError(f"the operator's pod was not Ready within {timeout:.0f} s")
+    raise TimeoutError(f"the operator's pod and its webhook's Service were not ready within {timeout:.0f} s")
+
+
+async def _accepts(host: str, port: int) -> bool:
+    """Whether ``host:port`` takes a TCP connection (from this machine, as the API server)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 
 async def _together(*awaitables: Awaitable[Any]) -> list[Any]:
