@@ -245,6 +245,11 @@ async def test_a_real_scheduler_with_50_workers_agrees_with_a_full_scan_through_
                 n_workers=50,
                 processes=False,
                 threads_per_worker=1,
+                # All 50 workers share this process, so each one's memory is the whole process':
+                # with the default limit (the machine's memory over 50, ~490 MiB here) a test
+                # process grown past 80% of that by earlier tests pauses them all, and a paused
+                # worker takes no copy.
+                memory_limit="8GiB",
                 protocol="tcp",  # memops speaks tcp:// (or tls://) only, as to any scheduler
                 host="127.0.0.1",
                 dashboard_address="127.0.0.1:0",
