@@ -23,8 +23,8 @@ from memops_sandbox import build, upstream
 from memops_sandbox import common as sandbox
 
 NO_SANDBOX = ("unit", "fuzz", "scheduler")
-"""The test folders that start no control plane: they run first, so that a broken change fails
-in minutes rather than after the sandboxes' half hour."""
+"""The test folders that start no control plane: they run first, so that CI can build the
+sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
