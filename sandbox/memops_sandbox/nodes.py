@@ -444,29 +444,16 @@ async def _wait_for_socket(path: Path, process: asyncio.subprocess.Process, time
 
 
 async def import_images(
-    node: Node, binaries: NodeBinaries, archives: Sequence[Path], aliases: Mapping[str, str] | None = None
+    node: Node,
+    binaries: NodeBinaries,
+    archives: Sequence[images.ImageArchive],
+    aliases: Mapping[str, str] | None = None,
 ) -> None:
     """Import OCI archives into the Node's containerd, for the CRI (namespace ``k8s.io``), and
     tag each ``aliases`` key as its value's image."""
-    aliases = aliases or {}
     for archive in archives:
-        process = await asyncio.create_subprocess_exec(
-            str(binaries.ctr),
-            f"--address={node.socket}",
-            "--namespace=k8s.io",
-            "images",
-            "import",
-            "--all-platforms",
-            str(archive),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        output, _ = await process.communicate()
-        if process.returncode != 0:
-            raise RuntimeError(
-                f"ctr images import {archive} into {node.name}: {output.decode(errors='replace')[-2000:]}"
-            )
-    for alias, source in aliases.items():
+        await asyncio.to_thread(images.import_into, binaries.ctr, node.socket, archive)
+    for alias, source in (aliases or {}).items():
         await _ctr(node, binaries, "images", "tag", "--force", source, alias)
 
 
@@ -474,7 +461,7 @@ async def _ctr(node: Node, binaries: NodeBinaries, *args: str) -> None:
     process = await asyncio.create_subprocess_exec(
         str(binaries.ctr),
         f"--address={node.socket}",
-        "--namespace=k8s.io",
+        f"--namespace={images.NAMESPACE}",
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -488,7 +475,7 @@ async def _start_node(
     node: Node,
     binaries: NodeBinaries,
     kubeconfig: Path,
-    archives: Sequence[Path],
+    archives: Sequence[images.ImageArchive],
     aliases: Mapping[str, str],
     logs: Path,
 ) -> dict[str, asyncio.subprocess.Process]:
@@ -539,7 +526,7 @@ async def running(
     plane: Any,
     nodes: Sequence[Node],
     binaries: NodeBinaries,
-    archives: Sequence[Path],
+    archives: Sequence[images.ImageArchive],
     *,
     aliases: Mapping[str, str] | None = None,
     eviction_hard: dict[str, str] | None = None,

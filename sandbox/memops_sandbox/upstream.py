@@ -271,9 +271,7 @@ async def _serve_on_real_nodes(
         # a cluster (the Dask Helm chart's, dask-kubernetes') run here as they are.
         aliases = {common.DASK_IMAGE: dask_image}
         await stack.enter_async_context(
-            real_nodes.running(
-                plane, machine, binaries, [archive.path for archive in archives.values()], aliases=aliases
-            )
+            real_nodes.running(plane, machine, binaries, list(archives.values()), aliases=aliases)
         )
         async with plane.session() as api:
             for manifest in common.scheduler_manifests(dask_image):
