@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import ipaddress
 import json
 import logging
@@ -53,6 +54,11 @@ CGROUP_PARENT = "memops-sandbox"
 RUN_ROOT = Path("/run/memops-sandbox")
 """Sockets (a unix socket's path is limited to 108 bytes, the state directory's is not)."""
 DISK_ROOT = Path("/var/lib/memops-sandbox")
+IMAGE_STORES = Path("/var/lib/memops-sandbox-images")
+"""containerd roots with the sandbox's images imported, one per set of images: each Node's
+containerd starts from a copy of one (hard links to its immutable blobs and layers), so a sandbox
+does not import and unpack every image into every Node again. Beside :data:`DISK_ROOT` (the same
+filesystem, for the links), and kept when the sandbox stops."""
 """The kubelets' root directories (pods' volumes; the kubelet's own sockets are in them, so the
 path is short), on disk: an emptyDir there is a disk's, as on a node, not memory."""
 POD_NETWORK = ipaddress.IPv4Network("10.244.0.0/16")
@@ -98,6 +104,11 @@ class Node:
         return self.run / "containerd.sock"
 
 
+def containerd_root(node: Node) -> Path:
+    """Under :data:`DISK_ROOT` (removed when the sandbox stops), beside :data:`IMAGE_STORES`."""
+    return DISK_ROOT / node.name / "containerd"
+
+
 def layout(names: Sequence[str], state_dir: Path) -> list[Node]:
     ports: list[int] = []
     nodes = []
@@ -121,8 +132,8 @@ def layout(names: Sequence[str], state_dir: Path) -> list[Node]:
 # -- configuration (pure) ---------------------------------------------------------------------------
 
 
-def containerd_config(node: Node, binaries: NodeBinaries) -> str:
-    """containerd's ``config.toml`` (version 3) for ``node``."""
+def containerd_config(node: Node, binaries: NodeBinaries, root: Path | None = None) -> str:
+    """containerd's ``config.toml`` (version 3) for ``node`` (its root: ``root``, or the Node's own)."""
     runtime = {
         "restrict_oom_score_adj": True,
         "enable_unprivileged_ports": True,
@@ -139,7 +150,7 @@ def containerd_config(node: Node, binaries: NodeBinaries) -> str:
     }
     lines = [
         "version = 3",
-        f'root = "{node.root / "containerd"}"',
+        f'root = "{root or containerd_root(node)}"',
         f'state = "{node.run / "state"}"',
         "[grpc]",
         f'  address = "{node.socket}"',
@@ -425,12 +436,12 @@ def prepare_network(nodes: Sequence[Node]) -> None:
         subprocess.run(["ip", "link", "set", node.bridge, "up"], check=True, capture_output=True)
 
 
-def write_configs(node: Node, binaries: NodeBinaries, ca: Path, eviction_hard: dict[str, str] | None) -> None:
+def write_configs(node: Node, binaries: NodeBinaries) -> None:
+    """The Node's containerd and CNI configuration (the kubelet's needs the plane's CA: :func:`running`)."""
     for directory in (node.root / "cni", node.root / "ipam", node.root / "pod-logs", node.run):
         directory.mkdir(parents=True, exist_ok=True)
     (node.root / "containerd.toml").write_text(containerd_config(node, binaries))
     (node.root / "cni" / "10-memops.conflist").write_text(json.dumps(cni_config(node), indent=2))
-    (node.root / "kubelet.yaml").write_text(yaml.safe_dump(kubelet_config(node, ca, eviction_hard)))
 
 
 async def _wait_for_socket(path: Path, process: asyncio.subprocess.Process, timeout: float) -> None:
@@ -452,7 +463,9 @@ async def import_images(
     """Import OCI archives into the Node's containerd, for the CRI (namespace ``k8s.io``), and
     tag each ``aliases`` key as its value's image."""
     for archive in archives:
+        started = time.monotonic()
         await asyncio.to_thread(images.import_into, binaries.ctr, node.socket, archive)
+        logger.info("%s imported into %s in %.1f s", archive.ref, node.name, time.monotonic() - started)
     for alias, source in (aliases or {}).items():
         await _ctr(node, binaries, "images", "tag", "--force", source, alias)
 
@@ -471,27 +484,106 @@ async def _ctr(node: Node, binaries: NodeBinaries, *args: str) -> None:
         raise RuntimeError(f"ctr {' '.join(args)} on {node.name}: {output.decode(errors='replace')[-2000:]}")
 
 
-async def _start_node(
+async def _start_runtime(
     node: Node,
     binaries: NodeBinaries,
-    kubeconfig: Path,
+    store: Path | None,
     archives: Sequence[images.ImageArchive],
     aliases: Mapping[str, str],
     logs: Path,
-) -> dict[str, asyncio.subprocess.Process]:
+) -> asyncio.subprocess.Process:
+    """The Node's containerd, its images in place: a copy of ``store`` (:func:`image_store`), or
+    imported now when there is none."""
     from memops_sandbox import controlplane
 
-    env = {**os.environ, "PATH": f"{binaries.containerd_shim_runc_v2.parent}:{os.environ.get('PATH', '')}"}
+    if store is not None:
+        await asyncio.to_thread(_copy_store, store, containerd_root(node))
     containerd = await controlplane.spawn(
         f"containerd-{node.name}",
         [str(binaries.containerd), f"--config={node.root / 'containerd.toml'}", "--log-level=warn"],
         logs,
-        env=env,
+        env=_runtime_env(binaries),
     )
     await _wait_for_socket(node.socket, containerd, 30)
-    await import_images(node, binaries, archives, aliases)
-    kubelet = await controlplane.spawn(f"kubelet-{node.name}", kubelet_argv(node, binaries, kubeconfig), logs, env=env)
-    return {f"containerd-{node.name}": containerd, f"kubelet-{node.name}": kubelet}
+    if store is None:
+        await import_images(node, binaries, archives, aliases)
+    return containerd
+
+
+def _store_key(binaries: NodeBinaries, archives: Sequence[images.ImageArchive], aliases: Mapping[str, str]) -> str:
+    """What an image store is made of: containerd, every archive's file, the aliases."""
+    digest = hashlib.sha256()
+    stat = binaries.containerd.stat()
+    digest.update(f"{binaries.containerd}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    for archive in archives:
+        # An archive's name carries the key of its inputs; its mtime is when it was last used.
+        digest.update(f"{archive.path.name}\0{archive.path.stat().st_size}\0".encode())
+    digest.update(json.dumps([[a.ref for a in archives], sorted(aliases.items())]).encode())
+    return digest.hexdigest()[:24]
+
+
+async def image_store(
+    binaries: NodeBinaries, archives: Sequence[images.ImageArchive], aliases: Mapping[str, str], logs: Path
+) -> Path | None:
+    """A containerd root under :data:`IMAGE_STORES` with ``archives`` imported and ``aliases``
+    tagged (made once, by a containerd of its own, then reused); None if it cannot be made here
+    (the Nodes then import the images themselves)."""
+    from memops_sandbox import controlplane
+
+    store = IMAGE_STORES / _store_key(binaries, archives, aliases)
+    if (store / "complete").exists():
+        return store / "containerd"
+    started = time.monotonic()
+    making = IMAGE_STORES / f"{store.name}.making"
+    builder = Node(name="images", index=0, root=making, run=RUN_ROOT / "images", kubelet_port=0, healthz_port=0)
+    shutil.rmtree(making, ignore_errors=True)
+    making.mkdir(parents=True)
+    builder.run.mkdir(parents=True, exist_ok=True)
+    (making / "containerd.toml").write_text(containerd_config(builder, binaries, root=making / "containerd"))
+    containerd = await controlplane.spawn(
+        "containerd-images",
+        [str(binaries.containerd), f"--config={making / 'containerd.toml'}", "--log-level=warn"],
+        logs,
+        env=_runtime_env(binaries),
+    )
+    try:
+        await _wait_for_socket(builder.socket, containerd, 30)
+        await import_images(builder, binaries, archives, aliases)
+    except (OSError, RuntimeError, TimeoutError, images.ImageError):
+        logger.exception("the image store could not be made; each Node imports the images itself")
+        return None
+    finally:
+        await common.stop(containerd, grace=5)
+        shutil.rmtree(builder.run, ignore_errors=True)
+    # The stores of other images are of no more use.
+    for old in IMAGE_STORES.iterdir():
+        if old != making:
+            shutil.rmtree(old, ignore_errors=True)
+    making.rename(store)
+    (store / "complete").write_text("")
+    logger.info("the image store made in %.1f s", time.monotonic() - started)
+    return store / "containerd"
+
+
+_COPIED = ("meta.db", "metadata.db")
+"""The files of a containerd root that containerd writes in place (bolt databases): copied, where
+every other file (content blobs, unpacked layers, never written once made) is linked."""
+
+
+def _copy_store(store: Path, root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-a", "-l", str(store), str(root)], check=True, capture_output=True)
+    for name in _COPIED:
+        for linked in root.rglob(name):
+            copy = linked.with_name(f"{name}.copy")
+            shutil.copy2(linked, copy)
+            copy.replace(linked)
+
+
+def _runtime_env(binaries: NodeBinaries) -> dict[str, str]:
+    """containerd and the kubelet find the runc shim on their PATH."""
+    return {**os.environ, "PATH": f"{binaries.containerd_shim_runc_v2.parent}:{os.environ.get('PATH', '')}"}
 
 
 async def _ready_nodes(api: Any, names: Sequence[str]) -> bool:
@@ -522,43 +614,66 @@ def machine(names: Sequence[str], state_dir: Path) -> Iterator[list[Node]]:
 
 
 @contextlib.asynccontextmanager
+async def runtimes(
+    nodes: Sequence[Node],
+    binaries: NodeBinaries,
+    archives: Sequence[images.ImageArchive],
+    logs: Path,
+    *,
+    aliases: Mapping[str, str] | None = None,
+) -> AsyncIterator[None]:
+    """What of real ``nodes`` (of :func:`machine`) needs no API server: each Node's cgroups,
+    configuration and containerd, with ``archives`` imported (``aliases``: more refs for imported
+    images, ref -> the imported image's ref). The sandbox starts them while its control plane
+    starts; :func:`running` adds the kubelets. On exit the containerds stop (after :func:`running`
+    has killed the containers)."""
+    processes: dict[str, asyncio.subprocess.Process] = {}
+    try:
+        started = time.monotonic()
+        for node in nodes:
+            make_cgroups(node)
+            write_configs(node, binaries)
+        store = await image_store(binaries, archives, aliases or {}, logs)
+        containerds = await asyncio.gather(
+            *(_start_runtime(node, binaries, store, archives, aliases or {}, logs) for node in nodes)
+        )
+        processes.update({f"containerd-{node.name}": c for node, c in zip(nodes, containerds, strict=True)})
+        logger.info("%d containerds up, images imported, after %.1f s", len(nodes), time.monotonic() - started)
+        yield
+    finally:
+        for process in processes.values():
+            await common.stop(process, grace=5)
+
+
+@contextlib.asynccontextmanager
 async def running(
     plane: Any,
     nodes: Sequence[Node],
     binaries: NodeBinaries,
-    archives: Sequence[images.ImageArchive],
     *,
-    aliases: Mapping[str, str] | None = None,
     eviction_hard: dict[str, str] | None = None,
     timeout: float = 120,
 ) -> AsyncIterator[None]:
-    """Run real ``nodes`` (of :func:`machine`) against ``plane`` (a
-    :class:`memops_sandbox.controlplane.Plane`) until the block exits, then stop them and their
-    containers. Yields once every Node is Ready. ``aliases``: more refs for imported images (ref
-    -> the imported image's ref)."""
+    """Run the kubelets of real ``nodes`` (of :func:`machine`, their :func:`runtimes` up) and a
+    kube-proxy against ``plane`` (a :class:`memops_sandbox.controlplane.Plane`) until the block
+    exits, then stop them and kill their containers. Yields once every Node is Ready."""
     from memops_sandbox import certs, controlplane
 
     state_dir: Path = plane.state_dir
     names = [node.name for node in nodes]
     processes: dict[str, asyncio.subprocess.Process] = {}
     try:
-        for node in nodes:
-            make_cgroups(node)
-            write_configs(node, binaries, plane.pki.path("ca"), eviction_hard)
+        started = time.monotonic()
         proxy_config = plane.client_kubeconfig("kube-proxy", "system:kube-proxy")
         (state_dir / "kube-proxy.yaml").write_text(yaml.safe_dump(kube_proxy_config(proxy_config)))
-        started = time.monotonic()
-        kubeconfigs = [
-            plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
-            for node in nodes
-        ]
-        for started_node in await asyncio.gather(
-            *(
-                _start_node(node, binaries, kubeconfig, archives, aliases or {}, plane.logs)
-                for node, kubeconfig in zip(nodes, kubeconfigs, strict=True)
+        for node in nodes:
+            (node.root / "kubelet.yaml").write_text(
+                yaml.safe_dump(kubelet_config(node, plane.pki.path("ca"), eviction_hard))
             )
-        ):
-            processes.update(started_node)
+            kubeconfig = plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
+            processes[f"kubelet-{node.name}"] = await controlplane.spawn(
+                f"kubelet-{node.name}", kubelet_argv(node, binaries, kubeconfig), plane.logs, env=_runtime_env(binaries)
+            )
         processes["kube-proxy"] = await controlplane.spawn(
             "kube-proxy",
             [str(binaries.kube_proxy), f"--config={state_dir / 'kube-proxy.yaml'}", f"--hostname-override={names[0]}"],
@@ -579,21 +694,17 @@ async def running(
 
 
 async def _stop(processes: dict[str, asyncio.subprocess.Process], binaries: NodeBinaries) -> None:
-    """Stop kube-proxy and the kubelets, kill every container (SIGKILL to the Nodes' cgroups: the
-    sandbox is going away, and grace periods are the pods' business while it runs), stop the
-    containerds (:func:`machine` removes what is left)."""
-    for name, process in processes.items():
-        if not name.startswith("containerd-"):
-            await common.stop(process, grace=5)
+    """Stop kube-proxy and the kubelets, and kill every container (SIGKILL to the Nodes' cgroups: the
+    sandbox is going away, and grace periods are the pods' business while it runs); the containerds
+    stop next (:func:`runtimes`), and :func:`machine` removes what is left."""
+    for process in processes.values():
+        await common.stop(process, grace=5)
     for hierarchy in _hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             try:
                 _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
             except OSError:
                 logger.exception("killing the containers under %s", hierarchy / CGROUP_PARENT)
-    for name, process in processes.items():
-        if name.startswith("containerd-"):
-            await common.stop(process, grace=5)
     if "kube-proxy" in processes:
         cleanup = await asyncio.create_subprocess_exec(
             str(binaries.kube_proxy), "--cleanup", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL

@@ -262,26 +262,36 @@ async def _serve_on_real_nodes(
                 archives["operator"].ref, archives["pause"].ref, certs.WEBHOOK_CLIENT, replicas=1 if operator else 0
             ),
         )
-        plane, objects = await stack.enter_async_context(
-            plane_with_operator_access(
-                state_dir, values, advertise=machine[0].ip, webhook_services=install.webhook_service_hosts(values)
-            )
-        )
         # Dask's own image's ref names the sandbox's Dask image too, so that manifests written for
         # a cluster (the Dask Helm chart's, dask-kubernetes') run here as they are.
         aliases = {common.DASK_IMAGE: dask_image}
-        await stack.enter_async_context(
-            real_nodes.running(plane, machine, binaries, list(archives.values()), aliases=aliases)
+        # The containerds start, and take the images, while the control plane starts.
+        (plane, objects), _ = await _together(
+            stack.enter_async_context(
+                plane_with_operator_access(
+                    state_dir, values, advertise=machine[0].ip, webhook_services=install.webhook_service_hosts(values)
+                )
+            ),
+            stack.enter_async_context(
+                real_nodes.runtimes(machine, binaries, list(archives.values()), state_dir / "logs", aliases=aliases)
+            ),
         )
         async with plane.session() as api:
+            # The Dask scheduler exists before its Node does: the kube-scheduler binds its pod the
+            # moment the kubelets register.
             for manifest in common.scheduler_manifests(dask_image):
                 await api.create(install.path_of(manifest), manifest)
             service = await api.get(f"/api/v1/namespaces/{common.NAMESPACE}/services/{common.SCHEDULER}")
             address = f"tcp://{service['spec']['clusterIP']}:{common.SCHEDULER_PORT}"
+            await stack.enter_async_context(real_nodes.running(plane, machine, binaries))
+            # Not before kube-proxy runs: until it has programmed the webhook's Service, the API
+            # server's calls to it would hang to their timeout rather than fail at once.
+            await install.install_operator(api, objects, plane.pki.path("webhook-client-ca").read_bytes())
+            # The workers once the scheduler answers: a worker that finds no scheduler retries
+            # with a growing backoff (Dask's connect), seconds apart by the time it would answer.
+            await common.wait_for_workers(address, 0, common.start_allowance(workers))
             deployment = common.worker_deployment(address, workers, memory_limit, image=dask_image)
             await api.create(install.path_of(deployment), deployment)
-            # The operator starts while the workers do, as the chart's Deployment.
-            await install.install_operator(api, objects, plane.pki.path("webhook-client-ca").read_bytes())
             await _together(
                 common.wait_for_workers(address, workers, common.start_allowance(workers)),
                 *([_operator_ready(api, state_dir, install.webhook_service_hosts(values)[0])] if operator else []),
