@@ -107,7 +107,8 @@ async def test_a_pressed_worker_without_peers_is_grown_through_pods_resize(
     the pod's resize subresource for a limit (and, Guaranteed, the same request) that puts its memory
     at 60%: the pod's spec holds it (the API server takes resources through pods/resize only), the pod
     is stamped with the time, and status.resize says Grow, PeersFull. Dask is told only once the
-    kubelet reports the new limit applied, which no kubelet does here."""
+    kubelet reports the new limit applied: written here into the pod's status as a kubelet would,
+    the next pass sets the worker's and the scheduler's copies (no nanny runs in this process)."""
     kube_client, ns = namespace
     limit = -(-int(psutil.Process().memory_info().rss / 0.8) // Mi) * Mi
     async with (
@@ -128,6 +129,22 @@ async def test_a_pressed_worker_without_peers_is_grown_through_pods_resize(
         assert objects.RESIZED_ANNOTATION in pod["metadata"]["annotations"]
         assert status["resize"]["resized"] == 1
         assert scheduler.workers[worker.address].memory_limit == limit, "Dask waits for the kubelet's report"
+
+        # The kubelet applied it (as it reports it in the pod's status): the next pass tells Dask.
+        applied = {"limits": resources["limits"], "requests": resources["requests"]}
+        report = {"name": "worker", "image": "w.invalid/w:1", "imageID": "", "ready": True, "restartCount": 0}
+        report |= {"resources": applied, "allocatedResources": resources["requests"], "state": {"running": {}}}
+        await kube_client.request(
+            "PATCH",
+            f"{pod_path}/status",
+            body={"status": {"containerStatuses": [report]}},
+            content_type="application/strategic-merge-patch+json",
+        )
+        status = await one_pass(kube_client, ns, _spec(scheduler.address, resize={"maxLimit": "64Gi"}))
+        [entry] = status["resize"]["workers"]
+        assert (entry["action"], entry["reason"]) == ("TellDask", "ContainerResized"), status["resize"]
+        assert scheduler.workers[worker.address].memory_limit == grown, "the scheduler's copy"
+        assert worker.memory_manager.memory_limit == grown, "the worker's copy"
 
 
 @pytest.mark.usefixtures("no_events")
