@@ -301,11 +301,14 @@ def _resize(inputs: Inputs) -> _Resize:
     before = {w.pod: w for w in (old.workers if old is not None else [])}
     entries, orders, events, fallbacks, extra = [], [], [], [], 0
     for seen in inputs.resize:
+        held = before.get(seen.pod)
         decision = resize_decisions.decide(seen.inputs, settings)
+        if _refused_lately(decision, held, seen.inputs, settings):
+            assert held is not None
+            decision = resize_decisions.refused_lately(seen.inputs, settings, held.message)
         order = _order(seen, decision)
         if order is not None:
             orders.append(order)
-        held = before.get(seen.pod)
         if _kept_worker(decision, held):
             # The worker added for this one stays while its growth still fails, even though the
             # peers (the new worker among them) now have room: else the next pass would drain it.
@@ -327,6 +330,20 @@ def _resize(inputs: Inputs) -> _Resize:
         message="; ".join(fallbacks),
     )
     return _Resize(extra=extra, orders=tuple(orders), record=record, events=tuple(events))
+
+
+def _refused_lately(
+    decision: resize_decisions.Decision,
+    held: specs.ResizedWorker | None,
+    inputs: resize_decisions.Inputs,
+    settings: specs.ResizeSettings,
+) -> bool:
+    """A growth asked again within ``cooldown`` of the kubelet refusing it as infeasible (the ask
+    taken back stamped the pod): it would be refused again, ask after ask."""
+    since = inputs.seconds_since_resize
+    refused = held is not None and held.reason == resize_decisions.Reason.RESIZE_INFEASIBLE.value
+    recent = since is not None and since < settings.cooldown
+    return decision.action is resize_decisions.Action.GROW and refused and recent
 
 
 def _kept_worker(decision: resize_decisions.Decision, held: specs.ResizedWorker | None) -> bool:
@@ -381,11 +398,11 @@ def _fallback_message(pod: str, decision: resize_decisions.Decision) -> str:
     """ "w-1: the kubelet deferred its growth (...): relieved by its peers", or "" when no fallback."""
     Action = resize_decisions.Action
     why = _FALLBACKS.get(decision.reason)
-    if why is None or decision.action not in (Action.RELIEVE, Action.SCALE_UP, Action.NONE):
+    then = {Action.RELIEVE: "relieved by its peers", Action.SCALE_UP: "one more worker"}.get(decision.action)
+    if why is None or then is None:
         return ""
     detail = f" ({decision.message})" if decision.message else ""
-    then = {Action.RELIEVE: "relieved by its peers", Action.SCALE_UP: "one more worker"}
-    return f"{pod}: {why}{detail}: {then.get(decision.action, 'under its target, nothing to do')}"
+    return f"{pod}: {why}{detail}: {then}"
 
 
 def _resize_events(entry: specs.ResizedWorker, fallback: str) -> list[Event]:

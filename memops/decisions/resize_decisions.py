@@ -253,6 +253,14 @@ def _fallback(inputs: Inputs, reason: Reason, needed: int, message: str, revert_
     return Decision(action, reason, revert_to=revert_to, message=message)
 
 
+def refused_lately(inputs: Inputs, settings: ResizeSettings, message: str) -> Decision:
+    """A growth that the kubelet refused as infeasible, asked again within ``cooldown`` of the ask
+    being taken back: not asked again yet (it would only be refused again), but fallen back as it
+    was then."""
+    needed = math.ceil(used_bytes(inputs) - settings.grow_to * inputs.worker.limit)
+    return _fallback(inputs, Reason.RESIZE_INFEASIBLE, needed, message)
+
+
 def decide(inputs: Inputs, settings: ResizeSettings) -> Decision:
     """What to do about one worker's memory limit (see the module's docstring)."""
     container = inputs.container

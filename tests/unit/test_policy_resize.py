@@ -311,3 +311,28 @@ def test_template_memory(template: dict[str, Any] | None, expected: tuple[int | 
 )
 def test_seconds_since(annotation: str | None, expected: float | None) -> None:
     assert rd.seconds_since(annotation, NOW) == expected
+
+
+@pytest.mark.parametrize(
+    ("since", "orders", "entry"),
+    [
+        pytest.param(10.0, [], ("ScaleUp", "ResizeInfeasible", "1Gi"), id="within-cooldown-not-asked-again"),
+        pytest.param(
+            3600.0,
+            [(Action.GROW, 1536 * Mi, 1536 * Mi)],
+            ("Grow", "PeersFull", "1536Mi"),
+            id="after-cooldown-asked-again",
+        ),
+    ],
+)
+def test_a_growth_refused_as_infeasible_is_not_asked_again_at_once(
+    since: float, orders: list[tuple[Action, int, int | None]], entry: tuple[str, str, str]
+) -> None:
+    """The kubelet refused the last growth as infeasible and memops took the ask back (stamping the
+    pod): the worker is still pressed, but the same ask would be refused again, pass after pass."""
+    before = specs.ResizeStatus(
+        workers=[specs.ResizedWorker(pod="w-1", action="ScaleUp", reason="ResizeInfeasible", limit="1Gi")]
+    )
+    decision = policy_decisions.decide(_inputs(_worker(900 * Mi, since=since), current=5, old=before))
+    assert _orders(decision) == orders
+    assert _entry(decision) == entry
