@@ -1,5 +1,6 @@
-"""What both kinds share: the API group, durations and names as Kubernetes writes them, the
-scheduler and workload references, the status condition, and what the CRD generator needs of a kind.
+"""What both kinds share: the API group, durations, quantities and names as Kubernetes writes them,
+the scheduler and workload references, the status condition, and what the CRD generator needs of a
+kind (its printer columns among it).
 """
 
 from __future__ import annotations

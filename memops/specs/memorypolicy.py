@@ -1,5 +1,6 @@
 """The MemoryPolicy kind: its spec (drain, eviction, autoscaling, recycling, pressure relief,
-replication, shared spill), its status, and what the CRD generator needs of it."""
+replication, shared spill; in-place growth from :mod:`memops.specs.resize`), its status, and what
+the CRD generator needs of it."""
 
 from __future__ import annotations
 

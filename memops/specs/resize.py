@@ -127,4 +127,6 @@ class ResizeStatus(common.Model):
         default_factory=list, description="One entry per worker with a grown limit, a pending ask or a fallback."
     )
     resized: int = pydantic.Field(default=0, description="Resizes asked since the policy was created.")
-    message: str = pydantic.Field(default="", description="The last fallback and why, in one line.")
+    message: str = pydantic.Field(
+        default="", description=("The fallbacks of the last pass and why, and what it could not apply, in one line.")
+    )
