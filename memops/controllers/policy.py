@@ -32,16 +32,19 @@ from memops.controllers import (
     recycle,
     relief_install,
     replication_install,
+    resize,
     scheduler_tls,
     vetting,
     workloads,
 )
 from memops.decisions import (
     autoscaling,
+    disruption,
     drain_decisions,
     objects,
     policy_decisions,
     recycle_decisions,
+    resize_decisions,
     safetynet,
     scaling,
     selectors,
@@ -65,6 +68,11 @@ _MAX_NAME_LENGTH = 63
 """A policy's name is a label value on its RetirementRequests (``memops.dev/policy``): 63 characters at most."""
 _TENANCY_RECHECK_SECONDS = 60.0
 """The workers shown to be pods of the namespace are checked again at least this often."""
+_DISRUPTION_SECONDS = 15.0
+"""The disruption annotations are decided at most this often per policy: each time costs the
+workers' unique bytes (the agent's holdings) and a list of the workload's pods. A node
+autoscaler waits minutes before it removes a node (cluster-autoscaler's scale-down-unneeded-time,
+10 min by default), so 15 s of delay leaves it nothing to remove in between."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +127,8 @@ class Policy:
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
         self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
+        self.disruption_read = -_DISRUPTION_SECONDS  # when the disruption annotations were last decided (monotonic)
+        self.disruption_due = False  # this pass decides them (set at the start of its read)
 
     async def reconcile(self) -> None:
         """One pass: read, decide (:func:`memops.decisions.policy_decisions.decide`), apply."""
@@ -146,6 +156,7 @@ class Policy:
         if isinstance(target, policy_decisions.NotReady):
             return Blocked(old, status, target, generation)
         spec, workload = target
+        self.disruption_due = time.monotonic() - self.disruption_read >= _DISRUPTION_SECONDS
         hpas = await self.listed("horizontalpodautoscalers", (self.namespace,))
         connection = await stack.enter_async_context(self.check_scheduler(spec, status, generation))
         scheduler, snapshot = connection if connection is not None else (None, None)
@@ -157,6 +168,7 @@ class Policy:
         if snapshot is not None:  # the namespace's scheduler: what its preStop drains lost
             status.safetyNet = hook_losses.read(spec, status.safetyNet, snapshot.drains, logger=self.logger)
         current = workloads.replicas_of(workload)
+        resized, disrupted = await self.read_workers(spec, workload, snapshot, now)
         inputs = policy_decisions.Inputs(
             owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
             generation=generation,
@@ -172,8 +184,36 @@ class Policy:
             recycling=await self.read_recycling(spec, workload, snapshot, requests, status, now),
             template=shared_spill.template_spec(workload) if spec.sharedSpill is not None else None,
             host_roots=self.host_roots,
+            resize=resized,
+            disruption=disrupted,
         )
         return Read(old, inputs, workload, scheduler, snapshot, hook_events)
+
+    async def read_workers(
+        self,
+        spec: specs.MemoryPolicySpec,
+        workload: dict[str, Any],
+        snapshot: snapshots.SchedulerSnapshot | None,
+        now: float,
+    ) -> tuple[tuple[resize_decisions.WorkerSeen, ...] | None, policy_decisions.DisruptionSeen | None]:
+        """What in-place growth decides from (``spec.resize``), and, on the passes that decide them,
+        the disruption annotations' inputs; None for each that this pass does not read."""
+        if snapshot is None or (spec.resize is None and not self.disruption_due):
+            return None, None
+        pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
+        resized = None
+        if spec.resize is not None:
+            template = shared_spill.template_spec(workload)
+            resized = await resize.observe(
+                self.client, spec=spec, pods=pods, snapshot=snapshot, template=template, now=now
+            )
+        if not self.disruption_due:
+            return resized, None
+        self.disruption_read = time.monotonic()
+        # The unique bytes were asked for with the snapshot when the annotations are on (reach_scheduler).
+        unique = {w.name: w.unique_bytes for w in snapshot.workers} if spec.eviction.disruptionAnnotations else {}
+        annotations = {str(p["metadata"]["name"]): dict(p["metadata"].get("annotations") or {}) for p in pods}
+        return resized, policy_decisions.DisruptionSeen(pods=annotations, unique=unique)
 
     async def read_target(
         self, status: specs.MemoryPolicyStatus
@@ -219,6 +259,8 @@ class Policy:
         that a finished drain is annotated as recorded only once the status holds it."""
         inputs = read.inputs
         status = await self.configure_scheduler(read, decision.status)
+        status = await self.apply_resizes(read, decision, status)
+        await workloads.patch_annotations(self.client, self.namespace, decision.annotations, self.logger)
         if inputs.recycling is not None:
             await recycle.apply_seen(self.client, body=self.body, seen=inputs.recycling, logger=self.logger)
         for mark in decision.marks:
@@ -242,6 +284,27 @@ class Policy:
         )
         await recycle.mark_recorded(self.client, self.namespace, decision.recorded)
         self.steady = decision.steady
+
+    async def apply_resizes(
+        self, read: Read, decision: policy_decisions.Decision, status: specs.MemoryPolicyStatus
+    ) -> specs.MemoryPolicyStatus:
+        """The workers' memory changes (:func:`memops.controllers.resize.apply`); ``status`` with
+        what failed in ``resize.message``, for the next pass to decide again."""
+        spec = read.inputs.spec.resize
+        if not decision.resizes or spec is None:
+            return status
+        failed = await resize.apply(
+            self.client,
+            read.scheduler,
+            namespace=self.namespace,
+            orders=decision.resizes,
+            maximum=spec.settings().max_limit,
+            logger=self.logger,
+        )
+        if not failed or status.resize is None:
+            return status
+        message = "; ".join(filter(None, [status.resize.message, *failed]))
+        return status.model_copy(update={"resize": status.resize.model_copy(update={"message": message})})
 
     async def configure_scheduler(self, read: Read, status: specs.MemoryPolicyStatus) -> specs.MemoryPolicyStatus:
         """Relief and replication in the vouched-for scheduler; ``status`` with what they report.
@@ -350,7 +413,8 @@ class Policy:
                 # drains' figures for status.safetyNet (hook_losses), from memops' agent, which is
                 # told where the workers run: a preStop hook names only its own worker's node.
                 query = {
-                    "keys": False,
+                    # The workers' unique bytes, for the disruption annotations, on the passes that decide them.
+                    "keys": self.disruption_due and spec.eviction.disruptionAnnotations,
                     "processing": spec.recycle is not None,
                     "drains": True,
                     "nodes": lambda: self.nodes,
@@ -398,6 +462,7 @@ class Policy:
     async def goodbye(self) -> None:
         """The policy is gone: its pressure relief and replication leave the scheduler (best effort),
         on one connection vouched for by a fresh tenancy check."""
+        await self.unprotect()
         status = self.body.get("status") or {}
         if not (status.get("pressure") or status.get("replication")):
             return
@@ -414,6 +479,19 @@ class Policy:
             ValueError,
         ) as exc:
             self.logger.warning("pressure relief and replication left in the scheduler: %s", exc)
+
+    async def unprotect(self) -> None:
+        """The policy is gone: the disruption annotations it set leave its workers' pods (best
+        effort); left behind, they would keep node autoscalers off those nodes for ever."""
+        try:
+            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
+            pods = await workloads.pods(self.client, self.namespace, spec.workload)
+        except (pydantic.ValidationError, kube.ApiError) as exc:
+            self.logger.warning("disruption annotations left on the workers: %s", exc)
+            return
+        current = {str(p["metadata"]["name"]): dict(p["metadata"].get("annotations") or {}) for p in pods}
+        patches = disruption.plan_annotations(current, {}, enabled=False, now=time.time())
+        await workloads.patch_annotations(self.client, self.namespace, patches, self.logger)
 
     async def safety_net(
         self, spec: specs.MemoryPolicySpec, current: specs.SafetyNetStatus | None

@@ -104,13 +104,7 @@ async def annotate(
         agent_workers=figures.get("workers") or {}, addresses=addresses, default=default
     )
     patches = replication_plan.plan_annotations(current, per_pod, time.time())
-    for pod, values in patches.items():
-        try:
-            await client.merge_patch(
-                kube.resource_path("", "v1", "pods", namespace, pod), {"metadata": {"annotations": values}}
-            )
-        except kube.ApiError as exc:
-            logger.info("annotations of pod %s not written: %s", pod, exc)
+    await workloads.patch_annotations(client, namespace, patches, logger)
     return len(patches)
 
 

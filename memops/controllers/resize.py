@@ -8,13 +8,24 @@ through the pod itself: only ``pods/resize`` takes them, and RBAC grants it apar
 (``pods/resize`` ``patch``: the chart's ``rbac.podResize``).
 
 Dask's side (the worker's, the nanny's and the scheduler's copies of the limit) is the agent's
-``resize`` operation, :meth:`memops.daskrpc.Scheduler.resize_worker`.
+``resize`` operation, :meth:`memops.clients.daskrpc.Scheduler.resize_worker`.
+
+For the policy pass (:mod:`memops.controllers.policy`): :func:`observe` reads, per worker of the
+workload, what :func:`memops.decisions.resize_decisions.decide` needs; :func:`apply` performs the
+orders that :func:`memops.decisions.policy_decisions.decide` made of the decisions.
 """
 
 from __future__ import annotations
 
-from memops.clients import kube
-from memops.decisions import objects, resize_decisions
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from memops import specs
+from memops.clients import daskrpc, kube
+from memops.decisions import objects, policy_decisions, resize_decisions, snapshots
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 """A strategic merge patch merges ``containers`` by name: the other containers, and the other
@@ -50,3 +61,139 @@ async def read_container_memory(
     if pod is None:
         return None
     return resize_decisions.container_memory(pod, container), resize_decisions.resize_status(pod)
+
+
+async def observe(
+    client: kube.Kube,
+    *,
+    spec: specs.MemoryPolicySpec,
+    pods: Sequence[objects.Obj],
+    snapshot: snapshots.SchedulerSnapshot,
+    template: Mapping[str, Any] | None,
+    now: float,
+) -> tuple[resize_decisions.WorkerSeen, ...]:
+    """Each connected worker's inputs to the decision (``snapshot``'s workers are named by their
+    pods). Its node's room is read only for a worker over ``growAbove``: the others do not grow."""
+    assert spec.resize is not None
+    settings = spec.resize.settings()
+    ceiling = specs.parse_percent(spec.pressure.relieveAbove) / 100 if spec.pressure is not None else None
+    baseline = resize_decisions.template_memory(template)
+    rooms: dict[str, int] = {}
+    found = []
+    for pod in pods:
+        seen = _worker_seen(pod, snapshot, baseline, ceiling, spill_charged=spec.sharedSpill is not None, now=now)
+        if seen is None:
+            continue
+        node = str((pod.get("spec") or {}).get("nodeName") or "")
+        if node and resize_decisions.is_pressed(seen, settings):
+            if node not in rooms:
+                rooms[node] = await node_room(client, node, default=settings.max_limit)
+            seen = dataclasses.replace(seen, inputs=dataclasses.replace(seen.inputs, node_room=rooms[node]))
+        found.append(seen)
+    return tuple(found)
+
+
+def _worker_seen(
+    pod: objects.Obj,
+    snapshot: snapshots.SchedulerSnapshot,
+    baseline: tuple[int | None, int | None],
+    ceiling: float | None,
+    *,
+    spill_charged: bool,
+    now: float,
+) -> resize_decisions.WorkerSeen | None:
+    """One pod's worker as the decision sees it (its node's room left at 0); None without a
+    connected worker or a memory limit."""
+    name = str(pod["metadata"]["name"])
+    worker = snapshot.by_name(name)
+    containers = (pod.get("spec") or {}).get("containers") or ()
+    if worker is None or not containers:
+        return None
+    container = str(containers[0].get("name", ""))
+    memory = resize_decisions.container_memory(pod, container)
+    if memory is None or memory.limit is None:
+        return None
+    annotations = pod["metadata"].get("annotations") or {}
+    baseline_limit, baseline_request = baseline
+    inputs = resize_decisions.Inputs(
+        worker=resize_decisions.worker_memory(worker),
+        container=memory,
+        resize=resize_decisions.resize_status(pod),
+        baseline_limit=baseline_limit if baseline_limit is not None else memory.limit,
+        baseline_request=baseline_request,
+        node_room=0,
+        peers_room=resize_decisions.peers_room(snapshot.workers, worker.address, ceiling),
+        seconds_since_resize=resize_decisions.seconds_since(annotations.get(objects.RESIZED_ANNOTATION), now),
+        spill_charged=spill_charged,
+    )
+    return resize_decisions.WorkerSeen(name, worker.address, container, inputs)
+
+
+async def node_room(client: kube.Kube, node: str, *, default: int) -> int:
+    """Bytes of memory request the node can still grant (:func:`memops.decisions.resize_decisions.node_room`):
+    its allocatable memory minus the requests of its pods that have not ended. Where the operator may
+    not read them (a namespaced install lists no other namespace's pods), ``default``: the kubelet
+    then decides, and a growth it cannot grant comes back Deferred or Infeasible."""
+    try:
+        body = await client.get(kube.resource_path("", "v1", "nodes", None, node))
+        pods = await client.list(
+            kube.resource_path("", "v1", "pods"),
+            field_selector=f"spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed",
+        )
+    except kube.ApiError:
+        return default
+    allocatable = resize_decisions.from_quantity(((body.get("status") or {}).get("allocatable") or {}).get("memory"))
+    if allocatable is None:
+        return default
+    return resize_decisions.node_room(allocatable, (_requested(pod) for pod in pods))
+
+
+def _requested(pod: objects.Obj) -> int:
+    """A pod's memory request as the node admitted it: per container, what the kubelet allocated
+    (a resize it admitted) or else what the spec asks."""
+    statuses = {s.get("name"): s for s in (pod.get("status") or {}).get("containerStatuses") or ()}
+    total = 0
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        allocated = (statuses.get(container.get("name")) or {}).get("allocatedResources") or {}
+        asked = ((container.get("resources") or {}).get("requests") or {}).get("memory")
+        total += resize_decisions.from_quantity(allocated.get("memory") or asked) or 0
+    return total
+
+
+async def apply(
+    client: kube.Kube,
+    scheduler: daskrpc.Scheduler | None,
+    *,
+    namespace: str,
+    orders: Sequence[policy_decisions.ResizeOrder],
+    maximum: int,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> list[str]:
+    """Perform the orders: growth on the container (Dask follows once the kubelet applied it, on a
+    later pass), a decrease on Dask then the container, an ask taken back. Returns what failed, one
+    line per worker (the status shows it); the next pass reads where things stand and decides again."""
+    Action = resize_decisions.Action
+    failed = []
+    for order in orders:
+        try:
+            if order.action in (Action.TELL_DASK, Action.SHRINK):
+                if scheduler is None:
+                    continue
+                reply = await scheduler.resize_worker(order.address, memory_limit=order.limit, maximum=maximum)
+                if reply.get("refused"):
+                    failed.append(
+                        f"{order.pod}: Dask refused {resize_decisions.to_quantity(order.limit)}: {reply['refused']}"
+                    )
+                    continue
+            if order.action is not Action.TELL_DASK:
+                await resize_container_memory(
+                    client, namespace, order.pod, order.container, limit=order.limit, request=order.request
+                )
+                await client.merge_patch(
+                    kube.resource_path("", "v1", "pods", namespace, order.pod),
+                    {"metadata": {"annotations": {objects.RESIZED_ANNOTATION: f"{time.time():.0f}"}}},
+                )
+            logger.info("%s: %s to %s", order.pod, order.action.value, resize_decisions.to_quantity(order.limit))
+        except (kube.ApiError, daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused) as exc:
+            failed.append(f"{order.pod}: {order.action.value} {resize_decisions.to_quantity(order.limit)}: {exc}")
+    return failed

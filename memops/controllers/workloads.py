@@ -22,8 +22,9 @@ Deployments as replicas and has nothing to choose.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from memops import specs
@@ -145,6 +146,25 @@ async def pods(
     path = kube.resource_path("", "v1", "pods", namespace)
     items = await client.list(path, label_selector=selector(workload))
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+async def patch_annotations(
+    client: kube.Kube,
+    namespace: str,
+    patches: Mapping[str, Mapping[str, str | None]],
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> int:
+    """One merge-patch of annotations per pod (None removes one); a pod that is gone or refuses is
+    logged and left to the next pass. Returns how many pods were written."""
+    written = 0
+    for pod, values in patches.items():
+        try:
+            await client.merge_patch(_pod_path(namespace, pod), {"metadata": {"annotations": dict(values)}})
+        except kube.ApiError as exc:
+            logger.info("annotations of pod %s not written: %s", pod, exc)
+        else:
+            written += 1
+    return written
 
 
 def _pod_path(namespace: str, name: str) -> str:

@@ -39,6 +39,14 @@ SAFETY_NET_ANNOTATION = "memops.dev/safety-net"
 """Set by the webhook on a worker pod that got the preStop drain: the policy's name."""
 POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 LOWEST_DELETION_COST = str(-(2**31))  # the annotation is an int32; lower is deleted first
+RESIZED_ANNOTATION = "memops.dev/resized"
+"""When memops last asked the pod's resize subresource for a new memory (Unix seconds)."""
+DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
+"""Karpenter leaves the node of a pod with this ``"true"`` (no consolidation, no drift replacement)."""
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+"""cluster-autoscaler does not remove the node of a pod with this ``"false"``."""
+PROTECTED_ANNOTATION = "memops.dev/unique-data-protected"
+"""memops set the two above, since this time (Unix seconds): only then does it remove them."""
 
 TERMINAL_PHASES = frozenset({specs.Phase.SUCCEEDED, specs.Phase.FAILED})
 """A RetirementRequest in one of these has finished; its daemon has exited."""

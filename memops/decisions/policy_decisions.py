@@ -22,7 +22,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.decisions import autoscaling, conditions, objects, recycle_decisions, scaling, shared_spill, timestamps
+from memops.decisions import (
+    autoscaling,
+    conditions,
+    disruption,
+    objects,
+    recycle_decisions,
+    resize_decisions,
+    scaling,
+    shared_spill,
+    timestamps,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +121,32 @@ class Inputs:
     recycling: RecycleSeen | None = None
     template: Mapping[str, Any] | None = None  # the workload's pod spec (spec.sharedSpill); None: not read
     host_roots: frozenset[str] = frozenset()  # the host directories medium Node may mount (memops run's)
+    resize: tuple[resize_decisions.WorkerSeen, ...] | None = None  # spec.resize's workers; None: not read
+    disruption: DisruptionSeen | None = None  # the pods' annotations and unique bytes; None: not read this pass
 
 
 Event = objects.Event  # one event type for both kinds' decisions
+
+
+@dataclasses.dataclass(frozen=True)
+class DisruptionSeen:
+    """What the disruption annotations are decided from (:func:`memops.decisions.disruption.plan_annotations`)."""
+
+    pods: Mapping[str, Mapping[str, str]]  # each worker pod's annotations
+    unique: Mapping[str, int]  # pod -> bytes its worker holds alone (connected workers only)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeOrder:
+    """One change of a worker's memory for the apply: the container's (``pods/resize``: GROW,
+    REVERT), Dask's copies (TELL_DASK), or Dask's then the container's (SHRINK)."""
+
+    pod: str
+    address: str
+    container: str
+    action: resize_decisions.Action
+    limit: int
+    request: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +168,8 @@ class Decision:
     create: tuple[objects.Obj, ...] = ()  # RetirementRequests: recycling drains, then a scale-down
     events: tuple[Event, ...] = ()
     recorded: tuple[str, ...] = ()  # recycling drains to annotate as recorded after the status is written
+    resizes: tuple[ResizeOrder, ...] = ()
+    annotations: Mapping[str, disruption.Patch] = dataclasses.field(default_factory=dict)  # pod -> merge-patch
     steady: bool = False  # nothing to do and nothing that samples memory: the next pass may wait longer
 
 
@@ -156,6 +191,9 @@ def decide(inputs: Inputs) -> Decision:
     recycle = _recycle(inputs, running, desired) if inputs.recycling is not None else None
     if recycle is not None:
         status.recycle = recycle.record
+    resize = _resize(inputs)
+    status.resize = resize.record
+    desired += resize.extra
     failed = _latest_failure(inputs.requests)
     decision = scaling.plan_scale(
         current=inputs.current,
@@ -169,6 +207,7 @@ def decide(inputs: Inputs) -> Decision:
     )
     create = list(recycle.create) if recycle is not None else []
     events = [Event("Normal", "Recycling", f"recycling {m.pod}: {m.message}") for m in recycle.marks] if recycle else []
+    events += resize.events
     acting = decision.action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN)
     if decision.action == scaling.Action.SCALE_DOWN:
         create.append(
@@ -206,6 +245,8 @@ def decide(inputs: Inputs) -> Decision:
         create=tuple(create),
         events=tuple(events),
         recorded=inputs.recycling.recorded if inputs.recycling is not None else (),
+        resizes=resize.orders,
+        annotations=_disruption(inputs),
         # Memory-driven features sample the scheduler on every short pass; a plain policy that is
         # where it should be only watches for drift, and its own spec changes wake it at once.
         steady=decision.action == scaling.Action.NONE
@@ -214,8 +255,165 @@ def decide(inputs: Inputs) -> Decision:
         and spec.autoscale is None
         and spec.recycle is None
         and spec.pressure is None
-        and spec.replication is None,
+        and spec.replication is None
+        and spec.resize is None,
     )
+
+
+def _disruption(inputs: Inputs) -> dict[str, disruption.Patch]:
+    seen = inputs.disruption
+    if seen is None:
+        return {}
+    enabled = inputs.spec.eviction.disruptionAnnotations
+    return disruption.plan_annotations(seen.pods, seen.unique, enabled=enabled, now=inputs.now)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resize:
+    extra: int = 0  # one more worker: a growth the kubelet would not grant, and no room on the peers
+    orders: tuple[ResizeOrder, ...] = ()
+    record: specs.ResizeStatus | None = None
+    events: tuple[Event, ...] = ()
+
+
+_FALLBACKS = {
+    resize_decisions.Reason.RESIZE_DEFERRED: "the kubelet deferred its growth",
+    resize_decisions.Reason.RESIZE_INFEASIBLE: "the kubelet refused its growth as infeasible",
+    resize_decisions.Reason.RESIZE_FAILED: "the runtime failed to apply its growth",
+    resize_decisions.Reason.AT_MAXIMUM: "it is at resize.maxLimit",
+    resize_decisions.Reason.NODE_FULL: "its node can grant no more memory",
+}
+"""Why a worker over ``growAbove`` was not grown, for the status and the events."""
+_ASKS = (resize_decisions.Action.GROW, resize_decisions.Action.SHRINK)
+
+
+def _resize(inputs: Inputs) -> _Resize:
+    """Each worker's memory decided (:func:`memops.decisions.resize_decisions.decide`): the orders for
+    the apply, ``status.resize``, the events of what changed, and one more worker where a growth fell
+    back to a scale-up (kept while that worker's growth still fails, so that the next pass does not
+    drain the worker it just added)."""
+    spec, old = inputs.spec.resize, inputs.status.resize
+    if spec is None:
+        return _Resize()
+    if inputs.resize is None:  # not read this pass (no scheduler): as written last
+        return _Resize(record=old)
+    settings = spec.settings()
+    before = {w.pod: w for w in (old.workers if old is not None else [])}
+    entries, orders, events, fallbacks, extra = [], [], [], [], 0
+    for seen in inputs.resize:
+        held = before.get(seen.pod)
+        decision = resize_decisions.decide(seen.inputs, settings)
+        if _refused_lately(decision, held, seen.inputs, settings):
+            assert held is not None
+            decision = resize_decisions.refused_lately(seen.inputs, settings, held.message)
+        order = _order(seen, decision)
+        if order is not None:
+            orders.append(order)
+        if _kept_worker(decision, held):
+            # The worker added for this one stays while its growth still fails, even though the
+            # peers (the new worker among them) now have room: else the next pass would drain it.
+            decision = dataclasses.replace(decision, action=resize_decisions.Action.SCALE_UP)
+        entry = _entry(seen, decision, held, inputs.now)
+        if entry is None:
+            continue
+        entries.append(entry)
+        fallback = _fallback_message(seen.pod, decision)
+        if fallback:
+            fallbacks.append(fallback)
+            extra = max(extra, int(decision.action is resize_decisions.Action.SCALE_UP))
+        if entry != before.get(seen.pod):  # new, or changed: said once
+            events.extend(_resize_events(entry, fallback))
+    asked = sum(1 for o in orders if o.action in _ASKS)
+    record = specs.ResizeStatus(
+        workers=sorted(entries, key=lambda w: w.pod),
+        resized=(old.resized if old is not None else 0) + asked,
+        message="; ".join(fallbacks),
+    )
+    return _Resize(extra=extra, orders=tuple(orders), record=record, events=tuple(events))
+
+
+def _refused_lately(
+    decision: resize_decisions.Decision,
+    held: specs.ResizedWorker | None,
+    inputs: resize_decisions.Inputs,
+    settings: specs.ResizeSettings,
+) -> bool:
+    """A growth asked again within ``cooldown`` of the kubelet refusing it as infeasible (the ask
+    taken back stamped the pod): it would be refused again, ask after ask."""
+    since = inputs.seconds_since_resize
+    refused = held is not None and held.reason == resize_decisions.Reason.RESIZE_INFEASIBLE.value
+    recent = since is not None and since < settings.cooldown
+    return decision.action is resize_decisions.Action.GROW and refused and recent
+
+
+def _kept_worker(decision: resize_decisions.Decision, held: specs.ResizedWorker | None) -> bool:
+    """A fallback to relief for a worker whose growth fell back to one more worker before."""
+    Action = resize_decisions.Action
+    fell_back = decision.reason in _FALLBACKS and decision.action is Action.RELIEVE
+    return fell_back and held is not None and held.action == Action.SCALE_UP.value
+
+
+def _order(seen: resize_decisions.WorkerSeen, decision: resize_decisions.Decision) -> ResizeOrder | None:
+    """What the apply does for one worker's decision; None: nothing."""
+    Action = resize_decisions.Action
+    container = seen.inputs.container
+    if decision.action in (Action.GROW, Action.SHRINK, Action.TELL_DASK) and decision.limit is not None:
+        return ResizeOrder(seen.pod, seen.address, seen.container, decision.action, decision.limit, decision.request)
+    # An ask taken back: the limit, and the request the node had admitted before it.
+    revert = decision.limit if decision.action is Action.REVERT else decision.revert_to
+    if revert is not None:
+        return ResizeOrder(seen.pod, seen.address, seen.container, Action.REVERT, revert, container.allocated)
+    return None
+
+
+def _entry(
+    seen: resize_decisions.WorkerSeen,
+    decision: resize_decisions.Decision,
+    before: specs.ResizedWorker | None,
+    now: float,
+) -> specs.ResizedWorker | None:
+    """The worker's line in ``status.resize.workers``: what was decided, unless nothing; a grown
+    worker at rest keeps its last line for as long as its limit stays above its template's."""
+    Action, Reason = resize_decisions.Action, resize_decisions.Reason
+    applied = seen.inputs.container.applied_limit
+    quiet = decision.action is Action.NONE or decision.reason is Reason.PEERS_HAVE_ROOM
+    if quiet:
+        grown = applied is not None and applied > seen.inputs.baseline_limit
+        return before if grown else None
+    limit = decision.limit if decision.limit is not None else applied
+    entry = specs.ResizedWorker(
+        pod=seen.pod,
+        action=decision.action.value,
+        reason=decision.reason.value,
+        limit=resize_decisions.to_quantity(limit) if limit is not None else "",
+        message=decision.message,
+        time=_render(now),
+    )
+    if before is not None and before.model_copy(update={"time": entry.time}) == entry:
+        return before  # the same as last pass: its time stays when it started
+    return entry
+
+
+def _fallback_message(pod: str, decision: resize_decisions.Decision) -> str:
+    """ "w-1: the kubelet deferred its growth (...): relieved by its peers", or "" when no fallback."""
+    Action = resize_decisions.Action
+    why = _FALLBACKS.get(decision.reason)
+    then = {Action.RELIEVE: "relieved by its peers", Action.SCALE_UP: "one more worker"}.get(decision.action)
+    if why is None or then is None:
+        return ""
+    detail = f" ({decision.message})" if decision.message else ""
+    return f"{pod}: {why}{detail}: {then}"
+
+
+def _resize_events(entry: specs.ResizedWorker, fallback: str) -> list[Event]:
+    Action = resize_decisions.Action
+    if fallback:
+        return [Event("Warning", entry.reason, fallback)]
+    said = {Action.GROW: ("Grow", "grows to"), Action.SHRINK: ("Shrink", "shrinks to")}
+    if entry.action in said:
+        reason, verb = said[Action(entry.action)]
+        return [Event("Normal", reason, f"{entry.pod} {verb} {entry.limit} ({entry.reason})")]
+    return []
 
 
 def _aim(inputs: Inputs, status: specs.MemoryPolicyStatus) -> tuple[int, str]:

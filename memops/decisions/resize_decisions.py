@@ -36,10 +36,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from memops import specs
+from memops.decisions import snapshots
 from memops.specs.resize import ResizeSettings
 
 # -- quantities ---------------------------------------------------------------------------------
@@ -252,6 +253,14 @@ def _fallback(inputs: Inputs, reason: Reason, needed: int, message: str, revert_
     return Decision(action, reason, revert_to=revert_to, message=message)
 
 
+def refused_lately(inputs: Inputs, settings: ResizeSettings, message: str) -> Decision:
+    """A growth that the kubelet refused as infeasible, asked again within ``cooldown`` of the ask
+    being taken back: not asked again yet (it would only be refused again), but fallen back as it
+    was then."""
+    needed = math.ceil(used_bytes(inputs) - settings.grow_to * inputs.worker.limit)
+    return _fallback(inputs, Reason.RESIZE_INFEASIBLE, needed, message)
+
+
 def decide(inputs: Inputs, settings: ResizeSettings) -> Decision:
     """What to do about one worker's memory limit (see the module's docstring)."""
     container = inputs.container
@@ -300,3 +309,66 @@ def decide(inputs: Inputs, settings: ResizeSettings) -> Decision:
                 Action.SHRINK, Reason.PRESSURE_GONE, limit=limit, request=_request_for(inputs, limit, applied)
             )
     return Decision(Action.NONE, Reason.NO_PRESSURE)
+
+
+# -- what the policy pass gathers ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSeen:
+    """One worker as the policy pass read it for :func:`decide`: its pod, its Dask address, the
+    container whose memory is resized (the pod's first: the worker's), and the decision's inputs."""
+
+    pod: str
+    address: str
+    container: str
+    inputs: Inputs
+
+
+def worker_memory(info: snapshots.WorkerInfo) -> WorkerMemory:
+    """Dask's view of a worker, from the scheduler's snapshot (Dask's default fractions)."""
+    return WorkerMemory(
+        process=info.process_bytes,
+        managed=info.managed_bytes,
+        unmanaged=info.unmanaged_bytes,
+        spilled=info.spilled_bytes,
+        limit=info.memory_limit,
+    )
+
+
+def peers_room(workers: Sequence[snapshots.WorkerInfo], address: str, ceiling: float | None) -> int:
+    """Bytes that relief could place on the other running workers: what each can take before it
+    passes relief's ``relieveAbove`` (``ceiling``, a share of its limit). Without relief
+    (``ceiling`` None) nothing moves the keys: 0."""
+    if ceiling is None:
+        return 0
+    return sum(
+        max(0, math.floor(ceiling * w.memory_limit) - w.process_bytes)
+        for w in workers
+        if w.address != address and w.status == "running" and w.memory_limit > 0
+    )
+
+
+def template_memory(template: Mapping[str, Any] | None) -> tuple[int | None, int | None]:
+    """The worker container's memory limit and request in the workload's pod template (its first
+    container, as in the pods), in bytes: a decrease goes no lower."""
+    containers = (template or {}).get("containers") or ()
+    resources = (containers[0].get("resources") or {}) if containers else {}
+    return (
+        from_quantity((resources.get("limits") or {}).get("memory")),
+        from_quantity((resources.get("requests") or {}).get("memory")),
+    )
+
+
+def seconds_since(annotation: str | None, now: float) -> float | None:
+    """Since the time in the pod's :data:`memops.decisions.objects.RESIZED_ANNOTATION` (None: never,
+    or unreadable)."""
+    try:
+        return max(0.0, now - float(annotation)) if annotation else None
+    except ValueError:
+        return None
+
+
+def is_pressed(seen: WorkerSeen, settings: ResizeSettings) -> bool:
+    """Whether the worker is over ``growAbove``: only then does the pass read its node's room."""
+    return used_bytes(seen.inputs) >= settings.grow_above * seen.inputs.worker.limit

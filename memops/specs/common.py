@@ -1,10 +1,12 @@
-"""What both kinds share: the API group, durations and names as Kubernetes writes them, the
-scheduler and workload references, the status condition, and what the CRD generator needs of a kind.
+"""What both kinds share: the API group, durations, quantities and names as Kubernetes writes them,
+the scheduler and workload references, the status condition, and what the CRD generator needs of a
+kind (its printer columns among it).
 """
 
 from __future__ import annotations
 
 import datetime
+import decimal
 import enum
 import re
 from typing import Annotated, Any, Literal
@@ -126,6 +128,61 @@ def parse_percent(text: str) -> float:
     return float(text[:-1])
 
 
+# A Kubernetes resource quantity (apimachinery's resource.Quantity), as sizes are written: a
+# plain number of bytes or one with a binary (Ki..Ei) or decimal (k..E) suffix, or an exponent.
+QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][0-9]{1,2})?$"
+QUANTITY_MAX_LENGTH = 32
+_QUANTITY_SUFFIXES = {
+    "": decimal.Decimal(1),
+    "m": decimal.Decimal("0.001"),
+    "k": decimal.Decimal(10**3),
+    "M": decimal.Decimal(10**6),
+    "G": decimal.Decimal(10**9),
+    "T": decimal.Decimal(10**12),
+    "P": decimal.Decimal(10**15),
+    "E": decimal.Decimal(10**18),
+    "Ki": decimal.Decimal(2**10),
+    "Mi": decimal.Decimal(2**20),
+    "Gi": decimal.Decimal(2**30),
+    "Ti": decimal.Decimal(2**40),
+    "Pi": decimal.Decimal(2**50),
+    "Ei": decimal.Decimal(2**60),
+}
+
+
+def quantity_value(text: str) -> decimal.Decimal:
+    """A quantity's exact value ("1500m" is 1.5, "1Gi" is 1073741824). Negative and signed forms,
+    which no size is written as, are refused."""
+    if len(text) > QUANTITY_MAX_LENGTH or not re.fullmatch(QUANTITY_PATTERN, text):
+        raise ValueError(f"{text!r} is not a quantity such as 8Gi or 512M")
+    number = re.match(r"[0-9.]+", text)
+    assert number is not None
+    digits, suffix = number.group(), text[number.end() :]
+    if suffix[:1] in ("e", "E"):
+        return decimal.Decimal(digits).scaleb(int(suffix[1:]))
+    return decimal.Decimal(digits) * _QUANTITY_SUFFIXES[suffix]
+
+
+def parse_quantity(text: str) -> int:
+    """A quantity of bytes ("8Gi", "512M", "1e9", "1500m") as an integer, rounded up as the
+    kubelet rounds a memory quantity (``Quantity.Value()``)."""
+    return int(quantity_value(text).to_integral_value(rounding=decimal.ROUND_CEILING))
+
+
+def _positive_quantity(text: str) -> str:
+    if parse_quantity(text) <= 0:
+        raise ValueError(f"{text!r} must be more than zero bytes")
+    return text
+
+
+Quantity = Annotated[
+    str,
+    pydantic.Field(pattern=QUANTITY_PATTERN, max_length=QUANTITY_MAX_LENGTH, json_schema_extra={"example": "8Gi"}),
+    pydantic.AfterValidator(_positive_quantity),
+]
+"""A size in bytes, written as Kubernetes quantities are ("8Gi", "512M")."""
+
+
 class Model(pydantic.BaseModel):
     """Base of every spec model: Kubernetes field names, unknown fields refused."""
 
@@ -199,6 +256,21 @@ class Condition(Model):
     )
 
 
+def column(name: str, type_: str, json_path: str, **extra: Any) -> dict[str, Any]:
+    """One of a kind's ``kubectl get`` columns (an ``additionalPrinterColumns`` entry)."""
+    return {"name": name, "type": type_, "jsonPath": json_path, **extra}
+
+
+def printer_columns(*columns: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """A kind's own columns, then the two that every kind ends with: its one-line message (shown by
+    ``kubectl get -o wide`` only) and its age."""
+    return (
+        *columns,
+        column("Message", "string", ".status.message", priority=1),
+        column("Age", "date", ".metadata.creationTimestamp"),
+    )
+
+
 class ResourceKind(pydantic.BaseModel):
     """Everything the CRD generator needs to know about one kind besides its models."""
 
@@ -207,7 +279,6 @@ class ResourceKind(pydantic.BaseModel):
     kind: str
     description: str
     plural: str
-    singular: str
     short_names: tuple[str, ...]
     spec: type[Model]
     status: type[Model]
@@ -215,3 +286,8 @@ class ResourceKind(pydantic.BaseModel):
     scale: dict[str, str] | None = None
     validations: tuple[dict[str, str], ...] = ()
     """CEL rules on the whole object (``x-kubernetes-validations`` at the schema's root)."""
+
+    @property
+    def singular(self) -> str:
+        """The kind in lower case, as the API server names it when a CRD does not say."""
+        return self.kind.lower()

@@ -1,9 +1,9 @@
 """The MemoryPolicy kind: its spec (drain, eviction, autoscaling, recycling, pressure relief,
-replication, shared spill), its status, and what the CRD generator needs of it."""
+replication, shared spill; in-place growth from :mod:`memops.specs.resize`), its status, and what
+the CRD generator needs of it."""
 
 from __future__ import annotations
 
-import decimal
 import enum
 import re
 from typing import Annotated
@@ -20,11 +20,15 @@ from memops.specs.common import (
     Model,
     OnTimeout,
     Percent,
+    Quantity,
     ResourceKind,
     SchedulerRef,
     WorkloadRef,
+    column,
     parse_percent,
+    printer_columns,
 )
+from memops.specs.resize import ResizeSpec, ResizeStatus
 
 
 class DrainSpec(Model):
@@ -88,6 +92,15 @@ class EvictionSpec(Model):
     nodeSignals: NodeSignals = pydantic.Field(
         default_factory=NodeSignals,
         description="Start draining a Node's workers as soon as the Node is marked for its end.",
+    )
+    disruptionAnnotations: bool = pydantic.Field(
+        default=True,
+        description=(
+            "While a worker holds data that exists nowhere else, its pod carries karpenter.sh/do-not-disrupt"
+            ' "true" and cluster-autoscaler.kubernetes.io/safe-to-evict "false", so that node autoscalers'
+            " leave its node; both go once its data has another copy (or has moved). memops removes only"
+            " the ones it set."
+        ),
     )
 
 
@@ -357,60 +370,6 @@ class ReplicationStatus(Model):
 
 # -- shared spill (spec.sharedSpill) ------------------------------------------------------------
 
-# A Kubernetes resource quantity (apimachinery's resource.Quantity), as sizes are written: a
-# plain number of bytes or one with a binary (Ki..Ei) or decimal (k..E) suffix, or an exponent.
-QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][0-9]{1,2})?$"
-QUANTITY_MAX_LENGTH = 32
-_QUANTITY_SUFFIXES = {
-    "": decimal.Decimal(1),
-    "m": decimal.Decimal("0.001"),
-    "k": decimal.Decimal(10**3),
-    "M": decimal.Decimal(10**6),
-    "G": decimal.Decimal(10**9),
-    "T": decimal.Decimal(10**12),
-    "P": decimal.Decimal(10**15),
-    "E": decimal.Decimal(10**18),
-    "Ki": decimal.Decimal(2**10),
-    "Mi": decimal.Decimal(2**20),
-    "Gi": decimal.Decimal(2**30),
-    "Ti": decimal.Decimal(2**40),
-    "Pi": decimal.Decimal(2**50),
-    "Ei": decimal.Decimal(2**60),
-}
-
-
-def quantity_value(text: str) -> decimal.Decimal:
-    """A quantity's exact value ("1500m" is 1.5, "1Gi" is 1073741824). Negative and signed forms,
-    which no size is written as, are refused."""
-    if len(text) > QUANTITY_MAX_LENGTH or not re.fullmatch(QUANTITY_PATTERN, text):
-        raise ValueError(f"{text!r} is not a quantity such as 8Gi or 512M")
-    number = re.match(r"[0-9.]+", text)
-    assert number is not None
-    digits, suffix = number.group(), text[number.end() :]
-    if suffix[:1] in ("e", "E"):
-        return decimal.Decimal(digits).scaleb(int(suffix[1:]))
-    return decimal.Decimal(digits) * _QUANTITY_SUFFIXES[suffix]
-
-
-def parse_quantity(text: str) -> int:
-    """A quantity of bytes ("8Gi", "512M", "1e9", "1500m") as an integer, rounded up as the
-    kubelet rounds a memory quantity (``Quantity.Value()``)."""
-    return int(quantity_value(text).to_integral_value(rounding=decimal.ROUND_CEILING))
-
-
-def _positive_quantity(text: str) -> str:
-    if parse_quantity(text) <= 0:
-        raise ValueError(f"{text!r} must be more than zero bytes")
-    return text
-
-
-Quantity = Annotated[
-    str,
-    pydantic.Field(pattern=QUANTITY_PATTERN, max_length=QUANTITY_MAX_LENGTH, json_schema_extra={"example": "8Gi"}),
-    pydantic.AfterValidator(_positive_quantity),
-]
-"""A size in bytes, written as Kubernetes quantities are ("8Gi", "512M")."""
-
 
 class SpillMedium(enum.StrEnum):
     MEMORY = "Memory"  # an emptyDir of medium Memory, per pod
@@ -620,6 +579,14 @@ class MemoryPolicySpec(Model):
             " pods get the volume and Dask's configuration at creation, the workload is not changed."
         ),
     )
+    resize: ResizeSpec | None = pydantic.Field(
+        default=None,
+        description=(
+            "Grow a worker's memory in place (the pod's resize subresource, Kubernetes 1.35+) when it nears"
+            " Dask's pause threshold and relief cannot place its keys, tell Dask its new limit, and shrink it"
+            " back when the pressure is gone."
+        ),
+    )
 
 
 class Recommendation(Model):
@@ -732,29 +699,16 @@ class MemoryPolicyStatus(Model):
     safetyNet: SafetyNetStatus | None = pydantic.Field(
         default=None, description="Pods that left with a failed safety-net hook (the kubelet's events)."
     )
+    resize: ResizeStatus | None = pydantic.Field(
+        default=None, description="What in-place growth did: workers grown, shrunk, and the fallbacks."
+    )
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 
 
 MEMORY_POLICY = ResourceKind(
     kind="MemoryPolicy",
-    description=(
-        "How one Dask cluster's memory is managed for as long as the policy exists; every scale-down"
-        " that it governs drains the workers first."
-    ),
     plural="memorypolicies",
-    singular="memorypolicy",
     short_names=("mempol",),
-    spec=MemoryPolicySpec,
-    status=MemoryPolicyStatus,
-    printer_columns=(
-        {"name": "Workload", "type": "string", "jsonPath": ".spec.workload.name"},
-        {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
-        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
-        {"name": "Memory%", "type": "integer", "jsonPath": ".status.memory.percent"},
-        {"name": "Last-Scale", "type": "string", "jsonPath": ".status.lastScaleReason"},
-        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-    ),
     scale={
         "specReplicasPath": ".spec.replicas",
         "statusReplicasPath": ".status.replicas",
@@ -767,4 +721,17 @@ MEMORY_POLICY = ResourceKind(
             "message": "metadata.name must be at most 63 characters: it labels the policy's RetirementRequests",
         },
     ),
+    printer_columns=printer_columns(
+        column("Workload", "string", ".spec.workload.name"),
+        column("Desired", "integer", ".status.desiredReplicas"),
+        column("Replicas", "integer", ".status.replicas"),
+        column("Memory%", "integer", ".status.memory.percent"),
+        column("Last-Scale", "string", ".status.lastScaleReason"),
+    ),
+    description=(
+        "How one Dask cluster's memory is managed for as long as the policy exists; every scale-down"
+        " that it governs drains the workers first."
+    ),
+    spec=MemoryPolicySpec,
+    status=MemoryPolicyStatus,
 )

@@ -1,8 +1,7 @@
 """The MemoryPolicy's ``spec.resize``: grow a worker's memory in place before it is killed.
 
-A model in the style of :mod:`memops.specs` (which it builds on), kept apart until it is wired
-into ``MemoryPolicySpec`` as ``resize: ResizeSpec | None``; :mod:`memops.decisions.resize_decisions`
-reads it through :meth:`ResizeSpec.settings`.
+``MemoryPolicySpec.resize`` and ``MemoryPolicyStatus.resize``;
+:mod:`memops.decisions.resize_decisions` reads the spec through :meth:`ResizeSpec.settings`.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import dataclasses
 
 import pydantic
 
-from memops.specs import common, memorypolicy
+from memops.specs import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +37,7 @@ class ResizeSpec(common.Model):
     """Grow a worker's memory limit in place (the pod's resize subresource, Kubernetes 1.35+) when it
     nears Dask's pause threshold and relief cannot place its keys, and tell Dask the new limit."""
 
-    maxLimit: memorypolicy.Quantity = pydantic.Field(
+    maxLimit: common.Quantity = pydantic.Field(
         description=(
             "The largest memory limit a worker's container is grown to (16Gi). Growth is also bounded"
             " by what the node can grant: its allocatable memory minus the requests of its pods."
@@ -55,7 +54,7 @@ class ResizeSpec(common.Model):
     growTo: common.Percent = pydantic.Field(
         default="60%", description="The grown limit puts the worker's memory at this share of it."
     )
-    preferGrowthAbove: memorypolicy.Quantity = pydantic.Field(
+    preferGrowthAbove: common.Quantity = pydantic.Field(
         default="1Gi",
         description=(
             "When relief would move more than this to bring the worker under growTo, grow instead: moving"
@@ -71,7 +70,7 @@ class ResizeSpec(common.Model):
             " keeps its limit until it is replaced."
         ),
     )
-    step: memorypolicy.Quantity = pydantic.Field(
+    step: common.Quantity = pydantic.Field(
         default="64Mi", description="Limits are whole multiples of this, so that small changes do not resize."
     )
     cooldown: common.Duration = pydantic.Field(
@@ -82,17 +81,52 @@ class ResizeSpec(common.Model):
     def _to_below_above(self) -> ResizeSpec:
         if common.parse_percent(self.growTo) >= common.parse_percent(self.growAbove):
             raise ValueError(f"resize.growTo ({self.growTo}) must be below resize.growAbove ({self.growAbove})")
-        if memorypolicy.parse_quantity(self.step) > memorypolicy.parse_quantity(self.maxLimit):
+        if common.parse_quantity(self.step) > common.parse_quantity(self.maxLimit):
             raise ValueError(f"resize.step ({self.step}) must not be above resize.maxLimit ({self.maxLimit})")
         return self
 
     def settings(self) -> ResizeSettings:
         return ResizeSettings(
-            max_limit=memorypolicy.parse_quantity(self.maxLimit),
+            max_limit=common.parse_quantity(self.maxLimit),
             grow_above=common.parse_percent(self.growAbove) / 100,
             grow_to=common.parse_percent(self.growTo) / 100,
-            prefer_growth_above=memorypolicy.parse_quantity(self.preferGrowthAbove),
+            prefer_growth_above=common.parse_quantity(self.preferGrowthAbove),
             shrink=self.shrink,
-            step=memorypolicy.parse_quantity(self.step),
+            step=common.parse_quantity(self.step),
             cooldown=common.parse_duration(self.cooldown).total_seconds(),
         )
+
+
+class ResizedWorker(common.Model):
+    """What in-place growth last did about one worker, while it matters (a grown limit, an ask the
+    kubelet has not granted, a fallback)."""
+
+    pod: str = pydantic.Field(description="The worker's pod.")
+    action: str = pydantic.Field(
+        description=(
+            "Grow, Shrink, TellDask (the container has a new limit, Dask is told), Revert (an ask taken"
+            " back), Wait (the kubelet is applying it), Relieve or ScaleUp (the fallbacks)."
+        )
+    )
+    reason: str = pydantic.Field(
+        description=(
+            "Why: PeersFull or MovingCostsMore (grown), PressureGone (shrunk), ResizeDeferred,"
+            " ResizeInfeasible or ResizeFailed (the kubelet's answer: fell back), AtMaximum or NodeFull"
+            " (no room to grow: fell back), ContainerResized, Resizing."
+        )
+    )
+    limit: str = pydantic.Field(default="", description="The container's memory limit asked for, or in force.")
+    message: str = pydantic.Field(default="", description="The kubelet's message, or the figures.")
+    time: str = pydantic.Field(default="", description="When memops decided it (RFC 3339).")
+
+
+class ResizeStatus(common.Model):
+    """What in-place growth did: the workers whose limit memops changed or could not change."""
+
+    workers: list[ResizedWorker] = pydantic.Field(
+        default_factory=list, description="One entry per worker with a grown limit, a pending ask or a fallback."
+    )
+    resized: int = pydantic.Field(default=0, description="Resizes asked since the policy was created.")
+    message: str = pydantic.Field(
+        default="", description=("The fallbacks of the last pass and why, and what it could not apply, in one line.")
+    )

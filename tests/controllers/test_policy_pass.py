@@ -62,9 +62,10 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
     client: tuple[kube.Kube, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A preStop hook's drain stopped at its deadline with the worker's only copies. Each pass then
-    opens one connection to the scheduler and asks it two things: ``identity`` (whose workers the
-    tenancy check finds to be the namespace's pods) and memops' agent for the drains, once, telling
-    it where the workers run; the loss lands in ``status.safetyNet.lostAtDeadline`` from that
+    opens one connection to the scheduler and asks it: ``identity`` (whose workers the tenancy
+    check finds to be the namespace's pods), memops' agent for the drains, once, telling it where
+    the workers run, and the agent's holdings (each worker's unique bytes, for the disruption
+    annotations, which are on by default); the loss lands in ``status.safetyNet.lostAtDeadline`` from that
     reply, once over two passes.
     (Before: the pass opened a second connection, and asked the agent there, for the drains.)"""
     kube_client, namespace = client
@@ -95,8 +96,8 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
             stored = kopf.Body(await kube_client.get(f"{path}/p"))
             await policy.Policy(client=kube_client, body=stored, logger=LOGGER).reconcile()
             # "events": whether the agent is there, read once per connection from its marker
-            assert asked.take() == [["identity", "events", "memops_agent:drain_status"]], (
-                "one connection, the agent once"
+            assert asked.take() == [["identity", "events", "memops_agent:drain_status", "memops_agent:holdings"]], (
+                "one connection, the drains once"
             )
             status = (await kube_client.get(f"{path}/p"))["status"]
             reachable = next(c for c in status["conditions"] if c["type"] == "SchedulerReachable")

@@ -71,7 +71,8 @@ tests/packaging/test_rbac.py checks it against the requests the operator really 
 - apiGroups: [memops.dev]
   resources: [memorypolicies/status, retirementrequests/status]
   verbs: [patch]
-# Worker pods: listed by the workload's selector, claimed and annotated (deletion cost, recycling).
+# Worker pods: listed by the workload's selector (and by node, for the room a resize may take), claimed and
+# annotated (deletion cost, recycling, the node autoscalers' do-not-disrupt while a worker holds unique data).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, patch]

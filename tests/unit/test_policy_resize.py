@@ -1,0 +1,338 @@
+"""In-place growth and the disruption annotations in the policy pass' decision
+(:func:`memops.decisions.policy_decisions.decide`): the orders for the apply, ``status.resize``,
+the fallback to relief or to one more worker, the events; and the read's pure helpers in
+:mod:`memops.decisions.resize_decisions`.
+
+A policy of 4 replicas with ``resize: {maxLimit: 4Gi}`` (grow above 75%, to 60%, steps of
+64Mi) over one worker ``w-1`` of 1Gi whose pod asks 1Gi, on a node with 4Gi to spare; each
+case changes what it names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from memops import specs
+from memops.decisions import autoscaling, conditions, objects, policy_decisions, scaling, snapshots
+from memops.decisions import resize_decisions as rd
+
+NOW = 1_800_000_000.0
+OWNER = objects.Owner(name="p", namespace="dask", uid="u-1")
+Mi = 2**20
+Gi = 2**30
+Action = rd.Action
+
+
+def _spec(**fields: Any) -> specs.MemoryPolicySpec:
+    base = {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deployment", "name": "w"}, "replicas": 4}
+    return specs.MemoryPolicySpec.model_validate(base | {"resize": {"maxLimit": "4Gi"}} | fields)
+
+
+def _worker(
+    process: int = 300 * Mi,
+    *,
+    limit: int = Gi,
+    asked: int | None = None,
+    dask_limit: int | None = None,
+    state: rd.PodResize = rd.PodResize.NONE,
+    message: str = "",
+    peers_room: int = 0,
+    since: float | None = None,
+) -> rd.WorkerSeen:
+    """``limit``: what the container has (the kubelet's report); ``asked``: its spec (default the same)."""
+    inputs = rd.Inputs(
+        worker=rd.WorkerMemory(
+            process=process, managed=process // 2, unmanaged=process // 2, spilled=0, limit=dask_limit or limit
+        ),
+        container=rd.ContainerMemory(
+            request=asked or limit, limit=asked or limit, allocated=limit, actual_limit=limit, decrease_allowed=True
+        ),
+        resize=rd.ResizeStatus(state, message),
+        baseline_limit=Gi,
+        baseline_request=Gi,
+        node_room=4 * Gi,
+        peers_room=peers_room,
+        seconds_since_resize=since,
+    )
+    return rd.WorkerSeen("w-1", "tcp://10.0.0.1:1234", "worker", inputs)
+
+
+def _inputs(
+    *workers: rd.WorkerSeen | None,
+    spec: specs.MemoryPolicySpec | None = None,
+    current: int = 4,
+    old: specs.ResizeStatus | None = None,
+    now: float = NOW,
+    **fields: Any,
+) -> policy_decisions.Inputs:
+    reachable = conditions.set_condition([], "SchedulerReachable", True, reason="Connected", generation=3)
+    return policy_decisions.Inputs(
+        owner=OWNER,
+        generation=3,
+        spec=spec or _spec(),
+        status=specs.MemoryPolicyStatus(conditions=reachable, resize=old),
+        current=current,
+        replicas=current,
+        now=now,
+        usage=autoscaling.Usage(workers=current, held=current * Gi, limit=current * 2 * Gi),
+        connected=current,
+        resize=tuple(w for w in workers if w is not None) if workers != (None,) else None,
+        **fields,
+    )
+
+
+def _entry(decision: policy_decisions.Decision) -> tuple[str, str, str] | None:
+    assert decision.status.resize is not None
+    found = decision.status.resize.workers
+    return (found[0].action, found[0].reason, found[0].limit) if found else None
+
+
+def _orders(decision: policy_decisions.Decision) -> list[tuple[Action, int, int | None]]:
+    return [(o.action, o.limit, o.request) for o in decision.resizes]
+
+
+@pytest.mark.parametrize(
+    ("worker", "orders", "entry", "desired"),
+    [
+        pytest.param(_worker(), [], None, 4, id="no-pressure-nothing"),
+        pytest.param(
+            _worker(900 * Mi),
+            [(Action.GROW, 1536 * Mi, 1536 * Mi)],
+            ("Grow", "PeersFull", "1536Mi"),
+            4,
+            id="pressed-peers-full-grows",
+        ),
+        pytest.param(_worker(900 * Mi, peers_room=Gi), [], None, 4, id="pressed-peers-with-room-relief-does-it"),
+        pytest.param(
+            _worker(300 * Mi, limit=2 * Gi, dask_limit=Gi),
+            [(Action.TELL_DASK, 2 * Gi, None)],
+            ("TellDask", "ContainerResized", "2Gi"),
+            4,
+            id="container-grown-dask-told",
+        ),
+        pytest.param(
+            _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.IN_PROGRESS),
+            [],
+            ("Wait", "Resizing", "1Gi"),
+            4,
+            id="kubelet-applying-wait",
+        ),
+        pytest.param(
+            _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, peers_room=Gi),
+            [],
+            ("Relieve", "ResizeDeferred", "1Gi"),
+            4,
+            id="deferred-falls-back-to-relief",
+        ),
+        pytest.param(
+            _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED),
+            [],
+            ("ScaleUp", "ResizeDeferred", "1Gi"),
+            5,
+            id="deferred-no-room-one-more-worker",
+        ),
+        pytest.param(
+            _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.INFEASIBLE),
+            [(Action.REVERT, Gi, Gi)],
+            ("ScaleUp", "ResizeInfeasible", "1Gi"),
+            5,
+            id="infeasible-taken-back-and-one-more-worker",
+        ),
+        pytest.param(
+            _worker(300 * Mi, limit=2 * Gi, since=3600),
+            [(Action.SHRINK, Gi, Gi)],
+            ("Shrink", "PressureGone", "1Gi"),
+            4,
+            id="pressure-gone-shrinks",
+        ),
+    ],
+)
+def test_the_pass_orders_and_records(
+    worker: rd.WorkerSeen,
+    orders: list[tuple[Action, int, int | None]],
+    entry: tuple[str, str, str] | None,
+    desired: int,
+) -> None:
+    decision = policy_decisions.decide(_inputs(worker))
+    assert _orders(decision) == orders
+    assert _entry(decision) == entry
+    assert decision.desired == desired
+    assert decision.scale_up_to == (desired if desired > 4 else None)
+
+
+def test_a_fallback_is_said_in_the_status_and_once_as_an_event() -> None:
+    worker = _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, message="Node didn't have enough memory")
+    first = policy_decisions.decide(_inputs(worker))
+    assert first.status.resize is not None
+    assert first.status.resize.message == (
+        "w-1: the kubelet deferred its growth (Node didn't have enough memory): one more worker"
+    )
+    assert [(e.type, e.reason) for e in first.events if e.reason.startswith("Resize")] == [
+        ("Warning", "ResizeDeferred")
+    ]
+    # The next pass, the same: no second event, and the entry keeps the time it started.
+    later = policy_decisions.decide(_inputs(worker, current=5, old=first.status.resize, now=NOW + 10))
+    assert later.status.resize is not None
+    assert [e for e in later.events if e.reason.startswith("Resize")] == []
+    assert later.status.resize.workers == first.status.resize.workers
+
+
+def test_the_worker_added_for_a_failed_growth_stays_while_it_fails() -> None:
+    """The extra worker gives the peers room; the growth is still deferred, so the decision turns to
+    relief: the worker added for it is kept (not drained by the next pass) and the entry says so."""
+    before = specs.ResizeStatus(
+        workers=[specs.ResizedWorker(pod="w-1", action="ScaleUp", reason="ResizeDeferred", limit="1Gi")]
+    )
+    deferred = _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, peers_room=Gi)
+    decision = policy_decisions.decide(_inputs(deferred, spec=_spec(replicas=4), current=5, old=before))
+    assert decision.desired == 5
+    assert decision.action == scaling.Action.NONE, "no drain of the worker just added"
+    assert _entry(decision) == ("ScaleUp", "ResizeDeferred", "1Gi")
+    # Once the pressure is gone, so is the extra worker: the policy drains back to its replicas.
+    calm = policy_decisions.decide(_inputs(_worker(), current=5, old=decision.status.resize))
+    assert (calm.desired, calm.action) == (4, scaling.Action.SCALE_DOWN)
+
+
+def test_growth_counts_and_says_it() -> None:
+    decision = policy_decisions.decide(_inputs(_worker(900 * Mi), old=specs.ResizeStatus(resized=2)))
+    assert decision.status.resize is not None and decision.status.resize.resized == 3
+    assert [(e.type, e.reason, e.message) for e in decision.events if e.reason == "Grow"] == [
+        ("Normal", "Grow", "w-1 grows to 1536Mi (PeersFull)")
+    ]
+
+
+def test_a_grown_worker_at_rest_keeps_its_line() -> None:
+    line = specs.ResizedWorker(pod="w-1", action="TellDask", reason="ContainerResized", limit="2Gi", time="t")
+    at_rest = _worker(300 * Mi, limit=2 * Gi, since=10)  # within the cooldown: no decrease yet
+    decision = policy_decisions.decide(_inputs(at_rest, old=specs.ResizeStatus(workers=[line])))
+    assert decision.status.resize is not None and decision.status.resize.workers == [line]
+    back = policy_decisions.decide(_inputs(_worker(), old=decision.status.resize))
+    assert back.status.resize is not None and back.status.resize.workers == [], "back at its template's limit"
+
+
+@pytest.mark.parametrize(
+    ("spec", "workers", "old", "expected"),
+    [
+        pytest.param(_spec(resize=None), (_worker(900 * Mi),), None, None, id="off-no-status"),
+        pytest.param(
+            _spec(),
+            (None,),
+            specs.ResizeStatus(resized=7),
+            specs.ResizeStatus(resized=7),
+            id="not-read-status-as-written",
+        ),
+    ],
+)
+def test_without_growth(
+    spec: specs.MemoryPolicySpec,
+    workers: tuple[rd.WorkerSeen | None, ...],
+    old: specs.ResizeStatus | None,
+    expected: specs.ResizeStatus | None,
+) -> None:
+    decision = policy_decisions.decide(_inputs(*workers, spec=spec, old=old))
+    assert decision.resizes == ()
+    assert decision.status.resize == expected
+
+
+@pytest.mark.parametrize(
+    ("eviction", "annotations", "expected"),
+    [
+        pytest.param({}, {}, {"w-1": {objects.DO_NOT_DISRUPT, objects.SAFE_TO_EVICT}}, id="on-by-default"),
+        pytest.param({"disruptionAnnotations": False}, {}, {}, id="off-sets-nothing"),
+        pytest.param(
+            {"disruptionAnnotations": False},
+            {objects.DO_NOT_DISRUPT: "true", objects.SAFE_TO_EVICT: "false", objects.PROTECTED_ANNOTATION: "1"},
+            {"w-1": {objects.DO_NOT_DISRUPT, objects.SAFE_TO_EVICT}},
+            id="off-takes-off-what-memops-set",
+        ),
+    ],
+)
+def test_the_disruption_annotations_in_the_pass(
+    eviction: dict[str, Any], annotations: dict[str, str], expected: dict[str, set[str]]
+) -> None:
+    seen = policy_decisions.DisruptionSeen(pods={"w-1": annotations}, unique={"w-1": 4096})
+    decision = policy_decisions.decide(_inputs(spec=_spec(resize=None, eviction=eviction), disruption=seen))
+    assert {pod: set(patch) - {objects.PROTECTED_ANNOTATION} for pod, patch in decision.annotations.items()} == expected
+
+
+def test_no_disruption_read_no_annotations() -> None:
+    assert policy_decisions.decide(_inputs(spec=_spec(resize=None))).annotations == {}
+
+
+# -- the read's pure helpers --------------------------------------------------------------------
+
+
+def _info(address: str, process: int, limit: int = Gi, status: str = "running") -> snapshots.WorkerInfo:
+    return snapshots.WorkerInfo(name=address, address=address, memory_limit=limit, process_bytes=process, status=status)
+
+
+@pytest.mark.parametrize(
+    ("ceiling", "expected"),
+    [
+        pytest.param(None, 0, id="no-relief-no-room"),
+        pytest.param(0.7, int(0.7 * Gi) - 200 * Mi, id="room-under-relieve-above-of-running-peers"),
+    ],
+)
+def test_peers_room(ceiling: float | None, expected: int) -> None:
+    workers = [
+        _info("hot", 900 * Mi),
+        _info("a", 200 * Mi),
+        _info("b", 800 * Mi),  # over the ceiling: no room, not negative
+        _info("c", 0, status="paused"),
+    ]
+    assert rd.peers_room(workers, "hot", ceiling) == expected
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        pytest.param(None, (None, None), id="no-template"),
+        pytest.param({"containers": [{"name": "worker"}]}, (None, None), id="no-resources"),
+        pytest.param(
+            {"containers": [{"resources": {"limits": {"memory": "2Gi"}, "requests": {"memory": "1Gi"}}}, {}]},
+            (2 * Gi, Gi),
+            id="first-container",
+        ),
+    ],
+)
+def test_template_memory(template: dict[str, Any] | None, expected: tuple[int | None, int | None]) -> None:
+    assert rd.template_memory(template) == expected
+
+
+@pytest.mark.parametrize(
+    ("annotation", "expected"),
+    [
+        pytest.param(None, None, id="never"),
+        pytest.param("garbled", None, id="unreadable"),
+        pytest.param(f"{NOW - 90:.0f}", 90.0, id="seconds"),
+        pytest.param(f"{NOW + 90:.0f}", 0.0, id="clock-skew-not-negative"),
+    ],
+)
+def test_seconds_since(annotation: str | None, expected: float | None) -> None:
+    assert rd.seconds_since(annotation, NOW) == expected
+
+
+@pytest.mark.parametrize(
+    ("since", "orders", "entry"),
+    [
+        pytest.param(10.0, [], ("ScaleUp", "ResizeInfeasible", "1Gi"), id="within-cooldown-not-asked-again"),
+        pytest.param(
+            3600.0,
+            [(Action.GROW, 1536 * Mi, 1536 * Mi)],
+            ("Grow", "PeersFull", "1536Mi"),
+            id="after-cooldown-asked-again",
+        ),
+    ],
+)
+def test_a_growth_refused_as_infeasible_is_not_asked_again_at_once(
+    since: float, orders: list[tuple[Action, int, int | None]], entry: tuple[str, str, str]
+) -> None:
+    """The kubelet refused the last growth as infeasible and memops took the ask back (stamping the
+    pod): the worker is still pressed, but the same ask would be refused again, pass after pass."""
+    before = specs.ResizeStatus(
+        workers=[specs.ResizedWorker(pod="w-1", action="ScaleUp", reason="ResizeInfeasible", limit="1Gi")]
+    )
+    decision = policy_decisions.decide(_inputs(_worker(900 * Mi, since=since), current=5, old=before))
+    assert _orders(decision) == orders
+    assert _entry(decision) == entry
