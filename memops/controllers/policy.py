@@ -34,6 +34,7 @@ from memops.controllers import (
     replication_install,
     scheduler_tls,
     vetting,
+    worker_losses,
     workloads,
 )
 from memops.decisions import (
@@ -48,7 +49,9 @@ from memops.decisions import (
     shared_spill,
     snapshots,
     tenancy,
+    timestamps,
 )
+from memops.decisions import worker_losses as losses_decisions
 
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
@@ -65,6 +68,9 @@ _MAX_NAME_LENGTH = 63
 """A policy's name is a label value on its RetirementRequests (``memops.dev/policy``): 63 characters at most."""
 _TENANCY_RECHECK_SECONDS = 60.0
 """The workers shown to be pods of the namespace are checked again at least this often."""
+_KNOWN_WORKERS = 4096
+"""Worker addresses whose pods the tenancy checks found, kept after the workers leave (the latest
+this many): a departed worker's pod may be gone by the time its loss is read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +125,10 @@ class Policy:
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
         self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
+        self.known: dict[str, str] = {}  # worker address -> pod, from every tenancy check (the latest _KNOWN_WORKERS)
+        # The scheduler's departures up to this time (its clock) are decided: from the policy's creation
+        # on, so that a new policy does not report what happened before it.
+        self.losses_settled = _created(body)
 
     async def reconcile(self) -> None:
         """One pass: read, decide (:func:`memops.decisions.policy_decisions.decide`), apply."""
@@ -154,8 +164,10 @@ class Policy:
         now = time.time()
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
         status.safetyNet, hook_events = await self.safety_net(spec, status.safetyNet)
+        lost: tuple[policy_decisions.Event, ...] = ()
         if snapshot is not None:  # the namespace's scheduler: what its preStop drains lost
             status.safetyNet = hook_losses.read(spec, status.safetyNet, snapshot.drains, logger=self.logger)
+            status.workerLosses, lost = await self.worker_losses(spec, status, snapshot, now)
         current = workloads.replicas_of(workload)
         inputs = policy_decisions.Inputs(
             owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
@@ -173,7 +185,7 @@ class Policy:
             template=shared_spill.template_spec(workload) if spec.sharedSpill is not None else None,
             host_roots=self.host_roots,
         )
-        return Read(old, inputs, workload, scheduler, snapshot, hook_events)
+        return Read(old, inputs, workload, scheduler, snapshot, (*hook_events, *lost))
 
     async def read_target(
         self, status: specs.MemoryPolicyStatus
@@ -391,6 +403,9 @@ class Policy:
         verdict = tenancy.check(workers, pods, self.namespace)
         located = snapshots.workers_by_pod(pods, workers) if verdict.allowed else {}
         self.tenants = {w.address: pod for pod, found in located.items() for w in found}
+        self.known.update(self.tenants)
+        for address in list(self.known)[: max(len(self.known) - _KNOWN_WORKERS, 0)]:
+            del self.known[address]
         self.nodes = snapshots.nodes_of_workers(pods, workers) if verdict.allowed else {}
         self.tenants_checked = time.monotonic()
         return verdict
@@ -448,6 +463,35 @@ class Policy:
             return current, posted
         return (current or specs.SafetyNetStatus()).model_copy(update={"failedHooks": hooks}), posted
 
+    async def worker_losses(
+        self,
+        spec: specs.MemoryPolicySpec,
+        status: specs.MemoryPolicyStatus,
+        snapshot: snapshots.SchedulerSnapshot,
+        now: float,
+    ) -> tuple[list[specs.WorkerLoss], tuple[policy_decisions.Event, ...]]:
+        """The workload's workers that left on their own with keys held nowhere else, from memops'
+        agent (:mod:`memops.controllers.worker_losses`); each one new to the status also becomes a
+        Warning event on the policy (posted by the apply)."""
+        if snapshot.departures is None:
+            return status.workerLosses, ()
+        decision = await worker_losses.read(
+            self.client,
+            namespace=self.namespace,
+            spec=spec,
+            selector=status.selector,
+            current=status.workerLosses,
+            departures=snapshot.departures,
+            since=self.losses_settled,
+            now=now,
+            known=self.known,
+        )
+        self.losses_settled = decision.settled
+        events = tuple(
+            policy_decisions.Event("Warning", losses_decisions.EVENT_REASON, text) for text in decision.messages
+        )
+        return decision.losses, events
+
     async def create(self, request: dict[str, Any]) -> None:
         """Create one of the policy's RetirementRequests; one that exists already (a repeated pass) stays."""
         try:
@@ -487,6 +531,9 @@ class Policy:
         self.written = time.monotonic()
         # Once the status holds them: a restart reads them back and does not count them again.
         metrics.hook_losses(self.namespace, self.name, safetynet.new_losses(old.safetyNet, status.safetyNet))
+        metrics.worker_losses(
+            self.namespace, self.name, losses_decisions.new_losses(old.workerLosses, status.workerLosses)
+        )
 
 
 def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
@@ -505,6 +552,14 @@ def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
             for w in sorted(snapshot.workers, key=lambda w: w.name)
         ],
     )
+
+
+def _created(body: kopf.Body) -> float:
+    """The policy's creation (seconds since the epoch); 0 when it does not say."""
+    try:
+        return timestamps.parse(str(body.metadata.get("creationTimestamp") or "")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def _own(raw: Any) -> dict[str, Any]:
