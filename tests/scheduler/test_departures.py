@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import distributed
+import distributed.diagnostics.plugin
 import pytest
 from distributed import Client, LocalCluster
 
@@ -65,9 +66,9 @@ async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
 
 
 async def test_a_sigkilled_worker_is_recorded_with_what_it_alone_held(cluster: Cluster) -> None:
-    """Scattered keys (irreplaceable), computed keys (recomputed elsewhere) and a key with a copy
-    on the survivor (not lost): the record counts what the scheduler held only on the victim,
-    the figures the agent's holdings gave for it a moment before."""
+    """Scattered keys and a computed key whose input was released (irreplaceable), computed keys
+    (recomputed elsewhere) and a key with a copy on the survivor (not lost): the record counts what
+    the scheduler held only on the victim, the figures the agent's holdings gave for it a moment before."""
     client = cluster.client
     before = await cluster.snapshot(keys=False)  # installs the agent, as the operator's first pass does
     assert before.departures == []
@@ -76,10 +77,16 @@ async def test_a_sigkilled_worker_is_recorded_with_what_it_alone_held(cluster: C
     scattered = await client.scatter([os.urandom(CHUNK) for _ in range(3)], workers=[victim])
     computed = [client.submit(os.urandom, CHUNK, key=f"computed-{i}", workers=[victim]) for i in range(2)]
     shared = client.submit(os.urandom, CHUNK, key="shared", workers=[victim])
-    await distributed.wait([*scattered, *computed, shared])
+    source = client.submit(os.urandom, CHUNK, key="input", workers=[victim])
+    derived = client.submit(bytes.upper, source, key="derived", workers=[victim])
+    await distributed.wait([*scattered, *computed, shared, derived])
+    del source  # released: "derived" cannot be recomputed from it any more
+    await polling.poll(
+        lambda: cluster.scheduler.tasks["input"].state != "memory", timeout=10, what="the input released"
+    )
     await client.replicate([shared], workers=[victim, survivor])
     held = (await cluster.snapshot()).by_address(victim)
-    assert held is not None and held.unique_keys == 5 and held.nkeys == 6
+    assert held is not None and held.unique_keys == 6 and held.nkeys == 7
 
     killed = time.time()
     processes.kill(cluster.workers["victim"])
@@ -88,7 +95,7 @@ async def test_a_sigkilled_worker_is_recorded_with_what_it_alone_held(cluster: C
     assert killed - 1 <= record["time"] <= time.time() + 1
     assert record["address"] == victim and record["name"] == "victim"
     assert (record["keys"], record["bytes"]) == (held.unique_keys, held.unique_bytes)
-    assert record["irreplaceableKeys"] == 3  # the scattered ones: the computed ones have their spec
+    assert record["irreplaceableKeys"] == 4  # the scattered ones and "derived"
     assert record["drain"] == ""
 
 
@@ -124,3 +131,29 @@ async def test_a_worker_that_held_nothing_alone_is_not_recorded(cluster: Cluster
     assert (await cluster.snapshot(keys=False)).departures == []
     # Bounded, whatever leaves.
     assert cluster.scheduler.plugins[departures.NAME].records.maxlen == departures.KEPT
+
+
+async def test_an_agent_installed_again_keeps_the_records() -> None:
+    """An operator of another version installs its agent (by value: another class) over the one
+    there: the departures recorded so far stay."""
+    async with distributed.Scheduler(dashboard_address=":0") as scheduler:
+
+        class Older(distributed.diagnostics.plugin.SchedulerPlugin):
+            def __init__(self) -> None:
+                self.records = [departures.Record("tcp://10.0.0.1:1", "w", 1.0, 2, 20, 1)]
+
+        scheduler.add_plugin(Older(), name=departures.NAME)
+        departures.install(scheduler)
+        assert departures.report(scheduler) == [
+            {
+                "address": "tcp://10.0.0.1:1",
+                "name": "w",
+                "time": 1.0,
+                "keys": 2,
+                "bytes": 20,
+                "irreplaceableKeys": 1,
+                "drain": "",
+            }
+        ]
+        assert departures.report(scheduler, since=1.0) == []
+        assert isinstance(scheduler.plugins[departures.NAME], departures.DeparturesPlugin)
