@@ -79,6 +79,7 @@ from memops.clients import daskcomm
 from memops.decisions import snapshots, tenancy
 from memops.scheduler import (
     agent,
+    departures,
     drain,
     holdings,
     relief,
@@ -93,7 +94,8 @@ from memops.worker import handover
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-for _module in (agent, drain, handover, holdings, relief, replication, replication_index, resize, rules, transfers):
+_BY_VALUE = (agent, departures, drain, handover, holdings, relief, replication, replication_index, resize, rules)
+for _module in (*_BY_VALUE, transfers):
     cloudpickle.register_pickle_by_value(_module)
 
 
@@ -417,7 +419,9 @@ class Scheduler:
         ``who_has`` then covers every key (within :data:`memops.clients.daskcomm.KEYS`: some 300,000 keys).
 
         ``drains`` also asks memops' agent for every drain's figures (:meth:`drain_status`, in
-        ``drains`` of the snapshot; None where the scheduler does not run the agent). ``nodes``
+        ``drains`` of the snapshot; None where the scheduler does not run the agent), and for the
+        workers that left with keys held nowhere else (:mod:`memops.scheduler.departures`, in
+        ``departures``; None likewise). ``nodes``
         gives where the workers run (address -> node), sent with the drains' read for the drains
         that start later (:func:`memops.scheduler.drain.status`).
 
@@ -431,6 +435,7 @@ class Scheduler:
         nbytes_raw: Mapping[Any, Any] = {}
         running: Mapping[Any, Any] = {}
         drained: dict[str, Any] | None = None
+        departed: list[Any] | None = None
         identity = await self.identity(timeout=timeout)
         address = self.address
         async with self._using() as comm, asyncio.timeout(timeout):
@@ -443,6 +448,7 @@ class Scheduler:
                 try:
                     located = dict(nodes()) if nodes is not None else {}
                     drained = _drains(address, await _agent(comm, "drain_status", nodes=located))
+                    departed = _departures(address, await _agent(comm, "departures"))
                 except SchedulerRefused as exc:
                     logger.info("the drains' status is not read: %s", exc)
             if keys and self._emptied:
@@ -475,7 +481,9 @@ class Scheduler:
             logger.info("the Dask scheduler at %s sent a reply of the wrong shape: %s", address, _detail(exc))
             raise SchedulerMisbehaved(address, exc) from exc
         workers = _identified(address, identity, figures, running, keys=keys)
-        return snapshots.SchedulerSnapshot(workers=workers, who_has=who_has, nbytes=nbytes, drains=drained)
+        return snapshots.SchedulerSnapshot(
+            workers=workers, who_has=who_has, nbytes=nbytes, drains=drained, departures=departed
+        )
 
     async def configure_relief(
         self, *, above: float | None, to: float | None, owner: str, timeout: float | None = None
@@ -698,6 +706,15 @@ def _identified(
     except (TypeError, ValueError, AttributeError) as exc:
         logger.info("the Dask scheduler at %s sent a reply of the wrong shape: %s", address, _detail(exc))
         raise SchedulerMisbehaved(address, exc) from exc
+
+
+def _departures(address: str, state: Any) -> list[Any]:
+    """The agent's ``departures`` reply: a list, at most :data:`memops.scheduler.departures.KEPT`
+    long (the latest kept). Its entries are hostile input still, each checked where it is read
+    (:func:`memops.decisions.worker_losses.parse`)."""
+    if not isinstance(state, (list, tuple)):
+        raise SchedulerMisbehaved(address, f"the agent's departures are a {type(state).__name__}, not a list")
+    return list(state)[-departures.KEPT :]
 
 
 def _drains(address: str, state: Any) -> dict[str, Any]:

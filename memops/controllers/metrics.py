@@ -68,6 +68,19 @@ HOOK_LOST_KEYS = _counter(
     "cause",
 )
 HOOK_LOST_BYTES = _counter("memops_safety_net_lost_bytes_total", "Bytes of those keys.", *_POLICY, "cause")
+WORKER_LOSSES = _counter(
+    "memops_worker_losses_total",
+    "Workers of a policy's workload that left on their own (not drained by memops) with keys held"
+    " nowhere else, by reason (OOMKilled, Error, Completed, Evicted, Deleted, Unknown, Other).",
+    *_POLICY,
+    "reason",
+)
+WORKER_LOST_BYTES = _counter(
+    "memops_worker_lost_bytes_total", "Bytes of the keys those workers took.", *_POLICY, "reason"
+)
+WORKER_LOST_KEYS = _counter("memops_worker_lost_keys_total", "Keys those workers took.", *_POLICY, "reason")
+_LOSS_REASONS = frozenset(("OOMKilled", "Error", "Completed", "Evicted", "Deleted", "Unknown"))
+"""The reasons a label may carry: the pod's words otherwise become ``Other`` (labels stay bounded)."""
 WORKERS = _counter(
     "memops_drained_workers_total",
     "Workers at the end of a drain, by state (Retired, Kept, Forced).",
@@ -168,6 +181,15 @@ def hook_losses(namespace: str, policy: str, losses: Iterable[specs.HookLoss]) -
     for loss in losses:
         HOOK_LOST_KEYS.labels(namespace, policy, loss.cause).inc(loss.keys)
         HOOK_LOST_BYTES.labels(namespace, policy, loss.cause).inc(loss.bytes)
+
+
+def worker_losses(namespace: str, policy: str, losses: Iterable[specs.WorkerLoss]) -> None:
+    """Count the workers' losses that the policy's status records for the first time."""
+    for loss in losses:
+        reason = loss.reason if loss.reason in _LOSS_REASONS else "Other"
+        WORKER_LOSSES.labels(namespace, policy, reason).inc()
+        WORKER_LOST_BYTES.labels(namespace, policy, reason).inc(loss.bytes)
+        WORKER_LOST_KEYS.labels(namespace, policy, reason).inc(loss.keys)
 
 
 def policy_observed(

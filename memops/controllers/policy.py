@@ -35,6 +35,7 @@ from memops.controllers import (
     resize,
     scheduler_tls,
     vetting,
+    worker_losses,
     workloads,
 )
 from memops.decisions import (
@@ -51,7 +52,9 @@ from memops.decisions import (
     shared_spill,
     snapshots,
     tenancy,
+    timestamps,
 )
+from memops.decisions import worker_losses as losses_decisions
 
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
@@ -73,6 +76,9 @@ _DISRUPTION_SECONDS = 15.0
 workers' unique bytes (the agent's holdings) and a list of the workload's pods. A node
 autoscaler waits minutes before it removes a node (cluster-autoscaler's scale-down-unneeded-time,
 10 min by default), so 15 s of delay leaves it nothing to remove in between."""
+_KNOWN_WORKERS = 4096
+"""Worker addresses whose pods the tenancy checks found, kept after the workers leave (the latest
+this many): a departed worker's pod may be gone by the time its loss is read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +135,10 @@ class Policy:
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
         self.disruption_read = -_DISRUPTION_SECONDS  # when the disruption annotations were last decided (monotonic)
         self.disruption_due = False  # this pass decides them (set at the start of its read)
+        self.known: dict[str, str] = {}  # worker address -> pod, from every tenancy check (the latest _KNOWN_WORKERS)
+        # The scheduler's departures up to this time (its clock) are decided: from the policy's creation
+        # on, so that a new policy does not report what happened before it.
+        self.losses_settled = _created(body)
 
     async def reconcile(self) -> None:
         """One pass: read, decide (:func:`memops.decisions.policy_decisions.decide`), apply."""
@@ -165,8 +175,10 @@ class Policy:
         now = time.time()
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
         status.safetyNet, hook_events = await self.safety_net(spec, status.safetyNet)
+        lost: tuple[policy_decisions.Event, ...] = ()
         if snapshot is not None:  # the namespace's scheduler: what its preStop drains lost
             status.safetyNet = hook_losses.read(spec, status.safetyNet, snapshot.drains, logger=self.logger)
+            status.workerLosses, lost = await self.worker_losses(spec, status, snapshot, now)
         current = workloads.replicas_of(workload)
         resized, disrupted = await self.read_workers(spec, workload, snapshot, now)
         inputs = policy_decisions.Inputs(
@@ -187,7 +199,7 @@ class Policy:
             resize=resized,
             disruption=disrupted,
         )
-        return Read(old, inputs, workload, scheduler, snapshot, hook_events)
+        return Read(old, inputs, workload, scheduler, snapshot, (*hook_events, *lost))
 
     async def read_workers(
         self,
@@ -455,6 +467,9 @@ class Policy:
         verdict = tenancy.check(workers, pods, self.namespace)
         located = snapshots.workers_by_pod(pods, workers) if verdict.allowed else {}
         self.tenants = {w.address: pod for pod, found in located.items() for w in found}
+        self.known.update(self.tenants)
+        for address in list(self.known)[: max(len(self.known) - _KNOWN_WORKERS, 0)]:
+            del self.known[address]
         self.nodes = snapshots.nodes_of_workers(pods, workers) if verdict.allowed else {}
         self.tenants_checked = time.monotonic()
         return verdict
@@ -526,6 +541,35 @@ class Policy:
             return current, posted
         return (current or specs.SafetyNetStatus()).model_copy(update={"failedHooks": hooks}), posted
 
+    async def worker_losses(
+        self,
+        spec: specs.MemoryPolicySpec,
+        status: specs.MemoryPolicyStatus,
+        snapshot: snapshots.SchedulerSnapshot,
+        now: float,
+    ) -> tuple[list[specs.WorkerLoss], tuple[policy_decisions.Event, ...]]:
+        """The workload's workers that left on their own with keys held nowhere else, from memops'
+        agent (:mod:`memops.controllers.worker_losses`); each one new to the status also becomes a
+        Warning event on the policy (posted by the apply)."""
+        if snapshot.departures is None:
+            return status.workerLosses, ()
+        decision = await worker_losses.read(
+            self.client,
+            namespace=self.namespace,
+            spec=spec,
+            selector=status.selector,
+            current=status.workerLosses,
+            departures=snapshot.departures,
+            since=self.losses_settled,
+            now=now,
+            known=self.known,
+        )
+        self.losses_settled = decision.settled
+        events = tuple(
+            policy_decisions.Event("Warning", losses_decisions.EVENT_REASON, text) for text in decision.messages
+        )
+        return decision.losses, events
+
     async def create(self, request: dict[str, Any]) -> None:
         """Create one of the policy's RetirementRequests; one that exists already (a repeated pass) stays."""
         try:
@@ -565,6 +609,9 @@ class Policy:
         self.written = time.monotonic()
         # Once the status holds them: a restart reads them back and does not count them again.
         metrics.hook_losses(self.namespace, self.name, safetynet.new_losses(old.safetyNet, status.safetyNet))
+        metrics.worker_losses(
+            self.namespace, self.name, losses_decisions.new_losses(old.workerLosses, status.workerLosses)
+        )
 
 
 def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
@@ -583,6 +630,14 @@ def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
             for w in sorted(snapshot.workers, key=lambda w: w.name)
         ],
     )
+
+
+def _created(body: kopf.Body) -> float:
+    """The policy's creation (seconds since the epoch); 0 when it does not say."""
+    try:
+        return timestamps.parse(str(body.metadata.get("creationTimestamp") or "")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def _own(raw: Any) -> dict[str, Any]:

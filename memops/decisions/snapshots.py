@@ -46,6 +46,10 @@ class SchedulerSnapshot:
     drains: Mapping[str, Any] | None = None
     """memops' drains in the scheduler, as its agent reports them (worker address -> figures,
     hostile input: each entry is checked where it is read), when asked for and answered; else None."""
+    departures: Sequence[Any] | None = None
+    """Workers that left the scheduler with keys held nowhere else, as memops' agent reports them
+    (hostile input, checked where it is read: :func:`memops.decisions.worker_losses.parse`), when
+    asked for with the drains and answered; else None."""
 
     def by_name(self, name: str) -> WorkerInfo | None:
         return self._by_name.get(name)

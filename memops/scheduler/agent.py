@@ -32,14 +32,17 @@ Operations (``operation``, its arguments, what ``result`` holds):
 - ``resize`` (``worker``, ``memory_limit``, ``maximum``): :func:`memops.scheduler.resize.resize`: sets
   the worker's memory limit to ``memory_limit`` bytes (at most ``maximum``) in its nanny, its worker and
   the scheduler's ``WorkerState``, after its pod was resized in place; which parts took it;
+- ``departures`` (``since``): :func:`memops.scheduler.departures.report`: the latest workers that left
+  the scheduler with keys no other worker held (address, name, time, keys, bytes, irreplaceable
+  keys, and memops' drain of it, if that drain reports the loss), oldest first;
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
 for an operation it does not know. An agent of another version (installed by an older or
 newer operator) is replaced by the operator that finds it, as a missing one is installed.
 
-Like :mod:`holdings`, :mod:`relief` and :mod:`drain`, this imports nothing from memops beyond its siblings in
-this package, which the operator sends by value with it.
+Like :mod:`holdings`, :mod:`relief`, :mod:`drain` and :mod:`departures`, this imports nothing from
+memops beyond its siblings in this package, which the operator sends by value with it.
 """
 
 from __future__ import annotations
@@ -48,13 +51,13 @@ import inspect
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
-from memops.scheduler import drain, holdings, relief, replication, resize, rules
+from memops.scheduler import departures, drain, holdings, relief, replication, resize, rules
 
 NAME = "memops_agent"
-VERSION = 10
+VERSION = 11
 """Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
 (7: no rule in force leaves the AMM as Dask made it; 8: replication follows an index of the ruled
-keys instead of scanning keys; 10: ``resize``), so that an older agent is replaced."""
+keys instead of scanning keys; 10: ``resize``; 11: ``departures``), so that an older agent is replaced."""
 EVENTS = "memops-agent"
 """The scheduler's event topic where :func:`install` logs ``{"action": "installed", "agent":
 VERSION}``. The operator reads it (the stock ``events`` handler, read-only) to learn whether the
@@ -136,6 +139,10 @@ async def _resize(
     return await resize.resize(dask_scheduler, worker=str(worker), memory_limit=memory_limit, maximum=maximum)
 
 
+def _departures(dask_scheduler: Any, since: Any = 0.0) -> list[dict[str, Any]]:
+    return departures.report(dask_scheduler, since=float(since) if isinstance(since, (int, float)) else 0.0)
+
+
 def _hello(dask_scheduler: Any) -> dict[str, Any]:
     return {"version": VERSION}
 
@@ -147,6 +154,7 @@ OPERATIONS: dict[str, Callable[..., Any]] = {
     "drain": _drain,
     "drain_status": _drain_status,
     "resize": _resize,
+    "departures": _departures,
     "hello": _hello,
 }
 
@@ -179,8 +187,11 @@ def install(dask_scheduler: Any) -> None:
     """Run on the scheduler (``run_function``): register the handler, replacing any older one.
 
     Idempotent: relief's state lives in its scheduler plugin, not in the handler, so
-    installing again loses nothing. Returns None, so that ``run_function``'s pickled result is
-    as small as a reply can be. Logs the marker that the operator reads (:data:`EVENTS`).
+    installing again loses nothing. Adds the plugin that records workers that leave with keys
+    held nowhere else (:mod:`memops.scheduler.departures`), from then on. Returns None, so that
+    ``run_function``'s pickled result is as small as a reply can be. Logs the marker that the
+    operator reads (:data:`EVENTS`).
     """
     dask_scheduler.handlers[NAME] = handler(dask_scheduler)
+    departures.install(dask_scheduler)
     dask_scheduler.log_event(EVENTS, {"action": "installed", "agent": VERSION})

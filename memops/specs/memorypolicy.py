@@ -676,6 +676,26 @@ class SafetyNetStatus(Model):
     )
 
 
+class WorkerLoss(Model):
+    """A worker of the workload that left the scheduler on its own (killed by the kernel's OOM killer, by
+    its nanny, with its pod) with keys that no other worker held."""
+
+    pod: str = pydantic.Field(description="The pod the worker ran in.")
+    time: str = pydantic.Field(default="", description="When the worker left (the scheduler's clock).")
+    reason: str = pydantic.Field(
+        default="Unknown",
+        description="Why, from the pod: its container's termination reason at that moment (OOMKilled, Error,"
+        " ...), Evicted, Deleted (the pod was deleted or is gone), or Unknown (the pod does not say: a worker"
+        " process killed inside a container that kept running).",
+    )
+    exitCode: int | None = pydantic.Field(default=None, description="The container's exit code, with its reason.")
+    keys: int = pydantic.Field(default=0, ge=0, description="Keys held by this worker alone, lost with it.")
+    bytes: int = pydantic.Field(default=0, ge=0, description="Their bytes.")
+    irreplaceableKeys: int = pydantic.Field(
+        default=0, ge=0, description="Of those keys, how many could not be recomputed (scattered, or inputs released)."
+    )
+
+
 class MemoryPolicyStatus(Model):
     replicas: int = pydantic.Field(default=0, description="Workers that exist now.")
     desiredReplicas: int = pydantic.Field(default=0, description="Workers that memops is steering towards.")
@@ -701,6 +721,12 @@ class MemoryPolicyStatus(Model):
     )
     resize: ResizeStatus | None = pydantic.Field(
         default=None, description="What in-place growth did: workers grown, shrunk, and the fallbacks."
+    )
+    workerLosses: list[WorkerLoss] = pydantic.Field(
+        default_factory=list,
+        description="The last workers of the workload that left on their own with keys held nowhere else (memops'"
+        " agent's record in the scheduler, read by the operator), newest last. Drains of memops report their"
+        " own losses (RetirementRequests, safetyNet.lostAtDeadline).",
     )
     conditions: list[Condition] = pydantic.Field(default_factory=list, description="Standard conditions.")
 

@@ -1,4 +1,4 @@
-"""What one MemoryPolicy pass asks of the scheduler, and the preStop losses it records from it.
+"""What one MemoryPolicy pass asks of the scheduler, and the losses it records from it (preStop drains', workers').
 
 Inputs: the upstream control plane (``memops-sandbox plane``: etcd and kube-apiserver with
 memops' CRDs, one plane for the module, a namespace per test), a real Dask scheduler and worker
@@ -21,7 +21,8 @@ from kopf._core.engines import posting
 
 from memops import specs
 from memops.clients import daskcomm, daskrpc, kube
-from memops.controllers import policy
+from memops.controllers import metrics, policy
+from memops.decisions import timestamps
 from memops.scheduler import drain
 from tests import polling
 
@@ -96,8 +97,10 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
             stored = kopf.Body(await kube_client.get(f"{path}/p"))
             await policy.Policy(client=kube_client, body=stored, logger=LOGGER).reconcile()
             # "events": whether the agent is there, read once per connection from its marker
-            assert asked.take() == [["identity", "events", "memops_agent:drain_status", "memops_agent:holdings"]], (
-                "one connection, the drains once"
+            assert asked.take() == [
+                ["identity", "events", "memops_agent:drain_status", "memops_agent:departures", "memops_agent:holdings"]
+            ], (
+                "one connection, the agent's marker read once"
             )
             status = (await kube_client.get(f"{path}/p"))["status"]
             reachable = next(c for c in status["conditions"] if c["type"] == "SchedulerReachable")
@@ -109,3 +112,69 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
         [loss] = losses[0]
         assert (loss["pod"], loss["keys"], loss["bytes"], loss["cause"]) == (POD, 3, 3 * 1024, "deadline")
         assert len(data) == 3  # kept referenced: the keys stay on the worker, held nowhere else
+
+
+async def test_a_worker_that_left_on_its_own_is_recorded_once_with_its_pods_reason(
+    client: tuple[kube.Kube, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker of the policy's pod left the scheduler with scattered keys held nowhere else, and
+    its container was OOM-killed and restarted (the pod's status says so, as a kubelet writes it),
+    its new worker back in the scheduler. The pass records it in ``status.workerLosses`` with the
+    pod's reason and the keys' figures, posts one ``WorkerLost`` Warning and counts it once in the
+    metrics, over two passes and a restarted operator (a new :class:`Policy`)."""
+    kube_client, namespace = client
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "event", lambda body, **event: events.append(event))
+    spec = {"scheduler": {"address": ""}, "workload": {"kind": "Deployment", "name": "w"}}
+    path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", namespace)
+    pods = kube.resource_path("", "v1", "pods", namespace)
+    counted = metrics.WORKER_LOSSES.labels(namespace, "p", "OOMKilled")
+    lost_bytes = metrics.WORKER_LOST_BYTES.labels(namespace, "p", "OOMKilled")
+    async with Scheduler(host="127.0.0.1", dashboard_address=":0") as scheduler:
+        spec["scheduler"]["address"] = scheduler.address
+        body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": spec}
+        await kube_client.request("POST", path, body=body)
+
+        async def reconcile(operator: policy.Policy | None = None) -> policy.Policy:
+            stored = kopf.Body(await kube_client.get(f"{path}/p"))
+            operator = operator or policy.Policy(client=kube_client, body=stored, logger=LOGGER)
+            operator.body = stored  # as Kopf hands the daemon its body: the status as the last pass wrote it
+            await operator.reconcile()
+            return operator
+
+        async with Client(scheduler.address, asynchronous=True) as dask_client:
+            # The client keeps its futures throughout: the keys are lost with the worker, not released.
+            async with Worker(scheduler.address, name=POD, nthreads=1) as worker:
+                operator = await reconcile()  # installs the agent: it records departures from then on
+                data = await dask_client.scatter({f"s{i}": b"s" * 1024 for i in range(3)}, workers=[worker.address])
+                held = scheduler.workers[worker.address].nbytes
+            assert len(data) == 3
+            # The worker has gone with its keys; its container was OOM-killed and restarted.
+            killed = timestamps.render(timestamps.now())
+            terminated = {"reason": "OOMKilled", "exitCode": 137, "startedAt": killed, "finishedAt": killed}
+            container = {
+                "name": "w",
+                "image": "w.invalid/w:1",
+                "imageID": "",
+                "ready": True,
+                "restartCount": 1,
+                "state": {"running": {"startedAt": killed}},
+                "lastState": {"terminated": terminated},
+            }
+            await kube_client.merge_patch(f"{pods}/{POD}/status", {"status": {"containerStatuses": [container]}})
+            async with Worker(scheduler.address, name=POD, nthreads=1):  # the restarted container's
+                recorded = []
+                for _ in range(2):
+                    operator = await reconcile(operator)
+                    recorded.append((await kube_client.get(f"{path}/p"))["status"].get("workerLosses"))
+                await reconcile()  # a restarted operator
+                recorded.append((await kube_client.get(f"{path}/p"))["status"].get("workerLosses"))
+    assert recorded[0] == recorded[1] == recorded[2], "recorded once"
+    [loss] = recorded[0]
+    assert loss["pod"] == POD and loss["reason"] == "OOMKilled" and loss["exitCode"] == 137
+    assert (loss["keys"], loss["bytes"], loss["irreplaceableKeys"]) == (3, held, 3)
+    assert [e["reason"] for e in events] == ["WorkerLost"]
+    assert (
+        events[0]["type"] == "Warning" and f"pod {POD}" in events[0]["message"] and "OOMKilled" in events[0]["message"]
+    )
+    assert (counted._value.get(), lost_bytes._value.get()) == (1, held)
