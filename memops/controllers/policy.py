@@ -431,10 +431,9 @@ class Policy:
                     "drains": True,
                     "nodes": lambda: self.nodes,
                 }
+                address = await vetting.dialled(self.client, self.namespace, spec.scheduler.address)
                 found = await stack.enter_async_context(
-                    vetting.reach(
-                        spec.scheduler.address, vouch=self.verify_tenancy, security=security, timeout=5, snapshot=query
-                    )
+                    vetting.reach(address, vouch=self.verify_tenancy, security=security, timeout=5, snapshot=query)
                 )
                 scheduler, snapshot = found.scheduler, found.snapshot
                 assert snapshot is not None

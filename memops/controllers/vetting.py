@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.clients import daskrpc, kube
+from memops.clients import daskcomm, daskrpc, kube
 from memops.controllers import scheduler_tls, workloads
-from memops.decisions import snapshots, tenancy
+from memops.decisions import service_names, snapshots, tenancy
 
 
 class Tenancy:
@@ -66,6 +67,34 @@ async def reach(
         yield Vetted(scheduler, taken)
 
 
+async def dialled(client: kube.Kube, namespace: str, address: str) -> str:
+    """``address`` as the operator dials it: a host that names a Service of ``namespace``
+    (:func:`memops.decisions.service_names.service_of`) replaced by that Service's cluster IP, as a
+    pod of the namespace would reach it (the operator's own pod is in another namespace, where the
+    name means something else). A headless Service, an ExternalName or none: dialled as written.
+
+    Raises :class:`ValueError` for an address that is not ``tcp://`` or ``tls://`` host:port.
+    """
+    scheme, host, port = daskcomm.parse_address(address)
+    name = service_names.service_of(host, namespace)
+    if name is None:
+        return address
+    try:
+        service = await client.get_or_none(f"/api/v1/namespaces/{namespace}/services/{name}")
+    except kube.ApiError:
+        # Without the right to read Services (an RBAC of an older chart), or while the API server
+        # cannot answer: the name as written, to the cluster's DNS.
+        return address
+    cluster_ip = ((service or {}).get("spec") or {}).get("clusterIP")
+    if not isinstance(cluster_ip, str) or cluster_ip in ("", "None"):
+        return address
+    try:
+        found = ipaddress.ip_address(cluster_ip)
+    except ValueError:
+        return address
+    return f"{scheme}://[{found}]:{port}" if found.version == 6 else f"{scheme}://{found}:{port}"
+
+
 @contextlib.asynccontextmanager
 async def vetted(
     client: kube.Kube,
@@ -83,5 +112,6 @@ async def vetted(
     """
     security = await scheduler_tls.security_for(client, namespace, scheduler)
     judge = vouch if vouch is not None else Tenancy(client, namespace)
-    async with reach(scheduler.address, vouch=judge, security=security, timeout=timeout, snapshot=snapshot) as found:
+    address = await dialled(client, namespace, scheduler.address)
+    async with reach(address, vouch=judge, security=security, timeout=timeout, snapshot=snapshot) as found:
         yield found

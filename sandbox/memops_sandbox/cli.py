@@ -93,9 +93,13 @@ def sandbox(
             "memops sandbox: ready. In another terminal:\n"
             f"  export KUBECONFIG={directory / 'kubeconfig'}\n"
             "  kubectl get nodes,pods,mempol,retire\n"
-            f'  sed "s|tcp://dask-scheduler:8786|$(cat {directory / "scheduler-address"})|"'
-            " deploy/examples/retirementrequest.yaml | kubectl apply -f -\n"
-            "  kubectl get retire -w\n"
+            + (
+                f'  sed "s|tcp://dask-scheduler:8786|$(cat {directory / "scheduler-address"})|"'
+                " deploy/examples/retirementrequest.yaml | kubectl apply -f -\n"
+                if node_agent  # no Service: the scheduler is a process of this machine
+                else "  kubectl apply -f deploy/examples/retirementrequest.yaml\n"
+            )
+            + "  kubectl get retire -w\n"
             f"Logs: {log}, {directory / 'logs'}/, "
             + (
                 f"{directory / 'scheduler.log'}, {directory / 'pods'}/."

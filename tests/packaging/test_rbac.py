@@ -74,6 +74,7 @@ E2E_ONLY = {
     ("", "nodes", "get"): "tests/e2e/test_replication.py",
     ("", "secrets", "get"): "tests/e2e/test_safety_net.py",
     ("", "pods/resize", "patch"): "tests/e2e/test_resize.py",
+    ("", "services", "get"): "tests/e2e/test_walkthrough.py",
 }
 
 # Served by the upstream plane only, whose own audit log tests/e2e/test_eviction.py reads to

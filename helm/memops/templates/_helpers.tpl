@@ -76,6 +76,11 @@ tests/packaging/test_rbac.py checks it against the requests the operator really 
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, patch]
+# Services: a scheduler address that names a Service of the namespace (tcp://dask-scheduler:8786)
+# is dialled at the Service's cluster IP, as the namespace's pods reach it.
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get]
 # Workloads: read (a Kopf index), scaled through /scale.
 - apiGroups: [apps]
   resources: [deployments]
