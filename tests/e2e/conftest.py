@@ -120,10 +120,12 @@ class Sandbox:
     def signal_scheduler(self, sig: signal.Signals) -> None:
         os.killpg(self.scheduler_pid(), sig)
 
-    def start_operator(self) -> subprocess.Popen[bytes] | None:
-        """Start the operator: on real Nodes the chart's Deployment, scaled to one pod; on the node
-        agent's, a process of its own (the sandbox started with ``operator=False``)."""
-        if self.real_nodes:
+    def start_operator(self, *, process: bool = False) -> subprocess.Popen[bytes] | None:
+        """Start the operator (the sandbox started with ``operator=False``): on real Nodes the
+        chart's Deployment, scaled to one pod; on the node agent's, or with ``process``, ``memops
+        run`` as a process of this machine, on ``DIR/operator-kubeconfig`` (the operator's
+        ServiceAccount: how it runs outside the cluster)."""
+        if self.real_nodes and not process:
             self.kubectl("scale", "-n", OPERATOR_NAMESPACE, "deployment/memops", "--replicas=1")
             return None
         log = (self.state_dir / "operator.log").open("ab")
@@ -140,7 +142,7 @@ class Sandbox:
     def kill_operator(self) -> None:
         """SIGKILL the operator. On real Nodes its pod is deleted at once (no grace period), and its
         Deployment starts another: a crash and a restart."""
-        if self.real_nodes:
+        if self.operator is None and self.real_nodes:
             self.kubectl(
                 "delete",
                 "pod",
@@ -158,7 +160,7 @@ class Sandbox:
         self.operator.wait(10)
 
     def operator_log(self) -> str:
-        if self.real_nodes:
+        if self.operator is None and self.real_nodes:
             args = ("logs", "-n", OPERATOR_NAMESPACE, "-l", OPERATOR_PODS, "--tail=-1", "--prefix")
             return self.kubectl(*args, check=False).stdout
         path = self.state_dir / "operator.log"
@@ -190,7 +192,7 @@ administrator allows it (the chart's sharedSpill.hostRoots)."""
 EVERY_FEATURE += ["--set", f"sharedSpill.hostRoots=[{SPILL_ROOT}]"]
 
 
-def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True, real_nodes: bool = False) -> Sandbox:
+def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True, real_nodes: bool = True) -> Sandbox:
     args = [*EVERY_FEATURE, *([] if operator else ["--no-operator"])]
     return Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args, real_nodes=real_nodes))
 
@@ -199,7 +201,7 @@ def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True, real_
 def sandbox_factory(tmp_path: Path) -> Iterator[Callable[..., Sandbox]]:
     started: list[Sandbox] = []
 
-    def factory(workers: int = 4, *, operator: bool = True, real_nodes: bool = False) -> Sandbox:
+    def factory(workers: int = 4, *, operator: bool = True, real_nodes: bool = True) -> Sandbox:
         sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator, real_nodes=real_nodes)
         started.append(sandbox)
         return sandbox

@@ -75,19 +75,20 @@ def finished(sandbox: Sandbox, name: str, pod: str) -> dict[str, Any]:
 def test_the_operator_keeps_working_when_its_bound_token_is_rotated_and_revoked(
     sandbox_factory: Any, where: str
 ) -> None:
-    """``token-file``: the sandbox's operator, its token in a file as a pod's is (the kubelet
-    writes the new one there). ``kubeconfig``: an operator started on a kubeconfig that holds the
-    token itself, rewritten with the new one (Kopf read it again on a 401; memops did not)."""
-    sandbox: Sandbox = sandbox_factory(4, operator=where == "token-file")
+    """The operator as a process of this machine (``memops run`` outside the cluster) on its
+    ServiceAccount's kubeconfig. ``token-file``: its token in a file as a pod's is (the kubelet
+    writes the new one there). ``kubeconfig``: a kubeconfig that holds the token itself, rewritten
+    with the new one (Kopf read it again on a 401; memops did not)."""
+    sandbox: Sandbox = sandbox_factory(4, operator=False)
     kubeconfig = sandbox.state_dir / "operator-kubeconfig"
     user = audit.kubeconfig_user(kubeconfig)
     token_file = sandbox.state_dir / install.TOKEN_FILE
     old = token_file.read_text()
-    if where == "token-file":
-        operator_pid = int((sandbox.state_dir / "operator.pid").read_text())
-    else:
+    if where == "kubeconfig":
         install.write_token(kubeconfig, with_user(sandbox, user, {"token": old}))
-        operator_pid = sandbox.start_operator().pid
+    operator = sandbox.start_operator(process=True)
+    assert operator is not None
+    operator_pid = operator.pid
     pods = sandbox.pods()
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         holdings = scatter_unique(client, dict.fromkeys(pods, 2))
@@ -134,11 +135,8 @@ def test_the_operator_keeps_working_when_its_bound_token_is_rotated_and_revoked(
 
     assert sandbox.pods() == pods[3:] and sandbox.replicas() == 1
     os.kill(operator_pid, 0)  # still running: no restart
-    if where == "token-file":
-        assert int((sandbox.state_dir / "operator.pid").read_text()) == operator_pid
-        log = (sandbox.state_dir / "logs" / "operator.log").read_text(errors="replace")
-    else:
-        log = sandbox.operator_log()
+    assert operator.poll() is None
+    log = sandbox.operator_log()
     assert "401" not in log and "Unauthorized" not in log, "no handler retried, nothing failed"
     after = audit.requests(sandbox.audit_log, user, since=since)
     # memops' own requests (/scale, the status mid-drain) and Kopf's (its annotations on the
@@ -190,7 +188,7 @@ def test_memops_run_and_kubectl_log_in_through_an_exec_plugin(sandbox_factory: A
     exec_user = {"apiVersion": "client.authentication.k8s.io/v1", "command": str(plugin), "interactiveMode": "Never"}
     (sandbox.state_dir / "operator-kubeconfig").write_text(with_user(sandbox, user, {"exec": exec_user}))
     since = len(audit.lines(sandbox.audit_log))
-    sandbox.start_operator()
+    sandbox.start_operator(process=True)
     pods = sandbox.pods()
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         holdings = scatter_unique(client, dict.fromkeys(pods, 2))

@@ -2,9 +2,10 @@
 
 dask-kubernetes' operator (its own Kopf controller, with kr8s as its client) runs as a process
 against the sandbox's API server (with the admin's credentials), as it would against a cluster.
-It creates the DaskCluster's scheduler and one one-replica Deployment per worker; the real
-ReplicaSet controller makes their pods and the node agent runs them as real ``dask scheduler``
-and ``dask worker`` processes. memops scales the group through the policy:
+It creates the DaskCluster's scheduler, its Service and one one-replica Deployment per worker; the
+real ReplicaSet controller makes their pods and the sandbox's real Nodes run them in containers of
+Dask's image. memops scales the group through the policy, whose address is the Service's name
+(``tcp://dk-scheduler:8786``) as the namespace's pods dial it:
 the drained workers' Deployments are deleted and ``spec.worker.replicas`` lowered after, so
 dask-kubernetes' replica handler has nothing left to choose and retires nobody.
 """
@@ -21,17 +22,19 @@ from typing import Any
 
 import distributed
 import pytest
-from memops_sandbox.common import free_port
+from memops_sandbox import common as sandbox_cli
 
 from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import scatter_unique
 
 GROUP = "dk-default"
-IMAGE = "ghcr.io/dask/dask:2026.8.0"  # required by the API server; the node agent runs the command
+SERVICE_IP = "10.96.200.86"
+"""The scheduler Service's cluster IP, set in the DaskCluster: the sandbox has no cluster DNS, so the
+workers are given the Service by its IP rather than by dask-kubernetes' DNS name for it."""
+ADDRESS = f"tcp://{SERVICE_IP}:8786"
 
 
-def dask_cluster(port: int, workers: int) -> dict[str, Any]:
-    scheduler_address = f"tcp://127.0.0.1:{port}"
+def dask_cluster(workers: int) -> dict[str, Any]:
     return {
         "apiVersion": "kubernetes.dask.org/v1",
         "kind": "DaskCluster",
@@ -42,14 +45,16 @@ def dask_cluster(port: int, workers: int) -> dict[str, Any]:
                     "containers": [
                         {
                             "name": "scheduler",
-                            "image": IMAGE,
+                            "image": sandbox_cli.DASK_IMAGE,
                             "command": ["dask", "scheduler"],
-                            "args": ["--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"],
+                            "args": ["--no-dashboard"],
+                            "ports": [{"name": "tcp-comm", "containerPort": 8786, "protocol": "TCP"}],
                         }
                     ]
                 },
                 "service": {
                     "type": "ClusterIP",
+                    "clusterIP": SERVICE_IP,
                     "selector": {"dask.org/cluster-name": "dk", "dask.org/component": "scheduler"},
                     "ports": [{"name": "tcp-comm", "protocol": "TCP", "port": 8786, "targetPort": "tcp-comm"}],
                 },
@@ -60,28 +65,21 @@ def dask_cluster(port: int, workers: int) -> dict[str, Any]:
                     "containers": [
                         {
                             "name": "worker",
-                            "image": IMAGE,
-                            "command": ["dask", "worker"],
+                            "image": sandbox_cli.DASK_IMAGE,
                             # dask-kubernetes' own arguments: the worker is named by its Deployment.
+                            "command": ["dask", "worker"],
                             "args": [
                                 "$(DASK_SCHEDULER_ADDRESS)",
                                 "--name",
                                 "$(DASK_WORKER_NAME)",
-                                # On a cluster a worker's address is its pod's IP by default (the
-                                # address on its way to the scheduler); here it must be said.
-                                "--host",
-                                "$(POD_IP)",
                                 "--nthreads",
                                 "1",
                                 "--memory-limit",
                                 "512MiB",
                                 "--no-dashboard",
                             ],
-                            # Pods here run on this machine, not behind the scheduler's Service name.
-                            "env": [
-                                {"name": "DASK_SCHEDULER_ADDRESS", "value": scheduler_address},
-                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                            ],
+                            "env": [{"name": "DASK_SCHEDULER_ADDRESS", "value": ADDRESS}],
+                            "resources": {"limits": {"memory": "768Mi"}},
                         }
                     ]
                 },
@@ -108,12 +106,11 @@ def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
         start_new_session=True,
     )
     try:
-        port = free_port()
-        sandbox.apply(dask_cluster(port, 3))
-        address = f"tcp://127.0.0.1:{port}"
+        sandbox.apply(dask_cluster(3))
+        address = ADDRESS
         sandbox.wait_for(lambda: len(worker_deployments(sandbox)) == 3, timeout=60, what="3 worker Deployments")
-        with distributed.Client(address, timeout=60) as client:
-            client.wait_for_workers(3, timeout=60)
+        with distributed.Client(address, timeout=120) as client:
+            client.wait_for_workers(3, timeout=120)
         yield sandbox, address
     finally:
         os.killpg(controller.pid, signal.SIGTERM)
@@ -148,7 +145,7 @@ def test_policy_scales_a_daskworkergroup_without_dask_kubernetes_choosing(
                 "kind": "MemoryPolicy",
                 "metadata": {"name": "dk", "namespace": "default"},
                 "spec": {
-                    "scheduler": {"address": address},
+                    "scheduler": {"address": "tcp://dk-scheduler:8786"},
                     "workload": {"kind": "DaskWorkerGroup", "name": GROUP},
                     "replicas": 3,
                 },
