@@ -129,20 +129,28 @@ def build(workers: int, keys: int, seed: int = 0) -> tuple[Scheduler, WorkerStat
 class Driver:
     """Runs the policy's passes as its AMM would, and enacts what it suggests in the bookkeeping."""
 
-    def __init__(self, scheduler: Scheduler, rules: dict[str, Any]):
+    def __init__(self, scheduler: Scheduler, rules: dict[str, Any], interval: float = replication.INTERVAL):
         self.scheduler = scheduler
         places = {a: (f"node-{i}", f"zone-{i % 3}") for i, a in enumerate(scheduler.workers)}
         self.policy = replication.Replication(ruling.parse(rules), places)
         self.policy.manager = _Manager(scheduler)  # type: ignore[assignment]
+        self.policy.interval = interval
         self.chosen: list[tuple[str, TaskState, WorkerState]] = []
 
     def run(self, *, enact: bool = True, spaced: bool = False) -> float:
-        """One pass; ms. Its suggestions are accepted (the first candidate) and kept for :meth:`enact`;
-        without ``enact``, each is answered None (as if no worker fitted), and nothing changes."""
+        """One pass, as :class:`memops.scheduler.replication.ReplicationManager` runs it; ms. Its
+        suggestions are accepted (the first candidate) and kept for :meth:`enact`; without
+        ``enact``, each is answered None (as if no worker fitted), and nothing changes."""
 
         started = time.perf_counter()
         if not spaced:
             self.policy.next_pass = 0.0  # run, however long the last pass (the restore keeps the spacing)
+        elif started < self.policy.next_pass:
+            return 0.0
+        if not self.policy.prepare(self.scheduler):
+            return (time.perf_counter() - started) * 1000  # every ruled key at its target
+        # As the AMM's run_once does before its policies: every worker's memory.
+        workers_memory = {ws: ws.memory.optimistic for ws in self.scheduler.workers.values()}
         chosen = []
         passes = self.policy.run()
         with contextlib.suppress(StopIteration):
@@ -153,6 +161,7 @@ class Driver:
                     chosen.append((suggestion.op, suggestion.ts, answer))
                 suggestion = passes.send(answer)
         self.chosen = chosen
+        del workers_memory
         return (time.perf_counter() - started) * 1000
 
     def enact(self) -> None:
@@ -256,7 +265,9 @@ async def restore(
             if time.perf_counter() - started > timeout:
                 raise SystemExit(f"lost copies not back within {timeout}s")
             if passes:
-                await asyncio.sleep(interval)  # the AMM's period between passes
+                await asyncio.sleep(replication.BUSY_INTERVAL)  # the AMM's tick
+                if not driver.policy.due(time.perf_counter()):
+                    continue
             passes.append(driver.run(spaced=True))
             if len(passes) == 1:
                 # The anchor, on the same state: a pass reading every key (its time left out of the restore's).
@@ -280,7 +291,7 @@ async def measure(workers: int, interval: float) -> Row:
     row = Row(workers, keys, len(ruled))
     f = row.figures
     try:
-        driver = Driver(scheduler, RULE)
+        driver = Driver(scheduler, RULE, interval)
         index = driver.policy.index
         f["build passes"], f["build longest"] = driver.settle()
         assert not index.off and len(index.entries) == len(ruled), index
