@@ -84,7 +84,8 @@ class Shares:
             if old is not None:
                 size, holders = old
                 for ws in holders:
-                    row = shared[ws]
+                    row: list[int] | None = shared[ws]
+                    assert row is not None
                     row[0] -= size
                     row[1] -= 1
                     if not row[1]:
@@ -127,7 +128,9 @@ def followed(dask_scheduler: Any) -> Shares | None:
     plugin = (getattr(dask_scheduler, "plugins", None) or {}).get("memops-replication")
     index = getattr(getattr(plugin, "policy", None), "index", None)
     shares = getattr(index, "shares", None)
-    if shares is None or not getattr(index, "attached", False) or getattr(index, "scheduler", None) is not dask_scheduler:
+    if shares is None or not getattr(index, "attached", False):
+        return None
+    if getattr(index, "scheduler", None) is not dask_scheduler:
         return None
     return shares if isinstance(shares, Shares) else None
 

@@ -482,7 +482,8 @@ class Replication(ActiveMemoryManagerPolicy):
         self.figures.seconds = time.perf_counter() - started
         self.next_pass = started + self.figures.seconds / MAX_SHARE
         limits = sum(int(ws.memory_limit or 0) for ws in scheduler.workers.values() if ws not in index.leaving)
-        self.account([], Plan(spent=index.totals.spent, budget=int(self.rules.max_fraction * limits)), scheduler.workers)
+        budget = int(self.rules.max_fraction * limits)
+        self.account([], Plan(spent=index.totals.spent, budget=budget), scheduler.workers)
         return False
 
     def run(self) -> Generator[Suggestion, Any, None]:
