@@ -54,7 +54,7 @@ from distributed import Scheduler
 from distributed.core import Status
 from distributed.scheduler import TaskGroup, TaskPrefix, TaskState, WorkerState
 
-from memops.scheduler import holdings, replication
+from memops.scheduler import drain, holdings, replication
 from memops.scheduler import rules as ruling
 
 SIZES = (10, 100, 1000, 3000)
@@ -298,8 +298,14 @@ async def measure(workers: int, interval: float) -> Row:
         f["at target"] = statistics.median(driver.run() for _ in range(5))
         f["share at rest %"] = f["at target"] / (interval * 1000) * 100
         f["full scan"] = statistics.median(driver.full_pass() for _ in range(3))
-        f["holdings"] = median_ms(lambda: holdings.holdings(scheduler.workers.values(), scheduler.replicated_tasks))
+        shares = index.shares
+        f["holdings scan"] = median_ms(
+            lambda: holdings.holdings(scheduler.workers.values(), scheduler.replicated_tasks)
+        )
+        shares.holdings(scheduler.workers.values())  # what the build noted, read once (as on the first ask)
+        f["holdings"] = median_ms(lambda: shares.holdings(scheduler.workers.values()))
         # A rule: every ruled key now wants three copies. Its first pass; then back, and settled.
+        gc.collect()  # the scans' garbage above, collected first (as before the loss below)
         driver.policy.retune(ruling.parse(MORE), driver.policy.places)
         f["after rule"] = driver.run(enact=False)
         rule_passes = 1
@@ -312,14 +318,65 @@ async def measure(workers: int, interval: float) -> Row:
         # The loss: the worker with the most ruled copies, removed as the scheduler removes it.
         gc.collect()
         row.lost = remove_worker(scheduler, heavy)
+        f["holdings after loss"] = median_ms(lambda: shares.holdings(scheduler.workers.values()), runs=1)
         survivors = [ts for ts in ruled if ts.who_has]
         seconds, passes, stall, f["full scan after loss"] = await restore(driver, survivors, interval, timeout=120)
         f["after loss"] = passes[0]
         f["restore s"], f["restore passes"], f["stall"] = seconds, len(passes), stall
+        driver.policy.index.detach()
+        # Drains: 1% of the workers at once (at least one), every key copied as soon as asked.
+        f["drain first"], f["drain longest"], f["drain passes"] = await drain_passes(scheduler, max(workers // 100, 1))
     finally:
         await scheduler.close()
         scheduler.http_server.stop()  # listening since construction; close() stops only a started scheduler's
     return row
+
+
+class _Stream:
+    """A worker's batched stream as the drain writes to it: what it asks is kept, to be enacted."""
+
+    def __init__(self, address: str, sent: list[tuple[str, dict[str, Any]]]):
+        self.address, self.sent = address, sent
+
+    def send(self, *messages: dict[str, Any]) -> None:
+        self.sent.extend((self.address, m) for m in messages)
+
+    def closed(self) -> bool:
+        return True
+
+    def abort(self) -> None:
+        pass
+
+
+async def drain_passes(scheduler: Scheduler, count: int, limit: int = 500) -> tuple[float, float, int]:
+    """memops' drain (:class:`memops.scheduler.drain.DrainPlugin`) of ``count`` workers, its passes
+    run one after the other, every copy it asks for landing before the next (``add_replica``, as a
+    recipient's ``add-keys`` does): the first pass (ms), the longest (ms), and how many passes."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    for address in scheduler.workers:
+        scheduler.stream_comms[address] = _Stream(address, sent)  # type: ignore[assignment]
+    plugin = drain.DrainPlugin(scheduler)
+    plugin.handover = False  # no worker to ask where its keys are spilled
+    plugin.task = asyncio.get_running_loop().create_future()  # its own loop not started: passes run here
+    plugin.add(list(scheduler.workers)[1 : 1 + count], 600.0, {}, close=False, restore=True)
+    times: list[float] = []
+    while len(times) < limit and any(d.state == drain.State.DRAINING for d in plugin.workers.values()):
+        sent.clear()
+        started = time.perf_counter()
+        await plugin.step()
+        times.append((time.perf_counter() - started) * 1000)
+        for address, message in sent:
+            if message.get("op") != "acquire-replicas":
+                continue
+            ws = scheduler.workers[address]
+            for key in message["who_has"]:
+                ts = scheduler.tasks.get(key)
+                if ts is not None and ts.who_has and ws not in ts.who_has:
+                    scheduler.add_replica(ts, ws)
+    plugin.task.cancel()
+    states = {d.state for d in plugin.workers.values()}
+    assert states == {drain.State.DONE}, states
+    return times[0], max(times), len(times)
 
 
 COLUMNS = (
@@ -334,6 +391,11 @@ COLUMNS = (
     ("restore passes", "{:.0f}"),
     ("stall", "{:.1f}"),
     ("holdings", "{:.1f}"),
+    ("holdings after loss", "{:.1f}"),
+    ("holdings scan", "{:.1f}"),
+    ("drain first", "{:.1f}"),
+    ("drain longest", "{:.1f}"),
+    ("drain passes", "{:.0f}"),
     ("full scan", "{:.0f}"),
     ("scan / at target", "{:.0f}x"),
     ("scan / after loss", "{:.1f}x"),
@@ -362,7 +424,7 @@ def growth(rows: Sequence[Row]) -> list[str]:
     """Where a cost grows faster than what it reads: each column's growth over the keys' (or,
     when the keys stay, the workers'), between consecutive sizes."""
     notes = []
-    for column in ("at target", "after rule", "after loss", "holdings", "full scan"):
+    for column in ("at target", "after rule", "after loss", "holdings", "holdings scan", "drain longest", "full scan"):
         for a, b in itertools.pairwise(rows):
             base = b.keys / a.keys if b.keys != a.keys else b.workers / a.workers
             ratio = b.figures[column] / max(a.figures[column], 1e-6)
