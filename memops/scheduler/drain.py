@@ -370,6 +370,7 @@ class _Asks:
     from_source: Mapping[str, int]  # copies still on their way, by drained worker
     now: float
     until: float = float("inf")  # perf_counter: no more keys asked for in this pass after this (PASS_SECONDS)
+    served: int = 0  # drained workers whose keys this pass has read
     batches: defaultdict[str, list[Any]] = dataclasses.field(default_factory=lambda: defaultdict(list))
     links: defaultdict[tuple[str, str], list[Any]] = dataclasses.field(default_factory=lambda: defaultdict(list))
 
@@ -678,8 +679,9 @@ class DrainPlugin(SchedulerPlugin):
         if now >= drained.deadline:
             self._stop_at_deadline(drained, ws, asks.draining, now)
             return recipients
-        if time.perf_counter() > asks.until:
+        if asks.served and time.perf_counter() > asks.until:
             return recipients  # this pass' time is up: served first in the next one
+        asks.served += 1  # the first worker of a pass is always served: every drain progresses
         if now - drained.scanned > RESCAN_SECONDS:
             self._scan(drained, ws, asks.draining, now)
         if self._held(drained, now):

@@ -65,7 +65,7 @@ MAX_ITEMS_PER_PASS = 2_500
 :data:`MAX_COPIES_PER_PASS` of them anyway): a rule just applied to 100,000 keys keeps a pass
 bounded, and the rest are served on the next passes, those read longest ago first. Which keys come
 first is then that order, not :func:`value_order`, until they fit."""
-PASS_SECONDS = 0.05
+PASS_SECONDS = 0.04
 """A pass' own time, about: the index reads changes for at most its ``READ_SECONDS``
 (:mod:`memops.scheduler.replication_index`), and the keys handed to :func:`decide` are as many as
 the rest of it fits, by what a key cost in the passes before (:attr:`Replication.item_seconds`), so
