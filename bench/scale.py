@@ -20,9 +20,18 @@ Columns, ms unless said:
 - after rule: the first pass after the rule becomes ``replicas: 3`` (every ruled key under);
 - after loss: the first pass after the worker with the 10,000 copies is removed (as
   ``Scheduler.remove_worker`` removes its keys), and the seconds until every ruled key has its
-  two copies again, passes every ``--interval`` seconds (the plugin's default: 0.5 s) and a pass'
-  own spacing (``MAX_SHARE``) kept, with the longest event-loop stall meanwhile;
-- holdings: :func:`memops.scheduler.holdings.holdings` (median of 3);
+  two copies again, passes as replication's AMM runs them (a tick every ``BUSY_INTERVAL``, a pass
+  when :meth:`~memops.scheduler.replication.Replication.due`: at once while copies are moving,
+  else every ``--interval`` seconds, and a pass' own spacing, ``MAX_SHARE``, kept), with the
+  longest event-loop stall meanwhile; a pass with keys to decide first reads every worker's
+  memory, as the AMM's ``run_once`` does before its policies;
+- holdings: what the agent answers (:func:`memops.scheduler.holdings.of_scheduler`) while a rule is
+  in force: the index' :class:`~memops.scheduler.holdings.Shares`, at rest (median of 3) and right
+  after the loss (what changed: the lost worker's keys); *holdings scan*: the sum over every
+  replicated key (:func:`memops.scheduler.holdings.holdings`, what it answers without a rule);
+- drain: memops' drain (:class:`memops.scheduler.drain.DrainPlugin`) of 1% of the workers at once
+  (at least one; 1,000 keys each), passes one after the other, every copy asked for landing before
+  the next: the first pass, the longest, and how many;
 - full scan: the same pass, reading every key first, as a pass without the index must to be
   exact (before the index, a pass read the ruled keys found so far plus a rolling 50,000-key
   slice of the rest, and found a new rule's keys over 20 passes), at target (median of 3) and

@@ -83,8 +83,8 @@ for; beyond :data:`SHARES_NOTED` keys waiting, a pass reads :data:`SHARES_READ` 
 MAX_SHARE = 0.2
 """A pass that takes t seconds is followed by none for t / MAX_SHARE: a backstop that keeps
 replication to this share of the scheduler's event loop should passes grow long. Passes cost what
-changed (under 1 ms at rest at a million keys); right after a loss or a rule they take up to about
-a tenth of a second, and this lets them run every :data:`INTERVAL` until the copies are back."""
+changed (under 1 ms at rest at a million keys); right after a loss or a rule they take about
+:data:`PASS_SECONDS`, and this lets them run every few tenths of a second until the copies are back."""
 INTERVAL = 0.5
 """Seconds between passes at rest."""
 BUSY_INTERVAL = 0.1

@@ -18,9 +18,11 @@ seconds at a million keys. :class:`Index` keeps those answers and updates them f
 :meth:`Index.update` reads noted keys for at most :data:`READ_SECONDS` a pass, so a pass costs
 what changed and its time stays bounded when much changes at once (a rule over 100,000 keys, or
 the first build): the rest are read on the next passes. :func:`recompute` is the full scan that
-the index stands for; tests compare the two.
+the index stands for; tests compare the two. The same hooks keep the workers' holdings
+(:class:`memops.scheduler.holdings.Shares`: each worker's bytes that another also holds), which
+the agent answers from while a rule is in force.
 
-Imports only the standard library and its sibling :mod:`rules`: the operator sends it by value
+Imports only the standard library and its siblings :mod:`rules` and :mod:`holdings`: the operator sends it by value
 with memops' agent. Nothing here reads what a peer sent but the scheduler's own objects.
 """
 

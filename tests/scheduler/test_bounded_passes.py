@@ -1,10 +1,12 @@
-"""memops' drain keeps each pass short however many keys are drained at once, and still drains them all.
+"""Passes inside the scheduler stay short however much there is to do, and still get it all done.
 
-A real ``distributed.Scheduler``'s bookkeeping (constructed, not started: no worker process), fed
-as ``bench/scale.py`` feeds it; the drain's passes run one after the other, and every copy that a
-pass asks for lands before the next (``add_replica``, as a recipient's ``add-keys`` does). The
-pass' time budget is set to nothing, so that what a pass asks for does not depend on the machine's
-speed: a pass then serves one drained worker, and of it one slice of keys.
+memops' drain of many keys at once, and replication after a rule over many keys. A real
+``distributed.Scheduler``'s bookkeeping (constructed, not started: no worker process), fed as
+``bench/scale.py`` feeds it; passes run one after the other, and every copy that a pass asks for
+lands before the next (``add_replica``, as a recipient's ``add-keys`` does). What a pass may spend
+is set so that what it does does not depend on the machine's speed: the drain's time budget to
+nothing (a pass then serves one drained worker, and of it one slice of keys), replication's
+measured cost of a key to a second (a pass then hands over its minimum of keys).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from distributed import Scheduler
 from distributed.core import Status
 from distributed.scheduler import TaskGroup, TaskPrefix, TaskState, WorkerState
 
-from memops.scheduler import drain
+from memops.scheduler import drain, replication
+from memops.scheduler import rules as ruling
 
 WORKERS = 12
 DRAINED = 4
@@ -114,3 +117,53 @@ async def test_a_pass_out_of_time_asks_one_slice_yet_every_drained_worker_finish
         plugin.task.cancel()
         await scheduler.close()
         scheduler.http_server.stop()  # listening since construction; close() stops only a started scheduler's
+
+
+class Manager:
+    """What :class:`~memops.scheduler.replication.Replication` reads of its AMM."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+
+def replication_pass(policy: replication.Replication, scheduler: Scheduler) -> list[tuple[str, Any, Any]]:
+    """One pass as an AMM runs a policy, every suggestion taken (its candidate); what it suggested."""
+    policy.next_pass = 0.0
+    taken: list[tuple[str, Any, Any]] = []
+    suggestions = policy.run()
+    answer = None
+    while True:
+        try:
+            suggestion = suggestions.send(answer)
+        except StopIteration:
+            return taken
+        answer = next(iter(suggestion.candidates))
+        taken.append((suggestion.op, suggestion.ts, answer))
+
+
+async def test_a_pass_after_a_rule_over_every_key_hands_over_its_minimum_yet_every_key_reaches_its_target() -> None:
+    scheduler = build([])
+    policy = replication.Replication(
+        ruling.parse({"keys": [{"prefix": "x", "replicas": 2}], "maxReplicatedFraction": 0.9}), {}
+    )
+    policy.manager = Manager(scheduler)  # type: ignore[assignment]
+    try:
+        # Before a pass measured it, a key handed over costs a second: a pass hands over its minimum.
+        policy.item_seconds = 1.0
+        first: list[tuple[str, Any, Any]] | None = None
+        for _ in range(1000):
+            taken = replication_pass(policy, scheduler)
+            if first is None and taken:
+                first = taken
+            for op, ts, ws in taken:
+                assert op == "replicate"
+                scheduler.add_replica(ts, ws)
+            if all(len(ts.who_has or ()) == 2 for ts in scheduler.tasks.values()):
+                break
+        assert first is not None
+        assert 0 < len(first) <= replication.MIN_ITEMS_PER_PASS
+        assert all(len(ts.who_has or ()) == 2 for ts in scheduler.tasks.values())
+    finally:
+        policy.index.detach()
+        await scheduler.close()
+        scheduler.http_server.stop()
