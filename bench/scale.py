@@ -23,8 +23,9 @@ Columns, ms unless said:
   two copies again, passes as replication's AMM runs them (a tick every ``BUSY_INTERVAL``, a pass
   when :meth:`~memops.scheduler.replication.Replication.due`: at once while copies are moving,
   else every ``--interval`` seconds, and a pass' own spacing, ``MAX_SHARE``, kept), with the
-  longest event-loop stall meanwhile; a pass with keys to decide first reads every worker's
-  memory, as the AMM's ``run_once`` does before its policies;
+  longest event-loop stall meanwhile and the garbage collector's longest pause (*gc pause*; a
+  collection over a million TaskStates stalls the loop whatever runs); a pass with keys to decide
+  first reads every worker's memory, as the AMM's ``run_once`` does before its policies;
 - holdings: what the agent answers (:func:`memops.scheduler.holdings.of_scheduler`) while a rule is
   in force: the index' :class:`~memops.scheduler.holdings.Shares`, at rest (median of 3) and right
   after the loss (what changed: the lost worker's keys); *holdings scan*: the sum over every
@@ -145,6 +146,7 @@ class Driver:
         self.policy.manager = _Manager(scheduler)  # type: ignore[assignment]
         self.policy.interval = interval
         self.chosen: list[tuple[str, TaskState, WorkerState]] = []
+        self.longest_collection = 0.0  # ms: the garbage collector's longest pause during the restore
 
     def run(self, *, enact: bool = True, spaced: bool = False) -> float:
         """One pass, as :class:`memops.scheduler.replication.ReplicationManager` runs it; ms. Its
@@ -265,6 +267,7 @@ async def restore(
                 stalls[0] = max(stalls[0], (time.perf_counter() - started - 0.005) * 1000)
 
     watch = asyncio.create_task(ticker())
+    collections = Collections()
     await asyncio.sleep(0.02)  # the ticker ticking
     started = time.perf_counter()
     passes: list[float] = []
@@ -290,7 +293,28 @@ async def restore(
     finally:
         stop.set()
         await watch
+        collections.stop()
+    driver.longest_collection = collections.longest
     return time.perf_counter() - started, passes, stalls[0], scans[0]
+
+
+class Collections:
+    """The longest of the garbage collector's pauses (ms) while it is kept: a stall of the loop that
+    is no pass' own (a collection over a million TaskStates lands in whatever runs)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self.began = 0.0
+        gc.callbacks.append(self.callback)
+
+    def callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        else:
+            self.longest = max(self.longest, (time.perf_counter() - self.began) * 1000)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self.callback)
 
 
 async def measure(workers: int, interval: float) -> Row:
@@ -332,6 +356,7 @@ async def measure(workers: int, interval: float) -> Row:
         seconds, passes, stall, f["full scan after loss"] = await restore(driver, survivors, interval, timeout=120)
         f["after loss"] = passes[0]
         f["restore s"], f["restore passes"], f["stall"] = seconds, len(passes), stall
+        f["gc pause"] = driver.longest_collection
         driver.policy.index.detach()
         # Drains: 1% of the workers at once (at least one), every key copied as soon as asked.
         f["drain first"], f["drain longest"], f["drain passes"] = await drain_passes(scheduler, max(workers // 100, 1))
@@ -399,6 +424,7 @@ COLUMNS = (
     ("restore s", "{:.2f}"),
     ("restore passes", "{:.0f}"),
     ("stall", "{:.1f}"),
+    ("gc pause", "{:.1f}"),
     ("holdings", "{:.1f}"),
     ("holdings after loss", "{:.1f}"),
     ("holdings scan", "{:.1f}"),
