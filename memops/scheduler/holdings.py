@@ -121,18 +121,19 @@ class Shares:
         return result
 
 
-def followed(dask_scheduler: Any) -> Shares | None:
+def followed(dask_scheduler: Any) -> Any:
     """The :class:`Shares` that replication keeps up to date on this scheduler, or None (no rule in
-    force, or replication installed by an agent that keeps none): found by attribute, since the
-    agent arrives by value and another operator's defines classes of its own."""
+    force, or replication installed by an agent that keeps none). Found by attribute, not by
+    class: the agent arrives by value, and one that an earlier operator process installed defines
+    classes of its own."""
     plugin = (getattr(dask_scheduler, "plugins", None) or {}).get("memops-replication")
     index = getattr(getattr(plugin, "policy", None), "index", None)
     shares = getattr(index, "shares", None)
-    if shares is None or not getattr(index, "attached", False):
+    if not callable(getattr(shares, "holdings", None)) or not getattr(index, "attached", False):
         return None
     if getattr(index, "scheduler", None) is not dask_scheduler:
         return None
-    return shares if isinstance(shares, Shares) else None
+    return shares
 
 
 def of_scheduler(dask_scheduler: Any) -> dict[str, Holding]:
@@ -140,7 +141,7 @@ def of_scheduler(dask_scheduler: Any) -> dict[str, Holding]:
     them (costing what changed), else read from every replicated key."""
     shares = followed(dask_scheduler)
     if shares is not None:
-        return shares.holdings(dask_scheduler.workers.values())
+        return shares.holdings(dask_scheduler.workers.values())  # type: ignore[no-any-return]
     return holdings(dask_scheduler.workers.values(), dask_scheduler.replicated_tasks)
 
 
