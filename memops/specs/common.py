@@ -199,21 +199,6 @@ class Condition(Model):
     )
 
 
-def column(name: str, type_: str, json_path: str, **extra: Any) -> dict[str, Any]:
-    """One of a kind's ``kubectl get`` columns (an ``additionalPrinterColumns`` entry)."""
-    return {"name": name, "type": type_, "jsonPath": json_path, **extra}
-
-
-def printer_columns(*columns: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    """A kind's own columns, then the two that every kind ends with: its one-line message (shown by
-    ``kubectl get -o wide`` only) and its age."""
-    return (
-        *columns,
-        column("Message", "string", ".status.message", priority=1),
-        column("Age", "date", ".metadata.creationTimestamp"),
-    )
-
-
 class ResourceKind(pydantic.BaseModel):
     """Everything the CRD generator needs to know about one kind besides its models."""
 
@@ -222,6 +207,7 @@ class ResourceKind(pydantic.BaseModel):
     kind: str
     description: str
     plural: str
+    singular: str
     short_names: tuple[str, ...]
     spec: type[Model]
     status: type[Model]
@@ -229,8 +215,3 @@ class ResourceKind(pydantic.BaseModel):
     scale: dict[str, str] | None = None
     validations: tuple[dict[str, str], ...] = ()
     """CEL rules on the whole object (``x-kubernetes-validations`` at the schema's root)."""
-
-    @property
-    def singular(self) -> str:
-        """The kind in lower case, as the API server names it when a CRD does not say."""
-        return self.kind.lower()

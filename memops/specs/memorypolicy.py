@@ -23,9 +23,7 @@ from memops.specs.common import (
     ResourceKind,
     SchedulerRef,
     WorkloadRef,
-    column,
     parse_percent,
-    printer_columns,
 )
 
 
@@ -739,8 +737,24 @@ class MemoryPolicyStatus(Model):
 
 MEMORY_POLICY = ResourceKind(
     kind="MemoryPolicy",
+    description=(
+        "How one Dask cluster's memory is managed for as long as the policy exists; every scale-down"
+        " that it governs drains the workers first."
+    ),
     plural="memorypolicies",
+    singular="memorypolicy",
     short_names=("mempol",),
+    spec=MemoryPolicySpec,
+    status=MemoryPolicyStatus,
+    printer_columns=(
+        {"name": "Workload", "type": "string", "jsonPath": ".spec.workload.name"},
+        {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Memory%", "type": "integer", "jsonPath": ".status.memory.percent"},
+        {"name": "Last-Scale", "type": "string", "jsonPath": ".status.lastScaleReason"},
+        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ),
     scale={
         "specReplicasPath": ".spec.replicas",
         "statusReplicasPath": ".status.replicas",
@@ -753,17 +767,4 @@ MEMORY_POLICY = ResourceKind(
             "message": "metadata.name must be at most 63 characters: it labels the policy's RetirementRequests",
         },
     ),
-    printer_columns=printer_columns(
-        column("Workload", "string", ".spec.workload.name"),
-        column("Desired", "integer", ".status.desiredReplicas"),
-        column("Replicas", "integer", ".status.replicas"),
-        column("Memory%", "integer", ".status.memory.percent"),
-        column("Last-Scale", "string", ".status.lastScaleReason"),
-    ),
-    description=(
-        "How one Dask cluster's memory is managed for as long as the policy exists; every scale-down"
-        " that it governs drains the workers first."
-    ),
-    spec=MemoryPolicySpec,
-    status=MemoryPolicyStatus,
 )

@@ -17,8 +17,6 @@ from memops.specs.common import (
     ResourceKind,
     SchedulerRef,
     WorkloadRef,
-    column,
-    printer_columns,
 )
 
 
@@ -251,20 +249,23 @@ class RetirementRequestStatus(Model):
 
 RETIREMENT_REQUEST = ResourceKind(
     kind="RetirementRequest",
-    plural="retirementrequests",
-    short_names=("retire",),
-    printer_columns=printer_columns(
-        column("Phase", "string", ".status.phase"),
-        column("Workload", "string", ".spec.workload.name"),
-        column("Count", "integer", ".spec.count"),
-        column("Retired", "integer", ".status.retired"),
-        column("Kept", "integer", ".status.kept"),
-        column("Moved", "string", ".status.moved", description="Bytes moved"),
-    ),
     description=(
         "A one-shot request to retire Dask workers: memops drains their data through the scheduler's"
         " Active Memory Manager, then removes their pods. The status tells what happened to each worker."
     ),
+    plural="retirementrequests",
+    singular="retirementrequest",
+    short_names=("retire",),
     spec=RetirementRequestSpec,
     status=RetirementRequestStatus,
+    printer_columns=(
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Workload", "type": "string", "jsonPath": ".spec.workload.name"},
+        {"name": "Count", "type": "integer", "jsonPath": ".spec.count"},
+        {"name": "Retired", "type": "integer", "jsonPath": ".status.retired"},
+        {"name": "Kept", "type": "integer", "jsonPath": ".status.kept"},
+        {"name": "Moved", "type": "string", "jsonPath": ".status.moved", "description": "Bytes moved"},
+        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ),
 )
