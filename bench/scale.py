@@ -20,9 +20,19 @@ Columns, ms unless said:
 - after rule: the first pass after the rule becomes ``replicas: 3`` (every ruled key under);
 - after loss: the first pass after the worker with the 10,000 copies is removed (as
   ``Scheduler.remove_worker`` removes its keys), and the seconds until every ruled key has its
-  two copies again, passes every ``--interval`` seconds (the plugin's default: 0.5 s) and a pass'
-  own spacing (``MAX_SHARE``) kept, with the longest event-loop stall meanwhile;
-- holdings: :func:`memops.scheduler.holdings.holdings` (median of 3);
+  two copies again, passes as replication's AMM runs them (a tick every ``BUSY_INTERVAL``, a pass
+  when :meth:`~memops.scheduler.replication.Replication.due`: at once while copies are moving,
+  else every ``--interval`` seconds, and a pass' own spacing, ``MAX_SHARE``, kept), with the
+  longest event-loop stall meanwhile and the garbage collector's longest pause (*gc pause*; a
+  collection over a million TaskStates stalls the loop whatever runs); a pass with keys to decide
+  first reads every worker's memory, as the AMM's ``run_once`` does before its policies;
+- holdings: what the agent answers (:func:`memops.scheduler.holdings.of_scheduler`) while a rule is
+  in force: the index' :class:`~memops.scheduler.holdings.Shares`, at rest (median of 3) and right
+  after the loss (what changed: the lost worker's keys); *holdings scan*: the sum over every
+  replicated key (:func:`memops.scheduler.holdings.holdings`, what it answers without a rule);
+- drain: memops' drain (:class:`memops.scheduler.drain.DrainPlugin`) of 1% of the workers at once
+  (at least one; 1,000 keys each), passes one after the other, every copy asked for landing before
+  the next: the first pass, the longest, and how many;
 - full scan: the same pass, reading every key first, as a pass without the index must to be
   exact (before the index, a pass read the ruled keys found so far plus a rolling 50,000-key
   slice of the rest, and found a new rule's keys over 20 passes), at target (median of 3) and
@@ -54,7 +64,7 @@ from distributed import Scheduler
 from distributed.core import Status
 from distributed.scheduler import TaskGroup, TaskPrefix, TaskState, WorkerState
 
-from memops.scheduler import holdings, replication
+from memops.scheduler import drain, holdings, replication
 from memops.scheduler import rules as ruling
 
 SIZES = (10, 100, 1000, 3000)
@@ -129,20 +139,29 @@ def build(workers: int, keys: int, seed: int = 0) -> tuple[Scheduler, WorkerStat
 class Driver:
     """Runs the policy's passes as its AMM would, and enacts what it suggests in the bookkeeping."""
 
-    def __init__(self, scheduler: Scheduler, rules: dict[str, Any]):
+    def __init__(self, scheduler: Scheduler, rules: dict[str, Any], interval: float = replication.INTERVAL):
         self.scheduler = scheduler
         places = {a: (f"node-{i}", f"zone-{i % 3}") for i, a in enumerate(scheduler.workers)}
         self.policy = replication.Replication(ruling.parse(rules), places)
         self.policy.manager = _Manager(scheduler)  # type: ignore[assignment]
+        self.policy.interval = interval
         self.chosen: list[tuple[str, TaskState, WorkerState]] = []
+        self.longest_collection = 0.0  # ms: the garbage collector's longest pause during the restore
 
     def run(self, *, enact: bool = True, spaced: bool = False) -> float:
-        """One pass; ms. Its suggestions are accepted (the first candidate) and kept for :meth:`enact`;
-        without ``enact``, each is answered None (as if no worker fitted), and nothing changes."""
+        """One pass, as :class:`memops.scheduler.replication.ReplicationManager` runs it; ms. Its
+        suggestions are accepted (the first candidate) and kept for :meth:`enact`; without
+        ``enact``, each is answered None (as if no worker fitted), and nothing changes."""
 
         started = time.perf_counter()
         if not spaced:
             self.policy.next_pass = 0.0  # run, however long the last pass (the restore keeps the spacing)
+        elif started < self.policy.next_pass:
+            return 0.0
+        if not self.policy.prepare(self.scheduler):
+            return (time.perf_counter() - started) * 1000  # every ruled key at its target
+        # As the AMM's run_once does before its policies: every worker's memory.
+        workers_memory = {ws: ws.memory.optimistic for ws in self.scheduler.workers.values()}
         chosen = []
         passes = self.policy.run()
         with contextlib.suppress(StopIteration):
@@ -153,6 +172,7 @@ class Driver:
                     chosen.append((suggestion.op, suggestion.ts, answer))
                 suggestion = passes.send(answer)
         self.chosen = chosen
+        del workers_memory
         return (time.perf_counter() - started) * 1000
 
     def enact(self) -> None:
@@ -247,6 +267,7 @@ async def restore(
                 stalls[0] = max(stalls[0], (time.perf_counter() - started - 0.005) * 1000)
 
     watch = asyncio.create_task(ticker())
+    collections = Collections()
     await asyncio.sleep(0.02)  # the ticker ticking
     started = time.perf_counter()
     passes: list[float] = []
@@ -256,7 +277,9 @@ async def restore(
             if time.perf_counter() - started > timeout:
                 raise SystemExit(f"lost copies not back within {timeout}s")
             if passes:
-                await asyncio.sleep(interval)  # the AMM's period between passes
+                await asyncio.sleep(replication.BUSY_INTERVAL)  # the AMM's tick
+                if not driver.policy.due(time.perf_counter()):
+                    continue
             passes.append(driver.run(spaced=True))
             if len(passes) == 1:
                 # The anchor, on the same state: a pass reading every key (its time left out of the restore's).
@@ -270,7 +293,28 @@ async def restore(
     finally:
         stop.set()
         await watch
+        collections.stop()
+    driver.longest_collection = collections.longest
     return time.perf_counter() - started, passes, stalls[0], scans[0]
+
+
+class Collections:
+    """The longest of the garbage collector's pauses (ms) while it is kept: a stall of the loop that
+    is no pass' own (a collection over a million TaskStates lands in whatever runs)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self.began = 0.0
+        gc.callbacks.append(self.callback)
+
+    def callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        else:
+            self.longest = max(self.longest, (time.perf_counter() - self.began) * 1000)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self.callback)
 
 
 async def measure(workers: int, interval: float) -> Row:
@@ -280,15 +324,21 @@ async def measure(workers: int, interval: float) -> Row:
     row = Row(workers, keys, len(ruled))
     f = row.figures
     try:
-        driver = Driver(scheduler, RULE)
+        driver = Driver(scheduler, RULE, interval)
         index = driver.policy.index
         f["build passes"], f["build longest"] = driver.settle()
         assert not index.off and len(index.entries) == len(ruled), index
         f["at target"] = statistics.median(driver.run() for _ in range(5))
         f["share at rest %"] = f["at target"] / (interval * 1000) * 100
         f["full scan"] = statistics.median(driver.full_pass() for _ in range(3))
-        f["holdings"] = median_ms(lambda: holdings.holdings(scheduler.workers.values(), scheduler.replicated_tasks))
+        shares = index.shares
+        f["holdings scan"] = median_ms(
+            lambda: holdings.holdings(scheduler.workers.values(), scheduler.replicated_tasks)
+        )
+        shares.holdings(scheduler.workers.values())  # what the build noted, read once (as on the first ask)
+        f["holdings"] = median_ms(lambda: shares.holdings(scheduler.workers.values()))
         # A rule: every ruled key now wants three copies. Its first pass; then back, and settled.
+        gc.collect()  # the scans' garbage above, collected first (as before the loss below)
         driver.policy.retune(ruling.parse(MORE), driver.policy.places)
         f["after rule"] = driver.run(enact=False)
         rule_passes = 1
@@ -301,14 +351,66 @@ async def measure(workers: int, interval: float) -> Row:
         # The loss: the worker with the most ruled copies, removed as the scheduler removes it.
         gc.collect()
         row.lost = remove_worker(scheduler, heavy)
+        f["holdings after loss"] = median_ms(lambda: shares.holdings(scheduler.workers.values()), runs=1)
         survivors = [ts for ts in ruled if ts.who_has]
         seconds, passes, stall, f["full scan after loss"] = await restore(driver, survivors, interval, timeout=120)
         f["after loss"] = passes[0]
         f["restore s"], f["restore passes"], f["stall"] = seconds, len(passes), stall
+        f["gc pause"] = driver.longest_collection
+        driver.policy.index.detach()
+        # Drains: 1% of the workers at once (at least one), every key copied as soon as asked.
+        f["drain first"], f["drain longest"], f["drain passes"] = await drain_passes(scheduler, max(workers // 100, 1))
     finally:
         await scheduler.close()
         scheduler.http_server.stop()  # listening since construction; close() stops only a started scheduler's
     return row
+
+
+class _Stream:
+    """A worker's batched stream as the drain writes to it: what it asks is kept, to be enacted."""
+
+    def __init__(self, address: str, sent: list[tuple[str, dict[str, Any]]]):
+        self.address, self.sent = address, sent
+
+    def send(self, *messages: dict[str, Any]) -> None:
+        self.sent.extend((self.address, m) for m in messages)
+
+    def closed(self) -> bool:
+        return True
+
+    def abort(self) -> None:
+        pass
+
+
+async def drain_passes(scheduler: Scheduler, count: int, limit: int = 500) -> tuple[float, float, int]:
+    """memops' drain (:class:`memops.scheduler.drain.DrainPlugin`) of ``count`` workers, its passes
+    run one after the other, every copy it asks for landing before the next (``add_replica``, as a
+    recipient's ``add-keys`` does): the first pass (ms), the longest (ms), and how many passes."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    for address in scheduler.workers:
+        scheduler.stream_comms[address] = _Stream(address, sent)  # type: ignore[assignment]
+    plugin = drain.DrainPlugin(scheduler)
+    plugin.handover = False  # no worker to ask where its keys are spilled
+    plugin.task = asyncio.get_running_loop().create_future()  # its own loop not started: passes run here
+    plugin.add(list(scheduler.workers)[1 : 1 + count], 600.0, {}, close=False, restore=True)
+    times: list[float] = []
+    while len(times) < limit and any(d.state == drain.State.DRAINING for d in plugin.workers.values()):
+        sent.clear()
+        started = time.perf_counter()
+        await plugin.step()
+        times.append((time.perf_counter() - started) * 1000)
+        for address, message in sent:
+            if message.get("op") != "acquire-replicas":
+                continue
+            ws = scheduler.workers[address]
+            for key in message["who_has"]:
+                ts = scheduler.tasks.get(key)
+                if ts is not None and ts.who_has and ws not in ts.who_has:
+                    scheduler.add_replica(ts, ws)
+    plugin.task.cancel()
+    states = {d.state for d in plugin.workers.values()}
+    assert states == {drain.State.DONE}, states
+    return times[0], max(times), len(times)
 
 
 COLUMNS = (
@@ -322,7 +424,13 @@ COLUMNS = (
     ("restore s", "{:.2f}"),
     ("restore passes", "{:.0f}"),
     ("stall", "{:.1f}"),
+    ("gc pause", "{:.1f}"),
     ("holdings", "{:.1f}"),
+    ("holdings after loss", "{:.1f}"),
+    ("holdings scan", "{:.1f}"),
+    ("drain first", "{:.1f}"),
+    ("drain longest", "{:.1f}"),
+    ("drain passes", "{:.0f}"),
     ("full scan", "{:.0f}"),
     ("scan / at target", "{:.0f}x"),
     ("scan / after loss", "{:.1f}x"),
@@ -351,7 +459,7 @@ def growth(rows: Sequence[Row]) -> list[str]:
     """Where a cost grows faster than what it reads: each column's growth over the keys' (or,
     when the keys stay, the workers'), between consecutive sizes."""
     notes = []
-    for column in ("at target", "after rule", "after loss", "holdings", "full scan"):
+    for column in ("at target", "after rule", "after loss", "holdings", "holdings scan", "drain longest", "full scan"):
         for a, b in itertools.pairwise(rows):
             base = b.keys / a.keys if b.keys != a.keys else b.workers / a.workers
             ratio = b.figures[column] / max(a.figures[column], 1e-6)

@@ -72,6 +72,12 @@ seconds, the next waits at least t / SHARE. A pass reads every copy on its way, 
 a small machine (while the recipients have a window's worth queued); as the copies land, passes
 get cheaper and closer together, so that the last key landing (the worker's close) is noticed
 within about :data:`INTERVAL`, not a fixed back-off later."""
+PASS_SECONDS = 0.02
+"""A pass asks for keys for about this long (checked between drained workers, and every
+:data:`_SLICE` keys of one): at a thousand workers, ten drained at once hold ten thousand keys to
+rank and place, a quarter of a second in one pass; the rest are asked for on the next passes, in
+their order. A pass' reading of the copies on their way and of the workers is not bounded by it."""
+_SLICE = 256
 MAX_INTERVAL = 0.5
 """Seconds between two passes, at most (a pass over very many keys)."""
 REFILL = 0.5
@@ -363,6 +369,8 @@ class _Asks:
     draining: AbstractSet[Any]  # the drained or otherwise leaving workers' WorkerStates: no safe copy
     from_source: Mapping[str, int]  # copies still on their way, by drained worker
     now: float
+    until: float = float("inf")  # perf_counter: no more keys asked for in this pass after this (PASS_SECONDS)
+    served: int = 0  # drained workers whose keys this pass has read
     batches: defaultdict[str, list[Any]] = dataclasses.field(default_factory=lambda: defaultdict(list))
     links: defaultdict[tuple[str, str], list[Any]] = dataclasses.field(default_factory=lambda: defaultdict(list))
 
@@ -387,6 +395,7 @@ class DrainPlugin(SchedulerPlugin):
         # Set when a pass should not wait for its pace: a drain added, or a hand-over answer in
         # (the drains held for it go on at once).
         self.wake = asyncio.Event()
+        self.turn = 0  # which drained worker a pass serves first
 
     async def close(self) -> None:
         if self.task is not None:
@@ -590,7 +599,12 @@ class DrainPlugin(SchedulerPlugin):
             from_source=from_source,
             now=now,
         )
-        for address, drained in active.items():
+        asks.until = time.perf_counter() + PASS_SECONDS
+        # The drained workers from a turning start: a pass that runs out of time (PASS_SECONDS)
+        # serves the others first in the next one.
+        turn = self.turn % len(active) if active else 0
+        self.turn += 1
+        for address, drained in [*list(active.items())[turn:], *list(active.items())[:turn]]:
             if drained.state == State.DRAINING:
                 recipients = await self._drain_worker(address, drained, recipients, asks)
         self._send(asks)
@@ -638,7 +652,8 @@ class DrainPlugin(SchedulerPlugin):
                 continue
             limit = int(ws.memory_limit or 0)
             queued = on_way.get(ws.address, 0)
-            used = max(int(ws.memory.process), int(ws.memory.optimistic)) + queued
+            memory = ws.memory  # computed on each read: once per worker and pass
+            used = max(int(memory.process), int(memory.optimistic)) + queued
             refill = queued <= self.window * REFILL
             recipients.append(
                 Recipient(
@@ -664,6 +679,9 @@ class DrainPlugin(SchedulerPlugin):
         if now >= drained.deadline:
             self._stop_at_deadline(drained, ws, asks.draining, now)
             return recipients
+        if asks.served and time.perf_counter() > asks.until:
+            return recipients  # this pass' time is up: served first in the next one
+        asks.served += 1  # the first worker of a pass is always served: every drain progresses
         if now - drained.scanned > RESCAN_SECONDS:
             self._scan(drained, ws, asks.draining, now)
         if self._held(drained, now):
@@ -683,6 +701,8 @@ class DrainPlugin(SchedulerPlugin):
             return recipients
         drained.alone_since = 0.0
         taken = self._ask_keys(address, drained, ws, recipients, asks)
+        if not taken:
+            return recipients
         return [
             dataclasses.replace(
                 r,
@@ -691,6 +711,8 @@ class DrainPlugin(SchedulerPlugin):
                 room=None if r.room is None else r.room - taken[r.name],
                 queued=r.queued + taken[r.name],
             )
+            if r.name in taken
+            else r
             for r in recipients
         ]
 
@@ -710,8 +732,9 @@ class DrainPlugin(SchedulerPlugin):
         tasks: dict[str, Any] = {}
         kept: list[Any] = []
         index = 0
-        for index, key in enumerate(drained.order):  # noqa: B007 (read after the loop)
-            if budget <= 0:
+        until = asks.until
+        for index, key in enumerate(drained.order):  # index: read after the loop
+            if budget <= 0 or (index % _SLICE == _SLICE - 1 and time.perf_counter() > until):
                 break
             ts = scheduler.tasks.get(key)
             if self._safe(ts, asks.draining) or key in self.copies or ws not in ts.who_has:
@@ -724,6 +747,9 @@ class DrainPlugin(SchedulerPlugin):
             budget -= nbytes
         else:
             index = len(drained.order)
+        if not pending:
+            drained.order = drained.order[index:]
+            return defaultdict(int)
         chosen, _unplaced = assign(pending, recipients, asks.dying_nodes, self.window)  # the unplaced wait in order
         taken: defaultdict[str, int] = defaultdict(int)
         for name, target in chosen:

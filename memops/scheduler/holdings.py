@@ -52,6 +52,99 @@ def holdings(workers: Iterable[Any], replicated: Iterable[Any]) -> dict[str, Hol
     return result
 
 
+class Shares:
+    """What :func:`holdings` sums from every replicated key, kept up to date from the keys whose
+    replicas changed: each worker's bytes and keys that another worker also holds.
+
+    Something that follows the scheduler's replica methods (:class:`memops.scheduler.replication_index.Index`,
+    while a replication rule is in force) adds each TaskState whose replicas changed to
+    :attr:`noted`; :meth:`holdings` reads those again, and only those, so that it costs what
+    changed since it was last asked, not every replicated key. Sizes are read as :func:`holdings`
+    reads them: a size that the scheduler sets (``TaskState.set_nbytes``) is always followed by
+    an ``add_replica`` of that key."""
+
+    def __init__(self) -> None:
+        self.noted: set[Any] = set()  # TaskStates whose replicas changed since they were read
+        self.counted: dict[Any, tuple[int, tuple[Any, ...]]] = {}  # replicated TaskState -> (size, holders)
+        self.shared: dict[Any, list[int]] = {}  # WorkerState -> [bytes, keys] held with a copy elsewhere
+
+    def reset(self, replicated: Iterable[Any] = ()) -> None:
+        """Forget what was read; ``replicated`` (the scheduler's replicated keys) read on the next call."""
+        self.counted, self.shared = {}, {}
+        self.noted.clear()
+        self.noted.update(replicated)
+
+    def update(self, limit: int | None = None) -> int:
+        """Read the noted keys again (at most ``limit`` of them); how many."""
+        noted, counted, shared = self.noted, self.counted, self.shared
+        read = len(noted) if limit is None else min(limit, len(noted))
+        for _ in range(read):
+            ts = noted.pop()
+            old = counted.pop(ts, None)
+            if old is not None:
+                size, holders = old
+                for ws in holders:
+                    row: list[int] | None = shared[ws]
+                    assert row is not None
+                    row[0] -= size
+                    row[1] -= 1
+                    if not row[1]:
+                        del shared[ws]
+            who_has = ts.who_has
+            if who_has is not None and len(who_has) > 1:
+                size = ts.nbytes
+                if size < 0:
+                    size = ts.get_nbytes()
+                holders = tuple(who_has)
+                counted[ts] = (size, holders)
+                for ws in holders:
+                    row = shared.get(ws)
+                    if row is None:
+                        shared[ws] = [size, 1]
+                    else:
+                        row[0] += size
+                        row[1] += 1
+        return read
+
+    def holdings(self, workers: Iterable[Any]) -> dict[str, Holding]:
+        """:func:`holdings` of these WorkerStates, from what changed since the last call."""
+        self.update()
+        shared = self.shared
+        result: dict[str, Holding] = {}
+        for ws in workers:
+            held_bytes, held_keys = ws.nbytes, len(ws.has_what)
+            row = shared.get(ws)
+            if row is None:
+                result[ws.address] = (held_bytes, held_keys, held_bytes, held_keys)
+            else:
+                result[ws.address] = (held_bytes, held_keys, held_bytes - row[0], held_keys - row[1])
+        return result
+
+
+def followed(dask_scheduler: Any) -> Any:
+    """The :class:`Shares` that replication keeps up to date on this scheduler, or None (no rule in
+    force, or replication installed by an agent that keeps none). Found by attribute, not by
+    class: the agent arrives by value, and one that an earlier operator process installed defines
+    classes of its own."""
+    plugin = (getattr(dask_scheduler, "plugins", None) or {}).get("memops-replication")
+    index = getattr(getattr(plugin, "policy", None), "index", None)
+    shares = getattr(index, "shares", None)
+    if not callable(getattr(shares, "holdings", None)) or not getattr(index, "attached", False):
+        return None
+    if getattr(index, "scheduler", None) is not dask_scheduler:
+        return None
+    return shares
+
+
+def of_scheduler(dask_scheduler: Any) -> dict[str, Holding]:
+    """:func:`holdings` of every connected worker: from replication's :class:`Shares` where it keeps
+    them (costing what changed), else read from every replicated key."""
+    shares = followed(dask_scheduler)
+    if shares is not None:
+        return shares.holdings(dask_scheduler.workers.values())  # type: ignore[no-any-return]
+    return holdings(dask_scheduler.workers.values(), dask_scheduler.replicated_tasks)
+
+
 def placement(tasks: Mapping[Hashable, Any], keys: Iterable[Hashable]) -> dict[Hashable, tuple[int, list[str]]]:
     """Key -> (its size, the addresses holding it) for these keys; ``(0, [])`` for a key the
     scheduler has forgotten (released, or lost)."""
@@ -77,6 +170,6 @@ def summarize(
         if ws is not None:
             wanted.update(dict.fromkeys(ts.key for ts in ws.has_what))
     return {
-        "holdings": holdings(dask_scheduler.workers.values(), dask_scheduler.replicated_tasks),
+        "holdings": of_scheduler(dask_scheduler),
         "placement": placement(dask_scheduler.tasks, wanted),
     }

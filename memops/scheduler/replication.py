@@ -37,12 +37,13 @@ memops' agent (:mod:`memops.scheduler.agent`), whose ``replication`` operation c
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import time
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, NamedTuple
 
 from distributed.active_memory_manager import (
     ActiveMemoryManagerExtension,
@@ -64,13 +65,32 @@ MAX_ITEMS_PER_PASS = 2_500
 :data:`MAX_COPIES_PER_PASS` of them anyway): a rule just applied to 100,000 keys keeps a pass
 bounded, and the rest are served on the next passes, those read longest ago first. Which keys come
 first is then that order, not :func:`value_order`, until they fit."""
+PASS_SECONDS = 0.04
+"""A pass' own time, about: the index reads changes for at most its ``READ_SECONDS``
+(:mod:`memops.scheduler.replication_index`), and the keys handed to :func:`decide` are as many as
+the rest of it fits, by what a key cost in the passes before (:attr:`Replication.item_seconds`), so
+that a pass after a rule or a loss stays under a tenth of a second on a busy machine too."""
+MIN_ITEMS_PER_PASS = 64
+"""Keys handed over in a pass however slow the last one was: the copies always progress."""
+ITEM_SECONDS = 20e-6
+"""What one key handed over costs (reading it, deciding, suggesting) before a pass has measured it."""
+MAX_ITEM_SECONDS = 200e-6
+"""What one key handed over is taken to cost at most, whatever a pass measured."""
+SHARES_NOTED = 50_000
+SHARES_READ = 5_000
+"""The index' :class:`~memops.scheduler.holdings.Shares` reads what changed when holdings are asked
+for; beyond :data:`SHARES_NOTED` keys waiting, a pass reads :data:`SHARES_READ` of them (a few ms)."""
 MAX_SHARE = 0.2
 """A pass that takes t seconds is followed by none for t / MAX_SHARE: a backstop that keeps
 replication to this share of the scheduler's event loop should passes grow long. Passes cost what
-changed (under 1 ms at rest at a million keys); right after a loss or a rule they take up to about
-a tenth of a second, and this lets them run every :data:`INTERVAL` until the copies are back."""
+changed (under 1 ms at rest at a million keys); right after a loss or a rule they take about
+:data:`PASS_SECONDS`, and this lets them run every few tenths of a second until the copies are back."""
 INTERVAL = 0.5
-"""Seconds between passes (the AMM's period for replication)."""
+"""Seconds between passes at rest."""
+BUSY_INTERVAL = 0.1
+"""Seconds between passes while keys are off target and the last pass moved some (a lost worker's
+copies, a new rule): replication's AMM ticks this often, and a tick at rest runs nothing (not even
+the AMM's reading of every worker's memory) until :data:`INTERVAL` has passed."""
 LANDING = 2.0
 """A copy costs its recipient about twice its size while it lands (as in :mod:`relief`)."""
 IN_FLIGHT_SECONDS = 5.0
@@ -93,8 +113,9 @@ class Worker:
     leaving: bool = False  # being retired or closed: its copies do not count
 
 
-@dataclasses.dataclass(frozen=True)
-class Item:
+class Item(NamedTuple):
+    """A ruled key handed to :func:`decide` (a named tuple: a pass makes thousands of them)."""
+
     key: str
     nbytes: int
     holders: tuple[str, ...]
@@ -207,7 +228,11 @@ def _copies(
     recipients = [w for w in workers if w.running and not w.leaving and w.limit]
     copies: list[tuple[str, str]] = []
     unserved: list[str] = []
-    order = sorted(recipients, key=lambda w: (projected[w.address] / w.limit, w.address))
+    # The recipients by fullness, kept sorted as copies land: the one that took a copy moves to its
+    # new place (a bisect, not a sort of every worker: a pass plans thousands of copies).
+    ranks = sorted((projected[w.address] / w.limit, w.address) for w in recipients)
+    by_rank = {w.address: w for w in recipients}
+    order = [by_rank[address] for _, address in ranks]
     # The best a recipient can score on placement: a new node (new zone) only where pods say where they run.
     floor = (not any(w.node for w in recipients), not any(w.zone for w in recipients))
     for item, holders, need in sorted(under, key=lambda u: value_order(u[0])):
@@ -220,16 +245,19 @@ def _copies(
             if recipient is None:
                 break
             copies.append((item.key, recipient.address))
+            old = (projected[recipient.address] / recipient.limit, recipient.address)
             projected[recipient.address] += cost
+            new = (projected[recipient.address] / recipient.limit, recipient.address)
+            at = bisect.bisect_left(ranks, old)
+            del ranks[at], order[at]
+            at = bisect.bisect_left(ranks, new)
+            ranks.insert(at, new)
+            order.insert(at, recipient)
             spent += item.nbytes if holders else 0
             holders = [*holders, recipient.address]
             served = True
         if not served:
             unserved.append(item.key)
-        if len(copies) >= max_copies:
-            order = []  # the rest wait for the next pass
-        elif served and len(copies) % 64 == 0:
-            order = sorted(recipients, key=lambda w: (projected[w.address] / w.limit, w.address))
     return copies, unserved, spent
 
 
@@ -326,6 +354,11 @@ class Replication(ActiveMemoryManagerPolicy):
         self.index.in_flight = self.in_flight  # a key with a copy on its way is off target until it lands
         self.rest = replication_index.Totals()  # the index' totals less the keys handed to decide()
         self.next_pass = 0.0  # perf_counter: no pass before this (see MAX_SHARE)
+        self.item_seconds = ITEM_SECONDS  # a key handed over, as the last passes measured it (see PASS_SECONDS)
+        self.interval = INTERVAL  # seconds between passes at rest
+        self.last_pass = float("-inf")  # perf_counter when the last pass started
+        self.moved = False  # whether the last pass suggested a copy or a drop that the AMM took
+        self.prepared: float | None = None  # perf_counter when prepare() found keys off target, for run()
 
     def __repr__(self) -> str:
         figures = self.figures
@@ -352,40 +385,54 @@ class Replication(ActiveMemoryManagerPolicy):
         holders = [ws.address for ws in ts.who_has or ()]
         return ruling.target(self.rules, 0, holders) is not None
 
-    def items(self, now: float) -> list[Item]:
+    def items(self, now: float, limit: int = MAX_ITEMS_PER_PASS) -> list[Item]:
         """The ruled keys off target as :class:`Item`, copies on their way counted as holders: at
-        most :data:`MAX_ITEMS_PER_PASS`, those handed over longest ago first (each goes to the back;
-        one noted since it was read, read under other rules, or with a copy on its way, is read again
-        first). Also sets
-        :attr:`rest`."""
+        most ``limit``, those handed over longest ago first (each goes to the back; one noted since
+        it was read, read under other rules, or with a copy on its way, is read again first). Also
+        sets :attr:`rest`."""
         index = self.index
         items: list[Item] = []
         rest = dataclasses.replace(index.totals)
-        off = index.off
-        for ts in list(itertools.islice(off, MAX_ITEMS_PER_PASS)):
+        off, entries, noted, generation = index.off, index.entries, index.noted, index.generation
+        in_flight = self.in_flight
+        for ts in list(itertools.islice(off, limit)):
             holders = [ws.address for ws in ts.who_has or ()]
-            flight = self.in_flight.get(ts.key)
-            entry: replication_index.Entry | None = index.entries[ts]
-            if flight is not None or index.entries[ts].generation != index.generation or ts in index.noted:
+            flight = in_flight.get(ts.key) if in_flight else None
+            entry: replication_index.Entry | None = entries[ts]
+            assert entry is not None
+            if flight is not None or entry.generation != generation or ts in noted:
                 if flight is not None and (now > flight[1] or flight[0] in holders):
-                    del self.in_flight[ts.key]
+                    del in_flight[ts.key]
                     flight = None
-                index.noted.discard(ts)
+                noted.discard(ts)
                 # Changed since read (a copy landed, its flight expired), or read under other rules.
                 entry = index.read(ts)
                 if entry is None or not entry.off:
                     continue  # at target after all
             else:
                 off.move_to_end(ts)  # the next pass hands others over first
-            assert entry is not None
             rest.add(entry, -1)
             if flight is not None:
                 holders.append(flight[0])
-            items.append(
-                Item(ts.key, entry.nbytes, tuple(holders), entry.goal, _recomputable(ts), _cost(ts, entry.nbytes))
-            )
+            nbytes = entry.nbytes
+            items.append(Item(ts.key, nbytes, tuple(holders), entry.goal, _recomputable(ts), _cost(ts, nbytes)))
         self.rest = rest
         return items
+
+    def item_limit(self, started: float) -> int:
+        """How many keys this pass hands to :func:`decide`: what is left of :data:`PASS_SECONDS`
+        since ``started`` (perf_counter), at what a key cost in the last passes."""
+        left = PASS_SECONDS - (time.perf_counter() - started)
+        return max(MIN_ITEMS_PER_PASS, min(MAX_ITEMS_PER_PASS, int(left / self.item_seconds)))
+
+    def measured(self, items: int, seconds: float) -> None:
+        """A pass handed over ``items`` keys in ``seconds`` (reading, deciding, suggesting; the
+        workers' listing left out): what a key costs, weighed with the passes before. A pass of a
+        few keys says little (what remains fixed weighs more than its keys), and one stalled by the
+        garbage collector or a busy machine no more than :data:`MAX_ITEM_SECONDS` a key."""
+        if items >= MIN_ITEMS_PER_PASS:
+            seconds = min(seconds / items, MAX_ITEM_SECONDS)
+            self.item_seconds = 0.5 * self.item_seconds + 0.5 * seconds
 
     def workers(self, scheduler: Any) -> list[Worker]:
         running = scheduler.running
@@ -405,30 +452,56 @@ class Replication(ActiveMemoryManagerPolicy):
             )
         return result
 
-    def run(self) -> Generator[Suggestion, Any, None]:
-        scheduler = self.manager.scheduler
-        started = time.perf_counter()
-        if started < self.next_pass:
-            return  # the last pass was long: keep to a small share of the scheduler's time
+    def due(self, now: float) -> bool:
+        """Whether a pass runs at this tick (``now``: perf_counter): never before the last long
+        pass' spacing (:data:`MAX_SHARE`); then at once while keys are off target and the last pass
+        moved some, or a rule's keys wait to be read; else every :attr:`interval`."""
+        if now < self.next_pass:
+            return False
+        index = self.index
+        if not index.attached or (index.off and self.moved) or index.backlog:
+            return True
+        return now >= self.last_pass + self.interval - BUSY_INTERVAL / 2
+
+    def prepare(self, scheduler: Any) -> bool:
+        """A pass' first half: the index read up to now and, with every ruled key at its target (the
+        common case), the figures; whether keys are off target (then :meth:`run` decides them)."""
+        started = self.last_pass = time.perf_counter()
+        self.prepared = None
         index = self.index
         if index.scheduler is not scheduler or not index.attached:
             index.attach(scheduler)  # the first pass: every key is read, over the next passes
         index.update()
+        if len(index.shares.noted) > SHARES_NOTED:
+            index.shares.update(SHARES_READ)  # keeps what it holds bounded however rarely holdings are asked for
+        if index.off:
+            self.prepared = started
+            return True
+        self.moved = False
+        self.rest = dataclasses.replace(index.totals)
+        self.figures.seconds = time.perf_counter() - started
+        self.next_pass = started + self.figures.seconds / MAX_SHARE
+        limits = sum(int(ws.memory_limit or 0) for ws in scheduler.workers.values() if ws not in index.leaving)
+        budget = int(self.rules.max_fraction * limits)
+        self.account([], Plan(spent=index.totals.spent, budget=budget), scheduler.workers)
+        return False
+
+    def run(self) -> Generator[Suggestion, Any, None]:
+        scheduler = self.manager.scheduler
+        started = self.prepared
+        if started is None:  # run by an AMM that did not call prepare() first
+            if time.perf_counter() < self.next_pass or not self.prepare(scheduler):
+                return  # spaced after a long pass (see MAX_SHARE), or nothing off target
+            started = self.prepared
+            assert started is not None
+        self.prepared = None
+        index = self.index
         now = time.time()
-        if not index.off:
-            # Every ruled key read is at its target (the common case): nothing to decide.
-            self.rest = dataclasses.replace(index.totals)
-            self.figures.seconds = time.perf_counter() - started
-            self.next_pass = started + self.figures.seconds / MAX_SHARE
-            limits = sum(
-                int(ws.memory_limit or 0) for ws in index.scheduler.workers.values() if ws not in index.leaving
-            )
-            self.account(
-                [], Plan(spent=index.totals.spent, budget=int(self.rules.max_fraction * limits)), scheduler.workers
-            )
-            return
-        items = self.items(now)
+        handing = time.perf_counter()
+        items = self.items(now, self.item_limit(started))
+        listing = time.perf_counter()
         workers = self.workers(scheduler)
+        fixed = time.perf_counter() - listing  # the workers' listing: a cost of the pass, not of its keys
         plan = decide(
             workers,
             items,
@@ -441,10 +514,12 @@ class Replication(ActiveMemoryManagerPolicy):
         self.account(items, plan, [w.address for w in workers])
         tasks = scheduler.tasks
         by_address = scheduler.workers
+        moved = False
         for key, holder in plan.drops:
             ts, ws = tasks.get(key), by_address.get(holder)
             if ts is not None and ws is not None and (yield Suggestion("drop", ts, {ws})) is not None:
                 self.figures.drops += 1
+                moved = True
         for key, recipient in plan.copies:
             ts, ws = tasks.get(key), by_address.get(recipient)
             if ts is None or ws is None:
@@ -456,6 +531,9 @@ class Replication(ActiveMemoryManagerPolicy):
                 index.note(ts)  # off target while its copy is on its way (read on the next pass)
                 self.figures.copies += 1
                 self.figures.bytes_copied += nbytes
+                moved = True
+        self.moved = moved
+        self.measured(len(items), time.perf_counter() - handing - fixed)
 
     def account(self, items: Sequence[Item], plan: Plan, addresses: Iterable[str]) -> None:
         figures = self.figures
@@ -573,6 +651,19 @@ def unwrap_reduce_replicas(scheduler: Any) -> None:
             manager.add_policy(stock)
 
 
+class ReplicationManager(ActiveMemoryManagerExtension):
+    """Replication's own AMM: ticks every :data:`BUSY_INTERVAL`, and runs (reading every worker's
+    memory, as an AMM does before its policies) only when :meth:`Replication.due` and
+    :meth:`Replication.prepare` say there are keys to decide."""
+
+    replication: Replication
+
+    def run_once(self) -> None:
+        replication = self.replication
+        if replication.due(time.perf_counter()) and replication.prepare(self.scheduler):
+            super().run_once()
+
+
 class ReplicationPlugin(SchedulerPlugin):
     """Runs :class:`Replication` on its own AMM every ``interval`` seconds (kept in
     ``scheduler.plugins`` under :data:`NAME`, stopped with the scheduler)."""
@@ -585,9 +676,11 @@ class ReplicationPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         self.owner = owner
         self.policy = Replication(rules, places)
-        self.manager = ActiveMemoryManagerExtension(
-            scheduler, {self.policy}, register=False, start=False, interval=interval
+        self.policy.interval = interval
+        self.manager = ReplicationManager(
+            scheduler, {self.policy}, register=False, start=False, interval=min(interval, BUSY_INTERVAL)
         )  # started by configure() while a rule is in force
+        self.manager.replication = self.policy
 
     async def close(self) -> None:
         self.manager.stop()
@@ -639,9 +732,9 @@ def configure(
         plugin.policy.index.detach()
         unwrap_reduce_replicas(dask_scheduler)
     figures = {**plugin.policy.figures.plain(), "owner": owner}
-    # Each worker's bytes held alone and with copies elsewhere, now (cheap: the scheduler's
-    # replicated keys, not every key).
-    held = holdings.holdings(dask_scheduler.workers.values(), dask_scheduler.replicated_tasks)
+    # Each worker's bytes held alone and with copies elsewhere, now (cheap: what changed since the
+    # last pass, from the index' Shares, or without a rule the scheduler's replicated keys).
+    held = holdings.of_scheduler(dask_scheduler)
     workers = figures["workers"]
     figures["workers"] = {
         a: [int(h[0] - h[2]), *workers.get(a, [0, 0, parsed.default])[1:3], int(h[2])] for a, h in held.items()

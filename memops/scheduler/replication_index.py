@@ -18,9 +18,11 @@ seconds at a million keys. :class:`Index` keeps those answers and updates them f
 :meth:`Index.update` reads noted keys for at most :data:`READ_SECONDS` a pass, so a pass costs
 what changed and its time stays bounded when much changes at once (a rule over 100,000 keys, or
 the first build): the rest are read on the next passes. :func:`recompute` is the full scan that
-the index stands for; tests compare the two.
+the index stands for; tests compare the two. The same hooks keep the workers' holdings
+(:class:`memops.scheduler.holdings.Shares`: each worker's bytes that another also holds), which
+the agent answers from while a rule is in force.
 
-Imports only the standard library and its sibling :mod:`rules`: the operator sends it by value
+Imports only the standard library and its siblings :mod:`rules` and :mod:`holdings`: the operator sends it by value
 with memops' agent. Nothing here reads what a peer sent but the scheduler's own objects.
 """
 
@@ -32,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from memops.scheduler import holdings
 from memops.scheduler import rules as ruling
 
 MAX_READS_PER_PASS = 50_000
@@ -39,7 +42,7 @@ READ_SECONDS = 0.02
 """Noted keys that one pass reads: at most this many, for at most this long (a few µs each): bounds
 a pass after a rule over many keys, a lost worker or the first build; the rest are read on the
 next passes."""
-_SLICE = 1024
+_SLICE = 256  # keys read between two looks at the clock: a slice takes a few ms on a busy machine
 HOOKED = ("add_replica", "remove_replica", "remove_all_replicas")
 _MISSING: Any = object()
 
@@ -114,6 +117,7 @@ class Index:
         self.marked: set[Any] = set()
         self.leaving: set[Any] = set()  # WorkerStates being retired or closed
         self.in_flight: Mapping[Any, Any] = {}  # key -> copy on its way (the policy's): such a key is off
+        self.shares = holdings.Shares()  # the workers' replicated bytes, from the same hooks
         self.hooks: dict[str, tuple[Any, Any]] = {}  # method name -> (the scheduler's, the wrapper)
         self.active = [False]  # read by the wrappers: off once detached
 
@@ -134,14 +138,15 @@ class Index:
         self.detach()
         self.scheduler = scheduler
         self.active = active = [True]
-        noted = self.noted
+        noted, changed = self.noted, self.shares.noted
         for name in HOOKED:
             original = getattr(scheduler, name)
-            wrapper = _note_after(original, noted, active)
+            wrapper = _note_after(original, noted, changed, active)
             setattr(scheduler, name, wrapper)
             self.hooks[name] = (original, wrapper)
         self.entries, self.off, self.totals, self.held = {}, OrderedDict(), Totals(), {}
         self.noted.clear()
+        self.shares.reset(scheduler.replicated_tasks)
         self.backlog, self.cursor = list(scheduler.tasks.values()), 0
         self.leaving, self.marked_by_rule, self.marked = set(), [], set()
         self.follow_workers(scheduler.workers)
@@ -163,6 +168,7 @@ class Index:
         self.scheduler = None
         self.entries, self.off, self.totals, self.held = {}, OrderedDict(), Totals(), {}
         self.noted.clear()
+        self.shares.reset()
         self.backlog, self.cursor = [], 0
 
     @property
@@ -321,13 +327,17 @@ class Index:
         self.noted.add(ts)
 
 
-def _note_after(original: Callable[..., Any], noted: set[Any], active: list[bool]) -> Callable[..., Any]:
-    """``original`` (one of the scheduler's replica methods), then its TaskState noted."""
+def _note_after(
+    original: Callable[..., Any], noted: set[Any], changed: set[Any], active: list[bool]
+) -> Callable[..., Any]:
+    """``original`` (one of the scheduler's replica methods), then its TaskState noted (for the
+    index, and for its :class:`~memops.scheduler.holdings.Shares`)."""
 
     def hook(ts: Any, *args: Any) -> Any:
         result = original(ts, *args)
         if active[0]:
             noted.add(ts)
+            changed.add(ts)
         return result
 
     return hook

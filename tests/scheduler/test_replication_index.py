@@ -1,4 +1,5 @@
-"""The replication index (:mod:`memops.scheduler.replication_index`) always equals a full scan.
+"""The replication index (:mod:`memops.scheduler.replication_index`) always equals a full scan,
+and so do the workers' holdings that it keeps (:class:`memops.scheduler.holdings.Shares`).
 
 Random sequences of what changes a scheduler's placement of keys — keys reaching memory (computed
 or scattered), copies made and dropped, keys released and forgotten, workers joining, leaving
@@ -26,7 +27,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from memops.clients import daskrpc
-from memops.scheduler import replication, replication_index
+from memops.scheduler import holdings, replication, replication_index
 from memops.scheduler import rules as ruling
 
 PREFIXES = ("load", "train", "other")
@@ -159,6 +160,9 @@ def check(index: replication_index.Index, scheduler: Scheduler) -> None:
     assert index.totals == totals
     held = {ts for keys in index.held.values() for ts in keys}
     assert held == {ts for ts in scheduler.tasks.values() if ts.who_has}
+    # The workers' holdings, from what changed, equal the sum over every replicated key.
+    workers = scheduler.workers.values()
+    assert index.shares.holdings(workers) == holdings.holdings(workers, scheduler.replicated_tasks)
 
 
 async def run(initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], limits: list[int]) -> None:
@@ -177,6 +181,7 @@ async def run(initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], l
             limit = limits[n % len(limits)]
             while index.pending:  # read in slices, as passes do
                 index.update(limit, seconds=60)
+                index.shares.update(limit)  # as a pass reads a slice of them when many wait
             index.update(limit, seconds=60)  # the workers' status and marks, read once a pass
             check(index, scheduler)
         index.detach()
@@ -224,6 +229,10 @@ def agrees(scheduler: Scheduler) -> int:
         index.update(seconds=60)
     index.update()  # the workers' status and marks, as a pass reads them
     check(index, scheduler)
+    # What the agent answers for holdings: the index' Shares while a rule is in force.
+    assert holdings.followed(scheduler) is index.shares
+    workers = scheduler.workers.values()
+    assert holdings.summarize(scheduler)["holdings"] == holdings.holdings(workers, scheduler.replicated_tasks)
     return len(index.entries)
 
 
