@@ -116,7 +116,15 @@ def test_a_selector_with_match_expressions_never_claims_an_unrelated_pod(sandbox
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": "unrelated", "namespace": "default", "labels": {"app": "other"}},
-            "spec": {"containers": [{"name": "c", "image": "busybox:1.37", "command": ["sleep", "600"]}]},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": sandbox_cli.DASK_IMAGE,
+                        "command": ["python", "-c", "import time; time.sleep(600)"],
+                    }
+                ]
+            },
         }
     )
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:

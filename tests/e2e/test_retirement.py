@@ -187,10 +187,16 @@ def test_scheduler_stopped_mid_drain_keeps_the_pod(sandbox_factory: Callable[...
             )
         )
         sandbox.wait_phase("orphan", "Draining")
-        sandbox.signal_scheduler(signal.SIGKILL)
+        # Gone for good. On real Nodes a killed scheduler's container is started again (an empty
+        # scheduler at the same address, the workers' data lost with the old one): stopped there.
+        sandbox.signal_scheduler(signal.SIGSTOP if sandbox.real_nodes else signal.SIGKILL)
     finally:
         _thaw(sandbox, frozen)
-    done = sandbox.wait_phase("orphan", "Failed", "Succeeded")
+    try:
+        done = sandbox.wait_phase("orphan", "Failed", "Succeeded")
+    finally:
+        if sandbox.real_nodes:
+            sandbox.signal_scheduler(signal.SIGCONT)
     assert len(holdings.futures) == 4
     client.close(timeout=5)
     worker = done["status"]["workers"][0]
@@ -308,6 +314,9 @@ def test_spec_change_after_completion_is_refused(sandbox: Sandbox, phase: str) -
     assert sandbox.replicas() == 3, "the changed spec retired nothing more"
 
 
+@pytest.mark.node_agent(
+    "it counts the node agent's own processes (real Nodes' stop and crash cleanup: tests/e2e/test_real_nodes.py)"
+)
 def test_sandbox_stops_every_process_it_started(sandbox_factory: Callable[..., Sandbox]) -> None:
     import os
 
@@ -327,6 +336,9 @@ def test_sandbox_stops_every_process_it_started(sandbox_factory: Callable[..., S
         raise AssertionError(f"process {pid} outlived the sandbox")
 
 
+@pytest.mark.node_agent(
+    "its hostile scheduler listens on this machine's loopback, which the operator's pod cannot reach"
+)
 def test_a_hostile_scheduler_fails_the_request_and_runs_nothing(sandbox: Sandbox, tmp_path: Path) -> None:
     """Its ``identity`` answers a pickled object that would create a file when unpickled."""
     pods = sandbox.pods()

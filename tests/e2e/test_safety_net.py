@@ -66,6 +66,7 @@ def unpathed_workers(scheduler_address: str) -> dict[str, Any]:
     return deployment
 
 
+@pytest.mark.node_agent("its workers run dask from this environment's bin directory, not from an image")
 def test_a_pod_that_left_with_a_failed_hook_is_in_the_policys_status(sandbox: Sandbox) -> None:
     assert shutil.which("dask", path=str(BIN)), "the workers' entry point"
     sandbox.apply(unpathed_workers(sandbox.scheduler_address))
@@ -100,6 +101,7 @@ def test_a_pod_that_left_with_a_failed_hook_is_in_the_policys_status(sandbox: Sa
     assert events and gone[0] in events[0]["message"], "a Warning event on the policy names the pod"
 
 
+@pytest.mark.node_agent("its TLS scheduler listens on this machine's loopback, which the operator's pod cannot reach")
 def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox: Sandbox) -> None:
     """The operator reads the client certificate from the policy's Secret (the permission that
     rbac.schedulerTLS grants); the webhook puts only a secretKeyRef to that Secret, in the pod's

@@ -13,11 +13,21 @@ from pathlib import Path
 from typing import Any
 
 import distributed
+import pytest
 from memops_sandbox import common as sandbox_cli
 
 from memops.decisions import shared_spill
 from tests.e2e.conftest import SPILL_ROOT, Sandbox
 from tests.e2e.test_policy import condition, memory_policy
+
+pytestmark = pytest.mark.node_agent(
+    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
+)
+
+
+pytestmark = pytest.mark.node_agent(
+    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
+)
 
 HOST_PATH = SPILL_ROOT  # the one host directory that the sandbox's operator allows
 SWAP_LABEL = "feature.node.kubernetes.io/memory-swap.enabled"

@@ -16,12 +16,22 @@ from pathlib import Path
 from typing import Any
 
 import distributed
+import pytest
 
 from memops.clients import daskrpc
 from memops.decisions import shared_spill
 from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.test_policy import memory_policy
 from tests.e2e.test_shared_spill import HOST_PATH, MIB, fill, node_tmpfs, ready, running_pods, worker_of, workers
+
+pytestmark = pytest.mark.node_agent(
+    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
+)
+
+
+pytestmark = pytest.mark.node_agent(
+    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
+)
 
 PLACEMENT = "e2e.memops.dev/placement"
 PIECES = 28  # of 20 MiB: 560 MiB on a worker whose Dask memory limit is 512 MiB (target 268 MiB)

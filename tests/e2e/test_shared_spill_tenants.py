@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import distributed
+import pytest
 
 from memops.decisions import shared_spill
 from tests.e2e.conftest import Sandbox
@@ -45,6 +46,10 @@ from tests.e2e.test_shared_spill import (
     spilled_files,
     worker_of,
     workers,
+)
+
+pytestmark = pytest.mark.node_agent(
+    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
 )
 
 TENANTS = ("tenant-a", "tenant-b")

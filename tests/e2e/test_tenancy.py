@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import distributed
+import pytest
 from memops_sandbox import common as sandbox_cli
 
 from memops.clients import daskrpc
@@ -35,6 +36,9 @@ def _installed(address: str) -> tuple[Any, Any]:
     return asyncio.run(ask())
 
 
+@pytest.mark.node_agent(
+    "its schedulers are processes on this machine's loopback, which the operator's pod cannot reach"
+)
 def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) -> None:
     """A's policy (pressure relief, 16 replicas) vouches for A's scheduler on the first connection
     and acts there; every later pass meets B's scheduler, refuses it, and sends it nothing: B's
