@@ -2,7 +2,8 @@
 
 ``check`` is called (and awaited, if it returns an awaitable) every ``interval`` seconds until it
 returns something truthy, which :func:`poll` returns; after ``timeout`` seconds the test fails with
-an AssertionError that names ``what`` it waited for.
+an AssertionError that names ``what`` it waited for. :func:`wait_for` is the same for synchronous
+tests (those that drive ``kubectl`` and a synchronous ``distributed.Client``).
 """
 
 from __future__ import annotations
@@ -27,3 +28,8 @@ async def poll(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def wait_for(check: Callable[[], Any], *, timeout: float, what: str = "the condition", interval: float = 0.2) -> Any:
+    """:func:`poll` from synchronous code: ``check`` runs in this thread, between sleeps."""
+    return asyncio.run(poll(check, timeout=timeout, what=what, interval=interval))

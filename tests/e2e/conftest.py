@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from memops_sandbox import common as sandbox_cli
 from memops_sandbox import nodes as real_nodes
 
 from memops.decisions import permissions
+from tests import polling
 
 BIN = Path(sys.executable).parent
 
@@ -74,13 +74,7 @@ class Sandbox:
         return int(self.get("deployment", "dask-worker")["spec"]["replicas"])
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float = 90, what: str = "condition") -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.2)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        return polling.wait_for(predicate, timeout=timeout, what=what)
 
     def wait_phase(self, name: str, *phases: str, timeout: float = 120) -> dict[str, Any]:
         def reached() -> dict[str, Any] | None:

@@ -213,7 +213,14 @@ def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_no
         assert 0 < loss["keys"] < 400 and loss["bytes"] >= loss["keys"] * LATE
         labels = {"namespace": "default", "policy": "spot", "cause": "deadline"}
         assert scrape(sandbox, "memops_safety_net_lost_keys_total", **labels) == loss["keys"]
-        time.sleep(10)  # several more passes read the same drain status: counted once
+        # Several more passes (the operator's count of its policy decisions) read the same drain
+        # status: it is counted once.
+        passes = scrape(sandbox, "memops_decision_duration_seconds_count", decision="policy")
+        sandbox.wait_for(
+            lambda: scrape(sandbox, "memops_decision_duration_seconds_count", decision="policy") >= passes + 3,
+            60,
+            "three more passes of the policy",
+        )
         assert recorded() == [loss]
         assert scrape(sandbox, "memops_safety_net_lost_bytes_total", **labels) == loss["bytes"]
         assert len(client.gather(list(held.values()))) == 400  # restored: the worker kept them

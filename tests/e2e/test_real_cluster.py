@@ -32,6 +32,7 @@ import distributed
 import pytest
 import yaml
 
+from tests import polling
 from tests.e2e.data import Holdings, scatter_unique, workers_by_name
 
 pytestmark = pytest.mark.cluster
@@ -76,13 +77,7 @@ class RealCluster:
         return sorted(p["metadata"]["name"] for p in items if not p["metadata"].get("deletionTimestamp"))
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float = 300, what: str = "condition") -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(1)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        return polling.wait_for(predicate, timeout=timeout, what=what, interval=1)
 
     def wait_for_workers(self, client: distributed.Client, pods: list[str]) -> None:
         self.wait_for(lambda: set(pods) <= set(workers_by_name(client)), what=f"workers {pods} in the scheduler")

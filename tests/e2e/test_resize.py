@@ -11,9 +11,9 @@ all that holds the data.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-import time
 from typing import Any
 
 import distributed
@@ -21,9 +21,11 @@ from memops_sandbox import common as sandbox_cli
 from memops_sandbox import nodes as real_nodes
 
 from memops.specs.common import parse_quantity
+from tests import polling
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import Holdings
 from tests.e2e.test_real_nodes import cgroup_limit
+from tests.e2e.test_recycle import make_leak
 
 MiB = 2**20
 LIMIT = 512 * MiB
@@ -52,9 +54,10 @@ def only_pod(sandbox: Sandbox, app: str) -> dict[str, Any]:
 
 
 def worker_info(client: distributed.Client, name: str) -> dict[str, Any] | None:
-    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+    """The scheduler's view of the worker named ``name`` (its address under ``address``)."""
+    for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
         if str(info["name"]) == name:
-            return dict(info)
+            return {**info, "address": address}
     return None
 
 
@@ -68,9 +71,17 @@ def fill(client: distributed.Client, holdings: Holdings, pod: str, until: float,
             return
         key = f"{pod}-{len(holdings.keys_of(pod))}"
         value = os.urandom(CHUNK)
-        [future] = client.scatter([value], workers=[info["id"]], hash=False, broadcast=False)
-        holdings.futures[key], holdings.values[key], holdings.owner[key] = future, value, pod
-        time.sleep(1.0)  # the worker's next heartbeat carries its memory with this chunk to the scheduler
+        scattered = client.scatter({key: value}, workers=[info["address"]], hash=False, broadcast=False)
+        holdings.futures[key], holdings.values[key], holdings.owner[key] = scattered[key], value, pod
+        # The worker's next heartbeat carries its memory, with this chunk, to the scheduler.
+        before = info["metrics"]["memory"]
+        polling.wait_for(
+            lambda before=before: (
+                (now := worker_info(client, pod)) is None or now["metrics"]["memory"] >= before + CHUNK // 2
+            ),
+            timeout=30,
+            what=f"{pod}'s memory with the new chunk",
+        )
 
 
 def test_without_a_policy_the_nanny_kills_the_worker_and_its_keys_are_lost(real_sandbox: Sandbox) -> None:
@@ -80,7 +91,13 @@ def test_without_a_policy_the_nanny_kills_the_worker_and_its_keys_are_lost(real_
         client.wait_for_workers(5, timeout=120)
         pod = only_pod(sandbox, "stock")["metadata"]["name"]
         holdings = Holdings(client)
-        fill(client, holdings, pod, until=2.0, ceiling=LIMIT)  # past every threshold
+        fill(client, holdings, pod, until=0.76, ceiling=LIMIT)
+        # Past the pause threshold a worker takes no more keys; what its process holds besides
+        # them (a library's buffers, a task's intermediates) goes on growing, past the kill.
+        info = worker_info(client, pod)
+        assert info is not None
+        with contextlib.suppress(OSError):  # the worker may die before it answers
+            client.run(make_leak(), LIMIT // 4, workers=[info["address"]])
         sandbox.wait_for(lambda: holdings.lost(), timeout=60, what="the nanny to kill the worker")
         assert set(holdings.lost()) <= set(holdings.keys_of(pod)) and holdings.lost()
 

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import yaml
 from memops_sandbox import build, upstream
 
 from memops.decisions import selectors
+from tests import polling
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 OPERATOR = "system:serviceaccount:memops-system:memops"
@@ -71,13 +71,7 @@ class RunningPlane:
 
 
 def poll(predicate: Any, *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return polling.wait_for(predicate, timeout=timeout, what=what)
 
 
 def start(state_dir: Path) -> RunningPlane:

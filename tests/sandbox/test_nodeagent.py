@@ -29,6 +29,8 @@ from memops_sandbox import build, controlplane
 from memops_sandbox import nodeagent_env as envs
 from memops_sandbox import nodeagent_status as statuses
 
+from tests import polling
+
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"
 NODES = ["node-a", "node-b"]
 LONE_NODE = "node-c"  # served by an agent of its own, that the shutdown test stops
@@ -262,13 +264,7 @@ class Plane:
 
 
 def wait_for(predicate: Callable[[], Any], *, timeout: float = 60, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return polling.wait_for(predicate, timeout=timeout, what=what, interval=0.25)
 
 
 @pytest.fixture(scope="module")

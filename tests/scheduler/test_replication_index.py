@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from memops.clients import daskrpc
 from memops.scheduler import holdings, replication, replication_index
 from memops.scheduler import rules as ruling
+from tests import polling
 
 PREFIXES = ("load", "train", "other")
 KEY_RULES = (
@@ -207,12 +208,7 @@ def test_the_index_equals_a_full_recomputation_after_every_step(
 
 
 async def wait_until(predicate: Callable[[], Awaitable[Any]], timeout: float, what: str) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not await predicate():
-                await asyncio.sleep(0.1)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+    await polling.poll(predicate, timeout=timeout, what=what)
 
 
 def agrees(scheduler: Scheduler) -> int:
