@@ -679,10 +679,13 @@ class DrainPlugin(SchedulerPlugin):
         if now >= drained.deadline:
             self._stop_at_deadline(drained, ws, asks.draining, now)
             return recipients
-        if asks.served and time.perf_counter() > asks.until:
-            return recipients  # this pass' time is up: served first in the next one
-        asks.served += 1  # the first worker of a pass is always served: every drain progresses
-        if now - drained.scanned > RESCAN_SECONDS:
+        # This pass' time is up (PASS_SECONDS): no more keys ranked or asked for, served first in
+        # the next pass. What needs no time is still decided for every drained worker in each
+        # pass, with the recipients the pass began with: a retirement of every worker finds none
+        # for all of them at once, as stock (a worker set back to running in one pass must not
+        # take the keys of another in the next).
+        out_of_time = asks.served > 0 and time.perf_counter() > asks.until
+        if not out_of_time and now - drained.scanned > RESCAN_SECONDS:
             self._scan(drained, ws, asks.draining, now)
         if self._held(drained, now):
             return recipients
@@ -700,6 +703,9 @@ class DrainPlugin(SchedulerPlugin):
                 await self._no_recipients(drained, ws, now)
             return recipients
         drained.alone_since = 0.0
+        if out_of_time:
+            return recipients
+        asks.served += 1  # the first worker of a pass is always served: every drain progresses
         taken = self._ask_keys(address, drained, ws, recipients, asks)
         if not taken:
             return recipients

@@ -122,6 +122,32 @@ async def test_a_pass_out_of_time_asks_one_slice_yet_every_drained_worker_finish
         scheduler.http_server.stop()  # listening since construction; close() stops only a started scheduler's
 
 
+async def test_a_pass_out_of_time_still_finds_no_recipients_for_every_drained_worker_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every worker drained (a retirement of all of them): none can take the others' keys, so each
+    is set back to running, as stock, in the same pass. (Before: a pass out of time set back one
+    worker, and the next pass gave the other workers' keys to it, then closed them.)"""
+    monkeypatch.setattr(drain, "PASS_SECONDS", 0.0)
+    monkeypatch.setitem(drain.DrainPlugin.step.__globals__, "PASS_SECONDS", 0.0)
+    sent: list[tuple[str, dict[str, Any]]] = []
+    scheduler = build(sent)
+    try:
+        plugin = drain.DrainPlugin(scheduler)
+        plugin.handover = False
+        plugin.task = asyncio.get_running_loop().create_future()
+        plugin.add(list(scheduler.workers), 600.0, {}, close=False, restore=True)
+        for _ in range(3):
+            await plugin.step()
+        assert asked(sent) == [], "no key asked for: there is nowhere to put it"
+        assert {d.state for d in plugin.workers.values()} == {drain.State.NO_RECIPIENTS}
+        assert {ws.status for ws in scheduler.workers.values()} == {Status.running}
+    finally:
+        plugin.task.cancel()
+        await scheduler.close()
+        scheduler.http_server.stop()
+
+
 class Manager:
     """What :class:`~memops.scheduler.replication.Replication` reads of its AMM."""
 
