@@ -586,6 +586,24 @@ def _runtime_env(binaries: NodeBinaries) -> dict[str, str]:
     return {**os.environ, "PATH": f"{binaries.containerd_shim_runc_v2.parent}:{os.environ.get('PATH', '')}"}
 
 
+DEVICE_PLUGIN_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")
+"""Where every kubelet serves its device-plugin registry: a fixed path, not under its root
+directory. A kubelet removes the socket, then binds it; two starting at once can both remove it and
+one then fails to bind ("address already in use"), and exits. So each Node's kubelet starts once the
+one before has bound it."""
+
+
+async def _device_plugin_socket_bound(since: float, kubelet: asyncio.subprocess.Process, timeout: float = 30) -> None:
+    """Until :data:`DEVICE_PLUGIN_SOCKET` is a socket bound after ``since`` (wall clock); a kubelet
+    that exits first, or a socket not there by ``timeout``, is left to the wait for Ready to report."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and kubelet.returncode is None:
+        with contextlib.suppress(FileNotFoundError):
+            if DEVICE_PLUGIN_SOCKET.stat().st_mtime >= since - 0.01:
+                return
+        await asyncio.sleep(0.05)
+
+
 async def _ready_nodes(api: Any, names: Sequence[str]) -> bool:
     listed = await api.get("/api/v1/nodes")
     ready = {
@@ -671,9 +689,12 @@ async def running(
                 yaml.safe_dump(kubelet_config(node, plane.pki.path("ca"), eviction_hard))
             )
             kubeconfig = plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
-            processes[f"kubelet-{node.name}"] = await controlplane.spawn(
+            spawned = time.time()
+            kubelet = await controlplane.spawn(
                 f"kubelet-{node.name}", kubelet_argv(node, binaries, kubeconfig), plane.logs, env=_runtime_env(binaries)
             )
+            processes[f"kubelet-{node.name}"] = kubelet
+            await _device_plugin_socket_bound(spawned, kubelet)
         processes["kube-proxy"] = await controlplane.spawn(
             "kube-proxy",
             [str(binaries.kube_proxy), f"--config={state_dir / 'kube-proxy.yaml'}", f"--hostname-override={names[0]}"],
