@@ -249,6 +249,7 @@ def replication_pass(state: State, *, at_target: bool = False) -> float:
     view = types.SimpleNamespace(
         tasks=tasks,
         workers=by_address,
+        replicated_tasks=state.replicated,
         add_replica=_unchanged,
         remove_replica=_unchanged,
         remove_all_replicas=_unchanged,
