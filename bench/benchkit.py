@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -21,10 +22,14 @@ import psutil
 import yaml
 from distributed.diagnostics.plugin import SchedulerPlugin
 from memops_sandbox import common as sandbox
+from memops_sandbox import install
+from memops_sandbox import nodes as real_nodes
 
 from memops import specs
 
 CONTROL_PLANE = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"}
+NODES = {"kubelet", "containerd", "kube-proxy"}
+OPERATOR = "app.kubernetes.io/component=operator"
 
 
 @dataclass(frozen=True)
@@ -32,34 +37,80 @@ class Sandbox:
     state: Path
     env: dict[str, str]  # KUBECONFIG and a private kubectl cache
     address: str  # the Dask scheduler's
-    pid: int = 0  # the sandbox process: the launcher and the node agent
+    pid: int = 0  # the sandbox process (and, on the node agent's Nodes, the agent)
+    real_nodes: bool = True
+
+    def pod_pid(self, selector: str, namespace: str = "default") -> int:
+        """The host pid of the first container of the first pod that ``selector`` matches, on
+        real Nodes (a process of the node agent's pod writes its pid file instead)."""
+        pods = json.loads(kubectl(self.env, "get", "pods", "-n", namespace, "-l", selector, "-o", "json"))["items"]
+        running = [
+            p for p in pods if p["status"].get("containerStatuses") and not p["metadata"].get("deletionTimestamp")
+        ]
+        return real_nodes.container_pid(running[0]["status"]["containerStatuses"][0]["containerID"])
+
+    def operator_pid(self) -> int:
+        if self.real_nodes:
+            return self.pod_pid(OPERATOR, install.NAMESPACE)
+        return int((self.state / "operator.pid").read_text())
 
     def control_plane_cpu(self) -> float:
         """CPU seconds used so far by the control plane (etcd, kube-apiserver, controller-manager,
-        scheduler), the node agent and the operator: what runs besides Dask on the same cores."""
-        total = 0.0
+        scheduler), the Nodes (kubelets, containerds, kube-proxy; or the node agent) and the
+        operator (its container's processes on real Nodes): what runs besides Dask on the same cores."""
+        processes: list[psutil.Process] = []
         with contextlib.suppress(psutil.NoSuchProcess):
             root = psutil.Process(self.pid)
             for process in [root, *root.children(recursive=True)]:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     command = process.cmdline()
-                    # `memops run` is the operator; the node agent runs in the sandbox process.
-                    if process is root or "run" in command[1:3] or Path(command[0]).name in CONTROL_PLANE:
-                        times = process.cpu_times()
-                        total += times.user + times.system
+                    name = Path(command[0]).name if command else ""
+                    # The node agent runs in the sandbox process, and runs `memops run` as a child.
+                    agent = not self.real_nodes and (process is root or "run" in command[1:3])
+                    if agent or name in CONTROL_PLANE or name in NODES:
+                        processes.append(process)
+        if self.real_nodes:
+            with contextlib.suppress(psutil.NoSuchProcess, LookupError, IndexError):
+                operator = psutil.Process(self.operator_pid())
+                processes += [operator, *operator.children(recursive=True)]
+        total = 0.0
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = process.cpu_times()
+                total += times.user + times.system
         return total
 
 
 @contextlib.contextmanager
-def running_sandbox(workers: int, *args: str) -> Iterator[Sandbox]:
+def running_sandbox(workers: int, *args: str, real_nodes: bool = True) -> Iterator[Sandbox]:
+    """A sandbox on real Nodes (kubelets, containers with memory limits), or with
+    ``real_nodes=False`` on the process node agent's, for the one benchmark that reads its
+    processes' own pids (py-spy)."""
     state = Path(tempfile.mkdtemp(prefix="memops-bench-")) / "sandbox"
-    process = sandbox.launch(state, workers, *args)
+    process = sandbox.launch(state, workers, *args, real_nodes=real_nodes)
     try:
         env = {**os.environ, "KUBECONFIG": str(state / "kubeconfig"), "KUBECACHEDIR": str(state / "kubecache")}
-        yield Sandbox(state, env, (state / "scheduler-address").read_text().strip(), process.pid)
+        address = (state / "scheduler-address").read_text().strip()
+        yield Sandbox(state, env, address, process.pid, real_nodes)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(120)
+
+
+def created_at(box: Sandbox, resource: str, name: str, namespace: str = "default") -> float:
+    """When the API server completed the create of ``resource`` ``name`` (epoch seconds, from its
+    audit log's ``stageTimestamp``): the moment its watchers are sent the ADDED event."""
+    for line in (box.state / "audit.log").read_text().splitlines():
+        event = json.loads(line)
+        ref = event.get("objectRef") or {}
+        if (
+            event.get("verb") == "create"
+            and event.get("stage") == "ResponseComplete"
+            and (ref.get("resource"), ref.get("name"), ref.get("namespace")) == (resource, name, namespace)
+            and (event.get("responseStatus") or {}).get("code") == 201
+        ):
+            return datetime.datetime.fromisoformat(event["stageTimestamp"]).timestamp()
+    raise LookupError(f"no create of {resource} {namespace}/{name} in the audit log")
 
 
 def kubectl(env: dict[str, str], *args: str, stdin: str | None = None) -> str:

@@ -134,7 +134,7 @@ def measure_memops(box: benchkit.Sandbox, policies: int, workers: int, rest: flo
     apply(env, *(deployment(name, address, workers) for name in names))
     total = 1 + policies * workers  # the sandbox's own worker, and the Deployments'
     until(lambda: worker_count(address) == total, 60 + sandbox.start_allowance(total), f"{total} Dask workers")
-    proc = Process(int((box.state / "operator.pid").read_text()))
+    proc = Process(box.operator_pid())
     audit = Audit(box.state / "audit.log", "system:serviceaccount:memops-system:memops")
     apply(
         env,

@@ -127,7 +127,11 @@ def profile(size_mib: int, key_kib: int, out: list[str]) -> None:
     scenario = throughput.Scenario(size_mib * throughput.MIB, key_kib * 1024, 1)
     spy = pyspy()
     memory = throughput.sandbox_memory([scenario])
-    with benchkit.running_sandbox(throughput.WORKERS, "--worker-memory", memory, "--no-operator") as box:
+    # py-spy follows the processes by the pids they report (os.getpid()): the node agent's pods are
+    # processes of this machine, a container's pids are its own namespace's.
+    with benchkit.running_sandbox(
+        throughput.WORKERS, "--worker-memory", memory, "--no-operator", real_nodes=False
+    ) as box:
         with distributed.Client(box.address, timeout=30) as client:
             throughput.start(client)
             bench = throughput.Bench(client, box)

@@ -95,6 +95,17 @@ class Sandbox:
         """Whether the Nodes are real kubelets (else the process node agent's)."""
         return (self.state_dir / "kube-proxy.yaml").exists()  # only real Nodes run kube-proxy
 
+    @property
+    def host_address(self) -> str:
+        """Where a server of this test process listens for the sandbox's pods (the operator's
+        among them) to reach it: on real Nodes, the first Node's own address (its bridge, on this
+        machine); the node agent's pods are processes of this machine, on its loopback."""
+        if not self.real_nodes:
+            return "127.0.0.1"
+        first = min(self.get("nodes")["items"], key=lambda node: node["metadata"]["name"])
+        addresses = first["status"]["addresses"]
+        return str(next(a["address"] for a in addresses if a["type"] == "InternalIP"))
+
     def pod_pid(self, pod: str) -> int:
         """The pid of the pod's (first) container's first process: a process group's leader."""
         if self.real_nodes:

@@ -336,14 +336,11 @@ def test_sandbox_stops_every_process_it_started(sandbox_factory: Callable[..., S
         raise AssertionError(f"process {pid} outlived the sandbox")
 
 
-@pytest.mark.node_agent(
-    "its hostile scheduler listens on this machine's loopback, which the operator's pod cannot reach"
-)
 def test_a_hostile_scheduler_fails_the_request_and_runs_nothing(sandbox: Sandbox, tmp_path: Path) -> None:
     """Its ``identity`` answers a pickled object that would create a file when unpickled."""
     pods = sandbox.pods()
     marker = tmp_path / "pwned"
-    with hostile.in_thread("serialized", marker) as address:
+    with hostile.in_thread("serialized", marker, sandbox.host_address) as address:
         sandbox.apply(retirement_request("hostile", scheduler={"address": address}, count=1, timeout="60s"))
         failed = sandbox.wait_phase("hostile", "Failed", "Succeeded", timeout=60)
     assert not marker.exists(), "the scheduler's pickle ran in the operator"

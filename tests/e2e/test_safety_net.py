@@ -13,6 +13,7 @@ from typing import Any
 import distributed
 import pytest
 from memops_sandbox import common as sandbox_cli
+from memops_sandbox import images
 
 from tests.e2e import audit
 from tests.e2e.conftest import BIN, Sandbox, retirement_request
@@ -52,24 +53,25 @@ def test_webhook_answers_pod_creations_from_the_operators_caches(sandbox: Sandbo
     assert [r for r in reads if r[0] in webhook_kinds] == [], "the webhook read the API on pod creation"
 
 
-def unpathed_workers(scheduler_address: str) -> dict[str, Any]:
+def unpathed_workers(scheduler_address: str, dask: str) -> dict[str, Any]:
     """Workers whose container has no ``python`` on its PATH, as in an image without one: the
-    ``dask`` entry point runs by its full path, the hook's bare ``python`` is not found."""
+    ``dask`` entry point runs by its full path (``dask``), the hook's bare ``python`` is not found."""
     deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0))
     deployment["metadata"] = {"name": "bare", "namespace": "default", "labels": {"app": "bare"}}
     deployment["spec"]["selector"] = {"matchLabels": {"app": "bare"}}
     template = deployment["spec"]["template"]
     template["metadata"] = {"labels": {"app": "bare"}}
     container = template["spec"]["containers"][0]
-    container["command"] = [str(BIN / "dask"), "worker"]
+    container["command"] = [dask, "worker"]
     container["env"].append({"name": "PATH", "value": "/nonexistent"})
     return deployment
 
 
-@pytest.mark.node_agent("its workers run dask from this environment's bin directory, not from an image")
 def test_a_pod_that_left_with_a_failed_hook_is_in_the_policys_status(sandbox: Sandbox) -> None:
-    assert shutil.which("dask", path=str(BIN)), "the workers' entry point"
-    sandbox.apply(unpathed_workers(sandbox.scheduler_address))
+    # The image's environment on real Nodes; this one's for the node agent's host processes.
+    dask = f"{images.DASK_PREFIX}/bin/dask" if sandbox.real_nodes else str(BIN / "dask")
+    assert sandbox.real_nodes or shutil.which("dask", path=str(BIN)), "the workers' entry point"
+    sandbox.apply(unpathed_workers(sandbox.scheduler_address, dask))
     sandbox.apply(memory_policy("bare", sandbox.scheduler_address, workload="bare"))
     sandbox.wait_for(lambda: (c := condition(sandbox, "bare", "Ready")) and c["status"] == "True", what="Ready")
     sandbox.kubectl("scale", "deployment/bare", "--replicas=2")
@@ -101,7 +103,6 @@ def test_a_pod_that_left_with_a_failed_hook_is_in_the_policys_status(sandbox: Sa
     assert events and gone[0] in events[0]["message"], "a Warning event on the policy names the pod"
 
 
-@pytest.mark.node_agent("its TLS scheduler listens on this machine's loopback, which the operator's pod cannot reach")
 def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox: Sandbox) -> None:
     """The operator reads the client certificate from the policy's Secret (the permission that
     rbac.schedulerTLS grants); the webhook puts only a secretKeyRef to that Secret, in the pod's
@@ -116,7 +117,12 @@ def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox
     }
     sandbox.apply(secret)
     with distributed.LocalCluster(
-        n_workers=0, processes=True, dashboard_address=":0", security=security, protocol="tls://"
+        n_workers=0,
+        processes=True,
+        host=sandbox.host_address,  # where the operator's pod reaches it
+        dashboard_address=":0",
+        security=security,
+        protocol="tls://",
     ) as tls_cluster:
         address = tls_cluster.scheduler_address
         policy = memory_policy("secure", address)

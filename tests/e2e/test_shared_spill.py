@@ -24,11 +24,6 @@ pytestmark = pytest.mark.node_agent(
     "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
 )
 
-
-pytestmark = pytest.mark.node_agent(
-    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
-)
-
 HOST_PATH = SPILL_ROOT  # the one host directory that the sandbox's operator allows
 SWAP_LABEL = "feature.node.kubernetes.io/memory-swap.enabled"
 MIB = 2**20

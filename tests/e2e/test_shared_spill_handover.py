@@ -28,11 +28,6 @@ pytestmark = pytest.mark.node_agent(
     "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
 )
 
-
-pytestmark = pytest.mark.node_agent(
-    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
-)
-
 PLACEMENT = "e2e.memops.dev/placement"
 PIECES = 28  # of 20 MiB: 560 MiB on a worker whose Dask memory limit is 512 MiB (target 268 MiB)
 

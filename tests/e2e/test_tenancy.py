@@ -14,7 +14,6 @@ import json
 from typing import Any
 
 import distributed
-import pytest
 from memops_sandbox import common as sandbox_cli
 
 from memops.clients import daskrpc
@@ -36,9 +35,6 @@ def _installed(address: str) -> tuple[Any, Any]:
     return asyncio.run(ask())
 
 
-@pytest.mark.node_agent(
-    "its schedulers are processes on this machine's loopback, which the operator's pod cannot reach"
-)
 def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) -> None:
     """A's policy (pressure relief, 16 replicas) vouches for A's scheduler on the first connection
     and acts there; every later pass meets B's scheduler, refuses it, and sends it nothing: B's
@@ -46,10 +42,12 @@ def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) ->
     their addresses appears in A's status.
     (Before: relief and replication, vouched for on one connection, were installed on the next
     ones, in B's scheduler, owned by A's policy.)"""
-    port = forwarder.free_port()
-    a_scheduler = processes.spawn_scheduler(port)
+    # A's scheduler and the forwarder listen where the operator's pod and A's worker reach them.
+    host = sandbox.host_address
+    port = forwarder.free_port(host)
+    a_scheduler = processes.spawn_scheduler(port, host)
     try:
-        a_address = f"tcp://127.0.0.1:{port}"
+        a_address = f"tcp://{host}:{port}"
         sandbox.kubectl("create", "namespace", TENANT)
         sandbox.kubectl("create", "serviceaccount", "dask-worker", "-n", TENANT)
         workers = sandbox_cli.worker_deployment(a_address, 1)
@@ -58,7 +56,7 @@ def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) ->
         sandbox.apply(workers)
         with distributed.Client(a_address, timeout=30) as a_client:
             a_client.wait_for_workers(1, timeout=90)
-        with forwarder.in_thread([a_address, sandbox.scheduler_address]) as proxy:
+        with forwarder.in_thread([a_address, sandbox.scheduler_address], host) as proxy:
             sandbox.apply(
                 {
                     "apiVersion": "memops.dev/v1alpha1",

@@ -35,8 +35,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class Forwarder:
     """Connection ``i`` goes to ``targets[i]``, and every one after the last to the last target."""
 
-    def __init__(self, targets: Sequence[str]):
+    def __init__(self, targets: Sequence[str], host: str = "127.0.0.1"):
         self.targets = [_host_port(t) for t in targets]
+        self.host = host  # where it listens
         self.routed: list[str] = []  # where each connection went, in order ("host:port")
         self.address = ""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -68,8 +69,8 @@ class Forwarder:
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[Forwarder]:
-        server = await asyncio.start_server(self._track, "127.0.0.1", 0)
-        self.address = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        server = await asyncio.start_server(self._track, self.host, 0)
+        self.address = f"tcp://{self.host}:{server.sockets[0].getsockname()[1]}"
         try:
             yield self
         finally:
@@ -81,13 +82,13 @@ class Forwarder:
 
 
 @contextlib.contextmanager
-def in_thread(targets: Sequence[str]) -> Iterator[Forwarder]:
+def in_thread(targets: Sequence[str], host: str = "127.0.0.1") -> Iterator[Forwarder]:
     """A :class:`Forwarder` served by an event loop of its own, in a thread: for tests that do not
     run one (the end-to-end scenarios)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="forwarder", daemon=True)
     thread.start()
-    forwarder = Forwarder(targets)
+    forwarder = Forwarder(targets, host)
     serving = forwarder.serving()
     asyncio.run_coroutine_threadsafe(serving.__aenter__(), loop).result(10)
     try:
@@ -119,9 +120,9 @@ class Tenants:
     b_worker: str  # its worker's address, at B_IP
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         return int(probe.getsockname()[1])
 
 

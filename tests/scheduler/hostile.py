@@ -81,13 +81,13 @@ async def _raw(route: str, reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 
 @contextlib.asynccontextmanager
-async def serving(route: str, marker: Path) -> AsyncIterator[str]:
-    """The hostile scheduler's address while the block runs."""
+async def serving(route: str, marker: Path, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """The hostile scheduler's address, on ``host``, while the block runs."""
     assert route in ROUTES, route
     if route.startswith("huge"):
-        raw = await asyncio.start_server(lambda r, w: _raw(route, r, w), "127.0.0.1", 0)
+        raw = await asyncio.start_server(lambda r, w: _raw(route, r, w), host, 0)
         try:
-            yield f"tcp://127.0.0.1:{raw.sockets[0].getsockname()[1]}"
+            yield f"tcp://{host}:{raw.sockets[0].getsockname()[1]}"
         finally:
             raw.close()
         return
@@ -98,7 +98,7 @@ async def serving(route: str, marker: Path) -> AsyncIterator[str]:
         return {"status": "uncaught-error", "exception": pickle.dumps(Marker(marker)), "traceback": None}
 
     server = Server({"identity": identity})
-    await server.listen("tcp://127.0.0.1:0")
+    await server.listen(f"tcp://{host}:0")
     try:
         yield server.address
     finally:
@@ -106,7 +106,7 @@ async def serving(route: str, marker: Path) -> AsyncIterator[str]:
 
 
 @contextlib.contextmanager
-def in_thread(route: str, marker: Path) -> Iterator[str]:
+def in_thread(route: str, marker: Path, host: str = "127.0.0.1") -> Iterator[str]:
     """:func:`serving` on its own event loop in a thread, for tests that are not async."""
     ready: list[str] = []
     started = threading.Event()
@@ -114,7 +114,7 @@ def in_thread(route: str, marker: Path) -> Iterator[str]:
 
     async def main() -> None:
         stop.append(asyncio.Event())
-        async with serving(route, marker) as address:
+        async with serving(route, marker, host) as address:
             ready.append(address)
             started.set()
             await stop[0].wait()

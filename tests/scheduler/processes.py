@@ -37,10 +37,10 @@ def spawn(scheduler: str, name: str, memory_limit: str = "256MiB", host: str | N
     )
 
 
-def spawn_scheduler(port: int) -> subprocess.Popen[bytes]:
-    """A scheduler at ``tcp://127.0.0.1:{port}``, in its own session."""
+def spawn_scheduler(port: int, host: str = "127.0.0.1") -> subprocess.Popen[bytes]:
+    """A scheduler at ``tcp://{host}:{port}``, in its own session."""
     return subprocess.Popen(
-        [DASK, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+        [DASK, "scheduler", "--host", host, "--port", str(port), "--no-dashboard"],
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
