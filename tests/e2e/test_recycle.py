@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import distributed
-import pytest
 
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import scatter_unique, workers_by_name
@@ -32,7 +31,6 @@ def make_leak() -> Any:
     return leak
 
 
-@pytest.mark.node_agent("the leak it injects (client.run) does not show as unmanaged memory in the container yet")
 def test_a_leaking_worker_is_recycled_surge_first_and_nothing_is_lost(sandbox: Sandbox) -> None:
     pods = sandbox.pods()
     leaker = pods[0]

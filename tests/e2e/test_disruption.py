@@ -1,0 +1,61 @@
+"""Node autoscalers' annotations end to end: a worker pod carries them only while it holds data
+that exists nowhere else, and a pod's own annotation is its owner's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import distributed
+
+from memops.decisions import disruption
+from memops.decisions.objects import DO_NOT_DISRUPT, PROTECTED_ANNOTATION, SAFE_TO_EVICT
+from tests.e2e.conftest import Sandbox
+from tests.e2e.data import scatter_unique
+from tests.e2e.test_policy import memory_policy
+
+
+def annotations(sandbox: Sandbox, pod: str) -> dict[str, str]:
+    found: dict[str, str] = sandbox.get("pod", pod)["metadata"].get("annotations") or {}
+    return found
+
+
+def autoscaler_view(sandbox: Sandbox, pod: str) -> dict[str, Any]:
+    """What a node autoscaler reads of the pod, and memops' mark."""
+    found = annotations(sandbox, pod)
+    return {key: found.get(key) for key in (DO_NOT_DISRUPT, SAFE_TO_EVICT, PROTECTED_ANNOTATION)}
+
+
+def test_a_worker_with_unique_data_keeps_node_autoscalers_away_until_its_data_has_another_copy(
+    sandbox: Sandbox,
+) -> None:
+    holder, owned, bare, *_ = sandbox.pods()
+    # The pod's owner protects this one: memops never writes an annotation it did not set.
+    sandbox.kubectl("annotate", "pod", owned, f"{DO_NOT_DISRUPT}=true")
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        holdings = scatter_unique(client, {holder: 4})
+        sandbox.apply(memory_policy("protect", sandbox.scheduler_address))
+
+        protected = sandbox.wait_for(
+            lambda: (view := autoscaler_view(sandbox, holder))[DO_NOT_DISRUPT] and view,
+            what="the unique data's pod protected",
+        )
+        assert protected[DO_NOT_DISRUPT] == "true" and protected[SAFE_TO_EVICT] == "false", protected
+        assert protected[PROTECTED_ANNOTATION], "memops marks what it set"
+        assert autoscaler_view(sandbox, bare) == dict.fromkeys(protected), "a worker without unique data is free"
+        assert annotations(sandbox, owned).get(DO_NOT_DISRUPT) == "true"
+        assert SAFE_TO_EVICT not in annotations(sandbox, owned) and PROTECTED_ANNOTATION not in annotations(
+            sandbox, owned
+        )
+
+        # A second copy of every key: the holder's data exists elsewhere, and both annotations go
+        # (no sooner than the minimum time they stay once set).
+        client.replicate(list(holdings.futures.values()), n=2)
+        assert all(len(h) == 2 for h in client.who_has(list(holdings.futures.values())).values())
+        released = sandbox.wait_for(
+            lambda: (view := autoscaler_view(sandbox, holder))[DO_NOT_DISRUPT] is None and view,
+            timeout=disruption.MIN_SECONDS + 90,
+            what="the protection taken off once the data has another copy",
+        )
+        assert released == dict.fromkeys(released), released
+        assert annotations(sandbox, owned).get(DO_NOT_DISRUPT) == "true", "the owner's annotation stays"
+        holdings.assert_all_correct()
