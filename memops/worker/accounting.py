@@ -61,7 +61,16 @@ def report(worker: Any) -> dict[str, Any]:
     if isinstance(getattr(directory, "directory", None), str):
         found += files(directory.directory)
     found += files(os.path.join(str(getattr(worker, "local_directory", "")), "memops-links"))
-    return summarize(found)
+    return {**summarize(found), "boot": boot_id()}
+
+
+def boot_id() -> str:
+    """The kernel's identity: inode numbers mean one file only between workers of one node."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def shares(reports: Mapping[str, Iterable[Iterable[int]]]) -> tuple[dict[str, float], int]:

@@ -106,10 +106,11 @@ def refusal(worker: Any) -> str:
 
 
 def _register_family() -> None:
-    from distributed.protocol.serialize import families, register_serialization_family
+    from distributed.protocol.serialize import register_serialization_family
 
-    if FAMILY not in families:
-        register_serialization_family(FAMILY, _dumps, _loads)
+    # Always this copy's: a plugin installed again (by value, a newer operator) replaces the
+    # functions, whose receivers are those of this copy.
+    register_serialization_family(FAMILY, _dumps, _loads)
 
 
 def _dumps(value: Any) -> Any:
@@ -441,16 +442,16 @@ async def install(scheduler: Any) -> None:
     await scheduler.register_worker_plugin(None, dumps(LinksPlugin()), name=NAME, idempotent=True)
 
 
-async def statuses(scheduler: Any) -> dict[str, Any]:
-    """Worker address -> its plugin's ``status`` report, or ``{"status": "Refused", "reason": ...}``
-    for a worker that does not answer it plainly."""
+async def _ask_all(scheduler: Any, operation: str) -> dict[str, Any]:
+    """Worker address -> the ``result`` of its plugin's ``operation`` (a map), or
+    ``{"status": "Refused", "reason": ...}`` for a worker that does not answer it plainly."""
 
     async def one(address: str) -> Any:
         try:
             async with asyncio.timeout(CALL_SECONDS):
                 comm = await connect(address, deserialize=False, **scheduler.connection_args)
                 try:
-                    await comm.write({"op": NAME, "operation": "status", "reply": True})
+                    await comm.write({"op": NAME, "operation": operation, "reply": True})
                     reply = await comm.read()
                 finally:
                     await comm.close()
@@ -462,3 +463,31 @@ async def statuses(scheduler: Any) -> dict[str, Any]:
 
     addresses = list(scheduler.workers)
     return dict(zip(addresses, await asyncio.gather(*(one(a) for a in addresses)), strict=True))
+
+
+async def statuses(scheduler: Any) -> dict[str, Any]:
+    """Worker address -> its plugin's ``status`` report (:meth:`Links.report`)."""
+    return await _ask_all(scheduler, "status")
+
+
+async def spill(scheduler: Any) -> dict[str, Any]:
+    """Worker address -> ``{"files", "bytes", "sharedBytes", "share"}``: its spill with each inode
+    once, and its share of its node's (:func:`memops.worker.accounting.shares`, per kernel: inode
+    numbers are compared only between workers of one node)."""
+    found = await _ask_all(scheduler, "spill")
+    nodes: dict[str, dict[str, Any]] = {}
+    for address, report in found.items():
+        if isinstance(report.get("inodes"), (list, tuple)):
+            nodes.setdefault(str(report.get("boot")), {})[address] = report["inodes"]
+    result: dict[str, Any] = {}
+    for reports in nodes.values():
+        shares, _ = accounting.shares(reports)
+        for address, share in shares.items():
+            figures = found[address]
+            result[address] = {
+                "files": figures.get("files", 0),
+                "bytes": figures.get("bytes", 0),
+                "sharedBytes": figures.get("sharedBytes", 0),
+                "share": int(share),
+            }
+    return result

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster, Nanny
 
+from memops.clients import daskrpc
 from memops.worker import accounting, links, maps
 from tests import polling
 from tests.scheduler import processes
@@ -214,9 +215,10 @@ async def test_a_hostile_link_is_refused(cluster: tuple[LocalCluster, Client], s
     local, client = cluster
     sender, receiver, _ = sorted(local.scheduler.workers)
     [future] = await client.scatter([value(4)], workers=[sender])
+    plugin = links.NAME  # the worker's own copy of the plugin, which the scheduler sent by value
 
     def pin(dask_worker: Any) -> list[Any]:
-        state = links._RECEIVERS[dask_worker.address]
+        state = dask_worker.plugins[plugin].links
         name, ino, size = state.pin(future.key)
         return [os.path.realpath(state.outbox), name, ino, size]
 
@@ -242,11 +244,12 @@ async def test_a_hostile_link_is_refused(cluster: tuple[LocalCluster, Client], s
 
     def receive(where: str, fname: str, inode: int, nbytes: int, dask_worker: Any = None) -> str:
         header = {"to": dask_worker.address, "directory": where, "name": fname, "inode": inode, "size": nbytes}
-        before = set(os.listdir(links._RECEIVERS[dask_worker.address].outbox))
+        state = dask_worker.plugins[plugin].links
+        before = set(os.listdir(state.outbox))
         try:
-            links._loads(header, [])
+            state.receive(header)
         except (ValueError, OSError) as exc:
-            assert set(os.listdir(links._RECEIVERS[dask_worker.address].outbox)) == before
+            assert set(os.listdir(state.outbox)) == before
             return f"refused: {exc}"
         return "taken"
 
@@ -296,3 +299,24 @@ def test_summarize_counts_a_linked_file_once() -> None:
         "sharedBytes": 100,
         "inodes": [[1, 5, 100], [1, 6, 10]],
     }
+
+
+async def test_the_operator_installs_the_plugin_and_reads_the_shares(shm: str) -> None:
+    """Through memops' agent, as the policy pass calls it (the plugin sent by value): every
+    worker active, and after a fetch by link the shares of the two holders add up to the one file."""
+    async with processes.local_cluster(2, config=SPILL_CONFIG, memory_limit="256MiB", local_directory=shm) as (
+        local,
+        client,
+    ):
+        await client.wait_for_workers(2)
+        async with daskrpc.connect(local.scheduler_address) as scheduler:
+            found = await scheduler.install_links()
+            assert {s["status"] for s in found.values()} == {links.ACTIVE}, found
+            sender, receiver = sorted(local.scheduler.workers)
+            [future] = await client.scatter([value(6)], workers=[sender])
+            assert await fetch(client, future, receiver) == hashlib.sha256(value(6)).hexdigest()
+            await polling.poll(lambda: _linked_twice(client, str(future.key), receiver), timeout=20, what="the link")
+            shares = await scheduler.spill_shares()
+            assert shares[sender]["bytes"] == shares[receiver]["bytes"] > MiB
+            assert shares[sender]["sharedBytes"] == shares[sender]["bytes"]
+            assert abs(shares[sender]["share"] + shares[receiver]["share"] - shares[sender]["bytes"]) <= 1
