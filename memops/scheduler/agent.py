@@ -63,7 +63,8 @@ NAME = "memops_agent"
 VERSION = 12
 """Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
 (7: no rule in force leaves the AMM as Dask made it; 8: replication follows an index of the ruled
-keys instead of scanning keys; 10: ``resize``; 11: ``departures``; 12: ``links``, ``spill``), so that an older agent is replaced."""
+keys instead of scanning keys; 10: ``resize``; 11: ``departures``; 12: ``links``, ``spill``), so that an
+older agent is replaced."""
 EVENTS = "memops-agent"
 """The scheduler's event topic where :func:`install` logs ``{"action": "installed", "agent":
 VERSION}``. The operator reads it (the stock ``events`` handler, read-only) to learn whether the

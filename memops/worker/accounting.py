@@ -56,10 +56,11 @@ def report(worker: Any) -> dict[str, Any]:
     """:func:`summarize` of the worker's spill directory (and of links it holds on their way in
     or out), or ``{"files": 0, ...}`` where it spills to no directory."""
     data = getattr(worker, "data", None)
-    directory = getattr(getattr(getattr(data, "slow", None), "data", None), "d", None)
+    store = getattr(getattr(getattr(data, "slow", None), "data", None), "d", None)
+    directory = getattr(store, "directory", None)
     found: list[tuple[int, int, int, int]] = []
-    if isinstance(getattr(directory, "directory", None), str):
-        found += files(directory.directory)
+    if isinstance(directory, str):
+        found += files(directory)
     found += files(os.path.join(str(getattr(worker, "local_directory", "")), "memops-links"))
     return {**summarize(found), "boot": boot_id()}
 

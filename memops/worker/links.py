@@ -148,7 +148,7 @@ class Links:
         worker = self.worker
         why = refusal(worker)
         if not why:
-            done, why = maps.install(worker.data)
+            _, why = maps.install(worker.data)
         if why:
             self.reason = why
             logger.warning("memops links refused on %s: %s", worker.address, why)

@@ -67,8 +67,8 @@ def mapped_file_class() -> type:
     from distributed.spill import AnyKeyFile
     from zict.common import locked
 
-    class MappedFile(AnyKeyFile):  # type: ignore[misc]
-        @locked  # type: ignore[misc]
+    class MappedFile(AnyKeyFile):
+        @locked
         def __getitem__(self, key: Any) -> Any:
             path = os.path.join(self.directory, self.filenames[key])
             with open(path, "rb") as f:
@@ -78,7 +78,7 @@ def mapped_file_class() -> type:
                 # read-only buffer), yet a write never reaches the file nor its other links.
                 return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
 
-        @locked  # type: ignore[misc]
+        @locked
         def __setitem__(self, key: Any, value: Any) -> None:
             if not isinstance(value, Linked):
                 super().__setitem__(key, value)
@@ -103,7 +103,7 @@ def install(data: Any) -> tuple[bool, str]:
     cls = mapped_file_class()
     if type(file) is cls:
         return True, ""
-    mapped = cls.__new__(cls)
+    mapped: Any = object.__new__(cls)
     # One state for both objects: a thread still inside the old object's method (it releases
     # its lock while it reads or writes) and the new one see the same names, counter and lock.
     mapped.__dict__ = file.__dict__
@@ -118,7 +118,7 @@ def uninstall(data: Any) -> None:
         return
     from distributed.spill import AnyKeyFile
 
-    plain = AnyKeyFile.__new__(AnyKeyFile)
+    plain: Any = object.__new__(AnyKeyFile)
     plain.__dict__ = file.__dict__
     data.slow.data.d = plain
 

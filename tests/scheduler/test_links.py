@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pathlib
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -225,8 +226,7 @@ async def test_a_hostile_link_is_refused(cluster: tuple[LocalCluster, Client], s
     outbox, name, ino, size = (await client.run(pin, workers=[sender]))[sender]
     root = os.path.dirname(os.path.dirname(outbox))
     outside = tempfile.mkdtemp(dir=shm)  # in the tmpfs, but not under the workers' root
-    with open(os.path.join(outside, "f"), "wb") as f:
-        f.write(b"x")
+    pathlib.Path(outside, "f").write_bytes(b"x")
     os.symlink(outbox, os.path.join(root, "sneaky"))
     os.symlink("/etc/passwd", os.path.join(outbox, "to-passwd"))
     passwd = os.stat("/etc/passwd")
@@ -259,7 +259,9 @@ async def test_a_hostile_link_is_refused(cluster: tuple[LocalCluster, Client], s
     assert (await client.run(receive, outbox, name, ino, size, workers=[receiver]))[receiver] == "taken"
 
 
-async def test_a_worker_whose_data_is_not_a_spill_buffer_refuses_the_plugin(cluster: tuple[LocalCluster, Client]) -> None:
+async def test_a_worker_whose_data_is_not_a_spill_buffer_refuses_the_plugin(
+    cluster: tuple[LocalCluster, Client],
+) -> None:
     """A worker that does not spill (its data a plain dict) says why it refused, and serves as stock."""
     local, client = cluster
     scheduler = local.scheduler
@@ -282,10 +284,12 @@ async def test_a_worker_whose_data_is_not_a_spill_buffer_refuses_the_plugin(clus
 @pytest.mark.parametrize(
     "reports, shares, total",
     [
-        pytest.param({"a": [[1, 10, 100]], "b": [[1, 10, 100]]}, {"a": 50.0, "b": 50.0}, 100, id="one-inode-two-workers"),
-        pytest.param({"a": [[1, 10, 100]], "b": [[1, 11, 100]]}, {"a": 100.0, "b": 100.0}, 200, id="two-inodes"),
-        pytest.param({"a": [[1, 10, 90]], "b": [[2, 10, 90]]}, {"a": 90.0, "b": 90.0}, 180, id="same-inode-other-device"),
-        pytest.param({"a": [[1, 1, 30]] * 2, "b": [], "c": [[1, 1, 30]]}, {"a": 15.0, "b": 0.0, "c": 15.0}, 30, id="a-name-twice"),
+        pytest.param({"a": [[1, 10, 100]], "b": [[1, 10, 100]]}, {"a": 50, "b": 50}, 100, id="one-inode-two-workers"),
+        pytest.param({"a": [[1, 10, 100]], "b": [[1, 11, 100]]}, {"a": 100, "b": 100}, 200, id="two-inodes"),
+        pytest.param({"a": [[1, 10, 90]], "b": [[2, 10, 90]]}, {"a": 90, "b": 90}, 180, id="same-inode-other-device"),
+        pytest.param(
+            {"a": [[1, 1, 30]] * 2, "b": [], "c": [[1, 1, 30]]}, {"a": 15, "b": 0, "c": 15}, 30, id="a-name-twice"
+        ),
     ],
 )
 def test_shares_count_each_inode_once(reports: dict[str, Any], shares: dict[str, float], total: int) -> None:
