@@ -627,12 +627,13 @@ class Scheduler:
             )
         return dict(_mapping(self.address, state, "the agent's resize reply"))
 
-    async def install_links(self, *, timeout: float | None = None) -> dict[str, Any]:
+    async def install_links(self, *, report: bool = True, timeout: float | None = None) -> dict[str, Any]:
         """Install the plugin that fetches spilled keys from same-node peers by hardlink and reads
-        them back as maps (:mod:`memops.worker.links`), on every worker present and future; each
-        worker's report: ``status`` ``Active``, or ``Refused`` with its ``reason``."""
+        them back as maps (:mod:`memops.worker.links`), on every worker present and future; with
+        ``report``, each worker's: ``status`` ``Active``, or ``Refused`` with its ``reason``
+        (one call to each worker), else ``{}``."""
         async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
-            state = await _agent(comm, "links", install=True)
+            state = await _agent(comm, "links", install=True, report=report)
         return dict(_mapping(self.address, state, "the agent's links reply"))
 
     async def spill_shares(self, *, timeout: float | None = None) -> dict[str, Any]:

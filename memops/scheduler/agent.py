@@ -35,9 +35,10 @@ Operations (``operation``, its arguments, what ``result`` holds):
 - ``departures`` (``since``): :func:`memops.scheduler.departures.report`: the latest workers that left
   the scheduler with keys no other worker held (address, name, time, keys, bytes, irreplaceable
   keys, and memops' drain of it, if that drain reports the loss), oldest first;
-- ``links`` (``install``): :func:`memops.worker.links.install` (unless ``install`` is false) registers
-  the plugin that fetches spilled keys from same-node peers by hardlink and reads them back as maps;
-  each worker's ``status`` report (``Active``, or ``Refused`` with its ``reason``);
+- ``links`` (``install``, ``report``): :func:`memops.worker.links.install` (unless ``install`` is false)
+  registers the plugin that fetches spilled keys from same-node peers by hardlink and reads them back
+  as maps; with ``report`` (default), each worker's ``status`` report (``Active``, or ``Refused`` with
+  its ``reason``), else ``{}``;
 - ``spill``: :func:`memops.worker.links.spill`: each worker's spilled bytes with each inode counted once,
   and its share of its node's spill (an inode that k workers link counts 1/k to each);
 - ``hello``: the agent's version.
@@ -150,10 +151,10 @@ def _departures(dask_scheduler: Any, since: Any = 0.0) -> list[dict[str, Any]]:
     return departures.report(dask_scheduler, since=float(since) if isinstance(since, (int, float)) else 0.0)
 
 
-async def _links(dask_scheduler: Any, install: bool = True) -> dict[str, Any]:
+async def _links(dask_scheduler: Any, install: bool = True, report: bool = True) -> dict[str, Any]:
     if install:
         await links.install(dask_scheduler)
-    return await links.statuses(dask_scheduler)
+    return await links.statuses(dask_scheduler) if report else {}
 
 
 async def _spill(dask_scheduler: Any) -> dict[str, Any]:
