@@ -324,3 +324,40 @@ async def test_the_operator_installs_the_plugin_and_reads_the_shares(shm: str) -
             assert shares[sender]["bytes"] == shares[receiver]["bytes"] > MiB
             assert shares[sender]["sharedBytes"] == shares[sender]["bytes"]
             assert abs(shares[sender]["share"] + shares[receiver]["share"] - shares[sender]["bytes"]) <= 1
+
+
+@pytest.mark.parametrize(
+    "make, is_mapped",
+    [
+        pytest.param(lambda: np.arange(MiB // 8, dtype="float64"), True, id="ndarray"),
+        pytest.param(lambda: np.zeros(80 * MiB // 8), True, id="ndarray-larger-than-a-shard"),
+        pytest.param(lambda: memoryview(bytearray(MiB)), True, id="memoryview"),
+        pytest.param(lambda: {"a": np.arange(MiB // 8)}, True, id="dict-of-arrays"),
+        pytest.param(lambda: b"x" * MiB, False, id="bytes"),
+        pytest.param(lambda: bytearray(MiB), False, id="bytearray"),
+        pytest.param(lambda: np.array(["abc"] * 1000, dtype=object), False, id="object-array"),
+        pytest.param(lambda: list(range(1000)), False, id="list"),
+    ],
+)
+def test_which_types_are_read_back_as_maps(shm: str, make: Any, is_mapped: bool) -> None:
+    """What docs/resources.md lists: the values that the spill store's mapped file gives back as
+    views of the map, through Dask's own spill serialization (uncompressed)."""
+    from distributed.protocol.serialize import deserialize_bytes, serialize_bytelist
+
+    store = maps.mapped_file_class()(os.path.join(shm, "storage"))
+    original = make()
+    store["k"] = serialize_bytelist(original, compression=False, on_error="raise")
+    read = deserialize_bytes(store["k"])
+    inner = read["a"] if isinstance(read, dict) else read
+    assert (maps.mapped_base(inner) is not None) is is_mapped
+    assert same(read, original)
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in b)
+    if isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    if isinstance(b, memoryview):
+        return bytes(a) == bytes(b)
+    return bool(a == b)
