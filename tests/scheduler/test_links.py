@@ -361,3 +361,38 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(b, memoryview):
         return bytes(a) == bytes(b)
     return bool(a == b)
+
+
+async def test_a_key_released_while_its_link_is_on_the_way_still_arrives_whole(
+    cluster: tuple[LocalCluster, Client],
+) -> None:
+    """The sender pins the file before it answers: once the key is released there (its spill file
+    removed), the receiver still links and reads the right bytes from the pinned name."""
+    local, client = cluster
+    sender, receiver, _ = sorted(local.scheduler.workers)
+    [future] = await client.scatter([value(7)], workers=[sender])
+    key, plugin = future.key, links.NAME
+
+    def pin(dask_worker: Any) -> list[Any]:
+        state = dask_worker.plugins[plugin].links
+        name, ino, size = state.pin(key)
+        return [os.path.realpath(state.outbox), name, ino, size]
+
+    outbox, name, ino, size = (await client.run(pin, workers=[sender]))[sender]
+    del future
+    await polling.poll(lambda: key not in local.scheduler.tasks, timeout=20, what="the key released")
+    await polling.poll(
+        lambda: _gone(client, str(key), sender), timeout=20, what="the sender's spill file removed"
+    )
+
+    def receive(dask_worker: Any = None) -> str:
+        state = dask_worker.plugins[plugin].links
+        got = state.receive({"directory": outbox, "name": name, "inode": ino, "size": size})
+        state.staged.clear()
+        return hashlib.sha256(got).hexdigest()
+
+    assert (await client.run(receive, workers=[receiver]))[receiver] == hashlib.sha256(value(7)).hexdigest()
+
+
+async def _gone(client: Client, key: str, worker: str) -> bool:
+    return key not in await spill_files(client, worker)
