@@ -16,6 +16,11 @@ a. A workload that spills (data about twice the workers' Dask memory limits summ
 b. Draining one worker whose data is mostly spilled, on tmpfs: stock ``retire_workers`` (the
    anchor), memops' drain without hand-over, memops' drain with hand-over: bytes over the
    network, seconds, and the peak as above.
+c. All to all (the seed's O(n^2) shape, small): numpy blocks made and spilled at once (target 0),
+   then every worker reads every block: tmpfs spill with stock fetches (the anchor), and with
+   memops' same-node links and maps (:mod:`memops.worker.links`). Network is what the senders
+   wrote on their comms (a link is a few hundred bytes). Peak here: RSS less its resident tmpfs
+   pages (``RssShmem``: mapped spill files), plus the tmpfs' bytes, each inode once.
 
     python bench/shared_spill.py            # 4 workers of 256 MiB, 2 GiB of data
     python bench/shared_spill.py --small    # the pass CI runs: 3 workers of 96 MiB, 384 MiB
@@ -42,6 +47,7 @@ import psutil
 from distributed import Client, LocalCluster
 
 from memops.scheduler import drain
+from memops.worker import links
 
 MIB = 2**20
 CONFIG = {
@@ -87,11 +93,21 @@ def tmpfs_bytes(root: str) -> int:
     return total
 
 
+def shmem(pid: int) -> int:
+    """A process' resident tmpfs pages (``RssShmem``): mapped spill files, which the tmpfs' own
+    bytes count already (each inode once), so a sampler of mapped workers leaves them out of RSS."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class Sampler:
     """Samples the worker processes' RSS plus the tmpfs directory's bytes, keeps the highest."""
 
-    def __init__(self, tmpfs: str | None, period: float = 0.05):
-        self.tmpfs, self.period = tmpfs, period
+    def __init__(self, tmpfs: str | None, period: float = 0.05, shmem_once: bool = False):
+        self.tmpfs, self.period, self.shmem_once = tmpfs, period, shmem_once
         self.peak = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -100,7 +116,7 @@ class Sampler:
         rss = 0
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                rss += child.memory_info().rss
+                rss += child.memory_info().rss - (shmem(child.pid) if self.shmem_once else 0)
         return rss + (tmpfs_bytes(self.tmpfs) if self.tmpfs else 0)
 
     def run(self) -> None:
@@ -118,8 +134,10 @@ class Sampler:
 
 
 @contextlib.asynccontextmanager
-async def cluster(size: Size, directory: str) -> AsyncIterator[tuple[LocalCluster, Client]]:
-    with dask.config.set(CONFIG):
+async def cluster(
+    size: Size, directory: str, config: dict[str, Any] | None = None
+) -> AsyncIterator[tuple[LocalCluster, Client]]:
+    with dask.config.set({**CONFIG, **(config or {})}):
         async with LocalCluster(
             n_workers=size.workers,
             processes=True,
@@ -202,6 +220,52 @@ async def drain_spilled(size: Size, directory: str, tmpfs: str, how: str) -> Res
         return Result(seconds, sampler.peak, network, linked)
 
 
+def block(i: int, nbytes: int) -> Any:
+    import numpy
+
+    return numpy.random.default_rng(i).random(nbytes // 8)
+
+
+def total_of(*blocks: Any) -> float:
+    return float(sum(float(b.sum()) for b in blocks))  # every page of every block read
+
+
+async def written(client: Client) -> tuple[int, int]:
+    """Bytes the workers wrote to peers for fetches (their comms' own count), and keys sent by link."""
+
+    def outgoing(dask_worker: Any) -> tuple[int, int]:
+        log = dask_worker.transfer_outgoing_log
+        return sum(int(e["compressed"]) for e in log), sum(len(e.get("linked", ())) for e in log)
+
+    found = (await client.run(outgoing)).values()
+    return sum(w for w, _ in found), sum(n for _, n in found)
+
+
+async def all_to_all(size: Size, directory: str, tmpfs: str, with_links: bool) -> Result:
+    """(c): the seed's O(n^2) shape, small: numpy blocks made spilled at once (target 0: the seed's
+    set-up against duplication), then on every worker a task that reads every block."""
+    async with cluster(size, directory, {"distributed.worker.memory.target": 0.001}) as (local, client):
+        if with_links:
+            await links.install(local.scheduler)  # on every worker before it returns
+            found = {s.get("status") for s in (await links.statuses(local.scheduler)).values()}
+            if found != {links.ACTIVE}:
+                raise RuntimeError(f"the links plugin is not active everywhere: {found}")
+        n = size.data // 2 // size.chunk
+        with Sampler(tmpfs, shmem_once=True) as sampler:
+            start = time.perf_counter()
+            blocks = client.map(block, range(n), nbytes=size.chunk, pure=False)
+            await distributed.wait(blocks)
+            sums = [
+                client.submit(total_of, *blocks, workers=[w], allow_other_workers=False, pure=False)
+                for w in sorted(local.scheduler.workers)
+            ]
+            results = await client.gather(sums)
+            seconds = time.perf_counter() - start
+        assert len(set(results)) == 1
+        network, linked = await written(client)
+        return Result(seconds, sampler.peak, network, linked)
+
+
 def table(title: str, rows: Sequence[tuple[str, Result]], anchor: Result, phases: bool = False) -> None:
     print(f"\n{title}\n")
     extra = " retire s | peak MiB while retiring |" if phases else ""
@@ -216,7 +280,7 @@ def table(title: str, rows: Sequence[tuple[str, Result]], anchor: Result, phases
         )
 
 
-async def run(size: Size) -> None:
+async def run(size: Size, passes: str = "abc") -> None:
     disk = tempfile.mkdtemp(prefix="memops-bench-spill-")
     shm = tempfile.mkdtemp(prefix="memops-bench-spill-", dir="/dev/shm")
     try:
@@ -226,36 +290,62 @@ async def run(size: Size) -> None:
             os.makedirs(where)
             return await step(size, where, *args)  # type: ignore[no-any-return]
 
-        a = [
-            ("disk spill, drain without hand-over (anchor)", await fresh(disk, workload, None, "memops")),
-            ("tmpfs spill, drain without hand-over", await fresh(shm, workload, shm, "memops")),
-            ("tmpfs spill, drain with hand-over", await fresh(shm, workload, shm, "handover")),
-        ]
-        table(
-            f"a. make {size.data // MIB} MiB on {size.workers} workers of {size.limit // MIB} MiB, "
-            "retire one, read every chunk",
-            a,
-            a[0][1],
-            phases=True,
-        )
-        b = [
-            ("stock `retire_workers` (anchor)", await fresh(shm, drain_spilled, shm, "stock")),
-            ("memops' drain, without hand-over", await fresh(shm, drain_spilled, shm, "memops")),
-            ("memops' drain, with hand-over", await fresh(shm, drain_spilled, shm, "handover")),
-        ]
-        table(
-            f"b. drain one worker holding {2 * size.limit // MIB} MiB (limit {size.limit // MIB} MiB), tmpfs spill",
-            b,
-            b[0][1],
-        )
+        if "a" in passes:
+            await pass_a(size, fresh, disk, shm)
+        if "b" in passes:
+            await pass_b(size, fresh, shm)
+        if "c" in passes:
+            await pass_c(size, fresh, shm)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 
 
+async def pass_a(size: Size, fresh: Callable[..., Any], disk: str, shm: str) -> None:
+    a = [
+        ("disk spill, drain without hand-over (anchor)", await fresh(disk, workload, None, "memops")),
+        ("tmpfs spill, drain without hand-over", await fresh(shm, workload, shm, "memops")),
+        ("tmpfs spill, drain with hand-over", await fresh(shm, workload, shm, "handover")),
+    ]
+    table(
+        f"a. make {size.data // MIB} MiB on {size.workers} workers of {size.limit // MIB} MiB, "
+        "retire one, read every chunk",
+        a,
+        a[0][1],
+        phases=True,
+    )
+
+
+async def pass_b(size: Size, fresh: Callable[..., Any], shm: str) -> None:
+    b = [
+        ("stock `retire_workers` (anchor)", await fresh(shm, drain_spilled, shm, "stock")),
+        ("memops' drain, without hand-over", await fresh(shm, drain_spilled, shm, "memops")),
+        ("memops' drain, with hand-over", await fresh(shm, drain_spilled, shm, "handover")),
+    ]
+    table(
+        f"b. drain one worker holding {2 * size.limit // MIB} MiB (limit {size.limit // MIB} MiB), tmpfs spill",
+        b,
+        b[0][1],
+    )
+
+
+async def pass_c(size: Size, fresh: Callable[..., Any], shm: str) -> None:
+    c = [
+        ("tmpfs spill, stock fetches (anchor)", await fresh(shm, all_to_all, shm, False)),
+        ("tmpfs spill, links and maps", await fresh(shm, all_to_all, shm, True)),
+    ]
+    table(
+        f"c. all to all: {size.data // 2 // MIB} MiB of numpy blocks, each of {size.workers} workers reads "
+        "every block (target 0); network is what the senders wrote",
+        c,
+        c[0][1],
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="3 workers of 96 MiB, 384 MiB of data (CI)")
+    parser.add_argument("--passes", default="abc", help="which measurements: any of a, b, c (default all)")
     args = parser.parse_args(argv)
     if not os.path.isdir("/dev/shm"):
         print("no /dev/shm: this benchmark needs a tmpfs", file=sys.stderr)
@@ -264,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         size = Size(workers=3, limit=96 * MIB, data=384 * MIB, chunk=4 * MIB)
     else:
         size = Size(workers=4, limit=256 * MIB, data=2048 * MIB, chunk=8 * MIB)
-    asyncio.run(run(size))
+    asyncio.run(run(size, args.passes))
     return 0
 
 

@@ -89,12 +89,26 @@ from memops.scheduler import (
     rules,
     transfers,
 )
-from memops.worker import handover
+from memops.worker import accounting, handover, links, maps
 
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
-_BY_VALUE = (agent, departures, drain, handover, holdings, relief, replication, replication_index, resize, rules)
+_BY_VALUE = (
+    agent,
+    departures,
+    drain,
+    handover,
+    holdings,
+    relief,
+    replication,
+    replication_index,
+    resize,
+    rules,
+    links,
+    maps,
+    accounting,
+)
 for _module in (*_BY_VALUE, transfers):
     cloudpickle.register_pickle_by_value(_module)
 
@@ -612,6 +626,21 @@ class Scheduler:
                 comm, "resize", worker=str(worker_address), memory_limit=int(memory_limit), maximum=int(maximum)
             )
         return dict(_mapping(self.address, state, "the agent's resize reply"))
+
+    async def install_links(self, *, report: bool = True, timeout: float | None = None) -> dict[str, Any]:
+        """Install the plugin that fetches spilled keys from same-node peers by hardlink and reads
+        them back as maps (:mod:`memops.worker.links`), on every worker present and future; with
+        ``report``, each worker's: ``status`` ``Active``, or ``Refused`` with its ``reason``
+        (one call to each worker), else ``{}``."""
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            state = await _agent(comm, "links", install=True, report=report)
+        return dict(_mapping(self.address, state, "the agent's links reply"))
+
+    async def spill_shares(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Each worker's spilled bytes, each inode once, and its share of its node's spill."""
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            state = await _agent(comm, "spill")
+        return dict(_mapping(self.address, state, "the agent's spill reply"))
 
     async def drain_status(
         self, worker_addresses: Sequence[str] = (), *, timeout: float | None = None

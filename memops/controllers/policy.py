@@ -129,6 +129,7 @@ class Policy:
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
         self.window: recycle_decisions.Window | None = None  # memory samples for recycling
+        self.links_reported: str | None = None  # the scheduler whose workers' links were reported
         self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
         self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
@@ -344,7 +345,27 @@ class Policy:
             workload=read.workload,
             logger=self.logger,
         )
+        await self.install_links(read.scheduler, spec)
         return status.model_copy(update={"pressure": pressure, "replication": replicated})
+
+    async def install_links(self, scheduler: daskrpc.Scheduler, spec: specs.MemoryPolicySpec) -> None:
+        """Medium Node: the plugin by which the node's workers fetch each other's spilled keys by
+        hardlink and read them back as maps (:mod:`memops.worker.links`), in every pass (idempotent:
+        a restarted scheduler gets it again); each worker's verdict logged once per scheduler."""
+        shared = spec.sharedSpill
+        if shared is None or shared.medium != specs.SpillMedium.NODE:
+            return
+        report = self.links_reported != scheduler.address
+        try:
+            found = await scheduler.install_links(report=report)
+        except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused) as exc:
+            self.logger.warning("shared spill: the same-node links are not installed: %s", exc)
+            return
+        if report:
+            refused = {a: s.get("reason") for a, s in found.items() if s.get("status") != "Active"}
+            if refused:
+                self.logger.warning("shared spill: workers that refused same-node links: %s", refused)
+            self.links_reported = scheduler.address
 
     async def read_recycling(
         self,

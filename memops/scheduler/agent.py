@@ -35,6 +35,12 @@ Operations (``operation``, its arguments, what ``result`` holds):
 - ``departures`` (``since``): :func:`memops.scheduler.departures.report`: the latest workers that left
   the scheduler with keys no other worker held (address, name, time, keys, bytes, irreplaceable
   keys, and memops' drain of it, if that drain reports the loss), oldest first;
+- ``links`` (``install``, ``report``): :func:`memops.worker.links.install` (unless ``install`` is false)
+  registers the plugin that fetches spilled keys from same-node peers by hardlink and reads them back
+  as maps; with ``report`` (default), each worker's ``status`` report (``Active``, or ``Refused`` with
+  its ``reason``), else ``{}``;
+- ``spill``: :func:`memops.worker.links.spill`: each worker's spilled bytes with each inode counted once,
+  and its share of its node's spill (an inode that k workers link counts 1/k to each);
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
@@ -52,12 +58,14 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
 from memops.scheduler import departures, drain, holdings, relief, replication, resize, rules
+from memops.worker import links
 
 NAME = "memops_agent"
-VERSION = 11
+VERSION = 12
 """Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
 (7: no rule in force leaves the AMM as Dask made it; 8: replication follows an index of the ruled
-keys instead of scanning keys; 10: ``resize``; 11: ``departures``), so that an older agent is replaced."""
+keys instead of scanning keys; 10: ``resize``; 11: ``departures``; 12: ``links``, ``spill``), so that an
+older agent is replaced."""
 EVENTS = "memops-agent"
 """The scheduler's event topic where :func:`install` logs ``{"action": "installed", "agent":
 VERSION}``. The operator reads it (the stock ``events`` handler, read-only) to learn whether the
@@ -143,6 +151,16 @@ def _departures(dask_scheduler: Any, since: Any = 0.0) -> list[dict[str, Any]]:
     return departures.report(dask_scheduler, since=float(since) if isinstance(since, (int, float)) else 0.0)
 
 
+async def _links(dask_scheduler: Any, install: bool = True, report: bool = True) -> dict[str, Any]:
+    if install:
+        await links.install(dask_scheduler)
+    return await links.statuses(dask_scheduler) if report else {}
+
+
+async def _spill(dask_scheduler: Any) -> dict[str, Any]:
+    return await links.spill(dask_scheduler)
+
+
 def _hello(dask_scheduler: Any) -> dict[str, Any]:
     return {"version": VERSION}
 
@@ -155,6 +173,8 @@ OPERATIONS: dict[str, Callable[..., Any]] = {
     "drain_status": _drain_status,
     "resize": _resize,
     "departures": _departures,
+    "links": _links,
+    "spill": _spill,
     "hello": _hello,
 }
 

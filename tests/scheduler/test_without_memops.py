@@ -2,7 +2,8 @@
 
 The scheduler and a worker here are processes in which ``import memops`` fails (``sys.modules``
 says so before distributed starts): everything the operator sends them (the agent, relief,
-replication with a glob rule, the hand-over plugin that the agent registers for every worker,
+replication with a glob rule, the hand-over and same-node links plugins that the agent registers
+for every worker,
 and the reads of holdings) must arrive by value. A test in the operator's own environment cannot
 see this: there, a function pickled by reference loads anyway. (Before: ``keys.glob``'s compiled
 patterns were cached with ``functools.lru_cache``, whose wrapper pickles by reference, so no
@@ -63,7 +64,11 @@ async def test_the_agent_and_its_plugins_run_where_memops_is_not_installed(addre
     assert relief is not None, "relief installed"
     snapshot = await daskrpc.fetch_snapshot(address, timeout=5, drains=True)
     assert snapshot.drains is not None, "the agent answers the drains' read"
-    # A worker that joins now gets the hand-over plugin that the agent registered: it must start.
+    async with daskrpc.connect(address) as scheduler:
+        found = await scheduler.install_links()
+        assert {s["status"] for s in found.values()} == {"Active"}, found
+        assert len(await scheduler.spill_shares()) == 2, "the agent answers the spill's read"
+    # A worker that joins now gets the hand-over and links plugins that the agent registered: it must start.
     late = stock("distributed.cli.dask_worker", address, "--name", "late", "--nthreads", "1", *processes.OPTIONS)
     try:
         await processes.wait_for_workers(count, 3)

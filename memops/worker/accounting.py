@@ -1,0 +1,91 @@
+"""Spilled bytes on a shared tmpfs, counted once per inode.
+
+Hardlinked spill files (:mod:`memops.worker.handover`, :mod:`memops.worker.links`) are one set of
+pages under several names: a worker's own sum of its files' sizes counts a page once per worker
+that links it. :func:`report` (in a worker) lists its spill files by ``(st_dev, st_ino)``;
+:func:`shares` (anywhere: pure) counts each inode once over the reports of every worker of a
+node and gives each worker its share, so that the shares add up to the bytes the tmpfs holds.
+
+Imports nothing of memops (sent by value to a stock Dask image).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+Inode = tuple[int, int]
+"""``(st_dev, st_ino)``: one file, whatever its names."""
+
+
+def files(directory: str) -> list[tuple[int, int, int, int]]:
+    """``(st_dev, st_ino, st_size, st_nlink)`` of the regular files directly in ``directory``."""
+    result: list[tuple[int, int, int, int]] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return result
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue  # removed meanwhile (unspilled, released)
+        if stat.S_ISREG(st.st_mode):
+            result.append((st.st_dev, st.st_ino, st.st_size, st.st_nlink))
+    return result
+
+
+def summarize(found: Iterable[tuple[int, int, int, int]]) -> dict[str, Any]:
+    """One worker's figures: ``bytes`` (each inode once), ``sharedBytes`` (of files that another
+    name links too), ``files``, and ``inodes``: ``[st_dev, st_ino, st_size]`` for :func:`shares`."""
+    seen: dict[Inode, tuple[int, int]] = {}
+    for dev, ino, size, nlink in found:
+        seen[(dev, ino)] = (size, nlink)
+    return {
+        "files": len(seen),
+        "bytes": sum(size for size, _ in seen.values()),
+        "sharedBytes": sum(size for size, nlink in seen.values() if nlink > 1),
+        "inodes": [[dev, ino, size] for (dev, ino), (size, _) in seen.items()],
+    }
+
+
+def report(worker: Any) -> dict[str, Any]:
+    """:func:`summarize` of the worker's spill directory (and of links it holds on their way in
+    or out), or ``{"files": 0, ...}`` where it spills to no directory."""
+    data = getattr(worker, "data", None)
+    store = getattr(getattr(getattr(data, "slow", None), "data", None), "d", None)
+    directory = getattr(store, "directory", None)
+    found: list[tuple[int, int, int, int]] = []
+    if isinstance(directory, str):
+        found += files(directory)
+    found += files(os.path.join(str(getattr(worker, "local_directory", "")), "memops-links"))
+    return {**summarize(found), "boot": boot_id()}
+
+
+def boot_id() -> str:
+    """The kernel's identity: inode numbers mean one file only between workers of one node."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def shares(reports: Mapping[str, Iterable[Iterable[int]]]) -> tuple[dict[str, float], int]:
+    """From each worker's ``inodes`` (``[st_dev, st_ino, st_size]``): each worker's share of the
+    bytes (an inode that k workers hold counts size/k to each), and the bytes of all inodes, once.
+    The shares add up to the total."""
+    holders: defaultdict[Inode, set[str]] = defaultdict(set)
+    sizes: dict[Inode, int] = {}
+    for worker, inodes in reports.items():
+        for dev, ino, size in (tuple(i) for i in inodes):
+            holders[(dev, ino)].add(worker)
+            sizes[(dev, ino)] = size
+    share: dict[str, float] = {worker: 0.0 for worker in reports}
+    for inode, workers in holders.items():
+        for worker in workers:
+            share[worker] += sizes[inode] / len(workers)
+    return share, sum(sizes.values())

@@ -1,0 +1,134 @@
+"""Spilled keys read back as memory maps of their spill files, and linked files adopted as spilled.
+
+A worker's spill store is distributed's ``SpillBuffer``: a ``zict.Buffer`` whose ``slow`` layer is
+``zict.Cache(Slow(AnyKeyFile(directory)), WeakValueMapping())``. :func:`find` checks that shape
+through the layers' public attributes (``Buffer.slow``, ``Cache.data``, ``Func.d``) and says why
+when it is not there (a third-party ``data`` mapping, another distributed or zict);
+:func:`install` then puts one layer in, :class:`MappedFile` in place of the ``AnyKeyFile``, with
+the same state (the one ``__dict__``: file names, counter, lock), so nothing is copied or lost:
+
+- ``__getitem__`` maps the file (``mmap.ACCESS_COPY``: private copy-on-write pages over the
+  tmpfs pages) instead of reading it into a new buffer. Dask's deserializers then build numpy
+  arrays (and other buffers serialized out of band) as views of the map: N workers that read one
+  linked file hold one set of pages. A task that writes into such an array gets its own copy of
+  the pages it writes, never the other workers' (zict's own ``memmap`` maps the file shared and
+  writable, which would let one worker's in-place write change another's key).
+- ``__setitem__`` of :class:`Linked` frames renames a file that :mod:`memops.worker.links` linked
+  from a peer into the store under the key's name, instead of writing the bytes again.
+
+Imports nothing of memops but its siblings (it runs in a stock Dask image).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+MMAP_TYPE = mmap.mmap
+
+
+class Linked(list[Any]):
+    """The frames that :func:`links.dump <memops.worker.links>` returns for a value read from a
+    linked file: one buffer over the whole file (so ``Slow`` counts its size as spilled bytes),
+    and the path of that link, which :meth:`MappedFile.__setitem__` renames into the store."""
+
+    def __init__(self, buffer: Any, path: str) -> None:
+        super().__init__([buffer])
+        self.path = path
+
+
+def find(data: Any) -> tuple[Any, str]:
+    """``(the store's zict.File, "")``, or ``(None, why not)`` when ``data`` is not distributed's
+    SpillBuffer over a spill directory as this module knows it."""
+    try:
+        from distributed.spill import AnyKeyFile, Slow, SpillBuffer
+    except ImportError as exc:  # pragma: no cover - a distributed without its spill module
+        return None, f"distributed has no spill module ({exc})"
+    if not isinstance(data, SpillBuffer):
+        return None, f"the worker's data is a {type(data).__name__}, not distributed's SpillBuffer"
+    slow = getattr(getattr(data, "slow", None), "data", None)
+    if not isinstance(slow, Slow):
+        return None, f"the SpillBuffer's slow layer holds a {type(slow).__name__}, not distributed's Slow"
+    file = getattr(slow, "d", None)
+    if not isinstance(file, AnyKeyFile) or not isinstance(getattr(file, "filenames", None), dict):
+        return None, f"the spill store is a {type(file).__name__}, not distributed's AnyKeyFile"
+    if not callable(getattr(slow, "dump", None)):
+        return None, "the spill store's Slow layer has no dump"
+    return file, ""
+
+
+def mapped_file_class() -> type:
+    """:class:`MappedFile`, built on the installed distributed's ``AnyKeyFile`` (defined here,
+    not at import, so that importing this module needs no distributed)."""
+    global _MAPPED
+    if _MAPPED is not None:
+        return _MAPPED
+    from distributed.spill import AnyKeyFile
+    from zict.common import locked
+
+    class MappedFile(AnyKeyFile):
+        @locked
+        def __getitem__(self, key: Any) -> Any:
+            path = os.path.join(self.directory, self.filenames[key])
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return bytearray()  # mmap refuses an empty file
+                # Private, copy-on-write: writable (Dask's numpy deserializer copies a
+                # read-only buffer), yet a write never reaches the file nor its other links.
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+
+        @locked
+        def __setitem__(self, key: Any, value: Any) -> None:
+            if not isinstance(value, Linked):
+                super().__setitem__(key, value)
+                return
+            self.discard(key)
+            name = self._safe_key(key)
+            os.rename(value.path, os.path.join(self.directory, name))
+            self.filenames[key] = name
+
+    _MAPPED = MappedFile
+    return MappedFile
+
+
+_MAPPED: type | None = None
+
+
+def install(data: Any) -> tuple[bool, str]:
+    """Put :class:`MappedFile` in the worker's spill store; ``(done, why not)``. Idempotent."""
+    file, why = find(data)
+    if file is None:
+        return False, why
+    cls = mapped_file_class()
+    if type(file) is cls:
+        return True, ""
+    mapped: Any = object.__new__(cls)
+    # One state for both objects: a thread still inside the old object's method (it releases
+    # its lock while it reads or writes) and the new one see the same names, counter and lock.
+    mapped.__dict__ = file.__dict__
+    data.slow.data.d = mapped
+    return True, ""
+
+
+def uninstall(data: Any) -> None:
+    """Put distributed's own ``AnyKeyFile`` back (the plugin's teardown)."""
+    file, _ = find(data)
+    if file is None or type(file) is not _MAPPED:
+        return
+    from distributed.spill import AnyKeyFile
+
+    plain: Any = object.__new__(AnyKeyFile)
+    plain.__dict__ = file.__dict__
+    data.slow.data.d = plain
+
+
+def mapped_base(value: Any) -> Any:
+    """The ``mmap`` under a buffer (a numpy array's ``base`` chain, a memoryview's ``obj``), or None."""
+    seen = 0
+    while value is not None and seen < 32:
+        if isinstance(value, MMAP_TYPE):
+            return value
+        value = getattr(value, "base", None) if not isinstance(value, memoryview) else value.obj
+        seen += 1
+    return None
