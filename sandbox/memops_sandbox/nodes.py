@@ -136,6 +136,11 @@ def containerd_config(node: Node, binaries: NodeBinaries, root: Path | None = No
     """containerd's ``config.toml`` (version 3) for ``node`` (its root: ``root``, or the Node's own)."""
     runtime = {
         "restrict_oom_score_adj": True,
+        # Each pod's network namespace is mounted under the Node's state (RUN_ROOT), not the
+        # machine's /var/run/netns: a kill leaves it where stop and the next start remove it, and
+        # with it the pod's veth pair (every one kept a veth on the machine, and Dask's system
+        # monitor, in every process, reads every interface's counters twice a second).
+        "netns_mounts_under_state_dir": True,
         "enable_unprivileged_ports": True,
         "cni": {"bin_dirs": [str(binaries.cni_bin_dir)], "conf_dir": str(node.root / "cni"), "max_conf_num": 1},
         "containerd": {

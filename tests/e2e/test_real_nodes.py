@@ -137,8 +137,17 @@ def test_a_worker_killed_by_the_kernel_loses_its_keys(real_sandbox: Sandbox) -> 
         sandbox.wait_for(lambda: sorted(holdings.lost()) == mine, what="its keys gone with it")
 
 
-def leftovers() -> dict[str, Any]:
-    """What a sandbox with real Nodes makes on this machine and must take away again."""
+def pod_networks() -> set[str]:
+    """The machine's veth interfaces (a pod's is one end of a pair, the other in its network
+    namespace) and the network namespaces mounted where CNI runtimes mount them by default."""
+    listed = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True, check=True)
+    found = {"veth " + line.split(":")[1].strip().split("@")[0] for line in listed.stdout.splitlines()}
+    return found | {f"netns {path.name}" for path in Path("/run/netns").glob("*")}
+
+
+def leftovers(before: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """What a sandbox with real Nodes makes on this machine and must take away again (``before``:
+    :func:`pod_networks` before it started, someone else's)."""
     processes = [
         pid for pid in real_nodes._processes_mentioning(str(real_nodes.RUN_ROOT)) if Path(f"/proc/{pid}").exists()
     ]
@@ -152,6 +161,7 @@ def leftovers() -> dict[str, Any]:
         "directories": [str(d) for d in (real_nodes.RUN_ROOT, real_nodes.DISK_ROOT) if d.exists()],
         "mounts": [line for line in mounts.splitlines() if "memops-sandbox" in line],
         "services": [line for line in nat.splitlines() if line.startswith("-N KUBE-SERVICES")],
+        "pod networks": sorted(pod_networks() - before),
     }
     return {what: items for what, items in found.items() if items}
 
@@ -161,6 +171,7 @@ def test_a_crash_is_cleaned_up_by_the_next_start_and_a_stop_leaves_nothing(tmp_p
     shims outlive it, as they outlive containerd): the next start removes them and comes up. Its
     stop by SIGTERM is bounded, and leaves nothing of either."""
     first = tmp_path / "first"
+    before = frozenset(pod_networks())
     crashed = sandbox_cli.launch(first, 1, real_nodes=True)
     os.killpg(crashed.pid, signal.SIGKILL)
     crashed.wait(10)
@@ -171,4 +182,4 @@ def test_a_crash_is_cleaned_up_by_the_next_start_and_a_stop_leaves_nothing(tmp_p
     process.send_signal(signal.SIGTERM)
     process.wait(60)
     assert time.monotonic() - began < 30, "the stop is bounded"
-    assert leftovers() == {}
+    assert leftovers(before) == {}

@@ -80,6 +80,8 @@ def test_a_leaking_worker_is_recycled_surge_first_and_nothing_is_lost(sandbox: S
         shown = sandbox.kubectl(
             "get",
             "pods",
+            "-l",
+            "app=dask-worker",
             "-o",
             "custom-columns=NAME:.metadata.name,UNMANAGED:.metadata.annotations.memops\\.dev/unmanaged-memory",
         ).stdout
