@@ -48,7 +48,8 @@ def settle(client: distributed.Client, env: dict[str, str], replicas: int) -> No
     while time.monotonic() < deadline:
         pods = [
             p
-            for p in json.loads(benchkit.kubectl(env, "get", "pods", "-o", "json"))["items"]
+            # The workers' pods (on real Nodes the Dask scheduler is a pod too).
+            for p in json.loads(benchkit.kubectl(env, "get", "pods", "-l", "app=dask-worker", "-o", "json"))["items"]
             if not p["metadata"].get("deletionTimestamp")
         ]
         requests = json.loads(benchkit.kubectl(env, "get", "retire", "-o", "json"))["items"]

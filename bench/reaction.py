@@ -51,7 +51,8 @@ def settled(client: distributed.Client, api: throughput.Api, count: int) -> dict
     def ready() -> bool:
         nonlocal found
         found = benchkit.workers(client)
-        listed = (api.get("/api/v1/namespaces/default/pods") or {}).get("items", [])
+        # The workers' pods (on real Nodes the Dask scheduler is a pod too).
+        listed = (api.get("/api/v1/namespaces/default/pods?labelSelector=app%3Ddask-worker") or {}).get("items", [])
         live = {p["metadata"]["name"] for p in listed if not p["metadata"].get("deletionTimestamp")}
         return len(found) == count and set(found) == live
 

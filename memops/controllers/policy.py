@@ -483,7 +483,7 @@ class Policy:
         fresh = time.monotonic() - self.tenants_checked < _TENANCY_RECHECK_SECONDS
         if workers and fresh and addresses <= self.tenants.keys():
             return tenancy.Verdict(tenancy.Reason.TENANT, "the workers of the last check")
-        pods = await workloads.namespace_pods(self.client, self.namespace)
+        pods, _ = await workloads.namespace_pods(self.client, self.namespace)
         verdict = tenancy.check(workers, pods, self.namespace)
         located = snapshots.workers_by_pod(pods, workers) if verdict.allowed else {}
         self.tenants = {w.address: pod for pod, found in located.items() for w in found}

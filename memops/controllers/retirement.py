@@ -58,6 +58,9 @@ class Retirement:
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", self.namespace, self.name)
         self.before: snapshots.SchedulerSnapshot | None = None
+        # The resourceVersion of this request's last listing of the namespace's pods (for the
+        # tenancy check): the next step's listing is no older, and answered at once.
+        self.pods_seen: str | None = None
         self._rejected_generation = 0
 
     # -- the loop -----------------------------------------------------------------------------
@@ -263,9 +266,13 @@ class Retirement:
             message = f"{spec.workload.kind} {spec.workload.name!r}: {exc}"
             return retirement_decisions.StartFacts(blocker=Blocker("InvalidSelector", message))
         wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
+        judge = vetting.Tenancy(self.client, self.namespace, self.pods_seen)
         try:
-            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=wait, snapshot={}) as found:
+            async with vetting.vetted(
+                self.client, self.namespace, spec.scheduler, timeout=wait, vouch=judge, snapshot={}
+            ) as found:
                 snapshot = found.snapshot
+                self.pods_seen = judge.seen
         except daskrpc.Unvouched as exc:
             return retirement_decisions.StartFacts(blocker=Blocker.unvouched(exc.verdict))
         except daskrpc.SchedulerMisbehaved as exc:  # not a Dask scheduler, or a hostile one: never retried
@@ -308,7 +315,7 @@ class Retirement:
         """The scheduler's retirement of the draining workers: the one effect whose outcome is the
         fact that the decision judges (:func:`memops.decisions.drain_decisions.judge_drain`)."""
         on_timeout = status.onTimeout or specs.OnTimeout.ABORT
-        judge = vetting.Tenancy(self.client, self.namespace)
+        judge = vetting.Tenancy(self.client, self.namespace, self.pods_seen)
         addresses = retirement_decisions.addresses(retirement_decisions.draining(status))
         try:
             # Everything on the one connection whose workers the tenancy check vouched for: the
@@ -319,6 +326,7 @@ class Retirement:
                 self.client, self.namespace, scheduler, timeout=_RPC_SECONDS, vouch=judge, snapshot=query
             )
             async with reached as found:
+                self.pods_seen = judge.seen
                 vetted = found.scheduler
                 if self.before is None:
                     self.before = found.snapshot

@@ -115,9 +115,15 @@ def pod_info(pod: objects.Obj) -> snapshots.PodInfo:
     )
 
 
-async def namespace_pods(client: kube.Kube, namespace: str) -> list[snapshots.PodInfo]:
-    """Every pod of the namespace, for the tenancy check (:mod:`memops.decisions.tenancy`)."""
-    return [pod_info(p) for p in await client.list(kube.resource_path("", "v1", "pods", namespace))]
+async def namespace_pods(
+    client: kube.Kube, namespace: str, not_older_than: str | None = None
+) -> tuple[list[snapshots.PodInfo], str | None]:
+    """Every pod of the namespace, for the tenancy check (:mod:`memops.decisions.tenancy`), no
+    older than the listing whose resourceVersion is ``not_older_than`` (else a consistent list);
+    and this listing's resourceVersion."""
+    path = kube.resource_path("", "v1", "pods", namespace)
+    items, version = await client.list_not_older_than(path, not_older_than)
+    return [pod_info(p) for p in items], version
 
 
 async def owning_deployment(client: kube.Kube, pod: objects.Obj) -> str | None:

@@ -8,6 +8,10 @@ import pytest
 from aiohttp import web
 
 from memops.clients import kube
+from memops.controllers import vetting
+
+ECHOED: list[str] = []
+"""The paths the test server's echo answered, in order."""
 
 
 @pytest.mark.parametrize(
@@ -66,7 +70,8 @@ async def client() -> AsyncIterator[kube.Kube]:
         return web.Response(status=200, text="all good")
 
     async def echo(request: web.Request) -> web.Response:
-        return web.json_response({"path": request.raw_path})
+        ECHOED.append(request.raw_path)
+        return web.json_response({"path": request.raw_path, "metadata": {"resourceVersion": "7"}})
 
     app = web.Application()
     app.router.add_get("/html", html_error)
@@ -104,3 +109,17 @@ async def test_a_quoted_name_reaches_the_server_as_one_segment(client: kube.Kube
     path = kube.resource_path("apps", "v1", "deployments", "default", "a/../../b")
     echoed = await client.get(path)
     assert echoed["path"] == "/apis/apps/v1/namespaces/default/deployments/a%2F..%2F..%2Fb"
+
+
+async def test_a_tenancy_check_lists_no_older_than_its_last_listing(client: kube.Kube) -> None:
+    """The first listing is a consistent list; the next names the first's resourceVersion (the
+    API server then answers from its watch cache at once, where a consistent list waits for the
+    cache's progress period after any write: most of a RetirementRequest's time to its first byte)."""
+    judge = vetting.Tenancy(client, "ns")
+    await judge([])
+    await judge([])
+    assert judge.seen == "7"
+    assert ECHOED[-2:] == [
+        "/api/v1/namespaces/ns/pods",
+        "/api/v1/namespaces/ns/pods?resourceVersion=7&resourceVersionMatch=NotOlderThan",
+    ]
