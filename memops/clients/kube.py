@@ -483,16 +483,16 @@ class Kube:
         return items
 
     async def list_not_older_than(
-        self, path: str, resource_version: str | None
+        self, path: str, resource_version: str | None, *, label_selector: str | None = None
     ) -> tuple[builtins.list[objects.Obj], str | None]:
         """The items, and the list's resourceVersion. With ``resource_version`` (one that an earlier
         list returned), no older than that list (``resourceVersionMatch=NotOlderThan``): the API
         server answers from its watch cache at once, where a consistent list waits until the cache
         has caught up with etcd's latest revision, a write to any resource included (up to the
         cache's 100 ms progress period after a write)."""
-        params = {}
+        params = {"labelSelector": label_selector} if label_selector else {}
         if resource_version:
-            params = {"resourceVersion": resource_version, "resourceVersionMatch": "NotOlderThan"}
+            params |= {"resourceVersion": resource_version, "resourceVersionMatch": "NotOlderThan"}
         listed = await self.request("GET", path, params=params)
         version = (listed.get("metadata") or {}).get("resourceVersion")
         return listed.get("items", []), str(version) if version else None

@@ -38,9 +38,7 @@ class SpecDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
     tells a change, though not what changed.
     """
 
-    def build(
-        self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None
-    ) -> kopf.BodyEssence:
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None) -> kopf.BodyEssence:
         essence: dict[str, Any] = dict(super().build(body=body, extra_fields=extra_fields))
         essence.pop("metadata", None)
         spec = essence.get("spec")

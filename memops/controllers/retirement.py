@@ -280,7 +280,8 @@ class Retirement:
             return retirement_decisions.StartFacts(blocker=Blocker("SchedulerMisbehaved", message))
         except daskrpc.SchedulerUnreachable as exc:
             return retirement_decisions.StartFacts(blocker=Blocker.unreachable(exc))
-        pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
+        # No older than the tenancy check's listing, moments ago: answered at once.
+        pods = await workloads.pods(self.client, self.namespace, spec.workload, workload, not_older_than=self.pods_seen)
         infos = [workloads.pod_info(p) for p in pods]
         assert snapshot is not None
         return retirement_decisions.StartFacts(pods=pods, infos=infos, snapshot=snapshot)

@@ -143,14 +143,20 @@ async def owning_deployment(client: kube.Kube, pod: objects.Obj) -> str | None:
 
 
 async def pods(
-    client: kube.Kube, namespace: str, ref: specs.WorkloadRef, workload: objects.Obj | None = None
+    client: kube.Kube,
+    namespace: str,
+    ref: specs.WorkloadRef,
+    workload: objects.Obj | None = None,
+    *,
+    not_older_than: str | None = None,
 ) -> list[objects.Obj]:
-    """The workload's pods that are not being deleted."""
+    """The workload's pods that are not being deleted (no older than the listing whose
+    resourceVersion is ``not_older_than``: see :meth:`memops.clients.kube.Kube.list_not_older_than`)."""
     workload = workload or await get(client, namespace, ref)
     if workload is None:
         return []
     path = kube.resource_path("", "v1", "pods", namespace)
-    items = await client.list(path, label_selector=selector(workload))
+    items, _ = await client.list_not_older_than(path, not_older_than, label_selector=selector(workload))
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -187,9 +193,7 @@ async def claim_pod(client: kube.Kube, pod: objects.Obj, request: str) -> None:
         key = objects.CLAIM_ANNOTATION.replace("~", "~0").replace("/", "~1")
         operations.append({"op": "add", "path": f"/metadata/annotations/{key}", "value": request})
     else:
-        operations.append(
-            {"op": "add", "path": "/metadata/annotations", "value": {objects.CLAIM_ANNOTATION: request}}
-        )
+        operations.append({"op": "add", "path": "/metadata/annotations", "value": {objects.CLAIM_ANNOTATION: request}})
     await client.json_patch(_pod_path(meta["namespace"], meta["name"]), operations)
 
 

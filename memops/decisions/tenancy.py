@@ -40,9 +40,7 @@ class Verdict:
         return self.reason == Reason.TENANT
 
 
-def check(
-    workers: Sequence[snapshots.WorkerInfo], pods: Sequence[snapshots.PodInfo], namespace: str
-) -> Verdict:
+def check(workers: Sequence[snapshots.WorkerInfo], pods: Sequence[snapshots.PodInfo], namespace: str) -> Verdict:
     """Whether a resource in ``namespace``, whose pods are ``pods``, may act on this scheduler."""
     if not workers:
         return Verdict(

@@ -29,8 +29,7 @@ MAX_PATTERN_CHARS = 256
 """The longest prefix or glob."""
 MAX_REPLICAS = 16
 PATTERN_REFUSED = (
-    "regular expressions are no longer accepted, their match time has no bound;"
-    ' write a glob instead (glob: "train-*")'
+    'regular expressions are no longer accepted, their match time has no bound; write a glob instead (glob: "train-*")'
 )
 
 

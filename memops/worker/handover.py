@@ -360,9 +360,7 @@ async def hand_over(
         indexes = await call(scheduler, target, "take", directory=directory, entries=entries)
         if not isinstance(indexes, (list, tuple)):
             raise Refused(f"{target}: take answered no list")
-        taken = {
-            i for i in indexes if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(offered_keys)
-        }
+        taken = {i for i in indexes if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(offered_keys)}
     except Refused as exc:
         logger.info("memops hand-over from %s to %s refused: %s", source, target, exc)
         return [], list(keys)

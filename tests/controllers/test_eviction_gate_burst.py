@@ -58,6 +58,9 @@ class SlowApi:
         assert path.endswith("/pods"), path
         return copy.deepcopy(self.pods)
 
+    async def list_not_older_than(self, path: str, version: str | None, **_: Any) -> tuple[list[dict[str, Any]], str]:
+        return await self.list(path), "1"
+
     async def request(self, method: str, path: str, *, body: dict[str, Any], **_: Any) -> dict[str, Any]:
         assert method == "POST", method
         await asyncio.sleep(self.post_seconds)  # the request's round trip: other reviews run meanwhile
