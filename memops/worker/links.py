@@ -213,14 +213,7 @@ class Links:
         return ok
 
     async def _call(self, address: str, operation: str) -> Any:
-        async with asyncio.timeout(CALL_SECONDS):
-            comm = await connect(address, deserialize=False, **self.worker.connection_args)
-            try:
-                await comm.write({"op": NAME, "operation": operation, "reply": True})
-                reply = await comm.read()
-            finally:
-                await comm.close()
-        handover.plain(reply)
+        reply = await _ask(address, operation, self.worker.connection_args)
         return reply.get("result") if isinstance(reply, dict) else None
 
     def spilled(self, keys: Collection[Any]) -> list[Any]:
@@ -448,14 +441,7 @@ async def _ask_all(scheduler: Any, operation: str) -> dict[str, Any]:
 
     async def one(address: str) -> Any:
         try:
-            async with asyncio.timeout(CALL_SECONDS):
-                comm = await connect(address, deserialize=False, **scheduler.connection_args)
-                try:
-                    await comm.write({"op": NAME, "operation": operation, "reply": True})
-                    reply = await comm.read()
-                finally:
-                    await comm.close()
-            handover.plain(reply)
+            reply = await _ask(address, operation, scheduler.connection_args)
         except Exception as exc:
             return {"status": REFUSED, "reason": f"no answer: {type(exc).__name__}"}
         result = reply.get("result") if isinstance(reply, dict) else None
@@ -491,3 +477,17 @@ async def spill(scheduler: Any) -> dict[str, Any]:
                 "share": int(share),
             }
     return result
+
+
+async def _ask(address: str, operation: str, connection_args: dict[str, Any]) -> Any:
+    """A peer's plugin's answer to ``operation``, over a connection of its own, checked to be
+    plain data (:func:`memops.worker.handover.plain`) before anything reads it."""
+    async with asyncio.timeout(CALL_SECONDS):
+        comm = await connect(address, deserialize=False, **connection_args)
+        try:
+            await comm.write({"op": NAME, "operation": operation, "reply": True})
+            reply = await comm.read()
+        finally:
+            await comm.close()
+    handover.plain(reply)
+    return reply
