@@ -21,15 +21,45 @@ from tests.e2e.data import scatter_unique
 MiB = 2**20
 
 
-def cgroup_limit(pid: int) -> int:
-    """The memory limit of the cgroup that ``pid`` is in, read from the host's side."""
+def memory_cgroup(pid: int) -> Path:
+    """The directory of the memory cgroup that ``pid`` is in, from the host's side."""
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
-            return int((real_nodes.CGROUP_FS / "memory" / path.lstrip("/") / "memory.limit_in_bytes").read_text())
+            return real_nodes.CGROUP_FS / "memory" / path.lstrip("/")
         if controllers == "":  # cgroup v2
-            return int((real_nodes.CGROUP_FS / path.lstrip("/") / "memory.max").read_text())
+            return real_nodes.CGROUP_FS / path.lstrip("/")
     raise LookupError(f"no memory cgroup for {pid}")
+
+
+def cgroup_limit(pid: int) -> int:
+    """The memory limit of the cgroup that ``pid`` is in."""
+    cgroup = memory_cgroup(pid)
+    if (cgroup / "memory.limit_in_bytes").exists():
+        return int((cgroup / "memory.limit_in_bytes").read_text())
+    return int((cgroup / "memory.max").read_text())
+
+
+def memory_stat(pid: int) -> dict[str, int]:
+    """What the kernel charges to the cgroup that ``pid`` is in (and its children): ``anon`` (the
+    processes' own memory), ``shmem`` (tmpfs pages among them) and ``peak`` (the most charged at
+    once), under cgroup v1's or v2's names."""
+    cgroup = memory_cgroup(pid)
+    pairs = (line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+    stat = {name: int(value) for name, value in pairs}
+    if (cgroup / "memory.max_usage_in_bytes").exists():  # v1
+        peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
+        return {"anon": stat["total_rss"], "shmem": stat["total_shmem"], "peak": peak}
+    return {"anon": stat["anon"], "shmem": stat["shmem"], "peak": int((cgroup / "memory.peak").read_text())}
+
+
+def mount_type(point: Path) -> str | None:
+    """The filesystem type mounted at ``point`` on this machine, or None."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4].encode().decode("unicode_escape") == str(point):
+            return fields[fields.index("-") + 1]
+    return None
 
 
 def test_workers_are_containers_whose_limit_dask_reads_from_the_cgroup(real_sandbox: Sandbox) -> None:

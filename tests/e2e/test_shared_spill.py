@@ -1,28 +1,30 @@
-"""Shared spill on the upstream sandbox: the webhook gives a worker pod the tmpfs volume and Dask's
-configuration, the real worker spills into it, and what cannot work is refused where the user sees it.
+"""Shared spill on the sandbox's real Nodes: the webhook gives a worker pod the tmpfs volume and
+Dask's configuration, the real worker in its container spills into it, the kernel charges the
+tmpfs pages to the pod's cgroup, and what cannot work is refused where the user sees it.
 
-The node agent runs pods as processes: an emptyDir of medium Memory is a directory on the node's
-tmpfs (under /dev/shm), a hostPath one under ``<node tmpfs>/host/`` (see
-``memops_sandbox.nodeagent_volumes``), so the files Dask spills are on a real tmpfs.
+A medium-Memory emptyDir is the kubelet's own tmpfs, under the Node's kubelet root directory. The
+``Node`` medium's host path is a tmpfs that the chart's node DaemonSet mounts on each selected node;
+here :func:`host_tmpfs` mounts it, as that DaemonSet's init container does. The sandbox's Nodes
+are kubelets of one machine, and so share its mounts: that one tmpfs is every Node's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import distributed
-import pytest
 from memops_sandbox import common as sandbox_cli
+from memops_sandbox import nodes as real_nodes
 
 from memops.decisions import shared_spill
 from tests.e2e.conftest import SPILL_ROOT, Sandbox
 from tests.e2e.test_policy import condition, memory_policy
-
-pytestmark = pytest.mark.node_agent(
-    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
-)
+from tests.e2e.test_real_nodes import cgroup_limit, memory_stat, mount_type
 
 HOST_PATH = SPILL_ROOT  # the one host directory that the sandbox's operator allows
 SWAP_LABEL = "feature.node.kubernetes.io/memory-swap.enabled"
@@ -30,17 +32,23 @@ MIB = 2**20
 
 
 def workers(
-    scheduler_address: str, name: str, *, limit: str = "1Gi", request: str = "512Mi", dask_limit: str = "512MiB"
+    scheduler_address: str,
+    name: str,
+    *,
+    limit: str = "1Gi",
+    request: str = "512Mi",
+    dask_limit: str = "512MiB",
+    cpu_request: str = "100m",
 ) -> dict[str, Any]:
     """The sandbox's worker Deployment under another name, with a memory limit (and request) and
-    Dask's own --memory-limit, as users write them."""
+    Dask's own --memory-limit, as users write them (a Node of this machine has its two cores)."""
     deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0, memory_limit=dask_limit))
     deployment["metadata"] = {"name": name, "namespace": "default", "labels": {"app": name}}
     deployment["spec"]["selector"] = {"matchLabels": {"app": name}}
     template = deployment["spec"]["template"]
     template["metadata"] = {"labels": {"app": name}}
     template["spec"]["containers"][0]["resources"] = {
-        "requests": {"memory": request, "cpu": "1"},
+        "requests": {"memory": request, "cpu": cpu_request},
         "limits": {"memory": limit, "cpu": "1"},
     }
     return deployment
@@ -57,7 +65,39 @@ def running_pods(sandbox: Sandbox, app: str, count: int) -> list[dict[str, Any]]
 
 
 def node_tmpfs(sandbox: Sandbox, node: str) -> Path:
+    """The node agent's tmpfs of ``node`` (its Nodes only)."""
     return Path(sandbox.get("node", node)["metadata"]["annotations"]["memops.dev/tmpfs-dir"])
+
+
+@contextlib.contextmanager
+def host_tmpfs(path: str = HOST_PATH, mode: int = 0o2770) -> Iterator[Path]:
+    """What the chart's node DaemonSet does on a selected node: a tmpfs at ``path`` (nosuid, nodev,
+    noexec, without noswap), its root's mode set after the mount; unmounted and removed on exit."""
+    root = Path(path)
+    made = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    options = f"size=2g,mode={mode:o},nosuid,nodev,noexec"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "memops-spill", str(root)], check=True)
+    try:
+        root.chmod(mode)
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+        if made:
+            with contextlib.suppress(OSError):
+                root.rmdir()
+                root.parent.rmdir()  # /var/lib/memops, when this made it
+
+
+def empty_dir(pod: dict[str, Any], volume: str) -> Path:
+    """Where the kubelet of the pod's Node made its emptyDir ``volume``."""
+    node, uid = pod["spec"]["nodeName"], pod["metadata"]["uid"]
+    return real_nodes.DISK_ROOT / node / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / volume
+
+
+def container_pid(pod: dict[str, Any]) -> int:
+    [status] = pod["status"]["containerStatuses"]
+    return real_nodes.container_pid(status["containerID"])
 
 
 def spilled_files(root: Path) -> list[Path]:
@@ -105,7 +145,7 @@ def test_memory_medium_worker_spills_into_its_pods_tmpfs(sandbox_factory: Any) -
     assert "scaled by 0.872" in message, message
     sandbox.kubectl("scale", "deployment/spill", "--replicas=1")
     (pod,) = running_pods(sandbox, "spill", 1)
-    name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+    name = pod["metadata"]["name"]
 
     # What the webhook gave the pod; the Deployment is unchanged.
     assert pod["metadata"]["annotations"][shared_spill.ANNOTATION] == "Memory"
@@ -119,21 +159,38 @@ def test_memory_medium_worker_spills_into_its_pods_tmpfs(sandbox_factory: Any) -
     template = sandbox.get("deployment", "spill")["spec"]["template"]["spec"]
     assert "volumes" not in template, "GitOps sees no drift: the Deployment is not changed"
 
-    # The kubelet's emptyDir of medium Memory: on the node's tmpfs, here under /dev/shm.
-    volume = node_tmpfs(sandbox, pod["spec"]["nodeName"]) / "pods" / uid / "volumes" / "kubernetes.io~empty-dir"
-    volume /= "memops-spill"
-    assert str(volume).startswith("/dev/shm/")
+    # The kubelet's emptyDir of medium Memory: a tmpfs of its own, under the Node's kubelet root.
+    volume = empty_dir(pod, "memops-spill")
+    assert mount_type(volume) == "tmpfs", volume
+    pid = container_pid(pod)
+    before = memory_stat(pid)
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         address, info = sandbox.wait_for(lambda: _connected(client, name), what="the worker")
         assert info["memory_limit"] == 512 * MIB
-        assert Path(info["local_directory"]).is_relative_to(volume), info["local_directory"]
+        # The container's path of the volume: the worker spills where the pod mounts it.
+        assert Path(info["local_directory"]).is_relative_to(shared_spill.MOUNT_PATH), info["local_directory"]
         futures = fill(client, address)
         files = sandbox.wait_for(lambda: spilled_files(volume), what="spilled files in the tmpfs volume")
-        assert sum(f.stat().st_size for f in files) >= 20 * MIB
+        spilled = sandbox.wait_for(
+            lambda: (n := sum(f.stat().st_size for f in spilled_files(volume))) >= 40 * MIB and n,
+            what="40 MiB spilled",
+        )
+        # The kernel charges the tmpfs pages to the pod's container: its cgroup's shmem holds
+        # what was spilled (a page or so more per file), and it was nothing before.
+        after = memory_stat(pid)
+        assert before["shmem"] < MIB, before
+        assert after["shmem"] >= spilled - len(files) * 4096, (after["shmem"], spilled)
+        # memops' arithmetic against the kernel's accounting: the spill within sizeLimit, the
+        # processes' memory and the spill together within the limit, and the cgroup's peak under it.
+        assert cgroup_limit(pid) == 2**30
+        assert after["shmem"] <= 600 * MIB, after
+        assert after["anon"] + after["shmem"] < 2**30 and after["peak"] < 2**30, after
         # Still there: spilled, not lost, and read back from the tmpfs.
         assert client.gather(futures[0]) == bytes(20 * MIB)
         assert client.gather(futures[-1])[:3] == bytes([15, 15, 15])
         del futures
+    [status] = sandbox.get("pod", name)["status"]["containerStatuses"]
+    assert status["restartCount"] == 0, status
     sandbox.kubectl("scale", "deployment/spill", "--replicas=0")
     sandbox.wait_for(lambda: not volume.exists(), what="the emptyDir removed with its pod")
 
@@ -150,9 +207,11 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
     nodes = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])
     swap_node = nodes[-1]
     sandbox.kubectl("label", "node", swap_node, f"{SWAP_LABEL}=true")
-    # What the node DaemonSet does on a selected node: the tmpfs at the host path.
-    host_dir = node_tmpfs(sandbox, swap_node) / "host" / HOST_PATH.lstrip("/")
-    host_dir.mkdir(parents=True)
+    with host_tmpfs() as host_dir:
+        _node_medium(sandbox, swap_node, host_dir)
+
+
+def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
 
     # Refused at apply, by the CRD's schema, naming the field.
     refused = sandbox.apply(
@@ -200,15 +259,16 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         found = [sandbox.wait_for(lambda p=p: _connected(client, p["metadata"]["name"]), what="a worker") for p in pods]
         futures = [f for n, (address, _) in enumerate(found) for f in fill(client, address, first=100 * n)]
-        # Both workers spill into the one directory tree of their policy on the node.
+        # Both workers spill into the one directory tree of their policy on the node's tmpfs.
         sandbox.wait_for(
             lambda: len({f.parent.parent for f in spilled_files(policy_dir)}) == 2, what="two workers' spill dirs"
         )
-        assert all(Path(info["local_directory"]).is_relative_to(policy_dir) for _, info in found)
+        assert mount_type(host_dir) == "tmpfs"
+        assert all(Path(info["local_directory"]).is_relative_to(shared_spill.MOUNT_PATH) for _, info in found)
         del futures
 
     # Guaranteed pods under the Node medium: injected, and the status warns.
-    sandbox.apply(workers(sandbox.scheduler_address, "fixed", request="1Gi"))
+    sandbox.apply(workers(sandbox.scheduler_address, "fixed", request="1Gi", cpu_request="1"))
     sandbox.apply(memory_policy("fixed", sandbox.scheduler_address, workload="fixed", sharedSpill=spill))
     warning = ready(sandbox, "fixed", shared_spill.SWAPPABLE, "False")
     assert warning["reason"] == "NotBurstable" and "Guaranteed" in warning["message"]

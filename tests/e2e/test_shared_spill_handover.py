@@ -25,7 +25,8 @@ from tests.e2e.test_policy import memory_policy
 from tests.e2e.test_shared_spill import HOST_PATH, MIB, fill, node_tmpfs, ready, running_pods, worker_of, workers
 
 pytestmark = pytest.mark.node_agent(
-    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
+    "the sandbox's real Nodes are kubelets of one machine, which share its mounts: a hostPath tmpfs is one "
+    "filesystem for all of them, so a worker on another Node that gets the keys by transfer cannot be shown there"
 )
 
 PLACEMENT = "e2e.memops.dev/placement"

@@ -16,13 +16,10 @@ Two namespaces each have a worker Deployment and a MemoryPolicy, both named ``sp
   two workers are never on "one filesystem" for the hand-over;
 - each process' share of ``sizeLimit`` is its Dask ``max-spill``.
 
-What the process node agent cannot enforce: its pods are processes of one host user, with no
-mount namespace, so A's process could still open B's directory by its host path (or by a symbolic
-link that it makes in its own tree). A kubelet bind-mounts only ``<root>/<namespace>/<policy>``
-into the container's own mount namespace: B's directory has no path there at all, whatever the
-user or the link, and any mount of the pod's volume, with any ``subPath``, stays inside it. The
-proof here is therefore about what the mount is (its directory, and what is reachable under it),
-which is exactly what a kubelet's mount makes the only thing the container sees.
+The workers run in containers under the sandbox's real kubelets: the kubelet bind-mounts only
+``<root>/<namespace>/<policy>`` into the container's own mount namespace, so B's directory has no
+path in A's container at all, whatever the user or the link. What A's worker can reach is walked
+from inside its container, and compared by inode with what is on the node.
 """
 
 from __future__ import annotations
@@ -32,26 +29,24 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import distributed
-import pytest
 
 from memops.decisions import shared_spill
+from memops.worker import handover
 from tests.e2e.conftest import Sandbox
 from tests.e2e.test_policy import memory_policy
 from tests.e2e.test_shared_spill import (
     HOST_PATH,
     SWAP_LABEL,
     fill,
-    node_tmpfs,
+    host_tmpfs,
     spilled_files,
     worker_of,
     workers,
 )
 
-pytestmark = pytest.mark.node_agent(
-    "shared spill's tmpfs on real Nodes (a pod's medium-Memory emptyDir charged to its cgroup) is not written for yet"
-)
-
+cloudpickle.register_pickle_by_value(handover)  # a stock Dask image: sent by value, as memops sends it
 TENANTS = ("tenant-a", "tenant-b")
 POLICY = "spill"
 SIZE = 600 * 2**20
@@ -83,10 +78,11 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
     sandbox: Sandbox = sandbox_factory(1)
     node = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])[-1]
     sandbox.kubectl("label", "node", node, f"{SWAP_LABEL}=true")
-    root = node_tmpfs(sandbox, node) / "host" / HOST_PATH.lstrip("/")
-    root.mkdir(parents=True)  # what the node DaemonSet does
-    root.chmod(0o2770)
+    with host_tmpfs(mode=0o2770) as root:
+        _two_tenants(sandbox, node, root)
 
+
+def _two_tenants(sandbox: Sandbox, node: str, root: Path) -> None:
     spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": HOST_PATH, "nodeSelector": {SWAP_LABEL: "true"}}
     for tenant in TENANTS:
         sandbox.kubectl("create", "namespace", tenant)
@@ -129,8 +125,11 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
         # Defined here, so that it is sent by value: the workers cannot import this module.
         import dask
 
+        mount = os.path.realpath(os.environ["DASK_TEMPORARY_DIRECTORY"])
+        st = os.stat(mount)
         return {
-            "mount": os.path.realpath(os.environ["DASK_TEMPORARY_DIRECTORY"]),
+            "mount": mount,
+            "file": [st.st_dev, st.st_ino],
             "max_spill": dask.config.get("distributed.worker.memory.max-spill"),
         }
 
@@ -156,13 +155,9 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
         return [directory, st.st_ino, st.st_size]
 
     def take(dask_worker: Any, directory: str = "", entries: Any = ()) -> Any:
-        from memops.worker import handover
-
         return handover.take(dask_worker, directory=directory, entries=entries)
 
     def identity(dask_worker: Any) -> Any:
-        from memops.worker import handover
-
         return handover.identity(dask_worker)
 
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
@@ -172,8 +167,10 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
         }
         seen = {t: client.run(mount_of, workers=[address[t]])[address[t]] for t in TENANTS}
         for tenant in TENANTS:
-            # The directory its spill mount resolves to: its own namespace's and policy's, nothing wider.
-            assert Path(seen[tenant]["mount"]) == own[tenant], (tenant, seen[tenant])
+            # The directory its spill mount is: its own namespace's and policy's, nothing wider.
+            assert seen[tenant]["mount"] == shared_spill.MOUNT_PATH, (tenant, seen[tenant])
+            host = own[tenant].stat()
+            assert seen[tenant]["file"] == [host.st_dev, host.st_ino], (tenant, seen[tenant])
             assert seen[tenant]["max_spill"] == SIZE, seen[tenant]
         futures = [*fill(client, address[b]), *fill(client, address[a], first=100)]
         b_files = sandbox.wait_for(lambda: spilled_files(own[b]), what=f"{b}'s spilled files")
@@ -181,9 +178,9 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
 
         # A's mount: none of B's files, and no path under it is in B's directory.
         under_a = client.run(reachable, workers=[address[a]])[address[a]]
-        b_inodes = {f.stat().st_ino for f in b_files}
-        assert under_a and not b_inodes & {ino for _, ino in under_a}, "A's mount reaches B's spilled files"
-        assert not [p for p, _ in under_a if Path(p).is_relative_to(own[b])], "A's mount reaches B's directory"
+        b_inodes = {f.stat().st_ino for f in b_files} | {own[b].stat().st_ino}
+        assert under_a and not b_inodes & {ino for _, ino in under_a}, "A's mount reaches B's files or directory"
+        assert all(Path(p).is_relative_to(shared_spill.MOUNT_PATH) for p, _ in under_a), "A's mount leads out of it"
         assert not own[b].is_relative_to(own[a]) and not own[a].is_relative_to(own[b])
 
         # A plants a file named like B's spill file in its own tree; B's hand-over refuses it.
@@ -198,11 +195,9 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
             not in client.run(lambda dask_worker: list(dask_worker.data), workers=[address[b]])[address[b]]
         )
         # And the scheduler never pairs them for a hand-over: not one spill filesystem.
-        from memops.worker import handover
-
         ids = {t: client.run(identity, workers=[address[t]])[address[t]] for t in TENANTS}
-        assert ids[a]["root"] != ids[b]["root"] and not handover.same_filesystem(ids[a], ids[b]), ids
-        assert Path(ids[b]["root"]).is_relative_to(own[b]), ids[b]
+        assert ids[a]["inode"] != ids[b]["inode"] and not handover.same_filesystem(ids[a], ids[b]), ids
+        assert ids[b]["inode"] == (own[b] / "dask-scratch-space").stat().st_ino, ids[b]
         del futures
 
     # A's pod that mounts memops' volume in a second container, at B's directory: memops refuses
