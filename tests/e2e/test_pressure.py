@@ -1,6 +1,8 @@
 """Pressure relief through a MemoryPolicy: the operator installs it in the sandbox's real
 scheduler, reports it in status.pressure, installs it again when the scheduler has lost it, and
-takes it out again when spec.pressure goes or the policy is deleted."""
+takes it out again when spec.pressure goes or the policy is deleted; and on a worker whose limit
+is its container's cgroup limit, relief moves its keys to its peers before the nanny's kill, where
+stock Dask loses them (``tests/e2e/test_resize.py``, the same workload without a policy)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from typing import Any
 import distributed
 
 from tests.e2e.conftest import Sandbox
+from tests.e2e.data import Holdings
 from tests.e2e.test_policy import memory_policy
+from tests.e2e.test_resize import LIMIT, fill, leak, only_pod, unspilling_workload, worker_info
 
 NAME = "memops-pressure-relief"
 
@@ -72,3 +76,48 @@ def test_an_invalid_pressure_spec_is_rejected_naming_the_field(sandbox: Sandbox)
     )
     assert result.returncode != 0
     assert "spec.pressure.relieveAbove" in result.stderr
+
+
+def test_relief_moves_the_keys_of_a_worker_before_its_nanny_kills_it(real_sandbox: Sandbox) -> None:
+    """The workload that the nanny kills under stock Dask (``test_resize``'s: a worker with 512 MiB
+    of container memory, spilling off, filled with keys to 76% of its limit, then a leak of a
+    quarter of it that nothing can move, past the nanny's 95%). Under a policy with
+    ``spec.pressure``, relief moves keys from it to its peers whenever it passes 70%, down to 50%:
+    the same container goes on with every key, on it or on a peer."""
+    sandbox = real_sandbox
+    unspilling_workload(sandbox, "relieved")
+    pressure = {"relieveAbove": "70%", "relieveTo": "50%"}
+    sandbox.apply(memory_policy("relieved", sandbox.scheduler_address, workload="relieved", pressure=pressure))
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        client.wait_for_workers(5, timeout=120)
+        sandbox.wait_for(lambda: relief_on_scheduler(client) == {"above": 0.7, "to": 0.5}, what="relief installed")
+        pod = only_pod(sandbox, "relieved")
+        name = pod["metadata"]["name"]
+        [before] = pod["status"]["containerStatuses"]
+        info = worker_info(client, name)
+        assert info is not None
+        holdings = Holdings(client)
+        fill(client, holdings, name, until=0.76, ceiling=LIMIT)
+        leak(client, holdings, name, LIMIT // 4)
+
+        now = worker_info(client, name)
+        assert now is not None and now["address"] == info["address"], "the nanny killed the worker"
+        assert now["metrics"]["memory"] < 0.95 * LIMIT, now["metrics"]
+        assert not holdings.lost(), holdings.lost()
+        holdings.assert_all_correct()
+        who_has = client.who_has(list(holdings.futures.values()))
+        moved = [key for key in holdings.futures if info["address"] not in who_has[key]]
+        assert moved, "relief moved keys off the worker"
+
+    [after] = only_pod(sandbox, "relieved")["status"]["containerStatuses"]
+    assert (after["containerID"], after["restartCount"]) == (before["containerID"], 0), after
+    # The operator's next pass reads relief's count from the scheduler into the status.
+    status = sandbox.wait_for(
+        lambda: (
+            (p := sandbox.get("mempol", "relieved").get("status", {}).get("pressure"))
+            and p["keysMoved"] >= len(moved)
+            and p
+        ),
+        what=f"status.pressure.keysMoved to count the {len(moved)} keys moved",
+    )
+    assert status["bytesMoved"] >= len(moved) * 16 * 2**20, status

@@ -85,6 +85,28 @@ def fill(client: distributed.Client, holdings: Holdings, pod: str, until: float,
         )
 
 
+def leak(client: distributed.Client, holdings: Holdings, pod: str, nbytes: int) -> None:
+    """Grow ``pod``'s worker process by ``nbytes`` that nothing can move or spill (a library's
+    buffers, a task's intermediates), ``CHUNK`` at a time with a heartbeat after each, so that the
+    scheduler and the nanny see every step. Stops early when the worker is gone."""
+    for _ in range(nbytes // CHUNK):
+        info = worker_info(client, pod)
+        if info is None or holdings.lost():
+            return
+        with contextlib.suppress(OSError):  # the worker may die before it answers
+            client.run(make_leak(), CHUNK, workers=[info["address"]])
+        stored = time.time()
+        polling.wait_for(
+            lambda stored=stored, address=info["address"]: (
+                (now := worker_info(client, pod)) is None
+                or now["address"] != address
+                or now["last_seen"] > stored + 0.2
+            ),
+            timeout=30,
+            what=f"{pod}'s heartbeat after the leak's step",
+        )
+
+
 def test_without_a_policy_the_nanny_kills_the_worker_and_its_keys_are_lost(real_sandbox: Sandbox) -> None:
     sandbox = real_sandbox
     unspilling_workload(sandbox, "stock")
@@ -94,11 +116,8 @@ def test_without_a_policy_the_nanny_kills_the_worker_and_its_keys_are_lost(real_
         holdings = Holdings(client)
         fill(client, holdings, pod, until=0.76, ceiling=LIMIT)
         # Past the pause threshold a worker takes no more keys; what its process holds besides
-        # them (a library's buffers, a task's intermediates) goes on growing, past the kill.
-        info = worker_info(client, pod)
-        assert info is not None
-        with contextlib.suppress(OSError):  # the worker may die before it answers
-            client.run(make_leak(), LIMIT // 4, workers=[info["address"]])
+        # them goes on growing, past the kill.
+        leak(client, holdings, pod, LIMIT // 4)
         sandbox.wait_for(lambda: holdings.lost(), timeout=60, what="the nanny to kill the worker")
         assert set(holdings.lost()) <= set(holdings.keys_of(pod)) and holdings.lost()
 
