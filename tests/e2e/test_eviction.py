@@ -1,13 +1,19 @@
-"""Node drains on the upstream control plane: the real Eviction API, the real ``kubectl drain``.
+"""Node drains on the sandbox's real Nodes: the real Eviction API, the real ``kubectl drain``.
 
-Two Nodes served by the node agent, worker pods spread over them by the real scheduler, unique
+Two Nodes (kubelets, containers), worker pods spread over them by the real scheduler, unique
 scattered data on every worker. ``kubectl drain`` evicts through ``pods/<name>/eviction``; the
 API server calls memops' validating webhook over TLS, whose 429 ``kubectl drain`` retries on
 its own. Without memops the same drain loses the node's keys.
+
+The drain takes the node's Dask workers (``--pod-selector``): the Dask scheduler and memops'
+operator are pods of these two Nodes too, where a cluster runs them on nodes of their own (or
+keeps them with a PodDisruptionBudget of their own); evicting the scheduler would lose every key
+whatever any operator did.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import ssl
@@ -27,6 +33,8 @@ from tests.e2e.conftest import BIN, SPREAD_OVER_NODES, Sandbox
 from tests.e2e.data import Holdings, scatter_unique
 
 WORKERS = 4
+WORKERS_ONLY = ("--ignore-daemonsets", "--pod-selector=app=dask-worker")
+"""What of a node ``kubectl drain`` evicts here: its Dask workers (see above)."""
 OPERATOR = "system:serviceaccount:memops-system:memops"
 
 
@@ -43,7 +51,7 @@ def upstream(tmp_path: Path) -> Iterator[Any]:
     def start(operator: bool = True, workers: int = WORKERS) -> Sandbox:
         state_dir = tmp_path / f"upstream{len(started)}"
         args = ["--nodes", "2", *([] if operator else ["--no-operator"])]
-        sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args))
+        sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args, real_nodes=True))
         started.append(sandbox)
         return sandbox
 
@@ -102,7 +110,7 @@ def drain(sandbox: Sandbox, node: str, timeout: int = 170) -> tuple[subprocess.C
     """``kubectl drain`` as an operator of the cluster runs it, with its own retry loop."""
     began = time.monotonic()
     result = subprocess.run(
-        [str(BIN / "kubectl"), "drain", node, "--ignore-daemonsets", f"--timeout={timeout}s"],
+        [str(BIN / "kubectl"), "drain", node, *WORKERS_ONLY, f"--timeout={timeout}s"],
         capture_output=True,
         text=True,
         env=sandbox.env,
@@ -124,7 +132,7 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
         # A server-side dry run: the API server calls the gate with dryRun (its sideEffects are
         # NoneOnDryRun), which answers as it would (429, as a PDB would) and starts nothing.
         dry = subprocess.run(
-            [str(BIN / "kubectl"), "drain", node, "--ignore-daemonsets", "--dry-run=server", "--timeout=8s"],
+            [str(BIN / "kubectl"), "drain", node, *WORKERS_ONLY, "--dry-run=server", "--timeout=8s"],
             capture_output=True,
             text=True,
             env=sandbox.env,
@@ -255,6 +263,22 @@ def evict(sandbox: Sandbox, pod: str) -> subprocess.CompletedProcess[str]:
     return sandbox.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(body), check=False)
 
 
+def gate(sandbox: Sandbox) -> tuple[str, ssl.SSLContext]:
+    """The eviction gate's URL as the API server calls it (the operator pod's Service, reached
+    through kube-proxy), and a TLS context that trusts the webhook configuration's CA bundle. The
+    certificate names the Service's DNS name, which this host does not resolve: its chain is
+    checked, not its name."""
+    (hook,) = sandbox.get("validatingwebhookconfiguration", "memops-eviction")["webhooks"]
+    config = hook["clientConfig"]
+    context = ssl.create_default_context(cadata=base64.b64decode(config["caBundle"]).decode())
+    if "url" in config:
+        return config["url"], context
+    service = config["service"]
+    address = sandbox.get("service", service["name"], "-n", service["namespace"])["spec"]["clusterIP"]
+    context.check_hostname = False
+    return f"https://{address}:{service.get('port', 443)}{service.get('path', '')}", context
+
+
 def test_only_the_api_servers_review_starts_a_drain(upstream: Any) -> None:
     """The webhook requires the API server's client certificate: a review posted without it (no
     certificate, or one of the cluster CA that every admin and kubelet holds) fails the TLS
@@ -265,16 +289,21 @@ def test_only_the_api_servers_review_starts_a_drain(upstream: Any) -> None:
     pki = sandbox.state_dir / "pki"
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         _, pods, holdings = setup(sandbox, client)
-        (hook,) = sandbox.get("validatingwebhookconfiguration", "memops-eviction")["webhooks"]
-        url = hook["clientConfig"]["url"]
-        anonymous = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-        admin = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        url, anonymous = gate(sandbox)
+        admin, api_server = gate(sandbox)[1], gate(sandbox)[1]
         admin.load_cert_chain(pki / "admin.crt", pki / "admin.key")
         for context in (anonymous, admin):
             with pytest.raises(OSError):  # ssl.SSLError, or the connection reset by the server's alert
                 answer = post_review(url, forged_review(pods[0]), context)
                 print(f"the webhook answered a forged review: {answer}")
         assert eviction_requests(sandbox) == [], "a forged review started a drain"
+        # The same address with the API server's own client certificate is answered: what
+        # refused the two above is their certificate, nothing on the way. (A pod that does not
+        # exist: allowed, and nothing starts.)
+        api_server.load_cert_chain(pki / "apiserver-webhook-client.crt", pki / "apiserver-webhook-client.key")
+        answer = post_review(url, forged_review("dask-worker-no-such-pod"), api_server)
+        assert answer["response"]["allowed"] is True, answer
+        assert eviction_requests(sandbox) == []
         refused = evict(sandbox, pods[0])
         assert refused.returncode != 0 and "memops started draining" in refused.stderr, refused.stderr
         (request,) = eviction_requests(sandbox)

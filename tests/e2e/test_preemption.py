@@ -1,9 +1,8 @@
 """A preemption on the upstream control plane: ``kubectl delete pod --grace-period=25`` of a node's workers.
 
-Two Nodes of the node agent, four worker pods spread two per node, unique scattered data on the
-two of one node, then the real ``kubectl delete`` of each, a second apart, with a 25 s grace
-period, which the node agent honours as the kubelet does (preStop within the grace, SIGTERM,
-SIGKILL at its end).
+Two real Nodes, four worker pods spread two per node, unique scattered data on the two of one
+node, then the real ``kubectl delete`` of each, a second apart, with a 25 s grace period, which
+the kubelet honours (preStop within the grace, SIGTERM, SIGKILL at its end).
 With memops, the safety net's hook drains both off the node within the window and nothing is
 lost; with no hook, the node's data is lost. ``bench/preemption_plane.py`` is the larger version,
 with stock ``retire_workers`` from a preStop hook beside them.
@@ -57,7 +56,7 @@ def upstream(tmp_path: Path) -> Iterator[Any]:
     def start(operator: bool) -> Sandbox:
         state_dir = tmp_path / f"upstream{len(started)}"
         args = ["--nodes", "2", *([] if operator else ["--no-operator"])]
-        sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, 4, *args))
+        sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, 4, *args, real_nodes=True))
         started.append(sandbox)
         return sandbox
 
