@@ -1,7 +1,9 @@
 """``kubectl drain`` of a node whose Dask workers hold unique data: stock Kubernetes against memops.
 
 Side by side on the upstream control plane (two Nodes): the same workers, the same scattered
-keys (each on one worker only), the same ``kubectl drain <node> --ignore-daemonsets``. Stock:
+keys (each on one worker only), the same ``kubectl drain <node> --ignore-daemonsets
+--pod-selector=app=dask-worker`` (the node's workers: the Dask scheduler and the operator are pods
+of the sandbox's Nodes too, where a cluster runs them apart). Stock:
 the evicted workers' keys are lost. memops: the eviction gate refuses with 429 until the node's
 workers are drained, ``kubectl drain`` retries on its own and completes; no key is lost. Printed:
 keys lost and the drain's wall time, for each.
@@ -67,7 +69,7 @@ def one_run(workers: int, keys: int, *, memops: bool) -> tuple[int, int, float]:
             node = sorted(set(placement(sandbox).values()))[0]
             began = time.monotonic()
             subprocess.run(
-                [KUBECTL, "drain", node, "--ignore-daemonsets", "--timeout=170s"],
+                [KUBECTL, "drain", node, "--ignore-daemonsets", "--pod-selector=app=dask-worker", "--timeout=170s"],
                 env=sandbox.env,
                 check=True,
                 capture_output=True,

@@ -40,6 +40,7 @@ from memops.controllers import (
 )
 from memops.decisions import (
     autoscaling,
+    conditions,
     disruption,
     drain_decisions,
     objects,
@@ -55,6 +56,7 @@ from memops.decisions import (
     timestamps,
 )
 from memops.decisions import worker_losses as losses_decisions
+from memops.worker import links
 
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
@@ -129,7 +131,8 @@ class Policy:
         self.name = str(body.metadata.name)
         self.path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", self.namespace, self.name)
         self.window: recycle_decisions.Window | None = None  # memory samples for recycling
-        self.links_reported: str | None = None  # the scheduler whose workers' links were reported
+        # The scheduler and workers whose verdicts on the same-node links were last asked.
+        self.links_reported: tuple[str, frozenset[str]] | None = None
         self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
         self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
@@ -345,27 +348,51 @@ class Policy:
             workload=read.workload,
             logger=self.logger,
         )
-        await self.install_links(read.scheduler, spec)
-        return status.model_copy(update={"pressure": pressure, "replication": replicated})
+        workers = frozenset(w.address for w in read.snapshot.workers)
+        found_links = await self.install_links(read.scheduler, spec, workers, status.conditions, read.inputs.generation)
+        update = {"pressure": pressure, "replication": replicated, "conditions": found_links}
+        return status.model_copy(update=update)
 
-    async def install_links(self, scheduler: daskrpc.Scheduler, spec: specs.MemoryPolicySpec) -> None:
+    async def install_links(
+        self,
+        scheduler: daskrpc.Scheduler,
+        spec: specs.MemoryPolicySpec,
+        workers: frozenset[str],
+        found: list[specs.Condition],
+        generation: int,
+    ) -> list[specs.Condition]:
         """Medium Node: the plugin by which the node's workers fetch each other's spilled keys by
         hardlink and read them back as maps (:mod:`memops.worker.links`), in every pass (idempotent:
-        a restarted scheduler gets it again); each worker's verdict logged once per scheduler."""
+        a restarted scheduler gets it again). The workers' verdicts are asked (a call to each) when
+        the scheduler or its ``workers`` changed since they were last asked, and kept in the
+        ``SharedSpillLinks`` condition; ``found`` with it set, or without it when the spec has no
+        medium Node."""
         shared = spec.sharedSpill
         if shared is None or shared.medium != specs.SpillMedium.NODE:
-            return
-        report = self.links_reported != scheduler.address
+            return [c for c in found if c.type != shared_spill.LINKS]
+        report = self.links_reported != (scheduler.address, workers)
         try:
-            found = await scheduler.install_links(report=report)
-        except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused) as exc:
+            verdicts = await scheduler.install_links(report=report)
+        except daskrpc.SchedulerUnreachable as exc:  # SchedulerReachable says so
             self.logger.warning("shared spill: the same-node links are not installed: %s", exc)
-            return
-        if report:
-            refused = {a: s.get("reason") for a, s in found.items() if s.get("status") != "Active"}
-            if refused:
-                self.logger.warning("shared spill: workers that refused same-node links: %s", refused)
-            self.links_reported = scheduler.address
+            return found
+        except daskrpc.SchedulerRefused as exc:
+            self.logger.warning("shared spill: the same-node links are not installed: %s", exc)
+            message = f"the scheduler refused the same-node links plugin: {exc}"
+            return conditions.set_condition(
+                found, shared_spill.LINKS, False, reason="NotInstalled", message=message, generation=generation
+            )
+        if not report:
+            return found
+        # A worker that joined as the plugin was installed may not have it yet: asked again next pass.
+        if not any(links.unsettled(verdict) for verdict in verdicts.values()):
+            self.links_reported = (scheduler.address, workers)
+        value, reason, message = shared_spill.links_condition(verdicts)
+        if value is False:
+            self.logger.warning("shared spill: %s", message)
+        return conditions.set_condition(
+            found, shared_spill.LINKS, value, reason=reason, message=message, generation=generation
+        )
 
     async def read_recycling(
         self,

@@ -52,6 +52,13 @@ and the policy's ``SharedSpillReady`` condition)."""
 READY = "SharedSpillReady"
 SWAPPABLE = "SharedSpillSwappable"
 CONDITIONS = (READY, SWAPPABLE)
+LINKS = "SharedSpillLinks"
+"""Medium Node: whether the workers took the plugin by which same-node fetches of spilled keys go by
+hardlink (:mod:`memops.worker.links`); set after the scheduler is configured, not decided from the spec."""
+LINKS_NAMED = 5
+"""Workers named in a refusal's message; the rest are counted."""
+REASON_CHARACTERS = 200
+"""Of each worker's own reason (a worker's words: bounded, never parsed)."""
 
 TEMPORARY_DIRECTORY_ENV = "DASK_TEMPORARY_DIRECTORY"
 MAX_SPILL_ENV = "DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"
@@ -667,3 +674,31 @@ def swap_verdict(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str]:
             f" to its limit, and the kubelet swaps only containers whose request is below the limit: {advice}",
         )
     return True, "Burstable", "the worker pods are Burstable: under LimitedSwap their pages may reach swap"
+
+
+def links_condition(found: Mapping[str, Any]) -> tuple[bool | None, str, str]:
+    """``SharedSpillLinks`` from each worker's verdict on the same-node links plugin (address ->
+    ``{"status", "reason"}``, :func:`memops.worker.links.statuses`): True when every worker took it;
+    False naming the first :data:`LINKS_NAMED` that refused, with their reasons, and counting the rest."""
+    if not found:
+        return None, "NoWorkers", "no worker is connected: each gets the same-node links plugin when it joins"
+    refused = {
+        str(address): str((verdict.get("reason") if isinstance(verdict, Mapping) else None) or "no reason given")
+        for address, verdict in sorted(found.items(), key=lambda item: str(item[0]))
+        if not isinstance(verdict, Mapping) or verdict.get("status") != "Active"
+    }
+    if not refused:
+        return (
+            True,
+            "Active",
+            f"on all {len(found)} workers, same-node fetches of spilled keys go by hardlink and are read back as maps",
+        )
+    first = list(refused.items())[:LINKS_NAMED]
+    named = "; ".join(f"{address}: {reason[:REASON_CHARACTERS]}" for address, reason in first)
+    more = f"; and {len(refused) - LINKS_NAMED} more" if len(refused) > LINKS_NAMED else ""
+    return (
+        False,
+        "Refused",
+        f"{len(refused)} of {len(found)} workers refused same-node links"
+        f" and fetch spilled keys as bytes: {named}{more}",
+    )

@@ -435,6 +435,17 @@ async def install(scheduler: Any) -> None:
     await scheduler.register_worker_plugin(None, dumps(LinksPlugin()), name=NAME, idempotent=True)
 
 
+NO_PLUGIN = "no plugin"
+NO_ANSWER = "no answer"
+
+
+def unsettled(verdict: Any) -> bool:
+    """A worker's verdict that may change by itself: no plugin yet (it joined as the plugin was
+    registered), or no answer."""
+    reason = verdict.get("reason") if isinstance(verdict, dict) else None
+    return isinstance(reason, str) and (reason == NO_PLUGIN or reason.startswith(NO_ANSWER))
+
+
 async def _ask_all(scheduler: Any, operation: str) -> dict[str, Any]:
     """Worker address -> the ``result`` of its plugin's ``operation`` (a map), or
     ``{"status": "Refused", "reason": ...}`` for a worker that does not answer it plainly."""
@@ -443,9 +454,9 @@ async def _ask_all(scheduler: Any, operation: str) -> dict[str, Any]:
         try:
             reply = await _ask(address, operation, scheduler.connection_args)
         except Exception as exc:
-            return {"status": REFUSED, "reason": f"no answer: {type(exc).__name__}"}
+            return {"status": REFUSED, "reason": f"{NO_ANSWER}: {type(exc).__name__}"}
         result = reply.get("result") if isinstance(reply, dict) else None
-        return result if isinstance(result, dict) else {"status": REFUSED, "reason": "no plugin"}
+        return result if isinstance(result, dict) else {"status": REFUSED, "reason": NO_PLUGIN}
 
     addresses = list(scheduler.workers)
     return dict(zip(addresses, await asyncio.gather(*(one(a) for a in addresses)), strict=True))

@@ -211,6 +211,54 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
         _node_medium(sandbox, swap_node, host_dir)
 
 
+def same_node_fetch_by_link(
+    sandbox: Sandbox, client: distributed.Client, addresses: list[str], held: list[Any]
+) -> None:
+    """A task on the second worker reads a key that the first spilled (of ``held``, the first's):
+    the second's spill file of it is the first's (one inode, two links), the task read the right
+    bytes, the first sent a header of a few hundred bytes for it, and the policy's
+    ``SharedSpillLinks`` says every worker took the plugin."""
+    sender, receiver = addresses
+    links = ready(sandbox, "shared", shared_spill.LINKS, "True")
+    assert links["reason"] == "Active", links
+
+    # Nested, so that they go by value: the workers cannot import the tests.
+    def spilled(dask_worker: Any) -> dict[str, list[int]]:
+        import os
+
+        store = dask_worker.data.slow.data.d
+        stats = {str(k): os.stat(os.path.join(store.directory, n)) for k, n in store.filenames.items()}
+        return {k: [st.st_ino, st.st_nlink] for k, st in stats.items()}
+
+    def outgoing(dask_worker: Any) -> list[dict[str, Any]]:
+        return [
+            {
+                "keys": [str(k) for k in e["keys"]],
+                "linked": [str(k) for k in e.get("linked", ())],
+                "written": e["compressed"],
+            }
+            for e in dask_worker.transfer_outgoing_log
+        ]
+
+    def first_byte(value: bytes) -> int:
+        return value[0]
+
+    on_disk = client.run(spilled, workers=[sender])[sender]
+    [future] = [f for f in held if str(f.key) in on_disk][:1]
+    key = str(future.key)
+    assert (
+        client.submit(first_byte, future, workers=[receiver], allow_other_workers=False, pure=False).result()
+        == (client.gather(future)[0])
+    )
+    there = sandbox.wait_for(
+        lambda: (found := client.run(spilled, workers=[receiver])[receiver].get(key)) and found[1] >= 2 and found,
+        what="the receiver's link of the key",
+    )
+    assert client.run(spilled, workers=[sender])[sender][key][0] == there[0], "one inode in both spill directories"
+    [transfer] = [t for t in client.run(outgoing, workers=[sender])[sender] if key in t["linked"]]
+    assert key not in transfer["keys"] and transfer["written"] < 4096, transfer
+
+
 def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
 
     # Refused at apply, by the CRD's schema, naming the field.
@@ -265,6 +313,7 @@ def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
         )
         assert mount_type(host_dir) == "tmpfs"
         assert all(Path(info["local_directory"]).is_relative_to(shared_spill.MOUNT_PATH) for _, info in found)
+        same_node_fetch_by_link(sandbox, client, [address for address, _ in found], futures[:16])
         del futures
 
     # Guaranteed pods under the Node medium: injected, and the status warns.

@@ -784,3 +784,26 @@ def test_the_deployment_index_keeps_what_the_verdict_reads() -> None:
             slim = policy._slim_pod_spec(full)
             verdict = shared_spill.condition(spill_spec, full, host_roots=ROOTS)
             assert shared_spill.condition(spill_spec, slim, host_roots=ROOTS) == verdict
+
+
+def test_links_condition_is_true_when_every_worker_took_the_plugin() -> None:
+    found = {f"tcp://10.0.0.{i}:40000": {"status": "Active"} for i in range(3)}
+    value, reason, message = shared_spill.links_condition(found)
+    assert (value, reason) == (True, "Active") and "all 3 workers" in message
+
+
+def test_links_condition_names_the_workers_that_refused_and_bounds_what_they_say() -> None:
+    found: dict[str, Any] = {f"tcp://10.0.0.{i}:40000": {"status": "Active"} for i in range(3)}
+    found |= {f"tcp://10.0.1.{i}:40000": {"status": "Refused", "reason": "spill is not a zict.File"} for i in range(7)}
+    found["tcp://10.0.2.1:40000"] = {"status": "Refused", "reason": "x" * 10_000}  # a worker's words
+    found["tcp://10.0.2.2:40000"] = "not a mapping"
+    value, reason, message = shared_spill.links_condition(found)
+    assert (value, reason) == (False, "Refused")
+    assert message.startswith("9 of 12 workers refused same-node links"), message
+    assert "tcp://10.0.1.0:40000: spill is not a zict.File" in message
+    assert message.count("tcp://") == shared_spill.LINKS_NAMED and message.endswith("; and 4 more"), message
+    assert len(message) < 2_000
+
+
+def test_links_condition_is_unknown_without_workers() -> None:
+    assert shared_spill.links_condition({})[:2] == (None, "NoWorkers")
