@@ -162,7 +162,8 @@ def measure_memops(box: benchkit.Sandbox, policies: int, workers: int, rest: flo
     def done() -> bool:
         found = get(env, "retire")["items"]
         finished = [r for r in found if r.get("status", {}).get("phase") in ("Succeeded", "Failed")]
-        pods = get(env, "pods", "-l", "app!=dask-worker")["items"]
+        # The policies' own pods (on real Nodes the scheduler is a pod of the namespace too).
+        pods = get(env, "pods", "-l", f"app in ({','.join(names)})")["items"]
         return len(finished) >= policies and len(pods) == policies * (workers - 1)
 
     until(done, 300, "the scale-down wave")
@@ -183,9 +184,16 @@ def measure_memops(box: benchkit.Sandbox, policies: int, workers: int, rest: flo
     return rows
 
 
-def dask_cluster(name: str, port: int, workers: int) -> Obj:
-    """A DaskCluster whose scheduler listens on a loopback port its workers are told (the pods
-    here have no Service DNS); the containers are dask-kubernetes' own, with an image."""
+def service_ip(index: int) -> str:
+    """The ``index``-th DaskCluster's scheduler Service's cluster IP, set in the DaskCluster: the
+    sandbox has no cluster DNS, so its workers are given the Service by IP rather than by
+    dask-kubernetes' DNS name for it (as ``tests/e2e/test_daskworkergroup.py`` does)."""
+    return f"10.96.201.{10 + index}"
+
+
+def dask_cluster(name: str, ip: str, workers: int) -> Obj:
+    """A DaskCluster whose scheduler's Service has the cluster IP ``ip``, which its workers are
+    told; the containers are dask-kubernetes' own, with an image."""
     return {
         "apiVersion": "kubernetes.dask.org/v1",
         "kind": "DaskCluster",
@@ -198,12 +206,14 @@ def dask_cluster(name: str, port: int, workers: int) -> Obj:
                             "name": "scheduler",
                             "image": IMAGE,
                             "command": ["dask", "scheduler"],
-                            "args": ["--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"],
+                            "args": ["--no-dashboard"],
+                            "ports": [{"name": "tcp-comm", "containerPort": 8786, "protocol": "TCP"}],
                         }
                     ]
                 },
                 "service": {
                     "type": "ClusterIP",
+                    "clusterIP": ip,
                     "selector": {"dask.org/cluster-name": name, "dask.org/component": "scheduler"},
                     "ports": [{"name": "tcp-comm", "protocol": "TCP", "port": 8786, "targetPort": "tcp-comm"}],
                 },
@@ -229,7 +239,7 @@ def dask_cluster(name: str, port: int, workers: int) -> Obj:
                                 "--no-dashboard",
                             ],
                             "env": [
-                                {"name": "DASK_SCHEDULER_ADDRESS", "value": f"tcp://127.0.0.1:{port}"},
+                                {"name": "DASK_SCHEDULER_ADDRESS", "value": f"tcp://{ip}:8786"},
                                 {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                             ],
                         }
@@ -283,15 +293,16 @@ def dask_kubernetes_operator(box: benchkit.Sandbox) -> Iterator[Process]:
 def measure_anchor(box: benchkit.Sandbox, clusters: int, workers: int, rest: float) -> list[Row]:
     env = box.env
     with dask_kubernetes_operator(box) as proc:
-        ports: list[int] = []
-        for index in range(clusters):
-            ports.append(sandbox.free_port(*ports))
-            apply(env, dask_cluster(f"dk-{index}", ports[-1], workers))
+        ips = [service_ip(index) for index in range(clusters)]
+        for index, ip in enumerate(ips):
+            apply(env, dask_cluster(f"dk-{index}", ip, workers))
 
         def all_workers() -> bool:
             try:
-                return all(worker_count(f"tcp://127.0.0.1:{port}") == workers for port in ports)
-            except OSError:
+                return all(worker_count(f"tcp://{ip}:8786") == workers for ip in ips)
+            except Exception:
+                # Until kube-proxy routes a new Service's IP, whatever the machine routes it to may
+                # answer (an HTTP proxy did: a "frame" of 3 EiB).
                 return False
 
         total = clusters * workers

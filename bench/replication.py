@@ -278,9 +278,7 @@ def table(
         "",
         "| spot pods SIGKILLed (no drain) | memops pod rule | no rule (stock) | client.replicate(n=2) (stock) |",
         "| --- | --- | --- | --- |",
-        "| keys that survived | "
-        + " | ".join(f"{spot[c]['survived']} / {spot[c]['keys']}" for c in COLUMNS)
-        + " |",
+        "| keys that survived | " + " | ".join(f"{spot[c]['survived']} / {spot[c]['keys']}" for c in COLUMNS) + " |",
         "| memory on extra copies at the kill | "
         + " | ".join(f"{spot[c]['spent'] / MiB:.0f} MiB" for c in COLUMNS)
         + " |",
