@@ -73,6 +73,9 @@ _MAX_NAME_LENGTH = 63
 """A policy's name is a label value on its RetirementRequests (``memops.dev/policy``): 63 characters at most."""
 _TENANCY_RECHECK_SECONDS = 60.0
 """The workers shown to be pods of the namespace are checked again at least this often."""
+_SPILL_SECONDS = 30.0
+"""The workers' shared spill (medium Node) is read into the status at most this often per policy: each
+read is a call to every worker, which lists its spill directory."""
 _DISRUPTION_SECONDS = 15.0
 """The disruption annotations are decided at most this often per policy: each time costs the
 workers' unique bytes (the agent's holdings) and a list of the workload's pods. A node
@@ -133,6 +136,7 @@ class Policy:
         self.window: recycle_decisions.Window | None = None  # memory samples for recycling
         # The scheduler and workers whose verdicts on the same-node links were last asked.
         self.links_reported: tuple[str, frozenset[str]] | None = None
+        self.spill_read = -_SPILL_SECONDS  # when the workers' shared spill was last read (monotonic)
         self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
         self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
@@ -350,8 +354,28 @@ class Policy:
         )
         workers = frozenset(w.address for w in read.snapshot.workers)
         found_links = await self.install_links(read.scheduler, spec, workers, status.conditions, read.inputs.generation)
-        update = {"pressure": pressure, "replication": replicated, "conditions": found_links}
+        shared = await self.read_spill(read.scheduler, spec, status.sharedSpill)
+        update = {"pressure": pressure, "replication": replicated, "conditions": found_links, "sharedSpill": shared}
         return status.model_copy(update=update)
+
+    async def read_spill(
+        self, scheduler: daskrpc.Scheduler, spec: specs.MemoryPolicySpec, old: specs.SharedSpillStatus | None
+    ) -> specs.SharedSpillStatus | None:
+        """Medium Node: what the workers' spill holds, each file once (:func:`shared_spill.spill_status`),
+        read at most every :data:`_SPILL_SECONDS`; ``old`` in between, or when the scheduler does not
+        answer; None without medium Node."""
+        shared = spec.sharedSpill
+        if shared is None or shared.medium != specs.SpillMedium.NODE:
+            return None
+        if time.monotonic() - self.spill_read < _SPILL_SECONDS:
+            return old
+        try:
+            found = await scheduler.spill_shares()
+        except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused) as exc:
+            self.logger.warning("shared spill: the workers' spill was not read: %s", exc)
+            return old
+        self.spill_read = time.monotonic()
+        return shared_spill.spill_status(found, timestamps.render(timestamps.now()))
 
     async def install_links(
         self,

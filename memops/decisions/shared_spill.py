@@ -702,3 +702,25 @@ def links_condition(found: Mapping[str, Any]) -> tuple[bool | None, str, str]:
         f"{len(refused)} of {len(found)} workers refused same-node links"
         f" and fetch spilled keys as bytes: {named}{more}",
     )
+
+
+def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatus:
+    """The policy's ``status.sharedSpill`` from each worker's spill report (address -> ``{"bytes",
+    "share"}``, :func:`memops.worker.links.spill`: its bytes with each inode once, and its share of
+    its node's, where an inode that k workers link counts 1/k to each). A report that is not plain
+    numbers, or whose share is not within its bytes, is not counted: the workers' words."""
+    workers, total, per_worker = 0, 0.0, 0
+    for report in reports.values():
+        if not isinstance(report, Mapping):
+            continue
+        counted, share = report.get("bytes"), report.get("share")
+        if isinstance(counted, bool) or not isinstance(counted, int):
+            continue
+        if isinstance(share, bool) or not isinstance(share, (int, float)):
+            continue
+        if not 0 <= share <= counted < 2**63:
+            continue
+        workers += 1
+        per_worker += counted
+        total += share
+    return specs.SharedSpillStatus(workers=workers, bytes=round(total), bytesCountedPerWorker=per_worker, lastRead=now)

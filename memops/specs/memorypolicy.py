@@ -642,6 +642,23 @@ class PressureStatus(Model):
     message: str = pydantic.Field(default="", description="Why relief cannot do all it should, in one line.")
 
 
+class SharedSpillStatus(Model):
+    """What the workers' spill on the node tmpfs holds (medium Node), read from the workers' spill
+    directories through memops' agent, each file (inode) once however many workers link it."""
+
+    workers: int = pydantic.Field(default=0, description="Workers that reported their spill directories.")
+    bytes: int = pydantic.Field(
+        default=0,
+        description="What the spill files hold, each file once however many workers link it: what the tmpfs holds.",
+    )
+    bytesCountedPerWorker: int = pydantic.Field(
+        default=0,
+        description="The same files counted once per worker that links them, as Dask's own spilled figures count"
+        " them; the difference to bytes is what same-node links saved.",
+    )
+    lastRead: str = pydantic.Field(default="", description="When the workers were last asked (RFC 3339).")
+
+
 class FailedHook(Model):
     pod: str = pydantic.Field(description="The pod whose preStop hook failed: it left without the safety net's drain.")
     time: str = pydantic.Field(default="", description="When the kubelet reported it (its FailedPreStopHook event).")
@@ -715,6 +732,9 @@ class MemoryPolicyStatus(Model):
     )
     recycle: RecycleStatus | None = pydantic.Field(default=None, description="Workers recycled, and why.")
     pressure: PressureStatus | None = pydantic.Field(default=None, description="What pressure relief did.")
+    sharedSpill: SharedSpillStatus | None = pydantic.Field(
+        default=None, description="What the workers' shared spill holds (medium Node), each file once."
+    )
     replication: ReplicationStatus | None = pydantic.Field(default=None, description="Keys against their targets.")
     safetyNet: SafetyNetStatus | None = pydantic.Field(
         default=None, description="Pods that left with a failed safety-net hook (the kubelet's events)."

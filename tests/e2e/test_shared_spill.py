@@ -313,6 +313,19 @@ def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
         assert mount_type(host_dir) == "tmpfs"
         assert all(Path(info["local_directory"]).is_relative_to(shared_spill.MOUNT_PATH) for _, info in found)
         same_node_fetch_by_link(sandbox, client, [address for address, _ in found], futures[:16])
+        # What the policy's status says the spill holds, each file once (read every 30 s): the
+        # three workers of the scheduler (the sandbox's own spills nothing), and the bytes on the tmpfs.
+        spill = sandbox.wait_for(
+            lambda: (
+                (seen := sandbox.get("mempol", "shared").get("status", {}).get("sharedSpill"))
+                and seen["bytes"] > 0
+                and seen
+            ),
+            timeout=90,
+            what="status.sharedSpill",
+        )
+        assert spill["workers"] == 3 and 0 < spill["bytes"] <= spill["bytesCountedPerWorker"], spill
+        assert spill["lastRead"], spill
         del futures
 
     # Guaranteed pods under the Node medium: injected, and the status warns.

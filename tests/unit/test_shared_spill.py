@@ -807,3 +807,27 @@ def test_links_condition_names_the_workers_that_refused_and_bounds_what_they_say
 
 def test_links_condition_is_unknown_without_workers() -> None:
     assert shared_spill.links_condition({})[:2] == (None, "NoWorkers")
+
+
+def test_spill_status_counts_a_linked_file_once_and_skips_what_is_not_plain_numbers() -> None:
+    # Two workers on one node link one 100-byte file; a third holds 10 bytes of its own.
+    reports: dict[str, Any] = {
+        "a": {"bytes": 100, "share": 50.0},
+        "b": {"bytes": 100, "share": 50.0},
+        "c": {"bytes": 10, "share": 10},
+        "hostile-share": {"bytes": 10, "share": 11},  # more than its own bytes
+        "hostile-nan": {"bytes": 10, "share": float("nan")},
+        "hostile-bool": {"bytes": True, "share": 0},
+        "hostile-text": {"bytes": "10", "share": 1},
+        "hostile-huge": {"bytes": 2**70, "share": 1},
+        "not-a-map": [100, 50],
+    }
+    found = shared_spill.spill_status(reports, "2026-11-26T00:00:00Z")
+    assert found == specs.SharedSpillStatus(
+        workers=3, bytes=110, bytesCountedPerWorker=210, lastRead="2026-11-26T00:00:00Z"
+    )
+
+
+def test_the_status_sharedspill_field_is_in_the_schema() -> None:
+    status = specs.MemoryPolicyStatus.model_validate({"sharedSpill": {"workers": 2, "bytes": 5}})
+    assert status.sharedSpill is not None and status.sharedSpill.bytesCountedPerWorker == 0
