@@ -5,7 +5,7 @@ Each mode is a sandbox on real Nodes: 2 peer worker pods (1 GiB each) and one wo
 Deployment with a ``--limit-mib`` container limit, Dask's limit read from the container, spilling off
 (as for data that cannot spill), on the same scheduler. Unique 16 MiB keys are scattered onto that
 worker until its process memory passes 76% of its limit, then its process grows by a quarter of the
-limit that nothing can move (a leak, 16 MiB at a time), with a heartbeat after each step, as
+limit that nothing can move (a leak, 16 MiB at a time, a heartbeat and ``--pace`` seconds after each step), as
 ``tests/e2e/test_resize.py`` and ``tests/e2e/test_pressure.py`` do. Stock: no operator. Relief: a
 MemoryPolicy with ``spec.pressure`` (70% -> 50%). Growth: one with ``spec.resize`` (``maxLimit``
 2 GiB, growing above 75%). Printed for each: seconds from the worker's first heartbeat over 75% of
@@ -105,7 +105,7 @@ class Watch:
         raise TimeoutError(f"no heartbeat from {self.pod} in 30 s")
 
 
-def run(mode: str, limit: int) -> dict[str, Any]:
+def run(mode: str, limit: int, pace: float) -> dict[str, Any]:
     args = ["--worker-memory", "1GiB", *(["--no-operator"] if mode == "stock" else [])]
     with benchkit.running_sandbox(2, *args) as box, distributed.Client(box.address, timeout=30) as client:
         benchkit.kubectl(box.env, "apply", "-f", "-", stdin=yaml.safe_dump(workload(box.address, limit)))
@@ -149,6 +149,10 @@ def run(mode: str, limit: int) -> dict[str, Any]:
             except OSError:
                 pass  # killed as it answered: the next sample says so
             info = watch.heartbeat()
+            for _ in range(int(pace * 10)):  # the leak's pace, watched
+                if watch.sample() is None:
+                    break
+                time.sleep(0.1)
         for _ in range(50):  # the last moves land, the last heartbeats arrive
             if watch.sample() is None or watch.relieved is not None:
                 break
@@ -176,9 +180,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit-mib", type=int, default=512, help="the growing worker's container limit")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--pace", type=float, default=3.0, help="seconds between the leak's 16 MiB steps, after each heartbeat"
+    )
     args = parser.parse_args()
     limit = args.limit_mib * MIB
-    rows = [run(mode, limit) for mode in args.modes]
+    rows = [run(mode, limit, args.pace) for mode in args.modes]
     print(f"One worker of {args.limit_mib} MiB, spilling off: keys to 76% of its limit, then a leak of a quarter")
     print(
         "| mode | keys | time to relief, s | MiB moved off it | killed | restarts | keys lost | its limit at the end |"

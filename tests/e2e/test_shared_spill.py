@@ -315,7 +315,7 @@ def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
         same_node_fetch_by_link(sandbox, client, [address for address, _ in found], futures[:16])
         # What the policy's status says the spill holds, each file once (read every 30 s): the
         # three workers of the scheduler (the sandbox's own spills nothing), and the bytes on the tmpfs.
-        spill = sandbox.wait_for(
+        spill_held = sandbox.wait_for(
             lambda: (
                 (seen := sandbox.get("mempol", "shared").get("status", {}).get("sharedSpill"))
                 and seen["bytes"] > 0
@@ -324,8 +324,8 @@ def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
             timeout=90,
             what="status.sharedSpill",
         )
-        assert spill["workers"] == 3 and 0 < spill["bytes"] <= spill["bytesCountedPerWorker"], spill
-        assert spill["lastRead"], spill
+        assert spill_held["workers"] == 3 and 0 < spill_held["bytes"] <= spill_held["bytesCountedPerWorker"], spill_held
+        assert spill_held["lastRead"], spill_held
         del futures
 
     # Guaranteed pods under the Node medium: injected, and the status warns.
