@@ -20,7 +20,7 @@ import ssl
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -263,19 +263,25 @@ def evict(sandbox: Sandbox, pod: str) -> subprocess.CompletedProcess[str]:
     return sandbox.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(body), check=False)
 
 
-def gate(sandbox: Sandbox) -> tuple[str, ssl.SSLContext]:
+def gate(sandbox: Sandbox) -> tuple[str, Callable[[], ssl.SSLContext]]:
     """The eviction gate's URL as the API server calls it (the operator pod's Service, reached
-    through kube-proxy), and a TLS context that trusts the webhook configuration's CA bundle. The
-    certificate names the Service's DNS name, which this host does not resolve: its chain is
-    checked, not its name."""
+    through kube-proxy), and a maker of TLS contexts that trust the webhook configuration's CA
+    bundle. The certificate names the Service's DNS name, which this host does not resolve: its
+    chain is checked, not its name."""
     (hook,) = sandbox.get("validatingwebhookconfiguration", "memops-eviction")["webhooks"]
     config = hook["clientConfig"]
-    context = ssl.create_default_context(cadata=base64.b64decode(config["caBundle"]).decode())
-    if "url" in config:
+    authority = base64.b64decode(config["caBundle"]).decode()
+    by_url = "url" in config
+
+    def context() -> ssl.SSLContext:
+        made = ssl.create_default_context(cadata=authority)
+        made.check_hostname = by_url
+        return made
+
+    if by_url:
         return config["url"], context
     service = config["service"]
     address = sandbox.get("service", service["name"], "-n", service["namespace"])["spec"]["clusterIP"]
-    context.check_hostname = False
     return f"https://{address}:{service.get('port', 443)}{service.get('path', '')}", context
 
 
@@ -289,8 +295,8 @@ def test_only_the_api_servers_review_starts_a_drain(upstream: Any) -> None:
     pki = sandbox.state_dir / "pki"
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         _, pods, holdings = setup(sandbox, client)
-        url, anonymous = gate(sandbox)
-        admin, api_server = gate(sandbox)[1], gate(sandbox)[1]
+        url, context = gate(sandbox)
+        anonymous, admin, api_server = context(), context(), context()
         admin.load_cert_chain(pki / "admin.crt", pki / "admin.key")
         for context in (anonymous, admin):
             with pytest.raises(OSError):  # ssl.SSLError, or the connection reset by the server's alert
