@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     sandbox.add_argument("--no-operator", action="store_true", help="start everything but the operator")
     sandbox.add_argument("--worker-memory", default="1GiB", help="each worker's --memory-limit (default 1GiB)")
     sandbox.add_argument(
+        "--node-memory",
+        metavar="QUANTITY",
+        help="each Node's memory for pods, e.g. 1536Mi: its kubelet reserves the rest of the machine for the"
+        " system, so that its eviction threshold (allocatableMemory.available, evictionHard 100Mi) is within reach"
+        " of its pods (default: the whole machine)",
+    )
+    sandbox.add_argument(
         "--audit-log",
         metavar="PATH",
         default=os.environ.get("MEMOPS_AUDIT_LOG") or None,
@@ -126,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nodes < 1:
             print("memops sandbox: --nodes must be at least 1", file=sys.stderr)
             return 2
+        if args.node_memory is not None and args.node_agent:
+            print("memops sandbox: --node-memory needs real Nodes (kubelets), not --node-agent", file=sys.stderr)
+            return 2
         from memops_sandbox import cli as sandbox_cli
 
         return sandbox_cli.sandbox(
@@ -138,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_only=args.build_only,
             audit_log=args.audit_log,
             chart_settings=args.chart_settings,
+            node_memory=args.node_memory,
         )
     from memops import controllers
 

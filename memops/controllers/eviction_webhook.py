@@ -40,14 +40,7 @@ def _policy_body(policies: Iterable[Mapping[str, Any]], name: str) -> Mapping[st
     return next((p for p in policies if p["metadata"]["name"] == name), None)
 
 
-def eviction_requests(requests: Iterable[Mapping[str, Any]], node: str) -> list[Mapping[str, Any]]:
-    """The policy's Eviction RetirementRequests for ``node``."""
-    return [
-        r
-        for r in requests
-        if (r["metadata"].get("labels") or {}).get(eviction_gate.REASON_LABEL) == eviction_gate.EVICTION
-        and (r["metadata"].get("labels") or {}).get(eviction_gate.NODE_LABEL) == eviction_gate.node_label(node)
-    ]
+eviction_requests = eviction_gate.node_requests
 
 
 async def unique_bytes(client: kube.Kube, namespace: str, spec: specs.MemoryPolicySpec, pod: Obj) -> int | None:
@@ -93,24 +86,10 @@ async def request_drain(
     now). ``requested_by``: the user of the eviction that started it (the gate's), recorded in
     :data:`memops.decisions.eviction_gate.REQUESTED_BY_ANNOTATION`."""
     namespace, name = str(policy_body["metadata"]["namespace"]), str(policy_body["metadata"]["name"])
-    request_name = eviction_gate.request_name(name, node, pods, earlier)
     owner = objects.Owner(name=name, namespace=namespace, uid=str(policy_body["metadata"]["uid"]))
-    annotations = {"memops.dev/why": why[:1024]}
-    if requested_by is not None:
-        annotations[eviction_gate.REQUESTED_BY_ANNOTATION] = requested_by
-    body = objects.policy_request(
-        owner,
-        spec,
-        name=request_name,
-        workers=tuple(pods),
-        labels={
-            eviction_gate.REASON_LABEL: eviction_gate.EVICTION,
-            eviction_gate.NODE_LABEL: eviction_gate.node_label(node),
-        },
-        annotations=annotations,
+    body = eviction_gate.drain_request(
+        owner, spec, node=node, pods=pods, earlier=earlier, why=why, requested_by=requested_by
     )
-    # An eviction's drain: the evicting client removes the pods, which the gate then admits.
-    body["spec"]["removePods"] = False
     try:
         created = await client.request(
             "POST", kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace), body=body

@@ -27,6 +27,7 @@ from memops import specs
 from memops.clients import daskrpc, kube
 from memops.controllers import (
     hook_losses,
+    kubelets,
     loop,
     metrics,
     recycle,
@@ -43,6 +44,7 @@ from memops.decisions import (
     conditions,
     disruption,
     drain_decisions,
+    node_pressure,
     objects,
     policy_decisions,
     recycle_decisions,
@@ -143,6 +145,8 @@ class Policy:
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
         self.disruption_read = -_DISRUPTION_SECONDS  # when the disruption annotations were last decided (monotonic)
         self.disruption_due = False  # this pass decides them (set at the start of its read)
+        self.kubelets = kubelets.Kubelets()  # the kubelets' configurations (spec.eviction.nodePressure)
+        self.pressure_victims = False  # this pass predicted the kubelet would evict some of the workers
         self.known: dict[str, str] = {}  # worker address -> pod, from every tenancy check (the latest _KNOWN_WORKERS)
         # The scheduler's departures up to this time (its clock) are decided: from the policy's creation
         # on, so that a new policy does not report what happened before it.
@@ -176,8 +180,13 @@ class Policy:
         spec, workload = target
         self.disruption_due = time.monotonic() - self.disruption_read >= _DISRUPTION_SECONDS
         hpas = await self.listed("horizontalpodautoscalers", (self.namespace,))
+        pressure = await self.read_node_pressure(spec, workload)
+        self.pressure_victims = pressure is not None and any(p.ours for p in pressure.predictions)
         connection = await stack.enter_async_context(self.check_scheduler(spec, status, generation))
         scheduler, snapshot = connection if connection is not None else (None, None)
+        if pressure is not None and snapshot is not None and self.pressure_victims:
+            # Asked with the snapshot on this pass (reach_scheduler): only those holding data alone are drained.
+            pressure = dataclasses.replace(pressure, unique={w.name: w.unique_bytes for w in snapshot.workers})
         if snapshot is not None:
             status.memory = _memory_status(snapshot)
         now = time.time()
@@ -206,6 +215,7 @@ class Policy:
             host_roots=self.host_roots,
             resize=resized,
             disruption=disrupted,
+            node_pressure=pressure,
         )
         return Read(old, inputs, workload, scheduler, snapshot, (*hook_events, *lost))
 
@@ -234,6 +244,18 @@ class Policy:
         unique = {w.name: w.unique_bytes for w in snapshot.workers} if spec.eviction.disruptionAnnotations else {}
         annotations = {str(p["metadata"]["name"]): dict(p["metadata"].get("annotations") or {}) for p in pods}
         return resized, policy_decisions.DisruptionSeen(pods=annotations, unique=unique)
+
+    async def read_node_pressure(
+        self, spec: specs.MemoryPolicySpec, workload: dict[str, Any]
+    ) -> node_pressure.Seen | None:
+        """The kubelet's predicted evictions on the workers' Nodes (``spec.eviction.nodePressure``);
+        None when the policy does not ask for them."""
+        settings = spec.eviction.nodePressure
+        if settings is None:
+            return None
+        pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
+        margin = specs.parse_quantity(settings.margin)
+        return await kubelets.read(self.client, self.kubelets, pods=pods, margin=margin, logger=self.logger)
 
     async def read_target(
         self, status: specs.MemoryPolicyStatus
@@ -498,7 +520,8 @@ class Policy:
                 # told where the workers run: a preStop hook names only its own worker's node.
                 query = {
                     # The workers' unique bytes, for the disruption annotations, on the passes that decide them.
-                    "keys": self.disruption_due and spec.eviction.disruptionAnnotations,
+                    # And for the workers the kubelet would evict, on the passes that predict it.
+                    "keys": (self.disruption_due and spec.eviction.disruptionAnnotations) or self.pressure_victims,
                     "processing": spec.recycle is not None,
                     "drains": True,
                     "nodes": lambda: self.nodes,

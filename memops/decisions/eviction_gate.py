@@ -41,7 +41,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.decisions import timestamps
+from memops.decisions import objects, timestamps
 
 REASON_LABEL = "memops.dev/reason"
 """On a RetirementRequest: why it exists. ``eviction`` for the gate's and the node signals' drains."""
@@ -403,6 +403,46 @@ def request_name(policy: str, node: str, pods: Iterable[str], earlier: int = 0) 
     text = "\n".join([policy, node, *sorted(set(pods)), str(earlier)])
     digest = hashlib.sha256(text.encode()).hexdigest()[:10]
     return f"evict-{node[:200].strip('.-')}-{digest}"
+
+
+def node_requests(requests: Iterable[Mapping[str, Any]], node: str) -> list[Mapping[str, Any]]:
+    """A policy's Eviction RetirementRequests for ``node``, among its ``requests``."""
+    return [
+        r
+        for r in requests
+        if (r["metadata"].get("labels") or {}).get(REASON_LABEL) == EVICTION
+        and (r["metadata"].get("labels") or {}).get(NODE_LABEL) == node_label(node)
+    ]
+
+
+def drain_request(
+    owner: objects.Owner,
+    spec: specs.MemoryPolicySpec,
+    *,
+    node: str,
+    pods: Iterable[str],
+    earlier: int,
+    why: str,
+    requested_by: str | None = None,
+) -> objects.Obj:
+    """The node's Eviction RetirementRequest for ``pods``: a drain only (``removePods: false``),
+    since whoever evicts them (a node drain, the kubelet) removes the pods. ``why`` goes to its
+    ``memops.dev/why`` annotation; ``requested_by``, the user of the eviction that started it (the
+    gate's), to :data:`REQUESTED_BY_ANNOTATION`."""
+    chosen = tuple(dict.fromkeys(pods))
+    annotations = {"memops.dev/why": why[:1024]}
+    if requested_by is not None:
+        annotations[REQUESTED_BY_ANNOTATION] = requested_by
+    body = objects.policy_request(
+        owner,
+        spec,
+        name=request_name(owner.name, node, chosen, earlier),
+        workers=chosen,
+        labels={REASON_LABEL: EVICTION, NODE_LABEL: node_label(node)},
+        annotations=annotations,
+    )
+    body["spec"]["removePods"] = False
+    return body
 
 
 def latest_request(pod: str, requests: Sequence[Mapping[str, Any]]) -> RequestView | None:

@@ -29,6 +29,7 @@ FEATURE_GATED: dict[Permission, str] = {
     Permission("kubernetes.dask.org", "daskworkergroups", "patch"): "rbac.daskWorkerGroups=true",
     Permission("apps", "replicasets", "get"): "rbac.daskWorkerGroups=true",
     Permission("", "pods/resize", "patch"): "rbac.podResize=true",
+    Permission("", "nodes/proxy", "get"): "rbac.nodeProxy=true",
 }
 """Permission -> the Helm value that grants it (kustomize: the component of the same name)."""
 
@@ -36,6 +37,7 @@ KUSTOMIZE_COMPONENTS = {
     "rbac.schedulerTLS=true": "deploy/kustomize/components/scheduler-tls",
     "rbac.daskWorkerGroups=true": "deploy/kustomize/components/daskworkergroups",
     "rbac.podResize=true": "deploy/kustomize/components/pod-resize",
+    "rbac.nodeProxy=true": "deploy/kustomize/components/node-proxy",
 }
 
 _PATH = re.compile(

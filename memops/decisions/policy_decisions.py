@@ -26,6 +26,7 @@ from memops.decisions import (
     autoscaling,
     conditions,
     disruption,
+    node_pressure,
     objects,
     recycle_decisions,
     resize_decisions,
@@ -123,6 +124,7 @@ class Inputs:
     host_roots: frozenset[str] = frozenset()  # the host directories medium Node may mount (memops run's)
     resize: tuple[resize_decisions.WorkerSeen, ...] | None = None  # spec.resize's workers; None: not read
     disruption: DisruptionSeen | None = None  # the pods' annotations and unique bytes; None: not read this pass
+    node_pressure: node_pressure.Seen | None = None  # spec.eviction.nodePressure's read; None: not read
 
 
 Event = objects.Event  # one event type for both kinds' decisions
@@ -207,6 +209,16 @@ def decide(inputs: Inputs) -> Decision:
     )
     create = list(recycle.create) if recycle is not None else []
     events = [Event("Normal", "Recycling", f"recycling {m.pod}: {m.message}") for m in recycle.marks] if recycle else []
+    if inputs.node_pressure is not None:
+        drains, drained = node_pressure.plan(inputs.owner, spec, inputs.node_pressure, inputs.requests)
+        create += drains
+        status.nodePressure = node_pressure.status(status.nodePressure, inputs.node_pressure, drained, _render(now))
+        events += [
+            Event("Warning", node_pressure.EVENT_REASON, str(body["metadata"]["annotations"]["memops.dev/why"]))
+            for body in drains
+        ]
+    elif spec.eviction.nodePressure is None:
+        status.nodePressure = None
     events += resize.events
     acting = decision.action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN)
     if decision.action == scaling.Action.SCALE_DOWN:
@@ -256,7 +268,8 @@ def decide(inputs: Inputs) -> Decision:
         and spec.recycle is None
         and spec.pressure is None
         and spec.replication is None
-        and spec.resize is None,
+        and spec.resize is None
+        and spec.eviction.nodePressure is None,
     )
 
 

@@ -79,6 +79,20 @@ class NodeSignals(Model):
     )
 
 
+class NodePressureSpec(Model):
+    """Drain the workers that the kubelet would evict under node memory pressure, before it does."""
+
+    margin: Quantity = pydantic.Field(
+        default="256Mi",
+        description=(
+            "Act when a Node's available memory is within this of the kubelet's evictionHard memory.available"
+            " threshold (the node's, or its pods' allocatable share): its workers that the kubelet would evict"
+            " first, by its own ranking, are drained while they still can be. Needs the chart's rbac.nodeProxy"
+            " (get nodes/proxy: the kubelet's summary statistics and configuration, through the API server)."
+        ),
+    )
+
+
 class EvictionSpec(Model):
     """How the workers' evictions (kubectl drain, cluster-autoscaler, Karpenter) are answered."""
 
@@ -100,6 +114,13 @@ class EvictionSpec(Model):
             ' "true" and cluster-autoscaler.kubernetes.io/safe-to-evict "false", so that node autoscalers'
             " leave its node; both go once its data has another copy (or has moved). memops removes only"
             " the ones it set."
+        ),
+    )
+    nodePressure: NodePressureSpec | None = pydantic.Field(
+        default=None,
+        description=(
+            "Beat the kubelet's own eviction under node memory pressure, which gives no grace period and runs no"
+            " preStop hook. Off unless set."
         ),
     )
 
@@ -642,6 +663,42 @@ class PressureStatus(Model):
     message: str = pydantic.Field(default="", description="Why relief cannot do all it should, in one line.")
 
 
+class NodePressureNode(Model):
+    node: str = pydantic.Field(description="The Node.")
+    headroomBytes: int = pydantic.Field(
+        description="Bytes its pods may still take before the kubelet evicts (negative: past its threshold)."
+    )
+    signal: str = pydantic.Field(
+        description="The kubelet's tightest signal: memory.available or allocatableMemory.available."
+    )
+    victims: int = pydantic.Field(
+        default=0, description="Pods the kubelet would evict, by its ranking, to get the margin back (any namespace)."
+    )
+    workers: list[str] = pydantic.Field(
+        default_factory=list,
+        description="This policy's workers among them, in the kubelet's order.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    drained: list[str] = pydantic.Field(
+        default_factory=list,
+        description="Those drained ahead of it (the others hold no data that exists nowhere else, or are draining).",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+
+
+class NodePressureStatus(Model):
+    """The kubelet's predicted evictions on the Nodes of the policy's workers (spec.eviction.nodePressure)."""
+
+    nodes: list[NodePressureNode] = pydantic.Field(
+        default_factory=list, description="The Nodes within the margin of a threshold, at the last read."
+    )
+    drains: int = pydantic.Field(
+        default=0, description="Workers drained ahead of the kubelet since the policy was created."
+    )
+    lastRead: str = pydantic.Field(default="", description="When the kubelets were last read (RFC 3339).")
+    message: str = pydantic.Field(default="", description="What could not be read, in one line.")
+
+
 class SharedSpillStatus(Model):
     """What the workers' spill on the node tmpfs holds (medium Node), read from the workers' spill
     directories through memops' agent, each file (inode) once however many workers link it."""
@@ -732,6 +789,9 @@ class MemoryPolicyStatus(Model):
     )
     recycle: RecycleStatus | None = pydantic.Field(default=None, description="Workers recycled, and why.")
     pressure: PressureStatus | None = pydantic.Field(default=None, description="What pressure relief did.")
+    nodePressure: NodePressureStatus | None = pydantic.Field(
+        default=None, description="The kubelet's evictions that memops predicts, and the drains ahead of them."
+    )
     sharedSpill: SharedSpillStatus | None = pydantic.Field(
         default=None, description="What the workers' shared spill holds (medium Node), each file once."
     )

@@ -32,6 +32,7 @@ def sandbox(
     node_agent: bool = False,
     audit_log: str | None = None,
     chart_settings: list[str] | None = None,
+    node_memory: str | None = None,
 ) -> int:
     """``memops sandbox`` (or ``--build-only``), with arguments checked by memops' CLI.
 
@@ -59,6 +60,15 @@ def sandbox(
         except real_nodes.NodesUnavailable as error:
             print(f"memops sandbox: {error}", file=sys.stderr)
             return 1
+        if node_memory is not None:
+            try:
+                wanted = real_nodes.parse_memory(node_memory)
+            except ValueError as error:
+                print(f"memops sandbox: --node-memory: {error}", file=sys.stderr)
+                return 2
+            if not 0 < wanted < real_nodes.machine_memory():
+                print("memops sandbox: --node-memory: more than this machine has", file=sys.stderr)
+                return 2
     try:
         binaries = build.ensure()
         if not node_agent:
@@ -120,6 +130,7 @@ def sandbox(
         audit_log=Path(audit_log) if audit_log else None,
         values=values,
         on_ready=announce,
+        node_memory=node_memory,
     )
     try:
         upstream.run_until_signalled(serving, directory)

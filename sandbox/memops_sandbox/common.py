@@ -133,7 +133,13 @@ def scheduler_manifests(image: str, memory_limit: str = "2GiB") -> list[dict[str
                             "command": ["dask", "scheduler"],
                             "args": ["--port", str(SCHEDULER_PORT), "--no-dashboard"],
                             "ports": [{"name": "tcp-comm", "containerPort": SCHEDULER_PORT}],
-                            "resources": {"limits": {"memory": quantity(memory_limit)}},
+                            # Its request is what it uses at most in the scenarios, not its
+                            # limit: a Node with --node-memory has room for it and the workers,
+                            # and the kubelet ranks it after any pod over its request.
+                            "resources": {
+                                "requests": {"memory": "512Mi"},
+                                "limits": {"memory": quantity(memory_limit)},
+                            },
                         }
                     ]
                 },

@@ -33,6 +33,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -215,12 +216,21 @@ def cni_config(node: Node) -> dict[str, Any]:
     }
 
 
-def kubelet_config(node: Node, ca: Path, eviction_hard: dict[str, str] | None = None) -> dict[str, Any]:
+def kubelet_config(
+    node: Node, ca: Path, eviction_hard: dict[str, str] | None = None, *, node_memory: str | None = None
+) -> dict[str, Any]:
     """The KubeletConfiguration of ``node``: cgroup v1 with the cgroupfs driver, its own cgroup
     root, ports, logs and runtime; x509 clients only (the API server's); no image garbage
     collection (the images exist only here); eviction on memory only unless the caller sets
-    ``eviction_hard``, since the disk is the machine's, shared by every Node."""
+    ``eviction_hard``, since the disk is the machine's, shared by every Node.
+
+    ``node_memory``: the memory of the Node's pods. Every Node is this one machine, whose memory
+    its kubelet sees whole; it reserves the rest for the system (``systemReserved``), so that
+    its pods' cgroup is limited to about this, and its allocatable memory, and with it the
+    ``allocatableMemory.available`` eviction signal, are the Node's own."""
+    reserved = {"systemReserved": {"memory": str(machine_memory() - parse_memory(node_memory))}} if node_memory else {}
     return {
+        **reserved,
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
         "address": node.ip,
@@ -259,6 +269,23 @@ def kubelet_config(node: Node, ca: Path, eviction_hard: dict[str, str] | None = 
         "shutdownGracePeriod": "0s",
         "logging": {"format": "text"},
     }
+
+
+def machine_memory() -> int:
+    """The machine's memory in bytes, as the kubelet reads it (``MemTotal``)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise NodesUnavailable("/proc/meminfo has no MemTotal")
+
+
+def parse_memory(text: str) -> int:
+    """A memory quantity (``1536Mi``, ``2Gi``, ``2GiB``, plain bytes) in bytes."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "": 1}
+    match = re.fullmatch(r"(\d+)\s*([KMG]iB?|)", text.strip())
+    if match is None:
+        raise ValueError(f"{text!r}: a memory quantity such as 1536Mi or 2Gi")
+    return int(match[1]) * units[match[2]]
 
 
 def kubelet_argv(node: Node, binaries: NodeBinaries, kubeconfig: Path) -> list[str]:
@@ -675,6 +702,7 @@ async def running(
     binaries: NodeBinaries,
     *,
     eviction_hard: dict[str, str] | None = None,
+    node_memory: str | None = None,
     timeout: float = 120,
 ) -> AsyncIterator[None]:
     """Run the kubelets of real ``nodes`` (of :func:`machine`, their :func:`runtimes` up) and a
@@ -691,7 +719,7 @@ async def running(
         (state_dir / "kube-proxy.yaml").write_text(yaml.safe_dump(kube_proxy_config(proxy_config)))
         for node in nodes:
             (node.root / "kubelet.yaml").write_text(
-                yaml.safe_dump(kubelet_config(node, plane.pki.path("ca"), eviction_hard))
+                yaml.safe_dump(kubelet_config(node, plane.pki.path("ca"), eviction_hard, node_memory=node_memory))
             )
             kubeconfig = plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
             spawned = time.time()

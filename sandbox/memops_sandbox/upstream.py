@@ -161,6 +161,7 @@ async def serve(
     audit_log: Path | None = None,
     values: dict[str, Any] | None = None,
     on_ready: Callable[[], None] | None = None,
+    node_memory: str | None = None,
 ) -> None:
     """Run the sandbox until cancelled; ``on_ready`` is called once ``ready`` is written.
 
@@ -171,15 +172,27 @@ async def serve(
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
     try:
-        await (_serve if node_agent else _serve_on_real_nodes)(
-            workers,
-            state_dir,
-            nodes=nodes,
-            operator=operator,
-            memory_limit=memory_limit,
-            values=values,
-            on_ready=on_ready,
-        )
+        if node_agent:
+            await _serve(
+                workers,
+                state_dir,
+                nodes=nodes,
+                operator=operator,
+                memory_limit=memory_limit,
+                values=values,
+                on_ready=on_ready,
+            )
+        else:
+            await _serve_on_real_nodes(
+                workers,
+                state_dir,
+                nodes=nodes,
+                operator=operator,
+                memory_limit=memory_limit,
+                values=values,
+                on_ready=on_ready,
+                node_memory=node_memory,
+            )
     finally:
         if audit_log is not None:
             append_audit(state_dir / "audit.log", audit_log)
@@ -242,6 +255,7 @@ async def _serve_on_real_nodes(
     memory_limit: str,
     values: dict[str, Any] | None,
     on_ready: Callable[[], None] | None,
+    node_memory: str | None = None,
 ) -> None:
     """:func:`serve` on real Nodes (:mod:`memops_sandbox.nodes`): the Dask scheduler and workers
     are pods in containers with memory limits, from the sandbox's own Dask image."""
@@ -283,7 +297,7 @@ async def _serve_on_real_nodes(
                 await api.create(install.path_of(manifest), manifest)
             service = await api.get(f"/api/v1/namespaces/{common.NAMESPACE}/services/{common.SCHEDULER}")
             address = f"tcp://{service['spec']['clusterIP']}:{common.SCHEDULER_PORT}"
-            await stack.enter_async_context(real_nodes.running(plane, machine, binaries))
+            await stack.enter_async_context(real_nodes.running(plane, machine, binaries, node_memory=node_memory))
             # Not before kube-proxy runs: until it has programmed the webhook's Service, the API
             # server's calls to it would hang to their timeout rather than fail at once.
             await install.install_operator(api, objects, plane.pki.path("webhook-client-ca").read_bytes())

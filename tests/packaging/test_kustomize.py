@@ -18,7 +18,12 @@ NAMESPACED = manifests.KUSTOMIZE / "overlays" / "namespaced"
 NAMESPACED_VALUES = {"watchNamespaces": ["dask"], "webhook": {"allowUnauthenticatedSources": True}}
 CERT_MANAGER = {"webhook": {"certManager": {"enabled": True}}}
 # Each kustomize component and the chart value it stands for.
-COMPONENTS = {"scheduler-tls": "schedulerTLS", "daskworkergroups": "daskWorkerGroups", "pod-resize": "podResize"}
+COMPONENTS = {
+    "scheduler-tls": "schedulerTLS",
+    "daskworkergroups": "daskWorkerGroups",
+    "pod-resize": "podResize",
+    "node-proxy": "nodeProxy",
+}
 
 
 def _kinds(objects: list[dict[str, Any]]) -> set[tuple[str, str]]:

@@ -74,6 +74,7 @@ E2E_ONLY = {
     ("", "nodes", "get"): "tests/e2e/test_replication.py",
     ("", "secrets", "get"): "tests/e2e/test_safety_net.py",
     ("", "pods/resize", "patch"): "tests/e2e/test_resize.py",
+    ("", "nodes/proxy", "get"): "tests/e2e/test_node_pressure.py",
     ("", "services", "get"): "tests/e2e/test_walkthrough.py",
 }
 
@@ -85,8 +86,13 @@ UPSTREAM_ONLY = {("", "nodes", "list"), ("", "nodes", "watch")}
 FEATURES = {key.split("=")[0].removeprefix("rbac."): True for key in permissions.FEATURE_GATED.values()}
 # A namespaced install whose webhook is open to any source, which the chart refuses unless told.
 OPEN = {"webhook": {"allowUnauthenticatedSources": True}}
-COMPONENTS = {"schedulerTLS": "scheduler-tls", "daskWorkerGroups": "daskworkergroups", "podResize": "pod-resize"}
-CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces", "nodes"}
+COMPONENTS = {
+    "schedulerTLS": "scheduler-tls",
+    "daskWorkerGroups": "daskworkergroups",
+    "podResize": "pod-resize",
+    "nodeProxy": "node-proxy",
+}
+CLUSTER_SCOPED = {"customresourcedefinitions", "clusterkopfpeerings", "namespaces", "nodes", "nodes/proxy"}
 # Namespaced mode peers through a KopfPeering in each watched namespace instead.
 PEERING_SWAP = {"clusterkopfpeerings": "kopfpeerings"}
 
@@ -185,9 +191,7 @@ def chart_scenario(tmp_path_factory: pytest.TempPathFactory, audit_log: Path) ->
     """Run the operator as the chart runs it through a short scenario; yields what it observed."""
     directory = tmp_path_factory.mktemp("chart-mode")
     state_dir = directory / "sandbox"
-    process = sandbox_cli.launch(
-        state_dir, 3, *EVERY_FEATURE, "--no-operator", "--audit-log", str(audit_log)
-    )
+    process = sandbox_cli.launch(state_dir, 3, *EVERY_FEATURE, "--no-operator", "--audit-log", str(audit_log))
     sandbox = Sandbox(state_dir, process)
     operator: subprocess.Popen[bytes] | None = None
     try:

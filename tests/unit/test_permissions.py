@@ -51,9 +51,7 @@ from memops.decisions import permissions
         pytest.param("GET", "/healthz", None, id="not-a-resource"),
     ],
 )
-def test_requested_permission(
-    method: str, path: str, expected: tuple[permissions.Permission, str] | None
-) -> None:
+def test_requested_permission(method: str, path: str, expected: tuple[permissions.Permission, str] | None) -> None:
     assert permissions.requested(method, path) == expected
 
 
@@ -65,13 +63,15 @@ def test_requested_permission(
             "DELETE", "/apis/apps/v1/namespaces/dask/deployments/w", "needs rbac.daskWorkerGroups=true", id="groups"
         ),
         pytest.param("PATCH", "/api/v1/namespaces/dask/pods/w-1/resize", "needs rbac.podResize=true", id="pod-resize"),
+        pytest.param("GET", "/api/v1/nodes/n-1/proxy/stats/summary", "needs rbac.nodeProxy=true", id="node-proxy"),
         pytest.param("GET", "/api/v1/namespaces/dask/pods", "Role or ClusterRole lacks it", id="not-gated"),
     ],
 )
 def test_explain_forbidden_names_the_permission_and_the_value(method: str, path: str, needs: str) -> None:
     message = permissions.explain_forbidden(method, path, "denied")
     assert message.startswith("Forbidden: the operator may not ") and needs in message
-    assert "in namespace 'dask'" in message and message.endswith("The API server said: denied")
+    where = "cluster-wide" if "/nodes/" in path else "in namespace 'dask'"
+    assert where in message and message.endswith("The API server said: denied")
 
 
 async def test_the_client_turns_a_403_into_that_message() -> None:

@@ -1,0 +1,104 @@
+"""What a policy with ``spec.eviction.nodePressure`` reads of the kubelets of its workers' Nodes.
+
+Per Node, each pass: the Node (allocatable memory, the ``MemoryPressure`` condition), the
+kubelet's summary statistics and its configuration (``evictionHard``, ``enforceNodeAllocatable``)
+through the API server's node proxy, and the pods bound there (their requests and priorities,
+which the kubelet ranks by). The configuration changes only when the kubelet restarts: it is
+read once every few minutes. :mod:`memops.decisions.node_pressure` decides from it all.
+
+Pods of every namespace are ranked, as the kubelet ranks them, but only the policy's own are
+named in its status. Where the operator may not list the pods of the whole cluster (a
+namespaced install), the others are ranked from the summary alone, as using no more than their
+requests at the lowest priority: the policy's workers then rank no later than the kubelet ranks
+them, and are drained no later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from memops.clients import kube
+from memops.decisions import node_pressure
+from memops.decisions.objects import Obj
+
+CONFIG_SECONDS = 300.0
+"""How long a kubelet's configuration read is used before it is read again."""
+MAX_NODES = 64
+"""Nodes read per pass at most: a policy whose workers spread wider reads the first 64 by name."""
+
+
+class Kubelets:
+    """The kubelets' configurations, read through the node proxy, each reused for
+    :data:`CONFIG_SECONDS` (a cache only: a restart reads them again)."""
+
+    def __init__(self) -> None:
+        self.configs: dict[str, tuple[float, Mapping[str, Any]]] = {}
+
+    async def config(self, client: kube.Kube, node: str) -> Mapping[str, Any]:
+        cached = self.configs.get(node)
+        if cached is not None and time.monotonic() - cached[0] < CONFIG_SECONDS:
+            return cached[1]
+        answer = await client.get(kube.resource_path("", "v1", "nodes", node, "proxy") + "/configz")
+        config = answer.get("kubeletconfig")
+        found = config if isinstance(config, Mapping) else {}
+        self.configs[node] = (time.monotonic(), found)
+        return found
+
+
+async def read(
+    client: kube.Kube,
+    kubelets: Kubelets,
+    *,
+    pods: Sequence[Obj],
+    margin: int,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> node_pressure.Seen:
+    """The kubelets' predicted evictions on the Nodes of ``pods`` (the policy's workers)."""
+    ours: dict[tuple[str, str], str] = {}
+    nodes: set[str] = set()
+    for pod in pods:
+        meta, node = pod.get("metadata") or {}, (pod.get("spec") or {}).get("nodeName")
+        if isinstance(node, str) and node:
+            ours[(str(meta.get("namespace", "")), str(meta.get("name", "")))] = str(meta.get("name", ""))
+            nodes.add(node)
+    chosen = sorted(nodes)[:MAX_NODES]
+    answers = await asyncio.gather(*(_read_node(client, kubelets, node) for node in chosen), return_exceptions=True)
+    predictions, problems = [], []
+    for node, answer in zip(chosen, answers, strict=True):
+        if isinstance(answer, kube.ApiError):
+            problems.append(f"node {node}: {answer.message}")
+            continue
+        if isinstance(answer, BaseException):
+            raise answer
+        prediction = node_pressure.predict(answer, margin, ours)
+        if prediction is not None:
+            predictions.append(prediction)
+            logger.info(
+                "node %s: %d bytes above the kubelet's %s threshold; it would evict %d pods, of this policy %s",
+                node,
+                prediction.headroom,
+                prediction.signal,
+                len(prediction.victims),
+                list(prediction.ours),
+            )
+    return node_pressure.Seen(predictions=tuple(predictions), message="; ".join(problems))
+
+
+async def _read_node(client: kube.Kube, kubelets: Kubelets, node: str) -> node_pressure.NodeMemory:
+    proxy = kube.resource_path("", "v1", "nodes", node, "proxy")
+    found, summary, config = await asyncio.gather(
+        client.get(kube.resource_path("", "v1", "nodes", node)),
+        client.get(proxy + "/stats/summary"),
+        kubelets.config(client, node),
+    )
+    try:
+        bound = await client.list(kube.resource_path("", "v1", "pods"), field_selector=f"spec.nodeName={node}")
+    except kube.ApiError as exc:
+        if exc.code != 403:
+            raise
+        bound = []
+    return node_pressure.node_memory(found, summary, config, node_pressure.with_unlisted(bound, summary))

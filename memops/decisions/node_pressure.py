@@ -1,0 +1,353 @@
+"""The kubelet's next memory evictions, predicted from what it decides them by.
+
+Under node memory pressure the kubelet evicts pods itself, by its own ranking, and a hard
+threshold gives no grace period: no preStop hook runs, so the safety net's drain cannot help.
+memops therefore reads the same inputs the kubelet's eviction manager reads (the kubelet's
+summary statistics, its ``evictionHard`` thresholds, the pods' requests and priorities) and
+predicts which pods the kubelet will evict once a threshold is crossed. A worker of the policy
+among them is drained before that, while it still can be.
+
+The kubelet watches two memory signals (``pkg/kubelet/eviction/helpers.go``):
+
+- ``memory.available``: the node's available memory (capacity less the working set of the
+  node's root cgroup);
+- ``allocatableMemory.available``: the pods' share (``status.allocatable`` less the working set
+  of the pods' cgroup), watched when ``enforceNodeAllocatable`` holds ``pods`` (the default),
+  with the same threshold as ``memory.available``.
+
+A threshold is a quantity, or a percentage of the signal's capacity. The node is under pressure
+when either signal's available memory is at or below its threshold.
+
+Its ranking (``rankMemoryPressure``): first the pods whose usage (their containers' working
+set) exceeds their memory request, then lower priority first, then the larger usage above the
+request first. It evicts one pod per pass, then looks again. This module walks that order until
+the evictions would bring the node back over its threshold plus ``margin``, and names the pods
+of that walk. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+from memops import specs
+from memops.decisions import eviction_gate, objects
+from memops.specs.common import parse_quantity
+
+EVENT_REASON = "NodePressureDrain"
+MEMORY_AVAILABLE = "memory.available"
+ALLOCATABLE_AVAILABLE = "allocatableMemory.available"
+DEFAULT_THRESHOLD = "100Mi"  # the kubelet's default evictionHard memory.available on Linux
+
+
+@dataclasses.dataclass(frozen=True)
+class PodUsage:
+    """One pod on the node, as the kubelet ranks it."""
+
+    namespace: str
+    name: str
+    usage: int  # bytes: its containers' working set
+    request: int  # bytes: its memory request
+    priority: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Signal:
+    """One of the kubelet's memory signals on one node."""
+
+    name: str
+    available: int  # bytes
+    threshold: int  # bytes: the kubelet evicts at or below it
+
+    @property
+    def headroom(self) -> int:
+        """Bytes the node may still take before the kubelet evicts (negative: past it)."""
+        return self.available - self.threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeMemory:
+    """A node's memory as its kubelet judges it."""
+
+    node: str
+    signals: tuple[Signal, ...]
+    pods: tuple[PodUsage, ...]
+    pressure: bool = False  # the Node's MemoryPressure condition is True
+
+    @property
+    def tightest(self) -> Signal | None:
+        return min(self.signals, key=lambda s: s.headroom, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What the kubelet would evict from one node, and this policy's share of it."""
+
+    node: str
+    headroom: int  # bytes, of the tightest signal
+    signal: str
+    victims: tuple[PodUsage, ...]  # in the kubelet's order
+    ours: tuple[str, ...]  # the policy's workers among them, in the same order
+
+
+def threshold_bytes(value: str, capacity: int) -> int:
+    """An ``evictionHard`` value in bytes: a quantity, or a percentage of ``capacity``."""
+    text = value.strip()
+    if text.endswith("%"):
+        share = decimal.Decimal(text[:-1])
+        if not 0 <= share <= 100:
+            raise ValueError(f"{value!r}: a percentage between 0 and 100")
+        return int(capacity * share / 100)
+    return parse_quantity(text)
+
+
+def ranked(pods: Iterable[PodUsage]) -> list[PodUsage]:
+    """``pods`` in the kubelet's order of eviction under memory pressure."""
+    return sorted(pods, key=lambda p: (p.usage <= p.request, p.priority, -(p.usage - p.request), p.namespace, p.name))
+
+
+def predict(node: NodeMemory, margin: int, ours: Mapping[tuple[str, str], str]) -> Prediction | None:
+    """The pods the kubelet would evict from ``node`` before its tightest signal is back above its
+    threshold plus ``margin``; None when the node has that much headroom already and is not
+    under pressure. ``ours``: (namespace, pod) -> the name to report, for this policy's workers.
+
+    Each eviction frees the victim's usage (its working set leaves both signals)."""
+    signal = node.tightest
+    if signal is None:
+        return None
+    if signal.headroom > margin and not node.pressure:
+        return None
+    need = margin - signal.headroom
+    victims: list[PodUsage] = []
+    freed = 0
+    for pod in ranked(node.pods):
+        if freed > need and victims:
+            break
+        victims.append(pod)
+        freed += max(pod.usage, 0)
+    mine = tuple(ours[(p.namespace, p.name)] for p in victims if (p.namespace, p.name) in ours)
+    return Prediction(node=node.node, headroom=signal.headroom, signal=signal.name, victims=tuple(victims), ours=mine)
+
+
+# -- reading the kubelet's answers --------------------------------------------------------------
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else None
+
+
+def pod_request(pod: Mapping[str, Any]) -> int:
+    """A pod's memory request as the kubelet counts it: its containers' sum, or its largest init
+    container's if larger, plus its overhead."""
+    spec = pod.get("spec") or {}
+
+    def request(container: Any) -> int:
+        if not isinstance(container, Mapping):
+            return 0
+        value = ((container.get("resources") or {}).get("requests") or {}).get("memory")
+        try:
+            return parse_quantity(str(value)) if value is not None else 0
+        except ValueError:
+            return 0
+
+    containers = sum(request(c) for c in spec.get("containers") or [])
+    inits = max((request(c) for c in spec.get("initContainers") or []), default=0)
+    overhead = (spec.get("overhead") or {}).get("memory")
+    try:
+        extra = parse_quantity(str(overhead)) if overhead is not None else 0
+    except ValueError:
+        extra = 0
+    return max(containers, inits) + extra
+
+
+def pressure_condition(node: Mapping[str, Any]) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(
+        isinstance(c, Mapping) and c.get("type") == "MemoryPressure" and c.get("status") == "True" for c in conditions
+    )
+
+
+def _map(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _pod_usage(stats: Any) -> int:
+    """A summary's pod entry: its containers' working set, as the kubelet's ranking counts it."""
+    containers = _map(stats).get("containers")
+    return sum(
+        _int(_map(_map(c).get("memory")).get("workingSetBytes")) or 0
+        for c in (containers if isinstance(containers, list) else [])
+    )
+
+
+def node_memory(
+    node: Mapping[str, Any],
+    summary: Mapping[str, Any],
+    config: Mapping[str, Any],
+    pods: Sequence[Mapping[str, Any]],
+) -> NodeMemory:
+    """The kubelet's view of a node from its Node object, its summary statistics
+    (``/stats/summary``), its configuration (``/configz``'s ``kubeletconfig``) and the pods bound
+    to it. What is missing or malformed in the kubelet's answers leaves a signal or a pod out."""
+    name = str(_map(node.get("metadata")).get("name", ""))
+    hard = str(_map(config.get("evictionHard")).get(MEMORY_AVAILABLE, DEFAULT_THRESHOLD))
+    signals: list[Signal] = []
+    node_stats = _map(summary.get("node"))
+    memory = _map(node_stats.get("memory"))
+    available, working = _int(memory.get("availableBytes")), _int(memory.get("workingSetBytes"))
+    if available is not None and working is not None:
+        try:
+            signals.append(Signal(MEMORY_AVAILABLE, available, threshold_bytes(hard, available + working)))
+        except (ValueError, decimal.InvalidOperation):
+            pass
+    enforced = config.get("enforceNodeAllocatable", ["pods"])
+    if isinstance(enforced, list) and "pods" in enforced:
+        allocatable = _map(_map(node.get("status")).get("allocatable")).get("memory")
+        containers = node_stats.get("systemContainers")
+        pods_stats = (
+            next((_map(c) for c in containers if _map(c).get("name") == "pods"), {})
+            if isinstance(containers, list)
+            else {}
+        )
+        used = _int(_map(pods_stats.get("memory")).get("workingSetBytes"))
+        if allocatable is not None and used is not None:
+            try:
+                capacity = parse_quantity(str(allocatable))
+                signals.append(Signal(ALLOCATABLE_AVAILABLE, capacity - used, threshold_bytes(hard, capacity)))
+            except (ValueError, decimal.InvalidOperation):
+                pass
+    usage: dict[tuple[str, str], int] = {}
+    listed = summary.get("pods")
+    for stats in listed if isinstance(listed, list) else []:
+        ref = _map(_map(stats).get("podRef"))
+        if not ref:
+            continue
+        total = _pod_usage(stats)
+        usage[(str(ref.get("namespace", "")), str(ref.get("name", "")))] = total
+    seen = []
+    for pod in pods:
+        meta = _map(pod.get("metadata"))
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        if key not in usage or _map(pod.get("status")).get("phase") not in ("Running", "Pending"):
+            continue
+        priority = _map(pod.get("spec")).get("priority")
+        seen.append(
+            PodUsage(
+                namespace=key[0],
+                name=key[1],
+                usage=usage[key],
+                request=pod_request(pod),
+                priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
+            )
+        )
+    return NodeMemory(node=name, signals=tuple(signals), pods=tuple(seen), pressure=pressure_condition(node))
+
+
+UNLISTED_PRIORITY = 2_000_000_000
+"""Above any user PriorityClass (system ones go to 2,000,001,000): where the pods of other
+namespaces cannot be listed, they are ranked as if within their requests at this priority,
+after the policy's workers, so that those are drained no later than the kubelet would evict them."""
+
+
+def with_unlisted(bound: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """``bound`` (the pods listed on the node), and a stand-in for each pod of the summary that the
+    listing did not show, using no more than it requests, at :data:`UNLISTED_PRIORITY`."""
+    listed = {
+        (str(_map(p.get("metadata")).get("namespace", "")), str(_map(p.get("metadata")).get("name", ""))) for p in bound
+    }
+    stand_ins: list[Mapping[str, Any]] = []
+    stats = summary.get("pods")
+    for entry in stats if isinstance(stats, list) else []:
+        ref = _map(_map(entry).get("podRef"))
+        key = (str(ref.get("namespace", "")), str(ref.get("name", "")))
+        if not ref or key in listed:
+            continue
+        usage = _pod_usage(entry)
+        stand_ins.append(
+            {
+                "metadata": {"namespace": key[0], "name": key[1]},
+                "spec": {
+                    "priority": UNLISTED_PRIORITY,
+                    "containers": [{"resources": {"requests": {"memory": str(usage)}}}],
+                },
+                "status": {"phase": "Running"},
+            }
+        )
+    return [*bound, *stand_ins]
+
+
+# -- what the policy does about it ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What a pass read for ``spec.eviction.nodePressure``."""
+
+    predictions: tuple[Prediction, ...]
+    message: str = ""  # what could not be read
+    unique: Mapping[str, int] = dataclasses.field(default_factory=dict)  # pod -> bytes held alone, once asked
+
+
+def to_drain(
+    predictions: Iterable[Prediction], unique: Mapping[str, int], draining: Collection[str]
+) -> dict[str, tuple[str, ...]]:
+    """Node -> the policy's predicted victims there to drain now: those that hold data existing
+    nowhere else (``unique``: pod -> bytes; a pod the scheduler did not report is left alone) and
+    are not in a drain already."""
+    chosen: dict[str, tuple[str, ...]] = {}
+    for prediction in predictions:
+        pods = tuple(p for p in prediction.ours if unique.get(p, 0) > 0 and p not in draining)
+        if pods:
+            chosen[prediction.node] = pods
+    return chosen
+
+
+def status(
+    old: specs.NodePressureStatus | None,
+    seen: Seen,
+    drained: Mapping[str, Sequence[str]],
+    now: str,
+) -> specs.NodePressureStatus:
+    """``status.nodePressure`` after a read: the nodes within the margin, and the drains counted."""
+    nodes = [
+        specs.NodePressureNode(
+            node=p.node,
+            headroomBytes=p.headroom,
+            signal=p.signal,
+            victims=len(p.victims),
+            workers=list(dict.fromkeys(p.ours)),
+            drained=list(drained.get(p.node, ())),
+        )
+        for p in sorted(seen.predictions, key=lambda p: p.node)
+    ]
+    total = (old.drains if old is not None else 0) + sum(len(pods) for pods in drained.values())
+    return specs.NodePressureStatus(nodes=nodes, drains=total, lastRead=now, message=seen.message[:1024])
+
+
+def plan(
+    owner: objects.Owner,
+    spec: specs.MemoryPolicySpec,
+    seen: Seen,
+    requests: Sequence[Mapping[str, Any]],
+) -> tuple[list[objects.Obj], dict[str, tuple[str, ...]]]:
+    """The Eviction RetirementRequests that drain the predicted victims now, one per node, and
+    node -> the pods they drain. A pod named by an unfinished request of the policy is left to it."""
+    draining = {
+        str(w)
+        for r in requests
+        if (r.get("status") or {}).get("phase") not in (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
+        for w in (r.get("spec") or {}).get("workers") or []
+    }
+    chosen = to_drain(seen.predictions, seen.unique, draining)
+    bodies = []
+    for node, pods in chosen.items():
+        headroom = next(p.headroom for p in seen.predictions if p.node == node)
+        why = (
+            f"node {node}: {headroom // 2**20} MiB above the kubelet's memory eviction threshold, within"
+            f" spec.eviction.nodePressure.margin; the kubelet would evict {', '.join(pods)}"
+        )
+        earlier = len(eviction_gate.node_requests(requests, node))
+        bodies.append(eviction_gate.drain_request(owner, spec, node=node, pods=pods, earlier=earlier, why=why))
+    return bodies, chosen

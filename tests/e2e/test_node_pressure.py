@@ -1,0 +1,197 @@
+"""The kubelet's own eviction under node memory pressure, on real Nodes, with and without memops.
+
+Each Node has 2 GiB for its pods (``--node-memory 2Gi``: its kubelet reserves the rest of the
+machine), so the kubelet's ``allocatableMemory.available`` signal (threshold ``evictionHard``
+``memory.available`` 100Mi) is within reach. Four workers as users often write them, a small
+memory request under a larger limit (spilling off, as for data that cannot spill), spread over
+the two Nodes. Unique keys fill the two workers of one Node past what the Node can hold.
+
+Stock, the kubelet evicts the worker that is furthest over its request, with no grace period and
+no preStop hook, and its keys are lost. Under a MemoryPolicy with ``spec.eviction.nodePressure``,
+memops reads what the kubelet decides by (its summary statistics and configuration through the
+API server's node proxy, the pods' requests and priorities), predicts that victim while the Node
+is still within the margin, and drains it first: 0 keys lost.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import distributed
+import pytest
+from memops_sandbox import common as sandbox_cli
+
+from memops.specs.common import parse_quantity
+from tests.e2e.conftest import Sandbox
+from tests.e2e.data import Holdings
+
+MiB = 2**20
+NODE_MEMORY = "2Gi"
+THRESHOLD = 100 * MiB  # the sandbox kubelets' evictionHard memory.available
+CHUNK = 32 * MiB
+PACE = 0.5  # seconds between chunks: the kubelet looks every 10 s, memops every 2 s
+APP = "pressed"
+
+
+@pytest.fixture
+def pressed(tmp_path: Path) -> Iterator[Callable[[bool], Sandbox]]:
+    started: list[Sandbox] = []
+
+    def start(operator: bool) -> Sandbox:
+        state_dir = tmp_path / f"pressed{len(started)}"
+        args = ["--nodes", "2", "--worker-memory", "512MiB", "--node-memory", NODE_MEMORY]
+        args += ["--set", "rbac.nodeProxy=true"] if operator else ["--no-operator"]
+        sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, 1, *args, real_nodes=True))
+        started.append(sandbox)
+        return sandbox
+
+    yield start
+    for sandbox in started:
+        sandbox.stop()
+
+
+def workload(sandbox: Sandbox) -> None:
+    """Four workers of 1 GiB with a 64 MiB request, two per Node, spilling off."""
+    body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, 4, image=sandbox_cli.DASK_IMAGE))
+    body["metadata"]["name"] = body["spec"]["template"]["metadata"]["labels"]["app"] = APP
+    body["metadata"]["labels"] = body["spec"]["selector"]["matchLabels"] = {"app": APP}
+    spec = body["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    container["resources"] = {"requests": {"memory": "64Mi"}, "limits": {"memory": "1Gi"}}
+    container["env"] = [
+        *container.get("env", []),
+        {"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": "False"},
+        {"name": "DASK_DISTRIBUTED__WORKER__MEMORY__SPILL", "value": "False"},
+    ]
+    spec["topologySpreadConstraints"] = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": {"app": APP}},
+        }
+    ]
+    sandbox.apply(body)
+
+
+def pressed_pods(sandbox: Sandbox) -> list[dict[str, Any]]:
+    return [p for p in sandbox.get("pods", "-l", f"app={APP}")["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def the_full_node(sandbox: Sandbox) -> str:
+    """The Node to fill: the one without the Dask scheduler, whose loss would lose everything."""
+    [scheduler] = sandbox.get("pods", "-l", "app=dask-scheduler")["items"]
+    nodes = {p["spec"]["nodeName"] for p in pressed_pods(sandbox)}
+    [node] = nodes - {scheduler["spec"]["nodeName"]}
+    return str(node)
+
+
+def headroom(sandbox: Sandbox, node: str) -> int:
+    """Bytes the Node's pods may still take before the kubelet's allocatable threshold."""
+    summary = json.loads(sandbox.kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/stats/summary").stdout)
+    [pods] = [c for c in summary["node"]["systemContainers"] if c["name"] == "pods"]
+    allocatable = parse_quantity(sandbox.get("node", node)["status"]["allocatable"]["memory"])
+    return int(allocatable - pods["memory"]["workingSetBytes"] - THRESHOLD)
+
+
+def workers_on(client: distributed.Client, sandbox: Sandbox, node: str) -> dict[str, str]:
+    """Pod -> worker address, for the running pressed workers of ``node``."""
+    pods = {p["metadata"]["name"] for p in pressed_pods(sandbox) if p["spec"].get("nodeName") == node}
+    return {
+        str(info["name"]): address
+        for address, info in client.scheduler_info(n_workers=-1)["workers"].items()
+        if str(info["name"]) in pods and info.get("status") == "running"
+    }
+
+
+def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node: str, nbytes: int) -> None:
+    """``nbytes`` of unique keys onto the workers of ``node``, ``CHUNK`` at a time, two thirds to
+    the first of them by name (the kubelet's first victim: the furthest over its request)."""
+    for step in range(nbytes // CHUNK):
+        workers = sorted(workers_on(client, sandbox, node).items())
+        if not workers:
+            return
+        pod, address = workers[0] if step % 3 or len(workers) == 1 else workers[1]
+        key = f"{pod}-{step}"
+        value = os.urandom(CHUNK)
+        try:
+            scattered = client.scatter({key: value}, workers=[address], hash=False, broadcast=False, timeout=10)
+        except (OSError, TimeoutError):
+            continue  # the worker left (drained, or evicted) as the chunk went
+        holdings.futures[key], holdings.values[key], holdings.owner[key] = scattered[key], value, pod
+        time.sleep(PACE)
+
+
+def evicted(sandbox: Sandbox) -> list[str]:
+    return [
+        p["metadata"]["name"]
+        for p in sandbox.get("pods", "-l", f"app={APP}")["items"]
+        if p.get("status", {}).get("reason") == "Evicted"
+    ]
+
+
+def scenario(sandbox: Sandbox, client: distributed.Client) -> tuple[Holdings, str]:
+    workload(sandbox)
+    client.wait_for_workers(5, timeout=120)
+    node = the_full_node(sandbox)
+    holdings = Holdings(client)
+    # Past the threshold by a margin the kubelet cannot miss between two of its looks.
+    fill(client, sandbox, holdings, node, headroom(sandbox, node) + 256 * MiB)
+    return holdings, node
+
+
+def test_without_memops_the_kubelet_evicts_a_worker_and_its_keys_are_lost(
+    pressed: Callable[[bool], Sandbox],
+) -> None:
+    sandbox = pressed(False)
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        holdings, node = scenario(sandbox, client)
+        sandbox.wait_for(lambda: evicted(sandbox), timeout=60, what="the kubelet to evict a worker")
+        sandbox.wait_for(lambda: holdings.lost(), timeout=30, what="the evicted worker's keys to be lost")
+        lost_owners = {holdings.owner[k] for k in holdings.lost()}
+        assert lost_owners <= set(evicted(sandbox)), "only the evicted worker's keys are lost"
+        print(
+            f"stock: evicted {evicted(sandbox)} on {node}; {len(holdings.lost())} of {len(holdings.values)} keys lost"
+        )
+
+
+def test_memops_drains_the_kubelets_next_victim_before_it_is_evicted(pressed: Callable[[bool], Sandbox]) -> None:
+    sandbox = pressed(True)
+    sandbox.apply(
+        {
+            "apiVersion": "memops.dev/v1alpha1",
+            "kind": "MemoryPolicy",
+            "metadata": {"name": APP, "namespace": "default"},
+            "spec": {
+                "scheduler": {"address": "tcp://dask-scheduler:8786"},
+                "workload": {"kind": "Deployment", "name": APP},
+                "eviction": {"nodePressure": {"margin": "384Mi"}},
+            },
+        }
+    )
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        holdings, node = scenario(sandbox, client)
+
+        def drained() -> dict[str, Any] | None:
+            status = sandbox.get("mempol", APP).get("status", {}).get("nodePressure") or {}
+            return status if status.get("drains", 0) >= 1 else None
+
+        status = sandbox.wait_for(drained, timeout=60, what="memops to drain the kubelet's next victim")
+        # Two of the kubelet's looks (every 10 s) after the fill, the keys are all there.
+        time.sleep(25)
+        assert holdings.lost() == [], f"lost {len(holdings.lost())} keys; evicted {evicted(sandbox)}"
+        holdings.assert_all_correct()
+        requests = sandbox.get("retire", "-l", "memops.dev/reason=eviction")["items"]
+        assert requests and all(r["spec"]["removePods"] is False for r in requests)
+        events = sandbox.get("events", "--field-selector", "reason=NodePressureDrain")["items"]
+        assert events, "the drain is announced on the policy"
+        print(
+            f"memops: {status['drains']} drained ahead of the kubelet on {node};"
+            f" {len(holdings.values)} keys, 0 lost; evicted anyway: {evicted(sandbox)}"
+        )

@@ -1,0 +1,225 @@
+"""The kubelet's next memory evictions, predicted (memops.decisions.node_pressure): pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from memops import specs
+from memops.decisions import eviction_gate, node_pressure, objects
+from memops.decisions.node_pressure import PodUsage
+
+MiB = 2**20
+
+
+def pod(name: str, usage: int, request: int = 0, priority: int = 0, namespace: str = "dask") -> PodUsage:
+    return PodUsage(namespace=namespace, name=name, usage=usage * MiB, request=request * MiB, priority=priority)
+
+
+def test_the_ranking_is_the_kubelets() -> None:
+    """Over their request first, then lower priority, then the larger use above the request."""
+    pods = [
+        pod("within", usage=900, request=1000),
+        pod("over-high-priority", usage=300, request=100, priority=1000),
+        pod("over-a-little", usage=200, request=100),
+        pod("over-a-lot", usage=700, request=100),
+        pod("within-low-priority", usage=50, request=100, priority=-5),
+    ]
+    assert [p.name for p in node_pressure.ranked(pods)] == [
+        "over-a-lot",
+        "over-a-little",
+        "over-high-priority",
+        "within-low-priority",
+        "within",
+    ]
+
+
+def node(headroom_mib: int, pods: list[PodUsage], pressure: bool = False) -> node_pressure.NodeMemory:
+    signal = node_pressure.Signal("allocatableMemory.available", (100 + headroom_mib) * MiB, 100 * MiB)
+    return node_pressure.NodeMemory(node="n1", signals=(signal,), pods=tuple(pods), pressure=pressure)
+
+
+OURS = {("dask", "w-1"): "w-1", ("dask", "w-2"): "w-2"}
+
+
+def test_no_prediction_with_room_beyond_the_margin() -> None:
+    assert node_pressure.predict(node(300, [pod("w-1", 500)]), 256 * MiB, OURS) is None
+
+
+def test_within_the_margin_the_walk_stops_once_the_evictions_free_enough() -> None:
+    pods = [pod("w-1", 400), pod("w-2", 300), pod("other", 200, namespace="else")]
+    found = node_pressure.predict(node(100, pods), 256 * MiB, OURS)
+    assert found is not None
+    # 156 MiB short of the margin: the first victim (400 MiB) is enough.
+    assert [p.name for p in found.victims] == ["w-1"] and found.ours == ("w-1",)
+    assert found.headroom == 100 * MiB and found.signal == "allocatableMemory.available"
+    # Past the threshold by 300 MiB: 556 MiB must go, two victims.
+    found = node_pressure.predict(node(-300, pods), 256 * MiB, OURS)
+    assert found is not None and found.ours == ("w-1", "w-2")
+
+
+def test_another_namespaces_pod_ranked_first_is_counted_but_not_ours() -> None:
+    pods = [pod("w-1", 300, request=100), pod("hog", 900, namespace="else")]
+    found = node_pressure.predict(node(0, pods), 256 * MiB, OURS)
+    assert found is not None and [p.name for p in found.victims] == ["hog"] and found.ours == ()
+
+
+def test_the_pressure_condition_alone_predicts() -> None:
+    found = node_pressure.predict(node(900, [pod("w-2", 10)], pressure=True), 256 * MiB, OURS)
+    assert found is not None and found.ours == ("w-2",)
+
+
+@pytest.mark.parametrize(("value", "capacity", "expected"), [("100Mi", 0, 100 * MiB), ("10%", 1000, 100)])
+def test_thresholds(value: str, capacity: int, expected: int) -> None:
+    assert node_pressure.threshold_bytes(value, capacity) == expected
+
+
+def test_a_threshold_out_of_range_is_refused() -> None:
+    with pytest.raises(ValueError):
+        node_pressure.threshold_bytes("150%", 1000)
+
+
+def kube_pod(name: str, memory: str | None, namespace: str = "dask", **spec: Any) -> dict[str, Any]:
+    resources = {"requests": {"memory": memory}} if memory else {}
+    return {
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"containers": [{"name": "c", "resources": resources}], **spec},
+        "status": {"phase": "Running"},
+    }
+
+
+def summary(pods: dict[tuple[str, str], int], *, node_available: int, node_working: int, pods_working: int) -> Any:
+    return {
+        "node": {
+            "nodeName": "n1",
+            "memory": {"availableBytes": node_available, "workingSetBytes": node_working},
+            "systemContainers": [
+                {"name": "kubelet", "memory": {"workingSetBytes": 1}},
+                {"name": "pods", "memory": {"workingSetBytes": pods_working}},
+            ],
+        },
+        "pods": [
+            {
+                "podRef": {"namespace": ns, "name": name},
+                "containers": [{"name": "c", "memory": {"workingSetBytes": usage}}],
+            }
+            for (ns, name), usage in pods.items()
+        ],
+    }
+
+
+NODE = {"metadata": {"name": "n1"}, "status": {"allocatable": {"memory": "2Gi"}, "conditions": []}}
+
+
+def test_node_memory_reads_both_signals_and_the_pods() -> None:
+    stats = summary(
+        {("dask", "w-1"): 700 * MiB, ("dask", "sched"): 100 * MiB},
+        node_available=20 * 2**30,
+        node_working=4 * 2**30,
+        pods_working=1800 * MiB,
+    )
+    config = {"evictionHard": {"memory.available": "300Mi"}, "enforceNodeAllocatable": ["pods"]}
+    pods = [kube_pod("w-1", "100Mi"), kube_pod("sched", "512Mi", priority=10), kube_pod("gone", "1Gi")]
+    seen = node_pressure.node_memory(NODE, stats, config, pods)
+    by_name = {s.name: s for s in seen.signals}
+    assert by_name["memory.available"].headroom == 20 * 2**30 - 300 * MiB
+    assert by_name["allocatableMemory.available"].headroom == (2048 - 1800 - 300) * MiB
+    assert seen.tightest is not None and seen.tightest.name == "allocatableMemory.available"
+    assert {(p.name, p.usage, p.request, p.priority) for p in seen.pods} == {
+        ("w-1", 700 * MiB, 100 * MiB, 0),
+        ("sched", 100 * MiB, 512 * MiB, 10),
+    }, "a pod the summary does not show is not ranked"
+
+
+def test_without_enforced_allocatable_only_the_node_signal() -> None:
+    stats = summary({}, node_available=MiB, node_working=MiB, pods_working=MiB)
+    seen = node_pressure.node_memory(NODE, stats, {"enforceNodeAllocatable": []}, [])
+    assert [s.name for s in seen.signals] == ["memory.available"]
+
+
+def test_the_request_is_the_kubelets() -> None:
+    """Containers summed, the largest init container if larger, plus the pod's overhead."""
+    body = kube_pod("w", "100Mi")
+    body["spec"]["containers"].append({"resources": {"requests": {"memory": "50Mi"}}})
+    assert node_pressure.pod_request(body) == 150 * MiB
+    body["spec"]["initContainers"] = [{"resources": {"requests": {"memory": "1Gi"}}}]
+    body["spec"]["overhead"] = {"memory": "10Mi"}
+    assert node_pressure.pod_request(body) == 1034 * MiB
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        {},
+        {"node": "x", "pods": "y"},
+        {"node": {"memory": {"availableBytes": "1", "workingSetBytes": True}}, "pods": [1, None, {"podRef": 3}]},
+        {"node": {"memory": {"availableBytes": 2**70, "workingSetBytes": -1}, "systemContainers": {"pods": 1}}},
+        {
+            "pods": [
+                {"podRef": {"namespace": "dask", "name": "w-1"}, "containers": [{"memory": {"workingSetBytes": 2**64}}]}
+            ]
+        },
+    ],
+)
+def test_a_malformed_summary_leaves_out_what_it_cannot_say(hostile: Any) -> None:
+    seen = node_pressure.node_memory(NODE, hostile, {"evictionHard": "nope"}, [kube_pod("w-1", "1Gi")])
+    assert all(isinstance(s.available, int) and s.available < 2**63 for s in seen.signals)
+    assert all(0 <= p.usage < 2**63 for p in seen.pods)
+    node_pressure.predict(seen, 0, OURS)  # and it does not raise either
+
+
+def test_pods_that_cannot_be_listed_rank_after_the_policys_workers() -> None:
+    stats = summary(
+        {("dask", "w-1"): 300 * MiB, ("else", "hog"): 900 * MiB}, node_available=1, node_working=1, pods_working=1
+    )
+    pods = node_pressure.with_unlisted([kube_pod("w-1", "100Mi")], stats)
+    seen = node_pressure.node_memory(NODE, stats, {}, pods)
+    assert [p.name for p in node_pressure.ranked(seen.pods)] == ["w-1", "hog"]
+
+
+OWNER = objects.Owner(name="pol", namespace="dask", uid="u-1")
+SPEC = specs.MemoryPolicySpec.model_validate(
+    {
+        "scheduler": {"address": "tcp://dask-scheduler:8786"},
+        "workload": {"kind": "Deployment", "name": "dask-worker"},
+        "eviction": {"nodePressure": {"margin": "256Mi"}},
+    }
+)
+
+
+def prediction(*ours: str, node_name: str = "n1") -> node_pressure.Prediction:
+    victims = tuple(pod(name, 100) for name in ours)
+    return node_pressure.Prediction(
+        node=node_name, headroom=50 * MiB, signal="memory.available", victims=victims, ours=ours
+    )
+
+
+def test_plan_drains_only_the_victims_that_hold_data_alone_and_are_not_draining() -> None:
+    seen = node_pressure.Seen(
+        predictions=(prediction("w-1", "w-2", "w-3"), prediction("w-9", node_name="n2")),
+        unique={"w-1": 10, "w-2": 0, "w-3": 5, "w-9": 1},
+    )
+    running = {"metadata": {"name": "r"}, "spec": {"workers": ["w-3"]}, "status": {"phase": "Draining"}}
+    done = {"metadata": {"name": "d"}, "spec": {"workers": ["w-9"]}, "status": {"phase": "Succeeded"}}
+    bodies, drained = node_pressure.plan(OWNER, SPEC, seen, [running, done])
+    assert drained == {"n1": ("w-1",), "n2": ("w-9",)}
+    first = bodies[0]
+    assert first["spec"]["workers"] == ["w-1"] and first["spec"]["removePods"] is False
+    assert first["metadata"]["labels"][eviction_gate.REASON_LABEL] == eviction_gate.EVICTION
+    assert "n1" in first["metadata"]["annotations"]["memops.dev/why"]
+
+
+def test_plan_drains_nothing_without_the_schedulers_word() -> None:
+    bodies, drained = node_pressure.plan(OWNER, SPEC, node_pressure.Seen(predictions=(prediction("w-1"),)), [])
+    assert bodies == [] and drained == {}
+
+
+def test_status_counts_drains_across_passes() -> None:
+    seen = node_pressure.Seen(predictions=(prediction("w-1", "w-2"),), message="node n3: Forbidden")
+    first = node_pressure.status(None, seen, {"n1": ("w-1",)}, "t1")
+    second = node_pressure.status(first, seen, {}, "t2")
+    assert first.drains == 1 and second.drains == 1 and second.lastRead == "t2"
+    (entry,) = second.nodes
+    assert entry.workers == ["w-1", "w-2"] and entry.drained == [] and entry.victims == 2
+    assert second.message == "node n3: Forbidden"
