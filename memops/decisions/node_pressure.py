@@ -1,28 +1,28 @@
 """The kubelet's next memory evictions, predicted from what it decides them by.
 
 Under node memory pressure the kubelet evicts pods itself, by its own ranking, and a hard
-threshold gives no grace period: no preStop hook runs, so the safety net's drain cannot help.
-memops therefore reads the same inputs the kubelet's eviction manager reads (the kubelet's
-summary statistics, its ``evictionHard`` thresholds, the pods' requests and priorities) and
-predicts which pods the kubelet will evict once a threshold is crossed. A worker of the policy
-among them is drained before that, while it still can be.
+threshold gives them 1 s (a preStop hook gets about that, then the container is stopped): the
+safety net's drain cannot happen in it. memops therefore reads the same inputs the kubelet's
+eviction manager reads (the kubelet's summary statistics, its ``evictionHard`` thresholds, the
+pods' requests and priorities) and predicts which pods the kubelet will evict once a threshold is
+crossed. A worker of the policy among them is drained before that, while it still can be.
 
-The kubelet watches two memory signals (``pkg/kubelet/eviction/helpers.go``):
+The kubelet watches two memory signals (``pkg/kubelet/eviction``), each as available bytes
+against a capacity of available plus working set:
 
-- ``memory.available``: the node's available memory (capacity less the working set of the
-  node's root cgroup);
-- ``allocatableMemory.available``: the pods' share (``status.allocatable`` less the working set
-  of the pods' cgroup), watched when ``enforceNodeAllocatable`` holds ``pods`` (the default),
-  with the same threshold as ``memory.available``.
+- ``memory.available``: the node's (its root cgroup's: capacity ``MemTotal``);
+- ``allocatableMemory.available``: the pods' cgroup's, whose limit is the capacity less what is
+  reserved for the system; watched when ``enforceNodeAllocatable`` holds ``pods`` (the default),
+  with the same hard threshold as ``memory.available``.
 
 A threshold is a quantity, or a percentage of the signal's capacity. The node is under pressure
-when either signal's available memory is at or below its threshold.
+when either signal's available memory is below its threshold; the kubelet looks every 10 s.
 
-Its ranking (``rankMemoryPressure``): first the pods whose usage (their containers' working
-set) exceeds their memory request, then lower priority first, then the larger usage above the
-request first. It evicts one pod per pass, then looks again. This module walks that order until
-the evictions would bring the node back over its threshold plus ``margin``, and names the pods
-of that walk. Pure: no I/O.
+Its ranking (``rankMemoryPressure``): first the pods whose usage (the pod cgroup's working set)
+exceeds their memory request, then lower priority first, then the larger usage above the
+request first; a critical pod is passed by. It evicts one pod per look, then looks again. This
+module walks that order until the evictions would bring the node back over its threshold plus
+``margin``, and names the pods of that walk. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -103,9 +103,18 @@ def threshold_bytes(value: str, capacity: int) -> int:
     return parse_quantity(text)
 
 
+CRITICAL_PRIORITY = 2_000_000_000
+"""The kubelet never evicts a pod of this priority or above (system-cluster-critical and
+system-node-critical): it ranks it and passes it by."""
+
+
 def ranked(pods: Iterable[PodUsage]) -> list[PodUsage]:
-    """``pods`` in the kubelet's order of eviction under memory pressure."""
-    return sorted(pods, key=lambda p: (p.usage <= p.request, p.priority, -(p.usage - p.request), p.namespace, p.name))
+    """``pods`` in the kubelet's order of eviction under memory pressure, without those it never
+    evicts."""
+    return sorted(
+        (p for p in pods if p.priority < CRITICAL_PRIORITY),
+        key=lambda p: (p.usage <= p.request, p.priority, -(p.usage - p.request), p.namespace, p.name),
+    )
 
 
 def predict(node: NodeMemory, margin: int, ours: Mapping[tuple[str, str], str]) -> Prediction | None:
@@ -140,7 +149,7 @@ def _int(value: Any) -> int | None:
 
 def pod_request(pod: Mapping[str, Any]) -> int:
     """A pod's memory request as the kubelet counts it: its containers' sum, or its largest init
-    container's if larger, plus its overhead."""
+    container's if larger, plus its overhead when that is not nothing."""
     spec = pod.get("spec") or {}
 
     def request(container: Any) -> int:
@@ -159,7 +168,8 @@ def pod_request(pod: Mapping[str, Any]) -> int:
         extra = parse_quantity(str(overhead)) if overhead is not None else 0
     except ValueError:
         extra = 0
-    return max(containers, inits) + extra
+    total = max(containers, inits)
+    return total + extra if total else 0
 
 
 def pressure_condition(node: Mapping[str, Any]) -> bool:
@@ -174,7 +184,11 @@ def _map(value: Any) -> Mapping[str, Any]:
 
 
 def _pod_usage(stats: Any) -> int:
-    """A summary's pod entry: its containers' working set, as the kubelet's ranking counts it."""
+    """A summary's pod entry: its working set, as the kubelet's ranking counts it: the pod's own
+    cgroup's, else its containers' summed."""
+    pod_level = _int(_map(_map(stats).get("memory")).get("workingSetBytes"))
+    if pod_level is not None:
+        return pod_level
     containers = _map(stats).get("containers")
     return sum(
         _int(_map(_map(c).get("memory")).get("workingSetBytes")) or 0
@@ -203,19 +217,16 @@ def node_memory(
         except (ValueError, decimal.InvalidOperation):
             pass
     enforced = config.get("enforceNodeAllocatable", ["pods"])
-    if isinstance(enforced, list) and "pods" in enforced:
-        allocatable = _map(_map(node.get("status")).get("allocatable")).get("memory")
-        containers = node_stats.get("systemContainers")
-        pods_stats = (
-            next((_map(c) for c in containers if _map(c).get("name") == "pods"), {})
-            if isinstance(containers, list)
-            else {}
-        )
-        used = _int(_map(pods_stats.get("memory")).get("workingSetBytes"))
-        if allocatable is not None and used is not None:
+    containers = node_stats.get("systemContainers")
+    if isinstance(enforced, list) and "pods" in enforced and isinstance(containers, list):
+        # The pods' cgroup: its limit is the node's capacity less what is reserved for the
+        # system (not less the eviction threshold), and the summary's available is that less
+        # its working set.
+        pods_memory = next((_map(_map(c).get("memory")) for c in containers if _map(c).get("name") == "pods"), {})
+        available, working = _int(pods_memory.get("availableBytes")), _int(pods_memory.get("workingSetBytes"))
+        if available is not None and working is not None:
             try:
-                capacity = parse_quantity(str(allocatable))
-                signals.append(Signal(ALLOCATABLE_AVAILABLE, capacity - used, threshold_bytes(hard, capacity)))
+                signals.append(Signal(ALLOCATABLE_AVAILABLE, available, threshold_bytes(hard, available + working)))
             except (ValueError, decimal.InvalidOperation):
                 pass
     usage: dict[tuple[str, str], int] = {}
@@ -245,10 +256,10 @@ def node_memory(
     return NodeMemory(node=name, signals=tuple(signals), pods=tuple(seen), pressure=pressure_condition(node))
 
 
-UNLISTED_PRIORITY = 2_000_000_000
-"""Above any user PriorityClass (system ones go to 2,000,001,000): where the pods of other
-namespaces cannot be listed, they are ranked as if within their requests at this priority,
-after the policy's workers, so that those are drained no later than the kubelet would evict them."""
+UNLISTED_PRIORITY = 1_000_000_000
+"""The highest user PriorityClass: where the pods of other namespaces cannot be listed, they are
+ranked as if within their requests at this priority, after the policy's workers, so that those
+are drained no later than the kubelet would evict them."""
 
 
 def with_unlisted(bound: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -99,9 +99,7 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
             # "events": whether the agent is there, read once per connection from its marker
             assert asked.take() == [
                 ["identity", "events", "memops_agent:drain_status", "memops_agent:departures", "memops_agent:holdings"]
-            ], (
-                "one connection, the agent's marker read once"
-            )
+            ], "one connection, the agent's marker read once"
             status = (await kube_client.get(f"{path}/p"))["status"]
             reachable = next(c for c in status["conditions"] if c["type"] == "SchedulerReachable")
             assert reachable["status"] == "True", reachable

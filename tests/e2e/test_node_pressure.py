@@ -27,7 +27,6 @@ import distributed
 import pytest
 from memops_sandbox import common as sandbox_cli
 
-from memops.specs.common import parse_quantity
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import Holdings
 
@@ -57,17 +56,20 @@ def pressed(tmp_path: Path) -> Iterator[Callable[[bool], Sandbox]]:
 
 
 def workload(sandbox: Sandbox) -> None:
-    """Four workers of 1 GiB with a 64 MiB request, two per Node, spilling off."""
+    """Four workers of 1.5 GiB with a 64 MiB request, two per Node, spilling off."""
     body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, 4, image=sandbox_cli.DASK_IMAGE))
     body["metadata"]["name"] = body["spec"]["template"]["metadata"]["labels"]["app"] = APP
     body["metadata"]["labels"] = body["spec"]["selector"]["matchLabels"] = {"app": APP}
     spec = body["spec"]["template"]["spec"]
     [container] = spec["containers"]
-    container["resources"] = {"requests": {"memory": "64Mi"}, "limits": {"memory": "1Gi"}}
+    container["resources"] = {"requests": {"memory": "64Mi"}, "limits": {"memory": "1536Mi"}}
+    # Neither spilled, paused nor killed by its nanny: the Node runs out of memory before they do.
     container["env"] = [
         *container.get("env", []),
-        {"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": "False"},
-        {"name": "DASK_DISTRIBUTED__WORKER__MEMORY__SPILL", "value": "False"},
+        *(
+            {"name": f"DASK_DISTRIBUTED__WORKER__MEMORY__{threshold}", "value": "False"}
+            for threshold in ("TARGET", "SPILL", "PAUSE", "TERMINATE")
+        ),
     ]
     spec["topologySpreadConstraints"] = [
         {
@@ -96,8 +98,7 @@ def headroom(sandbox: Sandbox, node: str) -> int:
     """Bytes the Node's pods may still take before the kubelet's allocatable threshold."""
     summary = json.loads(sandbox.kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/stats/summary").stdout)
     [pods] = [c for c in summary["node"]["systemContainers"] if c["name"] == "pods"]
-    allocatable = parse_quantity(sandbox.get("node", node)["status"]["allocatable"]["memory"])
-    return int(allocatable - pods["memory"]["workingSetBytes"] - THRESHOLD)
+    return int(pods["memory"]["availableBytes"] - THRESHOLD)
 
 
 def workers_on(client: distributed.Client, sandbox: Sandbox, node: str) -> dict[str, str]:
@@ -110,19 +111,22 @@ def workers_on(client: distributed.Client, sandbox: Sandbox, node: str) -> dict[
     }
 
 
-def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node: str, nbytes: int) -> None:
-    """``nbytes`` of unique keys onto the workers of ``node``, ``CHUNK`` at a time, two thirds to
-    the first of them by name (the kubelet's first victim: the furthest over its request)."""
-    for step in range(nbytes // CHUNK):
+def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node: str) -> None:
+    """Unique keys onto the workers of ``node``, ``CHUNK`` at a time to each in turn, until the
+    Node's pods are past the kubelet's threshold by a margin it cannot miss between two of its
+    looks, or a worker of it was evicted, or 3 GiB were sent."""
+    for step in range(3 * 2**30 // CHUNK):
+        if step % 4 == 0 and (headroom(sandbox, node) < -192 * MiB or evicted(sandbox)):
+            return
         workers = sorted(workers_on(client, sandbox, node).items())
         if not workers:
             return
-        pod, address = workers[0] if step % 3 or len(workers) == 1 else workers[1]
+        pod, address = workers[step % len(workers)]
         key = f"{pod}-{step}"
         value = os.urandom(CHUNK)
         try:
             scattered = client.scatter({key: value}, workers=[address], hash=False, broadcast=False, timeout=10)
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError, KeyError):
             continue  # the worker left (drained, or evicted) as the chunk went
         holdings.futures[key], holdings.values[key], holdings.owner[key] = scattered[key], value, pod
         time.sleep(PACE)
@@ -141,8 +145,9 @@ def scenario(sandbox: Sandbox, client: distributed.Client) -> tuple[Holdings, st
     client.wait_for_workers(5, timeout=120)
     node = the_full_node(sandbox)
     holdings = Holdings(client)
-    # Past the threshold by a margin the kubelet cannot miss between two of its looks.
-    fill(client, sandbox, holdings, node, headroom(sandbox, node) + 256 * MiB)
+    before = headroom(sandbox, node)
+    fill(client, sandbox, holdings, node)
+    print(f"{node}: {before // MiB} MiB to the threshold before the fill, {headroom(sandbox, node) // MiB} after")
     return holdings, node
 
 

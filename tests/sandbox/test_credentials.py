@@ -31,7 +31,6 @@ from memops.clients import kube
 CREDENTIAL_ID = "authentication.kubernetes.io/credential-id"
 
 
-
 @pytest.fixture
 async def admin(plane: Path) -> AsyncIterator[kube.Kube]:
     client = kube.Kube(kube.load_connection(str(plane / "kubeconfig")))

@@ -145,9 +145,7 @@ async def test_a_numpy_array_read_back_is_a_map_of_the_shared_file(cluster: tupl
         held = dask_worker.data[key]
         return maps.mapped_base(held) is not None, float(held[-1])
 
-    await polling.poll(
-        lambda: _linked_twice(client, str(key), receiver), timeout=20, what="the receiver's link"
-    )
+    await polling.poll(lambda: _linked_twice(client, str(key), receiver), timeout=20, what="the receiver's link")
     assert (await spill_files(client, sender))[str(key)] == (await spill_files(client, receiver))[str(key)]
     found = await client.run(mapped, workers=[sender, receiver])
     assert found == {sender: (True, array[-1]), receiver: (True, array[-1])}
@@ -381,9 +379,7 @@ async def test_a_key_released_while_its_link_is_on_the_way_still_arrives_whole(
     outbox, name, ino, size = (await client.run(pin, workers=[sender]))[sender]
     del future
     await polling.poll(lambda: key not in local.scheduler.tasks, timeout=20, what="the key released")
-    await polling.poll(
-        lambda: _gone(client, str(key), sender), timeout=20, what="the sender's spill file removed"
-    )
+    await polling.poll(lambda: _gone(client, str(key), sender), timeout=20, what="the sender's spill file removed")
 
     def receive(dask_worker: Any = None) -> str:
         state = dask_worker.plugins[plugin].links

@@ -96,13 +96,17 @@ def summary(pods: dict[tuple[str, str], int], *, node_available: int, node_worki
             "memory": {"availableBytes": node_available, "workingSetBytes": node_working},
             "systemContainers": [
                 {"name": "kubelet", "memory": {"workingSetBytes": 1}},
-                {"name": "pods", "memory": {"workingSetBytes": pods_working}},
+                {
+                    "name": "pods",
+                    "memory": {"availableBytes": 2 * 2**30 - pods_working, "workingSetBytes": pods_working},
+                },
             ],
         },
         "pods": [
             {
                 "podRef": {"namespace": ns, "name": name},
-                "containers": [{"name": "c", "memory": {"workingSetBytes": usage}}],
+                "memory": {"workingSetBytes": usage},
+                "containers": [{"name": "c", "memory": {"workingSetBytes": usage // 2}}],
             }
             for (ns, name), usage in pods.items()
         ],
@@ -124,6 +128,7 @@ def test_node_memory_reads_both_signals_and_the_pods() -> None:
     seen = node_pressure.node_memory(NODE, stats, config, pods)
     by_name = {s.name: s for s in seen.signals}
     assert by_name["memory.available"].headroom == 20 * 2**30 - 300 * MiB
+    # The pods' cgroup is limited to 2 GiB: the threshold applies to what is left of it.
     assert by_name["allocatableMemory.available"].headroom == (2048 - 1800 - 300) * MiB
     assert seen.tightest is not None and seen.tightest.name == "allocatableMemory.available"
     assert {(p.name, p.usage, p.request, p.priority) for p in seen.pods} == {
@@ -146,6 +151,19 @@ def test_the_request_is_the_kubelets() -> None:
     body["spec"]["initContainers"] = [{"resources": {"requests": {"memory": "1Gi"}}}]
     body["spec"]["overhead"] = {"memory": "10Mi"}
     assert node_pressure.pod_request(body) == 1034 * MiB
+    assert node_pressure.pod_request(kube_pod("best-effort", None, overhead={"memory": "10Mi"})) == 0
+
+
+def test_the_pod_cgroups_working_set_else_its_containers() -> None:
+    stats = summary({("dask", "w-1"): 700 * MiB}, node_available=1, node_working=1, pods_working=1)
+    del stats["pods"][0]["memory"]
+    seen = node_pressure.node_memory(NODE, stats, {}, [kube_pod("w-1", None)])
+    assert [p.usage for p in seen.pods] == [350 * MiB]
+
+
+def test_critical_pods_are_never_victims() -> None:
+    pods = [pod("w-1", 100), pod("node-critical", 900, priority=2_000_001_000)]
+    assert [p.name for p in node_pressure.ranked(pods)] == ["w-1"]
 
 
 @pytest.mark.parametrize(
@@ -157,7 +175,11 @@ def test_the_request_is_the_kubelets() -> None:
         {"node": {"memory": {"availableBytes": 2**70, "workingSetBytes": -1}, "systemContainers": {"pods": 1}}},
         {
             "pods": [
-                {"podRef": {"namespace": "dask", "name": "w-1"}, "containers": [{"memory": {"workingSetBytes": 2**64}}]}
+                {
+                    "podRef": {"namespace": "dask", "name": "w-1"},
+                    "memory": {"workingSetBytes": 2**64},
+                    "containers": [{"memory": {"workingSetBytes": 2**64}}],
+                }
             ]
         },
     ],

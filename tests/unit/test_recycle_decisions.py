@@ -147,9 +147,7 @@ def test_replacement_surges_first_then_drains() -> None:
     plan = recycle_decisions.plan_replacement(marked=["old"], requested=set(), connected_unmarked=3, desired=4, surge=1)
     assert plan.extra == 1 and plan.drain == ()
     assert "waiting for replacements" in plan.message
-    plan = recycle_decisions.plan_replacement(
-        marked=["old"], requested=set(), connected_unmarked=4, desired=4, surge=1
-    )
+    plan = recycle_decisions.plan_replacement(marked=["old"], requested=set(), connected_unmarked=4, desired=4, surge=1)
     assert plan.extra == 1 and plan.drain == ("old",)
     plan = recycle_decisions.plan_replacement(
         marked=["old"], requested={"old"}, connected_unmarked=4, desired=4, surge=1

@@ -221,7 +221,11 @@ def item(key: str, holders: tuple[str, ...], replicas: int = 2, nbytes: int = 10
         pytest.param(WORKERS, [item("k", ("a1",))], 0.3, [("k", "c1")], [], id="another-zone-first"),
         pytest.param(WORKERS, [item("k", ("c1",))], 0.3, [("k", "a2")], [], id="new-node-and-zone-least-full"),
         pytest.param(
-            [w for w in WORKERS if w.address != "c1"], [item("k", ("a1",))], 0.3, [("k", "b1")], [],
+            [w for w in WORKERS if w.address != "c1"],
+            [item("k", ("a1",))],
+            0.3,
+            [("k", "b1")],
+            [],
             id="another-node-over-emptier-same-node",
         ),
         pytest.param(
