@@ -99,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         " of its pods (default: the whole machine)",
     )
     sandbox.add_argument(
+        "--eviction-threshold",
+        metavar="QUANTITY",
+        help="the kubelets' evictionHard memory.available, e.g. 768Mi (default 100Mi): with --node-memory, how far"
+        " below its pods' limit each kubelet starts evicting them",
+    )
+    sandbox.add_argument(
         "--audit-log",
         metavar="PATH",
         default=os.environ.get("MEMOPS_AUDIT_LOG") or None,
@@ -133,8 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nodes < 1:
             print("memops sandbox: --nodes must be at least 1", file=sys.stderr)
             return 2
-        if args.node_memory is not None and args.node_agent:
-            print("memops sandbox: --node-memory needs real Nodes (kubelets), not --node-agent", file=sys.stderr)
+        if (args.node_memory is not None or args.eviction_threshold is not None) and args.node_agent:
+            print(
+                "memops sandbox: --node-memory and --eviction-threshold need real Nodes (kubelets), not --node-agent",
+                file=sys.stderr,
+            )
             return 2
         from memops_sandbox import cli as sandbox_cli
 
@@ -149,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             audit_log=args.audit_log,
             chart_settings=args.chart_settings,
             node_memory=args.node_memory,
+            eviction_threshold=args.eviction_threshold,
         )
     from memops import controllers
 

@@ -42,7 +42,7 @@ class Kubelets:
         cached = self.configs.get(node)
         if cached is not None and time.monotonic() - cached[0] < CONFIG_SECONDS:
             return cached[1]
-        answer = await client.get(kube.resource_path("", "v1", "nodes", node, "proxy") + "/configz")
+        answer = await client.get(kube.resource_path("", "v1", "nodes", name=node, subresource="proxy") + "/configz")
         config = answer.get("kubeletconfig")
         found = config if isinstance(config, Mapping) else {}
         self.configs[node] = (time.monotonic(), found)
@@ -89,9 +89,9 @@ async def read(
 
 
 async def _read_node(client: kube.Kube, kubelets: Kubelets, node: str) -> node_pressure.NodeMemory:
-    proxy = kube.resource_path("", "v1", "nodes", node, "proxy")
+    proxy = kube.resource_path("", "v1", "nodes", name=node, subresource="proxy")
     found, summary, config = await asyncio.gather(
-        client.get(kube.resource_path("", "v1", "nodes", node)),
+        client.get(kube.resource_path("", "v1", "nodes", name=node)),
         client.get(proxy + "/stats/summary"),
         kubelets.config(client, node),
     )

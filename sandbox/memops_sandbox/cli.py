@@ -33,6 +33,7 @@ def sandbox(
     audit_log: str | None = None,
     chart_settings: list[str] | None = None,
     node_memory: str | None = None,
+    eviction_threshold: str | None = None,
 ) -> int:
     """``memops sandbox`` (or ``--build-only``), with arguments checked by memops' CLI.
 
@@ -60,12 +61,14 @@ def sandbox(
         except real_nodes.NodesUnavailable as error:
             print(f"memops sandbox: {error}", file=sys.stderr)
             return 1
-        if node_memory is not None:
-            try:
-                wanted = real_nodes.parse_memory(node_memory)
-            except ValueError as error:
-                print(f"memops sandbox: --node-memory: {error}", file=sys.stderr)
-                return 2
+        try:
+            wanted = real_nodes.parse_memory(node_memory) if node_memory is not None else None
+            if eviction_threshold is not None:
+                real_nodes.parse_memory(eviction_threshold)
+        except ValueError as error:
+            print(f"memops sandbox: --node-memory or --eviction-threshold: {error}", file=sys.stderr)
+            return 2
+        if wanted is not None:
             if not 0 < wanted < real_nodes.machine_memory():
                 print("memops sandbox: --node-memory: more than this machine has", file=sys.stderr)
                 return 2
@@ -131,6 +134,7 @@ def sandbox(
         values=values,
         on_ready=announce,
         node_memory=node_memory,
+        eviction_threshold=eviction_threshold,
     )
     try:
         upstream.run_until_signalled(serving, directory)

@@ -271,6 +271,16 @@ def kubelet_config(
     }
 
 
+def memory_eviction(threshold: str) -> dict[str, str]:
+    """``evictionHard`` with ``memory.available`` at ``threshold``, on memory only (as the default)."""
+    return {
+        "memory.available": threshold,
+        "nodefs.available": "0%",
+        "imagefs.available": "0%",
+        "nodefs.inodesFree": "0%",
+    }
+
+
 def machine_memory() -> int:
     """The machine's memory in bytes, as the kubelet reads it (``MemTotal``)."""
     for line in Path("/proc/meminfo").read_text().splitlines():

@@ -162,6 +162,7 @@ async def serve(
     values: dict[str, Any] | None = None,
     on_ready: Callable[[], None] | None = None,
     node_memory: str | None = None,
+    eviction_threshold: str | None = None,
 ) -> None:
     """Run the sandbox until cancelled; ``on_ready`` is called once ``ready`` is written.
 
@@ -192,6 +193,7 @@ async def serve(
                 values=values,
                 on_ready=on_ready,
                 node_memory=node_memory,
+                eviction_threshold=eviction_threshold,
             )
     finally:
         if audit_log is not None:
@@ -256,6 +258,7 @@ async def _serve_on_real_nodes(
     values: dict[str, Any] | None,
     on_ready: Callable[[], None] | None,
     node_memory: str | None = None,
+    eviction_threshold: str | None = None,
 ) -> None:
     """:func:`serve` on real Nodes (:mod:`memops_sandbox.nodes`): the Dask scheduler and workers
     are pods in containers with memory limits, from the sandbox's own Dask image."""
@@ -297,7 +300,15 @@ async def _serve_on_real_nodes(
                 await api.create(install.path_of(manifest), manifest)
             service = await api.get(f"/api/v1/namespaces/{common.NAMESPACE}/services/{common.SCHEDULER}")
             address = f"tcp://{service['spec']['clusterIP']}:{common.SCHEDULER_PORT}"
-            await stack.enter_async_context(real_nodes.running(plane, machine, binaries, node_memory=node_memory))
+            await stack.enter_async_context(
+                real_nodes.running(
+                    plane,
+                    machine,
+                    binaries,
+                    node_memory=node_memory,
+                    eviction_hard=real_nodes.memory_eviction(eviction_threshold) if eviction_threshold else None,
+                )
+            )
             # Not before kube-proxy runs: until it has programmed the webhook's Service, the API
             # server's calls to it would hang to their timeout rather than fail at once.
             await install.install_operator(api, objects, plane.pki.path("webhook-client-ca").read_bytes())

@@ -2,7 +2,7 @@
 
 Each Node has 2 GiB for its pods (``--node-memory 2Gi``: its kubelet reserves the rest of the
 machine), so the kubelet's ``allocatableMemory.available`` signal (threshold ``evictionHard``
-``memory.available`` 100Mi) is within reach. Four workers as users often write them, a small
+``memory.available`` 768Mi, ``--eviction-threshold``) is within reach. Four workers as users often write them, a small
 memory request under a larger limit (spilling off, as for data that cannot spill), spread over
 the two Nodes. Unique keys fill the two workers of one Node past what the Node can hold.
 
@@ -27,14 +27,18 @@ import distributed
 import pytest
 from memops_sandbox import common as sandbox_cli
 
+from memops.specs.common import parse_quantity
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import Holdings
 
 MiB = 2**20
 NODE_MEMORY = "2Gi"
-THRESHOLD = 100 * MiB  # the sandbox kubelets' evictionHard memory.available
+THRESHOLD = "768Mi"  # the kubelets' evictionHard memory.available
 CHUNK = 32 * MiB
-PACE = 0.5  # seconds between chunks: the kubelet looks every 10 s, memops every 2 s
+# Seconds between chunks. The kubelet's statistics are up to 10 s old and it looks every 10 s:
+# between its threshold and the pods' cgroup limit (the kernel's OOM kill) there must be room for
+# what arrives in 20 s.
+PACE = 1.0
 APP = "pressed"
 
 
@@ -45,6 +49,7 @@ def pressed(tmp_path: Path) -> Iterator[Callable[[bool], Sandbox]]:
     def start(operator: bool) -> Sandbox:
         state_dir = tmp_path / f"pressed{len(started)}"
         args = ["--nodes", "2", "--worker-memory", "512MiB", "--node-memory", NODE_MEMORY]
+        args += ["--eviction-threshold", THRESHOLD]
         args += ["--set", "rbac.nodeProxy=true"] if operator else ["--no-operator"]
         sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, 1, *args, real_nodes=True))
         started.append(sandbox)
@@ -98,7 +103,7 @@ def headroom(sandbox: Sandbox, node: str) -> int:
     """Bytes the Node's pods may still take before the kubelet's allocatable threshold."""
     summary = json.loads(sandbox.kubectl("get", "--raw", f"/api/v1/nodes/{node}/proxy/stats/summary").stdout)
     [pods] = [c for c in summary["node"]["systemContainers"] if c["name"] == "pods"]
-    return int(pods["memory"]["availableBytes"] - THRESHOLD)
+    return int(pods["memory"]["availableBytes"] - parse_quantity(THRESHOLD))
 
 
 def workers_on(client: distributed.Client, sandbox: Sandbox, node: str) -> dict[str, str]:
@@ -116,7 +121,7 @@ def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node:
     Node's pods are past the kubelet's threshold by a margin it cannot miss between two of its
     looks, or a worker of it was evicted, or 3 GiB were sent."""
     for step in range(3 * 2**30 // CHUNK):
-        if step % 4 == 0 and (headroom(sandbox, node) < -192 * MiB or evicted(sandbox)):
+        if step % 4 == 0 and (headroom(sandbox, node) < -128 * MiB or evicted(sandbox)):
             return
         workers = sorted(workers_on(client, sandbox, node).items())
         if not workers:
@@ -133,11 +138,9 @@ def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node:
 
 
 def evicted(sandbox: Sandbox) -> list[str]:
-    return [
-        p["metadata"]["name"]
-        for p in sandbox.get("pods", "-l", f"app={APP}")["items"]
-        if p.get("status", {}).get("reason") == "Evicted"
-    ]
+    """The pressed pods that the kubelet evicted, by its Evicted events."""
+    events = sandbox.get("events", "--field-selector", "reason=Evicted")["items"]
+    return sorted({e["involvedObject"]["name"] for e in events if e["involvedObject"]["name"].startswith(f"{APP}-")})
 
 
 def scenario(sandbox: Sandbox, client: distributed.Client) -> tuple[Holdings, str]:
@@ -176,7 +179,7 @@ def test_memops_drains_the_kubelets_next_victim_before_it_is_evicted(pressed: Ca
             "spec": {
                 "scheduler": {"address": "tcp://dask-scheduler:8786"},
                 "workload": {"kind": "Deployment", "name": APP},
-                "eviction": {"nodePressure": {"margin": "384Mi"}},
+                "eviction": {"nodePressure": {"margin": "512Mi"}},
             },
         }
     )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, cast
 
 import pytest
 
 from memops import specs
+from memops.clients import kube
+from memops.controllers import kubelets
 from memops.decisions import eviction_gate, node_pressure, objects
 from memops.decisions.node_pressure import PodUsage
 
@@ -245,3 +248,53 @@ def test_status_counts_drains_across_passes() -> None:
     (entry,) = second.nodes
     assert entry.workers == ["w-1", "w-2"] and entry.drained == [] and entry.victims == 2
     assert second.message == "node n3: Forbidden"
+
+
+class Kubelet:
+    """The API server as :mod:`memops.controllers.kubelets` reads it: answers by path, and the
+    paths asked, so that the node proxy's paths are the API server's."""
+
+    def __init__(self, answers: dict[str, Any], forbidden: frozenset[str] = frozenset()):
+        self.answers, self.forbidden, self.asked = answers, forbidden, []
+
+    async def get(self, path: str, **params: str) -> Any:
+        self.asked.append(path)
+        if path in self.forbidden:
+            raise kube.ApiError(403, "Forbidden", "nodes/proxy")
+        return self.answers[path]
+
+    async def list(self, path: str, *, field_selector: str | None = None, **_: Any) -> Any:
+        self.asked.append(f"{path}?{field_selector}")
+        return self.answers[f"{path}?{field_selector}"]
+
+
+async def test_the_kubelets_are_read_through_the_node_proxy() -> None:
+    stats = summary({("dask", "w-1"): 1900 * MiB}, node_available=2**33, node_working=2**30, pods_working=1900 * MiB)
+    api = Kubelet(
+        {
+            "/api/v1/nodes/n1": NODE,
+            "/api/v1/nodes/n1/proxy/stats/summary": stats,
+            "/api/v1/nodes/n1/proxy/configz": {"kubeletconfig": {"evictionHard": {"memory.available": "100Mi"}}},
+            "/api/v1/pods?spec.nodeName=n1": [kube_pod("w-1", "64Mi")],
+        }
+    )
+    worker = {"metadata": {"namespace": "dask", "name": "w-1"}, "spec": {"nodeName": "n1"}}
+    client = cast(kube.Kube, api)
+    seen = await kubelets.read(client, kubelets.Kubelets(), pods=[worker], margin=256 * MiB, logger=logging.getLogger())
+    (found,) = seen.predictions
+    assert found.ours == ("w-1",) and found.signal == "allocatableMemory.available" and seen.message == ""
+    # The configuration is read once, then reused.
+    cache = kubelets.Kubelets()
+    await kubelets.read(client, cache, pods=[worker], margin=0, logger=logging.getLogger())
+    await kubelets.read(client, cache, pods=[worker], margin=0, logger=logging.getLogger())
+    assert api.asked.count("/api/v1/nodes/n1/proxy/configz") == 2
+
+
+async def test_a_forbidden_node_proxy_is_named_in_the_status_message() -> None:
+    api = Kubelet({"/api/v1/nodes/n1": NODE}, forbidden=frozenset({"/api/v1/nodes/n1/proxy/stats/summary"}))
+    api.answers["/api/v1/nodes/n1/proxy/configz"] = {}
+    worker = {"metadata": {"namespace": "dask", "name": "w-1"}, "spec": {"nodeName": "n1"}}
+    seen = await kubelets.read(
+        cast(kube.Kube, api), kubelets.Kubelets(), pods=[worker], margin=0, logger=logging.getLogger()
+    )
+    assert seen.predictions == () and seen.message.startswith("node n1: ")
