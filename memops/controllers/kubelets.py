@@ -67,16 +67,20 @@ async def read(
             nodes.add(node)
     chosen = sorted(nodes)[:MAX_NODES]
     answers = await asyncio.gather(*(_read_node(client, kubelets, node) for node in chosen), return_exceptions=True)
-    predictions, problems = [], []
+    predictions, problems, room = [], [], {}
     for node, answer in zip(chosen, answers, strict=True):
         if isinstance(answer, kube.ApiError):
             problems.append(f"node {node}: {answer.message}")
             continue
         if isinstance(answer, BaseException):
             raise answer
+        tightest = answer.tightest
+        if tightest is not None:
+            room[node] = tightest.headroom - margin
         prediction = node_pressure.predict(answer, margin, ours)
         if prediction is not None:
             predictions.append(prediction)
+        if prediction is not None and prediction.ours:
             logger.info(
                 "node %s: %d bytes above the kubelet's %s threshold; it would evict %d pods, of this policy %s",
                 node,
@@ -85,7 +89,7 @@ async def read(
                 len(prediction.victims),
                 list(prediction.ours),
             )
-    return node_pressure.Seen(predictions=tuple(predictions), message="; ".join(problems))
+    return node_pressure.Seen(predictions=tuple(predictions), message="; ".join(problems), room=room)
 
 
 async def _read_node(client: kube.Kube, kubelets: Kubelets, node: str) -> node_pressure.NodeMemory:

@@ -299,29 +299,60 @@ class Seen:
     predictions: tuple[Prediction, ...]
     message: str = ""  # what could not be read
     unique: Mapping[str, int] = dataclasses.field(default_factory=dict)  # pod -> bytes held alone, once asked
+    room: Mapping[str, int] = dataclasses.field(default_factory=dict)  # node -> bytes it may take within the margin
 
 
 def to_drain(
-    predictions: Iterable[Prediction], unique: Mapping[str, int], draining: Collection[str]
-) -> dict[str, tuple[str, ...]]:
-    """Node -> the policy's predicted victims there to drain now: those that hold data existing
-    nowhere else (``unique``: pod -> bytes; a pod the scheduler did not report is left alone) and
-    are not in a drain already."""
+    predictions: Iterable[Prediction],
+    unique: Mapping[str, int],
+    draining: Collection[str],
+    room: Mapping[str, int],
+) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """Node -> the policy's predicted victims there to drain now, and why others are not.
+
+    A victim is drained when it holds data existing nowhere else (``unique``: pod -> bytes; a pod
+    the scheduler did not report is left alone), is not in a drain already, and the other nodes
+    read (``room``: node -> bytes each may take before it is within the margin itself) have room
+    for its data. A drain sends its keys off its node first; where the others have no room, the
+    keys would land on them and push them into the margin in turn, to be drained back: the
+    victim is then reported instead (more workers, on more nodes, are the way out). The most
+    urgent node first; each drain takes its bytes from the others' room, the roomiest first."""
+    left = {node: max(bytes_, 0) for node, bytes_ in room.items()}
     chosen: dict[str, tuple[str, ...]] = {}
-    for prediction in predictions:
-        pods = tuple(p for p in prediction.ours if unique.get(p, 0) > 0 and p not in draining)
+    refused: list[str] = []
+    for prediction in sorted(predictions, key=lambda p: p.headroom):
+        pods = []
+        for pod in prediction.ours:
+            held = unique.get(pod, 0)
+            if held <= 0 or pod in draining:
+                continue
+            others = sorted((n for n in left if n != prediction.node), key=lambda n: -left[n])
+            if sum(left[n] for n in others) < held:
+                refused.append(
+                    f"node {prediction.node}: {pod} holds {held // 2**20} MiB alone, more than the other Nodes of"
+                    " the workers have room for within the margin"
+                )
+                continue
+            pods.append(pod)
+            for node in others:
+                taken = min(left[node], held)
+                left[node] -= taken
+                held -= taken
         if pods:
-            chosen[prediction.node] = pods
-    return chosen
+            chosen[prediction.node] = tuple(pods)
+    return chosen, refused
 
 
-def status(
-    old: specs.NodePressureStatus | None,
-    seen: Seen,
-    drained: Mapping[str, Sequence[str]],
-    now: str,
-) -> specs.NodePressureStatus:
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    requests: tuple[objects.Obj, ...] = ()  # the Eviction RetirementRequests to create
+    drained: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # node -> pods
+    refused: tuple[str, ...] = ()  # victims left where they are, and why
+
+
+def status(old: specs.NodePressureStatus | None, seen: Seen, planned: Plan, now: str) -> specs.NodePressureStatus:
     """``status.nodePressure`` after a read: the nodes within the margin, and the drains counted."""
+    drained = planned.drained
     nodes = [
         specs.NodePressureNode(
             node=p.node,
@@ -334,7 +365,8 @@ def status(
         for p in sorted(seen.predictions, key=lambda p: p.node)
     ]
     total = (old.drains if old is not None else 0) + sum(len(pods) for pods in drained.values())
-    return specs.NodePressureStatus(nodes=nodes, drains=total, lastRead=now, message=seen.message[:1024])
+    message = "; ".join(filter(None, [seen.message, *planned.refused]))
+    return specs.NodePressureStatus(nodes=nodes, drains=total, lastRead=now, message=message[:1024])
 
 
 def plan(
@@ -342,16 +374,16 @@ def plan(
     spec: specs.MemoryPolicySpec,
     seen: Seen,
     requests: Sequence[Mapping[str, Any]],
-) -> tuple[list[objects.Obj], dict[str, tuple[str, ...]]]:
-    """The Eviction RetirementRequests that drain the predicted victims now, one per node, and
-    node -> the pods they drain. A pod named by an unfinished request of the policy is left to it."""
+) -> Plan:
+    """The Eviction RetirementRequests that drain the predicted victims now, one per node
+    (:func:`to_drain`). A pod named by an unfinished request of the policy is left to it."""
     draining = {
         str(w)
         for r in requests
         if (r.get("status") or {}).get("phase") not in (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
         for w in (r.get("spec") or {}).get("workers") or []
     }
-    chosen = to_drain(seen.predictions, seen.unique, draining)
+    chosen, refused = to_drain(seen.predictions, seen.unique, draining, seen.room)
     bodies = []
     for node, pods in chosen.items():
         headroom = next(p.headroom for p in seen.predictions if p.node == node)
@@ -361,4 +393,4 @@ def plan(
         )
         earlier = len(eviction_gate.node_requests(requests, node))
         bodies.append(eviction_gate.drain_request(owner, spec, node=node, pods=pods, earlier=earlier, why=why))
-    return bodies, chosen
+    return Plan(requests=tuple(bodies), drained=chosen, refused=tuple(refused))

@@ -210,12 +210,12 @@ def decide(inputs: Inputs) -> Decision:
     create = list(recycle.create) if recycle is not None else []
     events = [Event("Normal", "Recycling", f"recycling {m.pod}: {m.message}") for m in recycle.marks] if recycle else []
     if inputs.node_pressure is not None:
-        drains, drained = node_pressure.plan(inputs.owner, spec, inputs.node_pressure, inputs.requests)
-        create += drains
-        status.nodePressure = node_pressure.status(status.nodePressure, inputs.node_pressure, drained, _render(now))
+        planned = node_pressure.plan(inputs.owner, spec, inputs.node_pressure, inputs.requests)
+        create += planned.requests
+        status.nodePressure = node_pressure.status(status.nodePressure, inputs.node_pressure, planned, _render(now))
         events += [
             Event("Warning", node_pressure.EVENT_REASON, str(body["metadata"]["annotations"]["memops.dev/why"]))
-            for body in drains
+            for body in planned.requests
         ]
     elif spec.eviction.nodePressure is None:
         status.nodePressure = None

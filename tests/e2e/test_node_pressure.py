@@ -1,6 +1,6 @@
 """The kubelet's own eviction under node memory pressure, on real Nodes, with and without memops.
 
-Each Node has 2 GiB for its pods (``--node-memory 2Gi``: its kubelet reserves the rest of the
+Each Node has 3 GiB for its pods (``--node-memory 3Gi``: its kubelet reserves the rest of the
 machine), so the kubelet's ``allocatableMemory.available`` signal (threshold ``evictionHard``
 ``memory.available`` 768Mi, ``--eviction-threshold``) is within reach. Four workers as users often write them, a small
 memory request under a larger limit (spilling off, as for data that cannot spill), spread over
@@ -32,7 +32,7 @@ from tests.e2e.conftest import Sandbox
 from tests.e2e.data import Holdings
 
 MiB = 2**20
-NODE_MEMORY = "2Gi"
+NODE_MEMORY = "3Gi"
 THRESHOLD = "768Mi"  # the kubelets' evictionHard memory.available
 CHUNK = 32 * MiB
 # Seconds between chunks. The kubelet's statistics are up to 10 s old and it looks every 10 s:
@@ -116,11 +116,11 @@ def workers_on(client: distributed.Client, sandbox: Sandbox, node: str) -> dict[
     }
 
 
-def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node: str) -> None:
+def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node: str, budget: int) -> None:
     """Unique keys onto the workers of ``node``, ``CHUNK`` at a time to each in turn, until the
     Node's pods are past the kubelet's threshold by a margin it cannot miss between two of its
-    looks, or a worker of it was evicted, or 3 GiB were sent."""
-    for step in range(3 * 2**30 // CHUNK):
+    looks, or a worker of it was evicted, or ``budget`` bytes were sent."""
+    for step in range(budget // CHUNK):
         if step % 4 == 0 and (headroom(sandbox, node) < -128 * MiB or evicted(sandbox)):
             return
         workers = sorted(workers_on(client, sandbox, node).items())
@@ -149,7 +149,8 @@ def scenario(sandbox: Sandbox, client: distributed.Client) -> tuple[Holdings, st
     node = the_full_node(sandbox)
     holdings = Holdings(client)
     before = headroom(sandbox, node)
-    fill(client, sandbox, holdings, node)
+    # What takes the Node past its threshold: its headroom, and the statistics' lag.
+    fill(client, sandbox, holdings, node, before + 384 * MiB)
     print(f"{node}: {before // MiB} MiB to the threshold before the fill, {headroom(sandbox, node) // MiB} after")
     return holdings, node
 
@@ -179,7 +180,7 @@ def test_memops_drains_the_kubelets_next_victim_before_it_is_evicted(pressed: Ca
             "spec": {
                 "scheduler": {"address": "tcp://dask-scheduler:8786"},
                 "workload": {"kind": "Deployment", "name": APP},
-                "eviction": {"nodePressure": {"margin": "512Mi"}},
+                "eviction": {"nodePressure": {"margin": "256Mi"}},
             },
         }
     )

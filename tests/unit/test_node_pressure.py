@@ -224,26 +224,44 @@ def test_plan_drains_only_the_victims_that_hold_data_alone_and_are_not_draining(
     seen = node_pressure.Seen(
         predictions=(prediction("w-1", "w-2", "w-3"), prediction("w-9", node_name="n2")),
         unique={"w-1": 10, "w-2": 0, "w-3": 5, "w-9": 1},
+        room={"n1": 0, "n2": 0, "n3": 100},
     )
     running = {"metadata": {"name": "r"}, "spec": {"workers": ["w-3"]}, "status": {"phase": "Draining"}}
     done = {"metadata": {"name": "d"}, "spec": {"workers": ["w-9"]}, "status": {"phase": "Succeeded"}}
-    bodies, drained = node_pressure.plan(OWNER, SPEC, seen, [running, done])
-    assert drained == {"n1": ("w-1",), "n2": ("w-9",)}
-    first = bodies[0]
+    planned = node_pressure.plan(OWNER, SPEC, seen, [running, done])
+    assert planned.drained == {"n1": ("w-1",), "n2": ("w-9",)} and planned.refused == ()
+    first = planned.requests[0]
     assert first["spec"]["workers"] == ["w-1"] and first["spec"]["removePods"] is False
     assert first["metadata"]["labels"][eviction_gate.REASON_LABEL] == eviction_gate.EVICTION
     assert "n1" in first["metadata"]["annotations"]["memops.dev/why"]
 
 
 def test_plan_drains_nothing_without_the_schedulers_word() -> None:
-    bodies, drained = node_pressure.plan(OWNER, SPEC, node_pressure.Seen(predictions=(prediction("w-1"),)), [])
-    assert bodies == [] and drained == {}
+    seen = node_pressure.Seen(predictions=(prediction("w-1"),), room={"n2": 2**40})
+    planned = node_pressure.plan(OWNER, SPEC, seen, [])
+    assert planned.requests == () and planned.drained == {}
+
+
+def test_a_victim_is_drained_only_where_the_other_nodes_have_room_for_its_data() -> None:
+    """Else its keys would push them into the margin, to be drained back: a ping-pong."""
+    seen = node_pressure.Seen(
+        predictions=(prediction("w-1", "w-2"),),
+        unique={"w-1": 600 * MiB, "w-2": 600 * MiB},
+        room={"n1": -50 * MiB, "n2": 700 * MiB, "n3": 300 * MiB},
+    )
+    planned = node_pressure.plan(OWNER, SPEC, seen, [])
+    # 1,000 MiB of room elsewhere: the first victim's 600 fit; then 400 are left for the second.
+    assert planned.drained == {"n1": ("w-1",)}
+    (why,) = planned.refused
+    assert why.startswith("node n1: w-2 holds 600 MiB alone")
+    status = node_pressure.status(None, seen, planned, "t")
+    assert "w-2 holds 600 MiB" in status.message and status.drains == 1
 
 
 def test_status_counts_drains_across_passes() -> None:
     seen = node_pressure.Seen(predictions=(prediction("w-1", "w-2"),), message="node n3: Forbidden")
-    first = node_pressure.status(None, seen, {"n1": ("w-1",)}, "t1")
-    second = node_pressure.status(first, seen, {}, "t2")
+    first = node_pressure.status(None, seen, node_pressure.Plan(drained={"n1": ("w-1",)}), "t1")
+    second = node_pressure.status(first, seen, node_pressure.Plan(), "t2")
     assert first.drains == 1 and second.drains == 1 and second.lastRead == "t2"
     (entry,) = second.nodes
     assert entry.workers == ["w-1", "w-2"] and entry.drained == [] and entry.victims == 2
@@ -283,6 +301,7 @@ async def test_the_kubelets_are_read_through_the_node_proxy() -> None:
     seen = await kubelets.read(client, kubelets.Kubelets(), pods=[worker], margin=256 * MiB, logger=logging.getLogger())
     (found,) = seen.predictions
     assert found.ours == ("w-1",) and found.signal == "allocatableMemory.available" and seen.message == ""
+    assert seen.room == {"n1": found.headroom - 256 * MiB}
     # The configuration is read once, then reused.
     cache = kubelets.Kubelets()
     await kubelets.read(client, cache, pods=[worker], margin=0, logger=logging.getLogger())
