@@ -198,12 +198,12 @@ def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout
     """One worker: its data has nowhere to go. Abort keeps refusing (an event on the pod says so);
     Force lets the eviction through and the request records the bytes lost."""
     sandbox = upstream(workers=1)
-    policy(sandbox, drain={"timeout": "20s", "onTimeout": on_timeout})
+    policy(sandbox, drain={"timeout": "12s", "onTimeout": on_timeout})
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         sandbox.wait_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 1, 120, "the worker")
         ((pod, node),) = nodes_of(sandbox).items()
         holdings = scatter_unique(client, {pod: 3})
-        result, _ = drain(sandbox, node, timeout=45)
+        result, _ = drain(sandbox, node, timeout=30)
         (request,) = eviction_requests(sandbox)
         (worker,) = request["status"]["workers"]
         if on_timeout == "Abort":
