@@ -372,8 +372,9 @@ def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
     assert not missing, f"watchNamespaces=[default] does not grant, where it is needed: {missing}"
     cluster_wide = manifests.granted(objects, namespace="")
     assert manifests.granted(objects, namespace="other") == cluster_wide, "nothing in a namespace not watched"
-    # Nodes are cluster-scoped: replication targets and the node signals read them in either mode.
-    assert {resource for _, resource, _ in cluster_wide} == {"customresourcedefinitions", "nodes"}
+    # Nodes are cluster-scoped: replication targets and the node signals read them in either mode,
+    # and node pressure their kubelets (nodes/proxy, with rbac.nodeProxy, on here).
+    assert {resource for _, resource, _ in cluster_wide} == {"customresourcedefinitions", "nodes", "nodes/proxy"}
 
 
 @pytest.mark.parametrize("namespaces", [[], ["dask"]], ids=["cluster-wide", "namespaced"])
