@@ -3,7 +3,7 @@
 Each Node has 3 GiB for its pods (``--node-memory 3Gi``: its kubelet reserves the rest of the
 machine), so the kubelet's ``allocatableMemory.available`` signal (threshold ``evictionHard``
 ``memory.available`` 768Mi, ``--eviction-threshold``) is within reach. Four workers as users often write them, a small
-memory request under a larger limit (spilling off, as for data that cannot spill), spread over
+memory request under a larger limit (2 GiB; spilling off, as for data that cannot spill), spread over
 the two Nodes. Unique keys fill the two workers of one Node past what the Node can hold.
 
 Stock, the kubelet evicts the worker that is furthest over its request, with no grace period and
@@ -61,13 +61,13 @@ def pressed(tmp_path: Path) -> Iterator[Callable[[bool], Sandbox]]:
 
 
 def workload(sandbox: Sandbox) -> None:
-    """Four workers of 1.5 GiB with a 64 MiB request, two per Node, spilling off."""
+    """Four workers of 2 GiB with a 64 MiB request, two per Node, spilling off."""
     body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, 4, image=sandbox_cli.DASK_IMAGE))
     body["metadata"]["name"] = body["spec"]["template"]["metadata"]["labels"]["app"] = APP
     body["metadata"]["labels"] = body["spec"]["selector"]["matchLabels"] = {"app": APP}
     spec = body["spec"]["template"]["spec"]
     [container] = spec["containers"]
-    container["resources"] = {"requests": {"memory": "64Mi"}, "limits": {"memory": "1536Mi"}}
+    container["resources"] = {"requests": {"memory": "64Mi"}, "limits": {"memory": "2Gi"}}
     # Neither spilled, paused nor killed by its nanny: the Node runs out of memory before they do.
     container["env"] = [
         *container.get("env", []),
@@ -117,16 +117,21 @@ def workers_on(client: distributed.Client, sandbox: Sandbox, node: str) -> dict[
 
 
 def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node: str, budget: int) -> None:
-    """Unique keys onto the workers of ``node``, ``CHUNK`` at a time to each in turn, until the
+    """Unique keys onto the two workers of ``node``, ``CHUNK`` at a time to each in turn, until the
     Node's pods are past the kubelet's threshold by a margin it cannot miss between two of its
-    looks, or a worker of it was evicted, or ``budget`` bytes were sent."""
-    for step in range(budget // CHUNK):
+    looks, or a worker of it was evicted, or ``budget`` bytes were sent. While one of the two is
+    away (drained, its container restarting) the workload waits for it, rather than pour
+    everything into the other one up to its own limit."""
+    sent, step, deadline = 0, 0, time.monotonic() + 300
+    while sent < budget and time.monotonic() < deadline:
         if step % 4 == 0 and (headroom(sandbox, node) < -128 * MiB or evicted(sandbox)):
             return
+        step += 1
         workers = sorted(workers_on(client, sandbox, node).items())
-        if not workers:
-            return
-        pod, address = workers[step % len(workers)]
+        if len(workers) < 2:
+            time.sleep(PACE)
+            continue
+        pod, address = workers[step % 2]
         key = f"{pod}-{step}"
         value = os.urandom(CHUNK)
         try:
@@ -134,6 +139,7 @@ def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node:
         except (OSError, TimeoutError, KeyError):
             continue  # the worker left (drained, or evicted) as the chunk went
         holdings.futures[key], holdings.values[key], holdings.owner[key] = scattered[key], value, pod
+        sent += CHUNK
         time.sleep(PACE)
 
 
