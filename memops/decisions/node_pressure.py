@@ -33,7 +33,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.decisions import eviction_gate, objects
+from memops.decisions import eviction_gate, objects, timestamps
 from memops.specs.common import parse_quantity
 
 EVENT_REASON = "NodePressureDrain"
@@ -369,21 +369,47 @@ def status(old: specs.NodePressureStatus | None, seen: Seen, planned: Plan, now:
     return specs.NodePressureStatus(nodes=nodes, drains=total, lastRead=now, message=message[:1024])
 
 
+COOLING_SECONDS = 60.0
+"""A Node whose workers the policy drained this recently takes no drained keys: the kubelet's
+statistics are up to 10 s old, and keys sent back to a Node that was just relieved (while its
+load goes on) would put it back into the margin."""
+
+
+def cooling(requests: Sequence[Mapping[str, Any]], nodes: Iterable[str], now: float) -> set[str]:
+    """The ``nodes`` with an Eviction request of the policy made in the last :data:`COOLING_SECONDS`
+    (``now``: Unix seconds), read from the requests themselves: a restart forgets nothing."""
+    found = set()
+    for node in nodes:
+        for request in eviction_gate.node_requests(requests, node):
+            made = (request.get("metadata") or {}).get("creationTimestamp")
+            try:
+                age = now - timestamps.parse(str(made)).timestamp()
+            except (TypeError, ValueError):
+                continue
+            if age < COOLING_SECONDS:
+                found.add(node)
+    return found
+
+
 def plan(
     owner: objects.Owner,
     spec: specs.MemoryPolicySpec,
     seen: Seen,
     requests: Sequence[Mapping[str, Any]],
+    now: float,
 ) -> Plan:
     """The Eviction RetirementRequests that drain the predicted victims now, one per node
-    (:func:`to_drain`). A pod named by an unfinished request of the policy is left to it."""
+    (:func:`to_drain`). A pod named by an unfinished request of the policy is left to it; a Node
+    drained in the last minute (:func:`cooling`) has no room for other Nodes' keys."""
     draining = {
         str(w)
         for r in requests
         if (r.get("status") or {}).get("phase") not in (specs.Phase.SUCCEEDED.value, specs.Phase.FAILED.value)
         for w in (r.get("spec") or {}).get("workers") or []
     }
-    chosen, refused = to_drain(seen.predictions, seen.unique, draining, seen.room)
+    cool = cooling(requests, seen.room, now)
+    room = {node: 0 if node in cool else bytes_ for node, bytes_ in seen.room.items()}
+    chosen, refused = to_drain(seen.predictions, seen.unique, draining, room)
     bodies = []
     for node, pods in chosen.items():
         headroom = next(p.headroom for p in seen.predictions if p.node == node)

@@ -210,7 +210,7 @@ def decide(inputs: Inputs) -> Decision:
     create = list(recycle.create) if recycle is not None else []
     events = [Event("Normal", "Recycling", f"recycling {m.pod}: {m.message}") for m in recycle.marks] if recycle else []
     if inputs.node_pressure is not None:
-        planned = node_pressure.plan(inputs.owner, spec, inputs.node_pressure, inputs.requests)
+        planned = node_pressure.plan(inputs.owner, spec, inputs.node_pressure, inputs.requests, now)
         create += planned.requests
         status.nodePressure = node_pressure.status(status.nodePressure, inputs.node_pressure, planned, _render(now))
         events += [

@@ -204,6 +204,7 @@ def test_pods_that_cannot_be_listed_rank_after_the_policys_workers() -> None:
 
 
 OWNER = objects.Owner(name="pol", namespace="dask", uid="u-1")
+NOW = 1_800_000_000.0
 SPEC = specs.MemoryPolicySpec.model_validate(
     {
         "scheduler": {"address": "tcp://dask-scheduler:8786"},
@@ -228,7 +229,7 @@ def test_plan_drains_only_the_victims_that_hold_data_alone_and_are_not_draining(
     )
     running = {"metadata": {"name": "r"}, "spec": {"workers": ["w-3"]}, "status": {"phase": "Draining"}}
     done = {"metadata": {"name": "d"}, "spec": {"workers": ["w-9"]}, "status": {"phase": "Succeeded"}}
-    planned = node_pressure.plan(OWNER, SPEC, seen, [running, done])
+    planned = node_pressure.plan(OWNER, SPEC, seen, [running, done], NOW)
     assert planned.drained == {"n1": ("w-1",), "n2": ("w-9",)} and planned.refused == ()
     first = planned.requests[0]
     assert first["spec"]["workers"] == ["w-1"] and first["spec"]["removePods"] is False
@@ -238,7 +239,7 @@ def test_plan_drains_only_the_victims_that_hold_data_alone_and_are_not_draining(
 
 def test_plan_drains_nothing_without_the_schedulers_word() -> None:
     seen = node_pressure.Seen(predictions=(prediction("w-1"),), room={"n2": 2**40})
-    planned = node_pressure.plan(OWNER, SPEC, seen, [])
+    planned = node_pressure.plan(OWNER, SPEC, seen, [], NOW)
     assert planned.requests == () and planned.drained == {}
 
 
@@ -249,7 +250,7 @@ def test_a_victim_is_drained_only_where_the_other_nodes_have_room_for_its_data()
         unique={"w-1": 600 * MiB, "w-2": 600 * MiB},
         room={"n1": -50 * MiB, "n2": 700 * MiB, "n3": 300 * MiB},
     )
-    planned = node_pressure.plan(OWNER, SPEC, seen, [])
+    planned = node_pressure.plan(OWNER, SPEC, seen, [], NOW)
     # 1,000 MiB of room elsewhere: the first victim's 600 fit; then 400 are left for the second.
     assert planned.drained == {"n1": ("w-1",)}
     (why,) = planned.refused
@@ -317,3 +318,16 @@ async def test_a_forbidden_node_proxy_is_named_in_the_status_message() -> None:
         cast(kube.Kube, api), kubelets.Kubelets(), pods=[worker], margin=0, logger=logging.getLogger()
     )
     assert seen.predictions == () and seen.message.startswith("node n1: ")
+
+
+def test_a_node_drained_in_the_last_minute_takes_no_other_nodes_keys() -> None:
+    """Else keys drained off it come straight back from the Node they went to."""
+    seen = node_pressure.Seen(
+        predictions=(prediction("w-9", node_name="n2"),), unique={"w-9": 100 * MiB}, room={"n1": 2**30, "n2": -1}
+    )
+    recent = eviction_gate.drain_request(OWNER, SPEC, node="n1", pods=["w-1"], earlier=0, why="x")
+    recent["metadata"]["creationTimestamp"] = "2027-01-15T07:59:30Z"  # NOW less 30 s
+    planned = node_pressure.plan(OWNER, SPEC, seen, [recent], NOW)
+    assert planned.drained == {} and planned.refused
+    recent["metadata"]["creationTimestamp"] = "2027-01-15T07:57:30Z"  # NOW less 150 s
+    assert node_pressure.plan(OWNER, SPEC, seen, [recent], NOW).drained == {"n2": ("w-9",)}
