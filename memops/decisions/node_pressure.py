@@ -183,6 +183,18 @@ def _map(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
+def _signal(name: str, memory: Mapping[str, Any], hard: str) -> Signal | None:
+    """A signal from a summary's memory figures (capacity: available plus working set); None when
+    they or the threshold are missing or malformed."""
+    available, working = _int(memory.get("availableBytes")), _int(memory.get("workingSetBytes"))
+    if available is None or working is None:
+        return None
+    try:
+        return Signal(name, available, threshold_bytes(hard, available + working))
+    except (ValueError, decimal.InvalidOperation):
+        return None
+
+
 def _pod_usage(stats: Any) -> int:
     """A summary's pod entry: its working set, as the kubelet's ranking counts it: the pod's own
     cgroup's, else its containers' summed."""
@@ -207,15 +219,8 @@ def node_memory(
     to it. What is missing or malformed in the kubelet's answers leaves a signal or a pod out."""
     name = str(_map(node.get("metadata")).get("name", ""))
     hard = str(_map(config.get("evictionHard")).get(MEMORY_AVAILABLE, DEFAULT_THRESHOLD))
-    signals: list[Signal] = []
     node_stats = _map(summary.get("node"))
-    memory = _map(node_stats.get("memory"))
-    available, working = _int(memory.get("availableBytes")), _int(memory.get("workingSetBytes"))
-    if available is not None and working is not None:
-        try:
-            signals.append(Signal(MEMORY_AVAILABLE, available, threshold_bytes(hard, available + working)))
-        except (ValueError, decimal.InvalidOperation):
-            pass
+    signals = [_signal(MEMORY_AVAILABLE, _map(node_stats.get("memory")), hard)]
     enforced = config.get("enforceNodeAllocatable", ["pods"])
     containers = node_stats.get("systemContainers")
     if isinstance(enforced, list) and "pods" in enforced and isinstance(containers, list):
@@ -223,12 +228,7 @@ def node_memory(
         # system (not less the eviction threshold), and the summary's available is that less
         # its working set.
         pods_memory = next((_map(_map(c).get("memory")) for c in containers if _map(c).get("name") == "pods"), {})
-        available, working = _int(pods_memory.get("availableBytes")), _int(pods_memory.get("workingSetBytes"))
-        if available is not None and working is not None:
-            try:
-                signals.append(Signal(ALLOCATABLE_AVAILABLE, available, threshold_bytes(hard, available + working)))
-            except (ValueError, decimal.InvalidOperation):
-                pass
+        signals.append(_signal(ALLOCATABLE_AVAILABLE, pods_memory, hard))
     usage: dict[tuple[str, str], int] = {}
     listed = summary.get("pods")
     for stats in listed if isinstance(listed, list) else []:
@@ -253,7 +253,12 @@ def node_memory(
                 priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
             )
         )
-    return NodeMemory(node=name, signals=tuple(signals), pods=tuple(seen), pressure=pressure_condition(node))
+    return NodeMemory(
+        node=name,
+        signals=tuple(s for s in signals if s is not None),
+        pods=tuple(seen),
+        pressure=pressure_condition(node),
+    )
 
 
 UNLISTED_PRIORITY = 1_000_000_000

@@ -172,28 +172,15 @@ async def serve(
     ``rbac.daskWorkerGroups``, say, grants what that feature needs."""
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "ready").unlink(missing_ok=True)
+    common_args: dict[str, Any] = dict(
+        nodes=nodes, operator=operator, memory_limit=memory_limit, values=values, on_ready=on_ready
+    )
     try:
         if node_agent:
-            await _serve(
-                workers,
-                state_dir,
-                nodes=nodes,
-                operator=operator,
-                memory_limit=memory_limit,
-                values=values,
-                on_ready=on_ready,
-            )
+            await _serve(workers, state_dir, **common_args)
         else:
             await _serve_on_real_nodes(
-                workers,
-                state_dir,
-                nodes=nodes,
-                operator=operator,
-                memory_limit=memory_limit,
-                values=values,
-                on_ready=on_ready,
-                node_memory=node_memory,
-                eviction_threshold=eviction_threshold,
+                workers, state_dir, **common_args, node_memory=node_memory, eviction_threshold=eviction_threshold
             )
     finally:
         if audit_log is not None:
