@@ -202,6 +202,39 @@ def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True, real_
     return Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args, real_nodes=real_nodes))
 
 
+SANDBOXES = pytest.StashKey[list[Sandbox]]()
+"""A test's sandboxes, for :func:`pytest_runtest_makereport`."""
+
+
+def describe(sandbox: Sandbox) -> str:
+    """What a failed test's report shows of a sandbox still running: its pods, its recent events and
+    the end of the operator's log; a slow machine's failure is then read from the report alone."""
+    if sandbox.process.poll() is not None:
+        return "the sandbox had stopped"
+    parts = []
+    for args in (
+        ("get", "pods", "-A", "-o", "wide"),
+        ("get", "events", "-A", "--sort-by=.lastTimestamp"),
+        ("get", "mempol,retire", "-A"),
+    ):
+        result = sandbox.kubectl(*args, check=False)
+        parts.append(f"$ kubectl {' '.join(args)}\n" + "\n".join((result.stdout + result.stderr).splitlines()[-30:]))
+    parts.append("the operator's log, its end:\n" + "\n".join(sandbox.operator_log().splitlines()[-40:]))
+    return "\n\n".join(parts)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call" and report.failed:
+        for index, sandbox in enumerate(item.stash.get(SANDBOXES, [])):
+            try:
+                report.sections.append((f"sandbox{index}", describe(sandbox)))
+            except Exception as error:  # the report of the failure matters more than this one
+                report.sections.append((f"sandbox{index}", f"not described: {error!r}"))
+    return report
+
+
 @pytest.fixture
 def sandbox_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
     """Sandboxes on real Nodes; on the process node agent's for a test marked ``node_agent`` (its
@@ -216,6 +249,8 @@ def sandbox_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[
         sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator, real_nodes=real)
         started.append(sandbox)
         return sandbox
+
+    request.node.stash[SANDBOXES] = started
 
     yield factory
     for sandbox in started:

@@ -27,6 +27,16 @@ def relief_on_scheduler(client: distributed.Client) -> dict[str, Any] | None:
     return result
 
 
+def relief_count(client: distributed.Client) -> int:
+    """The keys relief counts as moved, on the scheduler."""
+
+    def count(dask_scheduler: Any) -> int:
+        return int(dask_scheduler.plugins[NAME].policy.keys_moved)
+
+    result: int = client.run_on_scheduler(count)
+    return result
+
+
 def test_policy_installs_retunes_and_removes_pressure_relief(sandbox: Sandbox) -> None:
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         sandbox.apply(
@@ -108,6 +118,10 @@ def test_relief_moves_the_keys_of_a_worker_before_its_nanny_kills_it(real_sandbo
         who_has = client.who_has(list(holdings.futures.values()))
         moved = [key for key in holdings.futures if info["address"] not in who_has[key]]
         assert moved, "relief moved keys off the worker"
+        # Relief's own count: a move that outlived its minute is forgotten uncounted, so on a
+        # slow machine it may count fewer keys than left the worker, never more.
+        counted = relief_count(client)
+        assert 0 < counted <= len(holdings.futures), counted
 
     [after] = only_pod(sandbox, "relieved")["status"]["containerStatuses"]
     assert (after["containerID"], after["restartCount"]) == (before["containerID"], 0), after
@@ -115,9 +129,9 @@ def test_relief_moves_the_keys_of_a_worker_before_its_nanny_kills_it(real_sandbo
     status = sandbox.wait_for(
         lambda: (
             (p := sandbox.get("mempol", "relieved").get("status", {}).get("pressure"))
-            and p["keysMoved"] >= len(moved)
+            and p["keysMoved"] >= counted
             and p
         ),
-        what=f"status.pressure.keysMoved to count the {len(moved)} keys moved",
+        what=f"status.pressure.keysMoved to show relief's count, {counted} keys moved",
     )
-    assert status["bytesMoved"] >= len(moved) * 16 * 2**20, status
+    assert status["bytesMoved"] >= counted * 16 * 2**20, status

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import distributed
+import pytest
 import yaml
 
 from tests.e2e.conftest import Sandbox
@@ -44,6 +45,7 @@ def rolled_out(sandbox: Sandbox, revision: str) -> bool:
     )
 
 
+@pytest.mark.timeout(600)  # two rollouts' waits (240 s and 300 s), on a slow machine
 def test_a_rollout_under_a_policy_loses_no_key(sandbox: Sandbox) -> None:
     """The Deployment controller replaces every pod through a second ReplicaSet; each old pod that
     leaves is drained by its preStop hook (the safety net, given to the pods made under the policy),
