@@ -106,7 +106,9 @@ class Watch:
 
 
 def run(mode: str, limit: int, pace: float) -> dict[str, Any]:
-    args = ["--worker-memory", "1GiB", *(["--no-operator"] if mode == "stock" else [])]
+    # Growth patches pods/resize, which the chart grants only with rbac.podResize.
+    operator = {"stock": ["--no-operator"], "relief": [], "growth": ["--set", "rbac.podResize=true"]}[mode]
+    args = ["--worker-memory", "1GiB", *operator]
     with benchkit.running_sandbox(2, *args) as box, distributed.Client(box.address, timeout=30) as client:
         benchkit.kubectl(box.env, "apply", "-f", "-", stdin=yaml.safe_dump(workload(box.address, limit)))
         client.wait_for_workers(3, timeout=120)
@@ -163,7 +165,16 @@ def run(mode: str, limit: int, pace: float) -> dict[str, Any]:
         pods = json.loads(benchkit.kubectl(box.env, "get", "pods", "-l", "app=hot", "-o", "json"))["items"]
         statuses = [s for p in pods for s in p.get("status", {}).get("containerStatuses") or []]
         final = watch.info()
+        # What the policy could not do (a refused resize, say), so that a leg that failed says why.
+        complaints = []
+        if mode != "stock":
+            status = json.loads(benchkit.kubectl(box.env, "get", "mempol", "hot", "-o", "json")).get("status", {})
+            said = {part: (status.get(part) or {}).get("message") for part in ("resize", "pressure")}
+            complaints = [f"status.{part}.message: {message}" for part, message in said.items() if message]
+            ready = [c for c in status.get("conditions", []) if c["type"] == "Ready" and c["status"] != "True"]
+            complaints += [f"Ready False: {c.get('message', '')}" for c in ready]
         return {
+            "complaints": complaints,
             "mode": mode,
             "keys": len(futures),
             "over": watch.over,
@@ -199,6 +210,9 @@ def main() -> int:
             f"| {row['mode']} | {row['keys']} | {relief} | {row['moved'] // MIB} | {'yes' if row['killed'] else 'no'}"
             f" | {row['restarts']} | {row['lost']} | {end} |"
         )
+    for row in rows:
+        for complaint in row["complaints"]:
+            print(f"- {row['mode']}: the policy's {complaint}")
     return 0
 
 
