@@ -22,9 +22,9 @@ import pytest
 from memops_sandbox import build, upstream
 from memops_sandbox import common as sandbox
 
-NO_SANDBOX = ("unit", "fuzz", "scheduler")
-"""The test folders that start no control plane: they run first, so that CI can build the
-sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
+NO_SANDBOX = ("unit", "fuzz", "scheduler", "packaging/test_helm.py", "packaging/test_kustomize.py")
+"""The test folders and files that start no control plane: they run first, so that CI can build
+the sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -32,7 +32,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     def needs_a_sandbox(item: pytest.Item) -> bool:
         path = Path(str(item.fspath)).resolve()
-        return not (path.is_relative_to(tests) and path.relative_to(tests).parts[0] in NO_SANDBOX)
+        if not path.is_relative_to(tests):
+            return True
+        inside = path.relative_to(tests)
+        return not any(inside.is_relative_to(free) for free in NO_SANDBOX)
 
     items.sort(key=needs_a_sandbox)  # stable: each group keeps its order (packaging after e2e)
 

@@ -701,8 +701,7 @@ async def runtimes(
         logger.info("%d containerds up, images imported, after %.1f s", len(nodes), time.monotonic() - started)
         yield
     finally:
-        for process in processes.values():
-            await common.stop(process, grace=5)
+        await asyncio.gather(*(common.stop(process, grace=5) for process in processes.values()))
 
 
 @contextlib.asynccontextmanager
@@ -761,8 +760,8 @@ async def _stop(processes: dict[str, asyncio.subprocess.Process], binaries: Node
     """Stop kube-proxy and the kubelets, and kill every container (SIGKILL to the Nodes' cgroups: the
     sandbox is going away, and grace periods are the pods' business while it runs); the containerds
     stop next (:func:`runtimes`), and :func:`machine` removes what is left."""
-    for process in processes.values():
-        await common.stop(process, grace=5)
+    # Together: each kubelet takes its time to stop, and none waits for another.
+    await asyncio.gather(*(common.stop(process, grace=5) for process in processes.values()))
     for hierarchy in _hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             try:
