@@ -105,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         " below its pods' limit each kubelet starts evicting them",
     )
     sandbox.add_argument(
+        "--swap",
+        metavar="QUANTITY",
+        help="a swap file of this size, on while the sandbox runs, e.g. 1Gi: the swap-backed node (every Node is"
+        " this machine, so it is every Node's swap; the kubelets run with failSwapOn false)",
+    )
+    sandbox.add_argument(
         "--audit-log",
         metavar="PATH",
         default=os.environ.get("MEMOPS_AUDIT_LOG") or None,
@@ -139,9 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nodes < 1:
             print("memops sandbox: --nodes must be at least 1", file=sys.stderr)
             return 2
-        if (args.node_memory is not None or args.eviction_threshold is not None) and args.node_agent:
+        if (args.node_memory, args.eviction_threshold, args.swap) != (None, None, None) and args.node_agent:
             print(
-                "memops sandbox: --node-memory and --eviction-threshold need real Nodes (kubelets), not --node-agent",
+                "memops sandbox: --node-memory, --eviction-threshold and --swap need real Nodes (kubelets),"
+                " not --node-agent",
                 file=sys.stderr,
             )
             return 2
@@ -159,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             chart_settings=args.chart_settings,
             node_memory=args.node_memory,
             eviction_threshold=args.eviction_threshold,
+            swap=args.swap,
         )
     from memops import controllers
 

@@ -34,6 +34,7 @@ def sandbox(
     chart_settings: list[str] | None = None,
     node_memory: str | None = None,
     eviction_threshold: str | None = None,
+    swap: str | None = None,
 ) -> int:
     """``memops sandbox`` (or ``--build-only``), with arguments checked by memops' CLI.
 
@@ -65,8 +66,10 @@ def sandbox(
             wanted = real_nodes.parse_memory(node_memory) if node_memory is not None else None
             if eviction_threshold is not None:
                 real_nodes.parse_memory(eviction_threshold)
+            if swap is not None and real_nodes.parse_memory(swap) <= 0:
+                raise ValueError(f"{swap!r} is no size")
         except ValueError as error:
-            print(f"memops sandbox: --node-memory or --eviction-threshold: {error}", file=sys.stderr)
+            print(f"memops sandbox: --node-memory, --eviction-threshold or --swap: {error}", file=sys.stderr)
             return 2
         if wanted is not None:
             if not 0 < wanted < real_nodes.machine_memory():
@@ -135,6 +138,7 @@ def sandbox(
         on_ready=announce,
         node_memory=node_memory,
         eviction_threshold=eviction_threshold,
+        swap=swap,
     )
     try:
         upstream.run_until_signalled(serving, directory)

@@ -442,16 +442,50 @@ def _processes_mentioning(text: str) -> list[int]:
     return [pid for pid in pids if pid != os.getpid()]
 
 
+SWAP_FILE = DISK_ROOT / "swap"
+"""The swap file of ``memops sandbox --swap``."""
+
+
+@contextlib.contextmanager
+def swap(size: int) -> Iterator[Path]:
+    """A swap file of ``size`` bytes, on until the block exits: the swap-backed node. Every Node is
+    this machine, so the swap is every Node's; the kubelets run with ``failSwapOn: false``."""
+    DISK_ROOT.mkdir(parents=True, exist_ok=True)
+    SWAP_FILE.unlink(missing_ok=True)
+    try:
+        for command in (["fallocate", "-l", str(size)], ["mkswap"], ["swapon"]):
+            subprocess.run([*command, str(SWAP_FILE)], check=True, capture_output=True, text=True)
+            SWAP_FILE.chmod(0o600)  # mkswap and swapon want no other reader
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else str(error)
+        swap_off()
+        raise NodesUnavailable(f"no swap file of {size} bytes at {SWAP_FILE}: {detail}") from error
+    try:
+        yield SWAP_FILE
+    finally:
+        swap_off()
+
+
+def swap_off() -> None:
+    """Turn off and remove the sandbox's swap file, if a run (or a crashed one) left it on."""
+    for line in Path("/proc/swaps").read_text().splitlines()[1:]:
+        name = Path(line.split()[0])
+        if name.is_relative_to(DISK_ROOT):
+            subprocess.run(["swapoff", str(name)], capture_output=True, check=False)
+    SWAP_FILE.unlink(missing_ok=True)
+
+
 def clean(state_dir: Path, count: int = 16) -> None:
     """Remove what a sandbox with real Nodes left on this machine: its processes (kubelets,
-    containerds, shims, containers), mounts under ``state_dir`` and :data:`RUN_ROOT`, cgroups
-    under :data:`CGROUP_PARENT`, bridges ``memops<i>`` and kube-proxy's rules."""
+    containerds, shims, containers), its swap file, mounts under ``state_dir`` and :data:`RUN_ROOT`,
+    cgroups under :data:`CGROUP_PARENT`, bridges ``memops<i>`` and kube-proxy's rules."""
     for pid in _processes_mentioning(str(RUN_ROOT)):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for hierarchy in _hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
+    swap_off()
     for root in (state_dir / "nodes", RUN_ROOT, DISK_ROOT):
         for point in _mounts_under(root):
             subprocess.run(["umount", "-l", point], capture_output=True, check=False)

@@ -163,6 +163,7 @@ async def serve(
     on_ready: Callable[[], None] | None = None,
     node_memory: str | None = None,
     eviction_threshold: str | None = None,
+    swap: str | None = None,
 ) -> None:
     """Run the sandbox until cancelled; ``on_ready`` is called once ``ready`` is written.
 
@@ -180,7 +181,12 @@ async def serve(
             await _serve(workers, state_dir, **common_args)
         else:
             await _serve_on_real_nodes(
-                workers, state_dir, **common_args, node_memory=node_memory, eviction_threshold=eviction_threshold
+                workers,
+                state_dir,
+                **common_args,
+                node_memory=node_memory,
+                eviction_threshold=eviction_threshold,
+                swap=swap,
             )
     finally:
         if audit_log is not None:
@@ -246,6 +252,7 @@ async def _serve_on_real_nodes(
     on_ready: Callable[[], None] | None,
     node_memory: str | None = None,
     eviction_threshold: str | None = None,
+    swap: str | None = None,
 ) -> None:
     """:func:`serve` on real Nodes (:mod:`memops_sandbox.nodes`): the Dask scheduler and workers
     are pods in containers with memory limits, from the sandbox's own Dask image."""
@@ -260,6 +267,8 @@ async def _serve_on_real_nodes(
     dask_image = archives["dask"].ref
     async with contextlib.AsyncExitStack() as stack:
         machine = stack.enter_context(real_nodes.machine(names, state_dir))
+        if swap is not None:  # before the kubelets start: each reports the swap it finds (nodeInfo.swap)
+            stack.enter_context(real_nodes.swap(real_nodes.parse_memory(swap)))
         values = install.merge_values(
             values or {},
             install.pod_values(
