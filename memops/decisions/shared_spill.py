@@ -706,21 +706,35 @@ def links_condition(found: Mapping[str, Any]) -> tuple[bool | None, str, str]:
 
 def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatus:
     """The policy's ``status.sharedSpill`` from each worker's spill report (address -> ``{"bytes",
-    "share"}``, :func:`memops.worker.links.spill`: its bytes with each inode once, and its share of
-    its node's, where an inode that k workers link counts 1/k to each). A report that is not plain
-    numbers, or whose share is not within its bytes, is not counted: the workers' words."""
-    workers, total, per_worker = 0, 0.0, 0
+    "ownBytes", "share"}``, :func:`memops.worker.links.spill`: its bytes with each inode once, those
+    of files it wrote itself, and its share of its node's, where an inode that k workers link counts
+    1/k to each). A report that is not plain numbers, or whose share or own bytes are not within its
+    bytes, is not counted: the workers' words.
+
+    The kernel charges each file to the worker that wrote it; a file that only workers which linked
+    it still name (its writer drained, or its key unspilled there) is ``bytesWithoutWriter``: the
+    whole, less what the workers wrote themselves."""
+    workers, total, per_worker, own = 0, 0.0, 0, 0
     for report in reports.values():
         if not isinstance(report, Mapping):
             continue
-        counted, share = report.get("bytes"), report.get("share")
+        counted, share, written = report.get("bytes"), report.get("share"), report.get("ownBytes", 0)
         if isinstance(counted, bool) or not isinstance(counted, int):
+            continue
+        if isinstance(written, bool) or not isinstance(written, int):
             continue
         if isinstance(share, bool) or not isinstance(share, (int, float)):
             continue
-        if not 0 <= share <= counted < 2**63:
+        if not (0 <= share <= counted < 2**63 and 0 <= written <= counted):
             continue
         workers += 1
         per_worker += counted
         total += share
-    return specs.SharedSpillStatus(workers=workers, bytes=round(total), bytesCountedPerWorker=per_worker, lastRead=now)
+        own += written
+    return specs.SharedSpillStatus(
+        workers=workers,
+        bytes=round(total),
+        bytesCountedPerWorker=per_worker,
+        bytesWithoutWriter=max(0, round(total) - own),
+        lastRead=now,
+    )

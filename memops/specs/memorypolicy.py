@@ -713,6 +713,12 @@ class SharedSpillStatus(Model):
         description="The same files counted once per worker that links them, as Dask's own spilled figures count"
         " them; the difference to bytes is what same-node links saved.",
     )
+    bytesWithoutWriter: int = pydantic.Field(
+        default=0,
+        description="Of bytes, files that no worker which wrote them names any more, only workers that linked them"
+        " (a drained worker's hand-over): the kernel charges a tmpfs page to the pod that wrote it while that pod"
+        " lives, then to the pods' parent cgroup, against the node's allocatable memory and no worker's limit.",
+    )
     lastRead: str = pydantic.Field(default="", description="When the workers were last asked (RFC 3339).")
 
 

@@ -14,11 +14,27 @@ from __future__ import annotations
 import os
 import stat
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 Inode = tuple[int, int]
 """``(st_dev, st_ino)``: one file, whatever its names."""
+
+LINKED_IN = "_memops_linked_in"
+"""The worker's attribute: the inodes it holds by a link it made to a peer's file (a hand-over,
+a fetch by link), a set of :data:`Inode`. The kernel charges a tmpfs page to the memory cgroup of
+the process that wrote it, and never moves the charge to a process that links, reads or maps it:
+the pages of these files count against the writer's pod, not this worker's. (Also set, by this
+name, by :mod:`memops.worker.handover`, which imports nothing of memops.)"""
+
+
+def note_linked(worker: Any, device: int, inode: int) -> None:
+    """``worker`` holds the file ``(device, inode)`` by a link it made to a peer's."""
+    linked: set[Inode] | None = getattr(worker, LINKED_IN, None)
+    if linked is None:
+        linked = set()
+        setattr(worker, LINKED_IN, linked)
+    linked.add((device, inode))
 
 
 def files(directory: str) -> list[tuple[int, int, int, int]]:
@@ -38,9 +54,11 @@ def files(directory: str) -> list[tuple[int, int, int, int]]:
     return result
 
 
-def summarize(found: Iterable[tuple[int, int, int, int]]) -> dict[str, Any]:
+def summarize(found: Iterable[tuple[int, int, int, int]], linked: Collection[Inode] = ()) -> dict[str, Any]:
     """One worker's figures: ``bytes`` (each inode once), ``sharedBytes`` (of files that another
-    name links too), ``files``, and ``inodes``: ``[st_dev, st_ino, st_size]`` for :func:`shares`."""
+    name links too), ``ownBytes`` (of files it wrote itself, not in ``linked``: what the kernel
+    charges to its cgroup), ``files``, and ``inodes``: ``[st_dev, st_ino, st_size]`` for
+    :func:`shares`."""
     seen: dict[Inode, tuple[int, int]] = {}
     for dev, ino, size, nlink in found:
         seen[(dev, ino)] = (size, nlink)
@@ -48,6 +66,7 @@ def summarize(found: Iterable[tuple[int, int, int, int]]) -> dict[str, Any]:
         "files": len(seen),
         "bytes": sum(size for size, _ in seen.values()),
         "sharedBytes": sum(size for size, nlink in seen.values() if nlink > 1),
+        "ownBytes": sum(size for inode, (size, _) in seen.items() if inode not in linked),
         "inodes": [[dev, ino, size] for (dev, ino), (size, _) in seen.items()],
     }
 
@@ -62,7 +81,11 @@ def report(worker: Any) -> dict[str, Any]:
     if isinstance(directory, str):
         found += files(directory)
     found += files(os.path.join(str(getattr(worker, "local_directory", "")), "memops-links"))
-    return {**summarize(found), "boot": boot_id()}
+    linked: set[Inode] | None = getattr(worker, LINKED_IN, None)
+    if linked:
+        # Files gone since: forgotten, so that an inode number used again is not taken for a link.
+        linked.intersection_update((dev, ino) for dev, ino, _, _ in found)
+    return {**summarize(found, linked or ()), "boot": boot_id()}
 
 
 def boot_id() -> str:

@@ -210,6 +210,10 @@ def take(worker: Any, directory: str = "", entries: Sequence[Any] = ()) -> list[
                 os.link(source, os.path.join(file.directory, target))
             except OSError:
                 continue
+            # Its pages stay charged to the retiring worker's cgroup, then its parent's
+            # (memops.worker.accounting.LINKED_IN, by name: this module imports nothing of memops).
+            linked_in = worker.__dict__.setdefault("_memops_linked_in", set())
+            linked_in.add((device, ino))
             # What Slow.__setitem__ and Cache.__setitem__ record, without the write.
             file.filenames[key] = target
             weight = type(slow.total_weight)(nbytes, size)

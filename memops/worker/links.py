@@ -360,6 +360,7 @@ class Links:
         if safe_sizeof(value) > self.worker.data.n:
             # It goes straight to the spill store, through dump below: keep the link for it.
             self.staged[id(value)] = (value, link, size, time.monotonic())
+            accounting.note_linked(self.worker, self.device, ino)
         else:
             os.unlink(link)  # kept in memory, as a map of the peer's pages
         return value
@@ -468,9 +469,10 @@ async def statuses(scheduler: Any) -> dict[str, Any]:
 
 
 async def spill(scheduler: Any) -> dict[str, Any]:
-    """Worker address -> ``{"files", "bytes", "sharedBytes", "share"}``: its spill with each inode
-    once, and its share of its node's (:func:`memops.worker.accounting.shares`, per kernel: inode
-    numbers are compared only between workers of one node)."""
+    """Worker address -> ``{"files", "bytes", "sharedBytes", "ownBytes", "share"}``: its spill with
+    each inode once, what of it the worker wrote itself, and its share of its node's
+    (:func:`memops.worker.accounting.shares`, per kernel: inode numbers are compared only between
+    workers of one node)."""
     found = await _ask_all(scheduler, "spill")
     nodes: dict[str, dict[str, Any]] = {}
     for address, report in found.items():
@@ -485,6 +487,7 @@ async def spill(scheduler: Any) -> dict[str, Any]:
                 "files": figures.get("files", 0),
                 "bytes": figures.get("bytes", 0),
                 "sharedBytes": figures.get("sharedBytes", 0),
+                "ownBytes": figures.get("ownBytes", 0),
                 "share": int(share),
             }
     return result

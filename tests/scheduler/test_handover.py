@@ -24,7 +24,7 @@ from distributed.protocol.serialize import to_serialize
 
 from memops.clients import daskrpc
 from memops.scheduler import drain
-from memops.worker import handover
+from memops.worker import accounting, handover
 from tests import polling
 from tests.scheduler import processes
 
@@ -118,6 +118,10 @@ async def test_a_spilled_key_is_handed_over_by_a_hardlink(cluster: tuple[LocalCl
 
     await polling.poll(one_link, timeout=20, what="the receiver's link alone")
     assert await client.gather(future) == value(1)
+    # The receiver linked the file, it did not write it: the kernel charged its pages to the sender's
+    # cgroup, and none of them to the receiver's, which reports none of it as its own.
+    [report] = (await client.run(lambda dask_worker: accounting.report(dask_worker), workers=[receiver])).values()
+    assert report["bytes"] >= len(value(1)) and report["ownBytes"] == 0, report
 
 
 async def test_a_key_in_memory_goes_by_the_normal_transfer(cluster: tuple[LocalCluster, Client]) -> None:

@@ -121,9 +121,11 @@ async def test_a_same_node_fetch_of_a_spilled_key_goes_by_link(cluster: tuple[Lo
     statuses = await links.statuses(local.scheduler)
     assert statuses[sender]["keysSent"] == 1 and statuses[receiver]["keysReceived"] == 1
     # Both copies are one file: the shares count it once.
-    reports = {w: (await _spill_report(client, w))["inodes"] for w in (sender, receiver)}
-    shares, total = accounting.shares(reports)
+    found = {w: await _spill_report(client, w) for w in (sender, receiver)}
+    shares, total = accounting.shares({w: report["inodes"] for w, report in found.items()})
     assert total == sum(shares.values()) and shares[sender] == shares[receiver] == total / 2
+    # The kernel charges the file to the sender, which wrote it: the receiver's link is not its own.
+    assert found[sender]["ownBytes"] == total and found[receiver]["ownBytes"] == 0, found
     assert await client.gather(future) == value(1)
 
 
@@ -295,10 +297,11 @@ def test_shares_count_each_inode_once(reports: dict[str, Any], shares: dict[str,
 
 
 def test_summarize_counts_a_linked_file_once() -> None:
-    assert accounting.summarize([(1, 5, 100, 2), (1, 5, 100, 2), (1, 6, 10, 1)]) == {
+    assert accounting.summarize([(1, 5, 100, 2), (1, 5, 100, 2), (1, 6, 10, 1)], linked={(1, 5)}) == {
         "files": 2,
         "bytes": 110,
         "sharedBytes": 100,
+        "ownBytes": 10,  # (1, 5) is a peer's file, linked: its pages are charged to the peer
         "inodes": [[1, 5, 100], [1, 6, 10]],
     }
 

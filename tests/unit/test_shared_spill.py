@@ -810,12 +810,14 @@ def test_links_condition_is_unknown_without_workers() -> None:
 
 
 def test_spill_status_counts_a_linked_file_once_and_skips_what_is_not_plain_numbers() -> None:
-    # Two workers on one node link one 100-byte file; a third holds 10 bytes of its own.
+    # Two workers on one node link one 100-byte file that a wrote; a third holds 10 bytes of its own.
     reports: dict[str, Any] = {
-        "a": {"bytes": 100, "share": 50.0},
-        "b": {"bytes": 100, "share": 50.0},
-        "c": {"bytes": 10, "share": 10},
+        "a": {"bytes": 100, "ownBytes": 100, "share": 50.0},
+        "b": {"bytes": 100, "ownBytes": 0, "share": 50.0},
+        "c": {"bytes": 10, "ownBytes": 10, "share": 10},
         "hostile-share": {"bytes": 10, "share": 11},  # more than its own bytes
+        "hostile-own": {"bytes": 10, "ownBytes": 11, "share": 1},
+        "hostile-own-text": {"bytes": 10, "ownBytes": "10", "share": 1},
         "hostile-nan": {"bytes": 10, "share": float("nan")},
         "hostile-bool": {"bytes": True, "share": 0},
         "hostile-text": {"bytes": "10", "share": 1},
@@ -824,8 +826,17 @@ def test_spill_status_counts_a_linked_file_once_and_skips_what_is_not_plain_numb
     }
     found = shared_spill.spill_status(reports, "2026-11-26T00:00:00Z")
     assert found == specs.SharedSpillStatus(
-        workers=3, bytes=110, bytesCountedPerWorker=210, lastRead="2026-11-26T00:00:00Z"
+        workers=3, bytes=110, bytesCountedPerWorker=210, bytesWithoutWriter=0, lastRead="2026-11-26T00:00:00Z"
     )
+
+
+def test_a_file_only_its_linkers_name_is_charged_to_no_worker() -> None:
+    """a wrote 100 bytes and handed them over to b by a link, then was drained and left: the kernel
+    no longer charges those pages to any worker's pod (its parent's, the node's), and neither does the
+    status; b's own 30 bytes stay b's."""
+    reports: dict[str, Any] = {"b": {"bytes": 130, "ownBytes": 30, "share": 130}}
+    found = shared_spill.spill_status(reports, "2026-11-26T00:00:00Z")
+    assert (found.bytes, found.bytesWithoutWriter) == (130, 100)
 
 
 def test_the_status_sharedspill_field_is_in_the_schema() -> None:
