@@ -119,6 +119,11 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
         shared = set(inodes(neighbour_dir)) & set(before)
         assert len(shared) == keys_linked, (len(shared), state)
         assert not set(inodes(host_dirs[far], "**/*")) & set(before)
+        # The neighbour linked those files, it wrote none of them: the kernel charged their pages to
+        # the drained worker's cgroup, and the neighbour reports none of them as its own.
+        figures = asyncio.run(spill_shares(sandbox.scheduler_address))[address[neighbour]]
+        linked_there = sum(size for inode, size in inodes(neighbour_dir).items() if inode in before)
+        assert figures["bytes"] - figures["ownBytes"] >= linked_there > 0, (figures, linked_there)
 
         # The network's figures, from the recipients' transfer logs: only the keys not linked.
         def received_from(dask_worker: Any, source: str = "") -> list[str]:
@@ -183,6 +188,12 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
             assert len(value) == 20 * MIB and value[:1] == value[-1:] == bytes([100 + i]), i
             del value
         del futures
+
+
+async def spill_shares(address: str) -> dict[str, Any]:
+    """Each worker's spill figures, through memops' agent, as the policy pass reads them."""
+    async with daskrpc.connect(address) as scheduler:
+        return await scheduler.spill_shares()
 
 
 def _connected(client: distributed.Client, pod: str) -> tuple[str, dict[str, Any]] | None:
