@@ -12,6 +12,7 @@ spilled too, retires with the only recipient on the other node: every key by tra
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,11 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
         spill_dir = Path(found[drained][1]["local_directory"]) / "storage"
         assert spill_dir.is_relative_to(host_dirs[near]), spill_dir
         futures = fill(client, address[drained], pieces=PIECES)
-        spilled = sandbox.wait_for(lambda: len(inodes(spill_dir)) >= PIECES // 2 and inodes(spill_dir), what="spill")
-        before = inodes(spill_dir)
-        print(f"before the drain: {len(before)} of {PIECES} keys spilled on {drained}, {sum(spilled.values())} bytes")
+        sandbox.wait_for(lambda: len(inodes(spill_dir)) >= PIECES // 2, what="spill")
+        # The worker goes on spilling until its memory is under its target: the files it holds when
+        # the drain starts are those of a spill that has stopped changing.
+        before = sandbox.wait_for(lambda: steady(spill_dir), what="the spill to settle")
+        print(f"before the drain: {len(before)} of {PIECES} keys spilled on {drained}, {sum(before.values())} bytes")
 
         sandbox.apply(
             retirement_request(
@@ -188,6 +191,13 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
             assert len(value) == 20 * MIB and value[:1] == value[-1:] == bytes([100 + i]), i
             del value
         del futures
+
+
+def steady(directory: Path) -> dict[int, int] | None:
+    """:func:`inodes` of ``directory`` when a second look, a second later, finds the same files."""
+    first = inodes(directory)
+    time.sleep(1)
+    return first if first and inodes(directory) == first else None
 
 
 async def spill_shares(address: str) -> dict[str, Any]:
