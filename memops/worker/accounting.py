@@ -30,11 +30,7 @@ name, by :mod:`memops.worker.handover`, which imports nothing of memops.)"""
 
 def note_linked(worker: Any, device: int, inode: int) -> None:
     """``worker`` holds the file ``(device, inode)`` by a link it made to a peer's."""
-    linked: set[Inode] | None = getattr(worker, LINKED_IN, None)
-    if linked is None:
-        linked = set()
-        setattr(worker, LINKED_IN, linked)
-    linked.add((device, inode))
+    worker.__dict__.setdefault(LINKED_IN, set()).add((device, inode))
 
 
 def files(directory: str) -> list[tuple[int, int, int, int]]:

@@ -453,9 +453,10 @@ def swap(size: int) -> Iterator[Path]:
     DISK_ROOT.mkdir(parents=True, exist_ok=True)
     SWAP_FILE.unlink(missing_ok=True)
     try:
-        for command in (["fallocate", "-l", str(size)], ["mkswap"], ["swapon"]):
-            subprocess.run([*command, str(SWAP_FILE)], check=True, capture_output=True, text=True)
-            SWAP_FILE.chmod(0o600)  # mkswap and swapon want no other reader
+        subprocess.run(["fallocate", "-l", str(size), str(SWAP_FILE)], check=True, capture_output=True, text=True)
+        SWAP_FILE.chmod(0o600)  # mkswap and swapon want no other reader
+        for command in ("mkswap", "swapon"):
+            subprocess.run([command, str(SWAP_FILE)], check=True, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError) as error:
         detail = error.stderr.strip() if isinstance(error, subprocess.CalledProcessError) else str(error)
         swap_off()
