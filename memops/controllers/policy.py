@@ -385,9 +385,11 @@ class Policy:
     ) -> specs.SharedSpillStatus | None:
         """Medium Node: what the workers' spill holds, each file once (:func:`shared_spill.spill_status`),
         read at most every :data:`_SPILL_SECONDS`; ``old`` in between, or when the scheduler does not
-        answer; None without medium Node."""
+        answer; None without medium Node, or with ``links: false``."""
         shared = spec.sharedSpill
-        if shared is None or shared.medium != specs.SpillMedium.NODE:
+        # The workers' reports come from the links plugin: without it every worker would report
+        # nothing, and a status of no bytes would say the tmpfs is empty.
+        if shared is None or shared.medium != specs.SpillMedium.NODE or shared.links is False:
             return None
         if time.monotonic() - self.spill_read < _SPILL_SECONDS:
             return old
@@ -412,10 +414,25 @@ class Policy:
         a restarted scheduler gets it again). The workers' verdicts are asked (a call to each) when
         the scheduler or its ``workers`` changed since they were last asked, and kept in the
         ``SharedSpillLinks`` condition; ``found`` with it set, or without it when the spec has no
-        medium Node."""
+        medium Node.
+
+        With ``links: false`` nothing is installed and the condition is False, ``Disabled``. Nothing
+        is uninstalled either: a plugin installed before stays registered with the scheduler, which
+        gives it to every worker that joins (a restarted one too), until the scheduler restarts."""
         shared = spec.sharedSpill
         if shared is None or shared.medium != specs.SpillMedium.NODE:
             return [c for c in found if c.type != shared_spill.LINKS]
+        if shared.links is False:
+            # Asked again once links is back on, whatever the workers are then.
+            self.links_reported = None
+            return conditions.set_condition(
+                found,
+                shared_spill.LINKS,
+                False,
+                reason="Disabled",
+                message=shared_spill.LINKS_DISABLED,
+                generation=generation,
+            )
         report = self.links_reported != (scheduler.address, workers)
         try:
             verdicts = await scheduler.install_links(report=report)

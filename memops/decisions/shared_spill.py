@@ -54,7 +54,13 @@ SWAPPABLE = "SharedSpillSwappable"
 CONDITIONS = (READY, SWAPPABLE)
 LINKS = "SharedSpillLinks"
 """Medium Node: whether the workers took the plugin by which same-node fetches of spilled keys go by
-hardlink (:mod:`memops.worker.links`); set after the scheduler is configured, not decided from the spec."""
+hardlink (:mod:`memops.worker.links`); set after the scheduler is configured, not decided from the spec
+(but for ``links: false``, :data:`LINKS_DISABLED`)."""
+LINKS_DISABLED = (
+    "spec.sharedSpill.links is false: same-node fetches and reads of spilled keys go as stock Dask's"
+    " (a scheduler given the plugin before keeps it, and gives it to its workers, until it restarts)"
+)
+"""``SharedSpillLinks``' message, reason ``Disabled``: memops installs nothing, and uninstalls nothing."""
 LINKS_NAMED = 5
 """Workers named in a refusal's message; the rest are counted."""
 REASON_CHARACTERS = 200
@@ -73,7 +79,13 @@ DASK_DEFAULTS = {"target": 0.6, "spill": 0.7, "pause": 0.8, "terminate": 0.95}
 MIN_TARGET = 0.1
 """Refused below this: a worker whose scaled ``target`` (or ``spill``, when ``target`` is off) is
 under a tenth of its Dask memory limit keeps almost nothing in memory, and spills and unspills
-every key it touches."""
+every key it touches. Only when the scaling takes it there: a fraction that the container itself
+sets under a tenth is the user's choice and is kept, scaled (``target`` 0.001 spills every key at
+once, so that with same-node links and maps no private copy doubles the shared one). Every enabled
+fraction is written as at least :data:`MIN_FRACTION`."""
+MIN_FRACTION = 0.001
+"""The least fraction written: scaled and rounded down to three decimals, a tiny one would be 0,
+which Dask reads as off (``target`` off: nothing is spilled before the ``spill`` threshold)."""
 MIN_HEADROOM_BYTES = 256 * 2**20
 """``L - S`` must leave at least this for the worker processes themselves: an idle ``dask worker``
 and its nanny take 150-200 MiB of RSS before any data."""
@@ -399,7 +411,7 @@ def fit(container: Mapping[str, Any], spill: specs.SharedSpillSpec) -> Fit:
             dask=dask,
         )
     scale = min(1.0, room / (workers * dask * max(enabled)))
-    if floor * scale < MIN_TARGET:
+    if floor >= MIN_TARGET and floor * scale < MIN_TARGET:
         return _refuse(
             Refusal.DOES_NOT_FIT,
             f"spec.sharedSpill.sizeLimit: with {spill.sizeLimit} of spill in a {_mib(limit)} limit, Dask's"
@@ -409,7 +421,9 @@ def fit(container: Mapping[str, Any], spill: specs.SharedSpillSpec) -> Fit:
             limit=limit,
             dask=dask,
         )
-    fractions = {name: None if f is None else math.floor(f * scale * 1000) / 1000 for name, f in base.items()}
+    fractions = {
+        name: None if f is None else max(MIN_FRACTION, math.floor(f * scale * 1000) / 1000) for name, f in base.items()
+    }
     return Fit(limit, dask, workers, size, scale, fractions)
 
 

@@ -537,6 +537,17 @@ class SharedSpillSpec(Model):
             ]
         },
     )
+    # Optional rather than a schema default of true: the API server would write the default into
+    # every sharedSpill, medium Memory's too, and the rule below could not tell it from a user's.
+    links: bool | None = pydantic.Field(
+        default=None,
+        description=(
+            "Node only, true when unset: same-node fetches of spilled keys by hardlink, and reads of them"
+            " as memory maps (the plugin memops installs on the workers, memops.worker.links). False keeps"
+            " the node tmpfs but lets the workers fetch and unspill as stock Dask does (for pure-Python"
+            " data, which a map does not spare a copy: it is unpickled into private memory on every read)."
+        ),
+    )
 
     model_config = pydantic.ConfigDict(
         json_schema_extra={
@@ -548,6 +559,10 @@ class SharedSpillSpec(Model):
                 {
                     "rule": "self.medium != 'Memory' || (!has(self.hostPath) && !has(self.nodeSelector))",
                     "message": "sharedSpill.hostPath and sharedSpill.nodeSelector are for medium Node only",
+                },
+                {
+                    "rule": "self.medium != 'Memory' || !has(self.links)",
+                    "message": "sharedSpill.links is for medium Node only",
                 },
             ]
         }
@@ -566,6 +581,8 @@ class SharedSpillSpec(Model):
             raise ValueError("sharedSpill.hostPath is required for medium Node")
         if self.medium == SpillMedium.MEMORY and (self.hostPath is not None or self.nodeSelector is not None):
             raise ValueError("sharedSpill.hostPath and sharedSpill.nodeSelector are for medium Node only")
+        if self.medium == SpillMedium.MEMORY and self.links is not None:
+            raise ValueError("sharedSpill.links is for medium Node only")
         return self
 
 
@@ -799,7 +816,7 @@ class MemoryPolicyStatus(Model):
         default=None, description="The kubelet's evictions that memops predicts, and the drains ahead of them."
     )
     sharedSpill: SharedSpillStatus | None = pydantic.Field(
-        default=None, description="What the workers' shared spill holds (medium Node), each file once."
+        default=None, description="What the workers' shared spill holds (medium Node, links not false), each file once."
     )
     replication: ReplicationStatus | None = pydantic.Field(default=None, description="Keys against their targets.")
     safetyNet: SafetyNetStatus | None = pydantic.Field(

@@ -337,6 +337,33 @@ def container_pid(container_id: str) -> int:
     raise LookupError(f"no running container {container_id} on this machine's Nodes")
 
 
+def memory_cgroup(pid: int) -> Path:
+    """The directory of the memory cgroup that ``pid`` is in, from the host's side."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return CGROUP_FS / "memory" / path.lstrip("/")
+        if controllers == "":  # cgroup v2
+            return CGROUP_FS / path.lstrip("/")
+    raise LookupError(f"no memory cgroup for {pid}")
+
+
+def memory_stat(cgroup: Path) -> dict[str, int]:
+    """What the kernel charges to ``cgroup`` (and its children): ``anon`` (the processes' own
+    memory), ``shmem`` (tmpfs pages among them), ``swap`` (its pages in swap) and ``peak`` (the
+    most charged at once), under cgroup v1's or v2's names."""
+    pairs = (line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+    stat = {name: int(value) for name, value in pairs}
+    if (cgroup / "memory.max_usage_in_bytes").exists():  # v1
+        peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
+        swap = stat.get("total_swap", 0)  # only with swap accounting
+        return {"anon": stat["total_rss"], "shmem": stat["total_shmem"], "swap": swap, "peak": peak}
+    swapped = cgroup / "memory.swap.current"
+    swap = int(swapped.read_text()) if swapped.exists() else 0
+    peak = int((cgroup / "memory.peak").read_text())
+    return {"anon": stat["anon"], "shmem": stat["shmem"], "swap": swap, "peak": peak}
+
+
 # -- the machine ------------------------------------------------------------------------------------
 
 

@@ -14,22 +14,12 @@ from typing import Any
 import distributed
 from memops_sandbox import common as sandbox_cli
 from memops_sandbox import nodes as real_nodes
+from memops_sandbox.nodes import memory_cgroup
 
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import scatter_unique
 
 MiB = 2**20
-
-
-def memory_cgroup(pid: int) -> Path:
-    """The directory of the memory cgroup that ``pid`` is in, from the host's side."""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return real_nodes.CGROUP_FS / "memory" / path.lstrip("/")
-        if controllers == "":  # cgroup v2
-            return real_nodes.CGROUP_FS / path.lstrip("/")
-    raise LookupError(f"no memory cgroup for {pid}")
 
 
 def cgroup_limit(pid: int) -> int:
@@ -41,16 +31,8 @@ def cgroup_limit(pid: int) -> int:
 
 
 def memory_stat(pid: int) -> dict[str, int]:
-    """What the kernel charges to the cgroup that ``pid`` is in (and its children): ``anon`` (the
-    processes' own memory), ``shmem`` (tmpfs pages among them) and ``peak`` (the most charged at
-    once), under cgroup v1's or v2's names."""
-    cgroup = memory_cgroup(pid)
-    pairs = (line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-    stat = {name: int(value) for name, value in pairs}
-    if (cgroup / "memory.max_usage_in_bytes").exists():  # v1
-        peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
-        return {"anon": stat["total_rss"], "shmem": stat["total_shmem"], "peak": peak}
-    return {"anon": stat["anon"], "shmem": stat["shmem"], "peak": int((cgroup / "memory.peak").read_text())}
+    """What the kernel charges to the cgroup that ``pid`` is in (:func:`real_nodes.memory_stat`)."""
+    return real_nodes.memory_stat(memory_cgroup(pid))
 
 
 def mount_type(point: Path) -> str | None:

@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 from memops_sandbox import common as sandbox_cli
 from memops_sandbox import nodes as real_nodes
+from memops_sandbox.nodes import memory_cgroup
 
 from memops.specs.common import parse_quantity
 from tests.e2e.conftest import Sandbox
-from tests.e2e.test_real_nodes import memory_cgroup
 from tests.e2e.test_shared_spill import container_pid, empty_dir, host_tmpfs
 
 SWAP = "1Gi"

@@ -4,13 +4,14 @@ all of them."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, cast
 
 import pydantic
 import pytest
 
-from memops import cli, specs
-from memops.clients import prestop_hook
+from memops import cli, crds, specs
+from memops.clients import daskrpc, prestop_hook
 from memops.decisions import policy_decisions, safetynet, shared_spill
 from tests.unit.test_policy_decisions import _inputs, _spec
 
@@ -44,6 +45,10 @@ def worker(limit: str | None = "8Gi", *args: str, request: str | None = None, **
     [
         pytest.param({"medium": "Node", "sizeLimit": "1Gi"}, "hostPath is required", id="node-without-hostpath"),
         pytest.param({"medium": "Memory", "sizeLimit": "1Gi", **NODE}, "for medium Node only", id="memory-with-host"),
+        pytest.param({"medium": "Memory", "sizeLimit": "1Gi", "links": False}, "sharedSpill.links", id="memory-links"),
+        pytest.param(
+            {"medium": "Memory", "sizeLimit": "1Gi", "links": True}, "sharedSpill.links", id="memory-links-true"
+        ),
         pytest.param({"medium": "Disk", "sizeLimit": "1Gi"}, "medium", id="unknown-medium"),
         pytest.param({"medium": "Memory", "sizeLimit": "-1Gi"}, "sizeLimit", id="negative-size"),
         pytest.param({"medium": "Memory", "sizeLimit": "0"}, "sizeLimit", id="zero-size"),
@@ -85,6 +90,23 @@ def test_the_schema_refuses_and_names_the_field(fields: dict[str, Any], field: s
 @pytest.mark.parametrize("path", ["/var/lib/memops/spill", "/dev/shm/memops", "/mnt/spill", "/srv/tmpfs-1"])
 def test_plain_host_paths_are_accepted(path: str) -> None:
     assert spill("Node", hostPath=path).hostPath == path
+
+
+def test_links_are_on_unless_turned_off_and_the_schema_writes_no_default() -> None:
+    """Links are on when unset, yet the CRD has no default for them: the API server would write it
+    into every sharedSpill, and the rule would then refuse every medium Memory."""
+    assert spill("Node", **NODE).links is None
+    assert spill("Node", links=False, **NODE).links is False
+    assert spill("Memory").links is None
+    crd = crds.crd_for(specs.MEMORY_POLICY)
+    spec: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    shared = spec["properties"]["sharedSpill"]
+    assert shared["properties"]["links"]["type"] == "boolean" and "default" not in shared["properties"]["links"]
+    rule = {
+        "rule": "self.medium != 'Memory' || !has(self.links)",
+        "message": "sharedSpill.links is for medium Node only",
+    }
+    assert rule in shared["x-kubernetes-validations"]
 
 
 @pytest.mark.parametrize(
@@ -254,6 +276,21 @@ def test_thresholds_are_scaled_so_that_data_plus_spill_fit(
         pytest.param(
             worker("8Gi"), "7Gi", shared_spill.Refusal.DOES_NOT_FIT, "spec.sharedSpill.sizeLimit", id="target-too-low"
         ),
+        # The user's own target is above a tenth: the scaling, not the user, takes it under.
+        pytest.param(
+            worker("8Gi", env=[{"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": "0.6"}]),
+            "7Gi",
+            shared_spill.Refusal.DOES_NOT_FIT,
+            "spec.sharedSpill.sizeLimit",
+            id="user-target-too-low",
+        ),
+        pytest.param(
+            worker("8Gi", env=[{"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": "0.1"}]),
+            "2Gi",
+            shared_spill.Refusal.DOES_NOT_FIT,
+            "spec.sharedSpill.sizeLimit",
+            id="user-target-a-tenth",
+        ),
         pytest.param(worker(None), "1Gi", shared_spill.Refusal.NO_MEMORY_LIMIT, "limits.memory", id="no-limit"),
         pytest.param(
             worker("8Gi", "--memory-limit", "0"), "1Gi", shared_spill.Refusal.NO_DASK_LIMIT, "--memory-limit", id="off"
@@ -294,6 +331,33 @@ def test_a_disabled_threshold_stays_as_the_user_has_it() -> None:
     assert verdict.fractions["terminate"] is None
     # pause (0.8) is then the highest guard: scaled to (8 - 2) / 8 = 0.75.
     assert verdict.fractions["pause"] == pytest.approx(0.75, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("target", "size", "written"),
+    [
+        # Every key spilled at once (links and maps): 0.001 x 0.789 rounds down to 0, which is off.
+        pytest.param("0.001", "2Gi", 0.001, id="a-thousandth"),
+        pytest.param("0.001", "7Gi", 0.001, id="a-thousandth-scaled-hard"),
+        pytest.param("0.05", "2Gi", 0.039, id="under-a-tenth"),
+        pytest.param("0.05", None, 0.05, id="not-scaled"),
+    ],
+)
+def test_a_target_the_user_sets_under_a_tenth_is_kept_scaled(target: str, size: str | None, written: float) -> None:
+    container = worker("8Gi", env=[{"name": "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "value": target}])
+    verdict = shared_spill.fit(container, spill(size=size or "256Mi"))
+    assert verdict.allowed, verdict.message
+    assert (verdict.scale < 1) == (size is not None)
+    assert verdict.fractions["target"] == pytest.approx(written, abs=1e-9)
+    pod_spec = {"containers": [container]}
+    _, mutation = shared_spill.plan(
+        pod_spec, spill(size=size or "256Mi"), host_roots=frozenset(), namespace="ns", policy="p"
+    )
+    assert mutation is not None
+    shared_spill.apply(pod_spec, mutation)
+    env = {e["name"]: e["value"] for e in pod_spec["containers"][0]["env"]}
+    # Dask reads 0 as off: target off would keep every key in memory up to the spill threshold.
+    assert float(env["DASK_DISTRIBUTED__WORKER__MEMORY__TARGET"]) >= shared_spill.MIN_FRACTION
 
 
 # -- the mutation --------------------------------------------------------------------------------
@@ -807,6 +871,55 @@ def test_links_condition_names_the_workers_that_refused_and_bounds_what_they_say
 
 def test_links_condition_is_unknown_without_workers() -> None:
     assert shared_spill.links_condition({})[:2] == (None, "NoWorkers")
+
+
+class LinksScheduler:
+    """The scheduler as the pass' ``install_links`` sees it: what it is asked, and every worker Active."""
+
+    address = "tcp://10.0.0.1:8786"
+
+    def __init__(self) -> None:
+        self.asked: list[bool] = []
+
+    async def install_links(self, *, report: bool = True) -> dict[str, Any]:
+        self.asked.append(report)
+        return {"tcp://10.0.0.2:40000": {"status": "Active"}} if report else {}
+
+
+async def test_links_false_installs_nothing_and_says_so() -> None:
+    """With ``links: false`` the pass does not install the plugin and the condition names the field;
+    turned back on, the workers are asked again although they are the same ones."""
+    import kopf
+
+    from memops.clients import kube
+    from memops.controllers import policy
+
+    body = kopf.Body({"metadata": {"name": "p", "namespace": "dask", "uid": "u", "generation": 1}, "spec": {}})
+    client = kube.Kube(kopf.ConnectionInfo(server="https://127.0.0.1:6443"))  # never called
+    reconciler = policy.Policy(client=client, body=body, logger=logging.getLogger(__name__))
+    scheduler = LinksScheduler()
+    workers = frozenset({"tcp://10.0.0.2:40000"})
+
+    def policy_spec(**fields: Any) -> specs.MemoryPolicySpec:
+        return _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE, **fields})
+
+    async def install(spec: specs.MemoryPolicySpec, found: list[specs.Condition]) -> list[specs.Condition]:
+        return await reconciler.install_links(cast(daskrpc.Scheduler, scheduler), spec, workers, found, 2)
+
+    found = await install(policy_spec(), [])
+    assert scheduler.asked == [True] and [(c.status, c.reason) for c in found] == [("True", "Active")]
+    found = await install(policy_spec(links=False), found)
+    assert scheduler.asked == [True], "links: false must not install the plugin"
+    [disabled] = found
+    assert (disabled.type, disabled.status, disabled.reason) == (shared_spill.LINKS, "False", "Disabled")
+    assert disabled.message.startswith("spec.sharedSpill.links is false") and disabled.observedGeneration == 2
+    assert await install(policy_spec(links=False), found) == found  # every pass: the same condition
+    # The spill's figures come from the plugin: none read, rather than a status of an empty tmpfs.
+    old = specs.SharedSpillStatus(workers=1, bytes=10)
+    assert await reconciler.read_spill(cast(daskrpc.Scheduler, scheduler), policy_spec(links=False), old) is None
+    found = await install(policy_spec(links=True), found)
+    assert scheduler.asked == [True, True] and [(c.status, c.reason) for c in found] == [("True", "Active")]
+    await client.close()
 
 
 def test_spill_status_counts_a_linked_file_once_and_skips_what_is_not_plain_numbers() -> None:
