@@ -139,6 +139,11 @@ class Policy:
         # The scheduler and workers whose verdicts on the same-node links were last asked.
         self.links_reported: tuple[str, frozenset[str]] | None = None
         self.spill_read = -_SPILL_SECONDS  # when the workers' shared spill was last read (monotonic)
+        # Worker address -> bytes of its spill that it links from other writers, from that read
+        # (shared_spill.linked_bytes), for in-place growth. Only a cache of what the workers report:
+        # a restarted operator starts without it (every worker then counts as linking nothing, the
+        # safe side) and has it again from the first pass' read.
+        self.spill_linked: dict[str, int] = {}
         self.tenants: dict[str, str] = {}  # worker address -> pod, as the last tenancy check found them
         self.tenants_checked = -_TENANCY_RECHECK_SECONDS  # when (monotonic)
         self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
@@ -234,8 +239,21 @@ class Policy:
         resized = None
         if spec.resize is not None:
             template = shared_spill.template_spec(workload)
+            # The linked bytes of the last spill read (read_spill, in an earlier pass' apply), not
+            # read again here: up to about _SPILL_SECONDS old. Close enough, as a linked-in file
+            # changes rarely: it stays until its key is released or read back, and from such a
+            # change to the next read the worker's spill counts for at most that file less (never
+            # below nothing). Older than twice that (the scheduler was out of reach meanwhile),
+            # they are not used.
+            fresh = time.monotonic() - self.spill_read < 2 * _SPILL_SECONDS
             resized = await resize.observe(
-                self.client, spec=spec, pods=pods, snapshot=snapshot, template=template, now=now
+                self.client,
+                spec=spec,
+                pods=pods,
+                snapshot=snapshot,
+                template=template,
+                now=now,
+                linked=self.spill_linked if fresh else None,
             )
         if not self.disruption_due:
             return resized, None
@@ -385,11 +403,17 @@ class Policy:
     ) -> specs.SharedSpillStatus | None:
         """Medium Node: what the workers' spill holds, each file once (:func:`shared_spill.spill_status`),
         read at most every :data:`_SPILL_SECONDS`; ``old`` in between, or when the scheduler does not
-        answer; None without medium Node, or with ``links: false``."""
+        answer; None without medium Node, or with ``links: false``.
+
+        The same read gives each worker's bytes linked from other writers
+        (:func:`shared_spill.linked_bytes`), kept in :attr:`spill_linked` for the next passes'
+        in-place growth; forgotten without medium Node or when the read failed: a worker with no
+        figure counts as linking nothing."""
         shared = spec.sharedSpill
         # The workers' reports come from the links plugin: without it every worker would report
         # nothing, and a status of no bytes would say the tmpfs is empty.
         if shared is None or shared.medium != specs.SpillMedium.NODE or shared.links is False:
+            self.spill_linked = {}
             return None
         if time.monotonic() - self.spill_read < _SPILL_SECONDS:
             return old
@@ -397,8 +421,10 @@ class Policy:
             found = await scheduler.spill_shares()
         except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused) as exc:
             self.logger.warning("shared spill: the workers' spill was not read: %s", exc)
+            self.spill_linked = {}
             return old
         self.spill_read = time.monotonic()
+        self.spill_linked = shared_spill.linked_bytes(found)
         return shared_spill.spill_status(found, timestamps.render(timestamps.now()))
 
     async def install_links(

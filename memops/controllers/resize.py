@@ -71,17 +71,28 @@ async def observe(
     snapshot: snapshots.SchedulerSnapshot,
     template: Mapping[str, Any] | None,
     now: float,
+    linked: Mapping[str, int] | None = None,
 ) -> tuple[resize_decisions.WorkerSeen, ...]:
     """Each connected worker's inputs to the decision (``snapshot``'s workers are named by their
-    pods). Its node's room is read only for a worker over ``growAbove``: the others do not grow."""
+    pods). Its node's room is read only for a worker over ``growAbove``: the others do not grow.
+
+    ``linked``: worker address -> bytes of its spill that it links from other writers, as the
+    workers last reported them (:func:`memops.decisions.shared_spill.linked_bytes`); read only with
+    ``sharedSpill`` medium Node, the one medium whose workers link each other's files. A worker it
+    does not name links nothing."""
     assert spec.resize is not None
     settings = spec.resize.settings()
     ceiling = specs.parse_percent(spec.pressure.relieveAbove) / 100 if spec.pressure is not None else None
     baseline = resize_decisions.template_memory(template)
+    shared = spec.sharedSpill
+    if shared is None or shared.medium != specs.SpillMedium.NODE:
+        linked = None  # medium Memory: an emptyDir per pod, which no other pod links into
     rooms: dict[str, int] = {}
     found = []
     for pod in pods:
-        seen = _worker_seen(pod, snapshot, baseline, ceiling, spill_charged=spec.sharedSpill is not None, now=now)
+        seen = _worker_seen(
+            pod, snapshot, baseline, ceiling, spill_charged=shared is not None, linked=linked or {}, now=now
+        )
         if seen is None:
             continue
         node = str((pod.get("spec") or {}).get("nodeName") or "")
@@ -100,6 +111,7 @@ def _worker_seen(
     ceiling: float | None,
     *,
     spill_charged: bool,
+    linked: Mapping[str, int],
     now: float,
 ) -> resize_decisions.WorkerSeen | None:
     """One pod's worker as the decision sees it (its node's room left at 0); None without a
@@ -125,6 +137,7 @@ def _worker_seen(
         peers_room=resize_decisions.peers_room(snapshot.workers, worker.address, ceiling),
         seconds_since_resize=resize_decisions.seconds_since(annotations.get(objects.RESIZED_ANNOTATION), now),
         spill_charged=spill_charged,
+        spill_linked=linked.get(worker.address, 0),
     )
     return resize_decisions.WorkerSeen(name, worker.address, container, inputs)
 

@@ -1,11 +1,13 @@
 """Pure decisions of in-place growth: grow a worker's memory, tell Dask, shrink it back, or fall back.
 
 The policy pass gathers, per worker: Dask's view of its memory (:class:`WorkerMemory`, from the
-scheduler), its container's memory as the pod says it (:func:`container_memory`: what is asked in
-``spec`` and what the kubelet applied, in ``status.containerStatuses[].resources`` and
-``allocatedResources``), the pod's resize conditions (:func:`resize_status`), what its node can
-still grant (:func:`node_room`) and what relief could place on its peers; :func:`decide` says what
-to do with it, as one :class:`Decision`. No I/O: the pod's ``resize`` subresource is patched by
+scheduler), with ``sharedSpill`` medium Node the bytes of its spill that it links from other
+writers (:attr:`Inputs.spill_linked`, from the workers' spill reports), its container's memory as
+the pod says it (:func:`container_memory`: what is asked in ``spec`` and what the kubelet applied,
+in ``status.containerStatuses[].resources`` and ``allocatedResources``), the pod's resize
+conditions (:func:`resize_status`), what its node can still grant (:func:`node_room`) and what
+relief could place on its peers; :func:`decide` says what to do with it, as one :class:`Decision`.
+No I/O: the pod's ``resize`` subresource is patched by
 :func:`memops.controllers.resize.resize_container_memory`, Dask's copies of the limit are set by the agent's
 ``resize`` (:mod:`memops.scheduler.resize`).
 
@@ -216,6 +218,11 @@ class Inputs:
     """Since the worker's last resize (None: never resized)."""
     spill_charged: bool = False
     """The worker spills to a tmpfs charged to its pod (sharedSpill): spilled bytes use its limit."""
+    spill_linked: int = 0
+    """Bytes of the worker's spill that it holds by a link to a peer's file (sharedSpill medium
+    Node: a fetch by link, a hand-over). The kernel charges a tmpfs page to the pod that wrote it,
+    never to one that links it later, so these are not charged to this worker's pod; Dask's
+    ``spilled`` counts them in full all the same. 0 where nothing is known (the safe side)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,9 +236,14 @@ class Decision:
 
 
 def used_bytes(inputs: Inputs) -> int:
-    """What counts against the limit: the process, and the spill tmpfs where the pod pays for it."""
+    """What counts against the limit: the process, and the spill tmpfs where the pod pays for it,
+    which is Dask's ``spilled`` less what the worker links from other writers
+    (:attr:`Inputs.spill_linked`). The spill counted is never negative and never more than Dask's
+    ``spilled``, whatever the linked figure says."""
     worker = inputs.worker
-    return worker.process + (worker.spilled if inputs.spill_charged else 0)
+    if not inputs.spill_charged:
+        return worker.process
+    return worker.process + max(0, worker.spilled - max(0, inputs.spill_linked))
 
 
 def _request_for(inputs: Inputs, limit: int, applied: int) -> int | None:

@@ -718,6 +718,18 @@ def links_condition(found: Mapping[str, Any]) -> tuple[bool | None, str, str]:
     )
 
 
+_MAX_REPORTED_BYTES = 2**63
+"""A worker's byte count at or over this is not believed (no tmpfs holds it)."""
+
+
+def _reported_bytes(value: Any) -> int | None:
+    """A byte count as a worker reports it: a plain integer from 0 up to :data:`_MAX_REPORTED_BYTES`
+    (not a bool, a float or a string); None for anything else, which is then not counted."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_REPORTED_BYTES:
+        return None
+    return value
+
+
 def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatus:
     """The policy's ``status.sharedSpill`` from each worker's spill report (address -> ``{"bytes",
     "ownBytes", "share"}``, :func:`memops.worker.links.spill`: its bytes with each inode once, those
@@ -732,14 +744,11 @@ def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatu
     for report in reports.values():
         if not isinstance(report, Mapping):
             continue
-        counted, share, written = report.get("bytes"), report.get("share"), report.get("ownBytes", 0)
-        if isinstance(counted, bool) or not isinstance(counted, int):
+        counted, share = _reported_bytes(report.get("bytes")), report.get("share")
+        written = _reported_bytes(report.get("ownBytes", 0))
+        if counted is None or written is None or written > counted:
             continue
-        if isinstance(written, bool) or not isinstance(written, int):
-            continue
-        if isinstance(share, bool) or not isinstance(share, (int, float)):
-            continue
-        if not (0 <= share <= counted < 2**63 and 0 <= written <= counted):
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= counted:
             continue
         workers += 1
         per_worker += counted
@@ -752,3 +761,25 @@ def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatu
         bytesWithoutWriter=max(0, round(total) - own),
         lastRead=now,
     )
+
+
+def linked_bytes(reports: Mapping[str, Any]) -> dict[str, int]:
+    """Worker address -> the bytes of spill files it holds by a link it made to a peer's file (a
+    fetch by link, a hand-over), from the same reports as :func:`spill_status`: its ``bytes`` less
+    its ``ownBytes``. The kernel charges those pages to the pod that wrote them, not to this
+    worker's, so in-place growth leaves them out of what counts against its limit
+    (:func:`memops.decisions.resize_decisions.used_bytes`).
+
+    A report that is not plain byte counts, that says nothing of its own bytes, or whose own bytes
+    exceed its bytes, is left out: its worker counts as linking nothing, and all of Dask's spilled
+    bytes count against its limit. That is the safe side: counting too much grows a worker earlier,
+    never later. Each figure is at least 0 and less than :data:`_MAX_REPORTED_BYTES`."""
+    found: dict[str, int] = {}
+    for address, report in reports.items():
+        if not isinstance(report, Mapping):
+            continue
+        counted, written = _reported_bytes(report.get("bytes")), _reported_bytes(report.get("ownBytes"))
+        if counted is None or written is None or written > counted:
+            continue
+        found[str(address)] = counted - written
+    return found

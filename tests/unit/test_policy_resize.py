@@ -9,11 +9,13 @@ case changes what it names."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from memops import specs
+from memops.clients import kube
+from memops.controllers import resize
 from memops.decisions import autoscaling, conditions, objects, policy_decisions, scaling, snapshots
 from memops.decisions import resize_decisions as rd
 
@@ -336,3 +338,50 @@ def test_a_growth_refused_as_infeasible_is_not_asked_again_at_once(
     decision = policy_decisions.decide(_inputs(_worker(900 * Mi, since=since), current=5, old=before))
     assert _orders(decision) == orders
     assert _entry(decision) == entry
+
+
+_NODE_SPILL = {
+    "medium": "Node",
+    "sizeLimit": "2Gi",
+    "hostPath": "/var/lib/memops/spill",
+    "nodeSelector": {"feature.node.kubernetes.io/memory-swap.enabled": "true"},
+}
+
+
+@pytest.mark.parametrize(
+    ("shared", "linked", "expected"),
+    [
+        pytest.param(_NODE_SPILL, {"tcp://10.0.0.1:1234": 180 * Mi}, 180 * Mi, id="node-links-from-the-last-read"),
+        pytest.param(_NODE_SPILL, {"tcp://10.0.0.9:1234": 180 * Mi}, 0, id="node-no-report-links-nothing"),
+        pytest.param(_NODE_SPILL, None, 0, id="node-no-read-yet"),
+        pytest.param(
+            {"medium": "Memory", "sizeLimit": "2Gi"}, {"tcp://10.0.0.1:1234": 180 * Mi}, 0, id="memory-never-links"
+        ),
+    ],
+)
+async def test_growth_reads_the_linked_bytes_of_the_worker_it_decides_for(
+    shared: dict[str, Any], linked: dict[str, int] | None, expected: int
+) -> None:
+    """The controller gives each worker's decision its bytes linked from other writers, by its Dask
+    address, only with medium Node: with 180Mi of its 200Mi spilled linked from a peer, the worker
+    at 600Mi of process is not pressed, where counted in full it would be."""
+    pod = {
+        "metadata": {"name": "w-1"},
+        "spec": {"containers": [{"name": "worker", "resources": {"limits": {"memory": "1Gi"}}}]},
+    }
+    worker = snapshots.WorkerInfo(
+        name="w-1", address="tcp://10.0.0.1:1234", memory_limit=Gi, process_bytes=600 * Mi, spilled_bytes=200 * Mi
+    )
+    spec = _spec(sharedSpill=shared)
+    [seen] = await resize.observe(
+        cast(kube.Kube, None),  # no node named: its room is not read
+        spec=spec,
+        pods=[pod],
+        snapshot=snapshots.SchedulerSnapshot(workers=(worker,)),
+        template=None,
+        now=NOW,
+        linked=linked,
+    )
+    assert seen.inputs.spill_charged and seen.inputs.spill_linked == expected
+    assert spec.resize is not None
+    assert rd.is_pressed(seen, spec.resize.settings()) == (expected == 0)

@@ -14,6 +14,7 @@ import pydantic
 import pytest
 
 from memops.decisions import resize_decisions as rd
+from memops.decisions import shared_spill
 from memops.specs.resize import ResizeSpec
 
 Mi = 2**20
@@ -37,6 +38,7 @@ def inputs(
     decrease_allowed: bool = True,
     spilled: int = 0,
     spill_charged: bool = False,
+    spill_linked: int = 0,
 ) -> rd.Inputs:
     return rd.Inputs(
         worker=rd.WorkerMemory(
@@ -52,6 +54,7 @@ def inputs(
         peers_room=peers_room,
         seconds_since_resize=since,
         spill_charged=spill_charged,
+        spill_linked=spill_linked,
     )
 
 
@@ -121,6 +124,17 @@ GROWN = 1344 * Mi  # 800Mi / 60% = 1333.4Mi, up to a multiple of 64Mi (21 * 64Mi
             inputs(600 * Mi, spilled=200 * Mi),
             decision(rd.Action.NONE, rd.Reason.NO_PRESSURE),
             id="disk-spill-does-not",
+        ),
+        # Medium Node: a file linked from a peer is charged to the peer's pod, which wrote it.
+        pytest.param(
+            inputs(600 * Mi, spilled=200 * Mi, spill_charged=True, spill_linked=180 * Mi),
+            decision(rd.Action.NONE, rd.Reason.NO_PRESSURE),
+            id="spill-linked-from-a-peer-does-not-count",
+        ),
+        pytest.param(
+            inputs(600 * Mi, spilled=300 * Mi, spill_charged=True, spill_linked=100 * Mi),
+            decision(rd.Action.GROW, rd.Reason.PEERS_FULL, limit=GROWN, request=GROWN),
+            id="spill-it-wrote-itself-counts",
         ),
         # The kubelet's answers.
         pytest.param(
@@ -221,6 +235,53 @@ def test_a_grown_limit_is_one_the_worker_sits_under_grow_to() -> None:
     after = inputs(HOT, limit=grown.limit, actual=grown.limit, request=grown.request, dask_limit=grown.limit, since=0)
     assert HOT <= SETTINGS.grow_to * grown.limit
     assert rd.decide(after, SETTINGS) == decision(rd.Action.NONE, rd.Reason.NO_PRESSURE)
+
+
+def test_spill_linked_from_a_peer_is_not_what_grows_a_worker() -> None:
+    """Medium Node: 600Mi of process and 200Mi spilled, of which 180Mi are a peer's files linked in.
+    Counted in full, as Dask counts them, the worker is at 78% of 1Gi and would grow; its pod is
+    charged only the 20Mi it wrote, 61%, and it does not."""
+    stock = inputs(600 * Mi, spilled=200 * Mi, spill_charged=True)
+    linked = dataclasses.replace(stock, spill_linked=180 * Mi)
+    assert rd.used_bytes(stock) == HOT and rd.decide(stock, SETTINGS).action is rd.Action.GROW
+    assert rd.used_bytes(linked) == 620 * Mi
+    assert rd.decide(linked, SETTINGS) == decision(rd.Action.NONE, rd.Reason.NO_PRESSURE)
+    assert not rd.is_pressed(rd.WorkerSeen("w-1", "tcp://10.0.0.1:1234", "worker", linked), SETTINGS)
+
+
+def test_medium_memory_counts_its_spill_whatever_is_said_of_links() -> None:
+    """Without spill charged to the pod nothing is counted, linked or not; with it, a linked figure
+    of 0 (medium Memory, or no report) counts all of Dask's spilled bytes."""
+    assert rd.used_bytes(inputs(600 * Mi, spilled=200 * Mi, spill_linked=180 * Mi)) == 600 * Mi
+    assert rd.used_bytes(inputs(600 * Mi, spilled=200 * Mi, spill_charged=True)) == HOT
+
+
+@pytest.mark.parametrize(
+    ("report", "counted"),
+    [
+        pytest.param({"bytes": 2**62, "ownBytes": 0}, 0, id="more-linked-than-spilled"),
+        pytest.param({"bytes": 100 * Mi, "ownBytes": -Gi}, 200 * Mi, id="negative-own"),
+        pytest.param({"bytes": -Gi, "ownBytes": 0}, 200 * Mi, id="negative-bytes"),
+        pytest.param({"bytes": "200Mi", "ownBytes": 0}, 200 * Mi, id="text"),
+        pytest.param({"bytes": 100 * Mi, "ownBytes": 200 * Mi}, 200 * Mi, id="own-over-bytes"),
+        pytest.param({"bytes": 2**70, "ownBytes": 0}, 200 * Mi, id="huge"),
+        pytest.param({"bytes": 1.5e20, "ownBytes": 0.0}, 200 * Mi, id="floats"),
+        pytest.param({"bytes": True, "ownBytes": False}, 200 * Mi, id="bools"),
+        pytest.param({"bytes": 100 * Mi}, 200 * Mi, id="no-own-bytes"),
+        pytest.param([100 * Mi, 0], 200 * Mi, id="not-a-map"),
+    ],
+)
+def test_a_hostile_spill_report_never_counts_spill_below_zero(report: Any, counted: int) -> None:
+    """What a worker says of its links, through the same path as the policy pass, leaves the spill
+    counted against its limit between nothing and Dask's ``spilled`` (200Mi), and never raises."""
+    linked = shared_spill.linked_bytes({"tcp://10.0.0.1:1234": report}).get("tcp://10.0.0.1:1234", 0)
+    given = inputs(600 * Mi, spilled=200 * Mi, spill_charged=True, spill_linked=linked)
+    assert rd.used_bytes(given) - 600 * Mi == counted
+    rd.decide(given, SETTINGS)
+
+
+def test_a_negative_linked_figure_counts_as_none() -> None:
+    assert rd.used_bytes(inputs(600 * Mi, spilled=200 * Mi, spill_charged=True, spill_linked=-Gi)) == HOT
 
 
 @pytest.mark.parametrize(

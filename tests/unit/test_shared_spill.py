@@ -952,6 +952,71 @@ def test_a_file_only_its_linkers_name_is_charged_to_no_worker() -> None:
     assert (found.bytes, found.bytesWithoutWriter) == (130, 100)
 
 
+def test_linked_bytes_are_what_a_worker_holds_less_what_it_wrote() -> None:
+    """Each worker's bytes linked from other writers, for in-place growth; a report that is not
+    plain byte counts, says nothing of its own bytes, or claims more than it holds, is left out
+    (its worker then counts as linking nothing)."""
+    reports: dict[str, Any] = {
+        "a": {"bytes": 100, "ownBytes": 100, "share": 50.0},  # wrote it: links nothing
+        "b": {"bytes": 130, "ownBytes": 30, "share": 80.0},  # links a's 100 bytes
+        "no-spill": {"bytes": 0, "ownBytes": 0, "share": 0},
+        "no-share": {"bytes": 10, "ownBytes": 4},  # the share is not read here
+        "hostile-negative": {"bytes": 10, "ownBytes": -5, "share": 1},
+        "hostile-negative-bytes": {"bytes": -10, "ownBytes": -20, "share": 0},
+        "hostile-own": {"bytes": 10, "ownBytes": 11, "share": 1},
+        "hostile-text": {"bytes": "10", "ownBytes": 0, "share": 1},
+        "hostile-float": {"bytes": 10.0, "ownBytes": 0, "share": 1},
+        "hostile-bool": {"bytes": True, "ownBytes": False, "share": 0},
+        "hostile-huge": {"bytes": 2**70, "ownBytes": 0, "share": 1},
+        "hostile-no-own": {"bytes": 10, "share": 1},
+        "not-a-map": [100, 50],
+    }
+    assert shared_spill.linked_bytes(reports) == {"a": 0, "b": 100, "no-spill": 0, "no-share": 6}
+    assert shared_spill.linked_bytes({}) == {}
+
+
+class SpillScheduler:
+    """The scheduler as the pass' ``read_spill`` sees it: the workers' spill reports, or no answer."""
+
+    def __init__(self, reports: dict[str, Any]) -> None:
+        self.reports: dict[str, Any] | None = reports
+
+    async def spill_shares(self) -> dict[str, Any]:
+        if self.reports is None:
+            raise daskrpc.SchedulerUnreachable("tcp://10.0.0.1:8786", "gone")
+        return self.reports
+
+
+async def test_the_spill_read_keeps_each_workers_linked_bytes_for_growth() -> None:
+    """Medium Node: the pass keeps, from its spill read, each worker's bytes linked from other
+    writers; a failed read, or another medium, forgets them."""
+    import kopf
+
+    from memops.clients import kube
+    from memops.controllers import policy
+
+    body = kopf.Body({"metadata": {"name": "p", "namespace": "dask", "uid": "u", "generation": 1}, "spec": {}})
+    client = kube.Kube(kopf.ConnectionInfo(server="https://127.0.0.1:6443"))  # never called
+    reconciler = policy.Policy(client=client, body=body, logger=logging.getLogger(__name__))
+    node = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
+    reports: dict[str, Any] = {"tcp://a:1": {"bytes": 100, "ownBytes": 100, "share": 50}}
+    reports["tcp://b:1"] = {"bytes": 130, "ownBytes": 30}
+    reports["tcp://c:1"] = {"bytes": 10, "ownBytes": "a lot", "share": 1}  # hostile: counts as linking nothing
+    scheduler = SpillScheduler(reports)
+    found = await reconciler.read_spill(cast(daskrpc.Scheduler, scheduler), node, None)
+    assert found is not None and found.workers == 1  # b has no share: not in the status, but its links count
+    assert reconciler.spill_linked == {"tcp://a:1": 0, "tcp://b:1": 100}
+    scheduler.reports = None
+    reconciler.spill_read = -policy._SPILL_SECONDS  # due again
+    assert await reconciler.read_spill(cast(daskrpc.Scheduler, scheduler), node, found) == found
+    assert reconciler.spill_linked == {}
+    reconciler.spill_linked = {"tcp://b:1": 100}
+    memory = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
+    assert await reconciler.read_spill(cast(daskrpc.Scheduler, scheduler), memory, found) is None
+    assert reconciler.spill_linked == {}
+    await client.close()
+
+
 def test_the_status_sharedspill_field_is_in_the_schema() -> None:
     status = specs.MemoryPolicyStatus.model_validate({"sharedSpill": {"workers": 2, "bytes": 5}})
     assert status.sharedSpill is not None and status.sharedSpill.bytesCountedPerWorker == 0
