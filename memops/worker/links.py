@@ -69,6 +69,10 @@ STAGED_SECONDS = 60.0
 """A link received but never stored (its fetch cancelled meanwhile) is removed after this."""
 CALL_SECONDS = 5.0
 
+PEER_SPILL_BYTES = 2**20
+"""A key held in memory that a same-node peer asks for is spilled first, then linked, when it is at
+least this big (a smaller one is not worth a file of its own) and would be read back as a map."""
+
 GET_DATA_PARAMETERS = ("comm", "keys", "who", "serializers")
 """The stock ``Worker.get_data``'s parameters, which :meth:`Links.get_data` answers for."""
 
@@ -244,9 +248,31 @@ class Links:
     ) -> Any:
         """The worker's ``get_data``: as distributed's, but spilled keys go by link to a peer
         that can take them."""
-        if not who or self.status != ACTIVE or not self.spilled(keys) or not await self.can_link(who):
+        if not who or self.status != ACTIVE or not await self.can_link(who):
+            return await self.original_get_data(comm, keys=keys, who=who, serializers=serializers)
+        self.spill_for_peer(keys)
+        if not self.spilled(keys):
             return await self.original_get_data(comm, keys=keys, who=who, serializers=serializers)
         return await self._reply(comm, list(keys), who, serializers)
+
+    def spill_for_peer(self, keys: Collection[Any]) -> None:
+        """Spill the asked keys that this worker holds in memory and would read back as maps
+        (:func:`maps.mappable`), so that the peer links the file instead of receiving a private
+        copy of its own: the shared-memory spill design's rule. The key's private copy here goes
+        (unless a running task still holds it), and both workers then read one set of tmpfs pages,
+        charged to this worker's pod. A key the store cannot spill (``max-spill`` reached, a value
+        that does not serialize) stays in memory and is sent."""
+        from distributed.sizeof import safe_sizeof
+
+        fast = self.worker.data.fast
+        for key in keys:
+            value = fast.d.get(key) if hasattr(fast, "d") else None  # read without touching the LRU order
+            if value is None or not maps.mappable(value) or safe_sizeof(value) < PEER_SPILL_BYTES:
+                continue
+            try:
+                fast.evict(key)  # zict keeps the value in memory if the spill store refuses it
+            except Exception as exc:
+                logger.debug("memops links: %s stays in memory for %s: %s", key, self.worker.address, exc)
 
     async def _reply(self, comm: Any, keys: list[Any], who: str, serializers: list[str] | None) -> Any:
         from distributed.core import Status

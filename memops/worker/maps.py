@@ -132,3 +132,19 @@ def mapped_base(value: Any) -> Any:
         value = getattr(value, "base", None) if not isinstance(value, memoryview) else value.obj
         seen += 1
     return None
+
+
+def mappable(value: Any, depth: int = 2) -> bool:
+    """Whether a value read back from its spill file would be a view of the map, holding no private
+    copy: a numpy array of a fixed-size dtype, a ``memoryview``, or a dict, list or tuple of them
+    (``docs/resources.md`` lists what is mapped). Pure-Python data (object arrays, strings, pandas'
+    object columns) is not: it is unpickled into private memory on every read."""
+    if isinstance(value, memoryview):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and type(value).__name__ == "ndarray":
+        return not bool(getattr(dtype, "hasobject", True))
+    if depth > 0 and isinstance(value, dict | list | tuple) and value:
+        items = value.values() if isinstance(value, dict) else value
+        return all(mappable(item, depth - 1) for item in items)
+    return False

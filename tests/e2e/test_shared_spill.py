@@ -328,6 +328,13 @@ def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
         assert spill_held["lastRead"], spill_held
         del futures
 
+    # links: false keeps the tmpfs and says, in the condition, that nothing is linked; with no plugin
+    # to ask, the spill's figures go from the status rather than read as an empty tmpfs.
+    sandbox.kubectl("patch", "mempol", "shared", "--type=merge", "-p", '{"spec": {"sharedSpill": {"links": false}}}')
+    disabled = ready(sandbox, "shared", shared_spill.LINKS, "False")
+    assert disabled["reason"] == "Disabled" and "spec.sharedSpill.links" in disabled["message"], disabled
+    sandbox.wait_for(lambda: "sharedSpill" not in sandbox.get("mempol", "shared").get("status", {}), what="no figures")
+
     # Guaranteed pods under the Node medium: injected, and the status warns.
     sandbox.apply(workers(sandbox.scheduler_address, "fixed", request="1Gi", cpu_request="1"))
     sandbox.apply(memory_policy("fixed", sandbox.scheduler_address, workload="fixed", sharedSpill=spill))

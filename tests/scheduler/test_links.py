@@ -209,6 +209,64 @@ async def test_a_key_in_memory_goes_as_bytes(cluster: tuple[LocalCluster, Client
     assert transfer["linked"] == []
 
 
+@pytest.fixture
+async def roomy(shm: str) -> AsyncIterator[tuple[LocalCluster, Client]]:
+    """As :func:`cluster`, with Dask's own target (0.6): keys stay in memory until a peer asks."""
+    config = {**SPILL_CONFIG, "distributed.worker.memory.target": 0.6}
+    async with processes.local_cluster(2, config=config, memory_limit="256MiB", local_directory=shm) as both:
+        await links.install(both[0].scheduler)
+        await wait_active(both[0], 2)
+        yield both
+
+
+async def test_an_array_in_memory_is_spilled_for_a_same_node_peer(roomy: tuple[LocalCluster, Client]) -> None:
+    """A key that the sender holds in memory and would read back as a map goes by link too: the
+    sender spills it first (its private copy goes), the receiver maps the file, and the sender
+    wrote a few hundred bytes on the comm for 4 MiB."""
+    local, client = roomy
+    sender, receiver = sorted(local.scheduler.workers)
+    array = np.arange(4 * MiB // 8, dtype="float64")
+    [future] = await client.scatter([array], workers=[sender])
+    key = future.key
+
+    def where(dask_worker: Any) -> tuple[bool, bool, bool]:
+        data = dask_worker.data
+        return key in data.fast, key in data.slow, maps.mapped_base(data[key]) is not None
+
+    assert (await client.run(where, workers=[sender]))[sender] == (True, False, False), "held in memory"
+    assert await client.submit(lambda a: float(a.sum()), future, workers=[receiver], pure=False) == array.sum()
+    [transfer] = await sent(client, sender)
+    assert transfer["linked"] == [str(key)] and transfer["keys"] == [] and transfer["written"] < 4096, transfer
+    found = await client.run(where, workers=[sender, receiver])
+    # The sender's copy is its spill file now, read back as a map; the receiver keeps a map of it.
+    assert found[sender][1] and found[sender][2], found
+    assert found[receiver][2], found
+    assert (await client.gather(future))[-1] == array[-1]
+
+
+async def test_pure_python_data_in_memory_goes_as_bytes(roomy: tuple[LocalCluster, Client]) -> None:
+    """A value that would be unpickled into private memory on every read (strings) is not spilled
+    for a peer: it stays in the sender's memory and travels as distributed sends it."""
+    local, client = roomy
+    sender, receiver = sorted(local.scheduler.workers)
+    strings = [f"{i:032x}" for i in range(64 * 1024)]  # about 6 MiB of Python objects
+    [future] = await client.scatter([strings], workers=[sender])
+    key = future.key
+    assert await client.submit(len, future, workers=[receiver], pure=False) == len(strings)
+    [transfer] = await sent(client, sender)
+    assert transfer["keys"] == [str(key)] and transfer["linked"] == [], transfer
+    assert (await client.run(lambda dask_worker: key in dask_worker.data.fast, workers=[sender]))[sender]
+
+
+def test_what_is_spilled_for_a_peer() -> None:
+    """:func:`maps.mappable`: what a read back from the spill file gives as a view of the map."""
+    assert maps.mappable(np.zeros(4)) and maps.mappable(memoryview(b"x"))
+    assert maps.mappable({"a": np.zeros(4), "b": [np.ones(2)]})
+    assert not maps.mappable(np.array(["a", None], dtype=object))
+    assert not maps.mappable(b"bytes") and not maps.mappable("text") and not maps.mappable([1, 2])
+    assert not maps.mappable({}) and not maps.mappable([[[np.zeros(1)]]]), "empty, or nested past the depth"
+
+
 async def test_a_hostile_link_is_refused(cluster: tuple[LocalCluster, Client], shm: str) -> None:
     """A link header that names a file outside the workers' shared root, through '..', through a
     symbolic link, or with another inode than the file's, is refused and nothing is linked; the
