@@ -6,9 +6,10 @@ installed on both (by the scheduler, :func:`install`, as :mod:`memops.worker.han
 
 - **The sender** answers a peer's ``get_data`` itself (the worker's ``get_data`` handler is
   replaced by :meth:`Links.get_data`; the worker's handler table is distributed's extension point
-  for comm operations). For each requested key that is spilled (in the store's files, not in
-  memory) and a requester whose identity (``memops_links`` ``identity``: its spill filesystem,
-  and that it runs this plugin) says it can link this worker's files, it links the spill file to
+  for comm operations). For a requester whose identity (``memops_links`` ``identity``: its spill
+  filesystem, and that it runs this plugin) says it can link this worker's files, it first spills
+  the requested keys it holds in memory that would be read back as maps
+  (:meth:`Links.spill_for_peer`), then, for each requested key that is spilled, it links the spill file to
   an outbox name in its own local directory (so that an unspill or a release while the reply is
   on its way cannot remove it: the file is complete, zict names a file only once written) and
   sends, instead of the bytes, a ``Serialized`` value of the :data:`FAMILY` serialization family
@@ -46,6 +47,7 @@ import mmap
 import os
 import stat
 import time
+import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -138,6 +140,10 @@ class Links:
         self.reason = ""
         self.original_get_data: Any = None
         self.original_dump: Any = None
+        self.original_load: Any = None
+        # id -> a value read back as a map of its own spill file (the object load made, not one
+        # a task derived from it): the values whose held link may stand for them in the store.
+        self.reloaded: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.root = ""
         self.device = -1
         self.outbox = ""
@@ -165,6 +171,8 @@ class Links:
         slow = worker.data.slow.data
         self.original_dump = slow.dump
         slow.dump = self.dump
+        self.original_load = slow.load
+        slow.load = self.load
         _RECEIVERS[worker.address] = self
         self.original_get_data = worker.handlers["get_data"]
         worker.handlers["get_data"] = self.get_data
@@ -388,8 +396,30 @@ class Links:
             self.staged[id(value)] = (value, link, size, time.monotonic())
             accounting.note_linked(self.worker, self.device, ino)
         else:
-            os.unlink(link)  # kept in memory, as a map of the peer's pages
+            # Kept in memory, as a map of the peer's pages; the link stays while the map does, so
+            # that a later spill renames it into the store instead of writing the pages again.
+            self._remember(value)
+            mapped = maps.mapped_base(value)
+            if mapped is not None and self.reloaded.get(id(value)) is value:
+                maps.hold(mapped, link, from_peer=True)
+            else:
+                os.unlink(link)
         return value
+
+    def load(self, frames: Any) -> Any:
+        """The Slow layer's ``load``: a value read back as a view of its spill file's map is
+        remembered, so that :meth:`dump` can put it back by the held link."""
+        value = self.original_load(frames)
+        mapped = maps.mapped_base(frames)
+        if mapped is not None and maps.mapped_base(value) is mapped:
+            self._remember(value)
+        return value
+
+    def _remember(self, value: Any) -> None:
+        try:
+            self.reloaded[id(value)] = value
+        except TypeError:  # not weakly referenceable (a dict of arrays): spilled as a new file
+            pass
 
     def dump(self, value: Any) -> Any:
         """The Slow layer's ``dump``: a value read from a link goes back as that link."""
@@ -398,6 +428,18 @@ class Links:
             if entry[0] is value:
                 return maps.Linked(Size(entry[2]), entry[1])
             self.staged[id(value)] = entry
+        if self.reloaded.get(id(value)) is value:
+            held = maps.take_held(value)
+            if held is not None:
+                path, from_peer = held
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    st = None
+                if st is not None:
+                    if from_peer:
+                        accounting.note_linked(self.worker, st.st_dev, st.st_ino)
+                    return maps.Linked(Size(st.st_size), path)
         return self.original_dump(value)
 
     def _expire(self) -> None:

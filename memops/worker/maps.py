@@ -21,11 +21,46 @@ Imports nothing of memops but its siblings (it runs in a stock Dask image).
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
+import weakref
 from typing import Any
 
 MMAP_TYPE = mmap.mmap
+HELD_DIRECTORY = "memops-held"
+"""In the worker's local directory: one more link to each spill file that a live map reads, so that
+the value can go back to the spill store by that link instead of by a new file."""
+
+_HELD: dict[int, tuple[str, bool]] = {}
+"""id(a live map) -> (a link to its file, whether a peer wrote that file), while the map lives."""
+_COUNTER = itertools.count()
+
+
+def hold(mapped: Any, path: str, *, from_peer: bool = False) -> None:
+    """Keep ``path`` (a link to the file that ``mapped``, an mmap, reads) while the map lives:
+    removed when it is garbage-collected, unless :func:`take_held` took it first."""
+    _HELD[id(mapped)] = (path, from_peer)
+    weakref.finalize(mapped, _release, id(mapped), path)
+
+
+def _release(ident: int, path: str) -> None:
+    if _HELD.get(ident, ("",))[0] == path:
+        del _HELD[ident]
+    try:
+        os.unlink(path)
+    except OSError:  # taken into a spill store meanwhile
+        pass
+
+
+def take_held(value: Any) -> tuple[str, bool] | None:
+    """The held link to the file that ``value`` is a view of, for the spill store to rename, and
+    whether a peer wrote that file; None when there is none (any more)."""
+    mapped = mapped_base(value)
+    if mapped is None:
+        return None
+    found = _HELD.pop(id(mapped), None)
+    return found if found is not None and os.path.exists(found[0]) else None
 
 
 class Linked(list[Any]):
@@ -76,7 +111,18 @@ def mapped_file_class() -> type:
                     return bytearray()  # mmap refuses an empty file
                 # Private, copy-on-write: writable (Dask's numpy deserializer copies a
                 # read-only buffer), yet a write never reaches the file nor its other links.
-                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            # Unspilled, the key's file leaves the store while the map still reads its pages;
+            # spilled again, the value goes back by this link rather than as a second copy.
+            held = os.path.join(os.path.dirname(self.directory), HELD_DIRECTORY)
+            try:
+                os.makedirs(held, exist_ok=True)
+                link = os.path.join(held, f"{os.getpid()}-{next(_COUNTER)}")
+                os.link(path, link)
+                hold(mapped, link)
+            except OSError:
+                pass  # spilled again as a new file, as distributed would
+            return memoryview(mapped)
 
         @locked
         def __setitem__(self, key: Any, value: Any) -> None:

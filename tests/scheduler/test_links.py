@@ -244,6 +244,39 @@ async def test_an_array_in_memory_is_spilled_for_a_same_node_peer(roomy: tuple[L
     assert (await client.gather(future))[-1] == array[-1]
 
 
+async def test_a_map_spilled_again_goes_back_by_its_own_file(roomy: tuple[LocalCluster, Client]) -> None:
+    """A key read back as a map, then spilled again, is its file again: the sender's (read back
+    by a task, its file out of the store) and the receiver's (kept in memory as a map of the
+    linked file) both put back the one inode, and no second copy of the pages is written. The
+    receiver's counts as linked from a peer, not as its own."""
+    local, client = roomy
+    sender, receiver = sorted(local.scheduler.workers)
+    array = np.arange(4 * MiB // 8, dtype="float64")
+    [future] = await client.scatter([array], workers=[sender])
+    key = future.key
+    assert await client.submit(lambda a: float(a.sum()), future, workers=[receiver], pure=False) == array.sum()
+    [inode, _] = (await spill_files(client, sender))[str(key)]
+
+    def read_back_then_spill(dask_worker: Any) -> tuple[bool, bool]:
+        data = dask_worker.data
+        value = data[key]  # the sender: unspilled into memory; the receiver: held there already
+        in_memory = key in data.fast and key not in data.slow
+        data.fast.evict(key)
+        return in_memory, maps.mapped_base(value) is not None and float(value[-1]) == array[-1]
+
+    found = await client.run(read_back_then_spill, workers=[sender, receiver])
+    assert found == {sender: (True, True), receiver: (True, True)}, found
+    assert (await spill_files(client, sender))[str(key)][0] == inode
+    assert (await spill_files(client, receiver))[str(key)][0] == inode
+
+    def linked_in(dask_worker: Any) -> list[int]:
+        return [ino for _, ino in dask_worker.__dict__.get(accounting.LINKED_IN, ())]
+
+    assert inode in (await client.run(linked_in, workers=[receiver]))[receiver]
+    assert inode not in (await client.run(linked_in, workers=[sender]))[sender]
+    assert (await client.gather(future))[-1] == array[-1]
+
+
 async def test_pure_python_data_in_memory_goes_as_bytes(roomy: tuple[LocalCluster, Client]) -> None:
     """A value that would be unpickled into private memory on every read (strings) is not spilled
     for a peer: it stays in the sender's memory and travels as distributed sends it."""
