@@ -16,7 +16,7 @@ a. A workload that spills (data about twice the workers' Dask memory limits summ
 b. Draining one worker whose data is mostly spilled, on tmpfs: stock ``retire_workers`` (the
    anchor), memops' drain without hand-over, memops' drain with hand-over: bytes over the
    network, seconds, and the peak as above.
-c. All to all (the seed's O(n^2) shape, small): numpy blocks made and spilled at once (target 0),
+c. All to all (the shared-memory spill design's O(n^2) shape, small): numpy blocks made and spilled at once (target 0),
    then every worker reads every block: tmpfs spill with stock fetches (the anchor), and with
    memops' same-node links and maps (:mod:`memops.worker.links`). Network is what the senders
    wrote on their comms (a link is a few hundred bytes). Peak here: RSS less its resident tmpfs
@@ -242,7 +242,7 @@ async def written(client: Client) -> tuple[int, int]:
 
 
 async def all_to_all(size: Size, directory: str, tmpfs: str, with_links: bool) -> Result:
-    """(c): the seed's O(n^2) shape, small: numpy blocks made spilled at once (target 0: the seed's
+    """(c): the design's O(n^2) shape, small: numpy blocks made spilled at once (target 0: the design's
     set-up against duplication), then on every worker a task that reads every block."""
     async with cluster(size, directory, {"distributed.worker.memory.target": 0.001}) as (local, client):
         if with_links:

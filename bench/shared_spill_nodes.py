@@ -57,7 +57,7 @@ from memops_sandbox import nodes as real_nodes
 MIB = 2**20
 SPILL_ROOT = "/var/lib/memops/spill"
 """The host directory the sandbox's operator is allowed for shared spill (the chart's sharedSpill.hostRoots)."""
-APP = "seed"
+APP = "pairs"
 SETUPS = ("disk", "tmpfs", "links")
 TARGETS = {"0.6": "0.6", "0": "0.001"}
 """A target as the design writes it -> as Dask is given it (Dask reads 0 as no target at all)."""
