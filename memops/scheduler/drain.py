@@ -333,6 +333,9 @@ class Drained:
     lost_bytes: int = 0
     lost_irreplaceable: int = 0
     lost: list[str] = dataclasses.field(default_factory=list)  # the first few, for the report
+    # Keys counted lost at the deadline while a copy was on its way: key -> (bytes, irreplaceable).
+    # One that lands after the deadline is moved, not lost.
+    lost_on_the_way: dict[Any, tuple[int, int]] = dataclasses.field(default_factory=dict)
     lost_cause: str = "deadline"
     origin: str = ""  # who asked: ``preStop`` for the safety net's hook, else empty (the operator)
     node_dying: bool = True  # its node goes with it (a node drain, a preStop hook): recipients there last
@@ -631,6 +634,13 @@ class DrainPlugin(SchedulerPlugin):
                     if copy.linked:
                         owner.keys_linked += 1
                         owner.bytes_linked += copy.nbytes
+                    landed_late = owner.lost_on_the_way.pop(key, None)
+                    if landed_late is not None:
+                        owner.lost_keys -= 1
+                        owner.lost_bytes -= landed_late[0]
+                        owner.lost_irreplaceable -= landed_late[1]
+                        if str(key) in owner.lost:
+                            owner.lost.remove(str(key))
                 continue
             if target is None or target not in scheduler.running or copy.expired(now):
                 del self.copies[key]  # asked again below, if still held only by drained workers
@@ -812,6 +822,8 @@ class DrainPlugin(SchedulerPlugin):
             drained.lost_irreplaceable += _irreplaceable(ts)
             if len(drained.lost) < LOST_NAMED:
                 drained.lost.append(str(ts.key))
+            if ts.key in self.copies:
+                drained.lost_on_the_way[ts.key] = (_nbytes(ts), int(_irreplaceable(ts)))
         logger.warning(
             "memops drain of %s stopped at its deadline: %d keys (%d bytes) held nowhere else",
             drained.address,

@@ -122,6 +122,39 @@ async def test_a_pass_out_of_time_asks_one_slice_yet_every_drained_worker_finish
         scheduler.http_server.stop()  # listening since construction; close() stops only a started scheduler's
 
 
+async def test_a_key_on_its_way_at_the_deadline_that_lands_after_it_is_moved_not_lost() -> None:
+    """At its deadline a drain counts as lost every key only the drained worker holds, those on
+    their way included; one of those that lands afterwards is counted moved and no longer lost,
+    so that moved and lost always add up to the keys the worker alone held."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    scheduler = build(sent)
+    try:
+        plugin = drain.DrainPlugin(scheduler)
+        plugin.handover = False
+        plugin.task = asyncio.get_running_loop().create_future()
+        dying = next(iter(scheduler.workers))
+        plugin.add([dying], 600.0, {}, close=False, restore=True)
+        await plugin.step()
+        on_the_way = asked(sent)
+        assert on_the_way, "the first pass asked for copies"
+        plugin.workers[dying].deadline = 0.0  # long past
+        await plugin.step()
+        report = plugin.report([dying])[dying]
+        assert report["state"] == drain.State.DEADLINE
+        assert report["lostAtDeadline"]["keys"] == KEYS_PER_WORKER - report["keysMoved"]
+        for address, key in on_the_way:  # they land after the deadline
+            scheduler.add_replica(scheduler.tasks[key], scheduler.workers[address])
+        await plugin.step()
+        report = plugin.report([dying])[dying]
+        assert report["keysMoved"] == len(on_the_way)
+        assert report["lostAtDeadline"]["keys"] == KEYS_PER_WORKER - len(on_the_way)
+        assert report["lostAtDeadline"]["bytes"] == 1000 * (KEYS_PER_WORKER - len(on_the_way))
+    finally:
+        plugin.task.cancel()
+        await scheduler.close()
+        scheduler.http_server.stop()
+
+
 async def test_a_pass_out_of_time_still_finds_no_recipients_for_every_drained_worker_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -232,6 +232,12 @@ async def test_a_short_deadline_moves_the_keys_that_cannot_be_recomputed_first(
     computed = client.map(make, range(150), base=base, workers=[dying], allow_other_workers=False, pure=False)
     await distributed.wait(computed)
     scattered = await client.scatter({f"s{i}": b"s" * MiB for i in range(5)}, workers=[dying], hash=False)
+    # The drained worker fetched base for its tasks; the Active Memory Manager would drop one of
+    # the two replicas meanwhile, and base would be one more key that only the drained worker holds.
+    await client.amm.stop()
+    ws = local.scheduler.workers[dying]
+    alone = sum(1 for ts in ws.has_what if ts.who_has == {ws})
+    assert alone == 155, alone
     await daskrpc.start_drain(local.scheduler_address, [dying], deadline=1.0, restore=True, window=1)
     state = await until_finished(local.scheduler_address, dying)
     assert state["state"] == drain.State.DEADLINE
@@ -240,7 +246,7 @@ async def test_a_short_deadline_moves_the_keys_that_cannot_be_recomputed_first(
     moved = set(sum((c for w, c in counts.items() if w != dying), collections.Counter()))
     assert set(scattered) <= moved, "the keys that cannot be recomputed went first"
     lost = state["lostAtDeadline"]
-    assert 0 < lost["keys"] == 155 - state["keysMoved"] and lost["irreplaceableKeys"] == 0
+    assert 0 < lost["keys"] == alone - state["keysMoved"] and lost["irreplaceableKeys"] == 0
     assert lost["bytes"] == lost["keys"] * MiB and lost["cause"] == "deadline"
     assert state["origin"] == "" and abs(state["endedAt"] - time.time()) < 60, "the operator's drain, stopped now"
     # What the report says is lost is what only the drained worker holds, but for the keys on
