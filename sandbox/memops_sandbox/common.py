@@ -264,14 +264,48 @@ def launch(
     agent = [] if real_nodes else ["--node-agent"]
     command = [executable("memops"), "sandbox", "--workers", str(workers), "--state-dir", str(state_dir), *agent, *args]
     log = log or state_dir.parent / f"{state_dir.name}-sandbox.log"
+    built = _built(real_nodes)
+    if built:
+        raise RuntimeError("the sandbox's binaries or images could not be built:\n" + built)
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
     deadline = time.monotonic() + 60 + start_allowance(workers)
     while not (state_dir / "ready").exists():
         if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
+            _end(process)
             inside = state_dir / "sandbox.log"
             detail = log.read_text()[-3000:] + (inside.read_text()[-3000:] if inside.exists() else "")
             raise RuntimeError("the sandbox did not become ready:\n" + detail)
         time.sleep(0.1)
     return process
+
+
+def _built(real_nodes: bool) -> str:
+    """Wait for what the sandbox runs to be built, before its start's deadline begins: "" when it
+    is, else the build's last words. A part that another process is building (CI builds beside
+    the tests that need no sandbox) is waited for, however long; found in the cache, it takes half
+    a second. On the node agent's Nodes only the control plane is needed."""
+    if not real_nodes:
+        from memops_sandbox import build
+
+        try:
+            build.ensure()
+        except build.BuildError as error:
+            return str(error)
+        return ""
+    done = subprocess.run([executable("memops-sandbox"), "build"], capture_output=True, text=True)
+    return "" if done.returncode == 0 else (done.stdout + done.stderr)[-3000:]
+
+
+def _end(process: subprocess.Popen[bytes]) -> None:
+    """Stop a sandbox that failed to start and everything it started (its session's processes):
+    asked first, so that it takes its Nodes down and leaves nothing behind for the next sandbox,
+    then killed."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()

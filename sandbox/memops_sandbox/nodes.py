@@ -507,7 +507,8 @@ def clean(state_dir: Path, count: int = 16) -> None:
     """Remove what a sandbox with real Nodes left on this machine: its processes (kubelets,
     containerds, shims, containers), its swap file, mounts under ``state_dir`` and :data:`RUN_ROOT`,
     cgroups under :data:`CGROUP_PARENT`, bridges ``memops<i>`` and kube-proxy's rules."""
-    for pid in _processes_mentioning(str(RUN_ROOT)):
+    # The image store's own containerd names only its store (a killed sandbox's may outlive it).
+    for pid in {*_processes_mentioning(str(RUN_ROOT)), *_processes_mentioning(str(IMAGE_STORES))}:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for hierarchy in _hierarchies():
@@ -638,7 +639,9 @@ async def image_store(
     if (store / "complete").exists():
         return store / "containerd"
     started = time.monotonic()
-    making = IMAGE_STORES / f"{store.name}.making"
+    # Its own name: a store that a killed sandbox left half made (its files possibly still mounted
+    # or open) is never in the way; such leftovers go below, once this one is made.
+    making = IMAGE_STORES / f"{store.name}.making-{os.getpid()}"
     builder = Node(name="images", index=0, root=making, run=RUN_ROOT / "images", kubelet_port=0, healthz_port=0)
     shutil.rmtree(making, ignore_errors=True)
     making.mkdir(parents=True)
@@ -659,14 +662,25 @@ async def image_store(
     finally:
         await common.stop(containerd, grace=5)
         shutil.rmtree(builder.run, ignore_errors=True)
-    # The stores of other images are of no more use.
-    for old in IMAGE_STORES.iterdir():
-        if old != making:
-            shutil.rmtree(old, ignore_errors=True)
+    await asyncio.to_thread(_remove_stores_but, making)
+    if (store / "complete").exists():  # made meanwhile by another sandbox
+        shutil.rmtree(making, ignore_errors=True)
+        return store / "containerd"
+    shutil.rmtree(store, ignore_errors=True)  # a half-made one of an older scheme
     making.rename(store)
     (store / "complete").write_text("")
     logger.info("the image store made in %.1f s", time.monotonic() - started)
     return store / "containerd"
+
+
+def _remove_stores_but(kept: Path) -> None:
+    """The stores of other images are of no more use, nor a half-made one that a killed sandbox
+    left (its builder's snapshot mounts first)."""
+    for old in IMAGE_STORES.iterdir():
+        if old != kept:
+            for point in _mounts_under(old):
+                subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 _COPIED = ("meta.db", "metadata.db")
