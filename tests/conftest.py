@@ -27,17 +27,34 @@ NO_SANDBOX = ("unit", "fuzz", "scheduler", "packaging/test_helm.py", "packaging/
 the sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
 
 
+TESTS = Path(__file__).resolve().parent
+
+
+def needs_a_sandbox(item: pytest.Item) -> bool:
+    path = Path(str(item.fspath)).resolve()
+    if not path.is_relative_to(TESTS):
+        return True
+    inside = path.relative_to(TESTS)
+    return not any(inside.is_relative_to(free) for free in NO_SANDBOX)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    tests = Path(__file__).resolve().parent
-
-    def needs_a_sandbox(item: pytest.Item) -> bool:
-        path = Path(str(item.fspath)).resolve()
-        if not path.is_relative_to(tests):
-            return True
-        inside = path.relative_to(tests)
-        return not any(inside.is_relative_to(free) for free in NO_SANDBOX)
-
     items.sort(key=needs_a_sandbox)  # stable: each group keeps its order (packaging after e2e)
+
+
+_BUILT = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True, wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Before the first test that needs a sandbox or a control plane, and outside every test's
+    timeout (this wrapper runs before pytest-timeout's), wait for the sandbox's binaries and
+    images: CI builds them beside the tests that need none, and a cold build can outlast them.
+    A build that fails here is left to the fixtures, which skip or fail with its reason."""
+    if needs_a_sandbox(item) and not item.session.stash.get(_BUILT, False):
+        item.session.stash[_BUILT] = True
+        sandbox.built(real_nodes=True)
+    return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)

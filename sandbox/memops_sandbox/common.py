@@ -264,9 +264,9 @@ def launch(
     agent = [] if real_nodes else ["--node-agent"]
     command = [executable("memops"), "sandbox", "--workers", str(workers), "--state-dir", str(state_dir), *agent, *args]
     log = log or state_dir.parent / f"{state_dir.name}-sandbox.log"
-    built = _built(real_nodes)
-    if built:
-        raise RuntimeError("the sandbox's binaries or images could not be built:\n" + built)
+    failure = built(real_nodes)
+    if failure:
+        raise RuntimeError("the sandbox's binaries or images could not be built:\n" + failure)
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
     deadline = time.monotonic() + 60 + start_allowance(workers)
@@ -280,7 +280,7 @@ def launch(
     return process
 
 
-def _built(real_nodes: bool) -> str:
+def built(real_nodes: bool) -> str:
     """Wait for what the sandbox runs to be built, before its start's deadline begins: "" when it
     is, else the build's last words. A part that another process is building (CI builds beside
     the tests that need no sandbox) is waited for, however long; found in the cache, it takes half
