@@ -103,14 +103,38 @@ def shmem(pid: int) -> int:
     return 0
 
 
-class Sampler:
+class Periodic:
+    """Calls :meth:`take` every ``period`` seconds on a thread of its own while entered."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def take(self) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.take()
+            self.stop.wait(self.period)
+
+    def __enter__(self) -> Periodic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class Sampler(Periodic):
     """Samples the worker processes' RSS plus the tmpfs directory's bytes, keeps the highest."""
 
     def __init__(self, tmpfs: str | None, period: float = 0.05, shmem_once: bool = False):
-        self.tmpfs, self.period, self.shmem_once = tmpfs, period, shmem_once
+        super().__init__(period)
+        self.tmpfs, self.shmem_once = tmpfs, shmem_once
         self.peak = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
 
     def sample(self) -> int:
         rss = 0
@@ -119,18 +143,12 @@ class Sampler:
                 rss += child.memory_info().rss - (shmem(child.pid) if self.shmem_once else 0)
         return rss + (tmpfs_bytes(self.tmpfs) if self.tmpfs else 0)
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, self.sample())
-            self.stop.wait(self.period)
+    def take(self) -> None:
+        self.peak = max(self.peak, self.sample())
 
     def __enter__(self) -> Sampler:
-        self.thread.start()
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 @contextlib.asynccontextmanager

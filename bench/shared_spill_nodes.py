@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import subprocess
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from typing import Any
 
 import benchkit
 import distributed
+import shared_spill
 import yaml
 from memops_sandbox import common as sandbox
 from memops_sandbox import nodes as real_nodes
@@ -161,38 +161,31 @@ def pair(x: Any, y: Any) -> float:
     return float(x.str.len().sum() + y.str.len().sum())
 
 
-class Sampler:
+class Sampler(shared_spill.Periodic):
     """The worker containers' memory cgroups, sampled every ``period`` seconds: the highest sum of
     private plus shared pages (and its parts then), and the highest swap."""
 
     def __init__(self, cgroups: Sequence[Path], period: float = 0.1):
-        self.cgroups, self.period = cgroups, period
+        super().__init__(period)
+        self.cgroups = cgroups
         self.idle: int | None = None
         self.peak = self.private = self.shared = self.swap = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            private = shared = swap = 0
-            for cgroup in self.cgroups:
-                with contextlib.suppress(OSError):
-                    found = real_nodes.memory_stat(cgroup)
-                    private, shared, swap = private + found["anon"], shared + found["shmem"], swap + found["swap"]
-            if self.idle is None:
-                self.idle = private + shared
-            if private + shared > self.peak:
-                self.peak, self.private, self.shared = private + shared, private, shared
-            self.swap = max(self.swap, swap)
-            self.stop.wait(self.period)
+    def take(self) -> None:
+        private = shared = swap = 0
+        for cgroup in self.cgroups:
+            with contextlib.suppress(OSError):
+                found = real_nodes.memory_stat(cgroup)
+                private, shared, swap = private + found["anon"], shared + found["shmem"], swap + found["swap"]
+        if self.idle is None:
+            self.idle = private + shared
+        if private + shared > self.peak:
+            self.peak, self.private, self.shared = private + shared, private, shared
+        self.swap = max(self.swap, swap)
 
     def __enter__(self) -> Sampler:
-        self.thread.start()
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def outgoing(dask_worker: Any) -> tuple[int, int]:
