@@ -316,7 +316,6 @@ class Drained:
     restore: bool  # at the deadline: set back to ``previous`` (else it stays closing_gracefully)
     state: str = State.DRAINING
     order: list[Any] = dataclasses.field(default_factory=list)  # its keys, ranked, not yet asked for
-    seen: set[Any] = dataclasses.field(default_factory=set)
     scanned: float = 0.0
     started: float = dataclasses.field(default_factory=time.monotonic)
     ended: float = 0.0
@@ -798,13 +797,19 @@ class DrainPlugin(SchedulerPlugin):
         return all(self._safe(ts, draining) for ts in ws.has_what)
 
     def _scan(self, drained: Drained, ws: Any, draining: AbstractSet[Any], now: float) -> None:
-        """Rank the keys held only by drained workers that this drain has not ranked yet."""
+        """Rank the keys held only by drained workers that are neither in this drain's order nor
+        on their way: keys that appeared since the last scan (tasks that were running when the
+        drain began), and keys whose copy is gone again. A copy that landed on a worker which then
+        began draining too has two replicas on leaving workers, and the Active Memory Manager's
+        ReduceReplicas drops one, often the recipient's: a rollout of several pods does this while
+        the new pods are still starting. Level-based, as stock RetireWorker: what only drained
+        workers hold is asked for until it is held elsewhere."""
         drained.scanned = now
+        queued = set(drained.order)
         fresh = []
         for ts in ws.has_what:
-            if ts.key in drained.seen or ts.actor or self._safe(ts, draining):
+            if ts.actor or ts.key in queued or ts.key in self.copies or self._safe(ts, draining):
                 continue
-            drained.seen.add(ts.key)
             fresh.append(Key(str(ts.key), _nbytes(ts), _irreplaceable(ts), _seconds(ts)))
         if fresh:
             by_name = {str(ts.key): ts.key for ts in ws.has_what}

@@ -408,3 +408,53 @@ async def test_the_shorter_deadline_of_two_callers_stops_the_drain(cluster: tupl
     assert state["origin"] == "", "the first caller's drain, shortened"
     await client.run(resume, workers=others)
     assert len(await client.gather(list(data.values()))) == 5, "kept: the worker stays"
+
+
+async def test_a_copy_dropped_from_a_recipient_that_began_draining_too_is_asked_for_again(
+    cluster: tuple[LocalCluster, Client],
+) -> None:
+    """A rollout drains the old pods one after the other while the new ones are still starting:
+    the first drained worker's keys land on the only other running worker, which then begins its
+    own drain. Each of those keys has two replicas, both on leaving workers, and the Active Memory
+    Manager's ReduceReplicas drops one (from the worker using more memory, here the recipient).
+    The first drain counted those keys as moved; it must see that they are again held only by it,
+    and ask for them again once new workers run, rather than hold them until its deadline."""
+    local, client = cluster
+    first, second, new1, new2 = sorted(local.scheduler.workers)
+    await client.amm.stop()  # the drop is made below, as ReduceReplicas makes it, at a known time
+    news = [new1, new2]
+    await client.run(pause, workers=news)
+    await polling.poll(
+        lambda: not {local.scheduler.workers[w] for w in news} & local.scheduler.running, timeout=10, interval=0.05
+    )
+    data = await client.scatter({f"r{i}": b"r" * (256 * 1024) for i in range(30)}, workers=[first], hash=False)
+    address = local.scheduler_address
+    # One key on its way at a time, so that the second drain begins while the first is under way.
+    await daskrpc.start_drain(address, [first], deadline=60, window=1)
+    seconds = local.scheduler.workers[second]
+    plugin = local.scheduler.plugins[drain.NAME]
+    await polling.poll(
+        lambda: plugin.workers[first].keys_moved >= 3, timeout=20, what="keys copied to the second", interval=0.01
+    )
+    await daskrpc.start_drain(address, [second], deadline=60)
+    await polling.poll(lambda: not plugin.copies, timeout=20, what="no copy on its way", interval=0.05)
+    moved = [k for k in data if seconds in local.scheduler.tasks[k].who_has]
+    assert len(moved) >= 3  # and one more may have landed after its drain gave it up (its target left running)
+    local.scheduler.request_remove_replicas(second, moved, stimulus_id="test-reduce-replicas")
+    firsts = local.scheduler.workers[first]
+    await polling.poll(
+        lambda: all(local.scheduler.tasks[k].who_has == {firsts} for k in moved),
+        timeout=20,
+        what="the second worker's replicas dropped",
+        interval=0.05,
+    )
+    for worker in news:
+        local.scheduler.handle_worker_status_change("running", worker, stimulus_id="test-resume")
+    await client.run(resume, workers=news)
+    state = await until_finished(address, second, bound=30)
+    assert state["state"] == drain.State.DONE and state["keysMoved"] == 0, "it held no key of its own"
+    state = await until_finished(address, first, bound=30)
+    assert state["state"] == drain.State.DONE and not state["lostAtDeadline"]
+    news_ws = {local.scheduler.workers[w] for w in news}
+    assert all(local.scheduler.tasks[k].who_has & news_ws for k in data), "every key on a new worker"
+    assert await client.gather(list(data.values())) == [b"r" * (256 * 1024)] * 30
