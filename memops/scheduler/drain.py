@@ -319,8 +319,9 @@ class Drained:
     scanned: float = 0.0
     started: float = dataclasses.field(default_factory=time.monotonic)
     ended: float = 0.0
-    keys_moved: int = 0
+    keys_moved: int = 0  # each key once, however often its copy had to be made again
     bytes_moved: int = 0
+    moved: set[Any] = dataclasses.field(default_factory=set)  # the keys counted in keys_moved
     keys_linked: int = 0  # of keys_moved: handed over by a link, no byte over the network
     bytes_linked: int = 0
     spilled: set[Any] = dataclasses.field(default_factory=set)  # its keys spilled on a shared filesystem
@@ -628,11 +629,13 @@ class DrainPlugin(SchedulerPlugin):
                 del self.copies[key]
                 owner = self.workers.get(copy.source)
                 if owner is not None:
-                    owner.keys_moved += 1
-                    owner.bytes_moved += copy.nbytes
-                    if copy.linked:
-                        owner.keys_linked += 1
-                        owner.bytes_linked += copy.nbytes
+                    if key not in owner.moved:
+                        owner.moved.add(key)
+                        owner.keys_moved += 1
+                        owner.bytes_moved += copy.nbytes
+                        if copy.linked:
+                            owner.keys_linked += 1
+                            owner.bytes_linked += copy.nbytes
                     landed_late = owner.lost_on_the_way.pop(key, None)
                     if landed_late is not None:
                         owner.lost_keys -= 1

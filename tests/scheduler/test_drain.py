@@ -455,6 +455,7 @@ async def test_a_copy_dropped_from_a_recipient_that_began_draining_too_is_asked_
     assert state["state"] == drain.State.DONE and state["keysMoved"] == 0, "it held no key of its own"
     state = await until_finished(address, first, bound=30)
     assert state["state"] == drain.State.DONE and not state["lostAtDeadline"]
+    assert state["keysMoved"] == 30 and state["bytesMoved"] == 30 * 256 * 1024, "a key copied twice counts once"
     news_ws = {local.scheduler.workers[w] for w in news}
     assert all(local.scheduler.tasks[k].who_has & news_ws for k in data), "every key on a new worker"
     assert await client.gather(list(data.values())) == [b"r" * (256 * 1024)] * 30
