@@ -5,7 +5,11 @@ Sets ``$MEMOPS_AUDIT_LOG`` (unless it is already set) for the whole session, bef
 sandbox starts; the sandboxes inherit it. ``tests/packaging/test_rbac.py``, which runs after
 ``tests/e2e``, reads the operator's requests from it and checks the shipped RBAC against them.
 
-The folders that start no sandbox run first (:data:`NO_SANDBOX`).
+Two lanes (pytest-xdist, two workers): every test that needs a sandbox or a control plane is one
+unit of work (:class:`SandboxLane`) that one worker runs in collection order (real Nodes are one
+set per machine, and ``tests/packaging/test_rbac.py`` reads what ``tests/e2e`` wrote); the other
+worker runs the folders that start none (:data:`NO_SANDBOX`) meanwhile, while CI builds the
+sandbox's binaries on a cold machine. Without xdist (``-n 0``) those folders run first.
 
 ``plane``: an upstream control plane (kube-apiserver, etcd, the controller manager; no node),
 one per test module that asks for it; its state directory is yielded. Nothing is mocked.
@@ -17,10 +21,12 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from memops_sandbox import build, upstream
 from memops_sandbox import common as sandbox
+from xdist.scheduler import LoadScopeScheduling
 
 NO_SANDBOX = ("unit", "fuzz", "scheduler", "packaging/test_helm.py", "packaging/test_kustomize.py")
 """The test folders and files that start no control plane: they run first, so that CI can build
@@ -31,7 +37,11 @@ TESTS = Path(__file__).resolve().parent
 
 
 def needs_a_sandbox(item: pytest.Item) -> bool:
-    path = Path(str(item.fspath)).resolve()
+    return _needs_a_sandbox(Path(str(item.fspath)))
+
+
+def _needs_a_sandbox(path: Path) -> bool:
+    path = path.resolve()
     if not path.is_relative_to(TESTS):
         return True
     inside = path.relative_to(TESTS)
@@ -40,6 +50,21 @@ def needs_a_sandbox(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=needs_a_sandbox)  # stable: each group keeps its order (packaging after e2e)
+
+
+class SandboxLane(LoadScopeScheduling):
+    """xdist's scope scheduling with two kinds of scope: every test that needs a sandbox is in one,
+    every other test is a scope of its own. Scopes go out largest first, so the sandbox's lane
+    starts at once on one worker, and the other worker takes the rest one test at a time."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = TESTS.parent / nodeid.split("::", 1)[0]
+        return "sandbox" if _needs_a_sandbox(path) else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called where it runs the tests
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> SandboxLane:
+    return SandboxLane(config, log)
 
 
 _BUILT = pytest.StashKey[bool]()
