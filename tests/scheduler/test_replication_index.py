@@ -23,7 +23,7 @@ import distributed
 from distributed import Client, LocalCluster, Scheduler
 from distributed.core import Status
 from distributed.scheduler import WorkerState
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from memops.clients import daskrpc
@@ -180,10 +180,12 @@ async def run(initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], l
             cluster.apply(step, index)
             event(step[0])
             limit = limits[n % len(limits)]
+            # The workers' status and marks are read at the start of each update: a worker whose
+            # status changed notes all its keys, which may be more than one slice.
+            index.update(limit, seconds=60)
             while index.pending:  # read in slices, as passes do
                 index.update(limit, seconds=60)
                 index.shares.update(limit)  # as a pass reads a slice of them when many wait
-            index.update(limit, seconds=60)  # the workers' status and marks, read once a pass
             check(index, scheduler)
         index.detach()
         assert "add_replica" not in vars(scheduler), "the scheduler's own methods are back"
@@ -197,6 +199,12 @@ async def run(initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], l
     initial=st.lists(key_steps, max_size=10),
     sequence=st.lists(steps, min_size=5, max_size=60),
     limits=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+)
+# A worker that stops running notes its three keys, read one at a time.
+@example(
+    initial=[("key", "load", False, 0, 1)],
+    sequence=[("key", "load", False, 0, 1), ("copy", 0, 1), ("key", "load", False, 0, 1), ("status", 0, True)],
+    limits=[1],
 )
 def test_the_index_equals_a_full_recomputation_after_every_step(
     initial: list[tuple[Any, ...]], sequence: list[tuple[Any, ...]], limits: list[int]
