@@ -87,6 +87,9 @@ def pause(dask_worker: Any) -> None:
 
 async def test_snapshot_counts_unique_bytes(cluster: LocalCluster, client: Client) -> None:
     a, b, c = sorted(cluster.scheduler.workers)
+    # The Active Memory Manager's ReduceReplicas would drop one of the two replicas of "shared"
+    # within its 2 s tick: it did, once, while another test lane loaded the machine.
+    await client.amm.stop()
     data = await scatter(client, a, 3)
     shared = await client.scatter({"shared": os.urandom(MiB)}, workers=[a, b], hash=False, broadcast=True)
     snapshot = await daskrpc.fetch_snapshot(cluster.scheduler_address, placement_of=[a])
@@ -113,7 +116,12 @@ async def test_a_scheduler_that_refuses_run_function_gives_the_same_figures_from
     ``who_has`` instead, with the same result (and ``who_has`` of every key)."""
     figures = {}
     for blocked in ([], ["run_function"]):
-        with dask.config.set({"distributed.scheduler.blocked-handlers": blocked}):
+        # Without the Active Memory Manager, whose ReduceReplicas would drop a replica of "both".
+        config = {
+            "distributed.scheduler.blocked-handlers": blocked,
+            "distributed.scheduler.active-memory-manager.start": False,
+        }
+        with dask.config.set(config):
             async with (
                 LocalCluster(
                     n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None, asynchronous=True
