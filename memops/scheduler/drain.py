@@ -21,10 +21,11 @@ For each worker being drained: its keys held nowhere else are ranked by value (:
 keys that cannot be recomputed first, then by recompute seconds per byte), sent in that order to
 recipients off the dying workers' nodes, in equal shares while they have room below their memory
 target, then by headroom (:func:`assign`), at most :data:`WINDOW_BYTES` on their way to one
-recipient at a time. Each key is asked for once; again
-only if its recipient leaves or stops running, or :data:`IN_FLIGHT_SECONDS` (plus its transfer
-time) pass. At the deadline nothing more is asked for, and what is still held only by the
-drained workers is reported lost (cause ``deadline``). A worker whose keys all have a copy
+recipient at a time. Each key is asked for once; again only if its recipient leaves or stops
+running, or :data:`IN_FLIGHT_SECONDS` (plus its transfer time) pass, or its copy is gone again once
+landed (a recipient that began draining too, whose replica the AMM's ReduceReplicas dropped: the
+rescan is level-based). At the deadline nothing more is asked for, and what is still held only by
+the drained workers is reported lost (cause ``deadline``). A worker whose keys all have a copy
 elsewhere is closed and removed (``close``), as stock does.
 
 :func:`rank` and :func:`assign` are pure and decide everything; :class:`DrainPlugin` only reads
