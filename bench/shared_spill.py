@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import dask
 import distributed
@@ -119,7 +119,7 @@ class Periodic:
             self.take()
             self.stop.wait(self.period)
 
-    def __enter__(self) -> Periodic:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 
@@ -145,10 +145,6 @@ class Sampler(Periodic):
 
     def take(self) -> None:
         self.peak = max(self.peak, self.sample())
-
-    def __enter__(self) -> Sampler:
-        super().__enter__()
-        return self
 
 
 @contextlib.asynccontextmanager

@@ -183,10 +183,6 @@ class Sampler(shared_spill.Periodic):
             self.peak, self.private, self.shared = private + shared, private, shared
         self.swap = max(self.swap, swap)
 
-    def __enter__(self) -> Sampler:
-        super().__enter__()
-        return self
-
 
 def outgoing(dask_worker: Any) -> tuple[int, int]:
     log = dask_worker.transfer_outgoing_log
