@@ -90,6 +90,7 @@ from memops.scheduler import (
     transfers,
 )
 from memops.worker import accounting, handover, links, maps
+from memops.worker import owner as spill_owner
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ _BY_VALUE = (
     rules,
     links,
     maps,
+    spill_owner,
     accounting,
 )
 for _module in (*_BY_VALUE, transfers):

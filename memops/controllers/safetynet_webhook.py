@@ -15,6 +15,7 @@ namespace is looked at, so a reply never names another namespace's policy or Sec
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
@@ -26,8 +27,12 @@ from memops import specs
 from memops.clients import prestop_hook
 from memops.controllers import policy, webhook_server, workloads
 from memops.decisions import safetynet, selectors, shapes, shared_spill
+from memops.worker import owner
 
 CONFIGURATION = "memops.dev"
+OWNER_SCRIPT = inspect.getsource(owner)
+"""What the spill owner sidecar runs (``sharedSpill.swap: SpillOnly``): :mod:`memops.worker.owner`,
+stdlib only, by the worker image's Python."""
 
 
 def configure(
@@ -113,7 +118,13 @@ def plan_for_pod(
         return None
     name, spec = found
     return name, safetynet.plan_injection(
-        pod, name, spec, hook=prestop_hook.PRE_STOP_SCRIPT, host_roots=host_roots, namespace=namespace
+        pod,
+        name,
+        spec,
+        hook=prestop_hook.PRE_STOP_SCRIPT,
+        host_roots=host_roots,
+        namespace=namespace,
+        owner_script=OWNER_SCRIPT,
     )
 
 

@@ -70,6 +70,7 @@ def plan_injection(
     hook: str,
     host_roots: Collection[str] = frozenset(),
     namespace: str = "",
+    owner_script: str = "",
 ) -> dict[str, Any]:
     """The pod's new ``spec`` and annotations: a preStop drain on its first container, and a
     grace period that covers ``drain.timeout``; ``hook`` is the script that the preStop drain
@@ -106,7 +107,12 @@ def plan_injection(
         # directory, and only the safety net.
         namespace = namespace or str((pod.get("metadata") or {}).get("namespace") or "")
         verdict, mutation = shared_spill.plan(
-            pod_spec, spec.sharedSpill, host_roots=host_roots, namespace=namespace, policy=policy_name
+            pod_spec,
+            spec.sharedSpill,
+            host_roots=host_roots,
+            namespace=namespace,
+            policy=policy_name,
+            owner_script=owner_script,
         )
         if mutation is not None:
             shared_spill.apply(pod_spec, mutation)

@@ -29,6 +29,7 @@ policy. A pod that already names the volume is refused (:func:`volume_name_refus
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import decimal
 import enum
@@ -65,6 +66,21 @@ LINKS_NAMED = 5
 """Workers named in a refusal's message; the rest are counted."""
 REASON_CHARACTERS = 200
 """Of each worker's own reason (a worker's words: bounded, never parsed)."""
+
+OWNER = "memops-spill-owner"
+"""``swap: SpillOnly``: the native sidecar (an init container that keeps running) whose process
+allocates the worker's spill files (:mod:`memops.worker.owner`), and the pod-private emptyDir of its
+socket, mounted at :data:`OWNER_PATH` in both containers."""
+OWNER_PATH = "/memops-spill-owner"
+OWNER_SOCKET = f"{OWNER_PATH}/owner.sock"
+OWNER_SOCKET_ENV = "MEMOPS_SPILL_OWNER"
+"""The worker's environment: where its spill store asks the owner (:data:`memops.worker.owner.SOCKET_ENV`)."""
+OWNER_REQUEST_BYTES = 64 * 2**20
+"""The owner's memory request, and what its limit has beyond ``sizeLimit``: its Python process (about
+10 MiB) and the margin it keeps free (:data:`memops.worker.owner.MARGIN`). Below its limit: the sidecar
+is Burstable, which is what lets the kubelet's LimitedSwap give it swap, in proportion to this request."""
+OWNER_USER = 65534
+"""The owner runs as nobody: it opens no file, it only allocates the descriptors it is handed."""
 
 TEMPORARY_DIRECTORY_ENV = "DASK_TEMPORARY_DIRECTORY"
 MAX_SPILL_ENV = "DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"
@@ -400,7 +416,8 @@ def fit(container: Mapping[str, Any], spill: specs.SharedSpillSpec) -> Fit:
             limit=limit,
             dask=dask,
         )
-    room = limit - size
+    # With the spill owner, the kernel charges the spilled pages to the sidecar, not to this container.
+    room = limit if owned(spill) else limit - size
     if room < MIN_HEADROOM_BYTES:
         return _refuse(
             Refusal.DOES_NOT_FIT,
@@ -427,6 +444,11 @@ def fit(container: Mapping[str, Any], spill: specs.SharedSpillSpec) -> Fit:
     return Fit(limit, dask, workers, size, scale, fractions)
 
 
+def owned(spill: specs.SharedSpillSpec) -> bool:
+    """Whether the spill owner sidecar allocates the spill files (``swap: SpillOnly``)."""
+    return spill.swap == specs.SpillSwap.SPILL_ONLY
+
+
 def _host_refusal(spill: specs.SharedSpillSpec, host_roots: Collection[str]) -> Fit | None:
     if spill.medium != specs.SpillMedium.NODE:
         return None
@@ -442,12 +464,46 @@ def _mib(nbytes: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Mutation:
-    """What the worker pod gets: one volume, one mount, the environment, and node affinity."""
+    """What the worker pod gets: one volume, one mount, the environment, and node affinity; with
+    ``swap: SpillOnly``, the owner sidecar and its socket's volume too, and the worker container's
+    memory request raised to its limit."""
 
     volume: Mapping[str, Any]
     mount: Mapping[str, Any]
     env: tuple[Mapping[str, str], ...]
     node_requirements: tuple[Mapping[str, Any], ...]
+    owner: Mapping[str, Any] | None = None
+    owner_volume: Mapping[str, Any] | None = None
+
+
+def owner_sidecar(image: str, size_limit: int, script: str) -> dict[str, Any]:
+    """The spill owner's container (a native sidecar): ``script`` (:mod:`memops.worker.owner`'s
+    source) run by the worker image's Python, the spill volume read-only (to know its filesystem),
+    the socket's directory, a request of :data:`OWNER_REQUEST_BYTES` and a limit of ``sizeLimit``
+    beyond it, and no privilege."""
+    return {
+        "name": OWNER,
+        "image": image,
+        "restartPolicy": "Always",
+        "command": ["python", "-c", script, OWNER_SOCKET, MOUNT_PATH],
+        "volumeMounts": [
+            {"name": VOLUME_NAME, "mountPath": MOUNT_PATH, "readOnly": True},
+            {"name": OWNER, "mountPath": OWNER_PATH},
+        ],
+        "resources": {
+            "requests": {"memory": str(OWNER_REQUEST_BYTES)},
+            "limits": {"memory": str(size_limit + OWNER_REQUEST_BYTES)},
+        },
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": OWNER_USER,
+            "runAsGroup": OWNER_USER,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
 
 
 def _verdict(pod_spec: Mapping[str, Any], spill: specs.SharedSpillSpec, host_roots: Collection[str]) -> Fit:
@@ -490,10 +546,12 @@ def plan(
     host_roots: Collection[str],
     namespace: str,
     policy: str,
+    owner_script: str = "",
 ) -> tuple[Fit, Mutation | None]:
     """The verdict for the pod's worker container and, when it fits, the mutation. ``host_roots``:
     the host directories that medium Node may mount (:func:`host_path_refusal`); ``namespace`` and
-    ``policy``: the pod's namespace and the MemoryPolicy's name, whose directory it mounts."""
+    ``policy``: the pod's namespace and the MemoryPolicy's name, whose directory it mounts;
+    ``owner_script``: what the spill owner runs (``swap: SpillOnly``)."""
     verdict = _verdict(pod_spec, spill, host_roots)
     if not verdict.allowed:
         return verdict, None
@@ -516,22 +574,47 @@ def plan(
     requirements = tuple(
         {"key": key, "operator": "In", "values": [value]} for key, value in sorted((spill.nodeSelector or {}).items())
     )
-    return verdict, Mutation(volume, mount, tuple(env), requirements)
+    if not owned(spill):
+        return verdict, Mutation(volume, mount, tuple(env), requirements)
+    env.append({"name": OWNER_SOCKET_ENV, "value": OWNER_SOCKET})
+    image = str((worker_container(pod_spec) or {}).get("image") or "")
+    sidecar = owner_sidecar(image, verdict.spill, owner_script)
+    socket_volume = {"name": OWNER, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+    return verdict, Mutation(volume, mount, tuple(env), requirements, sidecar, socket_volume)
 
 
 def apply(pod_spec: dict[str, Any], mutation: Mutation) -> None:
     """Change ``pod_spec`` (a copy the caller owns): the volume, the worker container's mount and
     env, and the node affinity. Applying twice changes nothing more."""
-    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != VOLUME_NAME]
-    pod_spec["volumes"] = [*volumes, dict(mutation.volume)]
+    ours_volumes = [mutation.volume, *([mutation.owner_volume] if mutation.owner_volume is not None else [])]
+    names = {v["name"] for v in ours_volumes}
+    volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") not in names]
+    pod_spec["volumes"] = [*volumes, *(dict(v) for v in ours_volumes)]
     container = pod_spec["containers"][0]
-    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != VOLUME_NAME]
-    container["volumeMounts"] = [*mounts, dict(mutation.mount)]
+    ours_mounts = [dict(mutation.mount)]
+    if mutation.owner is not None:
+        ours_mounts.append({"name": OWNER, "mountPath": OWNER_PATH})
+    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in names]
+    container["volumeMounts"] = [*mounts, *ours_mounts]
     ours = {e["name"] for e in mutation.env}
     env = [e for e in container.get("env") or [] if e.get("name") not in ours]
     container["env"] = [*env, *(dict(e) for e in mutation.env)]
+    if mutation.owner is not None:
+        init = [c for c in pod_spec.get("initContainers") or [] if c.get("name") != OWNER]
+        # Last of the init containers: a sidecar starts in order, and the worker right after it.
+        pod_spec["initContainers"] = [*init, copy.deepcopy(dict(mutation.owner))]
+        _request_the_limit(container)
     if mutation.node_requirements:
         _require_nodes(pod_spec, mutation.node_requirements)
+
+
+def _request_the_limit(container: dict[str, Any]) -> None:
+    """The container's memory request set to its memory limit: the kubelet never swaps such a
+    container, under LimitedSwap or NoSwap (``pkg/kubelet/kuberuntime/kuberuntime_container_linux.go``)."""
+    resources = container.setdefault("resources", {})
+    limit = (resources.get("limits") or {}).get("memory")
+    if limit is not None:
+        resources["requests"] = {**(resources.get("requests") or {}), "memory": limit}
 
 
 def _require_nodes(pod_spec: dict[str, Any], requirements: Sequence[Mapping[str, Any]]) -> None:
@@ -643,8 +726,9 @@ def condition(
         ready: tuple[bool | None, str, str] = (
             True,
             "Injected",
-            f"new worker pods spill to {spill.medium.value} tmpfs at {MOUNT_PATH} (sizeLimit {spill.sizeLimit});"
-            f" Dask's thresholds scaled by {verdict.scale:.3f} to fit the memory limit: {shown}",
+            f"new worker pods spill to {spill.medium.value} tmpfs at {MOUNT_PATH} (sizeLimit {spill.sizeLimit})"
+            + (f", its files allocated by the {OWNER} sidecar" if owned(spill) else "")
+            + f"; Dask's thresholds scaled by {verdict.scale:.3f} to fit the memory limit: {shown}",
         )
     else:
         ready = (
@@ -654,7 +738,9 @@ def condition(
         )
     if spill.medium != specs.SpillMedium.NODE:
         return Verdict(ready, None)
-    return Verdict(ready, swap_verdict(pod_spec) if pod_spec is not None else unknown)
+    if pod_spec is None:
+        return Verdict(ready, unknown)
+    return Verdict(ready, owner_swap_verdict(pod_spec) if owned(spill) else swap_verdict(pod_spec))
 
 
 CRITICAL_PRIORITY_CLASSES = ("system-node-critical", "system-cluster-critical")
@@ -688,6 +774,22 @@ def swap_verdict(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str]:
             f" to its limit, and the kubelet swaps only containers whose request is below the limit: {advice}",
         )
     return True, "Burstable", "the worker pods are Burstable: under LimitedSwap their pages may reach swap"
+
+
+def owner_swap_verdict(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str]:
+    """``swap: SpillOnly``: the spilled pages are the owner sidecar's, which is Burstable (its request
+    below its limit), and the worker container requests its limit: under LimitedSwap the spill may
+    reach swap and the worker's own memory never does. A critical pod swaps nothing."""
+    if pod_spec.get("priorityClassName") in CRITICAL_PRIORITY_CLASSES:
+        why = f"the worker pods are critical ({pod_spec['priorityClassName']}), and critical pods never swap"
+        return False, "CriticalPod", f"spec.workload: {why}: their spilled pages stay in RAM"
+    return (
+        True,
+        "SpillOnly",
+        f"spec.sharedSpill.swap SpillOnly: the spilled pages are charged to the {OWNER} sidecar (Burstable), which"
+        " may swap under LimitedSwap; the worker container's memory request is raised to its limit, so the kubelet"
+        " never swaps its computing memory",
+    )
 
 
 def links_condition(found: Mapping[str, Any]) -> tuple[bool | None, str, str]:
@@ -737,16 +839,18 @@ def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatu
     1/k to each). A report that is not plain numbers, or whose share or own bytes are not within its
     bytes, is not counted: the workers' words.
 
-    The kernel charges each file to the worker that wrote it; a file that only workers which linked
-    it still name (its writer drained, or its key unspilled there) is ``bytesWithoutWriter``: the
-    whole, less what the workers wrote themselves."""
-    workers, total, per_worker, own = 0, 0.0, 0, 0
+    The kernel charges each file to the container that allocated it: the worker that wrote it, or
+    its pod's spill owner (``ownerBytes``, ``swap: SpillOnly``: ``bytesChargedToOwners``). A file
+    that only workers which linked it still name (its writer drained, or its key unspilled there) is
+    ``bytesWithoutWriter``: the whole, less what the workers and their owners allocated."""
+    workers, total, per_worker, own, owners = 0, 0.0, 0, 0, 0
     for report in reports.values():
         if not isinstance(report, Mapping):
             continue
         counted, share = _reported_bytes(report.get("bytes")), report.get("share")
         written = _reported_bytes(report.get("ownBytes", 0))
-        if counted is None or written is None or written > counted:
+        owned_ = _reported_bytes(report.get("ownerBytes", 0))
+        if counted is None or written is None or owned_ is None or written + owned_ > counted:
             continue
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= counted:
             continue
@@ -754,20 +858,24 @@ def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatu
         per_worker += counted
         total += share
         own += written
+        owners += owned_
     return specs.SharedSpillStatus(
         workers=workers,
         bytes=round(total),
         bytesCountedPerWorker=per_worker,
-        bytesWithoutWriter=max(0, round(total) - own),
+        bytesWithoutWriter=max(0, round(total) - own - owners),
+        bytesChargedToOwners=owners,
         lastRead=now,
     )
 
 
 def linked_bytes(reports: Mapping[str, Any]) -> dict[str, int]:
-    """Worker address -> the bytes of spill files it holds by a link it made to a peer's file (a
-    fetch by link, a hand-over), from the same reports as :func:`spill_status`: its ``bytes`` less
-    its ``ownBytes``. The kernel charges those pages to the pod that wrote them, not to this
-    worker's, so in-place growth leaves them out of what counts against its limit
+    """Worker address -> the bytes of spill files it holds but whose pages its own container did not
+    allocate: files it holds by a link it made to a peer's file (a fetch by link, a hand-over), and
+    files that its pod's spill owner allocated (``swap: SpillOnly``), from the same reports as
+    :func:`spill_status`: its ``bytes`` less its ``ownBytes``. The kernel charges those pages to the
+    pod that wrote them, or to the owner sidecar, not to this worker's container, so in-place growth
+    leaves them out of what counts against its limit
     (:func:`memops.decisions.resize_decisions.used_bytes`).
 
     A report that is not plain byte counts, that says nothing of its own bytes, or whose own bytes

@@ -397,6 +397,11 @@ class SpillMedium(enum.StrEnum):
     NODE = "Node"  # a tmpfs that the node provides, shared by the node's workers, reached by hostPath
 
 
+class SpillSwap(enum.StrEnum):
+    POD = "Pod"  # the spilled pages are charged to the worker container: they swap as it does
+    SPILL_ONLY = "SpillOnly"  # charged to the spill-owner sidecar, which may swap; the worker never does
+
+
 HOST_PATH_PATTERN = r"^(/[A-Za-z0-9_.-]+)+$"
 HOST_PATH_MAX_LENGTH = 255
 SENSITIVE_HOST_PATHS = (
@@ -549,9 +554,28 @@ class SharedSpillSpec(Model):
         ),
     )
 
+    swap: SpillSwap | None = pydantic.Field(
+        default=None,
+        description=(
+            "Node only, Pod when unset: what of a worker pod may reach swap on a swap-backed node. Pod: the"
+            " kernel charges a spilled page to the worker container that wrote it, which swaps as the kubelet"
+            " decides for that container (under LimitedSwap, cgroup v2: a Burstable pod's container whose memory"
+            " request is below its limit), computing memory and spill alike. SpillOnly: a sidecar of memops"
+            " (memops-spill-owner) allocates each spill file before the worker writes it, so its pages are"
+            " charged to the sidecar (memory request 64Mi, limit sizeLimit plus 64Mi: Burstable, so it may swap)"
+            " and not to the worker, whose memory request memops raises to its limit (the kubelet never swaps"
+            " such a container) and whose Dask thresholds need no room for the spill. Needs links."
+        ),
+    )
+
     model_config = pydantic.ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.swap) || self.swap != 'SpillOnly' || (self.medium == 'Node'"
+                    " && (!has(self.links) || self.links))",
+                    "message": "sharedSpill.swap SpillOnly needs medium Node and links",
+                },
                 {
                     "rule": "self.medium != 'Node' || has(self.hostPath)",
                     "message": "sharedSpill.hostPath is required for medium Node",
@@ -583,6 +607,8 @@ class SharedSpillSpec(Model):
             raise ValueError("sharedSpill.hostPath and sharedSpill.nodeSelector are for medium Node only")
         if self.medium == SpillMedium.MEMORY and self.links is not None:
             raise ValueError("sharedSpill.links is for medium Node only")
+        if self.swap == SpillSwap.SPILL_ONLY and (self.medium != SpillMedium.NODE or self.links is False):
+            raise ValueError("sharedSpill.swap SpillOnly needs medium Node and links")
         return self
 
 
@@ -735,6 +761,11 @@ class SharedSpillStatus(Model):
         description="Of bytes, files that no worker which wrote them names any more, only workers that linked them"
         " (a drained worker's hand-over): the kernel charges a tmpfs page to the pod that wrote it while that pod"
         " lives, then to the pods' parent cgroup, against the node's allocatable memory and no worker's limit.",
+    )
+    bytesChargedToOwners: int = pydantic.Field(
+        default=0,
+        description="Of bytes, files whose pages the pods' memops-spill-owner sidecars allocated (swap: SpillOnly):"
+        " charged to those sidecars, which may swap, and to no worker container's limit.",
     )
     lastRead: str = pydantic.Field(default="", description="When the workers were last asked (RFC 3339).")
 

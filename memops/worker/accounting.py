@@ -20,6 +20,11 @@ from typing import Any
 Inode = tuple[int, int]
 """``(st_dev, st_ino)``: one file, whatever its names."""
 
+OWNED = "_memops_owned"
+"""The spill store's attribute (:mod:`memops.worker.maps`): the inodes the spill owner allocated."""
+OWNER_REFUSALS = "_memops_owner_refusals"
+"""The spill store's attribute: ``[files the worker wrote itself, their bytes, the owner's last reason]``."""
+
 LINKED_IN = "_memops_linked_in"
 """The worker's attribute: the inodes it holds by a link it made to a peer's file (a hand-over,
 a fetch by link), a set of :data:`Inode`. The kernel charges a tmpfs page to the memory cgroup of
@@ -50,11 +55,14 @@ def files(directory: str) -> list[tuple[int, int, int, int]]:
     return result
 
 
-def summarize(found: Iterable[tuple[int, int, int, int]], linked: Collection[Inode] = ()) -> dict[str, Any]:
+def summarize(
+    found: Iterable[tuple[int, int, int, int]], linked: Collection[Inode] = (), owned: Collection[Inode] = ()
+) -> dict[str, Any]:
     """One worker's figures: ``bytes`` (each inode once), ``sharedBytes`` (of files that another
-    name links too), ``ownBytes`` (of files it wrote itself, not in ``linked``: what the kernel
-    charges to its cgroup), ``files``, and ``inodes``: ``[st_dev, st_ino, st_size]`` for
-    :func:`shares`."""
+    name links too), ``ownBytes`` (of files it wrote itself, neither in ``linked`` nor in
+    ``owned``: what the kernel charges to its cgroup), ``ownerBytes`` (of files in ``owned``, whose
+    pages the spill owner allocated: charged to that sidecar, :mod:`memops.worker.owner`),
+    ``files``, and ``inodes``: ``[st_dev, st_ino, st_size]`` for :func:`shares`."""
     seen: dict[Inode, tuple[int, int]] = {}
     for dev, ino, size, nlink in found:
         seen[(dev, ino)] = (size, nlink)
@@ -62,7 +70,8 @@ def summarize(found: Iterable[tuple[int, int, int, int]], linked: Collection[Ino
         "files": len(seen),
         "bytes": sum(size for size, _ in seen.values()),
         "sharedBytes": sum(size for size, nlink in seen.values() if nlink > 1),
-        "ownBytes": sum(size for inode, (size, _) in seen.items() if inode not in linked),
+        "ownBytes": sum(size for inode, (size, _) in seen.items() if inode not in linked and inode not in owned),
+        "ownerBytes": sum(size for inode, (size, _) in seen.items() if inode in owned and inode not in linked),
         "inodes": [[dev, ino, size] for (dev, ino), (size, _) in seen.items()],
     }
 
@@ -78,10 +87,20 @@ def report(worker: Any) -> dict[str, Any]:
         found += files(directory)
     found += files(os.path.join(str(getattr(worker, "local_directory", "")), "memops-links"))
     linked: set[Inode] | None = getattr(worker, LINKED_IN, None)
-    if linked:
-        # Files gone since: forgotten, so that an inode number used again is not taken for a link.
-        linked.intersection_update((dev, ino) for dev, ino, _, _ in found)
-    return {**summarize(found, linked or ()), "boot": boot_id()}
+    owned: set[Inode] | None = getattr(store, "__dict__", {}).get(OWNED)
+    present = {(dev, ino) for dev, ino, _, _ in found}
+    # Files gone since: forgotten, so that an inode number used again is not taken for a link.
+    for inodes in (linked, owned):
+        if inodes:
+            inodes.intersection_update(present)
+    refused = getattr(store, "__dict__", {}).get(OWNER_REFUSALS) or [0, 0, ""]
+    return {
+        **summarize(found, linked or (), owned or ()),
+        "ownerRefusedFiles": int(refused[0]),
+        "ownerRefusedBytes": int(refused[1]),
+        "ownerRefusal": str(refused[2]),
+        "boot": boot_id(),
+    }
 
 
 def boot_id() -> str:

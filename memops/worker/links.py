@@ -537,8 +537,9 @@ async def statuses(scheduler: Any) -> dict[str, Any]:
 
 
 async def spill(scheduler: Any) -> dict[str, Any]:
-    """Worker address -> ``{"files", "bytes", "sharedBytes", "ownBytes", "share"}``: its spill with
-    each inode once, what of it the worker wrote itself, and its share of its node's
+    """Worker address -> ``{"files", "bytes", "sharedBytes", "ownBytes", "ownerBytes", "share"}``: its
+    spill with each inode once, what of it the worker wrote itself, what its pod's spill owner
+    allocated for it, and its share of its node's
     (:func:`memops.worker.accounting.shares`, per kernel: inode numbers are compared only between
     workers of one node)."""
     found = await _ask_all(scheduler, "spill")
@@ -556,6 +557,7 @@ async def spill(scheduler: Any) -> dict[str, Any]:
                 "bytes": figures.get("bytes", 0),
                 "sharedBytes": figures.get("sharedBytes", 0),
                 "ownBytes": figures.get("ownBytes", 0),
+                "ownerBytes": figures.get("ownerBytes", 0),
                 "share": int(share),
             }
     return result

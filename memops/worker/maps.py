@@ -27,6 +27,8 @@ import os
 import weakref
 from typing import Any
 
+from memops.worker import accounting, owner
+
 MMAP_TYPE = mmap.mmap
 HELD_DIRECTORY = "memops-held"
 """In the worker's local directory: one more link to each spill file that a live map reads, so that
@@ -127,18 +129,52 @@ def mapped_file_class() -> type:
         @locked
         def __setitem__(self, key: Any, value: Any) -> None:
             if not isinstance(value, Linked):
-                super().__setitem__(key, value)
+                owner_socket = os.environ.get(owner.SOCKET_ENV)
+                if owner_socket:
+                    self._write_owned(key, value, owner_socket)
+                else:
+                    super().__setitem__(key, value)
                 return
             self.discard(key)
             name = self._safe_key(key)
             os.rename(value.path, os.path.join(self.directory, name))
             self.filenames[key] = name
 
+        def _write_owned(self, key: Any, value: Any, owner_socket: str) -> None:
+            """zict's ``File.__setitem__`` (called with the lock held, which the write releases), but
+            the file's pages are allocated by the spill owner before the bytes are written into them."""
+            self.discard(key)
+            name = self._safe_key(key)
+            path = os.path.join(self.directory, name)
+            frames = value if isinstance(value, list | tuple) else [value]
+            size = sum(memoryview(frame).nbytes for frame in frames)
+            with self.unlock():
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                with open(fd, "wb") as fh:  # an open descriptor: nothing is truncated
+                    why = owner.allocate(owner_socket, fd, size) if size else "empty"
+                    st = os.fstat(fd)
+                    fh.writelines(frames)
+            _note_owned(self, (st.st_dev, st.st_ino), size, why)
+            if key in self.filenames:  # as zict: another thread stored the key meanwhile
+                os.remove(path)
+            else:
+                self.filenames[key] = name
+
     _MAPPED = MappedFile
     return MappedFile
 
 
 _MAPPED: type | None = None
+
+
+def _note_owned(store: Any, inode: tuple[int, int], size: int, why: str) -> None:
+    if not why:
+        store.__dict__.setdefault(accounting.OWNED, set()).add(inode)
+    elif size:
+        refused = store.__dict__.setdefault(accounting.OWNER_REFUSALS, [0, 0, ""])
+        refused[0] += 1
+        refused[1] += size
+        refused[2] = why[:200]
 
 
 def install(data: Any) -> tuple[bool, str]:

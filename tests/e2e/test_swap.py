@@ -21,24 +21,40 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import distributed
 import pytest
 from memops_sandbox import common as sandbox_cli
 from memops_sandbox import nodes as real_nodes
 from memops_sandbox.nodes import memory_cgroup
 
+from memops.decisions import shared_spill
 from memops.specs.common import parse_quantity
-from tests.e2e.conftest import Sandbox
-from tests.e2e.test_shared_spill import container_pid, empty_dir, host_tmpfs
+from tests.e2e.conftest import EVERY_FEATURE, SPILL_ROOT, Sandbox
+from tests.e2e.test_policy import memory_policy
+from tests.e2e.test_real_nodes import memory_stat
+from tests.e2e.test_shared_spill import (
+    MIB,
+    _connected,
+    container_pid,
+    empty_dir,
+    fill,
+    host_tmpfs,
+    ready,
+    running_pods,
+    spilled_files,
+    workers,
+)
 
 SWAP = "1Gi"
 LIMIT = "512Mi"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.fixture
-def swapped(tmp_path: Path) -> Iterator[Sandbox]:
-    state_dir = tmp_path / "swapped"
-    args = ["--nodes", "2", "--swap", SWAP, "--no-operator"]
+@pytest.fixture(scope="module")
+def swapped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
+    """One swap-backed sandbox for the module's tests, in order: the last one stops it."""
+    state_dir = tmp_path_factory.mktemp("swap") / "swapped"
+    args = ["--nodes", "2", "--swap", SWAP, *EVERY_FEATURE]
     sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, 1, *args, real_nodes=True))
     try:
         yield sandbox
@@ -116,8 +132,89 @@ def test_on_a_swap_backed_node_spill_may_reach_swap_and_a_worker_never_outgrows_
         " memory plus swap is held to its limit"
     )
 
-    # The swap file goes with the sandbox, as the kubelets do.
+    sandbox.kubectl("delete", "deployment", "swapped")
+
+
+def test_with_swap_spill_only_the_kernel_charges_the_spill_to_the_owner_and_not_to_the_worker(
+    swapped: Sandbox,
+) -> None:
+    """``sharedSpill.swap: SpillOnly`` beside a policy without it, one worker each, the same data: the
+    worker without it carries its spilled pages in its own cgroup (which the kubelet would swap with
+    its computing memory, or not at all); with it, the memops-spill-owner sidecar carries them, and
+    the worker's cgroup holds only its computing memory, its request equal to its limit."""
+    sandbox = swapped
+    with host_tmpfs() as root:
+        pods = {}
+        for name, extra in (("owned", {"swap": "SpillOnly"}), ("plain", {})):
+            spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": SPILL_ROOT, **extra}
+            sandbox.apply(workers(sandbox.scheduler_address, name))
+            sandbox.apply(memory_policy(name, sandbox.scheduler_address, workload=name, sharedSpill=spill))
+            ready(sandbox, name, shared_spill.READY, "True")
+        swappable = ready(sandbox, "owned", shared_spill.SWAPPABLE, "True")
+        assert swappable["reason"] == "SpillOnly", swappable
+        for name in ("owned", "plain"):
+            sandbox.kubectl("scale", f"deployment/{name}", "--replicas=1")
+            (pods[name],) = running_pods(sandbox, name, 1)
+        owned = pods["owned"]
+        [sidecar] = owned["spec"]["initContainers"]
+        assert sidecar["name"] == shared_spill.OWNER and sidecar["restartPolicy"] == "Always"
+        worker_resources = owned["spec"]["containers"][0]["resources"]
+        assert worker_resources["requests"]["memory"] == worker_resources["limits"]["memory"] == "1Gi"
+        assert owned["status"]["qosClass"] == "Burstable"
+        assert "initContainers" not in pods["plain"]["spec"]
+
+        spilled = {}
+        with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+            held = {}
+            for n, (name, pod) in enumerate(pods.items()):
+                address, _ = sandbox.wait_for(lambda p=pod: _connected(client, p["metadata"]["name"]), what=name)
+                held[name] = fill(client, address, pieces=24, first=100 * n)
+            for name in pods:
+                directory = root / "default" / name
+                spilled[name] = sandbox.wait_for(
+                    lambda d=directory: (n := sum(f.stat().st_size for f in spilled_files(d))) >= 100 * MIB and n,
+                    what=f"100 MiB spilled by {name}",
+                )
+            charged = {name: memory_stat(container_pid(pod))["shmem"] for name, pod in pods.items()}
+            owner_status = next(
+                s for s in pods["owned"]["status"]["initContainerStatuses"] if s["name"] == sidecar["name"]
+            )
+            owner_charged = memory_stat(real_nodes.container_pid(owner_status["containerID"]))["shmem"]
+            files = len(spilled_files(root / "default" / "owned"))
+            # Without the owner, the worker's own cgroup holds its spill ...
+            assert charged["plain"] >= spilled["plain"] - 24 * 4096, (charged, spilled)
+            # ... with it, the sidecar's does, and the worker's holds next to nothing of it.
+            assert owner_charged >= spilled["owned"] - files * 4096, (owner_charged, spilled)
+            assert charged["owned"] < 8 * MIB, (charged, spilled)
+            # The policy's status counts them where the kernel does (read every 30 s).
+            figures = sandbox.wait_for(
+                lambda: (
+                    (seen := sandbox.get("mempol", "owned").get("status", {}).get("sharedSpill"))
+                    and seen["bytesChargedToOwners"] > 0
+                    and seen
+                ),
+                timeout=90,
+                what="status.sharedSpill.bytesChargedToOwners",
+            )
+            assert figures["bytesWithoutWriter"] == 0, figures
+            # Every key is still there, spilled ones read back from the owner's pages.
+            assert client.gather(held["owned"][0]) == bytes(20 * MIB)
+            assert client.gather(held["owned"][-1])[:2] == bytes([23, 23])
+            assert client.gather(held["plain"][-1])[:2] == bytes([123, 123])
+            del held
+        print(
+            f"swap: SpillOnly: {spilled['owned'] / MIB:.0f} MiB spilled, {owner_charged / MIB:.0f} MiB charged to the"
+            f" owner, {charged['owned'] / MIB:.1f} MiB to the worker; without it: {spilled['plain'] / MIB:.0f} MiB"
+            f" spilled, {charged['plain'] / MIB:.0f} MiB charged to the worker"
+        )
+        for name in pods:
+            sandbox.kubectl("delete", "deployment", name)
+            sandbox.wait_for(lambda n=name: not sandbox.get("pods", "-l", f"app={n}")["items"], what=f"{name} gone")
+
+
+def test_the_swap_file_goes_with_the_sandbox(swapped: Sandbox) -> None:
+    """As the kubelets do, when the sandbox stops."""
     assert str(real_nodes.SWAP_FILE) in Path("/proc/swaps").read_text()
-    sandbox.stop()
+    swapped.stop()
     assert str(real_nodes.SWAP_FILE) not in Path("/proc/swaps").read_text()
     assert not real_nodes.SWAP_FILE.exists()

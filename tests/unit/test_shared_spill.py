@@ -49,6 +49,13 @@ def worker(limit: str | None = "8Gi", *args: str, request: str | None = None, **
         pytest.param(
             {"medium": "Memory", "sizeLimit": "1Gi", "links": True}, "sharedSpill.links", id="memory-links-true"
         ),
+        pytest.param({"medium": "Memory", "sizeLimit": "1Gi", "swap": "SpillOnly"}, "SpillOnly", id="memory-owner"),
+        pytest.param(
+            {"medium": "Node", "sizeLimit": "1Gi", **NODE, "swap": "SpillOnly", "links": False},
+            "SpillOnly",
+            id="owner-without-links",
+        ),
+        pytest.param({"medium": "Node", "sizeLimit": "1Gi", **NODE, "swap": "Spill"}, "swap", id="unknown-swap"),
         pytest.param({"medium": "Disk", "sizeLimit": "1Gi"}, "medium", id="unknown-medium"),
         pytest.param({"medium": "Memory", "sizeLimit": "-1Gi"}, "sizeLimit", id="negative-size"),
         pytest.param({"medium": "Memory", "sizeLimit": "0"}, "sizeLimit", id="zero-size"),
@@ -943,6 +950,21 @@ def test_spill_status_counts_a_linked_file_once_and_skips_what_is_not_plain_numb
     )
 
 
+def test_files_the_spill_owner_allocated_are_the_owners_neither_a_workers_nor_without_a_writer() -> None:
+    """a's pod has the owner: 80 of its 100 bytes were allocated by the owner, 20 by a itself (the owner
+    refused them); b, without one, wrote its 50. Nothing is without a writer, and what a grows by
+    leaves out the owner's 80."""
+    reports: dict[str, Any] = {
+        "a": {"bytes": 100, "ownBytes": 20, "ownerBytes": 80, "share": 100},
+        "b": {"bytes": 50, "ownBytes": 50, "share": 50},
+        "hostile-owner": {"bytes": 10, "ownBytes": 5, "ownerBytes": 6, "share": 10},
+        "hostile-owner-text": {"bytes": 10, "ownBytes": 5, "ownerBytes": "5", "share": 10},
+    }
+    found = shared_spill.spill_status(reports, "2026-11-26T00:00:00Z")
+    assert (found.workers, found.bytes, found.bytesWithoutWriter, found.bytesChargedToOwners) == (2, 150, 0, 80)
+    assert shared_spill.linked_bytes(reports)["a"] == 80
+
+
 def test_a_file_only_its_linkers_name_is_charged_to_no_worker() -> None:
     """a wrote 100 bytes and handed them over to b by a link, then was drained and left: the kernel
     no longer charges those pages to any worker's pod (its parent's, the node's), and neither does the
@@ -1020,3 +1042,82 @@ async def test_the_spill_read_keeps_each_workers_linked_bytes_for_growth() -> No
 def test_the_status_sharedspill_field_is_in_the_schema() -> None:
     status = specs.MemoryPolicyStatus.model_validate({"sharedSpill": {"workers": 2, "bytes": 5}})
     assert status.sharedSpill is not None and status.sharedSpill.bytesCountedPerWorker == 0
+
+
+# -- swap: SpillOnly, the spill owner ---------------------------------------------------------------
+
+
+OWNER_SCRIPT = "print('the owner')"
+
+
+def test_spill_only_adds_the_owner_sidecar_and_the_worker_requests_its_limit() -> None:
+    pod_spec: dict[str, Any] = {"containers": [worker("2Gi", request="1Gi", image="dask:1")]}
+    verdict, mutation = shared_spill.plan(
+        pod_spec,
+        spill("Node", size="4Gi", **NODE, swap="SpillOnly"),
+        host_roots=ROOTS,
+        namespace="ns",
+        policy="p",
+        owner_script=OWNER_SCRIPT,
+    )
+    # 4Gi of spill does not fit in a 2Gi worker, but the owner, not the worker, is charged for it.
+    assert verdict.allowed and verdict.scale == 1.0, verdict.message
+    assert mutation is not None
+    shared_spill.apply(pod_spec, mutation)
+    shared_spill.apply(pod_spec, mutation)  # again: nothing more
+    [sidecar] = pod_spec["initContainers"]
+    assert sidecar["name"] == shared_spill.OWNER and sidecar["restartPolicy"] == "Always"
+    assert sidecar["image"] == "dask:1"
+    assert sidecar["command"] == ["python", "-c", OWNER_SCRIPT, shared_spill.OWNER_SOCKET, shared_spill.MOUNT_PATH]
+    assert sidecar["resources"] == {
+        "requests": {"memory": str(64 * MI)},
+        "limits": {"memory": str(4 * GI + 64 * MI)},
+    }
+    assert {"name": shared_spill.VOLUME_NAME, "mountPath": shared_spill.MOUNT_PATH, "readOnly": True} in sidecar[
+        "volumeMounts"
+    ]
+    security = sidecar["securityContext"]
+    assert security["runAsNonRoot"] and security["capabilities"] == {"drop": ["ALL"]}
+    assert not security["allowPrivilegeEscalation"] and security["readOnlyRootFilesystem"]
+    container = pod_spec["containers"][0]
+    assert container["resources"]["requests"] == {"memory": "2Gi", "cpu": "2"}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env[shared_spill.OWNER_SOCKET_ENV] == shared_spill.OWNER_SOCKET
+    assert [v["name"] for v in pod_spec["volumes"]] == [shared_spill.VOLUME_NAME, shared_spill.OWNER]
+    assert [m["name"] for m in container["volumeMounts"]] == [shared_spill.VOLUME_NAME, shared_spill.OWNER]
+    # The kubelet's own rules: the pod is Burstable, the worker container never swaps.
+    assert shared_spill.qos_class(pod_spec) == shared_spill.QoS.BURSTABLE
+    assert shared_spill.swap_verdict(pod_spec)[:2] == (False, "WorkerNotSwappable")
+
+
+def test_without_spill_only_the_spill_is_the_workers_and_no_sidecar_is_added() -> None:
+    pod_spec: dict[str, Any] = {"containers": [worker("8Gi", request="4Gi")]}
+    verdict, mutation = shared_spill.plan(
+        pod_spec, spill("Node", size="4Gi", **NODE), host_roots=ROOTS, namespace="ns", policy="p"
+    )
+    assert mutation is not None and verdict.scale < 1.0
+    shared_spill.apply(pod_spec, mutation)
+    assert "initContainers" not in pod_spec
+    assert pod_spec["containers"][0]["resources"]["requests"]["memory"] == "4Gi"
+
+
+def test_the_swappable_condition_says_the_spill_may_swap_and_the_worker_may_not() -> None:
+    pod_spec = {"containers": [worker("8Gi", request="4Gi")]}
+    verdict = shared_spill.condition(spill("Node", **NODE, swap="SpillOnly"), pod_spec, host_roots=ROOTS)
+    assert verdict.swappable is not None
+    swaps, reason, message = verdict.swappable
+    assert (swaps, reason) == (True, "SpillOnly")
+    assert "spec.sharedSpill.swap" in message
+    assert shared_spill.OWNER in verdict.ready[2]
+    critical = {**pod_spec, "priorityClassName": "system-cluster-critical"}
+    found = shared_spill.condition(spill("Node", **NODE, swap="SpillOnly"), critical, host_roots=ROOTS).swappable
+    assert found is not None and found[:2] == (False, "CriticalPod")
+
+
+def test_the_webhook_gives_the_owner_the_worker_modules_own_source() -> None:
+    from memops.controllers import safetynet_webhook
+    from memops.worker import owner
+
+    assert "def serve(" in safetynet_webhook.OWNER_SCRIPT
+    assert 'if __name__ == "__main__"' in safetynet_webhook.OWNER_SCRIPT
+    assert owner.SOCKET_ENV == shared_spill.OWNER_SOCKET_ENV
