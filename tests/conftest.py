@@ -31,25 +31,36 @@ from xdist.scheduler import LoadScopeScheduling
 NO_SANDBOX = ("unit", "fuzz", "scheduler", "packaging/test_helm.py", "packaging/test_kustomize.py")
 """The test folders and files that start no control plane: they run first, so that CI can build
 the sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
+PLANE_ONLY = ("controllers", "sandbox/test_controlplane.py", "sandbox/test_credentials.py")
+"""The test folders and files that start a control plane but no Node (the ``plane`` fixture: etcd,
+kube-apiserver and the controller manager on free ports of the loopback, a state directory of their
+own): they may run beside a sandbox of real Nodes, so they go to the other lane, after
+:data:`NO_SANDBOX`. Real Nodes are one set per machine (bridges, cgroup root, kube-proxy's rules)."""
 
 
 TESTS = Path(__file__).resolve().parent
 
 
 def needs_a_sandbox(item: pytest.Item) -> bool:
-    return _needs_a_sandbox(Path(str(item.fspath)))
+    """Whether the test needs the sandbox's binaries (a control plane, or real Nodes)."""
+    return _kind(Path(str(item.fspath))) > 0
 
 
-def _needs_a_sandbox(path: Path) -> bool:
+def _kind(path: Path) -> int:
+    """0: no control plane (:data:`NO_SANDBOX`); 1: a control plane only (:data:`PLANE_ONLY`); 2: the
+    rest, which may start real Nodes."""
     path = path.resolve()
     if not path.is_relative_to(TESTS):
-        return True
+        return 2
     inside = path.relative_to(TESTS)
-    return not any(inside.is_relative_to(free) for free in NO_SANDBOX)
+    if any(inside.is_relative_to(free) for free in NO_SANDBOX):
+        return 0
+    return 1 if any(inside.is_relative_to(plane) for plane in PLANE_ONLY) else 2
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=needs_a_sandbox)  # stable: each group keeps its order (packaging after e2e)
+    # Stable: each group keeps its order (packaging after e2e).
+    items.sort(key=lambda item: _kind(Path(str(item.fspath))))
 
 
 class SandboxLane(LoadScopeScheduling):
@@ -59,7 +70,10 @@ class SandboxLane(LoadScopeScheduling):
 
     def _split_scope(self, nodeid: str) -> str:
         path = TESTS.parent / nodeid.split("::", 1)[0]
-        return "sandbox" if _needs_a_sandbox(path) else nodeid
+        if _kind(path) == 2:
+            return "sandbox"
+        # A module's tests together: a control plane per module (the ``plane`` fixture's scope).
+        return nodeid.split("::", 1)[0] if _kind(path) == 1 else nodeid
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called where it runs the tests
@@ -67,18 +81,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> SandboxLane:
     return SandboxLane(config, log)
 
 
-_BUILT = pytest.StashKey[bool]()
+_BUILT = pytest.StashKey[int]()
 
 
 @pytest.hookimpl(tryfirst=True, wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """Before the first test that needs a sandbox or a control plane, and outside every test's
-    timeout (this wrapper runs before pytest-timeout's), wait for the sandbox's binaries and
-    images: CI builds them beside the tests that need none, and a cold build can outlast them.
-    A build that fails here is left to the fixtures, which skip or fail with its reason."""
-    if needs_a_sandbox(item) and not item.session.stash.get(_BUILT, False):
-        item.session.stash[_BUILT] = True
-        sandbox.built(real_nodes=True)
+    """Before the first test that needs a control plane (the control plane's binaries), and the
+    first that may start real Nodes (theirs and the images too), outside every test's timeout
+    (this wrapper runs before pytest-timeout's), wait for what the sandbox runs: CI builds it
+    beside the tests that need none, and a cold build can outlast them. A build that fails here is
+    left to the fixtures, which skip or fail with its reason."""
+    kind = _kind(Path(str(item.fspath)))
+    if kind > item.session.stash.get(_BUILT, 0):
+        item.session.stash[_BUILT] = kind
+        sandbox.built(real_nodes=kind == 2)
     return (yield)
 
 
