@@ -176,15 +176,6 @@ def test_without_memops_the_kubelet_evicts_a_worker_and_its_keys_are_lost(
         )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "known weakness: while the load keeps filling one Node, keys drained to the other Node were drained back by"
-        " that Node's own pressure (the kubelet's statistics are up to 10 s old): keys lost in the first two cold CI"
-        " runs; since a Node drained in the last minute takes no keys, 0 lost in 4 runs of 4 (three of them cold CI"
-        " runs), not yet enough to call it reliable"
-    ),
-)
 def test_memops_drains_the_kubelets_next_victim_before_it_is_evicted(pressed: Callable[[bool], Sandbox]) -> None:
     sandbox = pressed(True)
     sandbox.apply(

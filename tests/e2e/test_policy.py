@@ -100,12 +100,6 @@ def test_bad_and_conflicting_policies_are_reported_and_the_good_one_keeps_workin
     sandbox.wait_for(lambda: sandbox.replicas() == 3 and len(sandbox.pods()) == 3, what="first still serves")
 
 
-def test_unreachable_scheduler_is_a_condition(sandbox: Sandbox) -> None:
-    sandbox.apply(memory_policy("far", "tcp://127.0.0.1:9", replicas=4))
-    reachable = sandbox.wait_for(lambda: condition(sandbox, "far", "SchedulerReachable"), what="reachability")
-    assert reachable["status"] == "False" and reachable["message"].startswith("spec.scheduler.address:")
-
-
 def test_operator_restart_during_a_policy_scale_down(sandbox_factory: Callable[..., Sandbox]) -> None:
     sandbox = sandbox_factory(3, operator=False)
     sandbox.start_operator()

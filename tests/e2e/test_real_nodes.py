@@ -44,32 +44,6 @@ def mount_type(point: Path) -> str | None:
     return None
 
 
-def test_workers_are_containers_whose_limit_dask_reads_from_the_cgroup(real_sandbox: Sandbox) -> None:
-    """Every worker pod runs in a container under a real kubelet (a containerd container ID), its
-    container's cgroup carries the pod's ``resources.limits.memory``, and each Dask worker's
-    ``memory_limit`` is that limit: read from the cgroup (``--memory-limit 1.0``, a fraction of it),
-    as the manifest names no size."""
-    sandbox = real_sandbox
-    nodes = {n["metadata"]["name"]: n for n in sandbox.get("nodes")["items"]}
-    assert len(nodes) == 2
-    for node in nodes.values():
-        assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
-    pods = sandbox.get("pods", "-l", "app=dask-worker")["items"]
-    assert len(pods) == 4
-    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
-        workers = client.scheduler_info(n_workers=-1)["workers"].values()
-        limits = {str(w["name"]): int(w["memory_limit"]) for w in workers}
-    for pod in pods:
-        name = pod["metadata"]["name"]
-        [container] = pod["spec"]["containers"]
-        assert container["args"][container["args"].index("--memory-limit") + 1] == "1.0"
-        limit = int(container["resources"]["limits"]["memory"])
-        [status] = pod["status"]["containerStatuses"]
-        assert status["containerID"].startswith("containerd://") and status["ready"], status
-        assert cgroup_limit(real_nodes.container_pid(status["containerID"])) == limit
-        assert limits[name] == limit, f"{name}: Dask's memory_limit is the container's"
-
-
 def hog_pod(name: str, limit: str, size: int) -> dict[str, Any]:
     """A pod whose one process allocates ``size`` bytes and then sleeps, under ``limit``."""
     program = f"import time; hog = bytearray({size}); hog[::4096] = b'x' * len(hog[::4096]); time.sleep(3600)"

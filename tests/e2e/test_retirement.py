@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from pathlib import Path
 
 import distributed
 import pytest
@@ -16,7 +15,6 @@ import yaml
 
 from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.data import scatter_unique, workers_by_name
-from tests.scheduler import hostile
 
 MiB = 2**20
 
@@ -111,54 +109,6 @@ def test_nowhere_to_go_keeps_every_pod_then_force_records_the_loss(sandbox: Sand
         sandbox.wait_for(lambda: sandbox.pods() == [], what="forced pods to be removed")
         assert sandbox.replicas() == 0
         assert len(holdings.lost()) == 12
-
-
-def test_invalid_specs_are_refused_and_the_operator_keeps_serving(sandbox: Sandbox) -> None:
-    address = sandbox.scheduler_address
-    cases = {
-        "negative-count": ({"count": -1}, "spec.count"),
-        "both": ({"count": 1, "workers": ["x"]}, "oneOf"),
-        "on-timeout": ({"count": 1, "onTimeout": "Maybe"}, "spec.onTimeout"),
-        "duration": ({"count": 1, "timeout": "ten minutes"}, "spec.timeout"),
-        "kind": ({"count": 1, "workload": {"kind": "StatefulSet", "name": "dask-worker"}}, "spec.workload.kind"),
-    }
-    for name, (spec, field) in cases.items():
-        result = sandbox.apply(retirement_request(name, scheduler={"address": address}, **spec), check=False)
-        assert result.returncode != 0, name
-        assert field in result.stderr, (name, result.stderr)
-    assert sandbox.get("retirementrequests")["items"] == []
-    explained = sandbox.kubectl("explain", "retirementrequest.spec.count").stdout
-    assert "fewest unique bytes" in " ".join(explained.split())
-
-    sandbox.apply(
-        retirement_request(
-            "ghost", scheduler={"address": address}, count=1, workload={"kind": "Deployment", "name": "no-such-workers"}
-        )
-    )
-    ghost = sandbox.wait_phase("ghost", "Failed", "Succeeded")
-    assert ghost["status"]["phase"] == "Failed"
-    assert ghost["status"]["message"].startswith("spec.workload.name:")
-
-    sandbox.apply(retirement_request("fine", scheduler={"address": address}, count=1))
-    assert sandbox.wait_phase("fine", "Failed", "Succeeded")["status"]["phase"] == "Succeeded"
-
-
-def test_unreachable_scheduler_fails_with_an_explanation_and_touches_nothing(sandbox: Sandbox) -> None:
-    pods = sandbox.pods()
-    sandbox.apply(retirement_request("lost", scheduler={"address": "tcp://127.0.0.1:9"}, count=1, timeout="6s"))
-    pending = sandbox.wait_for(
-        lambda: [
-            c
-            for c in sandbox.get("retire", "lost").get("status", {}).get("conditions", [])
-            if c["type"] == "SchedulerReachable" and c["status"] == "False"
-        ],
-        what="the SchedulerReachable=False condition",
-    )
-    assert "spec.scheduler.address" in pending[0]["message"]
-    failed = sandbox.wait_phase("lost", "Failed", "Succeeded")
-    assert failed["status"]["phase"] == "Failed"
-    assert "spec.scheduler.address" in failed["status"]["message"]
-    assert sandbox.pods() == pods and sandbox.replicas() == 4
 
 
 def _freeze_recipients(sandbox: Sandbox, keep_running: list[str]) -> list[str]:
@@ -334,18 +284,3 @@ def test_sandbox_stops_every_process_it_started(sandbox_factory: Callable[..., S
         except ProcessLookupError:
             continue
         raise AssertionError(f"process {pid} outlived the sandbox")
-
-
-def test_a_hostile_scheduler_fails_the_request_and_runs_nothing(sandbox: Sandbox, tmp_path: Path) -> None:
-    """Its ``identity`` answers a pickled object that would create a file when unpickled."""
-    pods = sandbox.pods()
-    marker = tmp_path / "pwned"
-    with hostile.in_thread("serialized", marker, sandbox.host_address) as address:
-        sandbox.apply(retirement_request("hostile", scheduler={"address": address}, count=1, timeout="60s"))
-        failed = sandbox.wait_phase("hostile", "Failed", "Succeeded", timeout=60)
-    assert not marker.exists(), "the scheduler's pickle ran in the operator"
-    condition = next(c for c in failed["status"]["conditions"] if c["type"] == "Failed")
-    assert (condition["status"], condition["reason"]) == ("True", "SchedulerMisbehaved"), condition
-    assert "spec.scheduler.address" in condition["message"] and "memops refuses" in condition["message"]
-    assert "__Serialized__" in condition["message"], condition["message"]
-    assert sandbox.pods() == pods and sandbox.replicas() == 4
