@@ -76,7 +76,7 @@ from distributed.protocol.pickle import dumps
 from distributed.security import Security
 
 from memops.clients import daskcomm
-from memops.decisions import snapshots, tenancy
+from memops.decisions import counts, snapshots, tenancy
 from memops.scheduler import (
     agent,
     departures,
@@ -899,8 +899,8 @@ async def _drain_by_memops(
             if not isinstance(entry, Mapping):
                 retired.add(worker)  # not drained by memops: it left before the drain began
                 continue
-            if _count(entry.get("keysLinked")):
-                linked[worker] = (_count(entry.get("keysLinked")), _count(entry.get("bytesLinked")))
+            if counts.or_zero(entry.get("keysLinked")):
+                linked[worker] = (counts.or_zero(entry.get("keysLinked")), counts.or_zero(entry.get("bytesLinked")))
             if entry.get("state") in FINISHED:
                 retired.add(worker)
             elif entry.get("state") in STOPPED:
@@ -911,11 +911,6 @@ async def _drain_by_memops(
         if retired | stopped >= set(fresh):
             return retired, stopped, lost, linked
         await asyncio.sleep(POLL_SECONDS / 5)
-
-
-def _count(value: Any) -> int:
-    """A count or a size from the scheduler's reply: a non-negative int, anything else 0."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 async def retire_workers(

@@ -33,7 +33,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.decisions import eviction_gate, objects, timestamps
+from memops.decisions import counts, eviction_gate, objects, timestamps
 from memops.specs.common import parse_quantity
 
 EVENT_REASON = "NodePressureDrain"
@@ -143,10 +143,6 @@ def predict(node: NodeMemory, margin: int, ours: Mapping[tuple[str, str], str]) 
 # -- reading the kubelet's answers --------------------------------------------------------------
 
 
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else None
-
-
 def pod_request(pod: Mapping[str, Any]) -> int:
     """A pod's memory request as the kubelet counts it: its containers' sum, or its largest init
     container's if larger, plus its overhead when that is not nothing."""
@@ -186,7 +182,7 @@ def _map(value: Any) -> Mapping[str, Any]:
 def _signal(name: str, memory: Mapping[str, Any], hard: str) -> Signal | None:
     """A signal from a summary's memory figures (capacity: available plus working set); None when
     they or the threshold are missing or malformed."""
-    available, working = _int(memory.get("availableBytes")), _int(memory.get("workingSetBytes"))
+    available, working = counts.plain(memory.get("availableBytes")), counts.plain(memory.get("workingSetBytes"))
     if available is None or working is None:
         return None
     try:
@@ -198,12 +194,12 @@ def _signal(name: str, memory: Mapping[str, Any], hard: str) -> Signal | None:
 def _pod_usage(stats: Any) -> int:
     """A summary's pod entry: its working set, as the kubelet's ranking counts it: the pod's own
     cgroup's, else its containers' summed."""
-    pod_level = _int(_map(_map(stats).get("memory")).get("workingSetBytes"))
+    pod_level = counts.plain(_map(_map(stats).get("memory")).get("workingSetBytes"))
     if pod_level is not None:
         return pod_level
     containers = _map(stats).get("containers")
     return sum(
-        _int(_map(_map(c).get("memory")).get("workingSetBytes")) or 0
+        counts.plain(_map(_map(c).get("memory")).get("workingSetBytes")) or 0
         for c in (containers if isinstance(containers, list) else [])
     )
 

@@ -24,7 +24,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from memops import specs
-from memops.decisions import objects, shared_spill, timestamps
+from memops.decisions import counts, objects, shared_spill, timestamps
 
 ANNOTATION = objects.SAFETY_NET_ANNOTATION
 FAILED_PRE_STOP_HOOK = "FailedPreStopHook"
@@ -168,10 +168,6 @@ HOOK_ORIGIN = "preStop"
 """What the hook tells memops' drain it is, so that its drains are told from the operator's."""
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
 def hook_losses(
     drains: Mapping[Any, Any],
     workload: specs.WorkloadRef,
@@ -199,7 +195,7 @@ def hook_losses(
             continue
         if not isinstance(ended, (int, float)) or isinstance(ended, bool) or not 0 < ended < 2**33:
             continue
-        keys = _count(lost.get("keys"))
+        keys = counts.or_zero(lost.get("keys"))
         if keys == 0:
             continue
         when = timestamps.render(datetime.datetime.fromtimestamp(ended, datetime.UTC))
@@ -210,8 +206,8 @@ def hook_losses(
             pod=pod,
             time=when,
             keys=keys,
-            bytes=_count(lost.get("bytes")),
-            irreplaceableKeys=min(_count(lost.get("irreplaceableKeys")), keys),
+            bytes=counts.or_zero(lost.get("bytes")),
+            irreplaceableKeys=min(counts.or_zero(lost.get("irreplaceableKeys")), keys),
             cause=cause if cause in ("deadline", "worker left") else "deadline",
         )
     return sorted(found.values(), key=lambda loss: (loss.time, loss.pod))[-limit:] if limit > 0 else []

@@ -39,6 +39,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from memops import specs
+from memops.decisions import counts
 
 MOUNT_PATH = "/memops-spill"
 """Where the spill volume is mounted in the worker container; ``DASK_TEMPORARY_DIRECTORY`` points
@@ -820,18 +821,6 @@ def links_condition(found: Mapping[str, Any]) -> tuple[bool | None, str, str]:
     )
 
 
-_MAX_REPORTED_BYTES = 2**63
-"""A worker's byte count at or over this is not believed (no tmpfs holds it)."""
-
-
-def _reported_bytes(value: Any) -> int | None:
-    """A byte count as a worker reports it: a plain integer from 0 up to :data:`_MAX_REPORTED_BYTES`
-    (not a bool, a float or a string); None for anything else, which is then not counted."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_REPORTED_BYTES:
-        return None
-    return value
-
-
 def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatus:
     """The policy's ``status.sharedSpill`` from each worker's spill report (address -> ``{"bytes",
     "ownBytes", "share"}``, :func:`memops.worker.links.spill`: its bytes with each inode once, those
@@ -847,9 +836,9 @@ def spill_status(reports: Mapping[str, Any], now: str) -> specs.SharedSpillStatu
     for report in reports.values():
         if not isinstance(report, Mapping):
             continue
-        counted, share = _reported_bytes(report.get("bytes")), report.get("share")
-        written = _reported_bytes(report.get("ownBytes", 0))
-        owned_ = _reported_bytes(report.get("ownerBytes", 0))
+        counted, share = counts.plain(report.get("bytes")), report.get("share")
+        written = counts.plain(report.get("ownBytes", 0))
+        owned_ = counts.plain(report.get("ownerBytes", 0))
         if counted is None or written is None or owned_ is None or written + owned_ > counted:
             continue
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= counted:
@@ -881,12 +870,12 @@ def linked_bytes(reports: Mapping[str, Any]) -> dict[str, int]:
     A report that is not plain byte counts, that says nothing of its own bytes, or whose own bytes
     exceed its bytes, is left out: its worker counts as linking nothing, and all of Dask's spilled
     bytes count against its limit. That is the safe side: counting too much grows a worker earlier,
-    never later. Each figure is at least 0 and less than :data:`_MAX_REPORTED_BYTES`."""
+    never later. Each figure is at least 0 and less than :data:`memops.decisions.counts.LIMIT`."""
     found: dict[str, int] = {}
     for address, report in reports.items():
         if not isinstance(report, Mapping):
             continue
-        counted, written = _reported_bytes(report.get("bytes")), _reported_bytes(report.get("ownBytes"))
+        counted, written = counts.plain(report.get("bytes")), counts.plain(report.get("ownBytes"))
         if counted is None or written is None or written > counted:
             continue
         found[str(address)] = counted - written

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.decisions import safetynet, snapshots, timestamps
+from memops.decisions import counts, safetynet, snapshots, timestamps
 
 KEPT = 10
 """The policy's status lists this many of the latest losses."""
@@ -73,7 +73,8 @@ class Decision:
 
 
 def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63 else -1
+    found = counts.plain(value)
+    return -1 if found is None else found
 
 
 def _text(value: Any) -> str | None:

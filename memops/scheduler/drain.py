@@ -98,6 +98,8 @@ UNLIMITED = 2**62
 """A recipient's headroom when it has no memory limit."""
 SPILL_CHECK_KEYS = 100_000
 """At most this many of a drained worker's keys are asked about at once (whether they are spilled)."""
+_PRUNE_KEYS = 10_000
+"""At most this many keys are dropped from the head of a drain's order per pass (the rest next pass)."""
 HOLD_SECONDS = 2.0
 """How long a drain waits for the hand-over's first answers before it copies keys over the network."""
 
@@ -703,6 +705,7 @@ class DrainPlugin(SchedulerPlugin):
         if self._held(drained, now):
             return recipients
         # Read every key of the worker only once nothing is left to ask for or on its way.
+        self._prune(drained, ws, asks.draining)
         if not drained.order and not asks.from_source.get(address) and self._drained(ws, asks.draining):
             await self._finish(drained, ws, now)
             return recipients
@@ -796,6 +799,22 @@ class DrainPlugin(SchedulerPlugin):
             task = asyncio.get_running_loop().create_task(self._link(source, target, keys))
             self.links.add(task)
             task.add_done_callback(self.links.discard)
+
+    def _prune(self, drained: Drained, ws: Any, draining: AbstractSet[Any]) -> None:
+        """Drop the keys at the head of the order that :meth:`_ask_keys` would skip (held
+        elsewhere, forgotten, asked for, or gone from this worker), up to the first it would ask
+        for: a drain whose keys all left while no recipient had room (none running, their windows
+        full) ends, rather than wait for one. Cheap: it stops at the first key still at risk."""
+        order, scheduler = drained.order, self.scheduler
+        index = 0
+        while index < len(order) and index < _PRUNE_KEYS:
+            key = order[index]
+            ts = scheduler.tasks.get(key)
+            if not (self._safe(ts, draining) or key in self.copies or ws not in ts.who_has):
+                break
+            index += 1
+        if index:
+            del order[:index]
 
     def _drained(self, ws: Any, draining: AbstractSet[Any]) -> bool:
         return all(self._safe(ts, draining) for ts in ws.has_what)

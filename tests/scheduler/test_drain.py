@@ -460,3 +460,30 @@ async def test_a_copy_dropped_from_a_recipient_that_began_draining_too_is_asked_
     news_ws = {local.scheduler.workers[w] for w in news}
     assert all(local.scheduler.tasks[k].who_has & news_ws for k in data), "every key on a new worker"
     assert await client.gather(list(data.values())) == [b"r" * (256 * 1024)] * 30
+
+
+async def test_a_drain_whose_keys_all_left_while_nothing_could_take_them_ends_done(
+    cluster: tuple[LocalCluster, Client],
+) -> None:
+    """A preStop hook's drain (nothing set back) while every other worker is paused: no recipient,
+    so nothing is asked for. The client then releases every key: nothing is left to move, and the
+    drain ends ``done`` at once. (Before: its order still named the keys, and with no recipient the
+    pass never read it, so it drained until its deadline.)"""
+    local, client = cluster
+    dying, *others = sorted(local.scheduler.workers)
+    data = await client.scatter({f"r{i}": b"r" * MiB for i in range(5)}, workers=[dying], hash=False)
+    await client.run(pause, workers=others)
+    await polling.poll(
+        lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running, timeout=10, interval=0.05
+    )
+    address = local.scheduler_address
+    await daskrpc.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
+    await asyncio.sleep(1.0)
+    assert (await daskrpc.drain_status(address, [dying]))[dying]["state"] == drain.State.DRAINING, "nowhere to go"
+    await client.cancel(list(data.values()))
+    del data
+    begun = time.monotonic()
+    state = await until_finished(address, dying, bound=20)
+    assert state["state"] == drain.State.DONE and state["keysMoved"] == 0, state
+    assert time.monotonic() - begun < 10, "ended once its keys left, not at its deadline"
+    await client.run(resume, workers=others)
