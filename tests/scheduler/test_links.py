@@ -393,8 +393,12 @@ def test_summarize_counts_a_linked_file_once() -> None:
         "bytes": 110,
         "sharedBytes": 100,
         "ownBytes": 10,  # (1, 5) is a peer's file, linked: its pages are charged to the peer
+        "ownerBytes": 0,
         "inodes": [[1, 5, 100], [1, 6, 10]],
     }
+    # A file the spill owner allocated is the owner's: neither the worker's own nor a peer's.
+    owned = accounting.summarize([(1, 5, 100, 2), (1, 6, 10, 1), (1, 7, 30, 1)], linked={(1, 5)}, owned={(1, 7)})
+    assert (owned["ownBytes"], owned["ownerBytes"], owned["bytes"]) == (10, 30, 140)
 
 
 async def test_the_operator_installs_the_plugin_and_reads_the_shares(shm: str) -> None:
