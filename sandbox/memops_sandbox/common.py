@@ -24,8 +24,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from memops.clients import daskrpc
-
 WORKLOAD = "dask-worker"
 NAMESPACE = "default"
 AUDIT_LOG_ENV = "MEMOPS_AUDIT_LOG"
@@ -243,6 +241,10 @@ def start_allowance(workers: int) -> float:
 
 
 async def wait_for_workers(address: str, count: int, timeout: float) -> None:
+    # Imported here, not with the module: distributed and the API client take about a second to
+    # import, which the sandbox's process spends while its control plane starts instead.
+    from memops.clients import daskrpc
+
     async with asyncio.timeout(timeout):
         while True:
             with contextlib.suppress(daskrpc.SchedulerUnreachable):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from memops_sandbox import build, certs, common, controlplane, install, nodeagent
+from memops_sandbox import build, certs, common, controlplane, install
 
 logger = logging.getLogger(__name__)
 NODE_PREFIX = "node-"
@@ -219,6 +220,8 @@ async def _serve(
             outer.enter_async_context(common.dask_scheduler(state_dir)),
             outer.enter_async_context(plane_with_operator_access(state_dir, values)),
         )
+        from memops_sandbox import nodeagent  # the node agent's Nodes only (a second of imports)
+
         agent = nodeagent.NodeAgent(plane.nodes_kubeconfig(names), names, state_dir)
         async with contextlib.AsyncExitStack() as stack:
             agent_task = asyncio.create_task(agent.run())
@@ -278,8 +281,9 @@ async def _serve_on_real_nodes(
         # Dask's own image's ref names the sandbox's Dask image too, so that manifests written for
         # a cluster (the Dask Helm chart's, dask-kubernetes') run here as they are.
         aliases = {common.DASK_IMAGE: dask_image}
-        # The containerds start, and take the images, while the control plane starts.
-        (plane, objects), _ = await _together(
+        # The containerds start, and take the images, while the control plane starts; and this
+        # process imports meanwhile what it needs only once the Nodes run (the Dask client).
+        (plane, objects), _, _ = await _together(
             stack.enter_async_context(
                 plane_with_operator_access(
                     state_dir, values, advertise=machine[0].ip, webhook_services=install.webhook_service_hosts(values)
@@ -288,6 +292,7 @@ async def _serve_on_real_nodes(
             stack.enter_async_context(
                 real_nodes.runtimes(machine, binaries, list(archives.values()), state_dir / "logs", aliases=aliases)
             ),
+            asyncio.to_thread(importlib.import_module, "memops.clients.daskrpc"),
         )
         async with plane.session() as api:
             # The Dask scheduler exists before its Node does: the kube-scheduler binds its pod the
