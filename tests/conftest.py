@@ -41,11 +41,6 @@ own): they may run beside a sandbox of real Nodes, so they go to the other lane,
 TESTS = Path(__file__).resolve().parent
 
 
-def needs_a_sandbox(item: pytest.Item) -> bool:
-    """Whether the test needs the sandbox's binaries (a control plane, or real Nodes)."""
-    return _kind(Path(str(item.fspath))) > 0
-
-
 def _kind(path: Path) -> int:
     """0: no control plane (:data:`NO_SANDBOX`); 1: a control plane only (:data:`PLANE_ONLY`); 2: the
     rest, which may start real Nodes."""
@@ -69,11 +64,12 @@ class SandboxLane(LoadScopeScheduling):
     starts at once on one worker, and the other worker takes the rest one test at a time."""
 
     def _split_scope(self, nodeid: str) -> str:
-        path = TESTS.parent / nodeid.split("::", 1)[0]
-        if _kind(path) == 2:
+        module = nodeid.split("::", 1)[0]
+        kind = _kind(TESTS.parent / module)
+        if kind == 2:
             return "sandbox"
         # A module's tests together: a control plane per module (the ``plane`` fixture's scope).
-        return nodeid.split("::", 1)[0] if _kind(path) == 1 else nodeid
+        return module if kind == 1 else nodeid
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called where it runs the tests

@@ -756,9 +756,9 @@ def swap_verdict(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str]:
     requests, limits = _requests_and_limits(container)
     request, limit = _amount(requests.get("memory", "0")), _amount(limits.get("memory", "0"))
     advice = "give the worker container a memory request below its memory limit"
-    if pod_spec.get("priorityClassName") in CRITICAL_PRIORITY_CLASSES:
-        why = f"the worker pods are critical ({pod_spec['priorityClassName']}), and critical pods never swap"
-        return False, "CriticalPod", f"spec.workload: {why}: their spilled pages stay in RAM"
+    critical = _critical(pod_spec)
+    if critical is not None:
+        return critical
     if qos != QoS.BURSTABLE:
         why = "requests equal limits in every container" if qos == QoS.GUARANTEED else "no requests nor limits"
         return (
@@ -777,13 +777,21 @@ def swap_verdict(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str]:
     return True, "Burstable", "the worker pods are Burstable: under LimitedSwap their pages may reach swap"
 
 
+def _critical(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str] | None:
+    """The verdict for critical pods, which the kubelet never swaps; None for any other."""
+    if pod_spec.get("priorityClassName") not in CRITICAL_PRIORITY_CLASSES:
+        return None
+    why = f"the worker pods are critical ({pod_spec['priorityClassName']}), and critical pods never swap"
+    return False, "CriticalPod", f"spec.workload: {why}: their spilled pages stay in RAM"
+
+
 def owner_swap_verdict(pod_spec: Mapping[str, Any]) -> tuple[bool, str, str]:
     """``swap: SpillOnly``: the spilled pages are the owner sidecar's, which is Burstable (its request
     below its limit), and the worker container requests its limit: under LimitedSwap the spill may
     reach swap and the worker's own memory never does. A critical pod swaps nothing."""
-    if pod_spec.get("priorityClassName") in CRITICAL_PRIORITY_CLASSES:
-        why = f"the worker pods are critical ({pod_spec['priorityClassName']}), and critical pods never swap"
-        return False, "CriticalPod", f"spec.workload: {why}: their spilled pages stay in RAM"
+    critical = _critical(pod_spec)
+    if critical is not None:
+        return critical
     return (
         True,
         "SpillOnly",

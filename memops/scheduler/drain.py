@@ -758,9 +758,9 @@ class DrainPlugin(SchedulerPlugin):
         for index, key in enumerate(drained.order):  # index: read after the loop
             if budget <= 0 or (index % _SLICE == _SLICE - 1 and time.perf_counter() > until):
                 break
-            ts = scheduler.tasks.get(key)
-            if self._safe(ts, asks.draining) or key in self.copies or ws not in ts.who_has:
+            if self._settled(key, ws, asks.draining):
                 continue  # moved, forgotten, asked for, or left this worker: out of its order
+            ts = scheduler.tasks[key]
             nbytes = _nbytes(ts)
             # Already ranked: names, sizes and where it is spilled suffice.
             pending.append(Key(str(key), nbytes, False, group=prefer if key in drained.spilled else None))
@@ -801,20 +801,22 @@ class DrainPlugin(SchedulerPlugin):
             task.add_done_callback(self.links.discard)
 
     def _prune(self, drained: Drained, ws: Any, draining: AbstractSet[Any]) -> None:
-        """Drop the keys at the head of the order that :meth:`_ask_keys` would skip (held
-        elsewhere, forgotten, asked for, or gone from this worker), up to the first it would ask
-        for: a drain whose keys all left while no recipient had room (none running, their windows
-        full) ends, rather than wait for one. Cheap: it stops at the first key still at risk."""
-        order, scheduler = drained.order, self.scheduler
+        """Drop the keys at the head of the order that need nothing more (:meth:`_settled`, as
+        :meth:`_ask_keys` skips them), up to the first it would ask for: a drain whose keys all
+        left while no recipient had room (none running, their windows full) ends, rather than wait
+        for one. Cheap: it stops at the first key still at risk."""
+        order = drained.order
         index = 0
-        while index < len(order) and index < _PRUNE_KEYS:
-            key = order[index]
-            ts = scheduler.tasks.get(key)
-            if not (self._safe(ts, draining) or key in self.copies or ws not in ts.who_has):
-                break
+        while index < len(order) and index < _PRUNE_KEYS and self._settled(order[index], ws, draining):
             index += 1
         if index:
             del order[:index]
+
+    def _settled(self, key: Any, ws: Any, draining: AbstractSet[Any]) -> bool:
+        """Whether a key of a drained worker's order needs nothing more from its drain: held by a
+        worker that is not drained, forgotten, asked for already, or gone from ``ws``."""
+        ts = self.scheduler.tasks.get(key)
+        return self._safe(ts, draining) or key in self.copies or ws not in ts.who_has
 
     def _drained(self, ws: Any, draining: AbstractSet[Any]) -> bool:
         return all(self._safe(ts, draining) for ts in ws.has_what)

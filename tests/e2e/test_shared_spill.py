@@ -127,6 +127,18 @@ def fill(
     return futures
 
 
+def spill_figures(sandbox: Sandbox, policy: str, field: str) -> dict[str, Any]:
+    """The policy's ``status.sharedSpill`` once its ``field`` is above 0 (the workers are read every 30 s)."""
+    found: dict[str, Any] = sandbox.wait_for(
+        lambda: (
+            (seen := sandbox.get("mempol", policy).get("status", {}).get("sharedSpill")) and seen[field] > 0 and seen
+        ),
+        timeout=90,
+        what=f"status.sharedSpill.{field}",
+    )
+    return found
+
+
 def worker_of(client: distributed.Client, pod: str) -> tuple[str, dict[str, Any]]:
     for address, info in client.scheduler_info(n_workers=-1)["workers"].items():
         if info.get("name") == pod:
@@ -315,15 +327,7 @@ def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
         same_node_fetch_by_link(sandbox, client, [address for address, _ in found], futures[:16])
         # What the policy's status says the spill holds, each file once (read every 30 s): the
         # three workers of the scheduler (the sandbox's own spills nothing), and the bytes on the tmpfs.
-        spill_held = sandbox.wait_for(
-            lambda: (
-                (seen := sandbox.get("mempol", "shared").get("status", {}).get("sharedSpill"))
-                and seen["bytes"] > 0
-                and seen
-            ),
-            timeout=90,
-            what="status.sharedSpill",
-        )
+        spill_held = spill_figures(sandbox, "shared", "bytes")
         assert spill_held["workers"] == 3 and 0 < spill_held["bytes"] <= spill_held["bytesCountedPerWorker"], spill_held
         assert spill_held["lastRead"], spill_held
         del futures

@@ -41,6 +41,7 @@ from tests.e2e.test_shared_spill import (
     host_tmpfs,
     ready,
     running_pods,
+    spill_figures,
     spilled_files,
     workers,
 )
@@ -187,15 +188,7 @@ def test_with_swap_spill_only_the_kernel_charges_the_spill_to_the_owner_and_not_
             assert owner_charged >= spilled["owned"] - files * 4096, (owner_charged, spilled)
             assert charged["owned"] < 8 * MIB, (charged, spilled)
             # The policy's status counts them where the kernel does (read every 30 s).
-            figures = sandbox.wait_for(
-                lambda: (
-                    (seen := sandbox.get("mempol", "owned").get("status", {}).get("sharedSpill"))
-                    and seen["bytesChargedToOwners"] > 0
-                    and seen
-                ),
-                timeout=90,
-                what="status.sharedSpill.bytesChargedToOwners",
-            )
+            figures = spill_figures(sandbox, "owned", "bytesChargedToOwners")
             assert figures["bytesWithoutWriter"] == 0, figures
             # Every key is still there, spilled ones read back from the owner's pages.
             assert client.gather(held["owned"][0]) == bytes(20 * MIB)

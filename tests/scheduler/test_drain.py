@@ -280,6 +280,14 @@ def pause(dask_worker: Any) -> None:
     dask_worker.memory_manager.memory_pause_fraction = 1e-9
 
 
+async def pause_all(local: LocalCluster, client: Client, workers: list[str]) -> None:
+    """Pause ``workers`` and wait until the scheduler no longer counts them as running."""
+    await client.run(pause, workers=workers)
+    await polling.poll(
+        lambda: not {local.scheduler.workers[w] for w in workers} & local.scheduler.running, timeout=10, interval=0.05
+    )
+
+
 def resume(dask_worker: Any) -> None:
     """Run on a worker: its memory monitor resumes it, back under the configured threshold."""
     dask_worker.memory_manager.memory_pause_fraction = dask.config.get("distributed.worker.memory.pause")
@@ -323,10 +331,7 @@ async def test_a_node_said_dying_by_any_caller_stays_dying(cluster: tuple[LocalC
     nodes = {dying: "n1", neighbour: "n1", far1: "n2", far2: "n3"}
     others = [neighbour, far1, far2]
     data = await client.scatter({f"d{i}": b"d" * (256 * 1024) for i in range(60)}, workers=[dying], hash=False)
-    await client.run(pause, workers=others)
-    await polling.poll(
-        lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running, timeout=10, interval=0.05
-    )
+    await pause_all(local, client, others)
     address = local.scheduler_address
     for nodes_dying in (False, True, False):
         await daskrpc.start_drain(address, [dying], deadline=60, nodes=nodes, nodes_dying=nodes_dying)
@@ -357,10 +362,7 @@ async def test_a_retirement_waits_for_a_paused_recipient_before_it_gives_up(
     address = local.scheduler_address
     first, *others = sorted(local.scheduler.workers)
     data = await client.scatter({f"p{i}": b"p" * (256 * 1024) for i in range(40)}, workers=[first], hash=False)
-    await client.run(pause, workers=others)
-    await polling.poll(
-        lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running, timeout=10, interval=0.05
-    )
+    await pause_all(local, client, others)
     await daskrpc.start_drain(address, [first], deadline=60, restore=True, nodes_dying=False)
     await asyncio.sleep(1.0)
     assert (await daskrpc.drain_status(address, [first]))[first]["state"] == drain.State.DRAINING, "it waits"
@@ -371,10 +373,7 @@ async def test_a_retirement_waits_for_a_paused_recipient_before_it_gives_up(
 
     second, *paused = others
     kept = await client.scatter({f"q{i}": b"q" * (256 * 1024) for i in range(10)}, workers=[second], hash=False)
-    await client.run(pause, workers=paused)
-    await polling.poll(
-        lambda: not {local.scheduler.workers[w] for w in paused} & local.scheduler.running, timeout=10, interval=0.05
-    )
+    await pause_all(local, client, paused)
     await daskrpc.start_drain(address, [second], deadline=60, restore=True, nodes_dying=False)
     state = await until_finished(address, second)
     assert state["state"] == drain.State.NO_RECIPIENTS and state["keysMoved"] == 0
@@ -392,10 +391,7 @@ async def test_the_shorter_deadline_of_two_callers_stops_the_drain(cluster: tupl
     local, client = cluster
     dying, *others = sorted(local.scheduler.workers)
     data = await client.scatter({f"t{i}": b"t" * MiB for i in range(5)}, workers=[dying], hash=False)
-    await client.run(pause, workers=others)
-    await polling.poll(
-        lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running, timeout=10, interval=0.05
-    )
+    await pause_all(local, client, others)
     address = local.scheduler_address
     await daskrpc.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
     begun = time.monotonic()
@@ -423,10 +419,7 @@ async def test_a_copy_dropped_from_a_recipient_that_began_draining_too_is_asked_
     first, second, new1, new2 = sorted(local.scheduler.workers)
     await client.amm.stop()  # the drop is made below, as ReduceReplicas makes it, at a known time
     news = [new1, new2]
-    await client.run(pause, workers=news)
-    await polling.poll(
-        lambda: not {local.scheduler.workers[w] for w in news} & local.scheduler.running, timeout=10, interval=0.05
-    )
+    await pause_all(local, client, news)
     data = await client.scatter({f"r{i}": b"r" * (256 * 1024) for i in range(30)}, workers=[first], hash=False)
     address = local.scheduler_address
     # One key on its way at a time, so that the second drain begins while the first is under way.
@@ -472,10 +465,7 @@ async def test_a_drain_whose_keys_all_left_while_nothing_could_take_them_ends_do
     local, client = cluster
     dying, *others = sorted(local.scheduler.workers)
     data = await client.scatter({f"r{i}": b"r" * MiB for i in range(5)}, workers=[dying], hash=False)
-    await client.run(pause, workers=others)
-    await polling.poll(
-        lambda: not {local.scheduler.workers[w] for w in others} & local.scheduler.running, timeout=10, interval=0.05
-    )
+    await pause_all(local, client, others)
     address = local.scheduler_address
     await daskrpc.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
     await asyncio.sleep(1.0)
