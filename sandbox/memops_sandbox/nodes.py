@@ -407,6 +407,15 @@ def _hierarchies() -> list[Path]:
     )
 
 
+def made_hierarchies() -> list[Path]:
+    """Every hierarchy where a Node's cgroups are made: :func:`_hierarchies`, and on a hybrid
+    machine (cgroup v1 with the v2 tree mounted at ``unified``) that tree too, where runc makes
+    each container's cgroup as well (empty: no controller is enabled there)."""
+    unified = CGROUP_FS / "unified"
+    extra = [unified] if (unified / "cgroup.procs").exists() and not (CGROUP_FS / "cgroup.controllers").exists() else []
+    return [*_hierarchies(), *extra]
+
+
 def make_cgroups(node: Node) -> None:
     """``cgroupRoot`` in every hierarchy; cpuset's cpus and mems copied down, as a new cpuset is
     empty and refuses tasks."""
@@ -511,14 +520,14 @@ def clean(state_dir: Path, count: int = 16) -> None:
     for pid in {*_processes_mentioning(str(RUN_ROOT)), *_processes_mentioning(str(IMAGE_STORES))}:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    for hierarchy in _hierarchies():
+    for hierarchy in made_hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
     swap_off()
     for root in (state_dir / "nodes", RUN_ROOT, DISK_ROOT):
         for point in _mounts_under(root):
             subprocess.run(["umount", "-l", point], capture_output=True, check=False)
-    for hierarchy in _hierarchies():
+    for hierarchy in made_hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             _remove_cgroup_tree(hierarchy / CGROUP_PARENT)
     for index in range(count):
@@ -838,7 +847,7 @@ async def _stop(processes: dict[str, asyncio.subprocess.Process], binaries: Node
     stop next (:func:`runtimes`), and :func:`machine` removes what is left."""
     # Together: each kubelet takes its time to stop, and none waits for another.
     await asyncio.gather(*(common.stop(process, grace=5) for process in processes.values()))
-    for hierarchy in _hierarchies():
+    for hierarchy in made_hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             try:
                 _kill_cgroup_tree(hierarchy / CGROUP_PARENT)

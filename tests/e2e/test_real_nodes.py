@@ -143,7 +143,7 @@ def leftovers(before: frozenset[str] = frozenset()) -> dict[str, Any]:
     found = {
         "processes": processes,
         "bridges": [line.split()[0] for line in bridges.splitlines() if line.startswith(real_nodes.PREFIX)],
-        "cgroups": [str(h) for h in real_nodes._hierarchies() if (h / real_nodes.CGROUP_PARENT).exists()],
+        "cgroups": [str(h) for h in real_nodes.made_hierarchies() if (h / real_nodes.CGROUP_PARENT).exists()],
         "directories": [str(d) for d in (real_nodes.RUN_ROOT, real_nodes.DISK_ROOT) if d.exists()],
         "mounts": [line for line in mounts.splitlines() if "memops-sandbox" in line],
         "services": [line for line in nat.splitlines() if line.startswith("-N KUBE-SERVICES")],
