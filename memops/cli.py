@@ -58,6 +58,21 @@ def _parser() -> argparse.ArgumentParser:
         help="a host directory that a MemoryPolicy's sharedSpill of medium Node may name as its hostPath"
         " (exactly: not a directory under it; repeatable). None given: medium Node is refused",
     )
+    run.add_argument(
+        "--max-disruption-protection",
+        metavar="DURATION",
+        help="the longest a worker pod carries karpenter.sh/do-not-disrupt and cluster-autoscaler's"
+        ' safe-to-evict "false" in all, from the first time memops set them (default 1h; a policy\'s'
+        " spec.eviction.maxDisruptionProtection can only lower it; 0s: never)",
+    )
+    run.add_argument(
+        "--no-disruption-protection-in",
+        dest="no_protection_in",
+        action="append",
+        default=[],
+        metavar="NAMESPACE",
+        help="set no disruption annotations on the pods of this namespace, and take off those memops set (repeatable)",
+    )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on /metrics at this port")
     run.add_argument("--metrics-host", default="0.0.0.0", help="the metrics endpoint's address (default 0.0.0.0)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -174,10 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    from memops.decisions import shared_spill
+    from memops.decisions import disruption, shared_spill
 
     try:
         host_roots = shared_spill.host_roots(args.host_roots)
+        maximum = args.max_disruption_protection or disruption.DEFAULT_MAX
+        protection = disruption.administrator(maximum, args.no_protection_in)
     except ValueError as error:
         print(f"memops run: {error}", file=sys.stderr)
         return 2
@@ -215,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 standalone=args.standalone,
                 webhook=webhook,
                 host_roots=host_roots,
+                protection=protection,
             )
         )
     except KeyboardInterrupt:

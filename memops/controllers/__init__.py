@@ -19,6 +19,7 @@ import kopf
 
 from memops.clients import kube
 from memops.controllers import eviction_webhook, policy, retirement, safetynet_webhook
+from memops.decisions import disruption
 
 PREFIX = "memops.dev"
 
@@ -83,11 +84,34 @@ class Webhook:
     client_names: tuple[str, ...] = ()
 
 
+def _log_settings(
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    host_roots: frozenset[str],
+    protection: disruption.Administrator,
+) -> None:
+    """What the administrators allowed, once at start: ``memops run``'s flags that bound the tenants."""
+    if host_roots:
+        logger.info("shared spill of medium Node may mount: %s", ", ".join(sorted(host_roots)))
+    else:
+        logger.info("shared spill of medium Node is refused: no --shared-spill-host-root")
+    logger.info(
+        "disruption annotations: at most %.0f s per pod; none in: %s",
+        protection.max_seconds,
+        ", ".join(sorted(protection.off_namespaces)) or "no namespace",
+    )
+
+
 def make_registry(
-    kubeconfig: str | None = None, webhook: Webhook | None = None, *, host_roots: frozenset[str] = frozenset()
+    kubeconfig: str | None = None,
+    webhook: Webhook | None = None,
+    *,
+    host_roots: frozenset[str] = frozenset(),
+    protection: disruption.Administrator = disruption.DEFAULTS,
 ) -> kopf.OperatorRegistry:
     """``host_roots``: the host directories that a MemoryPolicy's shared spill of medium Node may
-    mount (``memops run --shared-spill-host-root``); none by default, and then medium Node is refused."""
+    mount (``memops run --shared-spill-host-root``); none by default, and then medium Node is refused.
+    ``protection``: the longest that a pod may carry the disruption annotations, and the namespaces
+    where it carries none (``--max-disruption-protection``, ``--no-disruption-protection-in``)."""
     registry = kopf.OperatorRegistry()
     # One source of credentials for Kopf and for memops' own client: when Kopf logs in again (a
     # 401, or the credentials' expiration), memops' client gets the new ones too, and the other way.
@@ -118,10 +142,7 @@ def make_registry(
                 client_names=webhook.client_names,
             )
         memo.kube = kube.Kube(credentials)
-        if host_roots:
-            logger.info("shared spill of medium Node may mount: %s", ", ".join(sorted(host_roots)))
-        else:
-            logger.info("shared spill of medium Node is refused: no --shared-spill-host-root")
+        _log_settings(logger, host_roots, protection)
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
         memo.retirement_daemons = set()  # uids of requests whose daemon runs: see memops.controllers.retirement
         # per policy: see memops.controllers.eviction_webhook.decide_and_drain
@@ -133,7 +154,7 @@ def make_registry(
             await memo.kube.close()
 
     retirement.register(registry)
-    policy.register(registry, host_roots=host_roots)
+    policy.register(registry, host_roots=host_roots, protection=protection)
     eviction_webhook.register_node_signals(registry)
     if webhook is not None:
         safetynet_webhook.register(registry, host_roots=host_roots)
@@ -149,10 +170,11 @@ async def run(
     standalone: bool = False,
     webhook: Webhook | None = None,
     host_roots: frozenset[str] = frozenset(),
+    protection: disruption.Administrator = disruption.DEFAULTS,
 ) -> None:
     """Run the operator until cancelled; cluster-wide unless namespaces are given."""
     await kopf.operator(
-        registry=make_registry(kubeconfig, webhook, host_roots=host_roots),
+        registry=make_registry(kubeconfig, webhook, host_roots=host_roots, protection=protection),
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=liveness_endpoint,

@@ -123,9 +123,11 @@ class Policy:
         logger: logging.Logger | logging.LoggerAdapter[Any],
         cache: Cache | None = None,
         host_roots: frozenset[str] = frozenset(),
+        protection: disruption.Administrator = disruption.DEFAULTS,
     ):
         self.client = client
         self.host_roots = host_roots  # memops run --shared-spill-host-root
+        self.protection = protection  # memops run --max-disruption-protection, --no-disruption-protection-in
         self.body = body
         self.logger = logger
         self.cache = cache
@@ -167,6 +169,7 @@ class Policy:
             if isinstance(read, Blocked):
                 # Not Ready, and the status says why.
                 await self.write(read.old, policy_decisions.not_ready(read.status, read.blocker, read.generation))
+                await self.release_while_blocked()
                 return
             with metrics.deciding("policy"):
                 decision = policy_decisions.decide(read.inputs)
@@ -220,6 +223,7 @@ class Policy:
             host_roots=self.host_roots,
             resize=resized,
             disruption=disrupted,
+            protection=self.protection.max_in(self.namespace),
             node_pressure=pressure,
         )
         return Read(old, inputs, workload, scheduler, snapshot, (*hook_events, *lost))
@@ -232,12 +236,14 @@ class Policy:
         now: float,
     ) -> tuple[tuple[resize_decisions.WorkerSeen, ...] | None, policy_decisions.DisruptionSeen | None]:
         """What in-place growth decides from (``spec.resize``), and, on the passes that decide them,
-        the disruption annotations' inputs; None for each that this pass does not read."""
-        if snapshot is None or (spec.resize is None and not self.disruption_due):
+        the disruption annotations' inputs (with the scheduler out of reach too: protection must not
+        outlive it); None for each that this pass does not read."""
+        growth = snapshot is not None and spec.resize is not None
+        if not growth and not self.disruption_due:
             return None, None
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         resized = None
-        if spec.resize is not None:
+        if growth and snapshot is not None:
             template = shared_spill.template_spec(workload)
             # The linked bytes of the last spill read (read_spill, in an earlier pass' apply), not
             # read again here: up to about _SPILL_SECONDS old. Close enough, as a linked-in file
@@ -257,11 +263,33 @@ class Policy:
             )
         if not self.disruption_due:
             return resized, None
+        return resized, await self.read_disruption(spec, pods, snapshot)
+
+    async def read_disruption(
+        self, spec: specs.MemoryPolicySpec, pods: list[dict[str, Any]], snapshot: snapshots.SchedulerSnapshot | None
+    ) -> policy_decisions.DisruptionSeen:
+        """The workload's pods, those that carry the policy's label but left the workload (a new
+        ``spec.workload``), and each worker's unique bytes (None: the scheduler was not reached)."""
         self.disruption_read = time.monotonic()
-        # The unique bytes were asked for with the snapshot when the annotations are on (reach_scheduler).
-        unique = {w.name: w.unique_bytes for w in snapshot.workers} if spec.eviction.disruptionAnnotations else {}
-        annotations = {str(p["metadata"]["name"]): dict(p["metadata"].get("annotations") or {}) for p in pods}
-        return resized, policy_decisions.DisruptionSeen(pods=annotations, unique=unique)
+        unique = None
+        if snapshot is not None:
+            # Asked for with the snapshot when the annotations can be on (reach_scheduler).
+            unique = {w.name: w.unique_bytes for w in snapshot.workers} if self.protects(spec) else {}
+        ours = {str(p["metadata"]["name"]) for p in pods}
+        marked = await workloads.protected_pods(self.client, self.namespace, self.name)
+        strays = [p for p in marked if str(p["metadata"]["name"]) not in ours]
+        return policy_decisions.DisruptionSeen(
+            pods=_metadata(pods, "annotations"),
+            unique=unique,
+            labels=_metadata([*pods, *strays], "labels"),
+            strays=_metadata(strays, "annotations"),
+        )
+
+    def protects(self, spec: specs.MemoryPolicySpec) -> bool:
+        """Whether the policy's pods may carry the disruption annotations at all: its spec, and the
+        administrator's bound in its namespace."""
+        bound = disruption.bound(spec.eviction, self.protection.max_in(self.namespace))
+        return spec.eviction.disruptionAnnotations and bound > 0
 
     async def read_node_pressure(
         self, spec: specs.MemoryPolicySpec, workload: dict[str, Any]
@@ -320,7 +348,7 @@ class Policy:
         inputs = read.inputs
         status = await self.configure_scheduler(read, decision.status)
         status = await self.apply_resizes(read, decision, status)
-        await workloads.patch_annotations(self.client, self.namespace, decision.annotations, self.logger)
+        await workloads.patch_metadata(self.client, self.namespace, decision.annotations, self.logger)
         if inputs.recycling is not None:
             await recycle.apply_seen(self.client, body=self.body, seen=inputs.recycling, logger=self.logger)
         for mark in decision.marks:
@@ -564,7 +592,7 @@ class Policy:
                 query = {
                     # The workers' unique bytes, for the disruption annotations, on the passes that decide them.
                     # And for the workers the kubelet would evict, on the passes that predict it.
-                    "keys": (self.disruption_due and spec.eviction.disruptionAnnotations) or self.pressure_victims,
+                    "keys": (self.disruption_due and self.protects(spec)) or self.pressure_victims,
                     "processing": spec.recycle is not None,
                     "drains": True,
                     "nodes": lambda: self.nodes,
@@ -632,18 +660,45 @@ class Policy:
         ) as exc:
             self.logger.warning("pressure relief and replication left in the scheduler: %s", exc)
 
-    async def unprotect(self) -> None:
-        """The policy is gone: the disruption annotations it set leave its workers' pods (best
-        effort); left behind, they would keep node autoscalers off those nodes for ever."""
+    async def unprotect(self, *, workload: bool = True) -> None:
+        """The policy is gone: the disruption annotations it set leave the pods (best effort); left
+        behind, they would keep node autoscalers off those nodes for ever. The pods are found by the
+        policy's own label, whatever ``spec.workload`` names now; with ``workload``, the workload's
+        pods too, for marks set before memops labelled them."""
         try:
-            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
-            pods = await workloads.pods(self.client, self.namespace, spec.workload)
-        except (pydantic.ValidationError, kube.ApiError) as exc:
+            # A name too long for a label value never labelled anything (the pass refuses it: InvalidName).
+            labelled = len(self.name) <= _MAX_NAME_LENGTH
+            pods = await workloads.protected_pods(self.client, self.namespace, self.name) if labelled else []
+            if workload:
+                pods += await self.legacy_marked()
+        except kube.ApiError as exc:
             self.logger.warning("disruption annotations left on the workers: %s", exc)
             return
-        current = {str(p["metadata"]["name"]): dict(p["metadata"].get("annotations") or {}) for p in pods}
-        patches = disruption.plan_annotations(current, {}, enabled=False, now=time.time())
-        await workloads.patch_annotations(self.client, self.namespace, patches, self.logger)
+        seen = {
+            str(p["metadata"]["name"]): disruption.PodSeen(
+                dict(p["metadata"].get("annotations") or {}), dict(p["metadata"].get("labels") or {}), ours=False
+            )
+            for p in pods
+        }
+        patches = disruption.release(seen, self.name, time.time())
+        await workloads.patch_metadata(self.client, self.namespace, patches, self.logger)
+
+    async def legacy_marked(self) -> list[dict[str, Any]]:
+        """The pods of ``spec.workload``; none when the spec does not say which."""
+        try:
+            spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
+        except pydantic.ValidationError:
+            return []
+        return await workloads.pods(self.client, self.namespace, spec.workload)
+
+    async def release_while_blocked(self) -> None:
+        """A policy that cannot act (another policy first, no workload, an invalid spec) protects
+        nothing: its labelled pods lose its marks, as often as a pass would decide them. Not the
+        workload's pods: with another policy first, their marks are that policy's."""
+        if time.monotonic() - self.disruption_read < _DISRUPTION_SECONDS:
+            return
+        self.disruption_read = time.monotonic()
+        await self.unprotect(workload=False)
 
     async def safety_net(
         self, spec: specs.MemoryPolicySpec, current: specs.SafetyNetStatus | None
@@ -769,6 +824,11 @@ def _memory_status(snapshot: snapshots.SchedulerSnapshot) -> specs.MemoryStatus:
     )
 
 
+def _metadata(pods: Sequence[Mapping[str, Any]], key: str) -> dict[str, dict[str, str]]:
+    """Pod name -> its ``annotations`` or ``labels``."""
+    return {str(p["metadata"]["name"]): dict(p["metadata"].get(key) or {}) for p in pods}
+
+
 def _created(body: kopf.Body) -> float:
     """The policy's creation (seconds since the epoch); 0 when it does not say."""
     try:
@@ -845,10 +905,16 @@ INDEX_NAMES = {
 }
 
 
-def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = frozenset()) -> None:
-    """The indexes and the daemon; ``host_roots``: the host directories medium Node may mount."""
+def register(
+    registry: kopf.OperatorRegistry,
+    *,
+    host_roots: frozenset[str] = frozenset(),
+    protection: disruption.Administrator = disruption.DEFAULTS,
+) -> None:
+    """The indexes and the daemon; ``host_roots``: the host directories medium Node may mount;
+    ``protection``: the administrator's bounds on the disruption annotations."""
     _register_indexes(registry)
-    _register_daemon(registry, host_roots=host_roots)
+    _register_daemon(registry, host_roots=host_roots, protection=protection)
 
 
 def _register_indexes(registry: kopf.OperatorRegistry) -> None:
@@ -898,7 +964,9 @@ def _register_indexes(registry: kopf.OperatorRegistry) -> None:
         return {(namespace or "", labels[objects.POLICY_LABEL]): _slim(body)}
 
 
-def _register_daemon(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str]) -> None:
+def _register_daemon(
+    registry: kopf.OperatorRegistry, *, host_roots: frozenset[str], protection: disruption.Administrator
+) -> None:
     """One daemon per policy, running its passes (:func:`_loop`)."""
 
     # The backoff lets a deleted policy's daemon finish removing its relief before it is cancelled.
@@ -919,7 +987,9 @@ def _register_daemon(registry: kopf.OperatorRegistry, *, host_roots: frozenset[s
         **kwargs: Any,
     ) -> None:
         cache = Cache({name: kwargs[name] for name in INDEX_NAMES.values()})
-        reconciler = Policy(client=memo.kube, body=body, logger=logger, cache=cache, host_roots=host_roots)
+        reconciler = Policy(
+            client=memo.kube, body=body, logger=logger, cache=cache, host_roots=host_roots, protection=protection
+        )
         uid = str(body.metadata.uid)
         waker = memo.policy_wakers.setdefault(uid, asyncio.Event())
         try:

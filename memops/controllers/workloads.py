@@ -179,6 +179,32 @@ async def patch_annotations(
     return written
 
 
+async def patch_metadata(
+    client: kube.Kube,
+    namespace: str,
+    patches: Mapping[str, Mapping[str, Mapping[str, str | None]]],
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> int:
+    """One merge-patch of metadata (``annotations``, ``labels``) per pod, as :func:`patch_annotations`."""
+    written = 0
+    for pod, metadata in patches.items():
+        try:
+            await client.merge_patch(_pod_path(namespace, pod), {"metadata": {k: dict(v) for k, v in metadata.items()}})
+        except kube.ApiError as exc:
+            logger.info("metadata of pod %s not written: %s", pod, exc)
+        else:
+            written += 1
+    return written
+
+
+async def protected_pods(client: kube.Kube, namespace: str, policy: str) -> list[objects.Obj]:
+    """The pods that carry ``policy``'s disruption label (:data:`memops.decisions.objects.PROTECTED_LABEL`),
+    whatever workload they belong to now, but for those being deleted."""
+    path = kube.resource_path("", "v1", "pods", namespace)
+    items = await client.list(path, label_selector=f"{objects.PROTECTED_LABEL}={policy}")
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
 def _pod_path(namespace: str, name: str) -> str:
     return kube.resource_path("", "v1", "pods", namespace, name)
 

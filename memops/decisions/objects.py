@@ -47,6 +47,12 @@ SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 """cluster-autoscaler does not remove the node of a pod with this ``"false"``."""
 PROTECTED_ANNOTATION = "memops.dev/unique-data-protected"
 """memops set the two above, since this time (Unix seconds): only then does it remove them."""
+PROTECTION_BEGAN_ANNOTATION = "memops.dev/disruption-protection-began"
+"""When memops first protected the pod (Unix seconds). It stays for the pod's life, through every
+later protection, so that the bound on protection counts from here."""
+PROTECTED_LABEL = "memops.dev/protected-by"
+"""The policy that protected the pod (a label: found by a label selector once the pod has left the
+policy's workload, or the policy is gone)."""
 
 TERMINAL_PHASES = frozenset({specs.Phase.SUCCEEDED, specs.Phase.FAILED})
 """A RetirementRequest in one of these has finished; its daemon has exited."""

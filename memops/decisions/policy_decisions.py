@@ -104,6 +104,9 @@ def scheduler_reachable(found: list[specs.Condition], seen: SchedulerSeen, gener
     )
 
 
+_DEFAULT_PROTECTION = disruption.DEFAULTS.max_seconds  # named here: Inputs' field ``disruption`` hides the module
+
+
 @dataclasses.dataclass(frozen=True)
 class Inputs:
     """Everything one pass decides from."""
@@ -124,6 +127,8 @@ class Inputs:
     host_roots: frozenset[str] = frozenset()  # the host directories medium Node may mount (memops run's)
     resize: tuple[resize_decisions.WorkerSeen, ...] | None = None  # spec.resize's workers; None: not read
     disruption: DisruptionSeen | None = None  # the pods' annotations and unique bytes; None: not read this pass
+    # The administrator's bound on the disruption annotations in this namespace (memops run's; 0: off).
+    protection: float = _DEFAULT_PROTECTION
     node_pressure: node_pressure.Seen | None = None  # spec.eviction.nodePressure's read; None: not read
 
 
@@ -135,7 +140,23 @@ class DisruptionSeen:
     """What the disruption annotations are decided from (:func:`memops.decisions.disruption.plan_annotations`)."""
 
     pods: Mapping[str, Mapping[str, str]]  # each worker pod's annotations
-    unique: Mapping[str, int]  # pod -> bytes its worker holds alone (connected workers only)
+    # Pod -> bytes its worker holds alone (connected workers only); None: the scheduler was not reached.
+    unique: Mapping[str, int] | None
+    labels: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)  # the worker pods' labels
+    # Pods that carry the policy's label (memops.dev/protected-by) but are not its workload's: their
+    # annotations, and their labels in ``labels``.
+    strays: Mapping[str, Mapping[str, str]] = dataclasses.field(default_factory=dict)
+
+    def seen(self) -> dict[str, disruption.PodSeen]:
+        found = {
+            name: disruption.PodSeen(annotations, self.labels.get(name, {}), ours=False)
+            for name, annotations in self.strays.items()
+        }
+        found.update(
+            (name, disruption.PodSeen(annotations, self.labels.get(name, {})))
+            for name, annotations in self.pods.items()
+        )
+        return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +298,29 @@ def _disruption(inputs: Inputs) -> dict[str, disruption.Patch]:
     seen = inputs.disruption
     if seen is None:
         return {}
-    enabled = inputs.spec.eviction.disruptionAnnotations
-    return disruption.plan_annotations(seen.pods, seen.unique, enabled=enabled, now=inputs.now)
+    eviction = inputs.spec.eviction
+    return disruption.plan_annotations(
+        seen.seen(),
+        seen.unique,
+        policy=inputs.owner.name,
+        enabled=eviction.disruptionAnnotations,
+        max_seconds=disruption.bound(eviction, inputs.protection),
+        now=inputs.now,
+        unreachable_since=_unreachable_since(inputs.status.conditions) if seen.unique is None else None,
+    )
+
+
+def _unreachable_since(found: list[specs.Condition]) -> float | None:
+    """Since when the scheduler has been out of reach, from ``SchedulerReachable``: its state lives in
+    the policy's status, so a restarted operator counts on. None (counted as long ago) when the
+    condition does not say."""
+    reachable = conditions.get_condition(found, "SchedulerReachable")
+    if reachable is None or reachable.status == "True":
+        return None
+    try:
+        return timestamps.parse(reachable.lastTransitionTime).timestamp()
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,6 +116,15 @@ class EvictionSpec(Model):
             " the ones it set."
         ),
     )
+    maxDisruptionProtection: Duration | None = pydantic.Field(
+        default=None,
+        description=(
+            "How long a worker's pod may carry the disruption annotations in all, counted from the first time"
+            " memops set them on it; then they go for good, and evictions are still answered by draining first."
+            " The operator's --max-disruption-protection (1h unless its administrators chose otherwise) is the"
+            " most it can be: a longer value counts as that. 0s: never. Absent: the operator's."
+        ),
+    )
     nodePressure: NodePressureSpec | None = pydantic.Field(
         default=None,
         description=(

@@ -43,6 +43,7 @@ VALUE_SETS = {
     "no-network-policy": {"networkPolicy": {"enabled": False}},
     "shared-spill-node": {"sharedSpill": {"nodeDaemonSet": {"enabled": True, "size": "64g", "mode": "0770"}}},
     "shared-spill-roots": {"sharedSpill": {"hostRoots": ["/mnt/spill", "/dev/shm/memops"]}},
+    "disruption-protection": {"disruptionProtection": {"maxDuration": "15m", "disabledNamespaces": ["batch"]}},
 }
 
 
@@ -141,6 +142,16 @@ def test_validation_catches_an_unknown_field() -> None:
             {"metrics": {"networkPolicy": {"from": [{"namespace": "monitoring"}]}}},
             "/metrics/networkPolicy/from/0",
             id="not-a-network-policy-peer",
+        ),
+        pytest.param(
+            {"disruptionProtection": {"maxDuration": "1 day"}},
+            "/disruptionProtection/maxDuration",
+            id="protection-not-a-duration",
+        ),
+        pytest.param(
+            {"disruptionProtection": {"disabledNamespaces": ["batch,ml"]}},
+            "/disruptionProtection/disabledNamespaces/0",
+            id="protection-off-in-no-namespace",
         ),
     ],
 )
@@ -448,6 +459,27 @@ def _host_roots(values: dict[str, Any]) -> list[str]:
 )
 def test_shared_spill_host_roots_become_the_operators_flags(values: dict[str, Any], roots: list[str]) -> None:
     assert _host_roots(values) == roots
+
+
+@pytest.mark.parametrize(
+    ("values", "flags"),
+    [
+        pytest.param({}, ["--max-disruption-protection=1h"], id="default"),
+        pytest.param(
+            {"disruptionProtection": {"maxDuration": "30m", "disabledNamespaces": ["batch", "ml"]}},
+            [
+                "--max-disruption-protection=30m",
+                "--no-disruption-protection-in=batch",
+                "--no-disruption-protection-in=ml",
+            ],
+            id="lower-and-off-in-two-namespaces",
+        ),
+    ],
+)
+def test_disruption_protection_values_become_the_operators_flags(values: dict[str, Any], flags: list[str]) -> None:
+    pod = manifests.one(manifests.render_chart(values), "Deployment")["spec"]["template"]["spec"]
+    args: list[str] = pod["containers"][0]["args"]
+    assert [a for a in args if "disruption-protection" in a] == flags
 
 
 def test_nested_host_roots_fail_the_install() -> None:

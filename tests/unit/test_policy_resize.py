@@ -255,7 +255,9 @@ def test_the_disruption_annotations_in_the_pass(
 ) -> None:
     seen = policy_decisions.DisruptionSeen(pods={"w-1": annotations}, unique={"w-1": 4096})
     decision = policy_decisions.decide(_inputs(spec=_spec(resize=None, eviction=eviction), disruption=seen))
-    assert {pod: set(patch) - {objects.PROTECTED_ANNOTATION} for pod, patch in decision.annotations.items()} == expected
+    memops_own = {objects.PROTECTED_ANNOTATION, objects.PROTECTION_BEGAN_ANNOTATION}
+    found = {pod: set(patch["annotations"]) - memops_own for pod, patch in decision.annotations.items()}
+    assert found == expected
 
 
 def test_no_disruption_read_no_annotations() -> None:
