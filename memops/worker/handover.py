@@ -25,7 +25,14 @@ Two halves, both in this module, which imports nothing of memops (it is sent by 
     then tells the scheduler it holds them (``add-keys``); returns the indexes of the entries
     taken. A file is linked only when its path, resolved, is a regular file in a directory of
     the receiver's own shared root, on the receiver's device, with the inode and size that the
-    sender reported; anything else is refused and falls back to the normal transfer.
+    sender reported; anything else is refused and falls back to the normal transfer. The file is
+    opened from the root down without following a symbolic link (:func:`open_checked`), checked
+    on its descriptor, and linked from that descriptor (:func:`link_descriptor`): a name that a
+    peer swaps after the checks (for a symbolic link to a file outside the root) is never linked.
+
+  The sender takes the write bits off each file it offers (its owner can): a peer may read it
+  as a map from then on, and a map of a file that is rewritten changes under its reader, or
+  ends its process with SIGBUS where the file is truncated.
 
   The shared root lies in the pod's spill mount, which is its policy's own directory of the node's
   tmpfs (``<root>/<namespace>/<policy>``, :func:`memops.decisions.shared_spill.spill_directory`): "inside
@@ -63,6 +70,9 @@ CALL_SECONDS = 10.0
 """A worker that does not answer a hand-over call in this time gets the normal transfer."""
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 """One kernel's identity: pods on one node share it (it is not namespaced), other nodes do not."""
+WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+"""Taken off a spill file once a peer may hold it (:mod:`memops.worker.maps` takes them off every
+file it writes)."""
 
 
 class Refused(Exception):
@@ -146,14 +156,31 @@ def offer(worker: Any, keys: Sequence[Any] = ()) -> list[Any]:
         entry = None
         if file is not None and key in file.filenames and key not in data.fast:
             name = file.filenames[key]
-            try:
-                st = os.lstat(os.path.join(file.directory, name))
-            except OSError:
-                st = None
-            if st is not None and stat.S_ISREG(st.st_mode):
+            st = _read_only(os.path.join(file.directory, name))
+            if st is not None:
                 entry = [name, st.st_ino, st.st_size]
         result.append(entry)
     return result
+
+
+def _read_only(path: str) -> os.stat_result | None:
+    """The regular file at ``path`` (not a symbolic link), its write bits taken off; None when it
+    is not there, not regular, or not this process's to change."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        # Only write bits go: a mode never grants a read that it did not grant before.
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~WRITE_BITS)
+        return st
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _source_path(directory: str, name: str, root: str) -> str | None:
@@ -169,6 +196,52 @@ def _source_path(directory: str, name: str, root: str) -> str | None:
     if os.path.commonpath([resolved, root]) != root or resolved == root:
         return None
     return os.path.join(resolved, name)
+
+
+def open_checked(directory: Any, name: Any, root: str, device: int, inode: int, size: int) -> int:
+    """A descriptor, read-only, of the peer's file ``name`` in ``directory``: a path inside ``root``
+    (:func:`_source_path`), walked from ``root`` one directory at a time without following a
+    symbolic link, to a regular file on ``device`` with ``inode`` and ``size``. ValueError or
+    OSError otherwise. What the caller reads and links is this descriptor's file, whatever a peer
+    renames afterwards."""
+    source = _source_path(directory, name, root)
+    if source is None:
+        raise ValueError(f"{directory!r}/{name!r} is not inside {root}")
+    here = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in os.path.relpath(os.path.dirname(source), root).split(os.sep):
+            # A directory swapped for a symbolic link since _source_path resolved the path fails
+            # here (ENOTDIR, ELOOP) instead of leading out of the root.
+            inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=here)
+            os.close(here)
+            here = inner
+        # O_NONBLOCK: a FIFO put in the file's place would otherwise hold the worker's event loop in open.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        fd = os.open(name, flags, dir_fd=here)
+    finally:
+        os.close(here)
+    try:
+        st = os.fstat(fd)
+        # The device too: inode numbers repeat across filesystems (a new tmpfs counts from 2).
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != device or st.st_ino != inode or st.st_size != size:
+            raise ValueError(f"{source} is not the file that was reported")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def link_descriptor(fd: int, directory: str, name: str) -> None:
+    """Link the file open at ``fd`` as ``name`` in ``directory``: the descriptor's own file, never
+    what its former name has become. linkat(2) with AT_SYMLINK_FOLLOW of the descriptor's
+    ``/proc/self/fd`` entry (AT_EMPTY_PATH would need CAP_DAC_READ_SEARCH); os.link makes that
+    call only when given a directory descriptor, and otherwise calls link(2), which would link the
+    ``/proc`` entry itself."""
+    where = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=where, follow_symlinks=True)
+    finally:
+        os.close(where)
 
 
 def take(worker: Any, directory: str = "", entries: Sequence[Any] = ()) -> list[int]:
@@ -194,33 +267,31 @@ def take(worker: Any, directory: str = "", entries: Sequence[Any] = ()) -> list[
         # Only a key this worker does not know: no task waits for it, nothing fetches it.
         if key in state.tasks or key in data:
             continue
-        source = _source_path(directory, name, root)
-        if source is None:
-            continue
         try:
-            st = os.lstat(source)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode) or st.st_dev != device or st.st_ino != ino or st.st_size != size:
+            fd = open_checked(directory, name, root, device, ino, size)
+        except (ValueError, OSError):
             continue
         cache = data.slow  # zict.Cache over Slow: it keeps a generation per key
-        with data.lock, cache.lock, file.lock:
-            target = file._safe_key(str(key))
-            try:
-                os.link(source, os.path.join(file.directory, target))
-            except OSError:
-                continue
-            # Its pages stay charged to the retiring worker's cgroup, then its parent's
-            # (memops.worker.accounting.LINKED_IN, by name: this module imports nothing of memops).
-            linked_in = worker.__dict__.setdefault("_memops_linked_in", set())
-            linked_in.add((device, ino))
-            # What Slow.__setitem__ and Cache.__setitem__ record, without the write.
-            file.filenames[key] = target
-            weight = type(slow.total_weight)(nbytes, size)
-            slow.weight_by_key[key] = weight
-            slow.total_weight += weight
-            cache._gen += 1
-            cache._last_updated[key] = cache._gen
+        try:
+            with data.lock, cache.lock, file.lock:
+                target = file._safe_key(str(key))
+                try:
+                    link_descriptor(fd, file.directory, target)
+                except OSError:
+                    continue
+                # Its pages stay charged to the retiring worker's cgroup, then its parent's
+                # (memops.worker.accounting.LINKED_IN, by name: this module imports nothing of memops).
+                linked_in = worker.__dict__.setdefault("_memops_linked_in", set())
+                linked_in.add((device, ino))
+                # What Slow.__setitem__ and Cache.__setitem__ record, without the write.
+                file.filenames[key] = target
+                weight = type(slow.total_weight)(nbytes, size)
+                slow.weight_by_key[key] = weight
+                slow.total_weight += weight
+                cache._gen += 1
+                cache._last_updated[key] = cache._gen
+        finally:
+            os.close(fd)
         _register(state, key, nbytes)
         taken.append(index)
         keys.append(key)

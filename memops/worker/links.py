@@ -18,15 +18,20 @@ installed on both (by the scheduler, :func:`install`, as :mod:`memops.worker.han
   worker without the plugin, on another node, a client, the scheduler), go as distributed sends
   them, by the same code path as the stock handler.
 - **The receiver** deserializes that value with the :data:`FAMILY` deserializer registered in its
-  process (distributed's ``register_serialization_family``; nothing is unpickled): it checks the
-  path (:func:`memops.worker.handover._source_path`: inside its own shared root, no ``..``, no
-  symbolic link on the way; then a regular file on its own device with the inode and size sent),
-  links it into its local directory, and reads the value as a memory map of that link
-  (:mod:`memops.worker.maps`). The worker stores it as distributed does every fetched key; when
-  the store spills it (a key above the target goes straight to the spill store), the Slow layer's
-  ``dump`` (wrapped here) hands back :class:`memops.worker.maps.Linked` frames for that very object
-  and the store renames the link into its spill directory instead of writing the bytes again.
-  Both workers then hold one inode.
+  process (distributed's ``register_serialization_family``; nothing is unpickled): it opens the
+  file (:func:`memops.worker.handover.open_checked`: inside its own shared root, no ``..``, no
+  symbolic link on the way, walked from the root without following one; then a regular file on
+  its own device with the inode and size sent), links that descriptor's file into its local
+  directory (:func:`memops.worker.handover.link_descriptor`), and reads the value as a memory map
+  of the same descriptor (:mod:`memops.worker.maps`): a name that the peer swaps once checked is
+  neither linked nor read. The file has no write bits by then (the spill store takes them off
+  every file it writes, :meth:`Links.pin` off one written before the plugin came in): what the
+  receiver maps is not rewritten or truncated unless its owner (or root) first puts them back.
+  The worker stores the value as distributed does every fetched key; when the store spills it
+  (a key above the target goes straight to the spill store), the Slow layer's ``dump`` (wrapped
+  here) hands back :class:`memops.worker.maps.Linked` frames for that very object and the store
+  renames the link into its spill directory instead of writing the bytes again. Both workers
+  then hold one inode.
 
 Where the worker's data is not distributed's SpillBuffer over files, or its ``get_data`` is not
 the one this module answers for, the plugin refuses itself: :attr:`Links.status` is
@@ -235,7 +240,7 @@ class Links:
         return [k for k in keys if k in file.filenames and k not in data.fast]
 
     def pin(self, key: Any) -> tuple[str, int, int] | None:
-        """Link the key's spill file to an outbox name; (name, inode, size), or None."""
+        """Link the key's spill file to an outbox name, read-only; (name, inode, size), or None."""
         data = self.worker.data
         file = data.slow.data.d
         with file.lock:
@@ -243,12 +248,23 @@ class Links:
             if name is None or key in data.fast:
                 return None
             pinned = f"out-{next(self.counter)}"
-            target = os.path.join(self.outbox, pinned)
             try:
-                os.link(os.path.join(file.directory, name), target)
-                st = os.lstat(target)
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # as handover.open_checked
+                fd = os.open(os.path.join(file.directory, name), flags)
             except OSError:
                 return None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                # A file spilled before the plugin came in was written with its write bits: the
+                # peer will map it, so they go before the peer can see it.
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~handover.WRITE_BITS)
+                handover.link_descriptor(fd, self.outbox, pinned)
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
         return pinned, st.st_ino, st.st_size
 
     async def get_data(
@@ -370,25 +386,24 @@ class Links:
         self._expire()
         directory, name = header.get("directory"), header.get("name")
         ino, size = header.get("inode"), header.get("size")
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (ino, size)):
-            raise ValueError(f"{FAMILY}: an inode or size that is not a count")
-        source = handover._source_path(directory, name, self.root)
-        if source is None:
-            raise ValueError(f"{FAMILY}: {directory!r}/{name!r} is not inside {self.root}")
-        st = os.lstat(source)
-        if not stat.S_ISREG(st.st_mode) or st.st_dev != self.device or st.st_ino != ino or st.st_size != size:
-            raise ValueError(f"{FAMILY}: {source} is not the file that was sent")
-        link = os.path.join(self.outbox, f"in-{next(self.counter)}")
-        os.link(source, link)
+        # Never an empty file: mmap refuses one.
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (ino, size)):
+            raise ValueError(f"{FAMILY}: an inode or size that is not a positive count")
         try:
-            with open(link, "rb") as f:
-                st = os.fstat(f.fileno())
-                if st.st_ino != ino or st.st_size != size or size == 0:  # replaced in between
-                    raise ValueError(f"{FAMILY}: {source} changed while it was linked")
-                value = deserialize_bytes(memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)))
-        except BaseException:
-            os.unlink(link)
-            raise
+            fd = handover.open_checked(directory, name, self.root, self.device, ino, size)
+        except ValueError as exc:
+            raise ValueError(f"{FAMILY}: {exc}") from None
+        try:
+            linked = f"in-{next(self.counter)}"
+            handover.link_descriptor(fd, self.outbox, linked)
+            link = os.path.join(self.outbox, linked)
+            try:
+                value = deserialize_bytes(memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)))
+            except BaseException:
+                os.unlink(link)
+                raise
+        finally:
+            os.close(fd)
         self.received_keys += 1
         self.received_bytes += size
         if safe_sizeof(value) > self.worker.data.n:

@@ -15,6 +15,12 @@ the same state (the one ``__dict__``: file names, counter, lock), so nothing is 
   writable, which would let one worker's in-place write change another's key).
 - ``__setitem__`` of :class:`Linked` frames renames a file that :mod:`memops.worker.links` linked
   from a peer into the store under the key's name, instead of writing the bytes again.
+- ``__setitem__`` of bytes writes a new file (created, never opened through a name that exists),
+  then takes its write bits off on the descriptor: this worker maps the file when it reads the key
+  back, and peers link and map it, so it must not change once written. A rewrite would change
+  every map of it, a truncation end every process that reads a mapped page past the new end
+  with SIGBUS; without write bits neither the writer nor any process of its uid can open it for
+  writing (root can, and so can the owner once it puts the bits back).
 
 Imports nothing of memops but its siblings (it runs in a stock Dask image).
 """
@@ -24,12 +30,15 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import stat
 import weakref
 from typing import Any
 
 from memops.worker import accounting, owner
 
 MMAP_TYPE = mmap.mmap
+WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+"""Taken off each spill file once written (as :data:`memops.worker.handover.WRITE_BITS`)."""
 HELD_DIRECTORY = "memops-held"
 """In the worker's local directory: one more link to each spill file that a live map reads, so that
 the value can go back to the spill store by that link instead of by a new file."""
@@ -129,32 +138,36 @@ def mapped_file_class() -> type:
         @locked
         def __setitem__(self, key: Any, value: Any) -> None:
             if not isinstance(value, Linked):
-                owner_socket = os.environ.get(owner.SOCKET_ENV)
-                if owner_socket:
-                    self._write_owned(key, value, owner_socket)
-                else:
-                    super().__setitem__(key, value)
+                self._write(key, value, os.environ.get(owner.SOCKET_ENV))
                 return
             self.discard(key)
             name = self._safe_key(key)
             os.rename(value.path, os.path.join(self.directory, name))
             self.filenames[key] = name
 
-        def _write_owned(self, key: Any, value: Any, owner_socket: str) -> None:
-            """zict's ``File.__setitem__`` (called with the lock held, which the write releases), but
-            the file's pages are allocated by the spill owner before the bytes are written into them."""
+        def _write(self, key: Any, value: Any, owner_socket: str | None) -> None:
+            """zict's ``File.__setitem__`` (called with the lock held, which the write releases),
+            but on a descriptor: where there is a spill owner it allocates the file's pages before
+            the bytes are written into them, and once they are in, the file's write bits go."""
             self.discard(key)
             name = self._safe_key(key)
             path = os.path.join(self.directory, name)
             frames = value if isinstance(value, list | tuple) else [value]
-            size = sum(memoryview(frame).nbytes for frame in frames)
             with self.unlock():
+                # O_EXCL: a name that a peer put in the way (a symbolic link) fails the write instead
+                # of taking the bytes elsewhere.
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
                 with open(fd, "wb") as fh:  # an open descriptor: nothing is truncated
-                    why = owner.allocate(owner_socket, fd, size) if size else "empty"
+                    why, size = "", 0
+                    if owner_socket:
+                        size = sum(memoryview(frame).nbytes for frame in frames)
+                        why = owner.allocate(owner_socket, fd, size) if size else "empty"
                     st = os.fstat(fd)
                     fh.writelines(frames)
-            _note_owned(self, (st.st_dev, st.st_ino), size, why)
+                    fh.flush()
+                    os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~WRITE_BITS)
+            if owner_socket:
+                _note_owned(self, (st.st_dev, st.st_ino), size, why)
             if key in self.filenames:  # as zict: another thread stored the key meanwhile
                 os.remove(path)
             else:

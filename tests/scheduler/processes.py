@@ -3,7 +3,8 @@
 :func:`local_cluster`: the suite's one ``LocalCluster`` setup (worker processes, one thread each,
 no dashboard) and a client of it. :func:`spawn`: workers as their own processes (``dask worker``:
 a nanny and its worker), in their own session, so that SIGKILL of the session takes both at once,
-as a node lost without notice does: no drain, no preStop, no nanny left to restart the worker."""
+as a node lost without notice does: no drain, no preStop, no nanny left to restart the worker.
+:class:`Cluster`: what the ``cluster`` fixture (``conftest.py``) yields, both kinds together."""
 
 from __future__ import annotations
 
@@ -86,3 +87,39 @@ async def local_cluster(
             if wait:
                 await client.wait_for_workers(n_workers, timeout=60)
             yield local, client
+
+
+class Cluster(tuple[LocalCluster, Client]):
+    """A running :func:`local_cluster` and its client (it unpacks as ``local, client``, what
+    :func:`local_cluster` yields), with the workers :func:`spawn` started into it, by name."""
+
+    spawned: Mapping[str, subprocess.Popen[bytes]]
+
+    def __new__(
+        cls, local: LocalCluster, client: Client, spawned: Mapping[str, subprocess.Popen[bytes]] | None = None
+    ) -> Cluster:
+        running = super().__new__(cls, (local, client))
+        running.spawned = dict(spawned or {})
+        return running
+
+    @property
+    def local(self) -> LocalCluster:
+        return self[0]
+
+    @property
+    def client(self) -> Client:
+        return self[1]
+
+    @property
+    def address(self) -> str:
+        return str(self.local.scheduler_address)
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler itself: it runs in this process."""
+        return self.local.scheduler
+
+    async def addresses(self) -> dict[str, str]:
+        """Worker name -> address, as the scheduler knows them now."""
+        info = await self.client.scheduler.identity()
+        return {str(w["name"]): a for a, w in info["workers"].items()}

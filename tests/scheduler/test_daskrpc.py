@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -28,22 +28,12 @@ from memops.clients import daskrpc
 from memops.decisions import snapshots, tenancy
 from memops.scheduler import drain
 from tests import polling
+from tests.scheduler.processes import Cluster
 
 MiB = 2**20
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[LocalCluster]:
-    async with LocalCluster(
-        n_workers=3, processes=True, threads_per_worker=1, dashboard_address=None, asynchronous=True
-    ) as local:
-        yield local
-
-
-@pytest.fixture
-async def client(cluster: LocalCluster) -> AsyncIterator[Client]:
-    async with Client(cluster, asynchronous=True) as dask_client:
-        yield dask_client
+pytestmark = pytest.mark.dask_cluster(workers=3)
 
 
 async def scatter(client: Client, address: str, count: int, size: int = MiB) -> dict[str, tuple[Future, bytes]]:
@@ -63,7 +53,7 @@ async def statuses(address: str, **kwargs: Any) -> dict[str, str]:
     return {w.address: w.status for w in snapshot.workers}
 
 
-def identity_calls(cluster: LocalCluster) -> int:
+def identity_calls(cluster: Cluster) -> int:
     """How many ``identity`` calls the scheduler has served (its own counter of comm ops)."""
     return int(cluster.scheduler.counters["op"].components[0]["identity"])
 
@@ -85,14 +75,14 @@ def pause(dask_worker: Any) -> None:
     dask_worker.memory_manager.memory_pause_fraction = 1e-9
 
 
-async def test_snapshot_counts_unique_bytes(cluster: LocalCluster, client: Client) -> None:
+async def test_snapshot_counts_unique_bytes(cluster: Cluster, client: Client) -> None:
     a, b, c = sorted(cluster.scheduler.workers)
     # The Active Memory Manager's ReduceReplicas would drop one of the two replicas of "shared"
     # within its 2 s tick: it did, once, while another test lane loaded the machine.
     await client.amm.stop()
     data = await scatter(client, a, 3)
     shared = await client.scatter({"shared": os.urandom(MiB)}, workers=[a, b], hash=False, broadcast=True)
-    snapshot = await daskrpc.fetch_snapshot(cluster.scheduler_address, placement_of=[a])
+    snapshot = await daskrpc.fetch_snapshot(cluster.address, placement_of=[a])
     assert sorted(snapshot.who_has["shared"]) == [a, b]
     assert set(snapshot.who_has) == {*data, "shared"}, "who holds the keys of the workers asked for, only"
     on_a, on_b, on_c = (snapshot.by_address(x) for x in (a, b, c))
@@ -105,9 +95,9 @@ async def test_snapshot_counts_unique_bytes(cluster: LocalCluster, client: Clien
     # What the operator would retire first: the empty worker, then the one whose data has copies.
     assert snapshots.choose_workers([on_a.name, on_b.name, on_c.name], snapshot, 3) == [on_c.name, on_b.name, on_a.name]
     # A deadline already past starts nothing.
-    outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=0)
+    outcome = await daskrpc.retire_workers(cluster.address, [a], timeout=0)
     assert outcome.timed_out and outcome.not_retired == (a,)
-    assert (await statuses(cluster.scheduler_address))[a] == "running"
+    assert (await statuses(cluster.address))[a] == "running"
     assert await all_intact(client, data) and len(shared) == 1
 
 
@@ -148,63 +138,61 @@ async def test_a_scheduler_that_refuses_run_function_gives_the_same_figures_from
     assert figures[False]["b"] == (1000 + 5000, 2, 1000, 1)
 
 
-async def test_retire_moves_unique_data_worker_to_worker(cluster: LocalCluster, client: Client) -> None:
+async def test_retire_moves_unique_data_worker_to_worker(cluster: Cluster, client: Client) -> None:
     a = sorted(cluster.scheduler.workers)[0]
     data = await scatter(client, a, 5)
-    before = await daskrpc.fetch_snapshot(cluster.scheduler_address, placement_of=[a])
+    before = await daskrpc.fetch_snapshot(cluster.address, placement_of=[a])
     worker = before.by_address(a)
     assert worker is not None
-    outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=30)
+    outcome = await daskrpc.retire_workers(cluster.address, [a], timeout=30)
     assert (outcome.retired, outcome.not_retired, outcome.timed_out, outcome.absent) == ((a,), (), False, ())
-    after = await daskrpc.fetch_snapshot(cluster.scheduler_address, placement=list(before.who_has))
+    after = await daskrpc.fetch_snapshot(cluster.address, placement=list(before.who_has))
     assert after.by_address(a) is None
     assert snapshots.bytes_moved(before.who_has, after.who_has, before.nbytes, a) == (worker.unique_bytes, 5)
     assert snapshots.bytes_lost(before.who_has, after.who_has, before.nbytes, a) == (0, 0)
     assert await all_intact(client, data)
     # Again, as an operator would after a restart: the worker is known to be gone, nothing is done.
-    again = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=30)
+    again = await daskrpc.retire_workers(cluster.address, [a], timeout=30)
     assert (again.retired, again.not_retired, again.timed_out, again.absent) == ((), (), False, (a,))
 
 
-async def test_retiring_every_worker_retires_none_and_loses_nothing(cluster: LocalCluster, client: Client) -> None:
+async def test_retiring_every_worker_retires_none_and_loses_nothing(cluster: Cluster, client: Client) -> None:
     workers = sorted(cluster.scheduler.workers)
     data = {}
     for address in workers:
         data.update(await scatter(client, address, 2, size=64 * 1024))
-    outcome = await daskrpc.retire_workers(cluster.scheduler_address, workers, timeout=30)
+    outcome = await daskrpc.retire_workers(cluster.address, workers, timeout=30)
     assert outcome.retired == () and outcome.not_retired == tuple(workers) and not outcome.timed_out
     assert outcome.seconds < 5, "no recipients: the scheduler gives up at once"
 
     async def all_running() -> bool:  # the scheduler asks each worker to go back; each reports back
-        return await statuses(cluster.scheduler_address) == dict.fromkeys(workers, "running")
+        return await statuses(cluster.address) == dict.fromkeys(workers, "running")
 
     await polling.poll(all_running, timeout=15, what="all_running")
     assert await all_intact(client, data)
 
 
-async def test_timeout_returns_promptly_and_the_scheduler_finishes_alone(cluster: LocalCluster, client: Client) -> None:
+async def test_timeout_returns_promptly_and_the_scheduler_finishes_alone(cluster: Cluster, client: Client) -> None:
     """Stock retire_workers (a scheduler without memops' agent): recipients that stop answering
     make the drain hang; we stop waiting, the scheduler does not."""
     a, *others = sorted(cluster.scheduler.workers)
     data = await scatter(client, a, 2)
     pids = await client.run(os.getpid, workers=others)
     with frozen(list(pids.values())):
-        outcome = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1.5, memops_drain=False)
+        outcome = await daskrpc.retire_workers(cluster.address, [a], timeout=1.5, memops_drain=False)
         assert outcome.timed_out and outcome.retired == () and outcome.not_retired == (a,)
         assert 1.4 < outcome.seconds < 4
-        assert (await statuses(cluster.scheduler_address))[a] == "closing_gracefully"
+        assert (await statuses(cluster.address))[a] == "closing_gracefully"
 
     async def a_gone() -> bool:
-        return a not in await statuses(cluster.scheduler_address)
+        return a not in await statuses(cluster.address)
 
     await polling.poll(a_gone, timeout=15, what="a_gone")  # no second call: the handler went on after we hung up
     assert await all_intact(client, data)
 
 
 @pytest.mark.parametrize("room", [pytest.param(True, id="data-moves"), pytest.param(False, id="no-recipients")])
-async def test_retire_again_waits_for_the_retirement_in_progress(
-    cluster: LocalCluster, client: Client, room: bool
-) -> None:
+async def test_retire_again_waits_for_the_retirement_in_progress(cluster: Cluster, client: Client, room: bool) -> None:
     """An operator restarted mid-drain calls again: it must wait for the first retirement, not stack one
     (the first by stock retire_workers, which goes on after the caller's timeout).
 
@@ -215,7 +203,7 @@ async def test_retire_again_waits_for_the_retirement_in_progress(
     data = await scatter(client, a, 3)
     pid = (await client.run(os.getpid, workers=[a]))[a]
     with frozen([pid]):  # a sends nothing: its drain stays in progress
-        first = await daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=1, memops_drain=False)
+        first = await daskrpc.retire_workers(cluster.address, [a], timeout=1, memops_drain=False)
         assert first.timed_out and first.not_retired == (a,)
         if not room:
             await client.run(pause, workers=others)
@@ -225,9 +213,9 @@ async def test_retire_again_waits_for_the_retirement_in_progress(
                 return any(msg.get("action") == "could-not-retire" for _, msg in events)
 
             await polling.poll(first_gave_up, timeout=15, what="first_gave_up")  # at the next AMM run, within 2 s
-        assert (await statuses(cluster.scheduler_address))[a] == "closing_gracefully"
+        assert (await statuses(cluster.address))[a] == "closing_gracefully"
         asked = identity_calls(cluster)
-        second = asyncio.create_task(daskrpc.retire_workers(cluster.scheduler_address, [a], timeout=20))
+        second = asyncio.create_task(daskrpc.retire_workers(cluster.address, [a], timeout=20))
 
         async def second_has_asked() -> bool:  # while a is frozen, so it was told closing_gracefully
             return identity_calls(cluster) > asked
@@ -238,12 +226,12 @@ async def test_retire_again_waits_for_the_retirement_in_progress(
     assert not outcome.timed_out
     if room:
         assert outcome.retired == (a,)
-        assert a not in await statuses(cluster.scheduler_address)
+        assert a not in await statuses(cluster.address)
     else:
         assert outcome.not_retired == (a,)
 
         async def a_running() -> bool:
-            return (await statuses(cluster.scheduler_address))[a] == "running"
+            return (await statuses(cluster.address))[a] == "running"
 
         await polling.poll(a_running, timeout=15, what="a_running")  # the worker must not stay leaving
         gave_up = [msg for _, msg in cluster.scheduler.get_events(a) if msg.get("action") == "could-not-retire"]
@@ -306,7 +294,7 @@ async def test_tls_scheduler_with_certificates_from_pem_and_from_a_secret() -> N
 
 
 async def test_the_agent_comes_back_after_a_restart_and_replaces_another_version(
-    cluster: LocalCluster, client: Client
+    cluster: Cluster, client: Client
 ) -> None:
     """One handler for every feature; a scheduler that lost it (restarted) or holds another
     version of it gets this one on the next call, which then succeeds."""
@@ -315,17 +303,17 @@ async def test_the_agent_comes_back_after_a_restart_and_replaces_another_version
     a = sorted(cluster.scheduler.workers)[0]
     data = await scatter(client, a, 2)
     handlers = cluster.scheduler.handlers
-    assert (await daskrpc.fetch_snapshot(cluster.scheduler_address)).by_address(a).unique_keys == 2  # type: ignore[union-attr]
+    assert (await daskrpc.fetch_snapshot(cluster.address)).by_address(a).unique_keys == 2  # type: ignore[union-attr]
     assert agent.NAME in handlers and "memops-pressure-relief" not in handlers
     for lost in (lambda: handlers.pop(agent.NAME), lambda: handlers.update({agent.NAME: lambda **_: {"agent": 0}})):
         lost()
-        snapshot = await daskrpc.fetch_snapshot(cluster.scheduler_address)
+        snapshot = await daskrpc.fetch_snapshot(cluster.address)
         assert snapshot.by_address(a).unique_keys == 2  # type: ignore[union-attr]
         assert handlers[agent.NAME](operation="hello") == {"agent": agent.VERSION, "result": {"version": agent.VERSION}}
     assert len(data) == 2  # referenced until here, so the scheduler keeps them
 
 
-async def test_a_snapshot_vouched_for_reads_the_drains_on_its_connection(cluster: LocalCluster, client: Client) -> None:
+async def test_a_snapshot_vouched_for_reads_the_drains_on_its_connection(cluster: Cluster, client: Client) -> None:
     """As a MemoryPolicy's pass reads: ``identity``, then, only if ``vouch`` finds its workers to be
     the namespace's, memops' agent (installed then) for the drains. Refused: nothing more is asked
     and nothing is installed. A failure of ``vouch`` itself (the API server's) is raised as it is,
@@ -333,7 +321,7 @@ async def test_a_snapshot_vouched_for_reads_the_drains_on_its_connection(cluster
     from memops.scheduler import agent
 
     a, *_ = sorted(cluster.scheduler.workers)
-    address = cluster.scheduler_address
+    address = cluster.address
     judged: list[set[str]] = []
 
     async def refuse(workers: Any) -> tenancy.Verdict:

@@ -9,60 +9,38 @@ operator does, and its records are read as the operator reads them (a snapshot w
 from __future__ import annotations
 
 import os
-import subprocess
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import distributed
 import distributed.diagnostics.plugin
 import pytest
-from distributed import Client, LocalCluster
 
 from memops.clients import daskrpc
 from memops.decisions import snapshots
 from memops.scheduler import departures
 from tests import polling
 from tests.scheduler import processes
+from tests.scheduler.processes import Cluster
 
 CHUNK = 2**20
 
 
-class Cluster:
-    def __init__(self, local: LocalCluster, client: Client, workers: dict[str, subprocess.Popen[bytes]]):
-        self.address, self.client, self.workers = local.scheduler_address, client, workers
-        self.scheduler: Any = local.scheduler  # in this process
-
-    async def addresses(self) -> dict[str, str]:
-        """Worker name -> address."""
-        info = await self.client.scheduler.identity()
-        return {str(w["name"]): a for a, w in info["workers"].items()}
-
-    async def snapshot(self, **options: Any) -> snapshots.SchedulerSnapshot:
-        return await daskrpc.fetch_snapshot(self.address, drains=True, **options)
-
-    async def departed(self) -> list[dict[str, Any]]:
-        """The agent's records, once one is there."""
-
-        async def recorded() -> list[dict[str, Any]]:
-            return list((await self.snapshot(keys=False)).departures or [])
-
-        found: list[dict[str, Any]] = await polling.poll(recorded, timeout=30, what="a departure recorded")
-        return found
+pytestmark = pytest.mark.dask_cluster(workers=0, spawn=("victim", "survivor"))
 
 
-@pytest.fixture
-async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    names = getattr(request, "param", ("victim", "survivor"))
-    async with LocalCluster(n_workers=0, processes=True, dashboard_address=None, asynchronous=True) as local:
-        workers = {name: processes.spawn(local.scheduler_address, name) for name in names}
-        try:
-            async with Client(local, asynchronous=True) as client:
-                await client.wait_for_workers(len(names), timeout=60)
-                yield Cluster(local, client, workers)
-        finally:
-            for process in workers.values():
-                processes.kill(process)
+async def snapshot(cluster: Cluster, **options: Any) -> snapshots.SchedulerSnapshot:
+    return await daskrpc.fetch_snapshot(cluster.address, drains=True, **options)
+
+
+async def departed(cluster: Cluster) -> list[dict[str, Any]]:
+    """The agent's records, once one is there."""
+
+    async def recorded() -> list[dict[str, Any]]:
+        return list((await snapshot(cluster, keys=False)).departures or [])
+
+    found: list[dict[str, Any]] = await polling.poll(recorded, timeout=30, what="a departure recorded")
+    return found
 
 
 async def test_a_sigkilled_worker_is_recorded_with_what_it_alone_held(cluster: Cluster) -> None:
@@ -70,7 +48,7 @@ async def test_a_sigkilled_worker_is_recorded_with_what_it_alone_held(cluster: C
     (recomputed elsewhere) and a key with a copy on the survivor (not lost): the record counts what
     the scheduler held only on the victim, the figures the agent's holdings gave for it a moment before."""
     client = cluster.client
-    before = await cluster.snapshot(keys=False)  # installs the agent, as the operator's first pass does
+    before = await snapshot(cluster, keys=False)  # installs the agent, as the operator's first pass does
     assert before.departures == []
     addresses = await cluster.addresses()
     victim, survivor = addresses["victim"], addresses["survivor"]
@@ -85,13 +63,13 @@ async def test_a_sigkilled_worker_is_recorded_with_what_it_alone_held(cluster: C
         lambda: cluster.scheduler.tasks["input"].state != "memory", timeout=10, what="the input released"
     )
     await client.replicate([shared], workers=[victim, survivor])
-    held = (await cluster.snapshot()).by_address(victim)
+    held = (await snapshot(cluster)).by_address(victim)
     assert held is not None and held.unique_keys == 6 and held.nkeys == 7
 
     killed = time.time()
-    processes.kill(cluster.workers["victim"])
+    processes.kill(cluster.spawned["victim"])
 
-    (record,) = await cluster.departed()
+    (record,) = await departed(cluster)
     assert killed - 1 <= record["time"] <= time.time() + 1
     assert record["address"] == victim and record["name"] == "victim"
     assert (record["keys"], record["bytes"]) == (held.unique_keys, held.unique_bytes)
@@ -99,36 +77,36 @@ async def test_a_sigkilled_worker_is_recorded_with_what_it_alone_held(cluster: C
     assert record["drain"] == ""
 
 
-@pytest.mark.parametrize("cluster", [("victim",)], indirect=True)
+@pytest.mark.dask_cluster(spawn=("victim",))
 async def test_a_worker_that_dies_while_memops_drains_it_is_marked_as_that_drains(cluster: Cluster) -> None:
     """The drain reports its loss (``worker left``, in a RetirementRequest or the safety net's
     ``lostAtDeadline``): the record says so, so that the operator does not count it twice. The
     drain has no recipient (no other worker), so it is still draining when the worker dies."""
     client = cluster.client
-    await cluster.snapshot(keys=False)
+    await snapshot(cluster, keys=False)
     victim = (await cluster.addresses())["victim"]
     held = await client.scatter([os.urandom(CHUNK) for _ in range(2)], workers=[victim])
     async with daskrpc.connect(cluster.address) as scheduler:
         state = await scheduler.start_drain([victim], deadline=120, restore=False)
     assert state[victim]["state"] == "draining"
 
-    processes.kill(cluster.workers["victim"])
+    processes.kill(cluster.spawned["victim"])
 
-    (record,) = await cluster.departed()
+    (record,) = await departed(cluster)
     assert (record["keys"], record["irreplaceableKeys"], record["drain"]) == (len(held), 2, "draining")
 
 
 async def test_a_worker_that_held_nothing_alone_is_not_recorded(cluster: Cluster) -> None:
     """Workers scaled away idle would otherwise push the losses out of the bounded record."""
     client = cluster.client
-    await cluster.snapshot(keys=False)
+    await snapshot(cluster, keys=False)
     addresses = await cluster.addresses()
     shared = client.submit(os.urandom, CHUNK, key="shared", workers=[addresses["victim"]])
     await distributed.wait([shared])
     await client.replicate([shared], workers=list(addresses.values()))
-    processes.kill(cluster.workers["victim"])
+    processes.kill(cluster.spawned["victim"])
     await polling.poll(lambda: len(cluster.scheduler.workers) == 1, timeout=30, what="the victim gone")
-    assert (await cluster.snapshot(keys=False)).departures == []
+    assert (await snapshot(cluster, keys=False)).departures == []
     # Bounded, whatever leaves.
     assert cluster.scheduler.plugins[departures.NAME].records.maxlen == departures.KEPT
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import dask
@@ -21,7 +20,6 @@ from distributed import Client, LocalCluster
 from memops.clients import daskrpc
 from memops.scheduler import drain
 from tests import polling
-from tests.scheduler import processes
 
 MiB = 2**20
 
@@ -173,11 +171,9 @@ def test_assign(
 # -- on a real scheduler -------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[tuple[LocalCluster, Client]]:
-    config = {"distributed.scheduler.active-memory-manager.start": True}
-    async with processes.local_cluster(4, config=config, memory_limit="1GiB") as both:
-        yield both
+pytestmark = pytest.mark.dask_cluster(
+    workers=4, config={"distributed.scheduler.active-memory-manager.start": True}, memory_limit="1GiB"
+)
 
 
 async def received(client: Client) -> dict[str, collections.Counter[str]]:

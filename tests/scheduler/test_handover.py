@@ -12,52 +12,21 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+import stat
 from typing import Any
 
-import dask
 import pytest
-from distributed import Client, LocalCluster, Nanny
+from distributed import Client, LocalCluster
 from distributed.protocol.serialize import to_serialize
 
 from memops.clients import daskrpc
 from memops.scheduler import drain
 from memops.worker import accounting, handover
 from tests import polling
-from tests.scheduler import processes
+from tests.scheduler import peers, spilling
+from tests.scheduler.spilling import MiB, value
 
-MiB = 2**20
-SPILL_CONFIG = {
-    # Every key larger than the target (1e-3 of 256 MiB: 268 KB) is written straight to the spill store.
-    "distributed.worker.memory.target": 0.001,
-    "distributed.worker.memory.spill": False,
-    "distributed.worker.memory.pause": False,
-    "distributed.worker.memory.terminate": False,
-    "distributed.scheduler.active-memory-manager.start": False,
-}
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm on this machine: the hand-over needs a tmpfs")
-    path = tempfile.mkdtemp(prefix="memops-handover-", dir="/dev/shm")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-async def cluster(shm: str) -> AsyncIterator[tuple[LocalCluster, Client]]:
-    """Three worker processes that spill into one tmpfs root: one node's workers."""
-    async with processes.local_cluster(3, config=SPILL_CONFIG, memory_limit="256MiB", local_directory=shm) as both:
-        await handover.install(both[0].scheduler)
-        yield both
-
-
-def value(i: int) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest() * (MiB // 32)
+pytestmark = spilling.WORKERS.with_args(setup=lambda cluster: handover.install(cluster.scheduler))
 
 
 async def spill_files(client: Client, worker: str) -> dict[str, tuple[int, int]]:
@@ -140,23 +109,19 @@ async def test_a_receiver_on_another_filesystem_is_refused(cluster: tuple[LocalC
     local, client = cluster
     scheduler = local.scheduler
     sender = sorted(scheduler.workers)[0]
-    elsewhere = tempfile.mkdtemp(prefix="memops-handover-disk-")
-    try:
-        with dask.config.set(SPILL_CONFIG):
-            async with Nanny(scheduler.address, local_directory=elsewhere, memory_limit="256MiB", nthreads=1) as nanny:
-                far = nanny.worker_address
-                await polling.poll(lambda: far in scheduler.workers, timeout=20, interval=0.02)
-                [future] = await client.scatter([value(2)], workers=[sender])
-                ident = {a: await handover.identify(scheduler, a) for a in (sender, far)}
-                assert ident[far]["directory"] and not handover.same_filesystem(ident[sender], ident[far])
-                result = await handover.hand_over(scheduler, sender, far, [future.key], ident[sender]["directory"])
-                assert result == ([], [future.key])
-                assert str(future.key) not in await spill_files(client, far)
-    finally:
-        shutil.rmtree(elsewhere, ignore_errors=True)
+    async with spilling.worker_elsewhere(scheduler.address) as far:
+        await polling.poll(lambda: far in scheduler.workers, timeout=20, interval=0.02)
+        [future] = await client.scatter([value(2)], workers=[sender])
+        ident = {a: await handover.identify(scheduler, a) for a in (sender, far)}
+        assert ident[far]["directory"] and not handover.same_filesystem(ident[sender], ident[far])
+        result = await handover.hand_over(scheduler, sender, far, [future.key], ident[sender]["directory"])
+        assert result == ([], [future.key])
+        assert str(future.key) not in await spill_files(client, far)
 
 
-async def test_a_receiver_links_nothing_outside_its_shared_root(cluster: tuple[LocalCluster, Client], shm: str) -> None:
+async def test_a_receiver_links_nothing_outside_its_shared_root(
+    cluster: tuple[LocalCluster, Client], shm: pathlib.Path
+) -> None:
     """The receiver checks what it is told: a file outside its shared root, a '..' detour, a
     symlink, a directory, an inode other than the one offered are all refused."""
     local, client = cluster
@@ -190,6 +155,82 @@ async def test_a_receiver_links_nothing_outside_its_shared_root(cluster: tuple[L
         scheduler, receiver, "take", directory=directory, entries=[[future.key, name, ino, size, MiB]]
     )
     assert taken == (0,)
+
+
+def held(dask_worker: Any) -> dict[str, tuple[bool, int]]:
+    """Key -> (whether its spill file's name is a regular file itself, the inode it reaches)."""
+    store = dask_worker.data._slow_uncached.d
+    found: dict[str, tuple[bool, int]] = {}
+    for k, n in store.filenames.items():
+        path = os.path.join(store.directory, n)
+        found[str(k)] = (stat.S_ISREG(os.lstat(path).st_mode), os.stat(path).st_ino)
+    return found
+
+
+@pytest.mark.parametrize("swapped", ["the file", "a directory on its path"])
+async def test_a_name_swapped_for_a_symlink_as_the_receiver_links_is_never_taken(
+    cluster: tuple[LocalCluster, Client], shm: pathlib.Path, swapped: str
+) -> None:
+    """A peer offers a file of its own in the shared root, then, the moment the receiver links it
+    (after every check of the name), puts a symbolic link to a file outside the root in place of
+    the file or of the directory that holds it: the receiver links the file it checked, never the
+    one outside, nor a symbolic link to it."""
+    local, client = cluster
+    scheduler = local.scheduler
+    sender, receiver, _ = sorted(scheduler.workers)
+    [future] = await client.scatter([value(8)], workers=[sender])
+    directory = (await handover.identify(scheduler, sender))["directory"]
+    into = (await handover.identify(scheduler, receiver))["directory"]
+    [[name, ino, size]] = await handover.call(scheduler, sender, "offer", keys=[future.key])
+    root = os.path.dirname(os.path.dirname(directory))
+    mine = os.path.join(root, "peer")  # the peer's own directory in the root, and its own file
+    os.makedirs(mine)
+    os.link(os.path.join(directory, name), os.path.join(mine, "bait"))
+    outside = os.path.join(shm, "outside")  # on the same tmpfs, outside the root
+    os.makedirs(outside)
+    pathlib.Path(outside, "bait").write_bytes(b"outside" * 1024)
+    outside_ino = os.stat(os.path.join(outside, "bait")).st_ino
+    if swapped == "the file":
+        os.symlink(os.path.join(outside, "bait"), os.path.join(mine, "swap"))
+        moves = [(os.path.join(mine, "swap"), os.path.join(mine, "bait"))]
+    else:
+        os.symlink(outside, os.path.join(root, "swap"))
+        moves = [(mine, os.path.join(root, "peer-was")), (os.path.join(root, "swap"), mine)]
+    marker = os.path.join(shm, "swapped")
+    await client.run(peers.swap_as_it_links, into, moves, marker, workers=[receiver])
+
+    entries = [[future.key, "bait", ino, size, MiB]]
+    taken = await handover.call(scheduler, receiver, "take", directory=mine, entries=entries)
+
+    assert os.path.exists(marker), "the swap came as the receiver linked"
+    found = (await client.run(held, workers=[receiver]))[receiver].get(str(future.key))
+    assert found is None or found[1] != outside_ino, (
+        f"the receiver's spill file of the key is {'a link' if found[0] else 'a symbolic link'} "
+        f"to inode {found[1]}, the file outside its root"
+    )
+    assert taken == (0,) and found == (True, ino), (taken, found)
+
+
+async def test_a_handed_over_spill_file_is_read_only(cluster: tuple[LocalCluster, Client], shm: pathlib.Path) -> None:
+    """Once a peer holds a spill file, and may read it as a map, its writer cannot open it for
+    writing or truncate it (a truncation would end the peer's process with SIGBUS), nor can any
+    process of its uid: the sender takes the write bits off as it offers the file, however it was
+    written (here by distributed's own spill store, without memops' links plugin)."""
+    local, client = cluster
+    scheduler = local.scheduler
+    sender, receiver, _ = sorted(scheduler.workers)
+    [future] = await client.scatter([value(9)], workers=[sender])
+    directory = (await handover.identify(scheduler, sender))["directory"]
+    assert await handover.hand_over(scheduler, sender, receiver, [future.key], directory) == ([future.key], [])
+    [[name, _, _]] = await handover.call(scheduler, sender, "offer", keys=[future.key])
+    path = os.path.join(directory, name)
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+
+    said = peers.writes_as_owner(path, os.path.dirname(shm))  # /dev/shm: anyone may pass through it
+
+    assert all("Permission denied" in why for why in said.values()), f"its owner wrote to it (mode {mode:o}): {said}"
+    assert mode & 0o222 == 0, f"mode {mode:o}"
+    assert await client.gather(future) == value(9)
 
 
 async def test_a_hostile_reply_is_refused(cluster: tuple[LocalCluster, Client]) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import shutil
+import stat
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import dask
@@ -25,34 +25,9 @@ from distributed import Client, LocalCluster, Nanny
 from memops.clients import daskrpc
 from memops.worker import accounting, links, maps
 from tests import polling
-from tests.scheduler import processes
-
-MiB = 2**20
-SPILL_CONFIG = {
-    "distributed.worker.memory.target": 0.001,
-    "distributed.worker.memory.spill": False,
-    "distributed.worker.memory.pause": False,
-    "distributed.worker.memory.terminate": False,
-    "distributed.scheduler.active-memory-manager.start": False,
-}
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm on this machine: links need a tmpfs")
-    path = tempfile.mkdtemp(prefix="memops-links-", dir="/dev/shm")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-async def cluster(shm: str) -> AsyncIterator[tuple[LocalCluster, Client]]:
-    """Three worker processes that spill into one tmpfs root, with the plugin: one node's workers."""
-    async with processes.local_cluster(3, config=SPILL_CONFIG, memory_limit="256MiB", local_directory=shm) as both:
-        await links.install(both[0].scheduler)
-        await wait_active(both[0], 3)
-        yield both
+from tests.scheduler import peers, processes, spilling
+from tests.scheduler.processes import Cluster
+from tests.scheduler.spilling import MiB, value
 
 
 async def wait_active(local: LocalCluster, count: int) -> dict[str, Any]:
@@ -64,8 +39,14 @@ async def wait_active(local: LocalCluster, count: int) -> dict[str, Any]:
     return await polling.poll(active, timeout=30, what="the plugin active", interval=0.1)  # type: ignore[no-any-return]
 
 
-def value(i: int) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest() * (MiB // 32)
+async def with_links(cluster: Cluster) -> None:
+    await links.install(cluster.scheduler)
+    await wait_active(cluster.local, len(cluster.local.workers))
+
+
+pytestmark = spilling.WORKERS.with_args(setup=with_links)
+ROOMY = pytest.mark.dask_cluster(workers=2, config={**spilling.CONFIG, "distributed.worker.memory.target": 0.6})
+"""Dask's own target (0.6): keys stay in memory until a peer asks."""
 
 
 def digest(b: Any) -> str:
@@ -172,22 +153,14 @@ async def test_a_peer_on_another_filesystem_gets_the_bytes(cluster: tuple[LocalC
     local, client = cluster
     scheduler = local.scheduler
     sender = sorted(scheduler.workers)[0]
-    elsewhere = tempfile.mkdtemp(prefix="memops-links-disk-")
-    try:
-        with dask.config.set(SPILL_CONFIG):
-            async with Nanny(scheduler.address, local_directory=elsewhere, memory_limit="256MiB", nthreads=1) as nanny:
-                far = nanny.worker_address
-                await wait_active(local, 4)
-                [future] = await client.scatter([value(2)], workers=[sender])
-                assert await fetch(client, future, far) == hashlib.sha256(value(2)).hexdigest()
-                [transfer] = await sent(client, sender)
-                assert transfer["keys"] == [str(future.key)] and transfer["linked"] == []
-                assert transfer["written"] > MiB
-                assert (await spill_files(client, far))[str(future.key)] != (await spill_files(client, sender))[
-                    str(future.key)
-                ]
-    finally:
-        shutil.rmtree(elsewhere, ignore_errors=True)
+    async with spilling.worker_elsewhere(scheduler.address) as far:
+        await wait_active(local, 4)
+        [future] = await client.scatter([value(2)], workers=[sender])
+        assert await fetch(client, future, far) == hashlib.sha256(value(2)).hexdigest()
+        [transfer] = await sent(client, sender)
+        assert transfer["keys"] == [str(future.key)] and transfer["linked"] == []
+        assert transfer["written"] > MiB
+        assert (await spill_files(client, far))[str(future.key)] != (await spill_files(client, sender))[str(future.key)]
 
 
 async def test_a_peer_without_the_plugin_gets_the_bytes(cluster: tuple[LocalCluster, Client]) -> None:
@@ -209,21 +182,12 @@ async def test_a_key_in_memory_goes_as_bytes(cluster: tuple[LocalCluster, Client
     assert transfer["linked"] == []
 
 
-@pytest.fixture
-async def roomy(shm: str) -> AsyncIterator[tuple[LocalCluster, Client]]:
-    """As :func:`cluster`, with Dask's own target (0.6): keys stay in memory until a peer asks."""
-    config = {**SPILL_CONFIG, "distributed.worker.memory.target": 0.6}
-    async with processes.local_cluster(2, config=config, memory_limit="256MiB", local_directory=shm) as both:
-        await links.install(both[0].scheduler)
-        await wait_active(both[0], 2)
-        yield both
-
-
-async def test_an_array_in_memory_is_spilled_for_a_same_node_peer(roomy: tuple[LocalCluster, Client]) -> None:
+@ROOMY
+async def test_an_array_in_memory_is_spilled_for_a_same_node_peer(cluster: tuple[LocalCluster, Client]) -> None:
     """A key that the sender holds in memory and would read back as a map goes by link too: the
     sender spills it first (its private copy goes), the receiver maps the file, and the sender
     wrote a few hundred bytes on the comm for 4 MiB."""
-    local, client = roomy
+    local, client = cluster
     sender, receiver = sorted(local.scheduler.workers)
     array = np.arange(4 * MiB // 8, dtype="float64")
     [future] = await client.scatter([array], workers=[sender])
@@ -244,12 +208,13 @@ async def test_an_array_in_memory_is_spilled_for_a_same_node_peer(roomy: tuple[L
     assert (await client.gather(future))[-1] == array[-1]
 
 
-async def test_a_map_spilled_again_goes_back_by_its_own_file(roomy: tuple[LocalCluster, Client]) -> None:
+@ROOMY
+async def test_a_map_spilled_again_goes_back_by_its_own_file(cluster: tuple[LocalCluster, Client]) -> None:
     """A key read back as a map, then spilled again, is its file again: the sender's (read back
     by a task, its file out of the store) and the receiver's (kept in memory as a map of the
     linked file) both put back the one inode, and no second copy of the pages is written. The
     receiver's counts as linked from a peer, not as its own."""
-    local, client = roomy
+    local, client = cluster
     sender, receiver = sorted(local.scheduler.workers)
     array = np.arange(4 * MiB // 8, dtype="float64")
     [future] = await client.scatter([array], workers=[sender])
@@ -277,10 +242,11 @@ async def test_a_map_spilled_again_goes_back_by_its_own_file(roomy: tuple[LocalC
     assert (await client.gather(future))[-1] == array[-1]
 
 
-async def test_pure_python_data_in_memory_goes_as_bytes(roomy: tuple[LocalCluster, Client]) -> None:
+@ROOMY
+async def test_pure_python_data_in_memory_goes_as_bytes(cluster: tuple[LocalCluster, Client]) -> None:
     """A value that would be unpickled into private memory on every read (strings) is not spilled
     for a peer: it stays in the sender's memory and travels as distributed sends it."""
-    local, client = roomy
+    local, client = cluster
     sender, receiver = sorted(local.scheduler.workers)
     strings = [f"{i:032x}" for i in range(64 * 1024)]  # about 6 MiB of Python objects
     [future] = await client.scatter([strings], workers=[sender])
@@ -300,7 +266,7 @@ def test_what_is_spilled_for_a_peer() -> None:
     assert not maps.mappable({}) and not maps.mappable([[[np.zeros(1)]]]), "empty, or nested past the depth"
 
 
-async def test_a_hostile_link_is_refused(cluster: tuple[LocalCluster, Client], shm: str) -> None:
+async def test_a_hostile_link_is_refused(cluster: tuple[LocalCluster, Client], shm: pathlib.Path) -> None:
     """A link header that names a file outside the workers' shared root, through '..', through a
     symbolic link, or with another inode than the file's, is refused and nothing is linked; the
     sender's genuine outbox link is taken."""
@@ -350,13 +316,98 @@ async def test_a_hostile_link_is_refused(cluster: tuple[LocalCluster, Client], s
     assert (await client.run(receive, outbox, name, ino, size, workers=[receiver]))[receiver] == "taken"
 
 
+@pytest.fixture
+async def on_a_new_tmpfs() -> AsyncIterator[tuple[LocalCluster, Client]]:
+    """As :func:`cluster`, two workers, spilling into a tmpfs of their own: its inode numbers are small."""
+    with peers.tmpfs() as root:
+        async with processes.local_cluster(
+            2, config=spilling.CONFIG, memory_limit="256MiB", local_directory=root
+        ) as both:
+            await links.install(both[0].scheduler)
+            await wait_active(both[0], 2)
+            yield both
+
+
+async def test_a_link_swapped_for_another_filesystems_twin_as_it_is_linked_is_never_read(
+    on_a_new_tmpfs: tuple[LocalCluster, Client],
+) -> None:
+    """A peer sends a link to a file of its own, then, the moment the receiver links it, puts in its
+    place a symbolic link to a file of another tmpfs with the same inode number and size (a new
+    tmpfs numbers its inodes from 2: a small number is easy to match). The receiver reads the file
+    it checked, never its twin."""
+    local, client = on_a_new_tmpfs
+    sender, receiver = sorted(local.scheduler.workers)
+    [future] = await client.scatter([value(11)], workers=[sender])
+    plugin = links.NAME
+
+    def pin(dask_worker: Any) -> list[Any]:
+        state = dask_worker.plugins[plugin].links
+        name, ino, size = state.pin(future.key)
+        return [os.path.realpath(state.outbox), name, ino, size]
+
+    def outbox(dask_worker: Any) -> str:
+        return os.path.realpath(dask_worker.plugins[plugin].links.outbox)
+
+    def receive(where: str, fname: str, inode: int, nbytes: int, dask_worker: Any = None) -> str:
+        state = dask_worker.plugins[plugin].links
+        try:
+            got = state.receive({"directory": where, "name": fname, "inode": inode, "size": nbytes})
+        except (ValueError, OSError) as exc:
+            return f"refused: {exc}"
+        finally:
+            state.staged.clear()
+        return digest(got)
+
+    where, name, ino, size = (await client.run(pin, workers=[sender]))[sender]
+    genuine = pathlib.Path(where, name).read_bytes()
+    with peers.tmpfs() as other:
+        twin = peers.inode_twin(other, ino, genuine[:-1] + bytes([genuine[-1] ^ 0xFF]))
+        assert (os.stat(twin).st_ino, os.stat(twin).st_size) == (ino, size)
+        assert os.stat(twin).st_dev != os.stat(os.path.join(where, name)).st_dev
+        os.symlink(twin, os.path.join(where, "swap"))
+        marker = os.path.join(other, "swapped")
+        into = (await client.run(outbox, workers=[receiver]))[receiver]
+        moves = [(os.path.join(where, "swap"), os.path.join(where, name))]
+        await client.run(peers.swap_as_it_links, into, moves, marker, workers=[receiver])
+
+        result = (await client.run(receive, where, name, ino, size, workers=[receiver]))[receiver]
+
+        assert os.path.exists(marker), "the swap came as the receiver linked"
+        checked = hashlib.sha256(value(11)).hexdigest()
+        assert result == checked, f"the receiver read another file than it checked: {result}"
+
+
+async def test_a_spill_file_is_read_only_once_written(cluster: tuple[LocalCluster, Client], shm: pathlib.Path) -> None:
+    """A spill file that a peer links and reads as a map cannot be opened for writing or truncated
+    (a truncation would end the peer's process with SIGBUS) by its writer or by any process of its
+    uid: the spill store takes its write bits off once the bytes are in."""
+    local, client = cluster
+    sender, receiver, _ = sorted(local.scheduler.workers)
+    [future] = await client.scatter([value(12)], workers=[sender])
+    assert await fetch(client, future, receiver) == hashlib.sha256(value(12)).hexdigest()
+    await polling.poll(lambda: _linked_twice(client, str(future.key), receiver), timeout=20, what="the link")
+
+    def path(dask_worker: Any) -> str:
+        store = dask_worker.data.slow.data.d
+        return os.path.join(store.directory, store.filenames[future.key])
+
+    written = (await client.run(path, workers=[sender]))[sender]
+    mode = stat.S_IMODE(os.stat(written).st_mode)
+
+    said = peers.writes_as_owner(written, os.path.dirname(shm))  # /dev/shm: anyone may pass through it
+
+    assert all("Permission denied" in why for why in said.values()), f"its owner wrote to it (mode {mode:o}): {said}"
+    assert mode & 0o222 == 0, f"mode {mode:o}"
+    assert await fetch(client, future, receiver) == hashlib.sha256(value(12)).hexdigest()
+
+
 async def test_a_worker_whose_data_is_not_a_spill_buffer_refuses_the_plugin(
     cluster: tuple[LocalCluster, Client],
 ) -> None:
     """A worker that does not spill (its data a plain dict) says why it refused, and serves as stock."""
     local, client = cluster
     scheduler = local.scheduler
-    config = {**SPILL_CONFIG, "distributed.worker.memory.target": False}
+    config = {**spilling.CONFIG, "distributed.worker.memory.target": False}
     with dask.config.set(config):
         async with Nanny(scheduler.address, memory_limit="256MiB", nthreads=1) as nanny:
             address = nanny.worker_address
@@ -401,25 +452,23 @@ def test_summarize_counts_a_linked_file_once() -> None:
     assert (owned["ownBytes"], owned["ownerBytes"], owned["bytes"]) == (10, 30, 140)
 
 
-async def test_the_operator_installs_the_plugin_and_reads_the_shares(shm: str) -> None:
+@pytest.mark.dask_cluster(workers=2, setup=None)  # the operator installs the plugin
+async def test_the_operator_installs_the_plugin_and_reads_the_shares(cluster: tuple[LocalCluster, Client]) -> None:
     """Through memops' agent, as the policy pass calls it (the plugin sent by value): every
     worker active, and after a fetch by link the shares of the two holders add up to the one file."""
-    async with processes.local_cluster(2, config=SPILL_CONFIG, memory_limit="256MiB", local_directory=shm) as (
-        local,
-        client,
-    ):
-        await client.wait_for_workers(2)
-        async with daskrpc.connect(local.scheduler_address) as scheduler:
-            found = await scheduler.install_links()
-            assert {s["status"] for s in found.values()} == {links.ACTIVE}, found
-            sender, receiver = sorted(local.scheduler.workers)
-            [future] = await client.scatter([value(6)], workers=[sender])
-            assert await fetch(client, future, receiver) == hashlib.sha256(value(6)).hexdigest()
-            await polling.poll(lambda: _linked_twice(client, str(future.key), receiver), timeout=20, what="the link")
-            shares = await scheduler.spill_shares()
-            assert shares[sender]["bytes"] == shares[receiver]["bytes"] > MiB
-            assert shares[sender]["sharedBytes"] == shares[sender]["bytes"]
-            assert abs(shares[sender]["share"] + shares[receiver]["share"] - shares[sender]["bytes"]) <= 1
+    local, client = cluster
+    await client.wait_for_workers(2)
+    async with daskrpc.connect(local.scheduler_address) as scheduler:
+        found = await scheduler.install_links()
+        assert {s["status"] for s in found.values()} == {links.ACTIVE}, found
+        sender, receiver = sorted(local.scheduler.workers)
+        [future] = await client.scatter([value(6)], workers=[sender])
+        assert await fetch(client, future, receiver) == hashlib.sha256(value(6)).hexdigest()
+        await polling.poll(lambda: _linked_twice(client, str(future.key), receiver), timeout=20, what="the link")
+        shares = await scheduler.spill_shares()
+        assert shares[sender]["bytes"] == shares[receiver]["bytes"] > MiB
+        assert shares[sender]["sharedBytes"] == shares[sender]["bytes"]
+        assert abs(shares[sender]["share"] + shares[receiver]["share"] - shares[sender]["bytes"]) <= 1
 
 
 @pytest.mark.parametrize(
@@ -435,7 +484,7 @@ async def test_the_operator_installs_the_plugin_and_reads_the_shares(shm: str) -
         pytest.param(lambda: list(range(1000)), False, id="list"),
     ],
 )
-def test_which_types_are_read_back_as_maps(shm: str, make: Any, is_mapped: bool) -> None:
+def test_which_types_are_read_back_as_maps(shm: pathlib.Path, make: Any, is_mapped: bool) -> None:
     """What docs/resources.md lists: the values that the spill store's mapped file gives back as
     views of the map, through Dask's own spill serialization (uncompressed)."""
     from distributed.protocol.serialize import deserialize_bytes, serialize_bytelist

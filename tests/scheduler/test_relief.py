@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 
 import distributed.scheduler
@@ -29,9 +28,9 @@ ABOVE, TO = 0.6, 0.45
 OWNER = "default/relief"
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[tuple[str, Client]]:
-    config = {
+pytestmark = pytest.mark.dask_cluster(
+    workers=3,
+    config={
         "distributed.worker.memory.target": False,
         "distributed.worker.memory.spill": False,
         "distributed.worker.memory.pause": False,
@@ -39,9 +38,9 @@ async def cluster() -> AsyncIterator[tuple[str, Client]]:
         "distributed.worker.memory.monitor-interval": "50ms",
         "distributed.scheduler.active-memory-manager.start": True,
         "distributed.scheduler.active-memory-manager.interval": "300ms",
-    }
-    async with processes.local_cluster(3, config=config, memory_limit=LIMIT) as (local, client):
-        yield local.scheduler_address, client
+    },
+    memory_limit=LIMIT,
+)
 
 
 async def process_memory(client: Client) -> dict[str, int]:
@@ -65,8 +64,8 @@ def digest(value: bytes) -> str:
     return hashlib.sha256(value).hexdigest()
 
 
-async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: tuple[str, Client]) -> None:
-    address, client = cluster
+async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: processes.Cluster) -> None:
+    address, client = cluster.address, cluster.client
     hot, *peers = sorted(await process_memory(client))
     digests: dict[str, str] = {}
     futures = await load(client, hot, ABOVE + 0.08, digests)
@@ -109,8 +108,8 @@ async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: 
     assert all(peak <= ABOVE * LIMIT for peak in peaks.values()), peaks
 
 
-async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: tuple[str, Client]) -> None:
-    address, client = cluster
+async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: processes.Cluster) -> None:
+    address, client = cluster.address, cluster.client
     workers = sorted(await process_memory(client))
     futures = {}
     # Every worker over relieveAbove: nowhere to go.
@@ -136,7 +135,7 @@ async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: t
 
 
 async def test_a_copy_counts_in_full_on_its_recipient_until_a_heartbeat_shows_it(
-    cluster: tuple[str, Client], monkeypatch: pytest.MonkeyPatch
+    cluster: processes.Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Heartbeats held back (the scheduler tells the workers to send one every minute), so the
     process memory that relief plans from stays as it was before any copy. The hot worker holds
@@ -144,7 +143,7 @@ async def test_a_copy_counts_in_full_on_its_recipient_until_a_heartbeat_shows_it
     each peer must fit under relieveAbove at :data:`relief.LANDING` times its size, landed or not:
     a landed key is in the scheduler's managed memory at once, but not in the process memory that
     relief reads (counting it once, a peer took about twice what fits)."""
-    address, client = cluster
+    address, client = cluster.address, cluster.client
     hot, *peers = sorted(await process_memory(client))
     futures = await load(client, hot, ABOVE + 0.08)
 

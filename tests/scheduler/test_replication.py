@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import dask
 import distributed
 import pytest
-from distributed import Client, LocalCluster
 
 from memops.clients import daskrpc
 from tests import polling
 from tests.scheduler import processes
+from tests.scheduler.processes import Cluster
 
 OWNER = "default/replication"
 NAMES = ("w0", "w1", "w2", "w3")
@@ -36,44 +33,31 @@ PLACES = {
 CHUNK = 2**20
 
 
-class Cluster:
-    def __init__(self, address: str, client: Client, workers: dict[str, subprocess.Popen[bytes]]):
-        self.address, self.client, self.workers = address, client, workers
-
-    async def addresses(self) -> dict[str, str]:
-        """Worker name -> address."""
-        info = await self.client.scheduler.identity()
-        return {str(w["name"]): a for a, w in info["workers"].items()}
-
-    async def places(self) -> dict[str, tuple[str, str]]:
-        return {a: PLACES[n] for n, a in (await self.addresses()).items() if n in PLACES}
-
-    async def configure(self, rules: dict[str, Any] | None) -> dict[str, Any] | None:
-        return await daskrpc.configure_replication(self.address, rules=rules, places=await self.places(), owner=OWNER)
-
-    async def who_has(self, keys: list[str]) -> dict[str, list[str]]:
-        result: dict[str, list[str]] = await self.client.scheduler.who_has(keys=keys)
-        return result
+pytestmark = pytest.mark.dask_cluster(
+    workers=0,
+    spawn=NAMES,
+    config={
+        "distributed.scheduler.active-memory-manager.start": True,
+        "distributed.scheduler.active-memory-manager.interval": "300ms",
+        "distributed.scheduler.worker-ttl": "5s",
+    },
+)
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[Cluster]:
-    with dask.config.set(
-        {
-            "distributed.scheduler.active-memory-manager.start": True,
-            "distributed.scheduler.active-memory-manager.interval": "300ms",
-            "distributed.scheduler.worker-ttl": "5s",
-        }
-    ):
-        async with LocalCluster(n_workers=0, processes=True, dashboard_address=None, asynchronous=True) as local:
-            workers = {name: processes.spawn(local.scheduler_address, name) for name in NAMES}
-            try:
-                async with Client(local, asynchronous=True) as client:
-                    await client.wait_for_workers(len(NAMES), timeout=60)
-                    yield Cluster(local.scheduler_address, client, workers)
-            finally:
-                for process in workers.values():
-                    processes.kill(process)
+async def placement(cluster: Cluster) -> dict[str, tuple[str, str]]:
+    return {a: PLACES[n] for n, a in (await cluster.addresses()).items() if n in PLACES}
+
+
+async def configure(cluster: Cluster, rules: dict[str, Any] | None) -> dict[str, Any] | None:
+    return await daskrpc.configure_replication(
+        cluster.address, rules=rules, places=await placement(cluster), owner=OWNER
+    )
+
+
+async def holders(cluster: Cluster, keys: list[str]) -> dict[str, list[str]]:
+    """Key -> the addresses of the workers that hold it."""
+    result: dict[str, list[str]] = await cluster.client.scheduler.who_has(keys=keys)
+    return result
 
 
 RULES = {
@@ -90,36 +74,36 @@ async def test_ruled_keys_reach_their_target_and_stay_there_while_reduce_replica
     unruled = [client.submit(os.urandom, CHUNK, key=f"other-{i}") for i in range(8)]
     await distributed.wait(ruled + unruled)
     await client.replicate(unruled, n=3)  # stock Dask's one-shot answer: ReduceReplicas undoes it
-    assert await cluster.configure(RULES) is not None
+    assert await configure(cluster, RULES) is not None
     ruled_keys, unruled_keys = [str(f.key) for f in ruled], [str(f.key) for f in unruled]
-    places = await cluster.places()
+    places = await placement(cluster)
 
     async def at_target() -> bool:
-        who_has = await cluster.who_has(ruled_keys + unruled_keys)
+        who_has = await holders(cluster, ruled_keys + unruled_keys)
         return all(len(who_has[k]) == 2 for k in ruled_keys) and all(len(who_has[k]) == 1 for k in unruled_keys)
 
     await polling.poll(at_target, timeout=30, what="ruled keys at 2 copies, unruled at 1")
-    figures = await cluster.configure(RULES)
+    figures = await configure(cluster, RULES)
     assert figures is not None
     vetoed = figures["vetoed"]
     # Stays there while ReduceReplicas runs: it asks to drop every ruled key's second copy on
     # each of its cycles, and each such drop is withheld (counted), never enacted.
     while figures["vetoed"] < vetoed + 5 * len(ruled_keys):
-        who_has = await cluster.who_has(ruled_keys)
+        who_has = await holders(cluster, ruled_keys)
         assert all(len(who_has[k]) == 2 for k in ruled_keys), who_has
         await asyncio.sleep(0.1)
-        figures = await cluster.configure(RULES)
+        figures = await configure(cluster, RULES)
         assert figures is not None
     assert figures["keysUnder"] == 0 and figures["keysOver"] == 0
     assert figures["bytesSpent"] >= 8 * CHUNK
     # Each key's two copies are on two nodes (w0 and w1 share node-a).
-    who_has = await cluster.who_has(ruled_keys)
+    who_has = await holders(cluster, ruled_keys)
     assert all(len({places[h][0] for h in who_has[k]}) == 2 for k in ruled_keys), who_has
     # Removed: ReduceReplicas decides every key again, and takes ruled keys back to one copy.
-    assert await cluster.configure(None) is None
+    assert await configure(cluster, None) is None
 
     async def reduced() -> bool:
-        who_has = await cluster.who_has(ruled_keys)
+        who_has = await holders(cluster, ruled_keys)
         return all(len(who_has[k]) == 1 for k in ruled_keys)
 
     await polling.poll(reduced, timeout=15, what="ReduceReplicas back in charge of the formerly ruled keys")
@@ -134,23 +118,23 @@ async def test_a_copy_lost_with_a_sigkilled_worker_is_made_again(cluster: Cluste
     ruled = [client.submit(os.urandom, CHUNK, key=f"load-parquet-{i}") for i in range(8)]
     await distributed.wait(ruled)
     keys = [str(f.key) for f in ruled]
-    assert await cluster.configure(RULES) is not None
+    assert await configure(cluster, RULES) is not None
 
     async def at_target() -> bool:
-        who_has = await cluster.who_has(keys)
+        who_has = await holders(cluster, keys)
         return all(len(who_has[k]) == 2 for k in keys)
 
     await polling.poll(at_target, timeout=30, what="2 copies of each ruled key")
     addresses = await cluster.addresses()
     by_address = {a: n for n, a in addresses.items()}
-    who_has = await cluster.who_has(keys)
+    who_has = await holders(cluster, keys)
     victim = by_address[who_has[keys[0]][0]]
     lost = [k for k in keys if addresses[victim] in who_has[k]]
-    processes.kill(cluster.workers[victim])
+    processes.kill(cluster.spawned[victim])
     started = time.monotonic()
 
     async def restored() -> bool:
-        now = await cluster.who_has(keys)
+        now = await holders(cluster, keys)
         return all(len(now[k]) == 2 and addresses[victim] not in now[k] for k in keys)
 
     await polling.poll(restored, timeout=30, what="the lost copies made again")
@@ -166,17 +150,17 @@ async def test_sigkilled_spot_pods_lose_no_key_under_a_pod_rule(cluster: Cluster
     futures = await client.scatter([os.urandom(CHUNK) for _ in range(12)], workers=spot, hash=False)
     keys = [str(f.key) for f in futures]
     rules = {"default": 1, "pods": [{"workers": spot, "replicas": 2}], "maxReplicatedFraction": 0.5, "ceiling": 0.9}
-    assert await cluster.configure(rules) is not None
+    assert await configure(cluster, rules) is not None
 
     async def outside() -> bool:
-        who_has = await cluster.who_has(keys)
+        who_has = await holders(cluster, keys)
         return all(any(h not in spot for h in who_has[k]) for k in keys)
 
     await polling.poll(outside, timeout=30, what="a copy of each key off the spot pods")
-    who_has = await cluster.who_has(keys)
+    who_has = await holders(cluster, keys)
     assert all(len(who_has[k]) == 2 for k in keys), who_has  # one copy on a spot pod, one off
     for name in ("w0", "w1"):
-        processes.kill(cluster.workers[name])
+        processes.kill(cluster.spawned[name])
 
     async def gone() -> bool:
         return len(await cluster.addresses()) == 2

@@ -9,7 +9,6 @@ monitors, called once on purpose (the nanny runs in this process; the worker's t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -32,10 +31,7 @@ CONFIG = {
 }
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[tuple[LocalCluster, Client]]:
-    async with processes.local_cluster(1, config=CONFIG, memory_limit=OLD, wait=True) as both:
-        yield both
+pytestmark = pytest.mark.dask_cluster(workers=1, config=CONFIG, memory_limit=OLD, wait=True)
 
 
 def hold(nbytes: int, dask_worker: Any = None) -> int:
@@ -250,17 +246,19 @@ async def test_the_operator_resizes_a_worker_where_memops_is_not_installed(unuse
             processes.kill(process)
 
 
-async def test_what_the_worker_computed_from_its_limit_at_start_follows() -> None:
+@pytest.mark.dask_cluster(
+    config={**CONFIG, "distributed.worker.memory.target": 0.6, "distributed.worker.memory.transfer": 0.1}
+)
+async def test_what_the_worker_computed_from_its_limit_at_start_follows(cluster: tuple[LocalCluster, Client]) -> None:
     """The spill buffer's target (``target`` of the limit) and the limit on incoming transfers
     (``transfer`` of it) were computed once, at start: both follow the new limit."""
-    config = {**CONFIG, "distributed.worker.memory.target": 0.6, "distributed.worker.memory.transfer": 0.1}
-    async with processes.local_cluster(1, config=config, memory_limit=OLD, wait=True) as (local, client):
-        [address] = local.scheduler.workers
+    local, client = cluster
+    [address] = local.scheduler.workers
 
-        def figures(dask_worker: Any) -> tuple[int, int]:
-            return int(dask_worker.data.n), int(dask_worker.state.transfer_incoming_bytes_limit)
+    def figures(dask_worker: Any) -> tuple[int, int]:
+        return int(dask_worker.data.n), int(dask_worker.state.transfer_incoming_bytes_limit)
 
-        assert (await client.run(figures))[address] == (int(0.6 * OLD), int(0.1 * OLD))
-        reply = await call_agent(local, worker=address, memory_limit=NEW, maximum=NEW)
-        assert reply["applied"] == ["nanny", "worker", "scheduler"], reply
-        assert (await client.run(figures))[address] == (int(0.6 * NEW), int(0.1 * NEW))
+    assert (await client.run(figures))[address] == (int(0.6 * OLD), int(0.1 * OLD))
+    reply = await call_agent(local, worker=address, memory_limit=NEW, maximum=NEW)
+    assert reply["applied"] == ["nanny", "worker", "scheduler"], reply
+    assert (await client.run(figures))[address] == (int(0.6 * NEW), int(0.1 * NEW))

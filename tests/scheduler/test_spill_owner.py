@@ -10,12 +10,11 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,19 +25,11 @@ from distributed import Client, LocalCluster
 
 from memops.worker import accounting, links, owner
 from tests import polling
-from tests.scheduler import processes
-from tests.scheduler.test_links import SPILL_CONFIG, wait_active
+from tests.scheduler import peers, processes
+from tests.scheduler.spilling import CONFIG as SPILL_CONFIG
+from tests.scheduler.test_links import wait_active
 
 MiB = 2**20
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm on this machine: the owner allocates on a tmpfs")
-    path = Path(tempfile.mkdtemp(prefix="memops-owner-", dir="/dev/shm"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -153,6 +144,30 @@ async def test_a_worker_spills_into_files_the_owner_allocated_and_reads_them_bac
     assert all(r["ownerRefusedFiles"] == 0 for r in reports.values())
     back = await client.gather(futures)
     assert all(np.array_equal(a, b) for a, b in zip(arrays, back, strict=True))
+
+
+async def test_a_file_the_owner_allocated_is_read_only_once_written(
+    owned_cluster: tuple[LocalCluster, Client], shm: Path
+) -> None:
+    """The owner allocates the file's pages, the worker writes them and then takes the write bits
+    off: neither it nor any process of its uid opens the file for writing or truncates it."""
+    _, client = owned_cluster
+    futures = await client.scatter([np.full(MiB // 8, float(i)) for i in range(2)])
+
+    def paths(dask_worker: Any) -> list[str]:
+        store = dask_worker.data.slow.data.d
+        return [os.path.join(store.directory, name) for name in store.filenames.values()]
+
+    written = [p for found in (await client.run(paths)).values() for p in found]
+    assert len(written) == 2 and sum(r["ownerBytes"] for r in (await spill_reports(client)).values()) >= 2 * MiB
+    modes = {os.path.basename(p): f"{stat.S_IMODE(os.stat(p).st_mode):o}" for p in written}
+
+    said = peers.writes_as_owner(written[0], str(shm.parent))  # /dev/shm: anyone may pass through it
+
+    assert all("Permission denied" in why for why in said.values()), f"its owner wrote to it ({modes}): {said}"
+    assert all(int(mode, 8) & 0o222 == 0 for mode in modes.values()), modes
+    back = await client.gather(futures)
+    assert [float(a[0]) for a in back] == [0.0, 1.0]
 
 
 async def test_without_its_owner_a_worker_writes_its_spill_itself_and_loses_nothing(shm: Path, tmp_path: Path) -> None:

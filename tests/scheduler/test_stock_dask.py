@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import distributed
@@ -34,7 +34,6 @@ from distributed.active_memory_manager import ActiveMemoryManagerPolicy, ReduceR
 
 from memops.clients import daskcomm, daskrpc
 from memops.scheduler import replication
-from tests.scheduler import processes
 
 OWNER = "default/stock"
 NO_RULE: dict[str, Any] = {"default": 1, "keys": [], "pods": []}
@@ -46,16 +45,16 @@ STOCK_WARNINGS = (
 )
 
 
-@pytest.fixture
-async def cluster() -> AsyncIterator[tuple[LocalCluster, Client]]:
-    config = {
+pytestmark = pytest.mark.dask_cluster(
+    workers=WORKERS,
+    config={
         # Driven by hand, and by a measure that heartbeats do not move: the same cluster
         # state gives the same decisions, before memops and after.
         "distributed.scheduler.active-memory-manager.start": False,
         "distributed.scheduler.active-memory-manager.measure": "managed",
-    }
-    async with processes.local_cluster(WORKERS, config=config, wait=True) as both:
-        yield both
+    },
+    wait=True,
+)
 
 
 class Warnings(logging.Handler):
