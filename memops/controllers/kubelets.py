@@ -8,9 +8,10 @@ read once every few minutes. :mod:`memops.decisions.node_pressure` decides from 
 
 Pods of every namespace are ranked, as the kubelet ranks them, but only the policy's own are
 named in its status. Where the operator may not list the pods of the whole cluster (a
-namespaced install), the others are ranked from the summary alone, as using no more than their
-requests at the lowest priority: the policy's workers then rank no later than the kubelet ranks
-them, and are drained no later.
+namespaced install: 403), it lists those of the policy's namespace on the Node, where its Role
+allows it, so that its workers are ranked by their own requests and priorities; only the pods of
+other namespaces are ranked from the summary alone (:func:`memops.decisions.node_pressure.node_memory`),
+and the status says so.
 """
 
 from __future__ import annotations
@@ -37,6 +38,32 @@ class Kubelets:
 
     def __init__(self) -> None:
         self.configs: dict[str, tuple[float, Mapping[str, Any]]] = {}
+        # When the cluster-wide listing of pods was last refused: a namespaced install is refused
+        # every time, and asking anyway would cost a 403 per Node and pass.
+        self.listing_refused: float | None = None
+
+    async def bound(
+        self, client: kube.Kube, node: str, namespaces: Sequence[str]
+    ) -> tuple[list[Obj], Sequence[str] | None]:
+        """The pods bound to ``node``, and the namespaces they are complete for (None: all). Where
+        the cluster-wide listing is refused, those of ``namespaces`` (the policy's), each listed
+        there, for :data:`CONFIG_SECONDS` before the cluster-wide one is asked again."""
+        on_node = f"spec.nodeName={node}"
+        refused = self.listing_refused
+        if refused is None or time.monotonic() - refused >= CONFIG_SECONDS:
+            try:
+                pods = await client.list(kube.resource_path("", "v1", "pods"), field_selector=on_node)
+            except kube.ApiError as exc:
+                if exc.code != 403:
+                    raise
+                self.listing_refused = time.monotonic()
+            else:
+                self.listing_refused = None
+                return pods, None
+        listed = []
+        for namespace in namespaces:
+            listed += await client.list(kube.resource_path("", "v1", "pods", namespace), field_selector=on_node)
+        return listed, namespaces
 
     async def config(self, client: kube.Kube, node: str) -> Mapping[str, Any]:
         cached = self.configs.get(node)
@@ -57,7 +84,8 @@ async def read(
     margin: int,
     logger: logging.Logger | logging.LoggerAdapter[Any],
 ) -> node_pressure.Seen:
-    """The kubelets' predicted evictions on the Nodes of ``pods`` (the policy's workers)."""
+    """The kubelets' predicted evictions on the Nodes of ``pods`` (the policy's workers, of its
+    namespace: the one listed where the cluster-wide listing is refused)."""
     ours: dict[tuple[str, str], str] = {}
     nodes: set[str] = set()
     for pod in pods:
@@ -66,14 +94,19 @@ async def read(
             ours[(str(meta.get("namespace", "")), str(meta.get("name", "")))] = str(meta.get("name", ""))
             nodes.add(node)
     chosen = sorted(nodes)[:MAX_NODES]
-    answers = await asyncio.gather(*(_read_node(client, kubelets, node) for node in chosen), return_exceptions=True)
-    predictions, problems, room = [], [], {}
+    namespaces = sorted({namespace for namespace, _ in ours})
+    answers = await asyncio.gather(
+        *(_read_node(client, kubelets, node, namespaces) for node in chosen), return_exceptions=True
+    )
+    predictions, problems, room, unlisted = [], [], {}, {}
     for node, answer in zip(chosen, answers, strict=True):
         if isinstance(answer, kube.ApiError):
             problems.append(f"node {node}: {answer.message}")
             continue
         if isinstance(answer, BaseException):
             raise answer
+        if answer.unlisted:
+            unlisted[node] = answer.unlisted
         tightest = answer.tightest
         if tightest is not None:
             room[node] = tightest.headroom - margin
@@ -89,20 +122,17 @@ async def read(
                 len(prediction.victims),
                 list(prediction.ours),
             )
-    return node_pressure.Seen(predictions=tuple(predictions), message="; ".join(problems), room=room)
+    return node_pressure.Seen(predictions=tuple(predictions), message="; ".join(problems), room=room, unlisted=unlisted)
 
 
-async def _read_node(client: kube.Kube, kubelets: Kubelets, node: str) -> node_pressure.NodeMemory:
+async def _read_node(
+    client: kube.Kube, kubelets: Kubelets, node: str, namespaces: Sequence[str]
+) -> node_pressure.NodeMemory:
     proxy = kube.resource_path("", "v1", "nodes", name=node, subresource="proxy")
     found, summary, config = await asyncio.gather(
         client.get(kube.resource_path("", "v1", "nodes", name=node)),
         client.get(proxy + "/stats/summary"),
         kubelets.config(client, node),
     )
-    try:
-        bound = await client.list(kube.resource_path("", "v1", "pods"), field_selector=f"spec.nodeName={node}")
-    except kube.ApiError as exc:
-        if exc.code != 403:
-            raise
-        bound = []
-    return node_pressure.node_memory(found, summary, config, node_pressure.with_unlisted(bound, summary))
+    bound, listed = await kubelets.bound(client, node, namespaces)
+    return node_pressure.node_memory(found, summary, config, bound, listed=listed)

@@ -23,6 +23,15 @@ exceeds their memory request, then lower priority first, then the larger usage a
 request first; a critical pod is passed by. It evicts one pod per look, then looks again. This
 module walks that order until the evictions would bring the node back over its threshold plus
 ``margin``, and names the pods of that walk. Pure: no I/O.
+
+Where the operator may not list the pods of other namespaces (a namespaced install), the summary
+still shows their usage, but not their requests or priorities: the kubelet's order is then known
+only in part. Such a pod is ranked as if it used all its memory above its request (it may: a
+tenant can request little and use much), after the listed pods over their requests and before
+those within them. A worker of the policy is thus ranked ahead of another tenant's pod only by its
+own figures (over its request: the kubelet's first key), never by the names, and another tenant
+that brings a node near its threshold by using more than it requests has its own eviction
+counted first, not the policy's workers drained.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ class PodUsage:
     usage: int  # bytes: its containers' working set
     request: int  # bytes: its memory request
     priority: int = 0
+    listed: bool = True  # False: of a namespace the operator may not list; request and priority unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +90,11 @@ class NodeMemory:
     def tightest(self) -> Signal | None:
         return min(self.signals, key=lambda s: s.headroom, default=None)
 
+    @property
+    def unlisted(self) -> int:
+        """The pods ranked from the summary alone (see the module's docstring)."""
+        return sum(not p.listed for p in self.pods)
+
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
@@ -108,13 +123,21 @@ CRITICAL_PRIORITY = 2_000_000_000
 system-node-critical): it ranks it and passes it by."""
 
 
+def _rank(pod: PodUsage) -> tuple[int, int, int, str, str]:
+    if not pod.listed:
+        # Between the two halves of the kubelet's first key: a worker over its request may be
+        # evicted before such a pod (it is then drained in time), one within its request is
+        # not ranked ahead of a pod that may be far over its own.
+        return 1, 0, -pod.usage, pod.namespace, pod.name
+    over = pod.usage > pod.request
+    return 0 if over else 2, pod.priority, -(pod.usage - pod.request), pod.namespace, pod.name
+
+
 def ranked(pods: Iterable[PodUsage]) -> list[PodUsage]:
     """``pods`` in the kubelet's order of eviction under memory pressure, without those it never
-    evicts."""
-    return sorted(
-        (p for p in pods if p.priority < CRITICAL_PRIORITY),
-        key=lambda p: (p.usage <= p.request, p.priority, -(p.usage - p.request), p.namespace, p.name),
-    )
+    evicts; the pods not listed where the module's docstring says. The names only order pods
+    whose figures are equal."""
+    return sorted((p for p in pods if p.priority < CRITICAL_PRIORITY), key=_rank)
 
 
 def predict(node: NodeMemory, margin: int, ours: Mapping[tuple[str, str], str]) -> Prediction | None:
@@ -209,10 +232,15 @@ def node_memory(
     summary: Mapping[str, Any],
     config: Mapping[str, Any],
     pods: Sequence[Mapping[str, Any]],
+    listed: Collection[str] | None = None,
 ) -> NodeMemory:
     """The kubelet's view of a node from its Node object, its summary statistics
     (``/stats/summary``), its configuration (``/configz``'s ``kubeletconfig``) and the pods bound
-    to it. What is missing or malformed in the kubelet's answers leaves a signal or a pod out."""
+    to it. What is missing or malformed in the kubelet's answers leaves a signal or a pod out.
+
+    ``listed``: the namespaces whose pods on the node ``pods`` holds in full; None: every
+    namespace's. A pod of the summary in another namespace is ranked by its usage alone (the
+    module's docstring); one of a listed namespace that ``pods`` does not hold is gone."""
     name = str(_map(node.get("metadata")).get("name", ""))
     hard = str(_map(config.get("evictionHard")).get(MEMORY_AVAILABLE, DEFAULT_THRESHOLD))
     node_stats = _map(summary.get("node"))
@@ -226,13 +254,29 @@ def node_memory(
         pods_memory = next((_map(_map(c).get("memory")) for c in containers if _map(c).get("name") == "pods"), {})
         signals.append(_signal(ALLOCATABLE_AVAILABLE, pods_memory, hard))
     usage: dict[tuple[str, str], int] = {}
-    listed = summary.get("pods")
-    for stats in listed if isinstance(listed, list) else []:
+    entries = summary.get("pods")
+    for stats in entries if isinstance(entries, list) else []:
         ref = _map(_map(stats).get("podRef"))
         if not ref:
             continue
         total = _pod_usage(stats)
         usage[(str(ref.get("namespace", "")), str(ref.get("name", "")))] = total
+    seen = _listed_usage(pods, usage)
+    if listed is not None:
+        seen += [
+            PodUsage(namespace=ns, name=pod, usage=bytes_, request=0, listed=False)
+            for (ns, pod), bytes_ in usage.items()
+            if ns not in listed
+        ]
+    return NodeMemory(
+        node=name,
+        signals=tuple(s for s in signals if s is not None),
+        pods=tuple(seen),
+        pressure=pressure_condition(node),
+    )
+
+
+def _listed_usage(pods: Sequence[Mapping[str, Any]], usage: Mapping[tuple[str, str], int]) -> list[PodUsage]:
     seen = []
     for pod in pods:
         meta = _map(pod.get("metadata"))
@@ -249,45 +293,7 @@ def node_memory(
                 priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
             )
         )
-    return NodeMemory(
-        node=name,
-        signals=tuple(s for s in signals if s is not None),
-        pods=tuple(seen),
-        pressure=pressure_condition(node),
-    )
-
-
-UNLISTED_PRIORITY = 1_000_000_000
-"""The highest user PriorityClass: where the pods of other namespaces cannot be listed, they are
-ranked as if within their requests at this priority, after the policy's workers, so that those
-are drained no later than the kubelet would evict them."""
-
-
-def with_unlisted(bound: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """``bound`` (the pods listed on the node), and a stand-in for each pod of the summary that the
-    listing did not show, using no more than it requests, at :data:`UNLISTED_PRIORITY`."""
-    listed = {
-        (str(_map(p.get("metadata")).get("namespace", "")), str(_map(p.get("metadata")).get("name", ""))) for p in bound
-    }
-    stand_ins: list[Mapping[str, Any]] = []
-    stats = summary.get("pods")
-    for entry in stats if isinstance(stats, list) else []:
-        ref = _map(_map(entry).get("podRef"))
-        key = (str(ref.get("namespace", "")), str(ref.get("name", "")))
-        if not ref or key in listed:
-            continue
-        usage = _pod_usage(entry)
-        stand_ins.append(
-            {
-                "metadata": {"namespace": key[0], "name": key[1]},
-                "spec": {
-                    "priority": UNLISTED_PRIORITY,
-                    "containers": [{"resources": {"requests": {"memory": str(usage)}}}],
-                },
-                "status": {"phase": "Running"},
-            }
-        )
-    return [*bound, *stand_ins]
+    return seen
 
 
 # -- what the policy does about it ----------------------------------------------------------------
@@ -301,6 +307,7 @@ class Seen:
     message: str = ""  # what could not be read
     unique: Mapping[str, int] = dataclasses.field(default_factory=dict)  # pod -> bytes held alone, once asked
     room: Mapping[str, int] = dataclasses.field(default_factory=dict)  # node -> bytes it may take within the margin
+    unlisted: Mapping[str, int] = dataclasses.field(default_factory=dict)  # node -> pods ranked by usage alone
 
 
 def to_drain(
@@ -362,12 +369,31 @@ def status(old: specs.NodePressureStatus | None, seen: Seen, planned: Plan, now:
             victims=len(p.victims),
             workers=list(dict.fromkeys(p.ours)),
             drained=list(drained.get(p.node, ())),
+            unlistedPods=seen.unlisted.get(p.node, 0),
         )
         for p in sorted(seen.predictions, key=lambda p: p.node)
     ]
     total = (old.drains if old is not None else 0) + sum(len(pods) for pods in drained.values())
-    message = "; ".join(filter(None, [seen.message, *planned.refused]))
+    message = "; ".join(filter(None, [seen.message, partial(seen.unlisted), *planned.refused]))
     return specs.NodePressureStatus(nodes=nodes, drains=total, lastRead=now, message=message[:1024])
+
+
+def partial(unlisted: Mapping[str, int], shown: int = 5) -> str:
+    """Where the kubelet's ranking is known only in part, in words; "" where it is known in full."""
+    nodes = sorted(node for node, count in unlisted.items() if count > 0)
+    if not nodes:
+        return ""
+    parts = [
+        f"node {node}: {unlisted[node]} pod{'' if unlisted[node] == 1 else 's'} of other namespaces could not be listed"
+        for node in nodes[:shown]
+    ]
+    more = f" (and on {len(nodes) - shown} more Nodes)" if len(nodes) > shown else ""
+    return (
+        "; ".join(parts)
+        + more
+        + " (ranked by their usage alone, as over their requests: only a worker over its own request ranks ahead"
+        " of them)"
+    )
 
 
 COOLING_SECONDS = 60.0

@@ -736,6 +736,14 @@ class NodePressureNode(Model):
         description="Those drained ahead of it (the others hold no data that exists nowhere else, or are draining).",
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
+    unlistedPods: int = pydantic.Field(
+        default=0,
+        description=(
+            "Pods of other namespaces on the Node that the operator may not list (a namespaced install): the"
+            " ranking is partial. Their usage comes from the kubelet, their requests and priorities are unknown:"
+            " they are ranked as over their requests, after the workers over theirs and before those within them."
+        ),
+    )
 
 
 class NodePressureStatus(Model):

@@ -194,13 +194,79 @@ def test_a_malformed_summary_leaves_out_what_it_cannot_say(hostile: Any) -> None
     node_pressure.predict(seen, 0, OURS)  # and it does not raise either
 
 
-def test_pods_that_cannot_be_listed_rank_after_the_policys_workers() -> None:
+def unlisted(name: str, usage: int, namespace: str = "else") -> PodUsage:
+    """A pod of a namespace the operator may not list, as :func:`node_pressure.node_memory` ranks it."""
+    return PodUsage(namespace=namespace, name=name, usage=usage * MiB, request=0, listed=False)
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [("a", "z"), ("z", "a")], ids=["ours-sorts-first", "ours-sorts-last"])
+def test_pods_that_cannot_be_listed_rank_by_the_workers_own_figures_not_by_name(ours: str, theirs: str) -> None:
+    """A worker over its request ranks ahead of them (the kubelet's first key puts it in the
+    front); one within its request after them (they may be over theirs); never by the names."""
+    pods = [
+        pod("w-within", usage=900, request=1000, namespace=ours),
+        unlisted("hog", 3000, namespace=theirs),
+        pod("w-over", usage=300, request=100, priority=100, namespace=ours),
+        unlisted("small", 10, namespace=theirs),
+        pod("w-within-low-priority", usage=50, request=100, priority=-5, namespace=ours),
+    ]
+    assert [p.name for p in node_pressure.ranked(pods)] == [
+        "w-over",
+        "hog",
+        "small",
+        "w-within-low-priority",
+        "w-within",
+    ]
+
+
+def test_a_tenant_over_its_requests_that_cannot_be_listed_gets_no_worker_within_its_request_predicted() -> None:
+    """The node is within the margin because of another namespace's pod: its eviction is counted
+    first, and the policy's workers, within their requests, are no victims."""
+    ours = {("a", "w-1"): "w-1", ("a", "w-2"): "w-2"}
+    pods = [pod("w-1", 600, request=1024, namespace="a"), pod("w-2", 600, 1024, namespace="a"), unlisted("hog", 3072)]
+    found = node_pressure.predict(node(100, pods), 256 * MiB, ours)
+    assert found is not None and [p.name for p in found.victims] == ["hog"] and found.ours == ()
+
+
+def test_where_the_pods_that_cannot_be_listed_free_too_little_the_workers_within_their_requests_are_next() -> None:
+    ours = {("a", "w-1"): "w-1"}
+    pods = [pod("w-1", 600, request=1024, namespace="a"), unlisted("small", 50)]
+    found = node_pressure.predict(node(100, pods), 256 * MiB, ours)
+    assert found is not None and found.ours == ("w-1",)
+
+
+def test_node_memory_stands_in_only_for_the_pods_of_namespaces_not_listed() -> None:
+    """A pod of a listed namespace that the list does not show (deleted since) is not ranked; one
+    of another namespace is, by its usage alone: no request, priority 0, marked as not listed."""
     stats = summary(
-        {("dask", "w-1"): 300 * MiB, ("else", "hog"): 900 * MiB}, node_available=1, node_working=1, pods_working=1
+        {("dask", "w-1"): 300 * MiB, ("dask", "gone"): 500 * MiB, ("else", "hog"): 900 * MiB},
+        node_available=1,
+        node_working=1,
+        pods_working=1,
     )
-    pods = node_pressure.with_unlisted([kube_pod("w-1", "100Mi")], stats)
-    seen = node_pressure.node_memory(NODE, stats, {}, pods)
-    assert [p.name for p in node_pressure.ranked(seen.pods)] == ["w-1", "hog"]
+    seen = node_pressure.node_memory(NODE, stats, {}, [kube_pod("w-1", "100Mi", priority=7)], listed={"dask"})
+    assert {(p.namespace, p.name, p.usage, p.request, p.priority, p.listed) for p in seen.pods} == {
+        ("dask", "w-1", 300 * MiB, 100 * MiB, 7, True),
+        ("else", "hog", 900 * MiB, 0, 0, False),
+    }
+    assert seen.unlisted == 1
+    everything = node_pressure.node_memory(NODE, stats, {}, [kube_pod("w-1", "100Mi")])
+    assert [p.name for p in everything.pods] == ["w-1"] and everything.unlisted == 0, "all listed: no stand-in"
+
+
+def test_the_status_says_where_the_ranking_is_partial() -> None:
+    seen = node_pressure.Seen(predictions=(prediction("w-1"),), unlisted={"n1": 2, "n2": 1})
+    status = node_pressure.status(None, seen, node_pressure.Plan(), "t")
+    (entry,) = status.nodes
+    assert entry.unlistedPods == 2
+    assert status.message.startswith(
+        "node n1: 2 pods of other namespaces could not be listed; node n2: 1 pod of other namespaces could not be"
+        " listed (ranked by their usage alone"
+    ), status.message
+    complete = node_pressure.status(
+        None, node_pressure.Seen(predictions=(prediction("w-1"),)), node_pressure.Plan(), "t"
+    )
+    assert complete.nodes[0].unlistedPods == 0 and complete.message == ""
 
 
 OWNER = objects.Owner(name="pol", namespace="dask", uid="u-1")
@@ -284,6 +350,8 @@ class Kubelet:
 
     async def list(self, path: str, *, field_selector: str | None = None, **_: Any) -> Any:
         self.asked.append(f"{path}?{field_selector}")
+        if path in self.forbidden:
+            raise kube.ApiError(403, "Forbidden", "pods")
         return self.answers[f"{path}?{field_selector}"]
 
 
@@ -331,3 +399,31 @@ def test_a_node_drained_in_the_last_minute_takes_no_other_nodes_keys() -> None:
     assert planned.drained == {} and planned.refused
     recent["metadata"]["creationTimestamp"] = "2027-01-15T07:57:30Z"  # NOW less 150 s
     assert node_pressure.plan(OWNER, SPEC, seen, [recent], NOW).drained == {"n2": ("w-9",)}
+
+
+async def test_a_refused_cluster_wide_listing_lists_the_policys_namespace_and_is_not_asked_every_pass() -> None:
+    stats = summary(
+        {("dask", "w-1"): 1900 * MiB, ("else", "x"): MiB},
+        node_available=2**33,
+        node_working=2**30,
+        pods_working=1900 * MiB,
+    )
+    api = Kubelet(
+        {
+            "/api/v1/nodes/n1": NODE,
+            "/api/v1/nodes/n1/proxy/stats/summary": stats,
+            "/api/v1/nodes/n1/proxy/configz": {"kubeletconfig": {}},
+            "/api/v1/namespaces/dask/pods?spec.nodeName=n1": [kube_pod("w-1", "64Mi")],
+        },
+        forbidden=frozenset({"/api/v1/pods"}),
+    )
+    worker = {"metadata": {"namespace": "dask", "name": "w-1"}, "spec": {"nodeName": "n1"}}
+    cache = kubelets.Kubelets()
+    for _ in range(2):
+        seen = await kubelets.read(
+            cast(kube.Kube, api), cache, pods=[worker], margin=256 * MiB, logger=logging.getLogger()
+        )
+        (found,) = seen.predictions
+        assert found.ours == ("w-1",) and seen.unlisted == {"n1": 1}
+    assert api.asked.count("/api/v1/pods?spec.nodeName=n1") == 1, "the refusal is remembered"
+    assert api.asked.count("/api/v1/namespaces/dask/pods?spec.nodeName=n1") == 2
