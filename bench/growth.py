@@ -106,8 +106,10 @@ class Watch:
 
 
 def run(mode: str, limit: int, pace: float) -> dict[str, Any]:
-    # Growth patches pods/resize, which the chart grants only with rbac.podResize.
-    operator = {"stock": ["--no-operator"], "relief": [], "growth": ["--set", "rbac.podResize=true"]}[mode]
+    # Growth patches pods/resize, which the chart grants only with rbac.podResize, and only in the
+    # namespaces the administrator lists (resize.namespaces).
+    growth = ["--set", "rbac.podResize=true", "--set", 'resize.namespaces=["*"]']
+    operator = {"stock": ["--no-operator"], "relief": [], "growth": growth}[mode]
     args = ["--worker-memory", "1GiB", *operator]
     with benchkit.running_sandbox(2, *args) as box, distributed.Client(box.address, timeout=30) as client:
         benchkit.kubectl(box.env, "apply", "-f", "-", stdin=yaml.safe_dump(workload(box.address, limit)))

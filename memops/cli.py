@@ -73,6 +73,29 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAMESPACE",
         help="set no disruption annotations on the pods of this namespace, and take off those memops set (repeatable)",
     )
+    run.add_argument(
+        "--resize-in",
+        dest="resize_in",
+        action="append",
+        default=[],
+        metavar="NAMESPACE",
+        help="let a MemoryPolicy's spec.resize grow its workers in place (pods/resize, with the operator's"
+        " rights) in this namespace (repeatable; '*': every namespace watched). None given: in no namespace",
+    )
+    run.add_argument(
+        "--max-resize-limit",
+        metavar="QUANTITY",
+        help="the largest memory limit in-place growth gives a container (default 64Gi, at most 64Ti); a"
+        " policy's spec.resize.maxLimit can only lower it",
+    )
+    run.add_argument(
+        "--max-resize-limit-in",
+        dest="max_resize_limit_in",
+        action="append",
+        default=[],
+        metavar="NAMESPACE=QUANTITY",
+        help="the same, for the policies of one namespace, instead of --max-resize-limit (repeatable)",
+    )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on /metrics at this port")
     run.add_argument("--metrics-host", default="0.0.0.0", help="the metrics endpoint's address (default 0.0.0.0)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -189,12 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    from memops.decisions import disruption, shared_spill
+    from memops.decisions import disruption, resize_decisions, shared_spill
 
     try:
         host_roots = shared_spill.host_roots(args.host_roots)
         maximum = args.max_disruption_protection or disruption.DEFAULT_MAX
         protection = disruption.administrator(maximum, args.no_protection_in)
+        ceiling = args.max_resize_limit or resize_decisions.DEFAULT_CEILING
+        growth = resize_decisions.administrator(ceiling, args.max_resize_limit_in, args.resize_in)
     except ValueError as error:
         print(f"memops run: {error}", file=sys.stderr)
         return 2
@@ -233,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 webhook=webhook,
                 host_roots=host_roots,
                 protection=protection,
+                growth=growth,
             )
         )
     except KeyboardInterrupt:

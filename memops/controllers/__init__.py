@@ -19,7 +19,7 @@ import kopf
 
 from memops.clients import kube
 from memops.controllers import eviction_webhook, policy, retirement, safetynet_webhook
-from memops.decisions import disruption
+from memops.decisions import disruption, resize_decisions
 
 PREFIX = "memops.dev"
 
@@ -88,6 +88,7 @@ def _log_settings(
     logger: logging.Logger | logging.LoggerAdapter[Any],
     host_roots: frozenset[str],
     protection: disruption.Administrator,
+    growth: resize_decisions.Administrator,
 ) -> None:
     """What the administrators allowed, once at start: ``memops run``'s flags that bound the tenants."""
     if host_roots:
@@ -99,6 +100,12 @@ def _log_settings(
         protection.max_seconds,
         ", ".join(sorted(protection.off_namespaces)) or "no namespace",
     )
+    logger.info(
+        "in-place growth: in %s; up to %s%s",
+        ", ".join(sorted(growth.namespaces)) or "no namespace (no --resize-in)",
+        resize_decisions.to_quantity(growth.ceiling),
+        "".join(f", {n}: {resize_decisions.to_quantity(c)}" for n, c in growth.ceilings),
+    )
 
 
 def make_registry(
@@ -107,11 +114,12 @@ def make_registry(
     *,
     host_roots: frozenset[str] = frozenset(),
     protection: disruption.Administrator = disruption.DEFAULTS,
+    growth: resize_decisions.Administrator = resize_decisions.NOBODY,
 ) -> kopf.OperatorRegistry:
-    """``host_roots``: the host directories that a MemoryPolicy's shared spill of medium Node may
-    mount (``memops run --shared-spill-host-root``); none by default, and then medium Node is refused.
-    ``protection``: the longest that a pod may carry the disruption annotations, and the namespaces
-    where it carries none (``--max-disruption-protection``, ``--no-disruption-protection-in``)."""
+    """The administrator's bounds, ``memops run``'s flags: ``host_roots``, the host directories that shared
+    spill of medium Node may mount (``--shared-spill-host-root``; none: medium Node is refused);
+    ``protection``, the disruption annotations' longest time and the namespaces with none; ``growth``,
+    where in-place growth may act (``--resize-in``; no namespace by default) and how far."""
     registry = kopf.OperatorRegistry()
     # One source of credentials for Kopf and for memops' own client: when Kopf logs in again (a
     # 401, or the credentials' expiration), memops' client gets the new ones too, and the other way.
@@ -142,7 +150,7 @@ def make_registry(
                 client_names=webhook.client_names,
             )
         memo.kube = kube.Kube(credentials)
-        _log_settings(logger, host_roots, protection)
+        _log_settings(logger, host_roots, protection, growth)
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
         memo.retirement_daemons = set()  # uids of requests whose daemon runs: see memops.controllers.retirement
         # per policy: see memops.controllers.eviction_webhook.decide_and_drain
@@ -154,7 +162,7 @@ def make_registry(
             await memo.kube.close()
 
     retirement.register(registry)
-    policy.register(registry, host_roots=host_roots, protection=protection)
+    policy.register(registry, host_roots=host_roots, protection=protection, growth=growth)
     eviction_webhook.register_node_signals(registry)
     if webhook is not None:
         safetynet_webhook.register(registry, host_roots=host_roots)
@@ -171,10 +179,11 @@ async def run(
     webhook: Webhook | None = None,
     host_roots: frozenset[str] = frozenset(),
     protection: disruption.Administrator = disruption.DEFAULTS,
+    growth: resize_decisions.Administrator = resize_decisions.NOBODY,
 ) -> None:
     """Run the operator until cancelled; cluster-wide unless namespaces are given."""
     await kopf.operator(
-        registry=make_registry(kubeconfig, webhook, host_roots=host_roots, protection=protection),
+        registry=make_registry(kubeconfig, webhook, host_roots=host_roots, protection=protection, growth=growth),
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=liveness_endpoint,

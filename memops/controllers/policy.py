@@ -124,10 +124,12 @@ class Policy:
         cache: Cache | None = None,
         host_roots: frozenset[str] = frozenset(),
         protection: disruption.Administrator = disruption.DEFAULTS,
+        growth: resize_decisions.Administrator = resize_decisions.NOBODY,
     ):
         self.client = client
         self.host_roots = host_roots  # memops run --shared-spill-host-root
         self.protection = protection  # memops run --max-disruption-protection, --no-disruption-protection-in
+        self.growth = growth  # memops run --resize-in, --max-resize-limit, --max-resize-limit-in
         self.body = body
         self.logger = logger
         self.cache = cache
@@ -222,6 +224,7 @@ class Policy:
             template=shared_spill.template_spec(workload) if spec.sharedSpill is not None else None,
             host_roots=self.host_roots,
             resize=resized,
+            resize_ceiling=self.growth.ceiling_in(self.namespace),
             disruption=disrupted,
             protection=self.protection.max_in(self.namespace),
             node_pressure=pressure,
@@ -238,7 +241,8 @@ class Policy:
         """What in-place growth decides from (``spec.resize``), and, on the passes that decide them,
         the disruption annotations' inputs (with the scheduler out of reach too: protection must not
         outlive it); None for each that this pass does not read."""
-        growth = snapshot is not None and spec.resize is not None
+        ceiling = self.growth.ceiling_in(self.namespace)  # None: not in memops run --resize-in
+        growth = snapshot is not None and spec.resize is not None and ceiling is not None
         if not growth and not self.disruption_due:
             return None, None
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
@@ -260,6 +264,7 @@ class Policy:
                 template=template,
                 now=now,
                 linked=self.spill_linked if fresh else None,
+                ceiling=ceiling,
             )
         if not self.disruption_due:
             return resized, None
@@ -378,15 +383,15 @@ class Policy:
     ) -> specs.MemoryPolicyStatus:
         """The workers' memory changes (:func:`memops.controllers.resize.apply`); ``status`` with
         what failed in ``resize.message``, for the next pass to decide again."""
-        spec = read.inputs.spec.resize
-        if not decision.resizes or spec is None:
+        spec, ceiling = read.inputs.spec.resize, read.inputs.resize_ceiling
+        if not decision.resizes or spec is None or ceiling is None:
             return status
         failed = await resize.apply(
             self.client,
             read.scheduler,
             namespace=self.namespace,
             orders=decision.resizes,
-            maximum=spec.settings().max_limit,
+            maximum=resize_decisions.within(spec.settings(), ceiling).max_limit,
             logger=self.logger,
         )
         if not failed or status.resize is None:
@@ -910,11 +915,13 @@ def register(
     *,
     host_roots: frozenset[str] = frozenset(),
     protection: disruption.Administrator = disruption.DEFAULTS,
+    growth: resize_decisions.Administrator = resize_decisions.NOBODY,
 ) -> None:
     """The indexes and the daemon; ``host_roots``: the host directories medium Node may mount;
-    ``protection``: the administrator's bounds on the disruption annotations."""
+    ``protection``: the administrator's bounds on the disruption annotations; ``growth``: where
+    in-place growth may act, and how far."""
     _register_indexes(registry)
-    _register_daemon(registry, host_roots=host_roots, protection=protection)
+    _register_daemon(registry, host_roots=host_roots, protection=protection, growth=growth)
 
 
 def _register_indexes(registry: kopf.OperatorRegistry) -> None:
@@ -965,7 +972,11 @@ def _register_indexes(registry: kopf.OperatorRegistry) -> None:
 
 
 def _register_daemon(
-    registry: kopf.OperatorRegistry, *, host_roots: frozenset[str], protection: disruption.Administrator
+    registry: kopf.OperatorRegistry,
+    *,
+    host_roots: frozenset[str],
+    protection: disruption.Administrator,
+    growth: resize_decisions.Administrator,
 ) -> None:
     """One daemon per policy, running its passes (:func:`_loop`)."""
 
@@ -988,7 +999,13 @@ def _register_daemon(
     ) -> None:
         cache = Cache({name: kwargs[name] for name in INDEX_NAMES.values()})
         reconciler = Policy(
-            client=memo.kube, body=body, logger=logger, cache=cache, host_roots=host_roots, protection=protection
+            client=memo.kube,
+            body=body,
+            logger=logger,
+            cache=cache,
+            host_roots=host_roots,
+            protection=protection,
+            growth=growth,
         )
         uid = str(body.metadata.uid)
         waker = memo.policy_wakers.setdefault(uid, asyncio.Event())

@@ -72,6 +72,7 @@ async def observe(
     template: Mapping[str, Any] | None,
     now: float,
     linked: Mapping[str, int] | None = None,
+    ceiling: int | None = None,
 ) -> tuple[resize_decisions.WorkerSeen, ...]:
     """Each connected worker's inputs to the decision (``snapshot``'s workers are named by their
     pods). Its node's room is read only for a worker over ``growAbove``: the others do not grow.
@@ -79,10 +80,14 @@ async def observe(
     ``linked``: worker address -> bytes of its spill that it links from other writers, as the
     workers last reported them (:func:`memops.decisions.shared_spill.linked_bytes`); read only with
     ``sharedSpill`` medium Node, the one medium whose workers link each other's files. A worker it
-    does not name links nothing."""
+    does not name links nothing. ``ceiling``: the administrator's in the policy's namespace
+    (:meth:`memops.decisions.resize_decisions.Administrator.ceiling_in`); None: growth may not act
+    there, and no node's room is read."""
     assert spec.resize is not None
     settings = spec.resize.settings()
-    ceiling = specs.parse_percent(spec.pressure.relieveAbove) / 100 if spec.pressure is not None else None
+    if ceiling is not None:
+        settings = resize_decisions.within(settings, ceiling)
+    relief = specs.parse_percent(spec.pressure.relieveAbove) / 100 if spec.pressure is not None else None
     baseline = resize_decisions.template_memory(template)
     shared = spec.sharedSpill
     if shared is None or shared.medium != specs.SpillMedium.NODE:
@@ -91,12 +96,12 @@ async def observe(
     found = []
     for pod in pods:
         seen = _worker_seen(
-            pod, snapshot, baseline, ceiling, spill_charged=shared is not None, linked=linked or {}, now=now
+            pod, snapshot, baseline, relief, spill_charged=shared is not None, linked=linked or {}, now=now
         )
         if seen is None:
             continue
         node = str((pod.get("spec") or {}).get("nodeName") or "")
-        if node and resize_decisions.is_pressed(seen, settings):
+        if node and ceiling is not None and resize_decisions.is_pressed(seen, settings):
             if node not in rooms:
                 rooms[node] = await node_room(client, node, default=settings.max_limit)
             seen = dataclasses.replace(seen, inputs=dataclasses.replace(seen.inputs, node_room=rooms[node]))
@@ -127,10 +132,11 @@ def _worker_seen(
         return None
     annotations = pod["metadata"].get("annotations") or {}
     baseline_limit, baseline_request = baseline
+    state = resize_decisions.resize_status(pod)
     inputs = resize_decisions.Inputs(
         worker=resize_decisions.worker_memory(worker),
         container=memory,
-        resize=resize_decisions.resize_status(pod),
+        resize=state,
         baseline_limit=baseline_limit if baseline_limit is not None else memory.limit,
         baseline_request=baseline_request,
         node_room=0,
@@ -138,13 +144,16 @@ def _worker_seen(
         seconds_since_resize=resize_decisions.seconds_since(annotations.get(objects.RESIZED_ANNOTATION), now),
         spill_charged=spill_charged,
         spill_linked=linked.get(worker.address, 0),
+        seconds_pending=max(0.0, now - state.since) if state.since is not None else None,
     )
     return resize_decisions.WorkerSeen(name, worker.address, container, inputs)
 
 
 async def node_room(client: kube.Kube, node: str, *, default: int) -> int:
     """Bytes of memory request the node can still grant (:func:`memops.decisions.resize_decisions.node_room`):
-    its allocatable memory minus the requests of its pods that have not ended. Where the operator may
+    its allocatable memory minus the requests of its pods that have not ended, each counted as the
+    kubelet counts it (:func:`memops.decisions.resize_decisions.pod_request`: sidecars, init
+    containers, the pod-level request and the runtime's overhead too). Where the operator may
     not read them (a namespaced install lists no other namespace's pods), ``default``: the kubelet
     then decides, and a growth it cannot grant comes back Deferred or Infeasible."""
     try:
@@ -158,19 +167,7 @@ async def node_room(client: kube.Kube, node: str, *, default: int) -> int:
     allocatable = resize_decisions.from_quantity(((body.get("status") or {}).get("allocatable") or {}).get("memory"))
     if allocatable is None:
         return default
-    return resize_decisions.node_room(allocatable, (_requested(pod) for pod in pods))
-
-
-def _requested(pod: objects.Obj) -> int:
-    """A pod's memory request as the node admitted it: per container, what the kubelet allocated
-    (a resize it admitted) or else what the spec asks."""
-    statuses = {s.get("name"): s for s in (pod.get("status") or {}).get("containerStatuses") or ()}
-    total = 0
-    for container in (pod.get("spec") or {}).get("containers") or ():
-        allocated = (statuses.get(container.get("name")) or {}).get("allocatedResources") or {}
-        asked = ((container.get("resources") or {}).get("requests") or {}).get("memory")
-        total += resize_decisions.from_quantity(allocated.get("memory") or asked) or 0
-    return total
+    return resize_decisions.node_room(allocatable, (resize_decisions.pod_request(pod) for pod in pods))
 
 
 async def apply(

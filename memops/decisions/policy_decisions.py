@@ -126,6 +126,9 @@ class Inputs:
     template: Mapping[str, Any] | None = None  # the workload's pod spec (spec.sharedSpill); None: not read
     host_roots: frozenset[str] = frozenset()  # the host directories medium Node may mount (memops run's)
     resize: tuple[resize_decisions.WorkerSeen, ...] | None = None  # spec.resize's workers; None: not read
+    # The administrator's ceiling on a grown limit in this namespace (memops run --max-resize-limit[-in]);
+    # None: growth may not act here (the namespace is not in --resize-in).
+    resize_ceiling: int | None = None
     disruption: DisruptionSeen | None = None  # the pods' annotations and unique bytes; None: not read this pass
     # The administrator's bound on the disruption annotations in this namespace (memops run's; 0: off).
     protection: float = _DEFAULT_PROTECTION
@@ -333,13 +336,22 @@ class _Resize:
 
 _FALLBACKS = {
     resize_decisions.Reason.RESIZE_DEFERRED: "the kubelet deferred its growth",
+    resize_decisions.Reason.RESIZE_DEFERRED_TOO_LONG: (
+        f"the kubelet deferred its growth for over {resize_decisions.DEFERRED_SECONDS:.0f} s and memops took it back"
+    ),
     resize_decisions.Reason.RESIZE_INFEASIBLE: "the kubelet refused its growth as infeasible",
     resize_decisions.Reason.RESIZE_FAILED: "the runtime failed to apply its growth",
-    resize_decisions.Reason.AT_MAXIMUM: "it is at resize.maxLimit",
+    resize_decisions.Reason.AT_MAXIMUM: "it is at resize.maxLimit or the administrator's ceiling",
     resize_decisions.Reason.NODE_FULL: "its node can grant no more memory",
 }
 """Why a worker over ``growAbove`` was not grown, for the status and the events."""
 _ASKS = (resize_decisions.Action.GROW, resize_decisions.Action.SHRINK)
+_TAKEN_BACK = {
+    resize_decisions.Reason.RESIZE_INFEASIBLE.value: resize_decisions.Reason.RESIZE_INFEASIBLE,
+    resize_decisions.Reason.RESIZE_DEFERRED_TOO_LONG.value: resize_decisions.Reason.RESIZE_DEFERRED_TOO_LONG,
+}
+"""The kubelet's answers after which memops took a growth back, and does not ask it again at once."""
+NOT_ALLOWED_EVENT = "ResizeNotAllowed"
 
 
 def _resize(inputs: Inputs) -> _Resize:
@@ -350,17 +362,20 @@ def _resize(inputs: Inputs) -> _Resize:
     spec, old = inputs.spec.resize, inputs.status.resize
     if spec is None:
         return _Resize()
+    if inputs.resize_ceiling is None:
+        return _not_allowed(inputs.owner.namespace, old)
     if inputs.resize is None:  # not read this pass (no scheduler): as written last
         return _Resize(record=old)
-    settings = spec.settings()
+    settings = resize_decisions.within(spec.settings(), inputs.resize_ceiling)
     before = {w.pod: w for w in (old.workers if old is not None else [])}
     entries, orders, events, fallbacks, extra = [], [], [], [], 0
     for seen in inputs.resize:
         held = before.get(seen.pod)
         decision = resize_decisions.decide(seen.inputs, settings)
-        if _refused_lately(decision, held, seen.inputs, settings):
+        if _refused_lately(decision, held, seen.inputs, settings, inputs.now):
             assert held is not None
-            decision = resize_decisions.refused_lately(seen.inputs, settings, held.message)
+            reason = _TAKEN_BACK[held.reason]
+            decision = resize_decisions.refused_lately(seen.inputs, settings, held.message, reason)
         order = _order(seen, decision)
         if order is not None:
             orders.append(order)
@@ -387,18 +402,46 @@ def _resize(inputs: Inputs) -> _Resize:
     return _Resize(extra=extra, orders=tuple(orders), record=record, events=tuple(events))
 
 
+def _not_allowed(namespace: str, old: specs.ResizeStatus | None) -> _Resize:
+    """Growth in a namespace the administrator did not list: nothing is asked of ``pods/resize`` or
+    of Dask, whatever the policy says; the status says why, and an event says it once."""
+    message = (
+        f"in-place growth is not allowed in namespace {namespace}: the operator's administrator has not"
+        " listed it (memops run --resize-in, the chart's resize.namespaces)"
+    )
+    record = specs.ResizeStatus(resized=old.resized if old is not None else 0, message=message)
+    said = old is not None and old.message == message
+    return _Resize(record=record, events=() if said else (Event("Warning", NOT_ALLOWED_EVENT, message),))
+
+
 def _refused_lately(
     decision: resize_decisions.Decision,
     held: specs.ResizedWorker | None,
     inputs: resize_decisions.Inputs,
     settings: specs.ResizeSettings,
+    now: float,
 ) -> bool:
-    """A growth asked again within ``cooldown`` of the kubelet refusing it as infeasible (the ask
-    taken back stamped the pod): it would be refused again, ask after ask."""
-    since = inputs.seconds_since_resize
-    refused = held is not None and held.reason == resize_decisions.Reason.RESIZE_INFEASIBLE.value
-    recent = since is not None and since < settings.cooldown
-    return decision.action is resize_decisions.Action.GROW and refused and recent
+    """A growth asked again soon after memops took it back: within ``cooldown`` of the kubelet
+    refusing it as infeasible (it would be refused again, ask after ask), or within
+    :data:`memops.decisions.resize_decisions.DEFERRED_RETRY_SECONDS` (or ``cooldown``, if longer)
+    of its being deferred too long (it would hold the node's memory again). Counted from the pod's
+    stamp (the ask taken back stamped it) or from when the status' line began, whichever is later:
+    the pod's owner may rewrite the stamp, not the policy's status."""
+    if decision.action is not resize_decisions.Action.GROW or held is None or held.reason not in _TAKEN_BACK:
+        return False
+    hold = settings.cooldown
+    if held.reason == resize_decisions.Reason.RESIZE_DEFERRED_TOO_LONG.value:
+        hold = max(hold, resize_decisions.DEFERRED_RETRY_SECONDS)
+    since = [s for s in (inputs.seconds_since_resize, _line_age(held.time, now)) if s is not None]
+    return any(s < hold for s in since)
+
+
+def _line_age(text: str, now: float) -> float | None:
+    """Seconds since a status line began; None when it does not say (or not readably)."""
+    try:
+        return _age(text, now)
+    except ValueError:
+        return None
 
 
 def _kept_worker(decision: resize_decisions.Decision, held: specs.ResizedWorker | None) -> bool:
@@ -431,14 +474,15 @@ def _entry(
     worker at rest keeps its last line for as long as its limit stays above its template's."""
     Action, Reason = resize_decisions.Action, resize_decisions.Reason
     applied = seen.inputs.container.applied_limit
-    quiet = decision.action is Action.NONE or decision.reason is Reason.PEERS_HAVE_ROOM
+    taken_back = decision.action is Action.NONE and decision.revert_to is not None  # and nothing else
+    quiet = (decision.action is Action.NONE and not taken_back) or decision.reason is Reason.PEERS_HAVE_ROOM
     if quiet:
         grown = applied is not None and applied > seen.inputs.baseline_limit
         return before if grown else None
     limit = decision.limit if decision.limit is not None else applied
     entry = specs.ResizedWorker(
         pod=seen.pod,
-        action=decision.action.value,
+        action=Action.REVERT.value if taken_back else decision.action.value,
         reason=decision.reason.value,
         limit=resize_decisions.to_quantity(limit) if limit is not None else "",
         message=decision.message,
@@ -450,10 +494,14 @@ def _entry(
 
 
 def _fallback_message(pod: str, decision: resize_decisions.Decision) -> str:
-    """ "w-1: the kubelet deferred its growth (...): relieved by its peers", or "" when no fallback."""
+    """ "w-1: the kubelet deferred its growth (...): relieved by its peers", or "" when no fallback
+    (nor an ask taken back)."""
     Action = resize_decisions.Action
     why = _FALLBACKS.get(decision.reason)
     then = {Action.RELIEVE: "relieved by its peers", Action.SCALE_UP: "one more worker"}.get(decision.action)
+    if decision.action is Action.NONE and decision.revert_to is not None:  # the worker needs no more
+        said = decision.reason is resize_decisions.Reason.RESIZE_DEFERRED_TOO_LONG  # "took it back" already
+        then = "no more needed" if said else "taken back"
     if why is None or then is None:
         return ""
     detail = f" ({decision.message})" if decision.message else ""

@@ -25,8 +25,13 @@ stand, so an operator restart between two steps loses nothing):
 - a growth the kubelet defers or refuses (``PodResizePending``, reason ``Deferred`` or
   ``Infeasible``), or that failed (``PodResizeInProgress``, reason ``Error``), falls back: relief
   where the peers have room for the excess, else one more worker. An infeasible ask is taken back
-  (``revert_to``): it never comes true, and a deferred one does once the node has room. A decrease
-  that is pending or failed is taken back.
+  (``revert_to``): it never comes true. A deferred one may, once the node has room, but meanwhile
+  the scheduler counts its request on the node (other pods are kept off the memory it asks): it is
+  taken back once deferred for :data:`DEFERRED_SECONDS`. A decrease that is pending or failed is
+  taken back.
+
+The administrator bounds it all (:class:`Administrator`, ``memops run``'s flags): growth acts only in
+the namespaces listed, and never past their ceiling, whatever the policy's ``maxLimit``.
 
 Assumed: Dask's limit for a container limit L is L (``--memory-limit`` from the container's limit,
 or ``auto`` with as many threads as the container's CPUs); the scheduler's ``memory_limit`` is
@@ -38,12 +43,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from memops import specs
-from memops.decisions import snapshots
-from memops.specs.resize import ResizeSettings
+from memops.decisions import snapshots, timestamps
+from memops.specs.resize import MAX_LIMIT, ResizeSettings
 
 # -- quantities ---------------------------------------------------------------------------------
 
@@ -96,6 +102,16 @@ class PodResize(enum.StrEnum):
 class ResizeStatus:
     state: PodResize
     message: str = ""
+    since: float | None = None
+    """Unix seconds: when the kubelet set the ``PodResizePending`` condition (its
+    ``lastTransitionTime``); None for the other states, or when it does not say."""
+
+
+def _transition(condition: Mapping[str, Any]) -> float | None:
+    try:
+        return timestamps.parse(str(condition.get("lastTransitionTime") or "")).timestamp()
+    except ValueError:
+        return None
 
 
 def resize_status(pod: Mapping[str, Any]) -> ResizeStatus:
@@ -107,7 +123,7 @@ def resize_status(pod: Mapping[str, Any]) -> ResizeStatus:
     if pending is not None and pending.get("status") == "True":
         reason = str(pending.get("reason") or "")
         state = PodResize.INFEASIBLE if reason == "Infeasible" else PodResize.DEFERRED
-        return ResizeStatus(state, str(pending.get("message") or ""))
+        return ResizeStatus(state, str(pending.get("message") or ""), _transition(pending))
     progress = conditions.get("PodResizeInProgress")
     if progress is not None and progress.get("status") == "True":
         state = PodResize.ERROR if progress.get("reason") == "Error" else PodResize.IN_PROGRESS
@@ -154,9 +170,123 @@ def container_memory(pod: Mapping[str, Any], container: str) -> ContainerMemory 
 
 def node_room(allocatable: int, requests: Iterable[int]) -> int:
     """Bytes of memory request the node can still grant: its allocatable memory minus the requests
-    of the pods on it (this worker's included; terminated pods left out by the caller). The kubelet
-    admits a resize whose requests fit in it."""
+    of the pods on it (this worker's included; terminated pods left out by the caller), each as
+    :func:`pod_request` counts it. The kubelet admits a resize whose requests fit in it."""
     return max(allocatable - sum(requests), 0)
+
+
+def _memory_request(container: Mapping[str, Any], statuses: Mapping[Any, Mapping[str, Any]]) -> int:
+    """One container's memory request as the node admitted it: what the kubelet allocated (a
+    resize it admitted), or else what the spec asks; 0 when neither says."""
+    allocated = (statuses.get(container.get("name")) or {}).get("allocatedResources") or {}
+    asked = ((container.get("resources") or {}).get("requests") or {}).get("memory")
+    return from_quantity(allocated.get("memory") or asked) or 0
+
+
+def pod_request(pod: Mapping[str, Any]) -> int:
+    """A pod's memory request as the kubelet and the scheduler count it on its node (Kubernetes'
+    ``PodRequests``): its containers, and its restartable init containers (sidecars, such as the
+    spill owner) which run beside them; or, where more, an init container with the sidecars started
+    before it; or the pod-level request, where the pod has one; then the runtime's ``overhead``."""
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    running = {s.get("name"): s for s in status.get("containerStatuses") or () if isinstance(s, Mapping)}
+    starting = {s.get("name"): s for s in status.get("initContainerStatuses") or () if isinstance(s, Mapping)}
+    total = sum(_memory_request(c, running) for c in spec.get("containers") or () if isinstance(c, Mapping))
+    sidecars = init = 0
+    for container in spec.get("initContainers") or ():
+        if not isinstance(container, Mapping):
+            continue
+        request = _memory_request(container, starting)
+        if container.get("restartPolicy") == "Always":
+            total += request
+            sidecars += request
+            init = max(init, sidecars)
+        else:
+            init = max(init, request + sidecars)
+    total = max(total, init)
+    pod_level = from_quantity((((spec.get("resources") or {}).get("requests")) or {}).get("memory"))
+    if pod_level is not None:
+        total = pod_level
+    return total + (from_quantity((spec.get("overhead") or {}).get("memory")) or 0)
+
+
+# -- the administrator's bounds -----------------------------------------------------------------
+
+DEFAULT_CEILING = "64Gi"
+"""The administrator's ceiling on a grown limit where ``memops run --max-resize-limit`` is not given."""
+EVERY_NAMESPACE = "*"
+"""``memops run --resize-in '*'``: growth may act in every namespace the operator watches."""
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Administrator:
+    """What the operator's administrators allow of in-place growth: the namespaces where it may
+    act at all (``memops run --resize-in``; none by default) and the largest limit it may grow a
+    container to (``--max-resize-limit``, and ``--max-resize-limit-in`` per namespace).
+
+    Growth patches ``pods/resize`` with the operator's rights, which a tenant who may create a
+    MemoryPolicy need not hold; and admission rules that match only pod creation, and quota
+    systems outside the API server, never see it. So only where the administrator listed the
+    namespace (a flag: only whoever runs the operator can change it, it needs no permission on
+    Namespaces, and no tenant who may edit their namespace can grant it to themselves), and within
+    the administrator's ceiling, whatever the policy says."""
+
+    ceiling: int = specs.parse_quantity(DEFAULT_CEILING)
+    ceilings: tuple[tuple[str, int], ...] = ()
+    """Per namespace, where the administrator set one: (namespace, bytes)."""
+    namespaces: frozenset[str] = frozenset()
+
+    def ceiling_in(self, namespace: str) -> int | None:
+        """The largest limit growth may ask in ``namespace``; None: growth may not act there."""
+        if EVERY_NAMESPACE not in self.namespaces and namespace not in self.namespaces:
+            return None
+        return dict(self.ceilings).get(namespace, self.ceiling)
+
+
+NOBODY = Administrator()
+"""The operator's defaults: growth acts in no namespace."""
+
+
+def _ceiling(text: str, flag: str) -> int:
+    try:
+        value = specs.parse_quantity(text)
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}") from None
+    if value <= 0:
+        raise ValueError(f"{flag}: {text!r} must be more than zero bytes")
+    if value > specs.parse_quantity(MAX_LIMIT):
+        raise ValueError(f"{flag}: {text!r} must be at most {MAX_LIMIT}")
+    return value
+
+
+def _namespace(name: str, flag: str) -> str:
+    if len(name) > 63 or not _NAMESPACE.match(name):
+        raise ValueError(f"{flag}: {name!r} is not a namespace name")
+    return name
+
+
+def administrator(
+    ceiling: str = DEFAULT_CEILING, per_namespace: Iterable[str] = (), namespaces: Iterable[str] = ()
+) -> Administrator:
+    """The operator's flags, checked: ``--max-resize-limit`` (a quantity, at most
+    :data:`memops.specs.resize.MAX_LIMIT`), ``--max-resize-limit-in`` (``NAMESPACE=QUANTITY``) and
+    ``--resize-in`` (namespace names, or ``*``); raises ValueError for any that is not (a typo
+    would allow or bound nothing)."""
+    ceilings = []
+    for item in per_namespace:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--max-resize-limit-in: {item!r} is not NAMESPACE=QUANTITY")
+        ceilings.append((_namespace(name, "--max-resize-limit-in"), _ceiling(text, "--max-resize-limit-in")))
+    listed = frozenset(n if n == EVERY_NAMESPACE else _namespace(n, "--resize-in") for n in namespaces)
+    return Administrator(_ceiling(ceiling, "--max-resize-limit"), tuple(sorted(ceilings)), listed)
+
+
+def within(settings: ResizeSettings, ceiling: int) -> ResizeSettings:
+    """The policy's settings under the administrator's ceiling: the lower of the two maxima."""
+    return dataclasses.replace(settings, max_limit=min(settings.max_limit, ceiling))
 
 
 # -- the decision -------------------------------------------------------------------------------
@@ -182,6 +312,7 @@ class Reason(enum.StrEnum):
     NODE_FULL = "NodeFull"  # no growth: the node cannot grant more
     RESIZING = "Resizing"
     RESIZE_DEFERRED = "ResizeDeferred"
+    RESIZE_DEFERRED_TOO_LONG = "ResizeDeferredTooLong"  # deferred past DEFERRED_SECONDS: taken back
     RESIZE_INFEASIBLE = "ResizeInfeasible"
     RESIZE_FAILED = "ResizeFailed"
     CONTAINER_RESIZED = "ContainerResized"  # Dask's limit differs from the container's
@@ -223,6 +354,10 @@ class Inputs:
     Node: a fetch by link, a hand-over). The kernel charges a tmpfs page to the pod that wrote it,
     never to one that links it later, so these are not charged to this worker's pod; Dask's
     ``spilled`` counts them in full all the same. 0 where nothing is known (the safe side)."""
+    seconds_pending: float | None = None
+    """Since the kubelet set the pod's ``PodResizePending`` condition (its ``lastTransitionTime``);
+    None where it does not say (``status.resize`` of an API server before 1.33): then
+    :attr:`seconds_since_resize` counts, and without either the ask counts as long pending."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,12 +400,30 @@ def _fallback(inputs: Inputs, reason: Reason, needed: int, message: str, revert_
     return Decision(action, reason, revert_to=revert_to, message=message)
 
 
-def refused_lately(inputs: Inputs, settings: ResizeSettings, message: str) -> Decision:
-    """A growth that the kubelet refused as infeasible, asked again within ``cooldown`` of the ask
-    being taken back: not asked again yet (it would only be refused again), but fallen back as it
-    was then."""
+DEFERRED_SECONDS = 120.0
+"""How long a growth may stay deferred by the kubelet before memops takes it back: while it is
+deferred, the scheduler counts its request on the node, and keeps other pods off that memory."""
+DEFERRED_RETRY_SECONDS = 600.0
+"""After memops took back a growth deferred too long, the least time before it asks again (or the
+policy's ``cooldown``, if longer): a growth asked again at once would hold the node's memory again,
+so that it would be free at most a pass in every :data:`DEFERRED_SECONDS`."""
+
+
+def deferred_too_long(inputs: Inputs) -> bool:
+    """Whether a deferred ask has been pending past :data:`DEFERRED_SECONDS`: by the kubelet's
+    condition where it has a time, else since memops asked (the pod's stamp), else long."""
+    pending = inputs.seconds_pending if inputs.seconds_pending is not None else inputs.seconds_since_resize
+    return pending is None or pending >= DEFERRED_SECONDS
+
+
+def refused_lately(
+    inputs: Inputs, settings: ResizeSettings, message: str, reason: Reason = Reason.RESIZE_INFEASIBLE
+) -> Decision:
+    """A growth that the kubelet refused as infeasible, or deferred too long, asked again soon after
+    the ask was taken back: not asked again yet (it would only be refused, or hold the node's memory,
+    again), but fallen back as it was then."""
     needed = math.ceil(used_bytes(inputs) - settings.grow_to * inputs.worker.limit)
-    return _fallback(inputs, Reason.RESIZE_INFEASIBLE, needed, message)
+    return _fallback(inputs, reason, needed, message)
 
 
 def decide(inputs: Inputs, settings: ResizeSettings) -> Decision:
@@ -292,8 +445,13 @@ def decide(inputs: Inputs, settings: ResizeSettings) -> Decision:
         reason = failed[inputs.resize.state]
         if container.limit < applied:  # a decrease: take it back, Dask follows on the next pass
             return Decision(Action.REVERT, reason, limit=applied, message=inputs.resize.message)
-        revert = applied if inputs.resize.state is not PodResize.DEFERRED else None
-        return _fallback(inputs, reason, needed, inputs.resize.message, revert_to=revert)
+        if inputs.resize.state is not PodResize.DEFERRED:
+            return _fallback(inputs, reason, needed, inputs.resize.message, revert_to=applied)
+        if container.limit == applied:  # taken back, the kubelet's condition not cleared yet: as it was said
+            return _fallback(inputs, Reason.RESIZE_DEFERRED_TOO_LONG, needed, inputs.resize.message)
+        if deferred_too_long(inputs):  # the ask holds the node's memory: take it back
+            return _fallback(inputs, Reason.RESIZE_DEFERRED_TOO_LONG, needed, inputs.resize.message, revert_to=applied)
+        return _fallback(inputs, reason, needed, inputs.resize.message)
     if inputs.resize.state is PodResize.IN_PROGRESS or container.limit != applied:
         return Decision(Action.WAIT, Reason.RESIZING)
     # 2. The container has a limit that Dask does not know yet.

@@ -7,10 +7,23 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
 import pydantic
 
 from memops.specs import common
+
+MAX_LIMIT = "64Ti"
+"""The largest ``maxLimit`` a policy may write, and the largest ceiling an administrator may set
+(``memops run --max-resize-limit``): beyond the memory of the largest machines sold (32 TiB). The
+CRD refuses more (a CEL rule of Kubernetes' quantity library, 1.28+), and so does the model, for an
+object stored before the rule."""
+
+
+def _at_most_max_limit(text: str) -> str:
+    if common.parse_quantity(text) > common.parse_quantity(MAX_LIMIT):
+        raise ValueError(f"{text!r} must be at most {MAX_LIMIT}")
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +50,21 @@ class ResizeSpec(common.Model):
     """Grow a worker's memory limit in place (the pod's resize subresource, Kubernetes 1.35+) when it
     nears Dask's pause threshold and relief cannot place its keys, and tell Dask the new limit."""
 
-    maxLimit: common.Quantity = pydantic.Field(
+    maxLimit: Annotated[common.Quantity, pydantic.AfterValidator(_at_most_max_limit)] = pydantic.Field(
         description=(
-            "The largest memory limit a worker's container is grown to (16Gi). Growth is also bounded"
-            " by what the node can grant: its allocatable memory minus the requests of its pods."
-        )
+            "The largest memory limit a worker's container is grown to (16Gi), at most 64Ti. Growth is"
+            " also bounded by the ceiling the operator's administrator set for the namespace (memops run"
+            " --max-resize-limit, 64Gi by default), and by what the node can grant: its allocatable"
+            " memory minus the requests of its pods."
+        ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"quantity(self).compareTo(quantity('{MAX_LIMIT}')) <= 0",
+                    "message": f"must be at most {MAX_LIMIT}",
+                }
+            ]
+        },
     )
     growAbove: common.Percent = pydantic.Field(
         default="75%",
@@ -111,8 +134,9 @@ class ResizedWorker(common.Model):
     reason: str = pydantic.Field(
         description=(
             "Why: PeersFull or MovingCostsMore (grown), PressureGone (shrunk), ResizeDeferred,"
-            " ResizeInfeasible or ResizeFailed (the kubelet's answer: fell back), AtMaximum or NodeFull"
-            " (no room to grow: fell back), ContainerResized, Resizing."
+            " ResizeInfeasible or ResizeFailed (the kubelet's answer: fell back), ResizeDeferredTooLong"
+            " (deferred for over 2 minutes: taken back, and fell back), AtMaximum (at maxLimit or the"
+            " administrator's ceiling) or NodeFull (no room to grow: fell back), ContainerResized, Resizing."
         )
     )
     limit: str = pydantic.Field(default="", description="The container's memory limit asked for, or in force.")
@@ -128,5 +152,9 @@ class ResizeStatus(common.Model):
     )
     resized: int = pydantic.Field(default=0, description="Resizes asked since the policy was created.")
     message: str = pydantic.Field(
-        default="", description=("The fallbacks of the last pass and why, and what it could not apply, in one line.")
+        default="",
+        description=(
+            "The fallbacks of the last pass and why, and what it could not apply, in one line; or that"
+            " growth is not allowed in the namespace (the operator's memops run --resize-in)."
+        ),
     )

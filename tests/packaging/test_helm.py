@@ -44,6 +44,7 @@ VALUE_SETS = {
     "shared-spill-node": {"sharedSpill": {"nodeDaemonSet": {"enabled": True, "size": "64g", "mode": "0770"}}},
     "shared-spill-roots": {"sharedSpill": {"hostRoots": ["/mnt/spill", "/dev/shm/memops"]}},
     "disruption-protection": {"disruptionProtection": {"maxDuration": "15m", "disabledNamespaces": ["batch"]}},
+    "resize": {"rbac": {"podResize": True}, "resize": {"namespaces": ["dask"], "maxLimitIn": {"dask": "16Gi"}}},
 }
 
 
@@ -152,6 +153,16 @@ def test_validation_catches_an_unknown_field() -> None:
             {"disruptionProtection": {"disabledNamespaces": ["batch,ml"]}},
             "/disruptionProtection/disabledNamespaces/0",
             id="protection-off-in-no-namespace",
+        ),
+        pytest.param({"resize": {"maxLimit": "lots"}}, "/resize/maxLimit", id="resize-ceiling-not-a-quantity"),
+        pytest.param({"resize": {"namespaces": ["dask,ml"]}}, "/resize/namespaces/0", id="resize-in-no-namespace"),
+        pytest.param(
+            {"resize": {"maxLimitIn": {"ml": "8 GiB"}}}, "/resize/maxLimitIn/ml", id="resize-ceiling-in-not-a-quantity"
+        ),
+        pytest.param(
+            {"resize": {"maxLimitIn": {"Team": "8Gi"}}},
+            "invalid propertyName 'Team'",
+            id="resize-ceiling-in-no-namespace",
         ),
     ],
 )
@@ -482,6 +493,32 @@ def test_disruption_protection_values_become_the_operators_flags(values: dict[st
     assert [a for a in args if "disruption-protection" in a] == flags
 
 
+@pytest.mark.parametrize(
+    ("values", "flags"),
+    [
+        pytest.param({}, ["--max-resize-limit=64Gi"], id="default-no-namespace"),
+        pytest.param(
+            {"resize": {"namespaces": ["dask", "ml"], "maxLimit": "32Gi", "maxLimitIn": {"ml": "8Gi", "big": "256Gi"}}},
+            [
+                "--max-resize-limit=32Gi",
+                "--max-resize-limit-in=big=256Gi",
+                "--max-resize-limit-in=ml=8Gi",
+                "--resize-in=dask",
+                "--resize-in=ml",
+            ],
+            id="two-namespaces-and-their-ceilings",
+        ),
+        pytest.param({"resize": {"namespaces": ["*"]}}, ["--max-resize-limit=64Gi", "--resize-in=*"], id="every"),
+    ],
+)
+def test_resize_values_become_the_operators_flags(values: dict[str, Any], flags: list[str]) -> None:
+    """Where in-place growth may act (``resize.namespaces``), and how far (``resize.maxLimit``,
+    ``resize.maxLimitIn``): only the administrator sets them, and by default no namespace is listed."""
+    pod = manifests.one(manifests.render_chart(values), "Deployment")["spec"]["template"]["spec"]
+    args: list[str] = pod["containers"][0]["args"]
+    assert [a for a in args if "resize" in a] == flags
+
+
 def test_nested_host_roots_fail_the_install() -> None:
     """The operator would refuse them when it starts: Helm says so first."""
     values = {"sharedSpill": {"nodeDaemonSet": {"enabled": True}, "hostRoots": ["/var/lib/memops"]}}
@@ -567,3 +604,89 @@ def test_no_client_ca_by_default() -> None:
 def test_a_client_ca_from_two_sources_fails_the_install() -> None:
     with pytest.raises(Exception, match="not both"):
         manifests.render_chart({"webhook": {"clientCA": {"configMap": "a", "secret": "b"}}})
+
+
+GUARD_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
+@pytest.mark.parametrize(
+    ("values", "name", "namespace", "user"),
+    [
+        pytest.param({}, "memops", "memops", "system:serviceaccount:memops:memops", id="default"),
+        pytest.param({}, "ops", "platform", "system:serviceaccount:platform:ops-memops", id="release-and-namespace"),
+        pytest.param(
+            {"fullnameOverride": "mo"}, "ops", "platform", "system:serviceaccount:platform:mo", id="fullname-override"
+        ),
+        pytest.param(
+            {"serviceAccount": {"create": False, "name": "existing"}},
+            "ops",
+            "platform",
+            "system:serviceaccount:platform:existing",
+            id="existing-service-account",
+        ),
+    ],
+)
+def test_the_pod_patch_guard_holds_the_releases_service_account(
+    values: dict[str, Any], name: str, namespace: str, user: str
+) -> None:
+    """On by default: a ValidatingAdmissionPolicy and its binding that refuse memops' ServiceAccount,
+    and no one else, an update of a pod outside its metadata, and any subresource but resize."""
+    objects = manifests.render_chart(values, name=name, namespace=namespace)
+    manifests.validate(objects)
+    policy = manifests.one(objects, "ValidatingAdmissionPolicy")
+    binding = manifests.one(objects, "ValidatingAdmissionPolicyBinding")
+    assert policy["metadata"]["name"] == binding["spec"]["policyName"] == binding["metadata"]["name"]
+    assert policy["metadata"]["name"].endswith("-pod-patch-guard")
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert "matchResources" not in binding["spec"], "every namespace: wherever the ServiceAccount may patch pods"
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"] == {
+        "resourceRules": [
+            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods", "pods/*"]}
+        ]
+    }
+    assert spec["matchConditions"] == [
+        {"name": "memops-service-account", "expression": f'request.userInfo.username == "{user}"'}
+    ]
+    assert spec["variables"] == [
+        {"name": "subresource", "expression": 'has(request.subResource) ? request.subResource : ""'}
+    ]
+    metadata_only, resize_only = spec["validations"]
+    assert metadata_only["expression"] == (
+        'variables.subresource != "" || (object.spec == oldObject.spec && object.status == oldObject.status)'
+    )
+    assert metadata_only["message"].startswith(f"{user} may change a pod's metadata")
+    assert resize_only["expression"] == 'variables.subresource in ["", "resize"]'
+    assert resize_only["messageExpression"].startswith(f"\"{user} may change a pod's metadata")
+    assert "reason" not in metadata_only and "reason" not in resize_only, (
+        "422 Invalid: memops' client reads a 403 as a permission that RBAC lacks"
+    )
+
+
+def test_the_pod_patch_guard_is_off_with_its_value_and_before_kubernetes_1_30() -> None:
+    """Its value turns it off; a cluster that serves no admissionregistration.k8s.io/v1 policies
+    (1.28, 1.29: the chart's kubeVersion allows them) gets the rest of the chart, valid there."""
+    assert manifests.find(manifests.render_chart(kube_version="1.30.0"), GUARD_KINDS[0])
+    off = manifests.render_chart({"rbac": {"podPatchGuard": {"enabled": False}}})
+    for kube_version in ("1.28.0", "1.29.15"):
+        old = manifests.render_chart(kube_version=kube_version)
+        for kind in GUARD_KINDS:
+            assert manifests.find(old, kind) == [] and manifests.find(off, kind) == []
+        manifests.validate(old)  # each Kubernetes kind against 1.28's schemas too
+    with helm.Chart.load(manifests.CHART) as chart:
+        with pytest.raises(helm.HelmValuesError, match="podPatchGuard"):
+            chart.validate_schema({"rbac": {"podPatchGuard": True}})
+        with pytest.raises(helm.HelmValuesError, match="podPatchGuard/enabled"):
+            chart.validate_schema({"rbac": {"podPatchGuard": {"enabled": "yes"}}})
+
+
+@pytest.mark.parametrize("namespaces", [[], ["dask"]], ids=["cluster-wide", "namespaced"])
+def test_the_pod_patch_guard_grants_the_operator_nothing(namespaces: list[str]) -> None:
+    """The installer applies the policy, as it applies the RBAC: the operator never reads it."""
+    values: dict[str, Any] = {"watchNamespaces": namespaces, "webhook": {"allowUnauthenticatedSources": True}}
+    on = manifests.render_chart(values)
+    off = manifests.render_chart({**values, "rbac": {"podPatchGuard": {"enabled": False}}})
+    for namespace in ("", "dask", "other", None):
+        assert manifests.granted(on, namespace=namespace) == manifests.granted(off, namespace=namespace)
+    assert not {t for t in manifests.granted(on) if t[0] == "admissionregistration.k8s.io"}

@@ -145,3 +145,19 @@ def test_shared_spill_component_is_the_charts_daemonset() -> None:
         assert args[-1] == "--shared-spill-host-root=/var/lib/memops/spill"
     base_args = manifests.one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert base_args == manifests.one(chart, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("tree", [BASE, NAMESPACED], ids=["base", "namespaced"])
+def test_the_pod_patch_guard_is_the_charts(tree: Path) -> None:
+    """The chart's policy and binding for the base's ServiceAccount memops of the namespace memops
+    (the namespaced overlay keeps both): the same spec, the same username."""
+    objects = manifests.kustomize(tree)
+    account = manifests.one(objects, "ServiceAccount")["metadata"]
+    assert (account["namespace"], account["name"]) == ("memops", "memops")
+    chart = manifests.render_chart(name="memops", namespace="memops")
+    for kind in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
+        ours, theirs = manifests.one(objects, kind), manifests.one(chart, kind)
+        assert ours["metadata"]["name"] == theirs["metadata"]["name"] == "memops-pod-patch-guard"
+        assert ours["spec"] == theirs["spec"], kind
+    (condition,) = manifests.one(objects, "ValidatingAdmissionPolicy")["spec"]["matchConditions"]
+    assert condition["expression"] == 'request.userInfo.username == "system:serviceaccount:memops:memops"'

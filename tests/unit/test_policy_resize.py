@@ -4,8 +4,8 @@ the fallback to relief or to one more worker, the events; and the read's pure he
 :mod:`memops.decisions.resize_decisions`.
 
 A policy of 4 replicas with ``resize: {maxLimit: 4Gi}`` (grow above 75%, to 60%, steps of
-64Mi) over one worker ``w-1`` of 1Gi whose pod asks 1Gi, on a node with 4Gi to spare; each
-case changes what it names."""
+64Mi) over one worker ``w-1`` of 1Gi whose pod asks 1Gi, on a node with 4Gi to spare, in a
+namespace where the administrator allows growth up to 64Gi; each case changes what it names."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ def _inputs(
     **fields: Any,
 ) -> policy_decisions.Inputs:
     reachable = conditions.set_condition([], "SchedulerReachable", True, reason="Connected", generation=3)
+    fields.setdefault("resize_ceiling", 64 * Gi)  # memops run --resize-in dask (and --max-resize-limit 64Gi)
     return policy_decisions.Inputs(
         owner=OWNER,
         generation=3,
@@ -121,14 +122,14 @@ def _orders(decision: policy_decisions.Decision) -> list[tuple[Action, int, int 
             id="kubelet-applying-wait",
         ),
         pytest.param(
-            _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, peers_room=Gi),
+            _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, peers_room=Gi, since=30),
             [],
             ("Relieve", "ResizeDeferred", "1Gi"),
             4,
             id="deferred-falls-back-to-relief",
         ),
         pytest.param(
-            _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED),
+            _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, since=30),
             [],
             ("ScaleUp", "ResizeDeferred", "1Gi"),
             5,
@@ -164,7 +165,9 @@ def test_the_pass_orders_and_records(
 
 
 def test_a_fallback_is_said_in_the_status_and_once_as_an_event() -> None:
-    worker = _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, message="Node didn't have enough memory")
+    worker = _worker(
+        900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, message="Node didn't have enough memory", since=30
+    )
     first = policy_decisions.decide(_inputs(worker))
     assert first.status.resize is not None
     assert first.status.resize.message == (
@@ -186,7 +189,7 @@ def test_the_worker_added_for_a_failed_growth_stays_while_it_fails() -> None:
     before = specs.ResizeStatus(
         workers=[specs.ResizedWorker(pod="w-1", action="ScaleUp", reason="ResizeDeferred", limit="1Gi")]
     )
-    deferred = _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, peers_room=Gi)
+    deferred = _worker(900 * Mi, asked=2 * Gi, state=rd.PodResize.DEFERRED, peers_room=Gi, since=30)
     decision = policy_decisions.decide(_inputs(deferred, spec=_spec(replicas=4), current=5, old=before))
     assert decision.desired == 5
     assert decision.action == scaling.Action.NONE, "no drain of the worker just added"
@@ -387,3 +390,74 @@ async def test_growth_reads_the_linked_bytes_of_the_worker_it_decides_for(
     assert seen.inputs.spill_charged and seen.inputs.spill_linked == expected
     assert spec.resize is not None
     assert rd.is_pressed(seen, spec.resize.settings()) == (expected == 0)
+
+
+# -- the administrator's bounds, and a deferred ask taken back ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ceiling", "orders", "entry"),
+    [
+        pytest.param(64 * Gi, [(Action.GROW, 1536 * Mi, 1536 * Mi)], ("Grow", "PeersFull", "1536Mi"), id="above-it"),
+        pytest.param(
+            1280 * Mi, [(Action.GROW, 1280 * Mi, 1280 * Mi)], ("Grow", "PeersFull", "1280Mi"), id="up-to-the-ceiling"
+        ),
+        pytest.param(Gi, [], ("ScaleUp", "AtMaximum", "1Gi"), id="at-the-ceiling-falls-back"),
+    ],
+)
+def test_the_administrators_ceiling_bounds_the_policys_maximum(
+    ceiling: int, orders: list[tuple[Action, int, int | None]], entry: tuple[str, str, str]
+) -> None:
+    """The policy allows 4Gi; the administrator's ceiling in its namespace is the lower bound when lower."""
+    decision = policy_decisions.decide(_inputs(_worker(900 * Mi), resize_ceiling=ceiling))
+    assert _orders(decision) == orders
+    assert _entry(decision) == entry
+
+
+def test_a_namespace_the_administrator_did_not_list_gets_no_growth() -> None:
+    """No ``--resize-in`` for the namespace: nothing is asked of pods/resize nor of Dask, whatever the
+    policy says; the status and one event say why."""
+    before = specs.ResizeStatus(resized=2)
+    for worker in (_worker(900 * Mi), _worker(300 * Mi, limit=2 * Gi, dask_limit=Gi)):
+        decision = policy_decisions.decide(_inputs(worker, resize_ceiling=None, old=before))
+        assert decision.resizes == () and decision.desired == 4
+        assert decision.status.resize is not None
+        assert decision.status.resize.resized == 2 and decision.status.resize.workers == []
+        assert "not allowed in namespace dask" in decision.status.resize.message
+        assert "--resize-in" in decision.status.resize.message
+        assert [(e.type, e.reason) for e in decision.events] == [("Warning", "ResizeNotAllowed")]
+    later = policy_decisions.decide(_inputs(_worker(900 * Mi), resize_ceiling=None, old=decision.status.resize))
+    assert later.events == (), "said once"
+
+
+def test_a_growth_deferred_past_the_bound_is_taken_back_and_not_asked_again_at_once() -> None:
+    """Deferred for 3 minutes: the ask is taken back to what the kubelet applied (the request too),
+    the status and a Warning say so, and one more worker takes the excess. The next passes do not
+    ask it again for 10 minutes (the node's memory would be held again), then they do."""
+    deferred = _worker(900 * Mi, asked=1536 * Mi, state=rd.PodResize.DEFERRED, message="no room", since=180)
+    first = policy_decisions.decide(_inputs(deferred))
+    assert _orders(first) == [(Action.REVERT, Gi, Gi)]
+    assert _entry(first) == ("ScaleUp", "ResizeDeferredTooLong", "1Gi")
+    assert first.desired == 5
+    assert first.status.resize is not None and "took it back" in first.status.resize.message
+    warnings = [e for e in first.events if e.type == "Warning"]
+    assert [e.reason for e in warnings] == ["ResizeDeferredTooLong"] and "took it back" in warnings[0].message
+    # Taken back, the kubelet's condition not cleared yet: nothing more is asked, nothing said again.
+    stale = _worker(900 * Mi, state=rd.PodResize.DEFERRED, message="no room", since=2)
+    between = policy_decisions.decide(_inputs(stale, current=5, old=first.status.resize, now=NOW + 2))
+    assert _orders(between) == [] and between.status.resize == first.status.resize
+    assert [e for e in between.events if e.type == "Warning"] == []
+    # Taken back: the pod's spec is what the kubelet applied, its stamp is fresh.
+    taken_back = _worker(900 * Mi, since=10)
+    second = policy_decisions.decide(_inputs(taken_back, current=5, old=first.status.resize, now=NOW + 10))
+    assert _orders(second) == [] and _entry(second) == ("ScaleUp", "ResizeDeferredTooLong", "1Gi")
+    assert second.desired == 5 and [e for e in second.events if e.type == "Warning"] == []
+    # A stamp rewritten on the pod does not shorten the wait: the status' line began 5 minutes ago.
+    rewritten = _worker(900 * Mi, since=3600)
+    third = policy_decisions.decide(_inputs(rewritten, current=5, old=second.status.resize, now=NOW + 300))
+    assert _orders(third) == []
+    # Ten minutes on, the growth is asked again.
+    again = policy_decisions.decide(
+        _inputs(_worker(900 * Mi, since=610), current=5, old=third.status.resize, now=NOW + 610)
+    )
+    assert _orders(again) == [(Action.GROW, 1536 * Mi, 1536 * Mi)]

@@ -39,6 +39,7 @@ def inputs(
     spilled: int = 0,
     spill_charged: bool = False,
     spill_linked: int = 0,
+    pending: float | None = None,
 ) -> rd.Inputs:
     return rd.Inputs(
         worker=rd.WorkerMemory(
@@ -55,6 +56,7 @@ def inputs(
         seconds_since_resize=since,
         spill_charged=spill_charged,
         spill_linked=spill_linked,
+        seconds_pending=pending,
     )
 
 
@@ -146,12 +148,12 @@ GROWN = 1344 * Mi  # 800Mi / 60% = 1333.4Mi, up to a multiple of 64Mi (21 * 64Mi
             inputs(HOT, limit=GROWN), decision(rd.Action.WAIT, rd.Reason.RESIZING), id="asked-not-yet-applied-waits"
         ),
         pytest.param(
-            inputs(HOT, limit=GROWN, state=rd.PodResize.DEFERRED),
+            inputs(HOT, limit=GROWN, state=rd.PodResize.DEFERRED, since=30),
             decision(rd.Action.SCALE_UP, rd.Reason.RESIZE_DEFERRED),
             id="deferred-peers-full-scales-up-and-keeps-the-ask",
         ),
         pytest.param(
-            inputs(HOT, limit=GROWN, state=rd.PodResize.DEFERRED, peers_room=Gi),
+            inputs(HOT, limit=GROWN, state=rd.PodResize.DEFERRED, peers_room=Gi, since=30),
             decision(rd.Action.RELIEVE, rd.Reason.RESIZE_DEFERRED),
             id="deferred-peers-room-relieves",
         ),
@@ -400,6 +402,10 @@ def test_node_room_is_allocatable_minus_every_request() -> None:
     assert rd.node_room(Gi, [2 * Gi]) == 0
 
 
+def test_the_largest_maximum_is_accepted() -> None:
+    assert ResizeSpec(maxLimit="64Ti").settings().max_limit == 64 * 2**40
+
+
 def test_the_spec_in_decision_units() -> None:
     spec = ResizeSpec.model_validate({"maxLimit": "16Gi", "growAbove": "78%", "cooldown": "10m", "shrink": False})
     assert spec.settings() == dataclasses.replace(
@@ -414,6 +420,8 @@ def test_the_spec_in_decision_units() -> None:
         pytest.param({"maxLimit": "4Gi", "growTo": "80%"}, "growTo", id="to-above-above"),
         pytest.param({"maxLimit": "64Mi", "step": "128Mi"}, "step", id="step-above-maximum"),
         pytest.param({"maxLimit": "0"}, "more than zero", id="zero-maximum"),
+        pytest.param({"maxLimit": "9e99"}, "at most 64Ti", id="maximum-beyond-any-node"),
+        pytest.param({"maxLimit": "65Ti"}, "at most 64Ti", id="maximum-past-the-bound"),
         pytest.param({}, "maxLimit", id="maximum-required"),
         pytest.param({"maxLimit": "4Gi", "grow": True}, "grow", id="unknown-field"),
     ],
@@ -421,3 +429,158 @@ def test_the_spec_in_decision_units() -> None:
 def test_the_spec_refuses(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=message):
         ResizeSpec.model_validate(fields)
+
+
+# -- a deferred ask is taken back after a bound --------------------------------------------------
+# A deferred ask keeps the node's memory: the scheduler counts a pod's resize request whatever the
+# kubelet answered but Infeasible, so a tenant's growth left deferred would keep other tenants' pods
+# off the node for as long as it stays so. Past rd.DEFERRED_SECONDS (2 minutes) memops takes it back.
+
+
+@pytest.mark.parametrize(
+    ("process", "peers_room", "since", "pending", "action", "reason", "revert_to"),
+    [
+        pytest.param(HOT, 0, 60.0, None, "ScaleUp", "ResizeDeferred", None, id="within-the-bound-left-to-the-kubelet"),
+        pytest.param(HOT, 0, 180.0, None, "ScaleUp", "ResizeDeferredTooLong", Gi, id="past-the-bound-taken-back"),
+        pytest.param(
+            HOT, Gi, 180.0, None, "Relieve", "ResizeDeferredTooLong", Gi, id="past-the-bound-taken-back-peers-relieve"
+        ),
+        pytest.param(300 * Mi, 0, 180.0, None, "None", "ResizeDeferredTooLong", Gi, id="no-pressure-only-taken-back"),
+        # The kubelet's time (the condition's lastTransitionTime) counts over memops' own stamp on the
+        # pod, which the pod's owner can rewrite.
+        pytest.param(HOT, 0, 10.0, 180.0, "ScaleUp", "ResizeDeferredTooLong", Gi, id="the-kubelets-time-counts"),
+        pytest.param(HOT, 0, 600.0, 30.0, "ScaleUp", "ResizeDeferred", None, id="a-stamp-rewritten-long-ago"),
+        pytest.param(HOT, 0, None, None, "ScaleUp", "ResizeDeferredTooLong", Gi, id="no-time-counts-as-long-ago"),
+    ],
+)
+def test_a_growth_the_kubelet_defers_past_the_bound_is_taken_back(
+    process: int,
+    peers_room: int,
+    since: float | None,
+    pending: float | None,
+    action: str,
+    reason: str,
+    revert_to: int | None,
+) -> None:
+    given = inputs(
+        process, limit=GROWN, state=rd.PodResize.DEFERRED, peers_room=peers_room, since=since, pending=pending
+    )
+    found = rd.decide(given, SETTINGS)
+    assert (found.action.value, found.reason.value, found.revert_to, found.limit) == (action, reason, revert_to, None)
+
+
+def test_a_deferred_ask_already_taken_back_is_not_taken_back_again() -> None:
+    """The pod's spec is back at what the kubelet applied; its condition has not caught up yet: said
+    as when it was taken back, so that the pass holds the growth as then."""
+    found = rd.decide(inputs(HOT, state=rd.PodResize.DEFERRED, since=1.0, pending=600.0), SETTINGS)
+    assert (found.action, found.reason, found.revert_to) == (
+        rd.Action.SCALE_UP,
+        rd.Reason.RESIZE_DEFERRED_TOO_LONG,
+        None,
+    )
+
+
+def test_the_deferral_bound_is_two_minutes() -> None:
+    assert rd.DEFERRED_SECONDS == 120.0
+
+
+def test_the_pending_conditions_time_is_read() -> None:
+    condition = {
+        "type": "PodResizePending",
+        "status": "True",
+        "reason": "Deferred",
+        "message": "Node didn't have enough capacity: memory",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
+    found = rd.resize_status(pod([condition]))
+    assert (found.state, found.since) == (rd.PodResize.DEFERRED, 1767225600.0)
+    assert rd.resize_status(pod([{**condition, "lastTransitionTime": "yesterday"}])).since is None
+    assert rd.resize_status(pod(resize="Deferred")).since is None
+
+
+# -- a pod's memory request, as the node admits it ---------------------------------------------
+
+
+def _requesting(*, init: Sequence[dict[str, Any]] = (), **spec: Any) -> dict[str, Any]:
+    worker = {"name": "worker", "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1Gi"}}}
+    return {"spec": {"containers": [worker], "initContainers": list(init), **spec}}
+
+
+SIDECAR = {"name": "memops-spill-owner", "restartPolicy": "Always", "resources": {"requests": {"memory": "64Mi"}}}
+SETUP = {"name": "setup", "resources": {"requests": {"memory": "256Mi"}}}
+
+
+@pytest.mark.parametrize(
+    ("pod_body", "expected"),
+    [
+        pytest.param(_requesting(), Gi, id="one-container"),
+        pytest.param(_requesting(init=[SIDECAR]), Gi + 64 * Mi, id="a-restartable-init-container-runs-beside"),
+        pytest.param(_requesting(overhead={"memory": "120Mi"}), Gi + 120 * Mi, id="the-runtime-class-overhead"),
+        pytest.param(_requesting(init=[SETUP]), Gi, id="an-init-container-that-ended-fits-in-the-rest"),
+        pytest.param(
+            _requesting(init=[SIDECAR, {**SETUP, "resources": {"requests": {"memory": "2Gi"}}}]),
+            2 * Gi + 64 * Mi,
+            id="an-init-container-larger-than-the-rest-with-the-sidecars-started-before-it",
+        ),
+        pytest.param(
+            _requesting(init=[SIDECAR], overhead={"memory": "120Mi"}, resources={"requests": {"memory": "3Gi"}}),
+            3 * Gi + 120 * Mi,
+            id="pod-level-resources-and-overhead",
+        ),
+    ],
+)
+def test_a_pods_request_counts_every_container_and_the_overhead(pod_body: dict[str, Any], expected: int) -> None:
+    assert rd.pod_request(pod_body) == expected
+
+
+def test_a_pods_request_counts_what_the_kubelet_allocated() -> None:
+    """A resize the kubelet admitted is in the container's allocatedResources, before its spec says so."""
+    body = _requesting(init=[SIDECAR])
+    body["status"] = {
+        "containerStatuses": [{"name": "worker", "allocatedResources": {"memory": "1536Mi"}}],
+        "initContainerStatuses": [{"name": "memops-spill-owner", "allocatedResources": {"memory": "128Mi"}}],
+    }
+    assert rd.pod_request(body) == 1536 * Mi + 128 * Mi
+
+
+# -- the administrator's bounds: where growth may act, and how far -----------------------------
+
+
+def test_the_administrator_lists_the_namespaces_and_the_ceiling() -> None:
+    """``memops run --resize-in dask --resize-in ml --max-resize-limit 32Gi --max-resize-limit-in ml=8Gi``."""
+    admin = rd.administrator("32Gi", ["ml=8Gi"], ["dask", "ml"])
+    assert (admin.ceiling_in("dask"), admin.ceiling_in("ml"), admin.ceiling_in("other")) == (32 * Gi, 8 * Gi, None)
+    every = rd.administrator("64Gi", [], ["*"])
+    assert every.ceiling_in("any") == 64 * Gi
+    assert rd.administrator().ceiling_in("dask") is None, "by default, no namespace"
+    assert rd.administrator().ceiling == 64 * Gi, "and a ceiling of 64Gi"
+
+
+@pytest.mark.parametrize(
+    ("ceiling", "per_namespace", "namespaces", "message"),
+    [
+        pytest.param("9e99", [], [], "at most 64Ti", id="ceiling-beyond-the-schemas"),
+        pytest.param("lots", [], [], "not a quantity", id="ceiling-not-a-quantity"),
+        pytest.param("0", [], [], "more than zero", id="ceiling-zero"),
+        pytest.param("64Gi", ["ml"], [], "NAMESPACE=QUANTITY", id="per-namespace-without-a-quantity"),
+        pytest.param("64Gi", ["ml=9e99"], [], "at most 64Ti", id="per-namespace-beyond"),
+        pytest.param("64Gi", ["Team=8Gi"], [], "not a namespace name", id="per-namespace-not-a-namespace"),
+        pytest.param("64Gi", [], ["team,ml"], "not a namespace name", id="opt-in-not-a-namespace"),
+    ],
+)
+def test_the_administrators_flags_are_checked(
+    ceiling: str, per_namespace: list[str], namespaces: list[str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        rd.administrator(ceiling, per_namespace, namespaces)
+
+
+def test_the_operator_refuses_bad_resize_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from memops import cli
+
+    assert cli.main(["run", "--max-resize-limit", "9e99"]) == 2
+    assert "at most 64Ti" in capsys.readouterr().err
+    assert cli.main(["run", "--resize-in", "team,ml"]) == 2
+    assert "'team,ml' is not a namespace name" in capsys.readouterr().err
+    assert cli.main(["run", "--max-resize-limit-in", "ml"]) == 2
+    assert "NAMESPACE=QUANTITY" in capsys.readouterr().err
