@@ -28,6 +28,8 @@ from memops_sandbox import build, upstream
 from memops_sandbox import common as sandbox
 from xdist.scheduler import LoadScopeScheduling
 
+from tests.e2e import conftest as e2e
+
 NO_SANDBOX = ("unit", "fuzz", "scheduler", "packaging/test_helm.py", "packaging/test_kustomize.py")
 """The test folders and files that start no control plane: they run first, so that CI can build
 the sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
@@ -53,9 +55,16 @@ def _kind(path: Path) -> int:
     return 1 if any(inside.is_relative_to(plane) for plane in PLANE_ONLY) else 2
 
 
+def _order(item: pytest.Item) -> tuple[int, int]:
+    kind = _kind(Path(str(item.fspath)))
+    # Of those that may start real Nodes, the tests in a namespace of the session's sandbox first:
+    # it starts once, and stops before the first test that starts Nodes of its own.
+    return kind, 0 if kind == 2 and e2e.shares_the_cluster(item) else 1
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Stable: each group keeps its order (packaging after e2e).
-    items.sort(key=lambda item: _kind(Path(str(item.fspath))))
+    items.sort(key=_order)
 
 
 class SandboxLane(LoadScopeScheduling):
@@ -88,6 +97,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     beside the tests that need none, and a cold build can outlast them. A build that fails here is
     left to the fixtures, which skip or fail with its reason."""
     kind = _kind(Path(str(item.fspath)))
+    if kind == 2 and not e2e.shares_the_cluster(item):
+        e2e.CLUSTER.release()  # real Nodes are one set per machine
     if kind > item.session.stash.get(_BUILT, 0):
         item.session.stash[_BUILT] = kind
         sandbox.built(real_nodes=kind == 2)

@@ -33,7 +33,12 @@ real Nodes the sandbox's Dask image (same versions, built here) answers to it to
 
 
 def worker_deployment(
-    scheduler_address: str, replicas: int, memory_limit: str = "1GiB", *, image: str | None = None
+    scheduler_address: str,
+    replicas: int,
+    memory_limit: str = "1GiB",
+    *,
+    image: str | None = None,
+    namespace: str | None = NAMESPACE,
 ) -> dict[str, Any]:
     """The Deployment users would write for Dask workers: the pod name is the worker name, and the
     worker listens on the pod's IP (as ``dask worker`` does on a cluster, where that is the
@@ -42,11 +47,12 @@ def worker_deployment(
     With ``image`` (real Nodes), the container runs that image with ``resources.limits.memory``
     of ``memory_limit``, and ``--memory-limit 1.0``: all of what Dask reads from the container's
     cgroup, as on a cluster. Without, the process node agent runs ``dask worker`` as a host
-    process with ``--memory-limit``."""
+    process with ``--memory-limit``. With ``namespace`` None, the manifest names none: kubectl
+    applies it to its context's."""
     deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": WORKLOAD, "namespace": NAMESPACE, "labels": {"app": WORKLOAD}},
+        "metadata": {"name": WORKLOAD, **({"namespace": namespace} if namespace else {}), "labels": {"app": WORKLOAD}},
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": {"app": WORKLOAD}},
@@ -109,14 +115,14 @@ def quantity(size: str) -> str:
     return str(parse_bytes(size))
 
 
-def scheduler_manifests(image: str, memory_limit: str = "2GiB") -> list[dict[str, Any]]:
+def scheduler_manifests(image: str, memory_limit: str = "2GiB", *, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
     """``dask scheduler`` as a Deployment of one pod, and its Service ``dask-scheduler``, as the
     Dask Helm chart makes them."""
     labels = {"app": SCHEDULER}
     deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": SCHEDULER, "namespace": NAMESPACE, "labels": labels},
+        "metadata": {"name": SCHEDULER, "namespace": namespace, "labels": labels},
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": labels},
@@ -147,7 +153,7 @@ def scheduler_manifests(image: str, memory_limit: str = "2GiB") -> list[dict[str
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": SCHEDULER, "namespace": NAMESPACE, "labels": labels},
+        "metadata": {"name": SCHEDULER, "namespace": namespace, "labels": labels},
         "spec": {"selector": labels, "ports": [{"name": "tcp-comm", "port": SCHEDULER_PORT, "targetPort": "tcp-comm"}]},
     }
     return [deployment, service]

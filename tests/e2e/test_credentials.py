@@ -71,6 +71,11 @@ def finished(sandbox: Sandbox, name: str, pod: str) -> dict[str, Any]:
     return status
 
 
+pytestmark = pytest.mark.owns_cluster(
+    "it runs the operator as a process of its own, with credentials it rotates and revokes"
+)
+
+
 @pytest.mark.parametrize("where", ["token-file", "kubeconfig"])
 def test_the_operator_keeps_working_when_its_bound_token_is_rotated_and_revoked(
     sandbox_factory: Any, where: str

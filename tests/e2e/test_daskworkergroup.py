@@ -38,7 +38,7 @@ def dask_cluster(workers: int) -> dict[str, Any]:
     return {
         "apiVersion": "kubernetes.dask.org/v1",
         "kind": "DaskCluster",
-        "metadata": {"name": "dk", "namespace": "default"},
+        "metadata": {"name": "dk"},
         "spec": {
             "scheduler": {
                 "spec": {
@@ -143,7 +143,7 @@ def test_policy_scales_a_daskworkergroup_without_dask_kubernetes_choosing(
             {
                 "apiVersion": "memops.dev/v1alpha1",
                 "kind": "MemoryPolicy",
-                "metadata": {"name": "dk", "namespace": "default"},
+                "metadata": {"name": "dk"},
                 "spec": {
                     "scheduler": {"address": "tcp://dk-scheduler:8786"},
                     "workload": {"kind": "DaskWorkerGroup", "name": GROUP},

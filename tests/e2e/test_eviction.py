@@ -38,6 +38,9 @@ WORKERS_ONLY = ("--ignore-daemonsets", "--pod-selector=app=dask-worker")
 OPERATOR = "system:serviceaccount:memops-system:memops"
 
 
+pytestmark = pytest.mark.owns_cluster("it drains and cordons the Nodes")
+
+
 @pytest.fixture
 def upstream(tmp_path: Path) -> Iterator[Any]:
     from memops_sandbox import build
@@ -65,7 +68,7 @@ def policy(sandbox: Sandbox, **spec: Any) -> None:
         {
             "apiVersion": "memops.dev/v1alpha1",
             "kind": "MemoryPolicy",
-            "metadata": {"name": "drain", "namespace": "default"},
+            "metadata": {"name": "drain"},
             "spec": {
                 "scheduler": {"address": sandbox.scheduler_address},
                 "workload": {"kind": "Deployment", "name": "dask-worker"},
@@ -258,7 +261,7 @@ def post_review(url: str, review: dict[str, Any], context: ssl.SSLContext) -> An
 
 def evict(sandbox: Sandbox, pod: str) -> subprocess.CompletedProcess[str]:
     """One eviction through the API (``pods/<pod>/eviction``), as the sandbox's admin."""
-    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": "default"}}
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod}}
     path = f"/api/v1/namespaces/default/pods/{pod}/eviction"
     return sandbox.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(body), check=False)
 

@@ -36,18 +36,21 @@ from tests.e2e.test_upstream_controllers import ready
 GROUP_VERSION = "external.metrics.k8s.io/v1beta1"
 METRIC = "dask_pending_work"
 SERVICE = "test-metrics"
+API_SERVICE = f"v1beta1.{GROUP_VERSION.split('/')[0]}"
 
 
 class MetricsServer:
     """``external.metrics.k8s.io/v1beta1`` with one metric in every namespace, whose value the
     test sets; it records the paths it was asked for."""
 
-    def __init__(self, directory: Path, value: int):
+    def __init__(self, directory: Path, value: int, namespace: str):
         self.value = value
+        self.namespace = namespace
         self.asked: list[str] = []
         self.ca = certs.authority("test-metrics-ca")
         # The aggregator verifies the name <service>.<namespace>.svc against the caBundle.
-        pair = certs.issue(self.ca, f"{SERVICE}.default.svc", dns_names=(f"{SERVICE}.default.svc",), server=True)
+        host = f"{SERVICE}.{namespace}.svc"
+        pair = certs.issue(self.ca, host, dns_names=(host,), server=True)
         cert, key = pair.write(directory, "metrics")
         self.port = sandbox_cli.free_port()
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
@@ -101,26 +104,30 @@ class MetricsServer:
 
 
 @pytest.fixture
-def metrics(tmp_path: Path) -> Iterator[MetricsServer]:
-    with MetricsServer(tmp_path, value=4) as server:
-        yield server
+def metrics(tmp_path: Path, sandbox: Sandbox) -> Iterator[MetricsServer]:
+    """The server, for the test's namespace; its APIService (cluster-wide) goes before the namespace."""
+    with MetricsServer(tmp_path, value=4, namespace=sandbox.namespace) as server:
+        try:
+            yield server
+        finally:
+            sandbox.kubectl("delete", "apiservice", API_SERVICE, "--ignore-not-found", check=False)
 
 
 def register(sandbox: Sandbox, server: MetricsServer) -> None:
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": SERVICE, "namespace": "default"},
+        "metadata": {"name": SERVICE},
         "spec": {"type": "ExternalName", "externalName": "localhost", "ports": [{"port": server.port}]},
     }
     api_service = {
         "apiVersion": "apiregistration.k8s.io/v1",
         "kind": "APIService",
-        "metadata": {"name": f"v1beta1.{GROUP_VERSION.split('/')[0]}"},
+        "metadata": {"name": API_SERVICE},
         "spec": {
             "group": GROUP_VERSION.split("/")[0],
             "version": "v1beta1",
-            "service": {"name": SERVICE, "namespace": "default", "port": server.port},
+            "service": {"name": SERVICE, "namespace": server.namespace, "port": server.port},
             "caBundle": base64.b64encode(server.ca.pem).decode(),
             "groupPriorityMinimum": 100,
             "versionPriority": 100,
@@ -140,7 +147,7 @@ def autoscaler(policy: str) -> dict[str, Any]:
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": policy, "namespace": "default"},
+        "metadata": {"name": policy},
         "spec": {
             "scaleTargetRef": {"apiVersion": "memops.dev/v1alpha1", "kind": "MemoryPolicy", "name": policy},
             "minReplicas": 1,
@@ -210,4 +217,4 @@ def test_a_real_hpa_scales_the_policy_and_every_scale_down_is_a_drain(sandbox: S
     assert hpa["status"]["desiredReplicas"] == 2
     assert hpa["status"]["currentMetrics"][0]["external"]["metric"]["name"] == METRIC
     # The HPA asked this server, through the aggregator, for the policy's namespace.
-    assert f"/apis/{GROUP_VERSION}/namespaces/default/{METRIC}" in metrics.asked
+    assert f"/apis/{GROUP_VERSION}/namespaces/{sandbox.namespace}/{METRIC}" in metrics.asked

@@ -42,6 +42,9 @@ PACE = 1.0
 APP = "pressed"
 
 
+pytestmark = pytest.mark.owns_cluster("it fills a Node to its kubelet's eviction threshold")
+
+
 @pytest.fixture
 def pressed(tmp_path: Path) -> Iterator[Callable[[bool], Sandbox]]:
     started: list[Sandbox] = []
@@ -182,7 +185,7 @@ def test_memops_drains_the_kubelets_next_victim_before_it_is_evicted(pressed: Ca
         {
             "apiVersion": "memops.dev/v1alpha1",
             "kind": "MemoryPolicy",
-            "metadata": {"name": APP, "namespace": "default"},
+            "metadata": {"name": APP},
             "spec": {
                 "scheduler": {"address": "tcp://dask-scheduler:8786"},
                 "workload": {"kind": "Deployment", "name": APP},

@@ -19,7 +19,7 @@ def worker_deployment(
 ) -> dict[str, Any]:
     """The sandbox's worker Deployment under another name, with other ``dask worker`` arguments,
     and unless ``named`` without ``--name``."""
-    body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, replicas, "512MiB"))
+    body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, replicas, "512MiB", namespace=None))
     body["metadata"]["name"] = name
     body["metadata"]["labels"] = {"app": name}
     body["spec"]["template"]["metadata"]["labels"] = {"app": name}
@@ -115,7 +115,7 @@ def test_a_selector_with_match_expressions_never_claims_an_unrelated_pod(sandbox
         {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": "unrelated", "namespace": "default", "labels": {"app": "other"}},
+            "metadata": {"name": "unrelated", "labels": {"app": "other"}},
             "spec": {
                 "containers": [
                     {
@@ -202,7 +202,7 @@ def test_deleting_the_policy_mid_drain_gives_its_pod_back(sandbox: Sandbox) -> N
                 {
                     "apiVersion": "memops.dev/v1alpha1",
                     "kind": "MemoryPolicy",
-                    "metadata": {"name": "shrink", "namespace": "default"},
+                    "metadata": {"name": "shrink"},
                     "spec": {
                         "scheduler": {"address": sandbox.scheduler_address},
                         "workload": {"kind": "Deployment", "name": "dask-worker"},
@@ -237,8 +237,7 @@ def test_deleting_the_policy_mid_drain_gives_its_pod_back(sandbox: Sandbox) -> N
 def test_a_scheduler_whose_workers_are_another_namespaces_is_left_alone(sandbox: Sandbox) -> None:
     """Another tenant's namespace points at the scheduler of default's workers: it reads nothing of
     them, installs nothing, retires nothing, and says why."""
-    tenant = "tenant-b"
-    sandbox.kubectl("create", "namespace", tenant)
+    tenant = sandbox.make_namespace("tenant-b")
     sandbox.kubectl("create", "serviceaccount", "dask-worker", "-n", tenant)
     workers = sandbox_cli.worker_deployment(sandbox.scheduler_address, 0)
     workers["metadata"]["namespace"] = tenant

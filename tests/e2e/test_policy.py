@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import distributed
+import pytest
 
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import scatter_unique
@@ -16,7 +17,7 @@ def memory_policy(name: str, address: str, workload: str = "dask-worker", **spec
     return {
         "apiVersion": "memops.dev/v1alpha1",
         "kind": "MemoryPolicy",
-        "metadata": {"name": name, "namespace": "default"},
+        "metadata": {"name": name},
         "spec": {"scheduler": {"address": address}, "workload": {"kind": "Deployment", "name": workload}, **spec},
     }
 
@@ -82,7 +83,7 @@ def test_bad_and_conflicting_policies_are_reported_and_the_good_one_keeps_workin
     hpa = {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": "direct", "namespace": "default"},
+        "metadata": {"name": "direct"},
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "dask-worker"},
             "minReplicas": 1,
@@ -100,6 +101,7 @@ def test_bad_and_conflicting_policies_are_reported_and_the_good_one_keeps_workin
     sandbox.wait_for(lambda: sandbox.replicas() == 3 and len(sandbox.pods()) == 3, what="first still serves")
 
 
+@pytest.mark.owns_cluster("it kills the operator and starts it again")
 def test_operator_restart_during_a_policy_scale_down(sandbox_factory: Callable[..., Sandbox]) -> None:
     sandbox = sandbox_factory(3, operator=False)
     sandbox.start_operator()

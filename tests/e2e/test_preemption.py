@@ -43,6 +43,8 @@ LATE = 64 * 2**10
 STAGGER = 1.0
 
 
+pytestmark = pytest.mark.owns_cluster("it compares a sandbox with the operator and one without")
+
 @pytest.fixture
 def upstream(tmp_path: Path) -> Iterator[Any]:
     from memops_sandbox import build
@@ -142,7 +144,7 @@ def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_no
         {
             "apiVersion": "memops.dev/v1alpha1",
             "kind": "MemoryPolicy",
-            "metadata": {"name": "spot", "namespace": "default"},
+            "metadata": {"name": "spot"},
             "spec": {
                 "scheduler": {"address": sandbox.scheduler_address},
                 "workload": {"kind": "Deployment", "name": "dask-worker"},

@@ -124,7 +124,7 @@ def reachable_cluster() -> RealCluster:
 
 
 @pytest.fixture
-def cluster() -> Iterator[RealCluster]:
+def real_cluster() -> Iterator[RealCluster]:
     found = reachable_cluster()
     replicas = found.replicas()
     yield found
@@ -133,11 +133,12 @@ def cluster() -> Iterator[RealCluster]:
 
 
 @pytest.fixture
-def client(cluster: RealCluster) -> Iterator[distributed.Client]:
+def client(real_cluster: RealCluster) -> Iterator[distributed.Client]:
     try:
-        dask_client = distributed.Client(cluster.client_scheduler, timeout=30)
+        dask_client = distributed.Client(real_cluster.client_scheduler, timeout=30)
     except OSError as exc:
-        skip(f"the scheduler at {cluster.client_scheduler} does not answer here (MEMOPS_E2E_CLIENT_SCHEDULER): {exc}")
+        where = real_cluster.client_scheduler
+        skip(f"the scheduler at {where} does not answer here (MEMOPS_E2E_CLIENT_SCHEDULER): {exc}")
     with dask_client:
         yield dask_client
 
@@ -147,66 +148,73 @@ def assert_nothing_lost(holdings: Holdings) -> None:
     holdings.assert_all_correct()
 
 
-def test_retirement_request_drains_data_before_removing_a_pod(cluster: RealCluster, client: distributed.Client) -> None:
-    pods = cluster.pods()
-    cluster.wait_for_workers(client, pods)
+def test_retirement_request_drains_data_before_removing_a_pod(
+    real_cluster: RealCluster, client: distributed.Client
+) -> None:
+    pods = real_cluster.pods()
+    real_cluster.wait_for_workers(client, pods)
     holdings = scatter_unique(client, dict.fromkeys(pods, 4))
     name = f"e2e-{int(time.time())}"
-    cluster.apply(
+    real_cluster.apply(
         {
             "apiVersion": "memops.dev/v1alpha1",
             "kind": "RetirementRequest",
-            "metadata": {"name": name, "namespace": cluster.namespace},
+            "metadata": {"name": name, "namespace": real_cluster.namespace},
             "spec": {
-                "scheduler": {"address": cluster.scheduler},
-                "workload": {"kind": "Deployment", "name": cluster.workload},
+                "scheduler": {"address": real_cluster.scheduler},
+                "workload": {"kind": "Deployment", "name": real_cluster.workload},
                 "count": 1,
                 "timeout": "5m",
             },
         }
     )
-    done = cluster.wait_for(
-        lambda: (r := cluster.get("retire", name)).get("status", {}).get("phase") in ("Succeeded", "Failed") and r,
+    done = real_cluster.wait_for(
+        lambda: (r := real_cluster.get("retire", name)).get("status", {}).get("phase") in ("Succeeded", "Failed") and r,
         what=f"RetirementRequest {name} to finish",
     )
     assert done["status"]["phase"] == "Succeeded", done["status"]
-    cluster.wait_for(lambda: len(cluster.pods()) == len(pods) - 1, what="the drained pod gone")
-    assert cluster.replicas() == len(pods) - 1
+    real_cluster.wait_for(lambda: len(real_cluster.pods()) == len(pods) - 1, what="the drained pod gone")
+    assert real_cluster.replicas() == len(pods) - 1
     assert_nothing_lost(holdings)
 
 
-def test_scaling_the_policy_down_drains_first(cluster: RealCluster, client: distributed.Client) -> None:
-    pods = cluster.pods()
-    cluster.wait_for_workers(client, pods)
+def test_scaling_the_policy_down_drains_first(real_cluster: RealCluster, client: distributed.Client) -> None:
+    pods = real_cluster.pods()
+    real_cluster.wait_for_workers(client, pods)
     holdings = scatter_unique(client, dict.fromkeys(pods, 4))
-    cluster.apply(cluster.policy("e2e-scale", replicas=len(pods)))
-    cluster.wait_for(
-        lambda: (c := cluster.condition("mempol", "e2e-scale", "Ready")) and c["status"] == "True", what="Ready"
+    real_cluster.apply(real_cluster.policy("e2e-scale", replicas=len(pods)))
+    real_cluster.wait_for(
+        lambda: (c := real_cluster.condition("mempol", "e2e-scale", "Ready")) and c["status"] == "True", what="Ready"
     )
-    cluster.kubectl("scale", "mempol/e2e-scale", f"--replicas={len(pods) - 1}")
-    cluster.wait_for(
-        lambda: cluster.replicas() == len(pods) - 1 and len(cluster.pods()) == len(pods) - 1, what="the scale-down"
+    real_cluster.kubectl("scale", "mempol/e2e-scale", f"--replicas={len(pods) - 1}")
+    real_cluster.wait_for(
+        lambda: real_cluster.replicas() == len(pods) - 1 and len(real_cluster.pods()) == len(pods) - 1,
+        what="the scale-down",
     )
     assert_nothing_lost(holdings)
 
 
-def test_safety_net_drains_a_direct_deployment_scale_down(cluster: RealCluster, client: distributed.Client) -> None:
+def test_safety_net_drains_a_direct_deployment_scale_down(
+    real_cluster: RealCluster, client: distributed.Client
+) -> None:
     """Around memops: `kubectl scale deployment`. The pods created under the policy carry the
     webhook's preStop drain, which runs as the real kubelet runs it, in the worker's container."""
-    before = cluster.pods()
-    cluster.apply(cluster.policy("e2e-net"))  # no replicas: the policy adopts the Deployment's count
-    cluster.wait_for(
-        lambda: (c := cluster.condition("mempol", "e2e-net", "Ready")) and c["status"] == "True", what="Ready"
+    before = real_cluster.pods()
+    real_cluster.apply(real_cluster.policy("e2e-net"))  # no replicas: the policy adopts the Deployment's count
+    real_cluster.wait_for(
+        lambda: (c := real_cluster.condition("mempol", "e2e-net", "Ready")) and c["status"] == "True", what="Ready"
     )
-    cluster.kubectl("scale", f"deployment/{cluster.workload}", f"--replicas={len(before) + 1}")
-    [new] = cluster.wait_for(lambda: [p for p in cluster.pods() if p not in before], what="the new pod")
-    annotations = cluster.get("pod", new)["metadata"].get("annotations") or {}
+    real_cluster.kubectl("scale", f"deployment/{real_cluster.workload}", f"--replicas={len(before) + 1}")
+    [new] = real_cluster.wait_for(lambda: [p for p in real_cluster.pods() if p not in before], what="the new pod")
+    annotations = real_cluster.get("pod", new)["metadata"].get("annotations") or {}
     assert annotations.get("memops.dev/safety-net") == "e2e-net", "the webhook did not mutate the new pod"
-    cluster.wait_for_workers(client, [*before, new])
+    real_cluster.wait_for_workers(client, [*before, new])
     holdings = scatter_unique(client, {new: 6, **dict.fromkeys(before, 2)})
     # The ReplicaSet removes the newest pod first, all else equal: the one with the net and the data.
-    cluster.kubectl("scale", f"deployment/{cluster.workload}", f"--replicas={len(before)}")
-    cluster.wait_for(lambda: new not in cluster.pods() and len(cluster.pods()) == len(before), what="the pod gone")
+    real_cluster.kubectl("scale", f"deployment/{real_cluster.workload}", f"--replicas={len(before)}")
+    real_cluster.wait_for(
+        lambda: new not in real_cluster.pods() and len(real_cluster.pods()) == len(before), what="the pod gone"
+    )
     assert_nothing_lost(holdings)
-    status = cluster.get("mempol", "e2e-net").get("status", {})
+    status = real_cluster.get("mempol", "e2e-net").get("status", {})
     assert not (status.get("safetyNet") or {}).get("failedHooks"), "the kubelet reported a failed preStop hook"

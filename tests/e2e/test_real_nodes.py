@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import distributed
+import pytest
 from memops_sandbox import common as sandbox_cli
 from memops_sandbox import nodes as real_nodes
 from memops_sandbox.nodes import memory_cgroup
@@ -50,7 +51,7 @@ def hog_pod(name: str, limit: str, size: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
+        "metadata": {"name": name},
         "spec": {
             "restartPolicy": "Never",
             "containers": [
@@ -90,7 +91,7 @@ def test_a_worker_killed_by_the_kernel_loses_its_keys(real_sandbox: Sandbox) -> 
     limit (Dask's own memory management off, as ``--memory-limit 0`` does) is OOM-killed by the
     kernel, and the keys only it held are gone."""
     sandbox = real_sandbox
-    body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, 1))
+    body = copy.deepcopy(sandbox_cli.worker_deployment(sandbox.scheduler_address, 1, namespace=None))
     body["metadata"]["name"] = body["spec"]["template"]["metadata"]["labels"]["app"] = "tight"
     body["metadata"]["labels"] = body["spec"]["selector"]["matchLabels"] = {"app": "tight"}
     [container] = body["spec"]["template"]["spec"]["containers"]
@@ -152,6 +153,7 @@ def leftovers(before: frozenset[str] = frozenset()) -> dict[str, Any]:
     return {what: items for what, items in found.items() if items}
 
 
+@pytest.mark.owns_cluster("it crashes a sandbox and counts what is left on the machine")
 def test_a_crash_is_cleaned_up_by_the_next_start_and_a_stop_leaves_nothing(tmp_path: Path) -> None:
     """SIGKILL to the sandbox leaves containers, shims, mounts, cgroups and bridges behind (the
     shims outlive it, as they outlive containerd): the next start removes them and comes up. Its

@@ -1,41 +1,19 @@
-"""What memops refuses, and what it leaves alone, on one sandbox for the module: specs that the
-CRDs' schemas refuse naming the field, schedulers that are unreachable or hostile, hostile specs
-that end in a status, and the real Nodes' workers as a user finds them. None of these tests moves
-a worker (but the last, which retires one), so they share a sandbox; after each, its
-RetirementRequests and MemoryPolicies are deleted, and the next finds the four workers as the
-sandbox started them."""
+"""What memops refuses, and what it leaves alone: specs that the CRDs' schemas refuse naming the
+field, schedulers that are unreachable or hostile, hostile specs that end in a status, and the real
+Nodes' workers as a user finds them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import distributed
-import pytest
 import yaml
 from memops_sandbox import nodes as real_nodes
 
-from tests.e2e.conftest import SANDBOXES, Sandbox, retirement_request, start_sandbox
+from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.test_policy import condition, memory_policy
 from tests.e2e.test_real_nodes import cgroup_limit
 from tests.scheduler import hostile
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
-    sandbox = start_sandbox(tmp_path_factory.mktemp("refusals") / "sandbox", 4)
-    try:
-        yield sandbox
-    finally:
-        sandbox.stop()
-
-
-@pytest.fixture
-def sandbox(shared: Sandbox, request: pytest.FixtureRequest) -> Iterator[Sandbox]:
-    """The module's sandbox, described in a failed test's report; what the test made is deleted."""
-    request.node.stash[SANDBOXES] = [shared]
-    yield shared
-    shared.kubectl("delete", "retirementrequests,memorypolicies", "--all", "--wait=true", "--timeout=60s")
 
 
 def test_workers_are_containers_whose_limit_dask_reads_from_the_cgroup(sandbox: Sandbox) -> None:

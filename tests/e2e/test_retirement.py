@@ -192,6 +192,7 @@ def test_worker_killed_mid_drain(sandbox_factory: Callable[..., Sandbox]) -> Non
         assert pods[0] not in sandbox.pods()
 
 
+@pytest.mark.owns_cluster("it kills the operator and starts it again")
 def test_operator_restart_mid_drain_carries_on(sandbox_factory: Callable[..., Sandbox]) -> None:
     sandbox = sandbox_factory(3, operator=False)
     sandbox.start_operator()

@@ -22,12 +22,13 @@ from tests.e2e.test_policy import condition, memory_policy
 
 
 def operator_reads(sandbox: Sandbox, since: int) -> list[tuple[str, str, str]]:
-    """The operator's reads (get, list) in the sandbox's audit log after its first ``since`` lines."""
+    """The operator's reads (get, list) in the sandbox's audit log after its first ``since`` lines,
+    of the test's namespace or cluster-wide (it serves the other tests' namespaces too)."""
     user = audit.kubeconfig_user(sandbox.state_dir / "operator-kubeconfig")
     return [
         (resource, verb, namespace)
         for _, resource, verb, namespace in audit.requests(sandbox.audit_log, user, since=since)
-        if verb in ("get", "list")
+        if verb in ("get", "list") and namespace in (sandbox.namespace, "")
     ]
 
 
@@ -56,8 +57,8 @@ def test_webhook_answers_pod_creations_from_the_operators_caches(sandbox: Sandbo
 def unpathed_workers(scheduler_address: str, dask: str) -> dict[str, Any]:
     """Workers whose container has no ``python`` on its PATH, as in an image without one: the
     ``dask`` entry point runs by its full path (``dask``), the hook's bare ``python`` is not found."""
-    deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0))
-    deployment["metadata"] = {"name": "bare", "namespace": "default", "labels": {"app": "bare"}}
+    deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0, namespace=None))
+    deployment["metadata"] = {"name": "bare", "labels": {"app": "bare"}}
     deployment["spec"]["selector"] = {"matchLabels": {"app": "bare"}}
     template = deployment["spec"]["template"]
     template["metadata"] = {"labels": {"app": "bare"}}
@@ -112,7 +113,7 @@ def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": "scheduler-tls", "namespace": "default"},
+        "metadata": {"name": "scheduler-tls"},
         "data": {key: base64.b64encode(value.encode()).decode() for key, value in pems.items()},
     }
     sandbox.apply(secret)
@@ -137,7 +138,7 @@ def test_a_tls_policy_reads_its_secret_and_new_pods_reference_it_by_name(sandbox
             what="the TLS scheduler reached with the Secret's certificate",
         )
         assert reached["status"] == "False"
-        assert ("secrets", "get", "default") in operator_reads(sandbox, mark)
+        assert ("secrets", "get", sandbox.namespace) in operator_reads(sandbox, mark)
         before = sandbox.pods()
         sandbox.kubectl("scale", "deployment/dask-worker", f"--replicas={len(before) + 1}")
         [new] = sandbox.wait_for(lambda: [p for p in sandbox.pods() if p not in before], what="a new pod")
@@ -151,8 +152,8 @@ def chart_workers(scheduler_address: str, name: str, *extra: str) -> dict[str, A
     """Workers with the Dask Helm chart's arguments (``dask/templates/dask-worker-deployment.yaml``):
     the scheduler, ``--nthreads``, ``--memory-limit``, ``--no-dashboard``; no ``--name``, no
     ``--host``: ``dask worker`` finds its pod's IP itself, and names each worker by its address."""
-    deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0))
-    deployment["metadata"] = {"name": name, "namespace": "default", "labels": {"app": name}}
+    deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0, namespace=None))
+    deployment["metadata"] = {"name": name, "labels": {"app": name}}
     deployment["spec"]["selector"] = {"matchLabels": {"app": name}}
     template = deployment["spec"]["template"]
     template["metadata"] = {"labels": {"app": name}}

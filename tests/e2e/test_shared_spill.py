@@ -44,8 +44,10 @@ def workers(
 ) -> dict[str, Any]:
     """The sandbox's worker Deployment under another name, with a memory limit (and request) and
     Dask's own --memory-limit, as users write them (a Node of this machine has its two cores)."""
-    deployment = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, replicas=0, memory_limit=dask_limit))
-    deployment["metadata"] = {"name": name, "namespace": "default", "labels": {"app": name}}
+    deployment = copy.deepcopy(
+        sandbox_cli.worker_deployment(scheduler_address, replicas=0, memory_limit=dask_limit, namespace=None)
+    )
+    deployment["metadata"] = {"name": name, "labels": {"app": name}}
     deployment["spec"]["selector"] = {"matchLabels": {"app": name}}
     template = deployment["spec"]["template"]
     template["metadata"] = {"labels": {"app": name}}
@@ -221,8 +223,11 @@ def test_node_medium_workers_share_the_nodes_tmpfs_and_refusals(sandbox_factory:
     nodes = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])
     swap_node = nodes[-1]
     sandbox.kubectl("label", "node", swap_node, f"{SWAP_LABEL}=true")
-    with host_tmpfs() as host_dir:
-        _node_medium(sandbox, swap_node, host_dir)
+    try:
+        with host_tmpfs() as host_dir:
+            _node_medium(sandbox, swap_node, host_dir)
+    finally:  # the Node is the session's
+        sandbox.kubectl("label", "node", swap_node, f"{SWAP_LABEL}-")
 
 
 def same_node_fetch_by_link(
@@ -306,11 +311,11 @@ def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
     pods = running_pods(sandbox, "shared", 2)
     assert {p["spec"]["nodeName"] for p in pods} == {swap_node}, "required node affinity to the swap node"
     # Each pod mounts its policy's own directory of the host root, made by the kubelet.
-    policy_dir = host_dir / "default" / "shared"
+    policy_dir = host_dir / sandbox.namespace / "shared"
     for pod in pods:
         volume = {
             "name": "memops-spill",
-            "hostPath": {"path": f"{HOST_PATH}/default/shared", "type": "DirectoryOrCreate"},
+            "hostPath": {"path": f"{HOST_PATH}/{sandbox.namespace}/shared", "type": "DirectoryOrCreate"},
         }
         assert volume in pod["spec"]["volumes"]
         mounts = pod["spec"]["containers"][0]["volumeMounts"]

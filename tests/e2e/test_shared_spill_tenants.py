@@ -78,20 +78,22 @@ def test_two_namespaces_on_one_node_spill_apart_and_never_reach_each_other(sandb
     sandbox: Sandbox = sandbox_factory(1)
     node = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])[-1]
     sandbox.kubectl("label", "node", node, f"{SWAP_LABEL}=true")
-    with host_tmpfs(mode=0o2770) as root:
-        _two_tenants(sandbox, node, root)
+    try:
+        with host_tmpfs(mode=0o2770) as root:
+            _two_tenants(sandbox, node, root, [sandbox.make_namespace(tenant) for tenant in TENANTS])
+    finally:  # the Node is the session's
+        sandbox.kubectl("label", "node", node, f"{SWAP_LABEL}-")
 
 
-def _two_tenants(sandbox: Sandbox, node: str, root: Path) -> None:
+def _two_tenants(sandbox: Sandbox, node: str, root: Path, tenants: list[str]) -> None:
     spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": HOST_PATH, "nodeSelector": {SWAP_LABEL: "true"}}
-    for tenant in TENANTS:
-        sandbox.kubectl("create", "namespace", tenant)
+    for tenant in tenants:
         sandbox.kubectl("create", "serviceaccount", "dask-worker", "-n", tenant)
         deployment = _in(tenant, workers(sandbox.scheduler_address, POLICY))
         deployment["spec"]["template"]["spec"]["serviceAccountName"] = "dask-worker"
         sandbox.apply(deployment)
         sandbox.apply(_in(tenant, memory_policy(POLICY, sandbox.scheduler_address, workload=POLICY, sharedSpill=spill)))
-    for tenant in TENANTS:
+    for tenant in tenants:
 
         def injected(tenant: str = tenant) -> bool:
             status = sandbox.get("mempol", POLICY, "-n", tenant).get("status") or {}
@@ -101,9 +103,9 @@ def _two_tenants(sandbox: Sandbox, node: str, root: Path) -> None:
 
         sandbox.wait_for(injected, what=f"{shared_spill.READY} of {tenant}")
         sandbox.kubectl("scale", f"deployment/{POLICY}", "-n", tenant, "--replicas=1")
-    pods = {tenant: _running_pod(sandbox, tenant) for tenant in TENANTS}
-    own = {tenant: root / tenant / POLICY for tenant in TENANTS}
-    a, b = TENANTS
+    pods = {tenant: _running_pod(sandbox, tenant) for tenant in tenants}
+    own = {tenant: root / tenant / POLICY for tenant in tenants}
+    a, b = tenants
 
     for tenant, pod in pods.items():
         assert pod["spec"]["nodeName"] == node
@@ -165,8 +167,8 @@ def _two_tenants(sandbox: Sandbox, node: str, root: Path) -> None:
             t: sandbox.wait_for(lambda p=p: _connected(client, p["metadata"]["name"]), what=f"the worker of {t}")[0]
             for t, p in pods.items()
         }
-        seen = {t: client.run(mount_of, workers=[address[t]])[address[t]] for t in TENANTS}
-        for tenant in TENANTS:
+        seen = {t: client.run(mount_of, workers=[address[t]])[address[t]] for t in tenants}
+        for tenant in tenants:
             # The directory its spill mount is: its own namespace's and policy's, nothing wider.
             assert seen[tenant]["mount"] == shared_spill.MOUNT_PATH, (tenant, seen[tenant])
             host = own[tenant].stat()
@@ -195,7 +197,7 @@ def _two_tenants(sandbox: Sandbox, node: str, root: Path) -> None:
             not in client.run(lambda dask_worker: list(dask_worker.data), workers=[address[b]])[address[b]]
         )
         # And the scheduler never pairs them for a hand-over: not one spill filesystem.
-        ids = {t: client.run(identity, workers=[address[t]])[address[t]] for t in TENANTS}
+        ids = {t: client.run(identity, workers=[address[t]])[address[t]] for t in tenants}
         assert ids[a]["inode"] != ids[b]["inode"] and not handover.same_filesystem(ids[a], ids[b]), ids
         assert ids[b]["inode"] == (own[b] / "dask-scratch-space").stat().st_ino, ids[b]
         del futures

@@ -51,6 +51,9 @@ LIMIT = "512Mi"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+pytestmark = pytest.mark.owns_cluster("its Nodes have swap")
+
+
 @pytest.fixture(scope="module")
 def swapped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
     """One swap-backed sandbox for the module's tests, in order: the last one stops it."""

@@ -1,9 +1,9 @@
 """A scheduler address that leads to another scheduler on each connection, in the sandbox.
 
-Tenant A (namespace ``tenant-a``) runs its own scheduler (a ``dask scheduler`` process) with one
+Tenant A (a namespace ``…-tenant-a``) runs its own scheduler (a ``dask scheduler`` process) with one
 worker pod of its own, and names, in its MemoryPolicy, an address that a TCP forwarder answers
 (:mod:`tests.scheduler.forwarder`): the first connection goes to A's scheduler, every later one
-to the sandbox's, whose four workers are pods of ``default`` (tenant B). The operator, the control
+to the sandbox's, whose four workers are pods of the test's own namespace (tenant B). The operator, the control
 plane and the node agent are the sandbox's own.
 """
 
@@ -19,8 +19,6 @@ from memops_sandbox import common as sandbox_cli
 from memops.clients import daskrpc
 from tests.e2e.conftest import Sandbox
 from tests.scheduler import forwarder, processes
-
-TENANT = "tenant-a"
 
 
 def _installed(address: str) -> tuple[Any, Any]:
@@ -48,10 +46,10 @@ def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) ->
     a_scheduler = processes.spawn_scheduler(port, host)
     try:
         a_address = f"tcp://{host}:{port}"
-        sandbox.kubectl("create", "namespace", TENANT)
-        sandbox.kubectl("create", "serviceaccount", "dask-worker", "-n", TENANT)
+        tenant = sandbox.make_namespace("tenant-a")
+        sandbox.kubectl("create", "serviceaccount", "dask-worker", "-n", tenant)
         workers = sandbox_cli.worker_deployment(a_address, 1)
-        workers["metadata"]["namespace"] = TENANT
+        workers["metadata"]["namespace"] = tenant
         workers["spec"]["template"]["spec"]["serviceAccountName"] = "dask-worker"
         sandbox.apply(workers)
         with distributed.Client(a_address, timeout=30) as a_client:
@@ -61,7 +59,7 @@ def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) ->
                 {
                     "apiVersion": "memops.dev/v1alpha1",
                     "kind": "MemoryPolicy",
-                    "metadata": {"name": "p", "namespace": TENANT},
+                    "metadata": {"name": "p", "namespace": tenant},
                     "spec": {
                         "scheduler": {"address": proxy.address},
                         "workload": {"kind": "Deployment", "name": "dask-worker"},
@@ -72,7 +70,7 @@ def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) ->
             )
 
             def refused() -> dict[str, Any] | None:
-                status: dict[str, Any] = sandbox.get("mempol", "p", "-n", TENANT).get("status", {})
+                status: dict[str, Any] = sandbox.get("mempol", "p", "-n", tenant).get("status", {})
                 reachable = [c for c in status.get("conditions", []) if c["type"] == "SchedulerReachable"]
                 return status if reachable and reachable[0]["reason"] == "ForeignScheduler" else None
 
@@ -85,8 +83,8 @@ def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) ->
         assert not [ip for ip in b_ips if ip in written], status
         assert _installed(sandbox.scheduler_address) == (None, None), "A's policy reached B's scheduler"
         relief, replication = _installed(a_address)
-        assert relief is not None and relief["owner"] == f"{TENANT}/p", "the first pass acted on A's scheduler"
-        assert replication is not None and replication["owner"] == f"{TENANT}/p"
+        assert relief is not None and relief["owner"] == f"{tenant}/p", "the first pass acted on A's scheduler"
+        assert replication is not None and replication["owner"] == f"{tenant}/p"
         with distributed.Client(sandbox.scheduler_address, timeout=30) as b_client:
             statuses = [w["status"] for w in b_client.scheduler_info(n_workers=-1)["workers"].values()]
         assert statuses == ["running"] * 4, "no worker of B's was drained"

@@ -30,7 +30,7 @@ KEYS = 4
 
 def tight_workload(scheduler_address: str) -> dict[str, Any]:
     """One worker pod of 192 MiB that the kernel kills when its data grows past that, not named after its pod."""
-    body = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, 1))
+    body = copy.deepcopy(sandbox_cli.worker_deployment(scheduler_address, 1, namespace=None))
     body["metadata"]["name"] = body["spec"]["template"]["metadata"]["labels"]["app"] = "tight"
     body["metadata"]["labels"] = body["spec"]["selector"]["matchLabels"] = {"app": "tight"}
     [container] = body["spec"]["template"]["spec"]["containers"]
@@ -97,7 +97,7 @@ def test_a_worker_oom_killed_under_a_policy_is_reported_once(real_sandbox: Sandb
     events = sandbox.get("events", "--field-selector", "reason=WorkerLost,involvedObject.name=tight")["items"]
     assert len(events) == 1 and name in events[0]["message"] and "OOMKilled" in events[0]["message"], events
     after = scrape(sandbox)
-    labels = {"namespace": "default", "policy": "tight", "reason": "OOMKilled"}
+    labels = {"namespace": sandbox.namespace, "policy": "tight", "reason": "OOMKilled"}
     assert (
         value(after, "memops_worker_losses_total", **labels)
         == value(before, "memops_worker_losses_total", **labels) + 1
