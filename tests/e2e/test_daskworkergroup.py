@@ -88,6 +88,12 @@ def dask_cluster(workers: int) -> dict[str, Any]:
     }
 
 
+pytestmark = pytest.mark.owns_cluster(
+    "it installs dask-kubernetes' CRDs and runs its controller cluster-wide, and its scheduler's Service"
+    " takes a fixed cluster IP"
+)
+
+
 @pytest.fixture
 def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
     """A sandbox with dask-kubernetes' CRDs and controller, and a DaskCluster of 3 workers."""
@@ -113,6 +119,9 @@ def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
             client.wait_for_workers(3, timeout=120)
         yield sandbox, address
     finally:
+        # While its controller runs: it holds a finalizer on the DaskCluster, which would keep the
+        # namespace from going once the controller is gone.
+        sandbox.kubectl("delete", "daskclusters", "--all", "--wait=true", "--timeout=60s", check=False)
         os.killpg(controller.pid, signal.SIGTERM)
         controller.wait(20)
 
