@@ -52,11 +52,12 @@ Two halves, both in this module, which imports nothing of memops (it is sent by 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from distributed.comm.core import connect
@@ -156,29 +157,33 @@ def offer(worker: Any, keys: Sequence[Any] = ()) -> list[Any]:
         entry = None
         if file is not None and key in file.filenames and key not in data.fast:
             name = file.filenames[key]
-            st = _read_only(os.path.join(file.directory, name))
-            if st is not None:
-                entry = [name, st.st_ino, st.st_size]
+            with read_only(os.path.join(file.directory, name)) as found:
+                if found is not None:
+                    entry = [name, found[1].st_ino, found[1].st_size]
         result.append(entry)
     return result
 
 
-def _read_only(path: str) -> os.stat_result | None:
-    """The regular file at ``path`` (not a symbolic link), its write bits taken off; None when it
-    is not there, not regular, or not this process's to change."""
+@contextlib.contextmanager
+def read_only(path: str) -> Iterator[tuple[int, os.stat_result] | None]:
+    """The regular file at ``path`` (not a symbolic link), open, its write bits taken off: its
+    descriptor and status; None when it is not there, not regular, or not this process's to change."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return None
+        yield None
+        return
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        # Only write bits go: a mode never grants a read that it did not grant before.
-        os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~WRITE_BITS)
-        return st
-    except OSError:
-        return None
+        found: tuple[int, os.stat_result] | None = None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                # Only write bits go: a mode never grants a read that it did not grant before.
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~WRITE_BITS)
+                found = (fd, st)
+        except OSError:
+            pass
+        yield found
     finally:
         os.close(fd)
 

@@ -50,7 +50,6 @@ import itertools
 import logging
 import mmap
 import os
-import stat
 import time
 import weakref
 from collections.abc import Collection, Sequence
@@ -248,23 +247,16 @@ class Links:
             if name is None or key in data.fast:
                 return None
             pinned = f"out-{next(self.counter)}"
-            try:
-                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # as handover.open_checked
-                fd = os.open(os.path.join(file.directory, name), flags)
-            except OSError:
-                return None
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
+            # A file spilled before the plugin came in was written with its write bits: the peer
+            # will map it, so they go before the peer can see it.
+            with handover.read_only(os.path.join(file.directory, name)) as found:
+                if found is None:
                     return None
-                # A file spilled before the plugin came in was written with its write bits: the
-                # peer will map it, so they go before the peer can see it.
-                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~handover.WRITE_BITS)
-                handover.link_descriptor(fd, self.outbox, pinned)
-            except OSError:
-                return None
-            finally:
-                os.close(fd)
+                fd, st = found
+                try:
+                    handover.link_descriptor(fd, self.outbox, pinned)
+                except OSError:
+                    return None
         return pinned, st.st_ino, st.st_size
 
     async def get_data(
