@@ -33,10 +33,17 @@ from tests.e2e import conftest as e2e
 NO_SANDBOX = ("unit", "fuzz", "scheduler", "packaging/test_helm.py", "packaging/test_kustomize.py")
 """The test folders and files that start no control plane: they run first, so that CI can build
 the sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
-PLANE_ONLY = ("controllers", "sandbox/test_controlplane.py", "sandbox/test_credentials.py")
-"""The test folders and files that start a control plane but no Node (the ``plane`` fixture: etcd,
-kube-apiserver and the controller manager on free ports of the loopback, a state directory of their
-own): they may run beside a sandbox of real Nodes, so they go to the other lane, after
+PLANE_ONLY = (
+    "controllers",
+    "sandbox/test_controlplane.py",
+    "sandbox/test_credentials.py",
+    "e2e/test_node_agent.py",
+    "e2e/test_shared_spill_handover.py",
+)
+"""The test folders and files that start a control plane but no real Node (the ``plane`` fixture:
+etcd, kube-apiserver and the controller manager on free ports of the loopback, a state directory of
+their own; or a sandbox of the node agent's process Nodes, whose pods have loopback addresses):
+they may run beside a sandbox of real Nodes, so they go to the other lane, after
 :data:`NO_SANDBOX`. Real Nodes are one set per machine (bridges, cgroup root, kube-proxy's rules)."""
 
 

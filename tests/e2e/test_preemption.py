@@ -45,6 +45,7 @@ STAGGER = 1.0
 
 pytestmark = pytest.mark.owns_cluster("it compares a sandbox with the operator and one without")
 
+
 @pytest.fixture
 def upstream(tmp_path: Path) -> Iterator[Any]:
     from memops_sandbox import build

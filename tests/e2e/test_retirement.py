@@ -13,6 +13,8 @@ import distributed
 import pytest
 import yaml
 
+from tests import polling
+from tests.e2e import windows
 from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.data import scatter_unique, workers_by_name
 
@@ -262,26 +264,9 @@ def test_spec_change_after_completion_is_refused(sandbox: Sandbox, phase: str) -
         what="the SpecChangeRejected condition",
     )
     assert rejected[0]["observedGeneration"] == 2
-    assert sandbox.replicas() == 3, "the changed spec retired nothing more"
-
-
-@pytest.mark.node_agent(
-    "it counts the node agent's own processes (real Nodes' stop and crash cleanup: tests/e2e/test_real_nodes.py)"
-)
-def test_sandbox_stops_every_process_it_started(sandbox_factory: Callable[..., Sandbox]) -> None:
-    import os
-
-    sandbox = sandbox_factory(2)
-    pids = [sandbox.pod_pid(pod) for pod in sandbox.pods()]
-    pids.append(sandbox.scheduler_pid())
-    pids.append(int((sandbox.state_dir / "operator.pid").read_text()))
-    assert (sandbox.state_dir / "ready").exists()
-    sandbox.stop()
-    assert sandbox.process.returncode == 0
-    assert not (sandbox.state_dir / "ready").exists(), "ready is withdrawn on the way out"
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        raise AssertionError(f"process {pid} outlived the sandbox")
+    # A second drain, had the change started one, would lower the replicas some steps later.
+    polling.stays(
+        lambda: sandbox.replicas() == 3 and len(sandbox.pods()) == 3,
+        seconds=windows.REQUEST_STEPS,
+        what="the changed spec retired nothing more",
+    )

@@ -53,6 +53,10 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 pytestmark = pytest.mark.owns_cluster("its Nodes have swap")
 
+STAT_LAG = 64 * (os.cpu_count() or 1) * 4096
+"""How far a cgroup's ``memory.stat`` may lag its charges: the kernel flushes its per-CPU counters
+lazily (every 2 s, or past MEMCG_CHARGE_BATCH, 64 pages, per CPU); seen 100 KB to 280 KB short."""
+
 
 @pytest.fixture(scope="module")
 def swapped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
@@ -183,12 +187,15 @@ def test_with_swap_spill_only_the_kernel_charges_the_spill_to_the_owner_and_not_
             owner_status = next(
                 s for s in pods["owned"]["status"]["initContainerStatuses"] if s["name"] == sidecar["name"]
             )
-            owner_charged = memory_stat(real_nodes.container_pid(owner_status["containerID"]))["shmem"]
+            owner = memory_stat(real_nodes.container_pid(owner_status["containerID"]))
+            # Swap is on and the owner may swap: a spilled page the kernel swapped out is charged
+            # to the owner's swap, no longer to its shmem (the owner holds nothing else to swap).
+            owner_charged = owner["shmem"] + owner["swap"]
             files = len(spilled_files(root / "default" / "owned"))
             # Without the owner, the worker's own cgroup holds its spill ...
-            assert charged["plain"] >= spilled["plain"] - 24 * 4096, (charged, spilled)
+            assert charged["plain"] >= spilled["plain"] - 24 * 4096 - STAT_LAG, (charged, spilled)
             # ... with it, the sidecar's does, and the worker's holds next to nothing of it.
-            assert owner_charged >= spilled["owned"] - files * 4096, (owner_charged, spilled)
+            assert owner_charged >= spilled["owned"] - files * 4096 - STAT_LAG, (owner_charged, spilled)
             assert charged["owned"] < 8 * MIB, (charged, spilled)
             # The policy's status counts them where the kernel does (read every 30 s).
             figures = spill_figures(sandbox, "owned", "bytesChargedToOwners")
