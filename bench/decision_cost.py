@@ -50,7 +50,7 @@ from distributed.core import Status
 from distributed.scheduler import TaskGroup, TaskPrefix, TaskState, WorkerState
 
 from memops import specs
-from memops.decisions import autoscaling, recycle_decisions, snapshots
+from memops.decisions import autoscaling, recycle_decisions, retire_choice, snapshots
 from memops.scheduler import holdings, replication
 from memops.scheduler import rules as replication_rules
 
@@ -212,7 +212,7 @@ def measure(workers: int, keys: int, replicated_every: int = 10) -> dict[str, fl
     windows = iter([full_window(snapshot, now) for _ in range(5)])  # one fresh window per timed run
     return {
         "choose_workers": median_ms(
-            functools.partial(snapshots.choose_workers, state.pods, snapshot, max(workers // 10, 1))
+            functools.partial(retire_choice.choose_workers, state.pods, snapshot, max(workers // 10, 1))
         ),
         "holdings, in the scheduler": median_ms(
             functools.partial(holdings.holdings, state.scheduler_workers, state.replicated)

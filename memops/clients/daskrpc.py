@@ -77,6 +77,7 @@ from distributed.security import Security
 
 from memops.clients import daskcomm
 from memops.decisions import counts, snapshots, tenancy
+from memops.rulesyntax import bounds, globs
 from memops.scheduler import (
     agent,
     departures,
@@ -85,9 +86,9 @@ from memops.scheduler import (
     relief,
     replication,
     replication_index,
-    resize,
     rules,
     transfers,
+    worker_limits,
 )
 from memops.worker import accounting, handover, links, maps
 from memops.worker import owner as spill_owner
@@ -104,8 +105,10 @@ _BY_VALUE = (
     relief,
     replication,
     replication_index,
-    resize,
     rules,
+    bounds,
+    globs,
+    worker_limits,
     links,
     maps,
     spill_owner,
@@ -619,10 +622,10 @@ class Scheduler:
         self, worker_address: str, *, memory_limit: int, maximum: int, timeout: float | None = None
     ) -> dict[str, Any]:
         """Tell Dask a worker's new memory limit (bytes, at most ``maximum``), once its pod has it:
-        the agent's ``resize`` (:mod:`memops.scheduler.resize`) sets its nanny's, its worker's and
+        the agent's ``resize`` (:mod:`memops.scheduler.worker_limits`) sets its nanny's, its worker's and
         the scheduler's copies. The reply's ``applied`` lists the parts that hold it, ``refused``
         says why the next did not (None when all did). It talks to the worker and its nanny: give
-        ``timeout`` room for two calls of :data:`memops.scheduler.resize.CALL_SECONDS`."""
+        ``timeout`` room for two calls of :data:`memops.scheduler.worker_limits.CALL_SECONDS`."""
         async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
             state = await _agent(
                 comm, "resize", worker=str(worker_address), memory_limit=int(memory_limit), maximum=int(maximum)
@@ -742,7 +745,7 @@ def _identified(
 def _departures(address: str, state: Any) -> list[Any]:
     """The agent's ``departures`` reply: a list, at most :data:`memops.scheduler.departures.KEPT`
     long (the latest kept). Its entries are hostile input still, each checked where it is read
-    (:func:`memops.decisions.worker_losses.parse`)."""
+    (:func:`memops.decisions.worker_loss_decisions.parse`)."""
     if not isinstance(state, (list, tuple)):
         raise SchedulerMisbehaved(address, f"the agent's departures are a {type(state).__name__}, not a list")
     return list(state)[-departures.KEPT :]

@@ -56,8 +56,8 @@ from memops.decisions import (
     snapshots,
     tenancy,
     timestamps,
+    worker_loss_decisions,
 )
-from memops.decisions import worker_losses as losses_decisions
 from memops.worker import links
 
 _IDLE_SECONDS = 2.0
@@ -763,7 +763,7 @@ class Policy:
         )
         self.losses_settled = decision.settled
         events = tuple(
-            policy_decisions.Event("Warning", losses_decisions.EVENT_REASON, text) for text in decision.messages
+            policy_decisions.Event("Warning", worker_loss_decisions.EVENT_REASON, text) for text in decision.messages
         )
         return decision.losses, events
 
@@ -807,7 +807,7 @@ class Policy:
         # Once the status holds them: a restart reads them back and does not count them again.
         metrics.hook_losses(self.namespace, self.name, safetynet.new_losses(old.safetyNet, status.safetyNet))
         metrics.worker_losses(
-            self.namespace, self.name, losses_decisions.new_losses(old.workerLosses, status.workerLosses)
+            self.namespace, self.name, worker_loss_decisions.new_losses(old.workerLosses, status.workerLosses)
         )
 
 

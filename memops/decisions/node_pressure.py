@@ -315,8 +315,8 @@ def to_drain(
     unique: Mapping[str, int],
     draining: Collection[str],
     room: Mapping[str, int],
-) -> tuple[dict[str, tuple[str, ...]], list[str]]:
-    """Node -> the policy's predicted victims there to drain now, and why others are not.
+) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """Node -> the policy's predicted victims there to drain now, and pod -> why others are not.
 
     A victim is drained when it holds data existing nowhere else (``unique``: pod -> bytes; a pod
     the scheduler did not report is left alone), is not in a drain already, and the other nodes
@@ -327,7 +327,7 @@ def to_drain(
     urgent node first; each drain takes its bytes from the others' room, the roomiest first."""
     left = {node: max(bytes_, 0) for node, bytes_ in room.items()}
     chosen: dict[str, tuple[str, ...]] = {}
-    refused: list[str] = []
+    refused: dict[str, str] = {}
     for prediction in sorted(predictions, key=lambda p: p.headroom):
         pods = []
         for pod in prediction.ours:
@@ -336,7 +336,7 @@ def to_drain(
                 continue
             others = sorted((n for n in left if n != prediction.node), key=lambda n: -left[n])
             if sum(left[n] for n in others) < held:
-                refused.append(
+                refused[pod] = (
                     f"node {prediction.node}: {pod} holds {held // 2**20} MiB alone, more than the other Nodes of"
                     " the workers have room for within the margin"
                 )
@@ -356,6 +356,7 @@ class Plan:
     requests: tuple[objects.Obj, ...] = ()  # the Eviction RetirementRequests to create
     drained: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # node -> pods
     refused: tuple[str, ...] = ()  # victims left where they are, and why
+    held: Mapping[str, str] = dataclasses.field(default_factory=dict)  # the same, by pod (status.heldBack)
 
 
 def status(old: specs.NodePressureStatus | None, seen: Seen, planned: Plan, now: str) -> specs.NodePressureStatus:
@@ -446,4 +447,4 @@ def plan(
         )
         earlier = len(eviction_gate.node_requests(requests, node))
         bodies.append(eviction_gate.drain_request(owner, spec, node=node, pods=pods, earlier=earlier, why=why))
-    return Plan(requests=tuple(bodies), drained=chosen, refused=tuple(refused))
+    return Plan(requests=tuple(bodies), drained=chosen, refused=tuple(refused.values()), held=refused)

@@ -9,7 +9,8 @@ applies the :class:`Decision` it returns once (marks, requests, the scale-up, ev
 The order inside :func:`decide` is the order of the policy's promises: the count to steer towards
 (``spec.replicas``, or memory-driven autoscaling raised for starved workers), then recycling
 (which may ask for workers above that count while replacements start), then one scaling step
-(:func:`memops.decisions.scaling.plan_scale`), then the conditions, derived from the final state.
+(:func:`memops.decisions.scaling.plan_scale`), then what the pass holds back and by which rule
+(``status.heldBack``, :mod:`memops.decisions.held_back`), then the conditions, derived from the final state.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from memops.decisions import (
     autoscaling,
     conditions,
     disruption,
+    held_back,
     node_pressure,
     objects,
     recycle_decisions,
@@ -81,7 +83,8 @@ def not_ready(status: specs.MemoryPolicyStatus, blocker: NotReady, generation: i
     found = conditions.set_condition(
         found, "Ready", False, reason=blocker.reason, message=blocker.message, generation=generation
     )
-    return status.model_copy(update={"message": blocker.message, "conditions": found})
+    # A policy that cannot act holds nothing back: what its last pass held is no longer being decided.
+    return status.model_copy(update={"message": blocker.message, "conditions": found, "heldBack": []})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +209,7 @@ class _Recycle:
     marks: tuple[Mark, ...]
     create: tuple[objects.Obj, ...]
     record: specs.RecycleStatus
+    holds: tuple[held_back.Hold, ...] = ()
 
 
 def decide(inputs: Inputs) -> Decision:
@@ -213,7 +217,7 @@ def decide(inputs: Inputs) -> Decision:
     status = inputs.status.model_copy(deep=True)
     running = [r for r in inputs.requests if not objects.is_finished(r)]
 
-    desired, limited = _aim(inputs, status)
+    desired, limited, recommended = _aim(inputs, status)
     recycle = _recycle(inputs, running, desired) if inputs.recycling is not None else None
     if recycle is not None:
         status.recycle = recycle.record
@@ -221,9 +225,10 @@ def decide(inputs: Inputs) -> Decision:
     status.resize = resize.record
     desired += resize.extra
     failed = _latest_failure(inputs.requests)
+    target = desired + (recycle.extra if recycle is not None else 0)
     decision = scaling.plan_scale(
         current=inputs.current,
-        desired=desired + (recycle.extra if recycle is not None else 0),
+        desired=target,
         draining=sum(_request_size(r) for r in running),
         last_failure_age=_age(failed.get("status", {}).get("completionTime"), now) if failed else None,
         failed_generation=int(failed["metadata"].get("annotations", {}).get(objects.GENERATION_ANNOTATION, 0))
@@ -233,8 +238,11 @@ def decide(inputs: Inputs) -> Decision:
     )
     create = list(recycle.create) if recycle is not None else []
     events = [Event("Normal", "Recycling", f"recycling {m.pod}: {m.message}") for m in recycle.marks] if recycle else []
+    holds = _held_back(inputs, decision, failed, recommended, wanted=inputs.current - target)
+    holds += recycle.holds if recycle is not None else ()
     if inputs.node_pressure is not None:
         planned = node_pressure.plan(inputs.owner, spec, inputs.node_pressure, inputs.requests, now)
+        holds += held_back.node_pressure(planned.held)
         create += planned.requests
         status.nodePressure = node_pressure.status(status.nodePressure, inputs.node_pressure, planned, _render(now))
         events += [
@@ -264,6 +272,8 @@ def decide(inputs: Inputs) -> Decision:
         status.lastScaleReason = decision.reason
         events.append(Event("Normal", decision.reason, decision.message))
 
+    status.heldBack, said = held_back.status(holds, inputs.status.heldBack, _render(now))
+    events += said
     status.replicas = inputs.replicas
     status.desiredReplicas = desired
     status.message = decision.message
@@ -295,6 +305,26 @@ def decide(inputs: Inputs) -> Decision:
         and spec.resize is None
         and spec.eviction.nodePressure is None,
     )
+
+
+def _held_back(
+    inputs: Inputs,
+    decision: scaling.Decision,
+    failed: objects.Obj | None,
+    recommended: autoscaling.Recommendation | None,
+    *,
+    wanted: int,
+) -> list[held_back.Hold]:
+    """The scale-down's holds (of ``wanted`` workers): the pods of a failed drain while the
+    scale-down waits out its cooldown, then the workers that autoscaling keeps
+    (:mod:`memops.decisions.held_back`)."""
+    holds = []
+    if decision.reason == "DrainFailed" and failed is not None:
+        age = _age(failed.get("status", {}).get("completionTime"), inputs.now) or 0.0
+        retry_at = _render(inputs.now - age + scaling.FAILURE_COOLDOWN_SECONDS)
+        holds += held_back.failed_drain(failed, retry_at=retry_at, workers=max(wanted, 1))
+    holds += held_back.autoscaled(recommended, current=inputs.current, spec=inputs.spec.autoscale)
+    return holds
 
 
 def _disruption(inputs: Inputs) -> dict[str, disruption.Patch]:
@@ -519,13 +549,13 @@ def _resize_events(entry: specs.ResizedWorker, fallback: str) -> list[Event]:
     return []
 
 
-def _aim(inputs: Inputs, status: specs.MemoryPolicyStatus) -> tuple[int, str]:
-    """The count to steer towards, and what limited it ("" if nothing did). Updates the
-    autoscaler's recommendation history in ``status``."""
+def _aim(inputs: Inputs, status: specs.MemoryPolicyStatus) -> tuple[int, str, autoscaling.Recommendation | None]:
+    """The count to steer towards, what limited it ("" if nothing did), and autoscaling's
+    recommendation (None without it). Updates the autoscaler's recommendation history in ``status``."""
     spec = inputs.spec
     desired = spec.replicas if spec.replicas is not None else inputs.current
     if spec.autoscale is None or inputs.usage is None:
-        return desired, ""
+        return desired, "", None
     recommended = autoscaling.desired_replicas(
         current=inputs.current,
         usage=inputs.usage,
@@ -538,7 +568,7 @@ def _aim(inputs: Inputs, status: specs.MemoryPolicyStatus) -> tuple[int, str]:
     limited = recommended.reason if recommended.limits else ""
     starved = len(status.pressure.starved) if status.pressure is not None else 0
     desired, relief_reason = autoscaling.with_relief(recommended.replicas, inputs.connected, starved, spec.autoscale)
-    return desired, relief_reason or limited
+    return desired, relief_reason or limited, recommended
 
 
 def _recycle(inputs: Inputs, running: Sequence[objects.Obj], desired: int) -> _Recycle:
@@ -548,29 +578,35 @@ def _recycle(inputs: Inputs, running: Sequence[objects.Obj], desired: int) -> _R
     mine = [r for r in inputs.requests if _labels(r).get(objects.PURPOSE_LABEL) == "recycle"]
     marked: dict[str, Mapping[str, Any]] = {p.name: p.mark for p in seen.pods if p.mark is not None}
     marks: list[Mark] = []
+    verdicts = [
+        verdict
+        for pod in seen.pods
+        if pod.name not in marked
+        and (verdict := recycle_decisions.detect(pod.name, seen.samples.get(pod.name, []), spec, now, pod.age))
+    ]
+    chosen: list[recycle_decisions.Verdict] | None = None
     # A scale-down of the policy is draining: no new recycling starts meanwhile.
     if not any(_labels(r).get(objects.PURPOSE_LABEL) != "recycle" for r in running):
-        verdicts = [
-            verdict
-            for pod in seen.pods
-            if pod.name not in marked
-            and (verdict := recycle_decisions.detect(pod.name, seen.samples.get(pod.name, []), spec, now, pod.age))
-        ]
-        for verdict in recycle_decisions.plan_recycle(
+        chosen = recycle_decisions.plan_recycle(
             verdicts, recycling=len(marked), max_unavailable=spec.maxUnavailable, in_shuffle=seen.shuffling
-        ):
+        )
+        for verdict in chosen:
             mark = {"reason": verdict.reason, "message": verdict.message, "startTime": _render(now)}
             marks.append(Mark(verdict.pod, mark, verdict.message))
             marked[verdict.pod] = mark
+    holds = held_back.recycling(
+        verdicts,
+        chosen=None if chosen is None else {v.pod for v in chosen},
+        shuffling=seen.shuffling,
+        max_unavailable=spec.maxUnavailable,
+    )
     requested = {_recycled_pod(r): str(r["metadata"]["name"]) for r in mine if not objects.is_finished(r)}
     attempts = collections.Counter(_recycled_pod(r) for r in mine)
+    connected = len([p for p in seen.pods if p.name in seen.connected - set(marked)])
     plan = recycle_decisions.plan_replacement(
-        marked=sorted(marked),
-        requested=requested,
-        connected_unmarked=len([p for p in seen.pods if p.name in seen.connected - set(marked)]),
-        desired=desired,
-        surge=spec.surge,
+        marked=sorted(marked), requested=requested, connected_unmarked=connected, desired=desired, surge=spec.surge
     )
+    holds += held_back.awaiting_replacements(marked, plan.waiting, connected=connected, desired=desired)
     create = []
     for pod in plan.drain:
         requested[pod] = recycle_request_name(inputs.owner.name, pod, attempts[pod])
@@ -595,7 +631,14 @@ def _recycle(inputs: Inputs, running: Sequence[objects.Obj], desired: int) -> _R
         )
         for pod, mark in sorted(marked.items())
     ]
-    return _Recycle(extra=plan.extra, message=plan.message, marks=tuple(marks), create=tuple(create), record=record)
+    return _Recycle(
+        extra=plan.extra,
+        message=plan.message,
+        marks=tuple(marks),
+        create=tuple(create),
+        record=record,
+        holds=tuple(holds),
+    )
 
 
 def _conditions(

@@ -223,6 +223,7 @@ class Replacement:
     extra: int  # workers to run above the desired count while replacements start
     drain: tuple[str, ...]  # marked pods whose drain may start now
     message: str
+    waiting: tuple[str, ...] = ()  # marked pods whose drain waits for replacements to connect
 
 
 def plan_replacement(
@@ -245,5 +246,6 @@ def plan_replacement(
             (),
             f"waiting for replacements to connect ({connected_unmarked} of {desired} workers) before draining"
             f" {', '.join(waiting)}",
+            tuple(waiting),
         )
     return Replacement(extra, tuple(waiting), f"draining {', '.join(waiting)} to recycle")

@@ -9,7 +9,7 @@ conditions (:func:`resize_status`), what its node can still grant (:func:`node_r
 relief could place on its peers; :func:`decide` says what to do with it, as one :class:`Decision`.
 No I/O: the pod's ``resize`` subresource is patched by
 :func:`memops.controllers.resize.resize_container_memory`, Dask's copies of the limit are set by the agent's
-``resize`` (:mod:`memops.scheduler.resize`).
+``resize`` (:mod:`memops.scheduler.worker_limits`).
 
 The order of a change, which the decisions keep over several passes (each pass reads where things
 stand, so an operator restart between two steps loses nothing):
@@ -49,7 +49,7 @@ from typing import Any
 
 from memops import specs
 from memops.decisions import snapshots, timestamps
-from memops.specs.resize import MAX_LIMIT, ResizeSettings
+from memops.specs.memorypolicy_resize import MAX_LIMIT, ResizeSettings
 
 # -- quantities ---------------------------------------------------------------------------------
 
@@ -271,7 +271,7 @@ def administrator(
     ceiling: str = DEFAULT_CEILING, per_namespace: Iterable[str] = (), namespaces: Iterable[str] = ()
 ) -> Administrator:
     """The operator's flags, checked: ``--max-resize-limit`` (a quantity, at most
-    :data:`memops.specs.resize.MAX_LIMIT`), ``--max-resize-limit-in`` (``NAMESPACE=QUANTITY``) and
+    :data:`memops.specs.memorypolicy_resize.MAX_LIMIT`), ``--max-resize-limit-in`` (``NAMESPACE=QUANTITY``) and
     ``--resize-in`` (namespace names, or ``*``); raises ValueError for any that is not (a typo
     would allow or bound nothing)."""
     ceilings = []

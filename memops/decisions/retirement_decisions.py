@@ -17,7 +17,16 @@ import enum
 from collections.abc import Mapping, Sequence
 
 from memops import specs
-from memops.decisions import conditions, drain_decisions, eviction_gate, objects, snapshots, tenancy, timestamps
+from memops.decisions import (
+    conditions,
+    drain_decisions,
+    eviction_gate,
+    objects,
+    retire_choice,
+    snapshots,
+    tenancy,
+    timestamps,
+)
 
 Event = objects.Event  # one event type for both kinds' decisions
 
@@ -247,7 +256,7 @@ def start(
     assert facts.snapshot is not None
     pod_names = [p["metadata"]["name"] for p in facts.pods]
     located = snapshots.workers_by_pod(facts.infos, facts.snapshot.workers)
-    unknown = snapshots.unidentified(facts.infos, located)
+    unknown = retire_choice.unidentified(facts.infos, located)
     taken = drain_decisions.claimed_by_others(facts.pods, name)
     if spec.workers is not None:
         refused = named_workers_refused(spec, pod_names, taken)
@@ -256,7 +265,7 @@ def start(
         chosen = list(dict.fromkeys(spec.workers))  # a set, whatever let a repeat through
     else:
         assert spec.count is not None
-        chosen = snapshots.choose_workers(
+        chosen = retire_choice.choose_workers(
             pod_names, facts.snapshot, spec.count, exclude=taken | set(unknown), located=located
         )
     status = status.model_copy(deep=True)

@@ -1,7 +1,9 @@
-"""Pure deciding code over what the scheduler knows: which workers to retire, what moved, what was lost.
+"""The scheduler snapshot model, and pure figures over it: who holds what, what moved, what was lost.
 
 No I/O and no Dask imports. :mod:`memops.clients.daskrpc` builds a :class:`SchedulerSnapshot` from
-what the scheduler answers; the controllers and the benchmarks call the functions here.
+what the scheduler answers; the controllers, the deciding code and the benchmarks call the
+functions here. Which workers a RetirementRequest retires is decided in
+:mod:`memops.decisions.retire_choice`.
 Keys are Dask's keys as the scheduler sends them (strings, or tuples of them), worker
 addresses are Dask comm addresses. A worker belongs to the pod whose IP its address carries
 (:func:`workers_by_pod`), or failing that to the pod it is named after.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import itertools
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -48,7 +50,7 @@ class SchedulerSnapshot:
     hostile input: each entry is checked where it is read), when asked for and answered; else None."""
     departures: Sequence[Any] | None = None
     """Workers that left the scheduler with keys held nowhere else, as memops' agent reports them
-    (hostile input, checked where it is read: :func:`memops.decisions.worker_losses.parse`), when
+    (hostile input, checked where it is read: :func:`memops.decisions.worker_loss_decisions.parse`), when
     asked for with the drains and answered; else None."""
 
     def by_name(self, name: str) -> WorkerInfo | None:
@@ -175,55 +177,6 @@ def workers_by_pod(pods: Sequence[PodInfo], workers: Sequence[WorkerInfo]) -> di
         if pod is not None:
             found[pod].append(worker)
     return {pod: tuple(ws) for pod, ws in found.items()}
-
-
-def unidentified(pods: Sequence[PodInfo], located: Mapping[str, Sequence[WorkerInfo]]) -> list[str]:
-    """Running pods with no worker memops can identify: they may hold data, so none is "empty"."""
-    return [pod.name for pod in pods if pod.phase == "Running" and not located.get(pod.name)]
-
-
-def choose_workers(
-    pod_names: Sequence[str],
-    snapshot: SchedulerSnapshot,
-    count: int,
-    exclude: Collection[str] = (),
-    *,
-    located: Mapping[str, Sequence[WorkerInfo]] | None = None,
-) -> list[str]:
-    """The ``count`` pods whose retirement costs least.
-
-    Pods with no connected worker come first (they hold nothing); then connected workers not
-    in the middle of a shuffle before those that are; then fewest unique bytes, then fewest
-    managed bytes, then name, so the choice is deterministic. Pods in ``exclude`` (claimed by
-    another request, or Running with no identifiable worker: see :func:`unidentified`) are never
-    chosen. ``located`` maps each pod to its workers (:func:`workers_by_pod`); without it a
-    worker is its pod's by name. A pod with several workers costs their sum. When fewer
-    candidates than ``count`` exist, all of them are returned and the caller reports it.
-    """
-    if count <= 0:
-        return []
-    excluded = set(exclude)
-
-    def workers_of(pod: str) -> Sequence[WorkerInfo]:
-        if located is not None:
-            return located.get(pod, ())
-        worker = snapshot.by_name(pod)
-        return () if worker is None else (worker,)
-
-    def cost(pod: str) -> tuple[int, bool, int, int, str]:
-        workers = workers_of(pod)
-        if not workers:
-            return (0, False, 0, 0, pod)
-        return (
-            1,
-            any(w.in_shuffle for w in workers),
-            sum(w.unique_bytes for w in workers),
-            sum(w.managed_bytes for w in workers),
-            pod,
-        )
-
-    candidates = sorted((p for p in pod_names if p not in excluded), key=cost)
-    return candidates[:count]
 
 
 SHUFFLE_PREFIXES = ("shuffle-transfer-", "shuffle-barrier-")

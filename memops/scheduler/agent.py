@@ -29,7 +29,7 @@ Operations (``operation``, its arguments, what ``result`` holds):
   per drained worker its state, the keys and bytes still held nowhere else, moved, on their way,
   and lost at the deadline; ``nodes`` (worker address -> node) is recorded first, so that a later
   drain keeps keys off every worker of a dying node, not only those its caller names;
-- ``resize`` (``worker``, ``memory_limit``, ``maximum``): :func:`memops.scheduler.resize.resize`: sets
+- ``resize`` (``worker``, ``memory_limit``, ``maximum``): :func:`memops.scheduler.worker_limits.resize`: sets
   the worker's memory limit to ``memory_limit`` bytes (at most ``maximum``) in its nanny, its worker and
   the scheduler's ``WorkerState``, after its pod was resized in place; which parts took it;
 - ``departures`` (``since``): :func:`memops.scheduler.departures.report`: the latest workers that left
@@ -57,7 +57,8 @@ import inspect
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
-from memops.scheduler import departures, drain, holdings, relief, replication, resize, rules
+from memops.rulesyntax import bounds
+from memops.scheduler import departures, drain, holdings, relief, replication, worker_limits
 from memops.worker import links
 
 NAME = "memops_agent"
@@ -144,7 +145,7 @@ async def _resize(
     dask_scheduler: Any, worker: str = "", memory_limit: Any = None, maximum: Any = None
 ) -> dict[str, Any]:
     # Not ``limit``: the operator's comm takes that name for the size a reply may build.
-    return await resize.resize(dask_scheduler, worker=str(worker), memory_limit=memory_limit, maximum=maximum)
+    return await worker_limits.resize(dask_scheduler, worker=str(worker), memory_limit=memory_limit, maximum=maximum)
 
 
 def _departures(dask_scheduler: Any, since: Any = 0.0) -> list[dict[str, Any]]:
@@ -189,7 +190,7 @@ def handler(dask_scheduler: Any) -> Callable[..., dict[str, Any] | Awaitable[dic
             return {"agent": VERSION, "error": f"unknown operation {operation!r}"}
         try:
             result = function(dask_scheduler, **arguments)
-        except rules.RuleError as exc:  # a rule refused: the message names its field
+        except bounds.RuleError as exc:  # a rule refused: the message names its field
             return {"agent": VERSION, "error": str(exc)}
         if inspect.isawaitable(result):
             # An operation that talks to workers (resize): distributed awaits a handler's coroutine.

@@ -6,7 +6,7 @@ in its log and in its event log (``remove-worker``, with the keys it will recomp
 scattered keys it lost, by name and without sizes). This plugin keeps, for each such departure,
 the worker's address and name, the scheduler's time, and what it alone held then: keys, bytes,
 and how many of them cannot be recomputed. The operator reads them (the agent's ``departures``)
-into the MemoryPolicy's status (:mod:`memops.decisions.worker_losses`).
+into the MemoryPolicy's status (:mod:`memops.decisions.worker_loss_decisions`).
 
 Where it hooks: ``Scheduler.remove_worker`` clears the worker's replicas (``remove_replica`` for
 each key it held) before it calls the plugins' ``remove_worker``, so that hook no longer sees

@@ -53,6 +53,7 @@ from distributed.active_memory_manager import (
 )
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from memops.rulesyntax import bounds
 from memops.scheduler import holdings, replication_index, transfers
 from memops.scheduler import rules as ruling
 
@@ -99,7 +100,7 @@ still on its way is not planned a second time."""
 
 Rules = ruling.Rules
 Target = ruling.Target
-RuleError = ruling.RuleError
+RuleError = bounds.RuleError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,7 @@ from memops.specs.memorypolicy import (
     HOST_PATH_MAX_LENGTH,
     HOST_PATH_PATTERN,
     LABEL_VALUE_PATTERN,
+    MAX_HELD_BACK,
     MAX_NODE_SELECTOR_LABELS,
     MEMORY_POLICY,
     QUALIFIED_NAME_PATTERN,
@@ -63,6 +64,8 @@ from memops.specs.memorypolicy import (
     EvictionSpec,
     FailedHook,
     GrowthRule,
+    HeldBack,
+    HeldBackRule,
     HookLoss,
     HostPath,
     KeySelector,
@@ -103,7 +106,7 @@ from memops.specs.memorypolicy import (
     check_host_path,
     check_label_key,
 )
-from memops.specs.resize import ResizedWorker, ResizeSettings, ResizeSpec, ResizeStatus
+from memops.specs.memorypolicy_resize import ResizedWorker, ResizeSettings, ResizeSpec, ResizeStatus
 from memops.specs.retirementrequest import (
     RETIREMENT_REQUEST,
     KeptReason,
@@ -135,6 +138,7 @@ __all__ = [
     "LABEL_VALUE_PATTERN",
     "MAX_AGE",
     "MAX_DURATION",
+    "MAX_HELD_BACK",
     "MAX_NODE_SELECTOR_LABELS",
     "MAX_WORKERS",
     "MEMORY_POLICY",
@@ -153,6 +157,8 @@ __all__ = [
     "EvictionSpec",
     "FailedHook",
     "GrowthRule",
+    "HeldBack",
+    "HeldBackRule",
     "HookLoss",
     "HostPath",
     "KeptReason",

@@ -1,6 +1,6 @@
 """The MemoryPolicy kind: its spec (drain, eviction, autoscaling, recycling, pressure relief,
-replication, shared spill; in-place growth from :mod:`memops.specs.resize`), its status, and what
-the CRD generator needs of it."""
+replication, shared spill; in-place growth from :mod:`memops.specs.memorypolicy_resize`), its
+status, and what the CRD generator needs of it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated
 
 import pydantic
 
-from memops.scheduler import rules as replication_rules
+from memops.rulesyntax import bounds, globs
 from memops.specs.common import (
     DNS_SUBDOMAIN_MAX_LENGTH,
     DNS_SUBDOMAIN_PATTERN,
@@ -28,7 +28,7 @@ from memops.specs.common import (
     parse_percent,
     printer_columns,
 )
-from memops.specs.resize import ResizeSpec, ResizeStatus
+from memops.specs.memorypolicy_resize import ResizeSpec, ResizeStatus
 
 
 class DrainSpec(Model):
@@ -285,22 +285,20 @@ class KeySelector(Model):
 
     prefix: str | None = pydantic.Field(
         default=None,
-        max_length=replication_rules.MAX_PATTERN_CHARS,
+        max_length=bounds.MAX_PATTERN_CHARS,
         description='A Dask key prefix, as key_split gives it ("load-parquet").',
     )
     glob: str | None = pydantic.Field(
         default=None,
-        max_length=replication_rules.MAX_PATTERN_CHARS,
+        max_length=bounds.MAX_PATTERN_CHARS,
         description='A glob that the whole key prefix must match ("load-*"): * any characters, ? one,'
         " [a-z] one of a set, [!a-z] one not in it (Python's fnmatch); matched in time linear in the prefix.",
     )
     pattern: str | None = pydantic.Field(
         default=None,
-        max_length=replication_rules.MAX_PATTERN_CHARS,
+        max_length=bounds.MAX_PATTERN_CHARS,
         description="Refused: a regular expression's match had no time bound. Write glob instead.",
-        json_schema_extra={
-            "x-kubernetes-validations": [{"rule": "false", "message": replication_rules.PATTERN_REFUSED}]
-        },
+        json_schema_extra={"x-kubernetes-validations": [{"rule": "false", "message": bounds.PATTERN_REFUSED}]},
     )
     scattered: bool | None = pydantic.Field(
         default=None, description="Data with no task to recompute it (client.scatter, or whose task is gone)."
@@ -310,7 +308,7 @@ class KeySelector(Model):
     @classmethod
     def _no_pattern(cls, pattern: str | None) -> str | None:
         if pattern is not None:
-            raise ValueError(f"replication.rules[].keys.pattern: {replication_rules.PATTERN_REFUSED}")
+            raise ValueError(f"replication.rules[].keys.pattern: {bounds.PATTERN_REFUSED}")
         return pattern
 
     @pydantic.model_validator(mode="after")
@@ -319,7 +317,7 @@ class KeySelector(Model):
         if len(chosen) != 1:
             raise ValueError("replication.rules[].keys: exactly one of prefix, glob, scattered: true")
         if self.glob is not None:
-            replication_rules.compile_glob(self.glob, "replication.rules[].keys.glob")
+            globs.compile_glob(self.glob, "replication.rules[].keys.glob")
         return self
 
 
@@ -359,9 +357,7 @@ class ReplicationRule(Model):
         default=None,
         description="The pods this rule marks: data held on them must also exist on a pod outside them.",
     )
-    replicas: int = pydantic.Field(
-        ge=1, le=replication_rules.MAX_REPLICAS, description="Copies to keep of each covered key."
-    )
+    replicas: int = pydantic.Field(ge=1, le=bounds.MAX_REPLICAS, description="Copies to keep of each covered key.")
 
     @pydantic.model_validator(mode="after")
     def _keys_or_pods(self) -> ReplicationRule:
@@ -374,11 +370,11 @@ class ReplicationSpec(Model):
     """Keep N copies of the data that matters; re-replicate after a loss."""
 
     default: int = pydantic.Field(
-        default=1, ge=1, le=replication_rules.MAX_REPLICAS, description="Copies of a key no rule covers."
+        default=1, ge=1, le=bounds.MAX_REPLICAS, description="Copies of a key no rule covers."
     )
     rules: list[ReplicationRule] = pydantic.Field(
         default_factory=list,
-        max_length=replication_rules.MAX_RULES,
+        max_length=bounds.MAX_RULES,
         description="Each key's target is the most replicas of the rules that cover it.",
     )
     maxReplicatedFraction: float = pydantic.Field(
@@ -841,6 +837,64 @@ class WorkerLoss(Model):
     )
 
 
+MAX_HELD_BACK = 32
+"""Entries of ``status.heldBack`` at most: the count-level one first, then by pod. Every pass
+writes the list anew, so it stays short enough to read at a glance."""
+
+
+class HeldBackRule(enum.StrEnum):
+    """The rule that holds back a removal which the policy's pass would otherwise make."""
+
+    # A drain of the policy kept the pod (its RetirementRequest's status.workers[].cause), and the
+    # scale-down waits out the cooldown after a failed drain:
+    NOWHERE_TO_GO = "NowhereToGo"
+    DRAIN_TIMED_OUT = "DrainTimedOut"
+    DRAIN_UNREACHABLE = "DrainUnreachable"
+    WORKER_UNIDENTIFIED = "WorkerUnidentified"
+    REQUEST_FAILED = "RequestFailed"
+    REMOVAL_BLOCKED = "RemovalBlocked"
+    DRAIN_FAILED = "DrainFailed"
+    # Autoscaling keeps workers that the memory metric alone would remove:
+    STABILIZATION_WINDOW = "StabilizationWindow"
+    SCALE_DOWN_POLICIES = "ScaleDownPolicies"
+    MEMORY_IN_USE = "MemoryInUse"
+    MIN_REPLICAS = "MinReplicas"
+    # Recycling holds a worker that is due:
+    MAX_UNAVAILABLE = "MaxUnavailable"
+    IN_SHUFFLE = "InShuffle"
+    OTHER_DRAIN_RUNNING = "OtherDrainRunning"
+    AWAITING_REPLACEMENTS = "AwaitingReplacements"
+    # spec.eviction.nodePressure holds a drain ahead of the kubelet's eviction:
+    NO_ROOM_ON_OTHER_NODES = "NoRoomOnOtherNodes"
+
+
+class HeldBack(Model):
+    """A removal that the policy's pass would make but holds back, and the rule that holds it."""
+
+    pod: str = pydantic.Field(
+        default="",
+        description="The worker's pod. Empty for the workers of a scale-down held back before any is chosen"
+        " (autoscaling's rules, a failed drain that kept no pod): workers says how many.",
+    )
+    rule: HeldBackRule = pydantic.Field(
+        description="NowhereToGo, DrainTimedOut, DrainUnreachable, WorkerUnidentified, RequestFailed,"
+        " RemovalBlocked: the policy's last scale-down drain kept the pod (no worker had room for its unique"
+        " data; the drain ran out of spec.drain.timeout; the scheduler was unreachable; no worker could be"
+        " matched to the pod; the request failed; the pod could not be removed in time), and the scale-down waits"
+        " out the cooldown after a failed drain. DrainFailed: the same, for a failed drain that kept no pod."
+        " StabilizationWindow, ScaleDownPolicies, MemoryInUse, MinReplicas: spec.autoscale keeps workers that the"
+        " memory metric alone would remove. MaxUnavailable, InShuffle, OtherDrainRunning, AwaitingReplacements:"
+        " a worker due for recycling waits (maxUnavailable are being recycled; it takes part in a P2P shuffle;"
+        " another drain of the policy runs; its replacements have not connected yet). NoRoomOnOtherNodes: the"
+        " kubelet would evict the worker, and the other Nodes have no room for its unique data.",
+    )
+    workers: int = pydantic.Field(default=1, ge=1, description="How many workers the rule holds back: 1 for a pod.")
+    message: str = pydantic.Field(default="", description="Why, with the figures, in one line.")
+    since: str = pydantic.Field(
+        default="", description="Since when this rule has held it back, pass after pass (RFC 3339)."
+    )
+
+
 class MemoryPolicyStatus(Model):
     replicas: int = pydantic.Field(default=0, description="Workers that exist now.")
     desiredReplicas: int = pydantic.Field(default=0, description="Workers that memops is steering towards.")
@@ -849,6 +903,15 @@ class MemoryPolicyStatus(Model):
     lastScaleTime: str = pydantic.Field(default="", description="When memops last changed the workers' count.")
     lastScaleReason: str = pydantic.Field(default="", description="Why: ScaleUp, or ScaleDown through a drain.")
     message: str = pydantic.Field(default="", description="What memops is doing now, in one line.")
+    heldBack: list[HeldBack] = pydantic.Field(
+        default_factory=list,
+        max_length=MAX_HELD_BACK,
+        description="Why not: each worker that this pass would retire (a scale-down, recycling, a drain ahead of"
+        " the kubelet's eviction) but holds back, with the rule that holds it; at most one entry per pod, and"
+        " one without a pod for a scale-down held back before any worker is chosen. Each new entry is also a"
+        " Kubernetes Event on the policy, whose reason is the rule.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["pod"]},
+    )
     memory: MemoryStatus | None = pydantic.Field(
         default=None, description="The workers' memory, per worker and in total."
     )

@@ -81,9 +81,16 @@ def test_the_kernel_kills_a_container_over_its_limit(real_sandbox: Sandbox) -> N
     state = sandbox.wait_for(lambda: terminated("over"), what="the hog over its limit killed")
     assert state["reason"] == "OOMKilled" and state["exitCode"] == 137, state
     running = sandbox.wait_for(
-        lambda: sandbox.get("pod", "under")["status"].get("phase") == "Running", what="the hog under its limit running"
+        lambda: (pod := sandbox.get("pod", "under"))["status"].get("phase") == "Running" and pod,
+        what="the hog under its limit running",
     )
-    assert running and terminated("under") is None
+    # Running is its start, before it allocated: what proves it survived its allocation is the
+    # kernel charging it to the container, with the container still the same one.
+    [status] = running["status"]["containerStatuses"]
+    pid = real_nodes.container_pid(status["containerID"])
+    sandbox.wait_for(lambda: memory_stat(pid)["anon"] >= 64 * MiB, what="the hog under its limit allocated")
+    [after] = sandbox.get("pod", "under")["status"]["containerStatuses"]
+    assert terminated("under") is None and (after["containerID"], after["restartCount"]) == (status["containerID"], 0)
 
 
 def test_a_worker_killed_by_the_kernel_loses_its_keys(real_sandbox: Sandbox) -> None:

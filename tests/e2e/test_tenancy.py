@@ -17,6 +17,8 @@ import distributed
 from memops_sandbox import common as sandbox_cli
 
 from memops.clients import daskrpc
+from tests import polling
+from tests.e2e import windows
 from tests.e2e.conftest import Sandbox
 from tests.scheduler import forwarder, processes
 
@@ -75,7 +77,14 @@ def test_a_policy_acts_only_on_the_scheduler_it_vouched_for(sandbox: Sandbox) ->
                 return status if reachable and reachable[0]["reason"] == "ForeignScheduler" else None
 
             status = sandbox.wait_for(refused, what="a later pass to refuse B's scheduler")
-            assert len(proxy.routed) >= 2
+            # Every pass from now on meets B's scheduler: none of them may send it anything.
+            polling.stays(
+                lambda: refused() is not None and _installed(sandbox.scheduler_address) == (None, None),
+                seconds=windows.POLICY_PASS,
+                what="B's scheduler refused, and nothing of A's installed there",
+            )
+            status = sandbox.wait_for(refused, what="the refusal, as the last pass wrote it")
+            assert len(proxy.routed) >= 2, "the refusing pass and one more met B's scheduler"
         b_pods = sandbox.get("pods", "-l", "app=dask-worker")["items"]  # on real Nodes the scheduler is a pod too
         b_ips = {p["status"]["podIP"] for p in b_pods if p["status"].get("podIP")}
         assert len(b_ips) == 4

@@ -25,7 +25,7 @@ from distributed import Client, Future, LocalCluster
 from distributed.security import Security
 
 from memops.clients import daskrpc
-from memops.decisions import snapshots, tenancy
+from memops.decisions import retire_choice, snapshots, tenancy
 from memops.scheduler import drain
 from tests import polling
 from tests.scheduler.processes import Cluster
@@ -93,7 +93,8 @@ async def test_snapshot_counts_unique_bytes(cluster: Cluster, client: Client) ->
     assert on_a.name == str(cluster.scheduler.workers[a].name) and snapshot.by_name(on_a.name) == on_a
     assert on_a.status == "running" and on_a.memory_limit > 0
     # What the operator would retire first: the empty worker, then the one whose data has copies.
-    assert snapshots.choose_workers([on_a.name, on_b.name, on_c.name], snapshot, 3) == [on_c.name, on_b.name, on_a.name]
+    chosen = retire_choice.choose_workers([on_a.name, on_b.name, on_c.name], snapshot, 3)
+    assert chosen == [on_c.name, on_b.name, on_a.name]
     # A deadline already past starts nothing.
     outcome = await daskrpc.retire_workers(cluster.address, [a], timeout=0)
     assert outcome.timed_out and outcome.not_retired == (a,)

@@ -108,10 +108,12 @@ def test_outside_a_module() -> None:
     ("isolated", "allowed"),
     [
         # Sent to the scheduler by value: a stock Dask image has no memops. It installs the
-        # worker plugin in the workers, which goes by value with it.
-        pytest.param("memops.scheduler", {"memops.worker"}, id="scheduler"),
+        # worker plugin in the workers, which goes by value with it, as do the rules' bounds and glob.
+        pytest.param("memops.scheduler", {"memops.worker", "memops.rulesyntax"}, id="scheduler"),
         # Sent by value with the scheduler's code, and from there installed in the workers.
         pytest.param("memops.worker", set(), id="worker"),
+        # Sent by value with the scheduler's code; the specs import it too.
+        pytest.param("memops.rulesyntax", set(), id="rulesyntax"),
         # Carried as source into the preStop hook, which runs in a stock Dask image.
         pytest.param("memops.clients.daskcomm", set(), id="daskcomm"),
     ],

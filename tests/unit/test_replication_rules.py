@@ -1,5 +1,6 @@
 """Which key gets which target, and what replication decides: the pure functions that run
-inside the scheduler (:mod:`memops.scheduler.rules`, :func:`memops.scheduler.replication.decide`)."""
+inside the scheduler (:mod:`memops.scheduler.rules`, its glob :mod:`memops.rulesyntax.globs`,
+:func:`memops.scheduler.replication.decide`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from dask.utils import key_split
 
+from memops.rulesyntax import bounds, globs
 from memops.scheduler import replication, rules
 
 SPOT = frozenset({"spot-1", "spot-2"})
@@ -79,7 +81,7 @@ def test_target(wanted: int, holders: list[str], default: int, expected: rules.T
     ],
 )
 def test_refused_rules_name_the_field(data: Any, error: str) -> None:
-    with pytest.raises(rules.RuleError, match=error):
+    with pytest.raises(bounds.RuleError, match=error):
         rules.parse(data)
 
 
@@ -110,7 +112,7 @@ def test_adversarial_rules_are_refused_or_matched_within_a_bound(
     millisecond (the bound is 200 times that, for a loaded machine)."""
     try:
         parsed = rules.parse({"keys": [{**selector, "replicas": 2}]})
-    except rules.RuleError as exc:
+    except bounds.RuleError as exc:
         assert refused is not None and f"rules[0].{refused}:" in str(exc), exc
         return
     prefix = key_split(key)
@@ -151,7 +153,7 @@ def test_a_glob_is_matched_by_pieces_that_cannot_backtrack(glob: str) -> None:
     expression per piece between stars, each searched once, none with a repetition, an
     alternation or a group that could make ``re`` try a position more than once. A match thus
     costs at most (prefix length) x (glob length) character comparisons."""
-    compiled = rules.compile_glob(glob)
+    compiled = globs.compile_glob(glob)
     pieces = [compiled.head, *compiled.middle, *([compiled.tail] if compiled.tail else [])]
     assert len(pieces) == glob.count("*") + 1
     for piece in pieces:
@@ -177,7 +179,7 @@ def test_a_glob_is_matched_by_pieces_that_cannot_backtrack(glob: str) -> None:
     ],
 )
 def test_globs_read_as_fnmatch_reads_them(glob: str, text: str, matches: bool) -> None:
-    assert rules.compile_glob(glob).match(text) is matches
+    assert globs.compile_glob(glob).match(text) is matches
     assert fnmatch.fnmatchcase(text, glob) is matches
 
 

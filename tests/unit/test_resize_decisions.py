@@ -1,4 +1,5 @@
-"""In-place growth's decisions (:mod:`memops.decisions.resize_decisions`) and its spec (:mod:`memops.specs.resize`).
+"""In-place growth's decisions (:mod:`memops.decisions.resize_decisions`) and its spec
+(:mod:`memops.specs.memorypolicy_resize`).
 
 A worker of 1Gi whose pod asks 1Gi and holds 1Gi, on a node with 4Gi to spare and peers with no
 room, under ``resize: {maxLimit: 4Gi}`` (grow above 75%, to 60%, steps of 64Mi); each case
@@ -15,7 +16,7 @@ import pytest
 
 from memops.decisions import resize_decisions as rd
 from memops.decisions import shared_spill
-from memops.specs.resize import ResizeSpec
+from memops.specs.memorypolicy_resize import ResizeSpec
 
 Mi = 2**20
 Gi = 2**30

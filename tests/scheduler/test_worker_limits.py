@@ -15,7 +15,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from memops.clients import daskrpc
-from memops.scheduler import agent, resize
+from memops.scheduler import agent, worker_limits
 from tests import polling
 from tests.scheduler import processes, test_without_memops
 
@@ -186,8 +186,8 @@ async def test_a_shrink_below_the_worker_s_memory_is_refused_and_changes_nothing
     ],
 )
 def test_limits_are_validated(limit: Any, maximum: Any, why: str) -> None:
-    with pytest.raises(resize.LimitError, match=why):
-        resize.checked_limit(limit, maximum)
+    with pytest.raises(worker_limits.LimitError, match=why):
+        worker_limits.checked_limit(limit, maximum)
 
 
 async def test_an_invalid_limit_or_unknown_worker_changes_nothing(cluster: tuple[LocalCluster, Client]) -> None:

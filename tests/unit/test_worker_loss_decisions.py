@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from memops import specs
-from memops.decisions import timestamps, worker_losses
+from memops.decisions import timestamps, worker_loss_decisions
 
 DEPLOYMENT = specs.WorkloadRef(kind=specs.WorkloadKind.DEPLOYMENT, name="dask-worker")
 T0 = 1_800_000_000.0  # the departures' time (the scheduler's clock)
@@ -71,10 +71,10 @@ def decide(
     now: float = T0 + 60,
     since: float = 0.0,
     known: dict[str, str] | None = None,
-    limit: int = worker_losses.KEPT,
-) -> worker_losses.Decision:
-    return worker_losses.decide(
-        worker_losses.parse(records),
+    limit: int = worker_loss_decisions.KEPT,
+) -> worker_loss_decisions.Decision:
+    return worker_loss_decisions.decide(
+        worker_loss_decisions.parse(records),
         pods,
         DEPLOYMENT,
         previous or [],
@@ -117,7 +117,7 @@ def decide(
     ],
 )
 def test_the_reason_comes_from_the_pod(the_pod: dict[str, Any] | None, reason: str, exit_code: int | None) -> None:
-    assert worker_losses.reason_of(the_pod, T0) == (reason, exit_code)
+    assert worker_loss_decisions.reason_of(the_pod, T0) == (reason, exit_code)
 
 
 def test_an_oom_killed_worker_is_recorded_with_its_pod_reason_and_figures() -> None:
@@ -220,14 +220,14 @@ def test_what_is_not_a_new_loss(entry: dict[str, Any]) -> None:
     ],
 )
 def test_a_hostile_record_is_skipped(entry: Any) -> None:
-    assert worker_losses.parse([entry, record(address="tcp://10.1.0.8:1")])[0].address == "tcp://10.1.0.8:1"
+    assert worker_loss_decisions.parse([entry, record(address="tcp://10.1.0.8:1")])[0].address == "tcp://10.1.0.8:1"
 
 
 def test_hostile_figures_are_bounded() -> None:
-    (parsed,) = worker_losses.parse([record(address="x" * 10_000, keys=2, irreplaceableKeys=9)])
-    assert len(parsed.address) == worker_losses.TEXT
+    (parsed,) = worker_loss_decisions.parse([record(address="x" * 10_000, keys=2, irreplaceableKeys=9)])
+    assert len(parsed.address) == worker_loss_decisions.TEXT
     assert parsed.irreplaceable == 2  # never more than the keys
-    assert worker_losses.parse({"not": "a list"}) == []
+    assert worker_loss_decisions.parse({"not": "a list"}) == []
 
 
 def test_a_loss_is_recorded_once_across_passes_and_restarts() -> None:
@@ -264,7 +264,7 @@ def test_a_pod_that_does_not_say_why_yet_is_waited_for() -> None:
     assert [loss.pod for loss in early.losses] == ["dask-worker-6d9f8-other"] and early.settled == 0.0
     reported = [pod(last=terminated("OOMKilled", T0)), pods[1]]
     assert [loss.reason for loss in decide([record(), later], reported, early.losses, now=T0 + 6).new] == ["OOMKilled"]
-    unknown = decide([record(), later], pods, early.losses, now=T0 + worker_losses.SETTLE_SECONDS + 1)
+    unknown = decide([record(), later], pods, early.losses, now=T0 + worker_loss_decisions.SETTLE_SECONDS + 1)
     assert [loss.reason for loss in unknown.new] == ["Unknown"] and unknown.settled == T0 + 1
 
 
@@ -273,5 +273,5 @@ def test_new_losses_are_those_the_old_status_did_not_list() -> None:
         specs.WorkerLoss(pod=p, time=at(T0), reason="OOMKilled", keys=1, bytes=1, irreplaceableKeys=0)
         for p in ("a", "b")
     )
-    assert worker_losses.new_losses([one], [one, two]) == [two]
-    assert worker_losses.new_losses([one, two], [two]) == []
+    assert worker_loss_decisions.new_losses([one], [one, two]) == [two]
+    assert worker_loss_decisions.new_losses([one, two], [two]) == []
