@@ -365,12 +365,10 @@ def status(old: specs.NodePressureStatus | None, seen: Seen, planned: Plan, now:
     nodes = [
         specs.NodePressureNode(
             node=p.node,
-            headroomBytes=p.headroom,
             signal=p.signal,
-            victims=len(p.victims),
             workers=list(dict.fromkeys(p.ours)),
             drained=list(drained.get(p.node, ())),
-            unlistedPods=seen.unlisted.get(p.node, 0),
+            partialRanking=seen.unlisted.get(p.node, 0) > 0,
         )
         for p in sorted(seen.predictions, key=lambda p: p.node)
     ]
@@ -384,16 +382,11 @@ def partial(unlisted: Mapping[str, int], shown: int = 5) -> str:
     nodes = sorted(node for node, count in unlisted.items() if count > 0)
     if not nodes:
         return ""
-    parts = [
-        f"node {node}: {unlisted[node]} pod{'' if unlisted[node] == 1 else 's'} of other namespaces could not be listed"
-        for node in nodes[:shown]
-    ]
-    more = f" (and on {len(nodes) - shown} more Nodes)" if len(nodes) > shown else ""
+    # Not how many: the pods of other namespaces on a Node are not the tenant's to count.
+    more = f" and {len(nodes) - shown} more" if len(nodes) > shown else ""
     return (
-        "; ".join(parts)
-        + more
-        + " (ranked by their usage alone, as over their requests: only a worker over its own request ranks ahead"
-        " of them)"
+        f"nodes {', '.join(nodes[:shown])}{more}: the pods of other namespaces could not be listed (ranked by"
+        " their usage alone, as over their requests: only a worker over its own request ranks ahead of them)"
     )
 
 

@@ -26,6 +26,7 @@ from memops.specs.common import (
     WorkloadRef,
     column,
     parse_percent,
+    parse_quantity,
     printer_columns,
 )
 from memops.specs.memorypolicy_resize import ResizeSpec, ResizeStatus
@@ -79,17 +80,38 @@ class NodeSignals(Model):
     )
 
 
+MAX_MARGIN = "4Gi"
+"""The largest node-pressure margin: the kubelet's thresholds are a few hundred MiB, and a margin of
+more would drain workers of Nodes far from any pressure, and read every kubelet of the policy's
+Nodes on every pass, on a tenant's say."""
+
+
+def _at_most_max_margin(text: str) -> str:
+    if parse_quantity(text) > parse_quantity(MAX_MARGIN):
+        raise ValueError(f"{text!r} must be at most {MAX_MARGIN}")
+    return text
+
+
 class NodePressureSpec(Model):
     """Drain the workers that the kubelet would evict under node memory pressure, before it does."""
 
-    margin: Quantity = pydantic.Field(
+    margin: Annotated[Quantity, pydantic.AfterValidator(_at_most_max_margin)] = pydantic.Field(
         default="256Mi",
         description=(
             "Act when a Node's available memory is within this of the kubelet's evictionHard memory.available"
-            " threshold (the node's, or its pods' allocatable share): its workers that the kubelet would evict"
-            " first, by its own ranking, are drained while they still can be. Needs the chart's rbac.nodeProxy"
-            " (get nodes/proxy: the kubelet's summary statistics and configuration, through the API server)."
+            f" threshold (the node's, or its pods' allocatable share), at most {MAX_MARGIN}: its workers that the"
+            " kubelet would evict first, by its own ranking, are drained while they still can be. Needs the"
+            " chart's rbac.nodeProxy (get nodes/proxy: the kubelet's summary statistics and configuration,"
+            " through the API server)."
         ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"quantity(self).compareTo(quantity('{MAX_MARGIN}')) <= 0",
+                    "message": f"must be at most {MAX_MARGIN}",
+                }
+            ]
+        },
     )
 
 
@@ -712,19 +734,17 @@ class PressureStatus(Model):
 
 
 class NodePressureNode(Model):
+    """A Node of the policy's workers within the margin of a threshold. Only what concerns the
+    policy's own pods: the Node's headroom and the pods of other namespaces are not the tenant's to
+    read (a tenant may place pods on any Node)."""
+
     node: str = pydantic.Field(description="The Node.")
-    headroomBytes: int = pydantic.Field(
-        description="Bytes its pods may still take before the kubelet evicts (negative: past its threshold)."
-    )
     signal: str = pydantic.Field(
         description="The kubelet's tightest signal: memory.available or allocatableMemory.available."
     )
-    victims: int = pydantic.Field(
-        default=0, description="Pods the kubelet would evict, by its ranking, to get the margin back (any namespace)."
-    )
     workers: list[str] = pydantic.Field(
         default_factory=list,
-        description="This policy's workers among them, in the kubelet's order.",
+        description="This policy's workers that the kubelet would evict, by its ranking, to get the margin back.",
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
     drained: list[str] = pydantic.Field(
@@ -732,12 +752,12 @@ class NodePressureNode(Model):
         description="Those drained ahead of it (the others hold no data that exists nowhere else, or are draining).",
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
-    unlistedPods: int = pydantic.Field(
-        default=0,
+    partialRanking: bool = pydantic.Field(
+        default=False,
         description=(
-            "Pods of other namespaces on the Node that the operator may not list (a namespaced install): the"
-            " ranking is partial. Their usage comes from the kubelet, their requests and priorities are unknown:"
-            " they are ranked as over their requests, after the workers over theirs and before those within them."
+            "The operator may not list the pods of other namespaces on the Node (a namespaced install): their"
+            " usage comes from the kubelet, their requests and priorities are unknown, and they are ranked as"
+            " over their requests, after the workers over theirs and before those within them."
         ),
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, cast
 
+import pydantic
 import pytest
 
 from memops import specs
@@ -258,15 +259,49 @@ def test_the_status_says_where_the_ranking_is_partial() -> None:
     seen = node_pressure.Seen(predictions=(prediction("w-1"),), unlisted={"n1": 2, "n2": 1})
     status = node_pressure.status(None, seen, node_pressure.Plan(), "t")
     (entry,) = status.nodes
-    assert entry.unlistedPods == 2
+    assert entry.partialRanking is True
     assert status.message.startswith(
-        "node n1: 2 pods of other namespaces could not be listed; node n2: 1 pod of other namespaces could not be"
-        " listed (ranked by their usage alone"
+        "nodes n1, n2: the pods of other namespaces could not be listed (ranked by their usage alone"
     ), status.message
     complete = node_pressure.status(
         None, node_pressure.Seen(predictions=(prediction("w-1"),)), node_pressure.Plan(), "t"
     )
-    assert complete.nodes[0].unlistedPods == 0 and complete.message == ""
+    assert complete.nodes[0].partialRanking is False and complete.message == ""
+
+
+def test_the_status_shows_a_tenant_only_its_own_pods() -> None:
+    """A tenant may place a pod on any Node: its policy's status must not tell it the Node's headroom
+    or how many pods of other namespaces are there, only its own workers' part."""
+    others = node_pressure.Prediction(
+        node="n1",
+        headroom=-3 * MiB,
+        signal="memory.available",
+        victims=(pod("their-pod", 900, namespace="other"), pod("w-1", 100)),
+        ours=("w-1",),
+    )
+    seen = node_pressure.Seen(predictions=(others,), unlisted={"n1": 7})
+    status = node_pressure.status(None, seen, node_pressure.Plan(), "t")
+    written = status.model_dump_json()
+    assert "their-pod" not in written and "headroom" not in written.lower(), written
+    assert str(-3 * MiB) not in written and "7" not in status.message, written
+    assert status.nodes[0].model_dump() == {
+        "node": "n1",
+        "signal": "memory.available",
+        "workers": ["w-1"],
+        "drained": [],
+        "partialRanking": True,
+    }
+
+
+def test_the_margin_is_bounded() -> None:
+    spec = {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deployment", "name": "w"}}
+    for margin, ok in (("4Gi", True), ("256Mi", True), ("5Gi", False), ("9e99", False)):
+        body = {**spec, "eviction": {"nodePressure": {"margin": margin}}}
+        if ok:
+            specs.MemoryPolicySpec.model_validate(body)
+        else:
+            with pytest.raises(pydantic.ValidationError, match="at most 4Gi"):
+                specs.MemoryPolicySpec.model_validate(body)
 
 
 OWNER = objects.Owner(name="pol", namespace="dask", uid="u-1")
@@ -331,7 +366,7 @@ def test_status_counts_drains_across_passes() -> None:
     second = node_pressure.status(first, seen, node_pressure.Plan(), "t2")
     assert first.drains == 1 and second.drains == 1 and second.lastRead == "t2"
     (entry,) = second.nodes
-    assert entry.workers == ["w-1", "w-2"] and entry.drained == [] and entry.victims == 2
+    assert entry.workers == ["w-1", "w-2"] and entry.drained == []
     assert second.message == "node n3: Forbidden"
 
 
