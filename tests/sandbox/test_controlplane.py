@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,10 @@ def _binaries() -> build.Binaries:
 
 
 class RunningPlane:
-    def __init__(self, state_dir: Path, process: subprocess.Popen[bytes]):
+    """A control plane's state directory, with kubectl at hand; ``process`` where the test started
+    it itself (else the suite's ``plane`` fixture stops it)."""
+
+    def __init__(self, state_dir: Path, process: subprocess.Popen[bytes] | None = None):
         self.state_dir = state_dir
         self.process = process
 
@@ -65,7 +67,7 @@ class RunningPlane:
         return {path.stem: int(path.read_text()) for path in (self.state_dir / "logs").glob("*.pid")}
 
     def stop(self) -> None:
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(60)
 
@@ -80,12 +82,9 @@ def start(state_dir: Path) -> RunningPlane:
 
 
 @pytest.fixture(scope="module")
-def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPlane]:
-    running = start(tmp_path_factory.mktemp("plane") / "state")
-    try:
-        yield running
-    finally:
-        running.stop()
+def plane(plane: Path) -> RunningPlane:
+    """The suite's control plane (``plane`` of tests/conftest.py), seen through kubectl."""
+    return RunningPlane(plane)
 
 
 def test_kubectl_reports_the_pinned_release(plane: RunningPlane) -> None:
