@@ -43,7 +43,7 @@ import heapq
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -183,8 +183,8 @@ def assign(
     chosen: list[tuple[str, str]] = []
     unplaced: list[str] = []
     for key in keys:
-        if key.group is not None and local.get(key.group):
-            name = min(local[key.group], key=lambda n: (linked[n], n))
+        group = local.get(key.group, ()) if key.group is not None else ()
+        if (name := transfers.choose_recipient(group, rank=lambda n: (linked[n], n))) is not None:
             linked[name] += 1
             chosen.append((key.key, name))
             continue
@@ -244,28 +244,33 @@ class _Tier:
         return False
 
     def pick(self, nbytes: int) -> str | None:
-        """The recipient for a key of ``nbytes``, or None when none in this tier takes it now."""
-        while self.balanced:
-            _, _, name, version = self.balanced[0]
-            place = self.places[name]
-            if version != place.version or place.room < nbytes or self._full(place, nbytes):
-                # Stale, or no room for it below its target (not balanced further in this pass).
-                heapq.heappop(self.balanced)
-                continue
+        """The recipient for a key of ``nbytes``, or None when none in this tier takes it now
+        (:func:`transfers.choose_recipient`): the fewest bytes queued among those with
+        room below their target, else the most headroom. One passed over in the balanced heap,
+        without room below its target or with its window full, is not balanced further in this
+        pass."""
+        places = self.places
+
+        def takes(name: str) -> bool:
+            return not self._full(places[name], nbytes)
+
+        name = transfers.choose_recipient(
+            self._live(self.balanced), has_room=lambda n: places[n].room >= nbytes, takes=takes
+        )
+        if name is not None:
             return name
-        while self.roomiest:
-            _, name, version = self.roomiest[0]
-            place = self.places[name]
-            if version != place.version:
-                heapq.heappop(self.roomiest)
-                continue
-            if place.headroom < nbytes:
-                return None  # the roomiest has no room: none has
-            if self._full(place, nbytes):
-                heapq.heappop(self.roomiest)
-                continue
-            return name
-        return None
+        return transfers.choose_recipient(
+            self._live(self.roomiest), has_room=lambda n: places[n].headroom >= nbytes, takes=takes, by_room=True
+        )
+
+    def _live(self, heap: list[Any]) -> Iterator[str]:
+        """The names in ``heap`` (entries ending in name and version), best first, its stale
+        entries dropped; an entry that the reader asks past is dropped too."""
+        while heap:
+            *_, name, version = heap[0]
+            if version == self.places[name].version:
+                yield name
+            heapq.heappop(heap)
 
     def take(self, name: str, nbytes: int) -> None:
         place = self.places[name]

@@ -123,6 +123,14 @@ def _rooms(
     return rooms
 
 
+def _recipient(rooms: list[tuple[float, str]], cost: int) -> str | None:
+    """The peer with the most room, if the copy fits there (:func:`transfers.choose_recipient`): the heap's
+    top alone is offered, as the most room first means that no other peer fits it either."""
+    return transfers.choose_recipient(
+        (name for _, name in rooms[:1]), has_room=lambda _: cost <= -rooms[0][0], by_room=True
+    )
+
+
 def _plan_moves(
     worker: str,
     keys: Sequence[Key],
@@ -154,10 +162,11 @@ def _plan_moves(
         if need <= 0:
             break
         cost = int(landing * key.nbytes)
-        if not rooms or cost > -rooms[0][0]:
+        recipient = _recipient(rooms, cost)
+        if recipient is None:
             unplaced = True
             continue  # a smaller key may still fit somewhere
-        minus_room, recipient = heapq.heappop(rooms)
+        minus_room, _ = heapq.heappop(rooms)
         heapq.heappush(rooms, (minus_room + cost, recipient))
         copies.append((key.key, worker, recipient))
         need -= key.nbytes

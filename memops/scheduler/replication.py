@@ -226,16 +226,16 @@ def _copies(
     """:func:`decide`'s second half: each key under target, in :func:`value_order`, copied to
     the best recipient within the budget; the copies, the keys none could take, the bytes spent."""
     projected = {w.address: w.memory for w in workers}
-    recipients = [w for w in workers if w.running and not w.leaving and w.limit]
+    candidates = [w for w in workers if w.running and not w.leaving and w.limit]
     copies: list[tuple[str, str]] = []
     unserved: list[str] = []
     # The recipients by fullness, kept sorted as copies land: the one that took a copy moves to its
     # new place (a bisect, not a sort of every worker: a pass plans thousands of copies).
-    ranks = sorted((projected[w.address] / w.limit, w.address) for w in recipients)
-    by_rank = {w.address: w for w in recipients}
+    ranks = sorted((projected[w.address] / w.limit, w.address) for w in candidates)
+    by_rank = {w.address: w for w in candidates}
     order = [by_rank[address] for _, address in ranks]
     # The best a recipient can score on placement: a new node (new zone) only where pods say where they run.
-    floor = (not any(w.node for w in recipients), not any(w.zone for w in recipients))
+    floor = (not any(w.node for w in candidates), not any(w.zone for w in candidates))
     for item, holders, need in sorted(under, key=lambda u: value_order(u[0])):
         served = False
         for _ in range(need):
@@ -272,21 +272,23 @@ def _best_recipient(
     ceiling: float,
     floor: tuple[bool, bool],
 ) -> Worker | None:
-    """Another node, then another zone, then the least full, staying under ``ceiling``."""
-    best: tuple[tuple[bool, bool, float], Worker] | None = None
+    """Another node, then another zone, then the least full, staying under ``ceiling``
+    (:func:`transfers.choose_recipient`: ``order`` is by fullness, so the first of the best placement wins)."""
     nodes = {by_address[h].node for h in holders if by_address[h].node}
     zones = {by_address[h].zone for h in holders if by_address[h].zone}
-    for w in order:
-        if w.address in holders or w.address in item.target.away:
-            continue
-        if projected[w.address] + cost > ceiling * w.limit:
-            continue
-        score = (w.node in nodes or not w.node, w.zone in zones or not w.zone, projected[w.address] / w.limit)
-        if best is None or score < best[0]:
-            best = (score, w)
-        if score[:2] == floor:
-            break  # ``order`` is by fullness: nothing later places it better
-    return None if best is None else best[1]
+
+    def placement(address: str) -> tuple[bool, bool]:
+        w = by_address[address]
+        return (w.node in nodes or not w.node, w.zone in zones or not w.zone)
+
+    address = transfers.choose_recipient(
+        (w.address for w in order),
+        excluded=(holders, item.target.away),
+        has_room=lambda a: projected[a] + cost <= ceiling * by_address[a].limit,
+        rank=placement,
+        best_rank=floor,
+    )
+    return None if address is None else by_address[address]
 
 
 # -- inside the scheduler ---------------------------------------------------------------------------
