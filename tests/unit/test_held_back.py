@@ -3,7 +3,6 @@ that say so once; from the pure decisions, and through a whole pass' :func:`poli
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import pytest
@@ -11,30 +10,16 @@ import pytest
 from memops import specs
 from memops.decisions import (
     autoscaling,
-    conditions,
     drain_decisions,
     held_back,
     node_pressure,
     objects,
     policy_decisions,
     recycle_decisions,
-    timestamps,
 )
+from tests.unit.policy_inputs import GIB, NOW, OWNER, ago, pass_inputs, policy_spec
 
-NOW = 1_800_000_000.0
-OWNER = objects.Owner(name="p", namespace="dask", uid="u-1")
-GIB = 2**30
 Rule = specs.HeldBackRule
-
-
-def _at(seconds_ago: float) -> str:
-    return timestamps.render(datetime.datetime.fromtimestamp(NOW - seconds_ago, tz=datetime.UTC))
-
-
-def _spec(**fields: Any) -> specs.MemoryPolicySpec:
-    return specs.MemoryPolicySpec.model_validate(
-        {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deployment", "name": "w"}} | fields
-    )
 
 
 def _kept(pod: str, reason: specs.WorkerReason, kept: specs.KeptReason | None = None) -> dict[str, Any]:
@@ -44,7 +29,7 @@ def _kept(pod: str, reason: specs.WorkerReason, kept: specs.KeptReason | None = 
     return worker.model_dump(mode="json")
 
 
-def _failed(*workers: dict[str, Any], generation: int = 3, ago: float = 10) -> objects.Obj:
+def _failed(*workers: dict[str, Any], generation: int = 3, seconds_ago: float = 10) -> objects.Obj:
     """The policy's scale-down RetirementRequest, Failed ``ago`` seconds before NOW."""
     return {
         "metadata": {
@@ -55,27 +40,11 @@ def _failed(*workers: dict[str, Any], generation: int = 3, ago: float = 10) -> o
         "spec": {"count": 2},
         "status": {
             "phase": "Failed",
-            "completionTime": _at(ago),
+            "completionTime": ago(seconds_ago),
             "message": "only 0 of 2 workers could be chosen and retired",
             "workers": list(workers),
         },
     }
-
-
-def _inputs(spec: specs.MemoryPolicySpec, current: int = 4, **fields: Any) -> policy_decisions.Inputs:
-    reachable = conditions.set_condition([], "SchedulerReachable", True, reason="Connected", generation=3)
-    values: dict[str, Any] = {
-        "owner": OWNER,
-        "generation": 3,
-        "spec": spec,
-        "status": specs.MemoryPolicyStatus(conditions=reachable),
-        "current": current,
-        "replicas": current,
-        "now": NOW,
-        "usage": autoscaling.Usage(workers=current, held=current * GIB, limit=current * 2 * GIB),
-        "connected": current,
-    }
-    return policy_decisions.Inputs(**(values | fields))
 
 
 def _held(decision: policy_decisions.Decision) -> list[tuple[str, str, int]]:
@@ -200,7 +169,7 @@ def test_a_marked_worker_waits_for_its_replacements() -> None:
 def test_a_victim_of_the_kubelet_with_no_room_elsewhere_is_held() -> None:
     prediction = node_pressure.Prediction(node="n1", headroom=0, signal="memory.available", victims=(), ours=("w-1",))
     seen = node_pressure.Seen(predictions=(prediction,), unique={"w-1": 600 * 2**20}, room={"n2": 100 * 2**20})
-    planned = node_pressure.plan(OWNER, _spec(), seen, [], NOW)
+    planned = node_pressure.plan(OWNER, policy_spec(), seen, [], NOW)
     [hold] = held_back.node_pressure(planned.held)
     assert (hold.pod, hold.rule) == ("w-1", Rule.NO_ROOM_ON_OTHER_NODES)
     assert hold.message == planned.refused[0]
@@ -243,19 +212,19 @@ def test_the_status_is_a_set_by_pod_bounded_and_said_once() -> None:
 
 def test_a_pass_that_waits_after_a_failed_drain_names_the_kept_pod_and_says_it_once() -> None:
     """replicas 2 of 4; the last scale-down kept w-1, whose data had nowhere to go, 10 s ago."""
-    inputs = _inputs(_spec(replicas=2), requests=(_failed(_kept("w-1", specs.WorkerReason.NOWHERE_TO_GO)),))
+    inputs = pass_inputs(policy_spec(replicas=2), requests=(_failed(_kept("w-1", specs.WorkerReason.NOWHERE_TO_GO)),))
     decision = policy_decisions.decide(inputs)
     assert decision.action == "Wait" and _held(decision) == [("w-1", "NowhereToGo", 1)]
-    assert f"tries again at {_at(-50)}," in decision.status.heldBack[0].message
+    assert f"tries again at {ago(-50)}," in decision.status.heldBack[0].message
     assert [(e.type, e.reason) for e in decision.events] == [("Warning", "NowhereToGo")]
     # The next pass reads the status it wrote: the hold goes on as it was (no write for it), unsaid.
     again = policy_decisions.decide(
-        _inputs(_spec(replicas=2), requests=inputs.requests, status=decision.status, now=NOW + 2)
+        pass_inputs(policy_spec(replicas=2), requests=inputs.requests, status=decision.status, now=NOW + 2)
     )
     assert again.status.heldBack == decision.status.heldBack and again.events == ()
     # A spec change lifts the cooldown: the scale-down drains again, and nothing is held back.
     changed = policy_decisions.decide(
-        _inputs(_spec(replicas=2), requests=inputs.requests, status=decision.status, generation=4)
+        pass_inputs(policy_spec(replicas=2), requests=inputs.requests, status=decision.status, generation=4)
     )
     assert changed.action == "ScaleDown" and changed.status.heldBack == []
 
@@ -266,10 +235,10 @@ def test_a_pass_names_the_stabilization_window_and_min_replicas() -> None:
     autoscale = {"maxReplicas": 8, "minReplicas": 1, "targetMemoryUtilization": 50}
     usage = autoscaling.Usage(workers=4, held=int(0.4 * GIB), limit=8 * GIB)
     history = specs.MemoryPolicyStatus(recommendations=[specs.Recommendation(time=NOW - 60, replicas=4)])
-    windowed = policy_decisions.decide(_inputs(_spec(autoscale=autoscale), usage=usage, status=history))
+    windowed = policy_decisions.decide(pass_inputs(policy_spec(autoscale=autoscale), usage=usage, status=history))
     assert windowed.action == "None" and _held(windowed) == [("", "StabilizationWindow", 3)]
     assert "stabilization window (300 s) keeps 4" in windowed.status.heldBack[0].message
-    floor = policy_decisions.decide(_inputs(_spec(autoscale=autoscale | {"minReplicas": 3}), usage=usage))
+    floor = policy_decisions.decide(pass_inputs(policy_spec(autoscale=autoscale | {"minReplicas": 3}), usage=usage))
     assert floor.action == "ScaleDown" and _held(floor) == [("", "MinReplicas", 2)]
 
 

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import pytest
 
 from memops import specs
-from memops.decisions import autoscaling, conditions, objects, policy_decisions, scaling, timestamps
-
-NOW = 1_800_000_000.0
-OWNER = objects.Owner(name="p", namespace="dask", uid="u-1")
-GIB = 2**30
-
-
-def _spec(**fields: Any) -> specs.MemoryPolicySpec:
-    return specs.MemoryPolicySpec.model_validate(
-        {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deployment", "name": "w"}} | fields
-    )
-
-
-def _at(seconds_ago: float) -> str:
-    return timestamps.render(datetime.datetime.fromtimestamp(NOW - seconds_ago, tz=datetime.UTC))
+from memops.decisions import autoscaling, conditions, objects, policy_decisions, scaling
+from tests.unit.policy_inputs import GIB, ago, pass_inputs, policy_spec, reachable
 
 
 def _request(name: str, phase: str | None, *, generation: int = 3, count: int = 1, **labels: str) -> objects.Obj:
-    status: dict[str, Any] = {"phase": phase, "completionTime": _at(10)} if phase else {}
+    status: dict[str, Any] = {"phase": phase, "completionTime": ago(10)} if phase else {}
     return {
         "metadata": {
             "name": name,
@@ -36,33 +22,6 @@ def _request(name: str, phase: str | None, *, generation: int = 3, count: int = 
         "spec": {"count": count},
         "status": status,
     }
-
-
-def _reachable(ok: bool) -> specs.MemoryPolicyStatus:
-    found = conditions.set_condition(
-        [],
-        "SchedulerReachable",
-        ok,
-        reason="Connected" if ok else "SchedulerUnreachable",
-        message="" if ok else "spec.scheduler.address: no answer",
-        generation=3,
-    )
-    return specs.MemoryPolicyStatus(conditions=found)
-
-
-def _inputs(spec: specs.MemoryPolicySpec, current: int = 4, **fields: Any) -> policy_decisions.Inputs:
-    values: dict[str, Any] = {
-        "owner": OWNER,
-        "generation": 3,
-        "spec": spec,
-        "status": _reachable(True),
-        "current": current,
-        "replicas": current,
-        "now": NOW,
-        "usage": autoscaling.Usage(workers=current, held=current * GIB, limit=current * 2 * GIB),
-        "connected": current,
-    }
-    return policy_decisions.Inputs(**(values | fields))
 
 
 def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, str]:
@@ -75,7 +34,7 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
     ("inputs", "action", "desired", "active", "limited", "ready"),
     [
         pytest.param(
-            _inputs(_spec(replicas=4)),
+            pass_inputs(policy_spec(replicas=4)),
             scaling.Action.NONE,
             4,
             ("False", "Steady"),
@@ -84,7 +43,7 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
             id="steady",
         ),
         pytest.param(
-            _inputs(_spec(replicas=6)),
+            pass_inputs(policy_spec(replicas=6)),
             scaling.Action.SCALE_UP,
             6,
             ("True", "ScaleUp"),
@@ -93,7 +52,7 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
             id="scale-up",
         ),
         pytest.param(
-            _inputs(_spec(replicas=2)),
+            pass_inputs(policy_spec(replicas=2)),
             scaling.Action.SCALE_DOWN,
             2,
             ("True", "ScaleDown"),
@@ -102,7 +61,7 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
             id="scale-down",
         ),
         pytest.param(
-            _inputs(_spec(replicas=2), requests=(_request("p-g3-0", None, count=2),)),
+            pass_inputs(policy_spec(replicas=2), requests=(_request("p-g3-0", None, count=2),)),
             scaling.Action.WAIT,
             2,
             ("True", "Draining"),
@@ -111,7 +70,7 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
             id="one-drain-at-a-time",
         ),
         pytest.param(
-            _inputs(_spec(replicas=2), requests=(_request("p-g3-0", "Failed"),)),
+            pass_inputs(policy_spec(replicas=2), requests=(_request("p-g3-0", "Failed"),)),
             scaling.Action.WAIT,
             2,
             ("True", "DrainFailed"),
@@ -120,7 +79,7 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
             id="failed-drain-limits",
         ),
         pytest.param(
-            _inputs(_spec(replicas=2), requests=(_request("p-g2-0", "Failed", generation=2),)),
+            pass_inputs(policy_spec(replicas=2), requests=(_request("p-g2-0", "Failed", generation=2),)),
             scaling.Action.SCALE_DOWN,
             2,
             ("True", "ScaleDown"),
@@ -130,8 +89,8 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
         ),
         pytest.param(
             # 90% of the limit with a 50% target asks for 8 workers; maxReplicas caps it at 5.
-            _inputs(
-                _spec(autoscale={"maxReplicas": 5, "targetMemoryUtilization": 50}),
+            pass_inputs(
+                policy_spec(autoscale={"maxReplicas": 5, "targetMemoryUtilization": 50}),
                 usage=autoscaling.Usage(workers=4, held=int(7.2 * GIB), limit=8 * GIB),
             ),
             scaling.Action.SCALE_UP,
@@ -142,7 +101,7 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
             id="autoscale-capped-by-max",
         ),
         pytest.param(
-            _inputs(_spec(autoscale={"maxReplicas": 8, "targetMemoryUtilization": 50})),
+            pass_inputs(policy_spec(autoscale={"maxReplicas": 8, "targetMemoryUtilization": 50})),
             scaling.Action.NONE,
             4,
             ("False", "Steady"),
@@ -151,7 +110,7 @@ def _condition(decision: policy_decisions.Decision, type_: str) -> tuple[str, st
             id="autoscale-at-target",
         ),
         pytest.param(
-            _inputs(_spec(replicas=2), status=_reachable(False), usage=None),
+            pass_inputs(policy_spec(replicas=2), status=reachable(False), usage=None),
             scaling.Action.SCALE_DOWN,
             2,
             ("True", "ScaleDown"),
@@ -185,8 +144,8 @@ def test_decide(
 
 
 def test_a_scale_down_request_is_owned_named_and_labelled_by_the_policy() -> None:
-    spec = _spec(replicas=1, drain={"timeout": "5m", "onTimeout": "Force"})
-    decision = policy_decisions.decide(_inputs(spec, current=3, requests=(_request("p-g2-0", "Succeeded"),)))
+    spec = policy_spec(replicas=1, drain={"timeout": "5m", "onTimeout": "Force"})
+    decision = policy_decisions.decide(pass_inputs(spec, current=3, requests=(_request("p-g2-0", "Succeeded"),)))
     [request] = decision.create
     assert request["metadata"]["name"] == "p-g3-1"  # generation 3, the policy's second request
     assert request["metadata"]["labels"] == {objects.POLICY_LABEL: "p"}
@@ -203,17 +162,20 @@ def test_a_scale_down_request_is_owned_named_and_labelled_by_the_policy() -> Non
 
 
 def test_an_autoscaler_on_the_workload_is_a_conflict() -> None:
-    decision = policy_decisions.decide(_inputs(_spec(replicas=4), autoscalers=("hpa-a",)))
+    decision = policy_decisions.decide(pass_inputs(policy_spec(replicas=4), autoscalers=("hpa-a",)))
     assert _condition(decision, "Conflict") == ("True", "AutoscalerOnWorkload")
     conflict = conditions.get_condition(decision.status.conditions, "Conflict")
     assert conflict is not None and "scaleTargetRef at MemoryPolicy 'p'" in conflict.message
-    assert _condition(policy_decisions.decide(_inputs(_spec(replicas=4))), "Conflict") == ("False", "NoConflict")
+    assert _condition(policy_decisions.decide(pass_inputs(policy_spec(replicas=4))), "Conflict") == (
+        "False",
+        "NoConflict",
+    )
 
 
 def test_a_plain_policy_at_rest_is_steady_and_memory_features_are_not() -> None:
-    assert policy_decisions.decide(_inputs(_spec(replicas=4))).steady
-    assert not policy_decisions.decide(_inputs(_spec(replicas=4), usage=None)).steady
-    assert not policy_decisions.decide(_inputs(_spec(replicas=4, pressure={"relieveAbove": "80%"}))).steady
+    assert policy_decisions.decide(pass_inputs(policy_spec(replicas=4))).steady
+    assert not policy_decisions.decide(pass_inputs(policy_spec(replicas=4), usage=None)).steady
+    assert not policy_decisions.decide(pass_inputs(policy_spec(replicas=4, pressure={"relieveAbove": "80%"}))).steady
 
 
 def _recycling(marks: dict[str, Any], connected: tuple[str, ...] = ()) -> policy_decisions.RecycleSeen:
@@ -229,7 +191,7 @@ def _recycling(marks: dict[str, Any], connected: tuple[str, ...] = ()) -> policy
     [
         pytest.param({}, (), (), ["w-0"], [], scaling.Action.SCALE_UP, 5, id="mark-the-oldest-and-surge"),
         pytest.param(
-            {"w-0": {"reason": "MaxAge", "message": "old", "startTime": _at(60)}},
+            {"w-0": {"reason": "MaxAge", "message": "old", "startTime": ago(60)}},
             ("w-1", "w-2", "w-3"),
             (),
             [],
@@ -239,7 +201,7 @@ def _recycling(marks: dict[str, Any], connected: tuple[str, ...] = ()) -> policy
             id="wait-for-the-replacement",
         ),
         pytest.param(
-            {"w-0": {"reason": "MaxAge", "message": "old", "startTime": _at(60)}},
+            {"w-0": {"reason": "MaxAge", "message": "old", "startTime": ago(60)}},
             ("w-1", "w-2", "w-3", "w-4"),
             (),
             [],
@@ -269,8 +231,8 @@ def test_recycling(
     action: scaling.Action,
     replicas: int,
 ) -> None:
-    spec = _spec(replicas=4, recycle={"maxAge": "24h", "surge": 1})
-    inputs = _inputs(spec, recycling=_recycling(marks, connected), requests=requests)
+    spec = policy_spec(replicas=4, recycle={"maxAge": "24h", "surge": 1})
+    inputs = pass_inputs(spec, recycling=_recycling(marks, connected), requests=requests)
     decision = policy_decisions.decide(inputs)
     assert [m.pod for m in decision.marks] == marked
     assert [m.mark["reason"] for m in decision.marks] == ["MaxAge"] * len(marked)
