@@ -13,7 +13,7 @@ import pytest
 from memops import cli, crds, specs
 from memops.clients import daskrpc, prestop_hook
 from memops.decisions import policy_decisions, safetynet, shared_spill
-from tests.unit.test_policy_decisions import _inputs, _spec
+from tests.unit.policy_inputs import pass_inputs, policy_spec
 
 GI = 2**30
 MI = 2**20
@@ -549,7 +549,7 @@ def test_a_pod_that_already_mounts_the_spill_volume_name_is_refused(
     verdict, mutation = shared_spill.plan(pod_spec, spill_spec, host_roots=ROOTS, namespace="team-a", policy="spill")
     assert mutation is None and verdict.refusal == shared_spill.Refusal.VOLUME_NAME_TAKEN, verdict
     assert kind in verdict.message and "intruder" in verdict.message
-    spec = _spec(sharedSpill={"sizeLimit": "2Gi", "medium": medium, **(NODE if medium == "Node" else {})})
+    spec = policy_spec(sharedSpill={"sizeLimit": "2Gi", "medium": medium, **(NODE if medium == "Node" else {})})
     pod = {"metadata": {"name": "w-1", "namespace": "team-a"}, "spec": pod_spec}
     change = safetynet.plan_injection(pod, "spill", spec, hook=HOOK, host_roots=ROOTS)
     assert change["annotations"][shared_spill.ANNOTATION] == "Refused: VolumeNameTaken"
@@ -591,7 +591,7 @@ def test_size_limit_binds_what_each_worker_process_spills(
 
 
 def test_plan_injection_mounts_the_pods_namespace_directory() -> None:
-    spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
+    spec = policy_spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
     pod = {"metadata": {"name": "w-1", "namespace": "team-a"}, "spec": {"containers": [worker("8Gi", request="4Gi")]}}
     volume = safetynet.plan_injection(pod, "p", spec, hook=HOOK, host_roots=ROOTS)["spec"]["volumes"][-1]
     assert volume["hostPath"]["path"] == "/var/lib/memops/spill/team-a/p"
@@ -659,8 +659,8 @@ def test_qos_class(pod_spec: dict[str, Any], qos: shared_spill.QoS) -> None:
 def _conditions(
     spill_spec: dict[str, Any] | None, template: dict[str, Any] | None, roots: frozenset[str] = ROOTS
 ) -> dict[str, Any]:
-    spec = _spec(**({"sharedSpill": spill_spec} if spill_spec is not None else {}))
-    decision = policy_decisions.decide(_inputs(spec, template=template, host_roots=roots))
+    spec = policy_spec(**({"sharedSpill": spill_spec} if spill_spec is not None else {}))
+    decision = policy_decisions.decide(pass_inputs(spec, template=template, host_roots=roots))
     return {c.type: c for c in decision.status.conditions}
 
 
@@ -750,9 +750,9 @@ def test_without_allowed_roots_the_policy_says_how_to_allow_one() -> None:
 
 
 def test_conditions_go_when_the_spill_goes() -> None:
-    spec = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
-    first = policy_decisions.decide(_inputs(spec, template={"containers": [worker("8Gi")]}))
-    again = policy_decisions.decide(_inputs(_spec(), status=first.status))
+    spec = policy_spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
+    first = policy_decisions.decide(pass_inputs(spec, template={"containers": [worker("8Gi")]}))
+    again = policy_decisions.decide(pass_inputs(policy_spec(), status=first.status))
     assert shared_spill.READY not in {c.type for c in again.status.conditions}
 
 
@@ -772,7 +772,7 @@ def _pod(container: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_plan_injection_adds_the_spill_beside_the_safety_net() -> None:
-    spec = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
+    spec = policy_spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
     change = safetynet.plan_injection(_pod(worker("8Gi")), "p", spec, hook=HOOK)
     container = change["spec"]["containers"][0]
     names = [e["name"] for e in container["env"]]
@@ -800,7 +800,7 @@ def test_plan_injection_adds_the_spill_beside_the_safety_net() -> None:
 def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only(
     spill_spec: dict[str, Any], roots: frozenset[str], annotation: str
 ) -> None:
-    spec = _spec(sharedSpill=spill_spec)
+    spec = policy_spec(sharedSpill=spill_spec)
     change = safetynet.plan_injection(_pod(worker("8Gi", request="4Gi")), "p", spec, hook=HOOK, host_roots=roots)
     container = change["spec"]["containers"][0]
     assert "volumes" not in change["spec"] and "volumeMounts" not in container and "affinity" not in change["spec"]
@@ -810,7 +810,7 @@ def test_a_refused_spill_leaves_the_pod_with_the_safety_net_only(
 
 
 def test_plan_injection_mounts_an_allowed_host_path() -> None:
-    spec = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
+    spec = policy_spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
     change = safetynet.plan_injection(
         _pod(worker("8Gi", request="4Gi")), "p", spec, hook=HOOK, host_roots=ROOTS, namespace="ns"
     )
@@ -907,24 +907,24 @@ async def test_links_false_installs_nothing_and_says_so() -> None:
     scheduler = LinksScheduler()
     workers = frozenset({"tcp://10.0.0.2:40000"})
 
-    def policy_spec(**fields: Any) -> specs.MemoryPolicySpec:
-        return _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE, **fields})
+    def spill_spec(**fields: Any) -> specs.MemoryPolicySpec:
+        return policy_spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE, **fields})
 
     async def install(spec: specs.MemoryPolicySpec, found: list[specs.Condition]) -> list[specs.Condition]:
         return await reconciler.install_links(cast(daskrpc.Scheduler, scheduler), spec, workers, found, 2)
 
-    found = await install(policy_spec(), [])
+    found = await install(spill_spec(), [])
     assert scheduler.asked == [True] and [(c.status, c.reason) for c in found] == [("True", "Active")]
-    found = await install(policy_spec(links=False), found)
+    found = await install(spill_spec(links=False), found)
     assert scheduler.asked == [True], "links: false must not install the plugin"
     [disabled] = found
     assert (disabled.type, disabled.status, disabled.reason) == (shared_spill.LINKS, "False", "Disabled")
     assert disabled.message.startswith("spec.sharedSpill.links is false") and disabled.observedGeneration == 2
-    assert await install(policy_spec(links=False), found) == found  # every pass: the same condition
+    assert await install(spill_spec(links=False), found) == found  # every pass: the same condition
     # The spill's figures come from the plugin: none read, rather than a status of an empty tmpfs.
     old = specs.SharedSpillStatus(workers=1, bytes=10)
-    assert await reconciler.read_spill(cast(daskrpc.Scheduler, scheduler), policy_spec(links=False), old) is None
-    found = await install(policy_spec(links=True), found)
+    assert await reconciler.read_spill(cast(daskrpc.Scheduler, scheduler), spill_spec(links=False), old) is None
+    found = await install(spill_spec(links=True), found)
     assert scheduler.asked == [True, True] and [(c.status, c.reason) for c in found] == [("True", "Active")]
     await client.close()
 
@@ -1020,7 +1020,7 @@ async def test_the_spill_read_keeps_each_workers_linked_bytes_for_growth() -> No
     body = kopf.Body({"metadata": {"name": "p", "namespace": "dask", "uid": "u", "generation": 1}, "spec": {}})
     client = kube.Kube(kopf.ConnectionInfo(server="https://127.0.0.1:6443"))  # never called
     reconciler = policy.Policy(client=client, body=body, logger=logging.getLogger(__name__))
-    node = _spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
+    node = policy_spec(sharedSpill={"medium": "Node", "sizeLimit": "2Gi", **NODE})
     reports: dict[str, Any] = {"tcp://a:1": {"bytes": 100, "ownBytes": 100, "share": 50}}
     reports["tcp://b:1"] = {"bytes": 130, "ownBytes": 30}
     reports["tcp://c:1"] = {"bytes": 10, "ownBytes": "a lot", "share": 1}  # hostile: counts as linking nothing
@@ -1033,7 +1033,7 @@ async def test_the_spill_read_keeps_each_workers_linked_bytes_for_growth() -> No
     assert await reconciler.read_spill(cast(daskrpc.Scheduler, scheduler), node, found) == found
     assert reconciler.spill_linked == {}
     reconciler.spill_linked = {"tcp://b:1": 100}
-    memory = _spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
+    memory = policy_spec(sharedSpill={"medium": "Memory", "sizeLimit": "2Gi"})
     assert await reconciler.read_spill(cast(daskrpc.Scheduler, scheduler), memory, found) is None
     assert reconciler.spill_linked == {}
     await client.close()
