@@ -83,6 +83,24 @@ def _at_most(maximum: str) -> pydantic.AfterValidator:
     return pydantic.AfterValidator(check)
 
 
+def quantity_at_most(maximum: str) -> pydantic.AfterValidator:
+    """A quantity's bound in pydantic, for the controllers and for objects stored before the CRD's
+    rule (:func:`quantity_rule`) existed."""
+
+    def check(text: str) -> str:
+        if parse_quantity(text) > parse_quantity(maximum):
+            raise ValueError(f"{text!r} must be at most {maximum}")
+        return text
+
+    return pydantic.AfterValidator(check)
+
+
+def quantity_rule(maximum: str) -> dict[str, Any]:
+    """The same bound for the API server: a CEL rule of Kubernetes' quantity library (1.28+)."""
+    rule = f"quantity(self).compareTo(quantity('{maximum}')) <= 0"
+    return {"x-kubernetes-validations": [{"rule": rule, "message": f"must be at most {maximum}"}]}
+
+
 Duration = Annotated[str, _duration_field(MAX_DURATION), _at_most(MAX_DURATION)]
 """A drain timeout or a recycling window, at most :data:`MAX_DURATION`."""
 LongDuration = Annotated[str, _duration_field(MAX_AGE), _at_most(MAX_AGE)]

@@ -26,8 +26,9 @@ from memops.specs.common import (
     WorkloadRef,
     column,
     parse_percent,
-    parse_quantity,
     printer_columns,
+    quantity_at_most,
+    quantity_rule,
 )
 from memops.specs.memorypolicy_resize import ResizeSpec, ResizeStatus
 
@@ -86,16 +87,10 @@ more would drain workers of Nodes far from any pressure, and read every kubelet 
 Nodes on every pass, on a tenant's say."""
 
 
-def _at_most_max_margin(text: str) -> str:
-    if parse_quantity(text) > parse_quantity(MAX_MARGIN):
-        raise ValueError(f"{text!r} must be at most {MAX_MARGIN}")
-    return text
-
-
 class NodePressureSpec(Model):
     """Drain the workers that the kubelet would evict under node memory pressure, before it does."""
 
-    margin: Annotated[Quantity, pydantic.AfterValidator(_at_most_max_margin)] = pydantic.Field(
+    margin: Annotated[Quantity, quantity_at_most(MAX_MARGIN)] = pydantic.Field(
         default="256Mi",
         description=(
             "Act when a Node's available memory is within this of the kubelet's evictionHard memory.available"
@@ -104,14 +99,7 @@ class NodePressureSpec(Model):
             " chart's rbac.nodeProxy (get nodes/proxy: the kubelet's summary statistics and configuration,"
             " through the API server)."
         ),
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": f"quantity(self).compareTo(quantity('{MAX_MARGIN}')) <= 0",
-                    "message": f"must be at most {MAX_MARGIN}",
-                }
-            ]
-        },
+        json_schema_extra=quantity_rule(MAX_MARGIN),
     )
 
 

@@ -20,12 +20,6 @@ CRD refuses more (a CEL rule of Kubernetes' quantity library, 1.28+), and so doe
 object stored before the rule."""
 
 
-def _at_most_max_limit(text: str) -> str:
-    if common.parse_quantity(text) > common.parse_quantity(MAX_LIMIT):
-        raise ValueError(f"{text!r} must be at most {MAX_LIMIT}")
-    return text
-
-
 @dataclasses.dataclass(frozen=True)
 class ResizeSettings:
     """``spec.resize`` in the units the decisions use."""
@@ -50,21 +44,14 @@ class ResizeSpec(common.Model):
     """Grow a worker's memory limit in place (the pod's resize subresource, Kubernetes 1.35+) when it
     nears Dask's pause threshold and relief cannot place its keys, and tell Dask the new limit."""
 
-    maxLimit: Annotated[common.Quantity, pydantic.AfterValidator(_at_most_max_limit)] = pydantic.Field(
+    maxLimit: Annotated[common.Quantity, common.quantity_at_most(MAX_LIMIT)] = pydantic.Field(
         description=(
             "The largest memory limit a worker's container is grown to (16Gi), at most 64Ti. Growth is"
             " also bounded by the ceiling the operator's administrator set for the namespace (memops run"
             " --max-resize-limit, 64Gi by default), and by what the node can grant: its allocatable"
             " memory minus the requests of its pods."
         ),
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": f"quantity(self).compareTo(quantity('{MAX_LIMIT}')) <= 0",
-                    "message": f"must be at most {MAX_LIMIT}",
-                }
-            ]
-        },
+        json_schema_extra=common.quantity_rule(MAX_LIMIT),
     )
     growAbove: common.Percent = pydantic.Field(
         default="75%",
