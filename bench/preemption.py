@@ -97,7 +97,8 @@ def run(mode: str, size: int, memory: str) -> Outcome:
                     futures += client.scatter(batch, workers=[by_name[name]], hash=False).values()
             dying = [by_name["a-0"], by_name["a-1"]]
             if mode == "memops":
-                asyncio.run(daskrpc.drain_status(address))  # the operator installed the agent earlier
+                # The operator installed the agent earlier; a generous bound, as CI runs this beside its tests.
+                asyncio.run(daskrpc.drain_status(address, timeout=60))
             start = time.monotonic()
             hooks = []
             for name in ("a-0", "a-1"):
