@@ -5,11 +5,13 @@ Sets ``$MEMOPS_AUDIT_LOG`` (unless it is already set) for the whole session, bef
 sandbox starts; the sandboxes inherit it. ``tests/packaging/test_rbac.py``, which runs after
 ``tests/e2e``, reads the operator's requests from it and checks the shipped RBAC against them.
 
-Two lanes (pytest-xdist, two workers): every test that needs a sandbox or a control plane is one
-unit of work (:class:`SandboxLane`) that one worker runs in collection order (real Nodes are one
-set per machine, and ``tests/packaging/test_rbac.py`` reads what ``tests/e2e`` wrote); the other
-worker runs the folders that start none (:data:`NO_SANDBOX`) meanwhile, while CI builds the
-sandbox's binaries on a cold machine. Without xdist (``-n 0``) those folders run first.
+Two lanes (pytest-xdist, two workers; :class:`SandboxLane`): the first runs most of the tests in
+a namespace of the session's sandbox, then those that start real Nodes of their own (one at a time:
+real Nodes are one set per machine) and ``tests/packaging/test_rbac.py`` (it reads what
+``tests/e2e`` wrote); the second runs the folders that start no control plane (:data:`NO_SANDBOX`,
+while CI builds the sandbox's binaries on a cold machine), then the rest of the shared tests
+(:data:`tests.e2e.lanes.LANE_B`) in the same sandbox, then those that start a control plane but no
+real Node (:data:`PLANE_ONLY`). Without xdist (``-n 0``) the same order in one process.
 
 ``plane``: an upstream control plane (kube-apiserver, etcd, the controller manager; no node),
 one per test module that asks for it; its state directory is yielded. Nothing is mocked.
@@ -29,6 +31,7 @@ from memops_sandbox import common as sandbox
 from xdist.scheduler import LoadScopeScheduling
 
 from tests.e2e import conftest as e2e
+from tests.e2e import lanes as e2e_lanes
 
 NO_SANDBOX = ("unit", "fuzz", "scheduler", "packaging/test_helm.py", "packaging/test_kustomize.py")
 """The test folders and files that start no control plane: they run first, so that CI can build
@@ -62,26 +65,41 @@ def _kind(path: Path) -> int:
     return 1 if any(inside.is_relative_to(plane) for plane in PLANE_ONLY) else 2
 
 
-def _order(item: pytest.Item) -> tuple[int, int]:
+def _order(item: pytest.Item, lanes: int) -> int:
     kind = _kind(Path(str(item.fspath)))
-    # Of those that may start real Nodes, the tests in a namespace of the session's sandbox first:
-    # it starts once, and stops before the first test that starts Nodes of its own.
-    return kind, 0 if kind == 2 and e2e.shares_the_cluster(item) else 1
+    if kind == 0:
+        return 0
+    if kind == 1:
+        # With two lanes, after the second lane's shared tests: they may run beside real Nodes.
+        return 2
+    if not e2e.shares_the_cluster(item):
+        return 4  # a sandbox of its own, once the session's has stopped
+    # The second lane's shared tests, after the tests that start no control plane; the first
+    # lane's from the start.
+    return 1 if e2e_lanes.in_lane_b(str(item.fspath), lanes) else 3
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Stable: each group keeps its order (packaging after e2e).
-    items.sort(key=_order)
+    count = e2e_lanes.lanes(config)
+    items.sort(key=lambda item: _order(item, count))
+    e2e.CLUSTER.plan(config, config._tmp_path_factory, items)  # type: ignore[attr-defined]
 
 
 class SandboxLane(LoadScopeScheduling):
-    """xdist's scope scheduling with two kinds of scope: every test that needs a sandbox is in one,
-    every other test is a scope of its own. Scopes go out largest first, so the sandbox's lane
-    starts at once on one worker, and the other worker takes the rest one test at a time."""
+    """xdist's scope scheduling with two scopes where there are two workers: the first lane's (the
+    shared tests not in :data:`tests.e2e.lanes.LANE_B`, then every test that starts real Nodes of
+    its own), and the second's (the tests that start no sandbox, :data:`tests.e2e.lanes.LANE_B`'s,
+    then those that start a control plane only). Each worker takes one; both use the session's
+    sandbox meanwhile. With one worker, as before: the sandbox's tests in one scope, every other
+    test a scope of its own."""
 
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
         kind = _kind(TESTS.parent / module)
+        if self.numnodes > 1:
+            second = kind < 2 or e2e_lanes.in_lane_b(module, self.numnodes)
+            return "second lane" if second else "sandbox"
         if kind == 2:
             return "sandbox"
         # A module's tests together: a control plane per module (the ``plane`` fixture's scope).
@@ -104,19 +122,29 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     beside the tests that need none, and a cold build can outlast them. A build that fails here is
     left to the fixtures, which skip or fail with its reason."""
     kind = _kind(Path(str(item.fspath)))
-    if kind == 2 and not e2e.shares_the_cluster(item):
-        e2e.CLUSTER.release()  # real Nodes are one set per machine
+    shared = kind == 2 and e2e.shares_the_cluster(item)
+    if shared:
+        e2e.CLUSTER.enter(item, nextitem)
+    else:
+        e2e.CLUSTER.leave()  # this lane's shared tests are done (a no-op until it ran one)
+        if kind == 2:
+            e2e.CLUSTER.release()  # real Nodes are one set per machine: the other lane's are done too
     if kind > item.session.stash.get(_BUILT, 0):
         item.session.stash[_BUILT] = kind
         sandbox.built(real_nodes=kind == 2)
-    return (yield)
+    if not shared:
+        return (yield)
+    assert e2e.CLUSTER.session is not None
+    with e2e.CLUSTER.session.running(quiet=item.get_closest_marker("quiet") is not None):
+        return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def audit_log(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The session's audit log (it may not exist yet: no sandbox has started)."""
     preset = os.environ.get(sandbox.AUDIT_LOG_ENV)
-    path = Path(preset) if preset else tmp_path_factory.getbasetemp() / "api-audit.jsonl"
+    # One for both lanes: the session's sandbox, which either may start, appends to it.
+    path = Path(preset) if preset else e2e_lanes.shared_directory(tmp_path_factory) / "api-audit.jsonl"
     os.environ[sandbox.AUDIT_LOG_ENV] = str(path)
     try:
         yield path

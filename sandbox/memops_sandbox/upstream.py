@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import importlib
 import logging
 import os
@@ -200,6 +201,8 @@ def append_audit(source: Path, target: Path) -> None:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     with source.open("rb") as lines, target.open("ab") as out:
+        # Whole: sandboxes of two test lanes may stop at once, and a reader takes it shared.
+        fcntl.flock(out, fcntl.LOCK_EX)
         shutil.copyfileobj(lines, out)
 
 

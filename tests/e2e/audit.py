@@ -3,6 +3,7 @@ RBAC sees each request: ``(apiGroup, resource[/subresource], verb, namespace or 
 
 from __future__ import annotations
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -17,7 +18,11 @@ def kubeconfig_user(kubeconfig: Path) -> str:
 
 
 def lines(path: Path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
+    if not path.exists():
+        return []
+    with path.open() as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)  # a sandbox appends its log whole, under LOCK_EX
+        return handle.read().splitlines()
 
 
 def requests(path: Path, user: str, *, since: int = 0) -> list[Request]:

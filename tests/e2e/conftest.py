@@ -39,6 +39,7 @@ from memops_sandbox import nodes as real_nodes
 
 from memops.decisions import permissions
 from tests import polling
+from tests.e2e import lanes
 
 BIN = Path(sys.executable).parent
 
@@ -49,7 +50,7 @@ class Sandbox:
     def __init__(
         self,
         state_dir: Path,
-        process: subprocess.Popen[bytes],
+        process: subprocess.Popen[bytes] | lanes.Detached,
         *,
         namespace: str = sandbox_cli.NAMESPACE,
         kubeconfig: Path | None = None,
@@ -239,9 +240,10 @@ def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True, real_
 
 
 class SessionCluster:
-    """The session's one sandbox on real Nodes, started by the first test that needs it and stopped
-    (:meth:`release`) before a test that must own the cluster, or at the session's end: its audit
-    log joins the session's then, which ``tests/packaging/test_rbac.py`` reads.
+    """The session's one sandbox on real Nodes, started by the first test that needs it (in either
+    lane: :mod:`tests.e2e.lanes`) and stopped when every lane's shared tests are done, before a test
+    that must own the cluster, or at the session's end: its audit log joins the session's then,
+    which ``tests/packaging/test_rbac.py`` reads.
 
     While a test runs, the next test's namespace of :data:`SPARE_WORKERS` workers starts (Dask's
     processes take about 10 s of the machine's two cores to start, and most tests spend their time
@@ -253,13 +255,42 @@ class SessionCluster:
         self.count = itertools.count(1)
         self.starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spare-namespace")
         self.spare: concurrent.futures.Future[Sandbox] | None = None
+        self.session: lanes.Session | None = None
+        self.lanes = 1
+        self.prefix = "e2e"
+        self.groups: set[str] = set()
+        """The groups of the shared tests this worker ran."""
+        self.next_shares = True
+        """Whether the test after this one runs in the session's sandbox (a spare is worth starting)."""
+
+    def plan(self, config: pytest.Config, factory: pytest.TempPathFactory, items: list[pytest.Item]) -> None:
+        """The run's groups of shared tests, from the collection (every worker collects it all)."""
+        self.lanes = lanes.lanes(config)
+        lanes.check(items, shares_the_cluster)
+        groups = {lanes.group(item, self.lanes) for item in items if shares_the_cluster(item)}
+        self.session = lanes.Session(lanes.shared_directory(factory), groups)
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        self.prefix = f"e2e-{worker}" if worker else "e2e"
+
+    def enter(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """Before a shared test."""
+        self.groups.add(lanes.group(item, self.lanes))
+        self.next_shares = nextitem is not None and shares_the_cluster(nextitem)
 
     def get(self, factory: pytest.TempPathFactory) -> Sandbox:
         if self.sandbox is not None and self.sandbox.process.poll() is not None:
             raise RuntimeError(f"the session's sandbox stopped (exit {self.sandbox.process.returncode})")
         if self.sandbox is None:
+            assert self.session is not None, "planned at collection"
             self.directory = factory.mktemp("cluster")
-            self.sandbox = start_sandbox(self.directory / "sandbox", 1)  # its own namespace's, unused
+            started: list[Sandbox] = []
+
+            def start() -> tuple[Path, int]:
+                started.append(start_sandbox(self.directory / "sandbox", 1))  # its own namespace's, unused
+                return started[0].state_dir, started[0].process.pid
+
+            state_dir, pid, _ = self.session.attach(start)
+            self.sandbox = started[0] if started else Sandbox(state_dir, lanes.Detached(pid))  # type: ignore[arg-type]
         return self.sandbox
 
     def namespace(self, factory: pytest.TempPathFactory, workers: int, *, spare: bool) -> Sandbox:
@@ -284,20 +315,44 @@ class SessionCluster:
         return sandbox
 
     def start_spare(self) -> None:
-        if self.sandbox is not None and self.spare is None:
-            self.spare = self.starter.submit(self._open, self.sandbox, SPARE_WORKERS)
+        if self.sandbox is not None and self.spare is None and self.next_shares:
+            self.spare = self.starter.submit(self._open_spare, self.sandbox)
+
+    def _open_spare(self, cluster: Sandbox) -> Sandbox:
+        assert self.session is not None
+        with self.session.starting():
+            return self._open(cluster, SPARE_WORKERS)
 
     def _open(self, cluster: Sandbox, workers: int) -> Sandbox:
-        name = f"e2e-{next(self.count)}"
+        name = f"{self.prefix}-{next(self.count)}"
         return open_namespace(cluster, name, workers, self.directory / name)
 
-    def release(self) -> None:
+    def leave(self, *, finished: bool = False) -> None:
+        """This worker's shared tests are done (``finished``: its session ends): a spare it started
+        goes, and the last worker to leave stops the sandbox."""
+        if self.session is None:
+            return
         if self.spare is not None:
-            concurrent.futures.wait([self.spare], timeout=300)  # it goes with the sandbox
-            self.spare = None
-        if self.sandbox is not None:
+            found, self.spare = self.spare, None
+            concurrent.futures.wait([found], timeout=300)
+            if self.sandbox is not None and found.done() and found.exception() is None:
+                close_namespace(self.sandbox, found.result().namespace)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        self.session.done(self.groups, self._stop, finished=worker if finished else "", lanes=self.lanes)
+        self.sandbox = None  # another lane may still use it, and stops it then
+
+    def _stop(self, pid: int) -> None:
+        if self.sandbox is not None and self.sandbox.process.pid == pid:
             self.sandbox.stop()
-            self.sandbox = None
+        else:
+            lanes.stop_process(lanes.Detached(pid))
+
+    def release(self) -> None:
+        """Before a test that owns the cluster: once every lane's shared tests are done, and the
+        sandbox stopped."""
+        self.leave()
+        if self.session is not None:
+            self.session.wait_stopped()
 
 
 SPARE_WORKERS = 4
@@ -414,7 +469,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    CLUSTER.release()
+    CLUSTER.leave(finished=True)
 
 
 @pytest.fixture
@@ -444,8 +499,9 @@ def sandbox_factory(
             sandbox = CLUSTER.namespace(tmp_path_factory, workers, spare=quiet is None)
             print(f"in namespace {sandbox.namespace}")
         else:
-            CLUSTER.release()
             real = agent is None if real_nodes is None else real_nodes
+            if real:
+                CLUSTER.release()  # real Nodes are one set per machine
             sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator, real_nodes=real)
         started.append(sandbox)
         return sandbox
