@@ -33,13 +33,28 @@ from xdist.scheduler import LoadScopeScheduling
 from tests.e2e import conftest as e2e
 from tests.e2e import lanes as e2e_lanes
 
-NO_SANDBOX = ("unit", "fuzz", "scheduler", "packaging/test_helm.py", "packaging/test_kustomize.py")
+NO_SANDBOX = (
+    "unit",
+    "fuzz",
+    "scheduler",
+    "packaging/test_argocd.py",
+    "packaging/test_helm.py",
+    "packaging/test_image.py",
+    "packaging/test_kustomize.py",
+    "sandbox/test_build.py",
+    "sandbox/test_image_store.py",
+    "sandbox/test_install.py",
+    "sandbox/test_nodeagent_net.py",
+    "sandbox/test_nodeagent_volumes.py",
+)
 """The test folders and files that start no control plane: they run first, so that CI can build
 the sandbox's binaries meanwhile (a test that needs them waits for the build's lock)."""
 PLANE_ONLY = (
     "controllers",
     "sandbox/test_controlplane.py",
     "sandbox/test_credentials.py",
+    "sandbox/test_nodeagent.py",
+    "sandbox/test_upstream_sandbox.py",
     "e2e/test_node_agent.py",
     "e2e/test_shared_spill_handover.py",
 )

@@ -197,6 +197,20 @@ class Sandbox:
         path = self.state_dir / "operator.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def metrics_url(self) -> str:
+        """The operator's Prometheus endpoint: on real Nodes its Ready pod's, as it is now (a test
+        that restarts the operator leaves another pod, at another address, than the sandbox wrote
+        down); else the address the sandbox wrote."""
+        if self.operator is None and self.real_nodes:
+            pods = self.get("pods", "-n", OPERATOR_NAMESPACE, "-l", OPERATOR_PODS)["items"]
+            for pod in pods:
+                conditions = pod.get("status", {}).get("conditions") or []
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+                    ports = {p.get("name"): p["containerPort"] for p in pod["spec"]["containers"][0].get("ports", [])}
+                    return f"http://{pod['status']['podIP']}:{ports['metrics']}/metrics"
+            raise AssertionError(f"no Ready operator pod: {[p['metadata']['name'] for p in pods]}")
+        return (self.state_dir / "metrics-url").read_text().strip()
+
     def make_namespace(self, suffix: str) -> str:
         """Another namespace for this test (a second tenant), named after its own and deleted with it."""
         name = f"{self.namespace}-{suffix}"[:63].rstrip("-")
@@ -260,6 +274,8 @@ class SessionCluster:
         self.prefix = "e2e"
         self.groups: set[str] = set()
         """The groups of the shared tests this worker ran."""
+        self.left: set[str] = set()
+        """The groups this worker has said are done."""
         self.next_shares = True
         """Whether the test after this one runs in the session's sandbox (a spare is worth starting)."""
 
@@ -330,8 +346,8 @@ class SessionCluster:
     def leave(self, *, finished: bool = False) -> None:
         """This worker's shared tests are done (``finished``: its session ends): a spare it started
         goes, and the last worker to leave stops the sandbox."""
-        if self.session is None:
-            return
+        if self.session is None or not (self.groups - self.left or finished):
+            return  # nothing new to say: no shared test since the last time
         if self.spare is not None:
             found, self.spare = self.spare, None
             concurrent.futures.wait([found], timeout=300)
@@ -339,6 +355,7 @@ class SessionCluster:
                 close_namespace(self.sandbox, found.result().namespace)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.session.done(self.groups, self._stop, finished=worker if finished else "", lanes=self.lanes)
+        self.left = set(self.groups)
         self.sandbox = None  # another lane may still use it, and stops it then
 
     def _stop(self, pid: int) -> None:

@@ -13,8 +13,7 @@ from tests.e2e.data import scatter_unique
 
 
 def scrape(sandbox: Sandbox) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    url = (sandbox.state_dir / "metrics-url").read_text().strip()
-    with urllib.request.urlopen(url, timeout=10) as response:
+    with urllib.request.urlopen(sandbox.metrics_url(), timeout=10) as response:
         text = response.read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):

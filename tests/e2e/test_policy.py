@@ -102,10 +102,9 @@ def test_bad_and_conflicting_policies_are_reported_and_the_good_one_keeps_workin
     sandbox.wait_for(lambda: sandbox.replicas() == 3 and len(sandbox.pods()) == 3, what="first still serves")
 
 
-@pytest.mark.owns_cluster("it kills the operator and starts it again")
+@pytest.mark.quiet("it kills the operator, whose Deployment starts another: no other test runs meanwhile")
 def test_operator_restart_during_a_policy_scale_down(sandbox_factory: Callable[..., Sandbox]) -> None:
-    sandbox = sandbox_factory(3, operator=False)
-    sandbox.start_operator()
+    sandbox = sandbox_factory(3)
     pods = sandbox.pods()
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         holdings = scatter_unique(client, {pods[0]: 1, pods[1]: 4, pods[2]: 4})
@@ -122,7 +121,7 @@ def test_operator_restart_during_a_policy_scale_down(sandbox_factory: Callable[.
         finally:
             for pod in frozen:
                 sandbox.signal_pod(pod, signal.SIGCONT)
-        sandbox.start_operator()
+        sandbox.start_operator()  # its Deployment's one replica
         done = sandbox.wait_phase(request["metadata"]["name"], "Succeeded", "Failed")
         assert done["status"]["phase"] == "Succeeded", done["status"]
         sandbox.wait_for(lambda: sandbox.replicas() == 2 and len(sandbox.pods()) == 2, what="the scale-down")
