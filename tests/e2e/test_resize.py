@@ -160,7 +160,14 @@ def test_a_policy_grows_the_worker_in_place_before_the_nanny_kills_it(real_sandb
             info = worker_info(client, name)
             return int(info["memory_limit"]) if info is not None and info["memory_limit"] > LIMIT else 0
 
-        new_limit = sandbox.wait_for(grown, timeout=120, what="Dask to report a grown limit")
+        try:
+            new_limit = sandbox.wait_for(grown, timeout=120, what="Dask to report a grown limit")
+        except AssertionError as error:  # what the policy saw and did, and the worker's memory now
+            status = sandbox.get("mempol", "grown").get("status", {})
+            seen = {k: status.get(k) for k in ("resize", "heldBack", "pressure", "message")}
+            info = worker_info(client, name)
+            worker = info and info["metrics"]
+            raise AssertionError(f"{error}; the policy's status: {seen}; the worker: {worker}") from None
         # Now more than the old limit's worth of keys: the old container would have been killed.
         fill(client, holdings, name, until=0.7, ceiling=LIMIT)
         assert sum(len(v) for v in holdings.values.values()) + 100 * MiB > LIMIT
