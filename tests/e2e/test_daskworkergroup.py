@@ -94,6 +94,18 @@ pytestmark = pytest.mark.owns_cluster(
 )
 
 
+def answers_as_dask(address: str) -> bool:
+    """Whether a Dask scheduler answers at ``address``: CI once met an HTTP server behind the Service's
+    cluster IP, a moment after dask-kubernetes made it (the reply's first bytes read as a frame
+    length of 3 EiB); the client then fails at once, and the test should wait instead."""
+    try:
+        with distributed.Client(address, timeout=10):
+            return True
+    except Exception as error:  # any failure of the handshake: not yet a Dask scheduler
+        print(f"not yet a Dask scheduler at {address}: {error!r}"[:300])
+        return False
+
+
 @pytest.fixture
 def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
     """A sandbox with dask-kubernetes' CRDs and controller, and a DaskCluster of 3 workers."""
@@ -115,6 +127,11 @@ def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
         sandbox.apply(dask_cluster(3))
         address = ADDRESS
         sandbox.wait_for(lambda: len(worker_deployments(sandbox)) == 3, timeout=60, what="3 worker Deployments")
+        try:
+            sandbox.wait_for(lambda: answers_as_dask(address), timeout=120, what=f"a Dask scheduler at {address}")
+        except AssertionError as error:
+            found = sandbox.kubectl("get", "services,endpointslices,pods", "-o", "wide", check=False).stdout
+            raise AssertionError(f"{error}\n{found}") from None
         with distributed.Client(address, timeout=120) as client:
             client.wait_for_workers(3, timeout=120)
         yield sandbox, address

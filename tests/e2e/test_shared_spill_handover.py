@@ -184,8 +184,11 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
             f" {state['keysMoved']} keys moved, {state['keysLinked']} by link,"
             f" {len(sent[address[remote]])} over the network; drain {state['seconds']} s"
         )
-        assert (state["keysMoved"], state["keysLinked"], worker.get("keysLinked", 0)) == (16, 0, 0), state
-        assert len(sent[address[remote]]) == 16
+        # Every key went to the other node by the normal transfer (the drain's, or relief's just
+        # before it: a loaded run once saw the drain move 14 of the 16), none linked.
+        assert (state["keysLinked"], worker.get("keysLinked", 0)) == (0, 0), state
+        assert 0 < state["keysMoved"] <= 16, state
+        assert set(sent[address[remote]]) >= {str(f.key) for f in futures}, (sent, state)
         for i, future in enumerate(futures):
             value = future.result()
             assert len(value) == 20 * MIB and value[:1] == value[-1:] == bytes([100 + i]), i
