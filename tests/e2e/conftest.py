@@ -224,13 +224,7 @@ class Sandbox:
         if self.operator is not None and self.operator.poll() is None:
             os.killpg(self.operator.pid, signal.SIGTERM)
             self.operator.wait(20)
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+        lanes.stop_process(self.process)
 
 
 OPERATOR_NAMESPACE = "memops-system"
@@ -359,10 +353,9 @@ class SessionCluster:
         self.sandbox = None  # another lane may still use it, and stops it then
 
     def _stop(self, pid: int) -> None:
-        if self.sandbox is not None and self.sandbox.process.pid == pid:
-            self.sandbox.stop()
-        else:
-            lanes.stop_process(lanes.Detached(pid))
+        # This worker's view of the sandbox, or (it never used it) the pid the other lane wrote.
+        process = self.sandbox.process if self.sandbox is not None else lanes.Detached(pid)
+        lanes.stop_process(process)
 
     def release(self) -> None:
         """Before a test that owns the cluster: once every lane's shared tests are done, and the

@@ -200,7 +200,7 @@ def stop_process(process: Any) -> None:
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(60)
-    except Exception:
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(10)

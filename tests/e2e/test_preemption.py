@@ -181,13 +181,18 @@ def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_no
         labels = {"namespace": sandbox.namespace, "policy": "spot", "cause": "deadline"}
         assert scrape(sandbox, "memops_safety_net_lost_keys_total", **labels) == loss["keys"]
         assert scrape(sandbox, "memops_safety_net_lost_bytes_total", **labels) == loss["bytes"]
+
         # Two more passes of the policy read the same drain status: it is counted once.
-        polling.stays(
-            lambda: (
+        def counted_once() -> bool:
+            samples = metrics.scrape(sandbox)  # one scrape for both figures
+            return (
                 recorded() == [loss]
-                and scrape(sandbox, "memops_safety_net_lost_keys_total", **labels) == loss["keys"]
-                and scrape(sandbox, "memops_safety_net_lost_bytes_total", **labels) == loss["bytes"]
-            ),
+                and metrics.value(samples, "memops_safety_net_lost_keys_total", **labels) == loss["keys"]
+                and metrics.value(samples, "memops_safety_net_lost_bytes_total", **labels) == loss["bytes"]
+            )
+
+        polling.stays(
+            counted_once,
             seconds=2 * windows.POLICY_PASS,
             what="the hook's loss counted once",
         )
