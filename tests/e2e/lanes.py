@@ -29,16 +29,18 @@ from typing import Any
 import pytest
 
 LANE_B = (
+    "test_churn.py",
+    "test_disruption.py",
     "test_refusals.py",
     "test_tenancy.py",
+    "test_upstream_controllers.py",
     "test_walkthrough.py",
 )
-"""The modules whose tests the second worker runs, after the tests that need no sandbox: three whose
-tests read statuses and refusals, not timings. Seven modules ran there in trial runs (about a third
-of the shared tests' time, both lanes ending theirs together), and each of three runs had a
-different timing test fail under the doubled load (``test_pods``' restarted worker among them).
-xdist's scheduler sees only test ids, so each of these modules has shared tests only
-(:func:`check`)."""
+"""The modules whose tests the second worker runs, after the tests that need no sandbox: about a
+quarter of the shared tests' time, so that both lanes end theirs near the same minute. Their tests
+judge outcomes (statuses, refusals, keys kept), not how soon something happens; those that race a
+process (a nanny's kill, a frozen recipient) stay in the first lane. xdist's scheduler sees only test
+ids, so each of these modules has shared tests only (:func:`check`)."""
 
 ONE = "a"
 """The group of every shared test where there is one lane."""
