@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from distributed.comm.core import connect
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
-from memops.worker.handover import Refused, plain
+from memops.worker.handover import Refused, call_once, plain
 
 logger = logging.getLogger(__name__)
 
@@ -162,28 +162,45 @@ def _handler(apply: Any, server: Any) -> Any:
     return handle
 
 
-class WorkerLimitPlugin(WorkerPlugin):
+class _LimitPlugin:
+    """What the worker's and the nanny's plugins share: the handler :data:`NAME`, answered by
+    ``set_limit`` (:func:`set_worker_limit` or :func:`set_nanny_limit`) on the plugin's server.
+
+    Dask calls ``setup`` and ``teardown`` by keyword (``worker=`` on a worker, ``nanny=`` on a
+    nanny), so each plugin keeps its own, named for its server, and hands over to these."""
+
+    name = NAME
+    set_limit: Callable[[Any, int], dict[str, Any]]
+
+    def _add_handler(self, server: Any) -> None:
+        server.handlers[NAME] = _handler(self.set_limit, server)
+
+    def _remove_handler(self, server: Any) -> None:
+        server.handlers.pop(NAME, None)
+
+
+class WorkerLimitPlugin(_LimitPlugin, WorkerPlugin):
     """Registers the limit handler on a worker (installed by the scheduler)."""
 
-    name = NAME
+    set_limit = staticmethod(set_worker_limit)
 
     def setup(self, worker: Any) -> None:
-        worker.handlers[NAME] = _handler(set_worker_limit, worker)
+        self._add_handler(worker)
 
     def teardown(self, worker: Any) -> None:
-        worker.handlers.pop(NAME, None)
+        self._remove_handler(worker)
 
 
-class NannyLimitPlugin(NannyPlugin):
+class NannyLimitPlugin(_LimitPlugin, NannyPlugin):
     """Registers the limit handler on a nanny (installed by the scheduler)."""
 
-    name = NAME
+    set_limit = staticmethod(set_nanny_limit)
 
     def setup(self, nanny: Any) -> None:
-        nanny.handlers[NAME] = _handler(set_nanny_limit, nanny)
+        self._add_handler(nanny)
 
     def teardown(self, nanny: Any) -> None:
-        nanny.handlers.pop(NAME, None)
+        self._remove_handler(nanny)
 
 
 # -- the scheduler's side -----------------------------------------------------------------------
@@ -202,15 +219,9 @@ async def install(scheduler: Any) -> None:
 async def call(scheduler: Any, address: str, limit: int) -> dict[str, Any]:
     """A worker's or nanny's limit handler's ``result``, checked to be a plain map; :class:`Refused`
     otherwise (its ``error``, a reply of another shape, no answer in :data:`CALL_SECONDS`)."""
-    # Not rpc's send_recv: it unpickles the exception of an error reply.
+    message = {"op": NAME, "memory_limit": limit, "reply": True}
     try:
-        async with asyncio.timeout(CALL_SECONDS):
-            comm = await connect(address, deserialize=False, **scheduler.connection_args)
-            try:
-                await comm.write({"op": NAME, "memory_limit": limit, "reply": True})
-                reply = await comm.read()
-            finally:
-                await comm.close()
+        reply = await call_once(address, message, scheduler.connection_args, CALL_SECONDS)
     except Exception as exc:
         raise Refused(f"{address}: {type(exc).__name__}: {exc}") from None
     plain(reply)

@@ -57,7 +57,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from distributed.comm.core import connect
@@ -104,6 +104,25 @@ def plain(value: Any, depth: int = 0) -> Any:
             plain(v, depth + 1)
         return value
     raise Refused(f"a value of type {type(value).__name__}")
+
+
+async def call_once(address: str, message: dict[str, Any], connection_args: Mapping[str, Any], seconds: float) -> Any:
+    """Send ``message`` (a handler's call, with ``"reply": True``) to the Dask server at ``address``
+    on a connection of its own, closed after the one reply, and return that reply as read with
+    ``deserialize=False``; whatever fails is raised (``TimeoutError`` when the connection, the call
+    and the close take more than ``seconds`` together).
+
+    Not rpc's send_recv, which unpickles the exception of an error reply. The reply is not checked
+    here: each caller passes it through :func:`plain` before reading it, and decides what an
+    error means for its own call. The one way that memops' plugins (this module's, the memory
+    limits' and the links') call a peer, so that they cannot drift apart."""
+    async with asyncio.timeout(seconds):
+        comm = await connect(address, deserialize=False, **connection_args)
+        try:
+            await comm.write(message)
+            return await comm.read()
+        finally:
+            await comm.close()
 
 
 # -- the worker's side --------------------------------------------------------------------------
@@ -364,16 +383,10 @@ async def install(scheduler: Any) -> None:
 async def call(scheduler: Any, address: str, operation: str, **arguments: Any) -> Any:
     """A worker's hand-over handler's ``result``, checked to be plain data; :class:`Refused`
     otherwise (an error, a reply of another shape, no answer in :data:`CALL_SECONDS`)."""
-    # Not rpc's send_recv: it unpickles the exception of an error reply. Here an error is
-    # only a reply without a result.
+    # Here an error is only a reply without a result.
+    message = {"op": NAME, "operation": operation, "reply": True, **arguments}
     try:
-        async with asyncio.timeout(CALL_SECONDS):
-            comm = await connect(address, deserialize=False, **scheduler.connection_args)
-            try:
-                await comm.write({"op": NAME, "operation": operation, "reply": True, **arguments})
-                reply = await comm.read()
-            finally:
-                await comm.close()
+        reply = await call_once(address, message, scheduler.connection_args, CALL_SECONDS)
     except Exception as exc:
         raise Refused(f"{address}: {type(exc).__name__}: {exc}") from None
     plain(reply)

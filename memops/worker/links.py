@@ -55,7 +55,6 @@ import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from distributed.comm.core import connect
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from memops.worker import accounting, handover, maps
@@ -573,12 +572,8 @@ async def spill(scheduler: Any) -> dict[str, Any]:
 async def _ask(address: str, operation: str, connection_args: dict[str, Any]) -> Any:
     """A peer's plugin's answer to ``operation``, over a connection of its own, checked to be
     plain data (:func:`memops.worker.handover.plain`) before anything reads it."""
-    async with asyncio.timeout(CALL_SECONDS):
-        comm = await connect(address, deserialize=False, **connection_args)
-        try:
-            await comm.write({"op": NAME, "operation": operation, "reply": True})
-            reply = await comm.read()
-        finally:
-            await comm.close()
+    reply = await handover.call_once(
+        address, {"op": NAME, "operation": operation, "reply": True}, connection_args, CALL_SECONDS
+    )
     handover.plain(reply)
     return reply
