@@ -342,22 +342,28 @@ async def _operator_ready(api: controlplane.Api, state_dir: Path, webhook_host: 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         listed = await api.get(f"/api/v1/namespaces/{install.NAMESPACE}/pods?labelSelector={selector}")
-        ready = [
-            pod
-            for pod in listed["items"]
-            if any(
-                c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions") or []
-            )
-        ]
+        ready = [pod for pod in listed["items"] if pod_ready(pod)]
         service = await api.get(f"/api/v1/namespaces/{namespace}/services/{name}")
         if ready and await _accepts(service["spec"]["clusterIP"], 443):
-            ports = {p.get("name"): p["containerPort"] for p in ready[0]["spec"]["containers"][0].get("ports", [])}
-            if "metrics" in ports:
-                url = f"http://{ready[0]['status']['podIP']}:{ports['metrics']}/metrics\n"
-                (state_dir / "metrics-url").write_text(url)
+            url = metrics_url(ready[0])
+            if url is not None:
+                (state_dir / "metrics-url").write_text(url + "\n")
             return
         await asyncio.sleep(0.2)
     raise TimeoutError(f"the operator's pod and its webhook's Service were not ready within {timeout:.0f} s")
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    """Whether the pod's ``Ready`` condition is ``True``."""
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def metrics_url(pod: dict[str, Any]) -> str | None:
+    """The Prometheus endpoint of an operator pod: its address and the port named ``metrics`` of
+    its first container (None without one)."""
+    ports = {p.get("name"): p["containerPort"] for p in pod["spec"]["containers"][0].get("ports", [])}
+    return f"http://{pod['status']['podIP']}:{ports['metrics']}/metrics" if "metrics" in ports else None
 
 
 async def _accepts(host: str, port: int) -> bool:

@@ -36,6 +36,7 @@ import pytest
 import yaml
 from memops_sandbox import common as sandbox_cli
 from memops_sandbox import nodes as real_nodes
+from memops_sandbox import upstream
 
 from memops.decisions import permissions
 from tests import polling
@@ -203,12 +204,10 @@ class Sandbox:
         down); else the address the sandbox wrote."""
         if self.operator is None and self.real_nodes:
             pods = self.get("pods", "-n", OPERATOR_NAMESPACE, "-l", OPERATOR_PODS)["items"]
-            for pod in pods:
-                conditions = pod.get("status", {}).get("conditions") or []
-                if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
-                    ports = {p.get("name"): p["containerPort"] for p in pod["spec"]["containers"][0].get("ports", [])}
-                    return f"http://{pod['status']['podIP']}:{ports['metrics']}/metrics"
-            raise AssertionError(f"no Ready operator pod: {[p['metadata']['name'] for p in pods]}")
+            urls = [upstream.metrics_url(pod) for pod in pods if upstream.pod_ready(pod)]
+            if not urls or urls[0] is None:
+                raise AssertionError(f"no Ready operator pod with metrics: {[p['metadata']['name'] for p in pods]}")
+            return urls[0]
         return (self.state_dir / "metrics-url").read_text().strip()
 
     def make_namespace(self, suffix: str) -> str:
