@@ -10,6 +10,8 @@ from typing import Any
 import distributed
 import pytest
 
+from tests import polling
+from tests.e2e import windows
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import scatter_unique
 
@@ -60,7 +62,11 @@ def test_kubectl_scale_on_the_policy_drains_then_scales(sandbox: Sandbox) -> Non
         )
         assert status["desiredReplicas"] == 3 and status["lastScaleReason"] == "ScaleUp"
         assert status["selector"] == "app=dask-worker"
-        assert len(owned_requests(sandbox, "analytics")) == 1, "scale-up makes no RetirementRequest"
+        polling.stays(
+            lambda: len(owned_requests(sandbox, "analytics")) == 1 and sandbox.replicas() == 3,
+            seconds=windows.POLICY_PASS,
+            what="the scale-up made no RetirementRequest and the count stays",
+        )
         holdings.assert_all_correct()
 
 
@@ -97,7 +103,9 @@ def test_bad_and_conflicting_policies_are_reported_and_the_good_one_keeps_workin
     )
     assert "HorizontalPodAutoscaler direct" in flagged["message"]
 
-    assert sandbox.replicas() == 4, "the younger conflicting policy did not act"
+    polling.stays(
+        lambda: sandbox.replicas() == 4, seconds=windows.POLICY_PASS, what="the younger conflicting policy does not act"
+    )
     sandbox.kubectl("scale", "mempol/first", "--replicas=3")
     sandbox.wait_for(lambda: sandbox.replicas() == 3 and len(sandbox.pods()) == 3, what="first still serves")
 
@@ -125,7 +133,11 @@ def test_operator_restart_during_a_policy_scale_down(sandbox_factory: Callable[.
         done = sandbox.wait_phase(request["metadata"]["name"], "Succeeded", "Failed")
         assert done["status"]["phase"] == "Succeeded", done["status"]
         sandbox.wait_for(lambda: sandbox.replicas() == 2 and len(sandbox.pods()) == 2, what="the scale-down")
-        assert len(owned_requests(sandbox, "restart")) == 1, "the restarted operator did not drain twice"
+        polling.stays(
+            lambda: len(owned_requests(sandbox, "restart")) == 1 and sandbox.replicas() == 2,
+            seconds=windows.POLICY_PASS,
+            what="the restarted operator does not drain twice",
+        )
         assert sandbox.pods() == pods[1:]
         holdings.assert_all_correct()
 
@@ -153,14 +165,19 @@ def test_memory_driven_autoscaling_up_then_down_without_loss(sandbox_factory: Ca
         lambda: (sandbox.get("mempol", "elastic").get("status", {}).get("memory") or {}).get("workers"),
         what="memory in the status",
     )
-    assert sandbox.replicas() == 2, "idle workers stay at minReplicas"
+    polling.stays(lambda: sandbox.replicas() == 2, seconds=windows.POLICY_PASS, what="idle workers stay at minReplicas")
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         kept = scatter_unique(client, dict.fromkeys(pods, 2), size=8 * 2**20)
         bulk = scatter_unique(client, dict.fromkeys(pods, 40), size=8 * 2**20)  # ~40% of each 1 GiB worker
         sandbox.wait_for(lambda: sandbox.replicas() >= 3, timeout=60, what="a memory-driven scale-up")
         grown = sandbox.get("mempol", "elastic")["status"]
         assert grown["lastScaleReason"] == "ScaleUp" and grown["memory"]["percent"] > 0
-        assert owned_requests(sandbox, "elastic") == [], "scaling up needs no drain"
+        # The scale-down's window is 600 s: no request may come while the data is there.
+        polling.stays(
+            lambda: owned_requests(sandbox, "elastic") == [],
+            seconds=windows.POLICY_PASS,
+            what="scaling up needs no drain",
+        )
 
         del bulk  # the memory shrinks: the policy scales back down, through a drain
         short = {"spec": {"autoscale": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 5}}}}}
@@ -210,4 +227,8 @@ def test_safety_net_drains_pods_that_a_direct_scale_down_removes(sandbox: Sandbo
         sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=4")
         sandbox.wait_for(lambda: sorted(sandbox.pods()) == sorted(before), timeout=120, what="the new pods gone")
         holdings.assert_all_correct()
-    assert sandbox.replicas() == 4, "the policy adopted the new count instead of fighting it"
+    polling.stays(
+        lambda: sandbox.replicas() == 4,
+        seconds=windows.POLICY_PASS,
+        what="the policy adopted the new count instead of fighting it",
+    )
