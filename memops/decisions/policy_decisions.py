@@ -226,6 +226,11 @@ def decide(inputs: Inputs) -> Decision:
     desired += resize.extra
     failed = _latest_failure(inputs.requests)
     target = desired + (recycle.extra if recycle is not None else 0)
+    if spec.recycle is not None and recycle is None:
+        # The scheduler did not answer this pass, so recycling read nothing: the count may hold its
+        # surge. A scale-down now would undo it, and drain the marked worker as a plain scale-down
+        # that the recycling record never shows; the next pass that reaches the scheduler decides.
+        target = max(target, inputs.current)
     decision = scaling.plan_scale(
         current=inputs.current,
         desired=target,

@@ -245,6 +245,17 @@ def test_recycling(
     assert [r.pod for r in decision.status.recycle.recycling] == sorted(set(marks) | set(marked))
 
 
+def test_a_recycling_policy_keeps_its_surge_on_a_pass_without_the_scheduler() -> None:
+    """Five workers (four and a surge): a pass whose scheduler did not answer reads no recycling,
+    and does not scale down; the same pass of a policy without recycling does."""
+    recycling = policy_spec(replicas=4, recycle={"maxAge": "24h", "surge": 1})
+    held = policy_decisions.decide(pass_inputs(recycling, current=5, recycling=None, usage=None, connected=0))
+    assert held.action != scaling.Action.SCALE_DOWN
+    assert not [r for r in held.create if objects.GENERATION_ANNOTATION in r["metadata"].get("annotations", {})]
+    plain = policy_decisions.decide(pass_inputs(policy_spec(replicas=4), current=5, usage=None, connected=0))
+    assert plain.action == scaling.Action.SCALE_DOWN
+
+
 @pytest.mark.parametrize(
     ("blocker", "conflict"),
     [
