@@ -11,7 +11,6 @@ all that holds the data.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import time
@@ -27,7 +26,6 @@ from tests import polling
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import Holdings
 from tests.e2e.test_real_nodes import cgroup_limit
-from tests.e2e.test_recycle import make_leak
 
 MiB = 2**20
 LIMIT = 512 * MiB
@@ -88,16 +86,40 @@ def fill(client: distributed.Client, holdings: Holdings, pod: str, until: float,
         )
 
 
+def make_growth() -> Any:
+    """A function that grows the leak of :func:`tests.e2e.test_recycle.make_leak` to ``total`` bytes
+    (no further if it is there already), and returns its size: a call that is repeated, because
+    its answer did not come in time, leaks nothing twice. Travels by value, like that one."""
+    step = CHUNK
+
+    def grow_to(total: int) -> int:
+        import distributed as anchor
+
+        kept: list[bytes] = anchor.__dict__.setdefault("_test_leak", [])
+        while (held := sum(map(len, kept))) < total:
+            kept.append(b"\x01" * min(step, total - held))
+        return sum(map(len, kept))
+
+    return grow_to
+
+
 def leak(client: distributed.Client, holdings: Holdings, pod: str, nbytes: int) -> None:
     """Grow ``pod``'s worker process by ``nbytes`` that nothing can move or spill (a library's
     buffers, a task's intermediates), ``CHUNK`` at a time with a heartbeat after each, so that the
     scheduler and the nanny see every step. Stops early when the worker is gone."""
-    for _ in range(nbytes // CHUNK):
-        info = worker_info(client, pod)
-        if info is None or holdings.lost():
-            return
-        with contextlib.suppress(OSError):  # the worker may die before it answers
-            client.run(make_leak(), CHUNK, workers=[info["address"]])
+    grow = make_growth()
+    for step in range(1, nbytes // CHUNK + 1):
+        deadline = time.monotonic() + 60
+        while True:
+            info = worker_info(client, pod)
+            if info is None or holdings.lost():
+                return
+            try:
+                client.run(grow, step * CHUNK, workers=[info["address"]])
+                break
+            except OSError:  # the worker died before it answered (looked at again), or no answer in time
+                if time.monotonic() > deadline:
+                    raise
         stored = time.time()
         polling.wait_for(
             lambda stored=stored, address=info["address"]: (
@@ -121,7 +143,7 @@ def test_without_a_policy_the_nanny_kills_the_worker_and_its_keys_are_lost(real_
         # Past the pause threshold a worker takes no more keys; what its process holds besides
         # them goes on growing, past the kill.
         leak(client, holdings, pod, LIMIT // 4)
-        sandbox.wait_for(lambda: holdings.lost(), timeout=60, what="the nanny to kill the worker")
+        sandbox.wait_for(lambda: holdings.lost(), timeout=120, what="the nanny to kill the worker")
         assert set(holdings.lost()) <= set(holdings.keys_of(pod)) and holdings.lost()
 
 

@@ -53,7 +53,8 @@ async def test_an_error_text_goes_to_the_log_not_to_the_status(caplog: pytest.Lo
             with pytest.raises(daskrpc.SchedulerMisbehaved) as raised:
                 await daskrpc.fetch_snapshot(address, timeout=5)
     message = retirement._explain(raised.value)[1]
-    assert "nginx" not in message and "4242" not in message, message
+    # Without the peer's own address, whose port may hold those digits too.
+    assert "nginx" not in message and "4242" not in message.replace(address, ""), message
     assert "an error from a handler that every Dask scheduler serves" in message, message
     assert banner in caplog.text, "the peer's text is in the operator's log"
 
