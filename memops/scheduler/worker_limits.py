@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
@@ -162,45 +161,28 @@ def _handler(apply: Any, server: Any) -> Any:
     return handle
 
 
-class _LimitPlugin:
-    """What the worker's and the nanny's plugins share: the handler :data:`NAME`, answered by
-    ``set_limit`` (:func:`set_worker_limit` or :func:`set_nanny_limit`) on the plugin's server.
-
-    Dask calls ``setup`` and ``teardown`` by keyword (``worker=`` on a worker, ``nanny=`` on a
-    nanny), so each plugin keeps its own, named for its server, and hands over to these."""
-
-    name = NAME
-    set_limit: Callable[[Any, int], dict[str, Any]]
-
-    def _add_handler(self, server: Any) -> None:
-        server.handlers[NAME] = _handler(self.set_limit, server)
-
-    def _remove_handler(self, server: Any) -> None:
-        server.handlers.pop(NAME, None)
-
-
-class WorkerLimitPlugin(_LimitPlugin, WorkerPlugin):
+class WorkerLimitPlugin(WorkerPlugin):
     """Registers the limit handler on a worker (installed by the scheduler)."""
 
-    set_limit = staticmethod(set_worker_limit)
+    name = NAME
 
     def setup(self, worker: Any) -> None:
-        self._add_handler(worker)
+        worker.handlers[NAME] = _handler(set_worker_limit, worker)
 
     def teardown(self, worker: Any) -> None:
-        self._remove_handler(worker)
+        worker.handlers.pop(NAME, None)
 
 
-class NannyLimitPlugin(_LimitPlugin, NannyPlugin):
+class NannyLimitPlugin(NannyPlugin):
     """Registers the limit handler on a nanny (installed by the scheduler)."""
 
-    set_limit = staticmethod(set_nanny_limit)
+    name = NAME
 
     def setup(self, nanny: Any) -> None:
-        self._add_handler(nanny)
+        nanny.handlers[NAME] = _handler(set_nanny_limit, nanny)
 
     def teardown(self, nanny: Any) -> None:
-        self._remove_handler(nanny)
+        nanny.handlers.pop(NAME, None)
 
 
 # -- the scheduler's side -----------------------------------------------------------------------
