@@ -15,18 +15,22 @@ MIB = 2**20
 
 
 def make_leak() -> Any:
-    """A function that keeps ``nbytes`` alive in a module-level list, as a leaky library would.
+    """A function that grows what a module-level list keeps alive to ``total`` bytes (no further if
+    it holds that already), as a leaky library would, and returns the size: a call repeated because
+    its answer came late leaks nothing twice.
 
     Made here, not at module level, so that it travels by value: the workers cannot import the
     tests. The bytes are ones, not zeros, so the pages are touched and count as the process' memory.
     """
 
-    def leak(nbytes: int) -> int:
+    def leak(total: int) -> int:
         import distributed as anchor
 
         kept: list[bytes] = anchor.__dict__.setdefault("_test_leak", [])
-        kept.append(b"\x01" * nbytes)
-        return sum(map(len, kept))
+        held = sum(map(len, kept))
+        if held < total:
+            kept.append(b"\x01" * (total - held))
+        return max(held, total)
 
     return leak
 

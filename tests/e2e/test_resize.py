@@ -26,6 +26,7 @@ from tests import polling
 from tests.e2e.conftest import Sandbox
 from tests.e2e.data import Holdings
 from tests.e2e.test_real_nodes import cgroup_limit
+from tests.e2e.test_recycle import make_leak
 
 MiB = 2**20
 LIMIT = 512 * MiB
@@ -86,28 +87,11 @@ def fill(client: distributed.Client, holdings: Holdings, pod: str, until: float,
         )
 
 
-def make_growth() -> Any:
-    """A function that grows the leak of :func:`tests.e2e.test_recycle.make_leak` to ``total`` bytes
-    (no further if it is there already), and returns its size: a call that is repeated, because
-    its answer did not come in time, leaks nothing twice. Travels by value, like that one."""
-    step = CHUNK
-
-    def grow_to(total: int) -> int:
-        import distributed as anchor
-
-        kept: list[bytes] = anchor.__dict__.setdefault("_test_leak", [])
-        while (held := sum(map(len, kept))) < total:
-            kept.append(b"\x01" * min(step, total - held))
-        return sum(map(len, kept))
-
-    return grow_to
-
-
 def leak(client: distributed.Client, holdings: Holdings, pod: str, nbytes: int) -> None:
     """Grow ``pod``'s worker process by ``nbytes`` that nothing can move or spill (a library's
     buffers, a task's intermediates), ``CHUNK`` at a time with a heartbeat after each, so that the
     scheduler and the nanny see every step. Stops early when the worker is gone."""
-    grow = make_growth()
+    grow = make_leak()
     for step in range(1, nbytes // CHUNK + 1):
         deadline = time.monotonic() + 60
         while True:
