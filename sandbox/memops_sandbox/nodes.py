@@ -349,18 +349,27 @@ def memory_cgroup(pid: int) -> Path:
 
 def memory_stat(cgroup: Path) -> dict[str, int]:
     """What the kernel charges to ``cgroup`` (and its children): ``anon`` (the processes' own
-    memory), ``shmem`` (tmpfs pages among them), ``swap`` (its pages in swap) and ``peak`` (the
-    most charged at once), under cgroup v1's or v2's names."""
+    memory), ``shmem`` (tmpfs pages among them), ``swap`` (its pages in swap), ``swapcached``
+    (pages on their way to or from swap, which are counted in neither of those two while the write
+    is under way) and ``peak`` (the most charged at once), under cgroup v1's or v2's names."""
     pairs = (line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
     stat = {name: int(value) for name, value in pairs}
     if (cgroup / "memory.max_usage_in_bytes").exists():  # v1
         peak = int((cgroup / "memory.max_usage_in_bytes").read_text())
         swap = stat.get("total_swap", 0)  # only with swap accounting
-        return {"anon": stat["total_rss"], "shmem": stat["total_shmem"], "swap": swap, "peak": peak}
+        cached = stat.get("total_swapcached", 0)
+        return {
+            "anon": stat["total_rss"],
+            "shmem": stat["total_shmem"],
+            "swap": swap,
+            "swapcached": cached,
+            "peak": peak,
+        }
     swapped = cgroup / "memory.swap.current"
     swap = int(swapped.read_text()) if swapped.exists() else 0
     peak = int((cgroup / "memory.peak").read_text())
-    return {"anon": stat["anon"], "shmem": stat["shmem"], "swap": swap, "peak": peak}
+    cached = stat.get("swapcached", 0)
+    return {"anon": stat["anon"], "shmem": stat["shmem"], "swap": swap, "swapcached": cached, "peak": peak}
 
 
 # -- the machine ------------------------------------------------------------------------------------

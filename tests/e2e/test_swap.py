@@ -189,8 +189,9 @@ def test_with_swap_spill_only_the_kernel_charges_the_spill_to_the_owner_and_not_
             )
             owner = memory_stat(real_nodes.container_pid(owner_status["containerID"]))
             # Swap is on and the owner may swap: a spilled page the kernel swapped out is charged
-            # to the owner's swap, no longer to its shmem (the owner holds nothing else to swap).
-            owner_charged = owner["shmem"] + owner["swap"]
+            # to the owner's swap, no longer to its shmem (the owner holds nothing else to swap); a page
+            # being written out is in the swap cache, in neither of the two (seen in CI: 1.3 MiB).
+            owner_charged = owner["shmem"] + owner["swap"] + owner["swapcached"]
             files = len(spilled_files(root / "default" / "owned"))
             # Without the owner, the worker's own cgroup holds its spill ...
             assert charged["plain"] >= spilled["plain"] - 24 * 4096 - STAT_LAG, (charged, spilled)
