@@ -226,10 +226,11 @@ def decide(inputs: Inputs) -> Decision:
     desired += resize.extra
     failed = _latest_failure(inputs.requests)
     target = desired + (recycle.extra if recycle is not None else 0)
-    if spec.recycle is not None and recycle is None:
-        # The scheduler did not answer this pass, so recycling read nothing: the count may hold its
-        # surge. A scale-down now would undo it, and drain the marked worker as a plain scale-down
-        # that the recycling record never shows; the next pass that reaches the scheduler decides.
+    if _unread_additions(inputs):
+        # The scheduler did not answer this pass, so a feature that adds workers read nothing: the
+        # count may hold its surge, or the worker added for a failed growth. A scale-down now would
+        # undo it (and drain a marked worker as a plain scale-down that the recycling record never
+        # shows); the next pass that reaches the scheduler decides.
         target = max(target, inputs.current)
     decision = scaling.plan_scale(
         current=inputs.current,
@@ -359,6 +360,15 @@ def _unreachable_since(found: list[specs.Condition]) -> float | None:
         return timestamps.parse(reachable.lastTransitionTime).timestamp()
     except ValueError:
         return None
+
+
+def _unread_additions(inputs: Inputs) -> bool:
+    """Whether a feature of the policy that may have added workers (recycling's surge, the worker
+    added where a growth fell back to a scale-up) read nothing this pass."""
+    spec = inputs.spec
+    recycling = spec.recycle is not None and inputs.recycling is None
+    growth = spec.resize is not None and inputs.resize_ceiling is not None and inputs.resize is None
+    return recycling or growth
 
 
 @dataclasses.dataclass(frozen=True)

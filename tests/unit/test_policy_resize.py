@@ -70,6 +70,8 @@ def _inputs(
 ) -> policy_decisions.Inputs:
     reachable = conditions.set_condition([], "SchedulerReachable", True, reason="Connected", generation=3)
     fields.setdefault("resize_ceiling", 64 * Gi)  # memops run --resize-in dask (and --max-resize-limit 64Gi)
+    fields.setdefault("usage", autoscaling.Usage(workers=current, held=current * Gi, limit=current * 2 * Gi))
+    fields.setdefault("connected", current)
     return policy_decisions.Inputs(
         owner=OWNER,
         generation=3,
@@ -78,8 +80,6 @@ def _inputs(
         current=current,
         replicas=current,
         now=now,
-        usage=autoscaling.Usage(workers=current, held=current * Gi, limit=current * 2 * Gi),
-        connected=current,
         resize=tuple(w for w in workers if w is not None) if workers != (None,) else None,
         **fields,
     )
@@ -197,6 +197,20 @@ def test_the_worker_added_for_a_failed_growth_stays_while_it_fails() -> None:
     # Once the pressure is gone, so is the extra worker: the policy drains back to its replicas.
     calm = policy_decisions.decide(_inputs(_worker(), current=5, old=decision.status.resize))
     assert (calm.desired, calm.action) == (4, scaling.Action.SCALE_DOWN)
+
+
+def test_the_worker_added_for_a_failed_growth_stays_on_a_pass_without_the_scheduler() -> None:
+    """Five workers (four and one added for a deferred growth): a pass whose scheduler did not answer
+    reads no worker's memory, and does not scale down; the same pass without resize does."""
+    before = specs.ResizeStatus(
+        workers=[specs.ResizedWorker(pod="w-1", action="ScaleUp", reason="ResizeDeferred", limit="1Gi")]
+    )
+    unread = {"current": 5, "old": before, "usage": None, "connected": 0}
+    held = policy_decisions.decide(_inputs(None, **unread))
+    assert held.action != scaling.Action.SCALE_DOWN
+    assert held.status.resize == before, "the record stays as written last"
+    plain = policy_decisions.decide(_inputs(None, spec=_spec(resize=None), **unread))
+    assert plain.action == scaling.Action.SCALE_DOWN
 
 
 def test_growth_counts_and_says_it() -> None:
