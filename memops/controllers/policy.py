@@ -26,7 +26,6 @@ import pydantic
 from memops import specs
 from memops.clients import daskrpc, kube
 from memops.controllers import (
-    hook_losses,
     kubelets,
     loop,
     metrics,
@@ -36,7 +35,6 @@ from memops.controllers import (
     resize,
     scheduler_tls,
     vetting,
-    worker_losses,
     workloads,
 )
 from memops.decisions import (
@@ -47,6 +45,7 @@ from memops.decisions import (
     node_pressure,
     objects,
     policy_decisions,
+    policy_findings,
     recycle_decisions,
     resize_decisions,
     safetynet,
@@ -98,8 +97,6 @@ class Read:
     workload: dict[str, Any]
     scheduler: daskrpc.Scheduler | None = None
     snapshot: snapshots.SchedulerSnapshot | None = None
-    events: tuple[policy_decisions.Event, ...] = ()
-    """Seen by the read (failed preStop hooks), posted by the apply."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +150,7 @@ class Policy:
         self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
         self.disruption_read = -_DISRUPTION_SECONDS  # when the disruption annotations were last decided (monotonic)
-        self.disruption_due = False  # this pass decides them (set at the start of its read)
         self.kubelets = kubelets.Kubelets()  # the kubelets' configurations (spec.eviction.nodePressure)
-        self.pressure_victims = False  # this pass predicted the kubelet would evict some of the workers
         self.known: dict[str, str] = {}  # worker address -> pod, from every tenancy check (the latest _KNOWN_WORKERS)
         # The scheduler's departures up to this time (its clock) are decided: from the policy's creation
         # on, so that a new policy does not report what happened before it.
@@ -188,26 +183,32 @@ class Policy:
         if isinstance(target, policy_decisions.NotReady):
             return Blocked(old, status, target, generation)
         spec, workload = target
-        self.disruption_due = time.monotonic() - self.disruption_read >= _DISRUPTION_SECONDS
+        disruption_due = time.monotonic() - self.disruption_read >= _DISRUPTION_SECONDS
         hpas = await self.listed("horizontalpodautoscalers", (self.namespace,))
         pressure = await self.read_node_pressure(spec, workload)
-        self.pressure_victims = pressure is not None and any(p.ours for p in pressure.predictions)
-        connection = await stack.enter_async_context(self.check_scheduler(spec, status, generation))
+        victims = pressure is not None and any(p.ours for p in pressure.predictions)
+        # The workers' unique bytes, for the disruption annotations on the passes that decide them,
+        # and for the workers the kubelet would evict on the passes that predict it.
+        keys = (disruption_due and self.protects(spec)) or victims
+        seen, connection = await stack.enter_async_context(self.reach_scheduler(spec, keys=keys))
         scheduler, snapshot = connection if connection is not None else (None, None)
-        if pressure is not None and snapshot is not None and self.pressure_victims:
+        if pressure is not None and snapshot is not None and victims:
             # Asked with the snapshot on this pass (reach_scheduler): only those holding data alone are drained.
             pressure = dataclasses.replace(pressure, unique={w.name: w.unique_bytes for w in snapshot.workers})
-        if snapshot is not None:
-            status.memory = _memory_status(snapshot)
         now = time.time()
         requests = await self.listed("retirementrequests", (self.namespace, self.name))
-        status.safetyNet, hook_events = await self.safety_net(spec, status.safetyNet)
-        lost: tuple[policy_decisions.Event, ...] = ()
-        if snapshot is not None:  # the namespace's scheduler: what its preStop drains lost
-            status.safetyNet = hook_losses.read(spec, status.safetyNet, snapshot.drains, logger=self.logger)
-            status.workerLosses, lost = await self.worker_losses(spec, status, snapshot, now)
+        if snapshot is not None and snapshot.drains is None:
+            self.logger.warning("cannot read the preStop drains' losses: the scheduler does not run memops' agent")
+        findings = policy_findings.Findings(
+            scheduler=seen,
+            memory=_memory_status(snapshot) if snapshot is not None else None,
+            drains=snapshot.drains if snapshot is not None else None,
+            hook_events=await self.failed_hook_events(),
+            # The namespace's scheduler: what its workers' departures lost.
+            departures=await self.departures(status.selector, snapshot) if snapshot is not None else None,
+        )
         current = workloads.replicas_of(workload)
-        resized, disrupted = await self.read_workers(spec, workload, snapshot, now)
+        resized, disrupted = await self.read_workers(spec, workload, snapshot, now, disruption_due=disruption_due)
         inputs = policy_decisions.Inputs(
             owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
             generation=generation,
@@ -228,8 +229,9 @@ class Policy:
             disruption=disrupted,
             protection=self.protection.max_in(self.namespace),
             node_pressure=pressure,
+            findings=findings,
         )
-        return Read(old, inputs, workload, scheduler, snapshot, (*hook_events, *lost))
+        return Read(old, inputs, workload, scheduler, snapshot)
 
     async def read_workers(
         self,
@@ -237,13 +239,15 @@ class Policy:
         workload: dict[str, Any],
         snapshot: snapshots.SchedulerSnapshot | None,
         now: float,
+        *,
+        disruption_due: bool,
     ) -> tuple[tuple[resize_decisions.WorkerSeen, ...] | None, policy_decisions.DisruptionSeen | None]:
         """What in-place growth decides from (``spec.resize``), and, on the passes that decide them,
         the disruption annotations' inputs (with the scheduler out of reach too: protection must not
         outlive it); None for each that this pass does not read."""
         ceiling = self.growth.ceiling_in(self.namespace)  # None: not in memops run --resize-in
         growth = snapshot is not None and spec.resize is not None and ceiling is not None
-        if not growth and not self.disruption_due:
+        if not growth and not disruption_due:
             return None, None
         pods = await workloads.pods(self.client, self.namespace, spec.workload, workload)
         resized = None
@@ -266,7 +270,7 @@ class Policy:
                 linked=self.spill_linked if fresh else None,
                 ceiling=ceiling,
             )
-        if not self.disruption_due:
+        if not disruption_due:
             return resized, None
         return resized, await self.read_disruption(spec, pods, snapshot)
 
@@ -363,7 +367,9 @@ class Policy:
             await self.create(request)
         if decision.scale_up_to is not None:
             await workloads.scale_to(self.client, self.namespace, inputs.spec.workload, decision.scale_up_to, up=True)
-        for event in (*read.events, *decision.events):
+        if decision.losses_settled is not None:
+            self.losses_settled = decision.losses_settled
+        for event in decision.events:
             kopf.event(self.body, type=event.type, reason=event.reason, message=event.message)
         await self.write(read.old, status)
         memory = status.memory
@@ -557,27 +563,15 @@ class Policy:
         return await self.client.list(path, label_selector=selector)
 
     @contextlib.asynccontextmanager
-    async def check_scheduler(
-        self, spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus, generation: int
-    ) -> AsyncIterator[tuple[daskrpc.Scheduler, snapshots.SchedulerSnapshot] | None]:
-        """The scheduler, vouched for, and its workers and their memory (no keys: cheap), for as
-        long as the caller acts on it; None with the reason in ``SchedulerReachable``, which is set
-        here, in this one place."""
-        async with self.reach_scheduler(spec) as (seen, connection):
-            status.conditions = policy_decisions.scheduler_reachable(status.conditions, seen, generation)
-            if seen.foreign:  # nothing is read from it or kept about it: no memory, no relief, no recycling
-                status.memory = None
-            yield connection
-
-    @contextlib.asynccontextmanager
     async def reach_scheduler(
-        self, spec: specs.MemoryPolicySpec
+        self, spec: specs.MemoryPolicySpec, *, keys: bool = False
     ) -> AsyncIterator[
-        tuple[policy_decisions.SchedulerSeen, tuple[daskrpc.Scheduler, snapshots.SchedulerSnapshot] | None]
+        tuple[policy_findings.SchedulerSeen, tuple[daskrpc.Scheduler, snapshots.SchedulerSnapshot] | None]
     ]:
         """How the scheduler was reached and, when it was, the scheduler, vouched for, and its
-        workers and their memory (no keys: cheap), for as long as the caller acts on it."""
-        Seen = policy_decisions.SchedulerSeen
+        workers and their memory (with ``keys``, each worker's unique bytes: dearer), for as long
+        as the caller acts on it."""
+        Seen = policy_findings.SchedulerSeen
         try:
             self.security = security = await scheduler_tls.security_for(self.client, self.namespace, spec.scheduler)
         except (scheduler_tls.SecretUnusable, kube.ApiError) as exc:
@@ -595,9 +589,7 @@ class Policy:
                 # drains' figures for status.safetyNet (hook_losses), from memops' agent, which is
                 # told where the workers run: a preStop hook names only its own worker's node.
                 query = {
-                    # The workers' unique bytes, for the disruption annotations, on the passes that decide them.
-                    # And for the workers the kubelet would evict, on the passes that predict it.
-                    "keys": (self.disruption_due and self.protects(spec)) or self.pressure_victims,
+                    "keys": keys,
                     "processing": spec.recycle is not None,
                     "drains": True,
                     "nodes": lambda: self.nodes,
@@ -705,67 +697,33 @@ class Policy:
         self.disruption_read = time.monotonic()
         await self.unprotect(workload=False)
 
-    async def safety_net(
-        self, spec: specs.MemoryPolicySpec, current: specs.SafetyNetStatus | None
-    ) -> tuple[specs.SafetyNetStatus | None, tuple[policy_decisions.Event, ...]]:
-        """The workload's pods that left with a failed preStop hook, from the kubelet's events.
-
-        Each one new to the status also becomes a Warning event on the policy (posted by the
-        apply): such a pod was removed without the safety net's drain.
-        """
+    async def failed_hook_events(self) -> tuple[dict[str, Any], ...] | None:
+        """The namespace's ``FailedPreStopHook`` events (the kubelet's: a pod that left with a
+        failed preStop hook), every so often; None on the passes between, or when they cannot be read."""
         if time.monotonic() - self.hooks_read < _HOOK_EVENTS_SECONDS:
-            return current, ()
+            return None
         path = kube.resource_path("", "v1", "events", self.namespace)
         try:
             events = await self.client.list(path, field_selector=f"reason={safetynet.FAILED_PRE_STOP_HOOK}")
         except kube.ApiError as exc:
             self.logger.warning("cannot read the FailedPreStopHook events: %s", exc)
-            return current, ()
+            return None
         self.hooks_read = time.monotonic()
-        previous = current.failedHooks if current is not None else []
-        hooks = safetynet.failed_hooks(events, spec.workload, previous)
-        posted = tuple(
-            policy_decisions.Event(
-                "Warning",
-                safetynet.FAILED_PRE_STOP_HOOK,
-                f"pod {hook.pod} left with a failed preStop hook at {hook.time}: the safety net did"
-                " not drain it, and data held only there may be lost",
-            )
-            for hook in hooks
-            if hook not in previous
-        )
-        if not hooks:
-            return current, posted
-        return (current or specs.SafetyNetStatus()).model_copy(update={"failedHooks": hooks}), posted
+        return tuple(events)
 
-    async def worker_losses(
-        self,
-        spec: specs.MemoryPolicySpec,
-        status: specs.MemoryPolicyStatus,
-        snapshot: snapshots.SchedulerSnapshot,
-        now: float,
-    ) -> tuple[list[specs.WorkerLoss], tuple[policy_decisions.Event, ...]]:
-        """The workload's workers that left on their own with keys held nowhere else, from memops'
-        agent (:mod:`memops.controllers.worker_losses`); each one new to the status also becomes a
-        Warning event on the policy (posted by the apply)."""
+    async def departures(
+        self, selector: str, snapshot: snapshots.SchedulerSnapshot
+    ) -> policy_findings.Departures | None:
+        """The workers that left on their own and may be new to the status, from memops' agent
+        (hostile input: :func:`memops.decisions.worker_loss_decisions.parse`), and, only when one
+        may be new, the workload's pods (``selector``, those being deleted too), to tell whose."""
         if snapshot.departures is None:
-            return status.workerLosses, ()
-        decision = await worker_losses.read(
-            self.client,
-            namespace=self.namespace,
-            spec=spec,
-            selector=status.selector,
-            current=status.workerLosses,
-            departures=snapshot.departures,
-            since=self.losses_settled,
-            now=now,
-            known=self.known,
-        )
-        self.losses_settled = decision.settled
-        events = tuple(
-            policy_decisions.Event("Warning", worker_loss_decisions.EVENT_REASON, text) for text in decision.messages
-        )
-        return decision.losses, events
+            return None
+        since = self.losses_settled
+        pending = worker_loss_decisions.pending(worker_loss_decisions.parse(snapshot.departures), since=since)
+        path = kube.resource_path("", "v1", "pods", self.namespace)
+        pods = await self.client.list(path, label_selector=selector) if pending and selector else []
+        return policy_findings.Departures(tuple(pending), tuple(pods), since, dict(self.known))
 
     async def create(self, request: dict[str, Any]) -> None:
         """Create one of the policy's RetirementRequests; one that exists already (a repeated pass) stays."""

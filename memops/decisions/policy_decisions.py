@@ -30,6 +30,7 @@ from memops.decisions import (
     held_back,
     node_pressure,
     objects,
+    policy_findings,
     recycle_decisions,
     resize_decisions,
     scaling,
@@ -87,26 +88,6 @@ def not_ready(status: specs.MemoryPolicyStatus, blocker: NotReady, generation: i
     return status.model_copy(update={"message": blocker.message, "conditions": found, "heldBack": []})
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerSeen:
-    """How the pass reached the scheduler: ``Connected``, or the reason it could not."""
-
-    reason: str = "Connected"
-    message: str = ""
-    foreign: bool = False  # not shown to be the namespace's: nothing is read from it or kept about it
-
-    @property
-    def reachable(self) -> bool:
-        return self.reason == "Connected"
-
-
-def scheduler_reachable(found: list[specs.Condition], seen: SchedulerSeen, generation: int) -> list[specs.Condition]:
-    """The ``SchedulerReachable`` condition, from what the pass saw."""
-    return conditions.set_condition(
-        found, "SchedulerReachable", seen.reachable, reason=seen.reason, message=seen.message, generation=generation
-    )
-
-
 _DEFAULT_PROTECTION = disruption.DEFAULTS.max_seconds  # named here: Inputs' field ``disruption`` hides the module
 
 
@@ -117,7 +98,7 @@ class Inputs:
     owner: objects.Owner
     generation: int
     spec: specs.MemoryPolicySpec
-    status: specs.MemoryPolicyStatus  # as read, with the read's findings: selector, scheduler, memory, relief
+    status: specs.MemoryPolicyStatus  # as written last, with the workload's selector and observedGeneration
     current: int  # the replicas the workload is asked for
     replicas: int  # the replicas the workload reports
     now: float  # unix seconds
@@ -136,6 +117,8 @@ class Inputs:
     # The administrator's bound on the disruption annotations in this namespace (memops run's; 0: off).
     protection: float = _DEFAULT_PROTECTION
     node_pressure: node_pressure.Seen | None = None  # spec.eviction.nodePressure's read; None: not read
+    # The scheduler's reachability and memory, failed hooks, drains' and workers' losses (policy_findings.observe).
+    findings: policy_findings.Findings = dataclasses.field(default_factory=policy_findings.Findings)
 
 
 Event = objects.Event  # one event type for both kinds' decisions
@@ -200,6 +183,7 @@ class Decision:
     resizes: tuple[ResizeOrder, ...] = ()
     annotations: Mapping[str, disruption.Patch] = dataclasses.field(default_factory=dict)  # pod -> merge-patch
     steady: bool = False  # nothing to do and nothing that samples memory: the next pass may wait longer
+    losses_settled: float | None = None  # the workers' departures up to this time are decided; None: unchanged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +198,8 @@ class _Recycle:
 
 def decide(inputs: Inputs) -> Decision:
     spec, generation, now = inputs.spec, inputs.generation, inputs.now
-    status = inputs.status.model_copy(deep=True)
+    observed = policy_findings.observe(inputs.status, inputs.findings, spec.workload, generation=generation, now=now)
+    status = observed.status
     running = [r for r in inputs.requests if not objects.is_finished(r)]
 
     desired, limited, recommended = _aim(inputs, status)
@@ -243,7 +228,10 @@ def decide(inputs: Inputs) -> Decision:
         generation=generation,
     )
     create = list(recycle.create) if recycle is not None else []
-    events = [Event("Normal", "Recycling", f"recycling {m.pod}: {m.message}") for m in recycle.marks] if recycle else []
+    events = list(observed.events)
+    events += (
+        [Event("Normal", "Recycling", f"recycling {m.pod}: {m.message}") for m in recycle.marks] if recycle else []
+    )
     holds = _held_back(inputs, decision, failed, recommended, wanted=inputs.current - target)
     holds += recycle.holds if recycle is not None else ()
     if inputs.node_pressure is not None:
@@ -298,7 +286,8 @@ def decide(inputs: Inputs) -> Decision:
         events=tuple(events),
         recorded=inputs.recycling.recorded if inputs.recycling is not None else (),
         resizes=resize.orders,
-        annotations=_disruption(inputs),
+        annotations=_disruption(inputs, status),
+        losses_settled=observed.settled,
         # Memory-driven features sample the scheduler on every short pass; a plain policy that is
         # where it should be only watches for drift, and its own spec changes wake it at once.
         steady=decision.action == scaling.Action.NONE
@@ -333,7 +322,7 @@ def _held_back(
     return holds
 
 
-def _disruption(inputs: Inputs) -> dict[str, disruption.Patch]:
+def _disruption(inputs: Inputs, status: specs.MemoryPolicyStatus) -> dict[str, disruption.Patch]:
     seen = inputs.disruption
     if seen is None:
         return {}
@@ -345,7 +334,7 @@ def _disruption(inputs: Inputs) -> dict[str, disruption.Patch]:
         enabled=eviction.disruptionAnnotations,
         max_seconds=disruption.bound(eviction, inputs.protection),
         now=inputs.now,
-        unreachable_since=_unreachable_since(inputs.status.conditions) if seen.unique is None else None,
+        unreachable_since=_unreachable_since(status.conditions) if seen.unique is None else None,
     )
 
 

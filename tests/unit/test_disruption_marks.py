@@ -25,12 +25,12 @@ import pytest
 from memops import cli
 from memops.clients import kube
 from memops.controllers import policy
-from memops.decisions import disruption, objects, policy_decisions, snapshots, timestamps
+from memops.decisions import disruption, objects, policy_findings, snapshots, timestamps
 
 NAMESPACE, POLICY = "team", "p"
 LOGGER = logging.getLogger("test")
 MARKS = (objects.DO_NOT_DISRUPT, objects.SAFE_TO_EVICT)
-UNREACHABLE = policy_decisions.SchedulerSeen("SchedulerUnreachable", "spec.scheduler.address: no answer")
+UNREACHABLE = policy_findings.SchedulerSeen("SchedulerUnreachable", "spec.scheduler.address: no answer")
 
 
 def _deployment(name: str) -> dict[str, Any]:
@@ -125,7 +125,7 @@ def _scheduler(unique: Mapping[str, int] | None) -> Any:
     ``unique`` bytes alone; or (None) out of reach."""
 
     @contextlib.asynccontextmanager
-    async def reach(spec: Any) -> AsyncIterator[tuple[policy_decisions.SchedulerSeen, Any]]:
+    async def reach(spec: Any, *, keys: bool = False) -> AsyncIterator[tuple[policy_findings.SchedulerSeen, Any]]:
         if unique is None:
             yield UNREACHABLE, None
             return
@@ -133,7 +133,7 @@ def _scheduler(unique: Mapping[str, int] | None) -> Any:
             snapshots.WorkerInfo(name=pod, address=f"tcp://10.0.0.1:{40000 + i}", memory_limit=2**30, unique_bytes=held)
             for i, (pod, held) in enumerate(sorted(unique.items()))
         )
-        yield policy_decisions.SchedulerSeen(), (object(), snapshots.SchedulerSnapshot(workers=workers))
+        yield policy_findings.SchedulerSeen(), (object(), snapshots.SchedulerSnapshot(workers=workers))
 
     return reach
 

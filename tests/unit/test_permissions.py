@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from memops import specs
 from memops.clients import kube
 from memops.controllers import policy
-from memops.decisions import permissions
+from memops.decisions import permissions, policy_findings
 
 
 @pytest.mark.parametrize(
@@ -113,11 +113,14 @@ async def test_a_policy_without_the_secret_permission_says_which_value_it_needs(
         client = kube.Kube(kopf.ConnectionInfo(server=str(server.make_url("/"))))
         try:
             reconciler = policy.Policy(client=client, body=body, logger=logging.getLogger(__name__))
-            async with reconciler.check_scheduler(spec, status, 1) as vetted:
+            async with reconciler.reach_scheduler(spec) as (seen, vetted):
                 assert vetted is None
         finally:
             await client.close()
-    [reachable] = status.conditions
+    observed = policy_findings.observe(
+        status, policy_findings.Findings(scheduler=seen), spec.workload, generation=1, now=0
+    )
+    [reachable] = observed.status.conditions
     assert (reachable.type, reachable.status, reachable.reason) == ("SchedulerReachable", "False", "Forbidden")
     assert reachable.message.startswith("spec.scheduler.tls.secretName: Forbidden: the operator may not secrets get")
     assert "needs rbac.schedulerTLS=true" in reachable.message

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from memops import specs
-from memops.decisions import autoscaling, conditions, objects, policy_decisions, scaling
+from memops.decisions import autoscaling, conditions, objects, policy_decisions, policy_findings, scaling
 from tests.unit.policy_inputs import GIB, ago, pass_inputs, policy_spec, reachable
 
 
@@ -283,21 +283,19 @@ def test_a_blocked_policy_is_not_ready_and_stalled(
 @pytest.mark.parametrize(
     ("seen", "expected"),
     [
-        pytest.param(policy_decisions.SchedulerSeen(), ("True", "Connected", ""), id="connected"),
+        pytest.param(policy_findings.SchedulerSeen(), ("True", "Connected", ""), id="connected"),
         pytest.param(
-            policy_decisions.SchedulerSeen("SchedulerUnreachable", "spec.scheduler.address: refused"),
+            policy_findings.SchedulerSeen("SchedulerUnreachable", "spec.scheduler.address: refused"),
             ("False", "SchedulerUnreachable", "spec.scheduler.address: refused"),
             id="unreachable",
         ),
         pytest.param(
-            policy_decisions.SchedulerSeen("ForeignScheduler", "spec.scheduler.address: not ours", foreign=True),
+            policy_findings.SchedulerSeen("ForeignScheduler", "spec.scheduler.address: not ours", foreign=True),
             ("False", "ForeignScheduler", "spec.scheduler.address: not ours"),
             id="foreign",
         ),
     ],
 )
-def test_the_scheduler_reachable_condition(
-    seen: policy_decisions.SchedulerSeen, expected: tuple[str, str, str]
-) -> None:
-    [condition] = policy_decisions.scheduler_reachable([], seen, 2)
+def test_the_scheduler_reachable_condition(seen: policy_findings.SchedulerSeen, expected: tuple[str, str, str]) -> None:
+    [condition] = policy_findings.scheduler_reachable([], seen, 2)
     assert (condition.type, condition.status, condition.reason, condition.message) == ("SchedulerReachable", *expected)
