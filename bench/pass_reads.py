@@ -27,6 +27,7 @@ from typing import Any
 
 from distributed import Client, LocalCluster
 from distributed.security import Security
+from memops_sandbox import dask_direct
 
 from memops.clients import daskrpc
 from memops.decisions import snapshots, tenancy
@@ -57,12 +58,12 @@ async def measure(protocol: str, rounds: int) -> dict[str, Any]:
             )
             # Finished drains in the agent, as a policy's scheduler holds after a few preStop hooks.
             workers = sorted(local.scheduler.workers)[:3]
-            await daskrpc.start_drain(address, workers, deadline=5, close_workers=False, security=client_security)
+            await dask_direct.start_drain(address, workers, deadline=5, close_workers=False, security=client_security)
             times: dict[str, list[float]] = {"two": [], "one": []}
             for _ in range(rounds):
                 started = time.perf_counter()
-                await daskrpc.fetch_snapshot(address, security=client_security, keys=False, processing=False)
-                await daskrpc.drain_status(address, security=client_security)
+                await dask_direct.fetch_snapshot(address, security=client_security, keys=False, processing=False)
+                await dask_direct.drain_status(address, security=client_security)
                 times["two"].append(time.perf_counter() - started)
                 started = time.perf_counter()
                 async with daskrpc.vetted(address, vouch=vouch, security=client_security) as scheduler:

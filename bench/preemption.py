@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import distributed
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc, prestop_hook
+from memops.clients import prestop_hook
 
 MIB = 2**20
 GIB = 2**30
@@ -98,7 +99,7 @@ def run(mode: str, size: int, memory: str) -> Outcome:
             dying = [by_name["a-0"], by_name["a-1"]]
             if mode == "memops":
                 # The operator installed the agent earlier; a generous bound, as CI runs this beside its tests.
-                asyncio.run(daskrpc.drain_status(address, timeout=60))
+                asyncio.run(dask_direct.drain_status(address, timeout=60))
             start = time.monotonic()
             hooks = []
             for name in ("a-0", "a-1"):

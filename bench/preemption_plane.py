@@ -33,8 +33,7 @@ from typing import Any
 
 import benchkit
 import distributed
-
-from memops.clients import daskrpc
+from memops_sandbox import dask_direct
 
 MIB = 2**20
 GIB = 2**30
@@ -162,7 +161,7 @@ def one_run(mode: str, size_mib: int) -> Outcome:
             held = [k for k, holders in who_has.items() if holders]
             report = ""
             if mode == "memops":
-                states = asyncio.run(daskrpc.drain_status(sandbox.address))
+                states = asyncio.run(dask_direct.drain_status(sandbox.address))
                 report = "; ".join(
                     f"{s.get('state')} moved {s.get('keysMoved')} lost {(s.get('lostAtDeadline') or {}).get('keys', 0)}"
                     for s in states.values()

@@ -44,8 +44,8 @@ from typing import Any
 import dask
 import distributed
 from distributed import Client, LocalCluster
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from memops.decisions import replication_plan
 
 OPTIONS = ("--no-dashboard", "--death-timeout", "30")
@@ -108,7 +108,7 @@ async def addresses(client: Client) -> dict[str, str]:
 async def configure(client: Client, rules: dict[str, Any] | None) -> dict[str, Any] | None:
     # The bench measures what a rule saves, not the call: its first call installs the agent, which
     # took over 5 s (the client's default) on a loaded two-core CI machine.
-    return await daskrpc.configure_replication(
+    return await dask_direct.configure_replication(
         client.scheduler.address, rules=rules, places={}, owner=OWNER, timeout=CALL_SECONDS
     )
 

@@ -12,7 +12,7 @@ ways in the same sandbox and the same run:
 - memops: one RetirementRequest (``workers: [pod]`` for one worker, ``count: N`` for several),
   applied with kubectl; the operator drains with memops' drain where its agent runs (it does here);
 - drain: memops' drain (``memops.scheduler.drain``) started directly at the scheduler through the
-  agent (``daskrpc.start_drain``), polled until its workers are closed: the drain policy's own
+  agent (``dask_direct.start_drain``), polled until its workers are closed: the drain policy's own
   rate beside stock ``retire_workers``, without the operator and the API server around it.
 
 Every phase is timed inside the workers, by a worker plugin that records when a key of the
@@ -59,8 +59,7 @@ import cloudpickle
 import distributed
 import yaml
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
-
-from memops.clients import daskrpc
+from memops_sandbox import dask_direct
 
 MIB = 2**20
 GIB = 2**30
@@ -382,7 +381,7 @@ class Bench:
 
         # The agent is installed before the clock starts (the operator does it once per scheduler).
         def install() -> None:
-            asyncio.run(daskrpc.drain_status(self.box.address))
+            asyncio.run(dask_direct.drain_status(self.box.address))
 
         timed = self.retire_directly(scenario, f"tp-{run}-drain", retire, before=install)
         phases.drain_first, phases.drain_drain, phases.drain_return = timed.first, timed.drain, timed.returned
@@ -519,10 +518,10 @@ async def drain_until_done(address: str, workers: Sequence[str], timeout: float 
     # An ordinary retirement, as stock's and the RetirementRequest's: the node stays. (The drain
     # remembers the workers' nodes that the operator gave it in an earlier phase; a dying node
     # would keep keys off the drained worker's neighbour there.)
-    await daskrpc.start_drain(address, workers, deadline=timeout, nodes_dying=False)
+    await dask_direct.start_drain(address, workers, deadline=timeout, nodes_dying=False)
     async with asyncio.timeout(timeout):
         while True:
-            states = await daskrpc.drain_status(address, workers)
+            states = await dask_direct.drain_status(address, workers)
             if all(s["state"] != "draining" for s in states.values()):
                 return states
             await asyncio.sleep(0.1)  # the operator's own cadence (daskrpc.POLL_SECONDS / 5)

@@ -90,8 +90,9 @@ class Limit:
 HANDSHAKE = Limit(bytes=64 * KiB, objects=2**12, items=64)
 """The peer's handshake: three small fields."""
 SMALL = Limit(bytes=256 * KiB, objects=2**14, items=1024)
-"""What a call gets unless it says otherwise: ``identity`` without workers, ``run_function``'s
-``status`` (its pickled ``result`` is a frame that is never decoded), anything of a few fields."""
+"""What a call gets unless it says otherwise: ``events`` of the agent's install marker,
+``run_function``'s ``status`` (its pickled ``result`` is a frame that is never decoded), anything
+of a few fields."""
 WORKERS = Limit(bytes=8 * MiB, objects=2**19, items=4096)
 """A reply of a few fields for every worker: ``identity`` (about 1 KiB and 40 objects a worker
 at rest, a few times that busy: some 3,000 busy workers), ``retire_workers`` (an identity per

@@ -17,9 +17,10 @@ quotes nothing of the peer (:data:`UNREACHABLE`): the details go to the log.
 The controllers reach a scheduler only through :func:`vetted`: one connection, on which
 ``identity`` is judged by the caller's vouch (the tenancy check) before anything else is sent,
 and everything else is then asked (:class:`Scheduler`). What answers at an address may change from
-one connection to the next, so a check on one connection vouches for nothing on another. The
-address-level functions (:func:`fetch_snapshot`, :func:`configure_relief`, ...) open a connection
-that nobody vouched for: for the sandbox, tests and benchmarks, which run their scheduler themselves.
+one connection to the next, so a check on one connection vouches for nothing on another. There is
+no other way in: the sandbox, the tests and the benchmarks, which run their scheduler themselves,
+go through :func:`vetted` too, with a vouch that vouches for every worker
+(``memops_sandbox.dask_direct``, which the operator never imports).
 
 memops' code reaches a stock scheduler once, by value: the agent (with
 :mod:`memops.scheduler.holdings` and :mod:`memops.scheduler.relief`, pickled with cloudpickle)
@@ -54,8 +55,8 @@ retired (with ``close_workers=True, remove=True``: closed, nanny included, and r
   move, *both* calls set the worker back, the first to its old status and the second to
   ``closing_gracefully`` (its status when the second call began), in whichever order their
   polling loops wake: about half the time the worker is left ``closing_gracefully`` for
-  good, with no retirement running. :func:`retire_workers` therefore never retires a worker
-  that is already leaving; it waits for it to leave or come back.
+  good, with no retirement running. :meth:`Scheduler.retire_workers` therefore never retires a
+  worker that is already leaving; it waits for it to leave or come back.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def _detail(cause: BaseException) -> str:
 
 @dataclass(frozen=True)
 class RetireOutcome:
-    """What :func:`retire_workers` learnt, by worker address."""
+    """What :meth:`Scheduler.retire_workers` learnt, by worker address."""
 
     retired: tuple[str, ...]
     """Left the scheduler after a retirement: its data moved (or it died while draining)."""
@@ -252,20 +253,6 @@ def _translated(address: str) -> Iterator[None]:
         raise SchedulerUnreachable(address, exc) from exc
 
 
-@contextlib.asynccontextmanager
-async def _session(address: str, security: Security | None, timeout: float) -> AsyncIterator[daskcomm.Comm]:
-    """One connection, with every failure as this module's exceptions.
-
-    The connection gets ``timeout``; the calls made within get theirs from the caller.
-    """
-    comm = await _connect(address, security, timeout)
-    try:
-        with _translated(address):
-            yield comm
-    finally:
-        await comm.close()
-
-
 def _mapping(address: str, value: Any, what: str) -> Mapping[Any, Any]:
     if not isinstance(value, Mapping):
         raise SchedulerMisbehaved(address, f"{what} is a {type(value).__name__}, not a map")
@@ -289,9 +276,9 @@ class Unvouched(Exception):
 class Scheduler:
     """One scheduler, over one connection, on which everything is asked once the vouch said yes.
 
-    Made by :func:`vetted` (the controllers: every MemoryPolicy pass, its goodbye, every
-    RetirementRequest step, the eviction gate) or :func:`connect` (no vouch: for callers that run
-    the scheduler themselves). :func:`vetted` connects, asks ``identity`` and has ``vouch`` judge
+    Made by :func:`vetted` only (the controllers: every MemoryPolicy pass, its goodbye, every
+    RetirementRequest step, the eviction gate; the sandbox, tests and benchmarks with a vouch that
+    vouches for every worker). :func:`vetted` connects, asks ``identity`` and has ``vouch`` judge
     its workers before anything else is sent, and every later call goes over that same connection:
     an address that resolves elsewhere on the next connect (an ExternalName Service, DNS, a TCP
     proxy that routes each connection its own way) cannot have one scheduler vouched for and
@@ -308,7 +295,7 @@ class Scheduler:
     what it shows; any other worker on it is judged by the vouch first, as on a first connection.
     """
 
-    def __init__(self, address: str, *, security: Security | None, timeout: float, vouch: Vouch | None):
+    def __init__(self, address: str, *, security: Security | None, timeout: float, vouch: Vouch):
         self.address = address
         self.security = security
         self.timeout = timeout
@@ -321,15 +308,12 @@ class Scheduler:
         self.workers: tuple[snapshots.WorkerInfo, ...] = ()
         """The workers of the last ``identity`` read, as the vouch saw them (no figures)."""
         self.verdict: tenancy.Verdict | None = None
-        """The vouch's last verdict on this connection; None without a vouch."""
+        """The vouch's last verdict on this connection; None until it has judged."""
 
     async def _open(self) -> None:
-        """A new connection; with a vouch, its ``identity`` judged before anything else is sent."""
+        """A new connection, its ``identity`` judged by the vouch before anything else is sent."""
         self._comm = await _connect(self.address, self.security, self.timeout)
         self._identity, self._emptied = None, False
-        if self._vouch is None:
-            self._vouched = None
-            return
         async with self._using() as comm, asyncio.timeout(self.timeout):
             identity = _mapping(self.address, await comm.call("identity", limit=daskcomm.WORKERS), "identity")
         # What the handle's last connection vouched for (kept through a connection that failed
@@ -354,7 +338,7 @@ class Scheduler:
         self.workers = workers = _identified(self.address, identity, {}, {}, keys=False)
         addresses = frozenset(w.address for w in workers)
         # Workers that left (a retirement's) change nothing: the connection was vouched for.
-        if self._vouch is None or (self._vouched is not None and addresses <= self._vouched):
+        if self._vouched is not None and addresses <= self._vouched:
             return
         try:
             # Outside the calls' timeout and their exceptions: it may ask the API server, whose
@@ -669,8 +653,36 @@ class Scheduler:
         nodes_dying: bool = True,
         memops_drain: bool = True,
     ) -> RetireOutcome:
-        """:func:`retire_workers` on this connection; its timed-out path reads the statuses on a
-        new one, vouched for again (no news, and nothing claimed, if it is not)."""
+        """Drain and close these workers through the scheduler's AMM; stop waiting after ``timeout``.
+
+        Workers that are running or paused are retired with one ``retire_workers`` call
+        (``close_workers=True, remove=True``). Workers already leaving (``closing_gracefully``,
+        for example drained by this operator before it restarted) are not retired a second time,
+        which could leave them ``closing_gracefully`` for good (see the module docstring): we wait
+        until they leave the scheduler (retired) or come back to running or paused (that
+        retirement found no room for their data: not retired). Calling this again is therefore
+        safe at any time. A worker stuck ``closing_gracefully`` with nothing retiring it stays so
+        until ``timeout``.
+
+        On timeout (``timed_out=True``) a worker that has left the scheduler counts as retired,
+        the others as not retired. The scheduler goes on draining them after we stop waiting and
+        nothing can cancel that: each is closed once its data has moved (its pod's container then
+        exits, and restarts unless the pod is deleted), or set back to running or paused if the
+        data has nowhere to go. A ``timeout`` of 0 starts no retirement and only reports.
+
+        Where the scheduler runs memops' agent, workers that are running or paused are drained by
+        memops' drain (:mod:`memops.scheduler.drain`: each key moved once, the keys worth most first,
+        recipients spread and, with ``nodes`` (worker address -> node) and ``nodes_dying``, off the
+        drained workers' nodes; without ``nodes_dying``, spilled keys to a neighbour on the same node
+        by link where the spill filesystem is shared) with ``timeout`` as its deadline: at it the
+        drain stops and sets them back to the status they had (``lost_at_deadline`` says what each
+        still held alone), so nothing goes on draining them after we stop waiting. Elsewhere (or
+        with ``memops_drain=False``) stock ``retire_workers`` does it, as follows.
+
+        Its timed-out path reads the statuses on a new connection, vouched for again (no news,
+        and nothing claimed, if it is not). Raises :class:`SchedulerUnreachable` when the
+        scheduler does not answer.
+        """
         return await _retire_workers(
             self,
             worker_addresses,
@@ -695,37 +707,6 @@ async def vetted(
         yield scheduler
     finally:
         await scheduler.close()
-
-
-@contextlib.asynccontextmanager
-async def connect(address: str, *, security: Security | None = None, timeout: float = 10) -> AsyncIterator[Scheduler]:
-    """The scheduler at ``address``, vouched for by no one: for callers that run it themselves (the
-    sandbox, tests, benchmarks). The controllers reach a scheduler through :func:`vetted` only."""
-    scheduler = Scheduler(address, security=security, timeout=timeout, vouch=None)
-    try:
-        await scheduler._open()
-        yield scheduler
-    finally:
-        await scheduler.close()
-
-
-async def fetch_snapshot(
-    address: str,
-    *,
-    security: Security | None = None,
-    timeout: float = 10,
-    keys: bool = True,
-    processing: bool | None = None,
-    placement_of: Collection[str] = (),
-    placement: Collection[Hashable] = (),
-    drains: bool = False,
-    nodes: Callable[[], Mapping[str, str]] | None = None,
-) -> snapshots.SchedulerSnapshot:
-    """:meth:`Scheduler.snapshot` over one connection of :func:`connect` (no vouch)."""
-    async with connect(address, security=security, timeout=timeout) as scheduler:
-        return await scheduler.snapshot(
-            keys=keys, processing=processing, placement_of=placement_of, placement=placement, drains=drains, nodes=nodes
-        )
 
 
 def _identified(
@@ -808,17 +789,6 @@ def _workers(
     return workers
 
 
-async def ping(address: str, *, security: Security | None = None, timeout: float = 5) -> int:
-    """The number of workers the scheduler has; cheap, whatever the number of keys."""
-    async with _session(address, security, timeout) as comm:
-        async with asyncio.timeout(timeout):
-            identity = _mapping(address, await comm.call("identity", n_workers=0), "identity")
-    try:
-        return int(identity.get("n_workers", 0))
-    except (TypeError, ValueError) as exc:
-        raise SchedulerMisbehaved(address, "identity's n_workers is not a number") from exc
-
-
 LEAVING = frozenset({"closing_gracefully", "closing", "closed"})
 """Worker statuses meaning that something already retires or closes the worker."""
 
@@ -835,27 +805,6 @@ async def _statuses(comm: daskcomm.Comm) -> dict[str, str]:
         str(address): str(info.get("status", "")) if isinstance(info, Mapping) else ""
         for address, info in workers.items()
     }
-
-
-async def start_drain(
-    address: str,
-    worker_addresses: Sequence[str] = (),
-    *,
-    security: Security | None = None,
-    timeout: float = 10,
-    **arguments: Any,
-) -> dict[str, Any]:
-    """:meth:`Scheduler.start_drain` over one connection of :func:`connect` (no vouch)."""
-    async with connect(address, security=security, timeout=timeout) as scheduler:
-        return await scheduler.start_drain(worker_addresses, **arguments)
-
-
-async def drain_status(
-    address: str, worker_addresses: Sequence[str] = (), *, security: Security | None = None, timeout: float = 10
-) -> dict[str, Any]:
-    """:meth:`Scheduler.drain_status` over one connection of :func:`connect` (no vouch)."""
-    async with connect(address, security=security, timeout=timeout) as scheduler:
-        return await scheduler.drain_status(worker_addresses)
 
 
 FINISHED = {drain.State.DONE, drain.State.GONE}
@@ -916,51 +865,9 @@ async def _drain_by_memops(
         await asyncio.sleep(POLL_SECONDS / 5)
 
 
-async def retire_workers(
-    address: str,
-    worker_addresses: Sequence[str],
-    *,
-    security: Security | None = None,
-    timeout: float,
-    nodes: Mapping[str, str] | None = None,
-    nodes_dying: bool = True,
-    memops_drain: bool = True,
-) -> RetireOutcome:
-    """Drain and close these workers through the scheduler's AMM; stop waiting after ``timeout``.
-
-    Workers that are running or paused are retired with one ``retire_workers`` call
-    (``close_workers=True, remove=True``). Workers already leaving (``closing_gracefully``,
-    for example drained by this operator before it restarted) are not retired a second time,
-    which could leave them ``closing_gracefully`` for good (see the module docstring): we wait
-    until they leave the scheduler (retired) or come back to running or paused (that
-    retirement found no room for their data: not retired). Calling this again is therefore
-    safe at any time. A worker stuck ``closing_gracefully`` with nothing retiring it stays so
-    until ``timeout``.
-
-    On timeout (``timed_out=True``) a worker that has left the scheduler counts as retired,
-    the others as not retired. The scheduler goes on draining them after we stop waiting and
-    nothing can cancel that: each is closed once its data has moved (its pod's container then
-    exits, and restarts unless the pod is deleted), or set back to running or paused if the
-    data has nowhere to go. A ``timeout`` of 0 starts no retirement and only reports.
-
-    Where the scheduler runs memops' agent, workers that are running or paused are drained by
-    memops' drain (:mod:`memops.scheduler.drain`: each key moved once, the keys worth most first,
-    recipients spread and, with ``nodes`` (worker address -> node) and ``nodes_dying``, off the
-    drained workers' nodes; without ``nodes_dying``, spilled keys to a neighbour on the same node
-    by link where the spill filesystem is shared) with ``timeout`` as its deadline: at it the
-    drain stops and sets them back to the status they had (``lost_at_deadline`` says what each
-    still held alone), so nothing goes on draining them after we stop waiting. Elsewhere (or
-    with ``memops_drain=False``) stock ``retire_workers`` does it, as follows.
-
-    Raises :class:`SchedulerUnreachable` when the scheduler does not answer.
-    """
-    async with connect(address, security=security, timeout=_connect_timeout(timeout)) as scheduler:
-        return await scheduler.retire_workers(
-            worker_addresses, timeout=timeout, nodes=nodes, nodes_dying=nodes_dying, memops_drain=memops_drain
-        )
-
-
-def _connect_timeout(timeout: float) -> float:
+def connect_timeout(timeout: float) -> float:
+    """The timeout of connecting, and of reading the workers' statuses, for a retirement that waits
+    ``timeout`` (1 to 10 s): a scheduler that does not answer must not read as a drain too slow."""
     return min(max(timeout, 1.0), 10.0)
 
 
@@ -980,12 +887,12 @@ async def _retire_workers(
     wanted = list(dict.fromkeys(worker_addresses))
     if not wanted:
         return RetireOutcome((), (), False, 0.0)
-    connect_timeout = _connect_timeout(timeout)
+    within = connect_timeout(timeout)
     retired: set[str] = set()
     not_retired: set[str] = set()
     timed_out = False
     # Connected first, with its own timeout: "unreachable" must not read as "drain too slow".
-    statuses = await scheduler.statuses(timeout=connect_timeout)
+    statuses = await scheduler.statuses(timeout=within)
     async with scheduler._using(changes=True) as comm:
         absent = tuple(a for a in wanted if a not in statuses)
         leaving = [a for a in wanted if statuses.get(a) in LEAVING]
@@ -1043,7 +950,7 @@ async def _retire_workers(
         # workers, or only some vouched for above, is the same scheduler after they left.
         await scheduler.close()
         try:
-            now = await scheduler.statuses(timeout=connect_timeout)
+            now = await scheduler.statuses(timeout=within)
         except SchedulerMisbehaved:
             raise
         except (SchedulerUnreachable, Unvouched):
@@ -1063,34 +970,6 @@ async def _retire_workers(
 
 class SchedulerRefused(Exception):
     """The scheduler answered, with an error (for example, it does not accept pickled code)."""
-
-
-async def configure_relief(
-    address: str,
-    *,
-    security: Security | None = None,
-    above: float | None,
-    to: float | None,
-    owner: str,
-    timeout: float = 5,
-) -> dict[str, Any] | None:
-    """:meth:`Scheduler.configure_relief` over one connection of :func:`connect` (no vouch)."""
-    async with connect(address, security=security, timeout=timeout) as scheduler:
-        return await scheduler.configure_relief(above=above, to=to, owner=owner)
-
-
-async def configure_replication(
-    address: str,
-    *,
-    security: Security | None = None,
-    rules: Mapping[str, Any] | None,
-    places: Mapping[str, tuple[str, str]],
-    owner: str,
-    timeout: float = 5,
-) -> dict[str, Any] | None:
-    """:meth:`Scheduler.configure_replication` over one connection of :func:`connect` (no vouch)."""
-    async with connect(address, security=security, timeout=timeout) as scheduler:
-        return await scheduler.configure_replication(rules=rules, places=places, owner=owner)
 
 
 async def _install_agent(comm: daskcomm.Comm) -> None:

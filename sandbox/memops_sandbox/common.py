@@ -250,11 +250,12 @@ async def wait_for_workers(address: str, count: int, timeout: float) -> None:
     # Imported here, not with the module: distributed and the API client take about a second to
     # import, which the sandbox's process spends while its control plane starts instead.
     from memops.clients import daskrpc
+    from memops_sandbox import dask_direct
 
     async with asyncio.timeout(timeout):
         while True:
             with contextlib.suppress(daskrpc.SchedulerUnreachable):
-                snapshot = await daskrpc.fetch_snapshot(address, timeout=5)
+                snapshot = await dask_direct.fetch_snapshot(address, timeout=5)
                 if len(snapshot.workers) >= count:
                     return
             await asyncio.sleep(0.2)

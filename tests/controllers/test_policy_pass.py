@@ -18,9 +18,10 @@ import kopf
 import pytest
 from distributed import Client, Scheduler, Worker
 from kopf._core.engines import posting
+from memops_sandbox import dask_direct
 
 from memops import specs
-from memops.clients import daskcomm, daskrpc, kube
+from memops.clients import daskcomm, kube
 from memops.controllers import metrics, policy
 from memops.decisions import timestamps
 from memops.scheduler import drain
@@ -80,10 +81,10 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
     ):
         data = await dask_client.scatter({f"h{i}": b"h" * 1024 for i in range(3)}, workers=[worker.address])
         # The hook's drain: no other worker can take the keys, so it stops at its deadline.
-        await daskrpc.start_drain(scheduler.address, names=[POD], deadline=0.3, origin="preStop")
+        await dask_direct.start_drain(scheduler.address, names=[POD], deadline=0.3, origin="preStop")
 
         async def stopped() -> bool:
-            return (await daskrpc.drain_status(scheduler.address))[worker.address]["state"] != drain.State.DRAINING
+            return (await dask_direct.drain_status(scheduler.address))[worker.address]["state"] != drain.State.DRAINING
 
         await polling.poll(stopped, timeout=10, what="the hook's drain to stop", interval=0.05)
         spec = {"scheduler": {"address": scheduler.address}, "workload": {"kind": "Deployment", "name": "w"}}

@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 import distributed
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from memops.scheduler import drain
 from tests import polling
 from tests.e2e import receipts, windows
@@ -148,7 +148,7 @@ def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_no
         assert landing.on_leaving == {}, f"keys received by a leaving worker: {landing.line()}"
         assert landing.unreceived == [] and landing.repeated == {}, landing
         assert landing.per_key == 1.0
-        drains = asyncio.run(daskrpc.drain_status(sandbox.scheduler_address))
+        drains = asyncio.run(dask_direct.drain_status(sandbox.scheduler_address))
         hooks = {d["name"]: d for d in drains.values() if d.get("origin") == "preStop"}
         assert set(hooks) == set(pods) and all(d["state"] == "done" for d in hooks.values()), drains
 
@@ -160,7 +160,7 @@ def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_no
         # Many small keys: a round trip per key and recipient, far more than the 1 s deadline.
         held = client.scatter({f"late-{i}": os.urandom(LATE) for i in range(400)}, workers=[address], hash=False)
         asyncio.run(
-            daskrpc.start_drain(
+            dask_direct.start_drain(
                 sandbox.scheduler_address,
                 names=[survivor],
                 deadline=1.0,

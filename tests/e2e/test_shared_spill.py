@@ -20,9 +20,9 @@ from typing import Any
 
 import distributed
 from memops_sandbox import common as sandbox_cli
+from memops_sandbox import dask_direct
 from memops_sandbox import nodes as real_nodes
 
-from memops.clients import daskrpc
 from memops.decisions import shared_spill
 from tests.e2e.conftest import SPILL_ROOT, Sandbox
 from tests.e2e.test_policy import condition, memory_policy
@@ -261,7 +261,7 @@ def same_node_fetch_by_link(
         return value[0]
 
     async def verdicts() -> dict[str, Any]:
-        async with daskrpc.connect(sandbox.scheduler_address) as scheduler:
+        async with dask_direct.connect(sandbox.scheduler_address) as scheduler:
             return await scheduler.install_links(report=True)
 
     on_disk = set(client.run(spilled, workers=[sender])[sender])

@@ -18,8 +18,8 @@ from typing import Any
 
 import distributed
 import pytest
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from memops.decisions import shared_spill
 from tests.e2e.conftest import Sandbox, retirement_request
 from tests.e2e.test_policy import memory_policy
@@ -107,7 +107,7 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
         assert worker["state"] == "Retired" and worker["keysLost"] == 0 and worker["bytesLost"] == 0, worker
 
         # The drain's own figures, from the scheduler's agent.
-        state = asyncio.run(daskrpc.drain_status(sandbox.scheduler_address, [address[drained]]))[address[drained]]
+        state = asyncio.run(dask_direct.drain_status(sandbox.scheduler_address, [address[drained]]))[address[drained]]
         keys_linked, bytes_linked = int(state["keysLinked"]), int(state["bytesLinked"])
         keys_moved, bytes_moved = int(state["keysMoved"]), int(state["bytesMoved"])
         assert keys_moved == PIECES, state
@@ -176,7 +176,7 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
         request = sandbox.wait_phase("across", "Succeeded", "Failed", timeout=180)
         (worker,) = request["status"]["workers"]
         assert worker["state"] == "Retired" and worker["keysLost"] == 0, worker
-        state = asyncio.run(daskrpc.drain_status(sandbox.scheduler_address, [address[neighbour]]))
+        state = asyncio.run(dask_direct.drain_status(sandbox.scheduler_address, [address[neighbour]]))
         state = state[address[neighbour]]
         sent = client.run(received_from, source=address[neighbour], workers=[address[remote]])
         print(
@@ -205,7 +205,7 @@ def steady(directory: Path) -> dict[int, int] | None:
 
 async def spill_shares(address: str) -> dict[str, Any]:
     """Each worker's spill figures, through memops' agent, as the policy pass reads them."""
-    async with daskrpc.connect(address) as scheduler:
+    async with dask_direct.connect(address) as scheduler:
         return await scheduler.spill_shares()
 
 

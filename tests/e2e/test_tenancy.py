@@ -15,8 +15,8 @@ from typing import Any
 
 import distributed
 from memops_sandbox import common as sandbox_cli
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from tests import polling
 from tests.e2e import windows
 from tests.e2e.conftest import Sandbox
@@ -28,8 +28,8 @@ def _installed(address: str) -> tuple[Any, Any]:
     asked as an owner that has neither, which changes nothing (and installs nothing)."""
 
     async def ask() -> tuple[Any, Any]:
-        relief = await daskrpc.configure_relief(address, above=None, to=None, owner="nobody/probe")
-        replication = await daskrpc.configure_replication(address, rules=None, places={}, owner="nobody/probe")
+        relief = await dask_direct.configure_relief(address, above=None, to=None, owner="nobody/probe")
+        replication = await dask_direct.configure_replication(address, rules=None, places={}, owner="nobody/probe")
         return relief, replication
 
     return asyncio.run(ask())

@@ -21,6 +21,7 @@ from typing import Any
 
 import cloudpickle
 from distributed import Client
+from memops_sandbox import dask_direct
 
 from memops.clients import daskrpc
 from memops.scheduler import agent
@@ -142,7 +143,7 @@ async def two_tenants(a_worker_name: str = "a-0") -> AsyncIterator[Tenants]:
 
             async def count(address: str = address) -> int:
                 with contextlib.suppress(daskrpc.SchedulerUnreachable):
-                    return await daskrpc.ping(address, timeout=2)
+                    return await dask_direct.ping(address, timeout=2)
                 return 0
 
             await processes.wait_for_workers(count, 1)

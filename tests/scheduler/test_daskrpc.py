@@ -23,6 +23,7 @@ import dask
 import pytest
 from distributed import Client, Future, LocalCluster
 from distributed.security import Security
+from memops_sandbox import dask_direct
 
 from memops.clients import daskrpc
 from memops.decisions import retire_choice, snapshots, tenancy
@@ -49,7 +50,7 @@ async def all_intact(client: Client, data: dict[str, tuple[Future, bytes]]) -> b
 
 
 async def statuses(address: str, **kwargs: Any) -> dict[str, str]:
-    snapshot = await daskrpc.fetch_snapshot(address, keys=False, **kwargs)
+    snapshot = await dask_direct.fetch_snapshot(address, keys=False, **kwargs)
     return {w.address: w.status for w in snapshot.workers}
 
 
@@ -82,7 +83,7 @@ async def test_snapshot_counts_unique_bytes(cluster: Cluster, client: Client) ->
     await client.amm.stop()
     data = await scatter(client, a, 3)
     shared = await client.scatter({"shared": os.urandom(MiB)}, workers=[a, b], hash=False, broadcast=True)
-    snapshot = await daskrpc.fetch_snapshot(cluster.address, placement_of=[a])
+    snapshot = await dask_direct.fetch_snapshot(cluster.address, placement_of=[a])
     assert sorted(snapshot.who_has["shared"]) == [a, b]
     assert set(snapshot.who_has) == {*data, "shared"}, "who holds the keys of the workers asked for, only"
     on_a, on_b, on_c = (snapshot.by_address(x) for x in (a, b, c))
@@ -96,7 +97,7 @@ async def test_snapshot_counts_unique_bytes(cluster: Cluster, client: Client) ->
     chosen = retire_choice.choose_workers([on_a.name, on_b.name, on_c.name], snapshot, 3)
     assert chosen == [on_c.name, on_b.name, on_a.name]
     # A deadline already past starts nothing.
-    outcome = await daskrpc.retire_workers(cluster.address, [a], timeout=0)
+    outcome = await dask_direct.retire_workers(cluster.address, [a], timeout=0)
     assert outcome.timed_out and outcome.not_retired == (a,)
     assert (await statuses(cluster.address))[a] == "running"
     assert await all_intact(client, data) and len(shared) == 1
@@ -124,7 +125,7 @@ async def test_a_scheduler_that_refuses_run_function_gives_the_same_figures_from
                 data = await scatter(dask_client, a, 3, size=64 * 1024)
                 kept = await dask_client.scatter({"only-b": b"x" * 1000}, workers=[b], hash=False)
                 kept |= await dask_client.scatter({"both": b"y" * 5000}, workers=[a, b], hash=False, broadcast=True)
-                snapshot = await daskrpc.fetch_snapshot(local.scheduler_address, placement_of=[b])
+                snapshot = await dask_direct.fetch_snapshot(local.scheduler_address, placement_of=[b])
                 figures[bool(blocked)] = {
                     names[w.address]: (w.managed_bytes, w.nkeys, w.unique_bytes, w.unique_keys)
                     for w in snapshot.workers
@@ -142,18 +143,18 @@ async def test_a_scheduler_that_refuses_run_function_gives_the_same_figures_from
 async def test_retire_moves_unique_data_worker_to_worker(cluster: Cluster, client: Client) -> None:
     a = sorted(cluster.scheduler.workers)[0]
     data = await scatter(client, a, 5)
-    before = await daskrpc.fetch_snapshot(cluster.address, placement_of=[a])
+    before = await dask_direct.fetch_snapshot(cluster.address, placement_of=[a])
     worker = before.by_address(a)
     assert worker is not None
-    outcome = await daskrpc.retire_workers(cluster.address, [a], timeout=30)
+    outcome = await dask_direct.retire_workers(cluster.address, [a], timeout=30)
     assert (outcome.retired, outcome.not_retired, outcome.timed_out, outcome.absent) == ((a,), (), False, ())
-    after = await daskrpc.fetch_snapshot(cluster.address, placement=list(before.who_has))
+    after = await dask_direct.fetch_snapshot(cluster.address, placement=list(before.who_has))
     assert after.by_address(a) is None
     assert snapshots.bytes_moved(before.who_has, after.who_has, before.nbytes, a) == (worker.unique_bytes, 5)
     assert snapshots.bytes_lost(before.who_has, after.who_has, before.nbytes, a) == (0, 0)
     assert await all_intact(client, data)
     # Again, as an operator would after a restart: the worker is known to be gone, nothing is done.
-    again = await daskrpc.retire_workers(cluster.address, [a], timeout=30)
+    again = await dask_direct.retire_workers(cluster.address, [a], timeout=30)
     assert (again.retired, again.not_retired, again.timed_out, again.absent) == ((), (), False, (a,))
 
 
@@ -162,7 +163,7 @@ async def test_retiring_every_worker_retires_none_and_loses_nothing(cluster: Clu
     data = {}
     for address in workers:
         data.update(await scatter(client, address, 2, size=64 * 1024))
-    outcome = await daskrpc.retire_workers(cluster.address, workers, timeout=30)
+    outcome = await dask_direct.retire_workers(cluster.address, workers, timeout=30)
     assert outcome.retired == () and outcome.not_retired == tuple(workers) and not outcome.timed_out
     assert outcome.seconds < 5, "no recipients: the scheduler gives up at once"
 
@@ -180,7 +181,7 @@ async def test_timeout_returns_promptly_and_the_scheduler_finishes_alone(cluster
     data = await scatter(client, a, 2)
     pids = await client.run(os.getpid, workers=others)
     with frozen(list(pids.values())):
-        outcome = await daskrpc.retire_workers(cluster.address, [a], timeout=1.5, memops_drain=False)
+        outcome = await dask_direct.retire_workers(cluster.address, [a], timeout=1.5, memops_drain=False)
         assert outcome.timed_out and outcome.retired == () and outcome.not_retired == (a,)
         assert 1.4 < outcome.seconds < 4
         assert (await statuses(cluster.address))[a] == "closing_gracefully"
@@ -204,7 +205,7 @@ async def test_retire_again_waits_for_the_retirement_in_progress(cluster: Cluste
     data = await scatter(client, a, 3)
     pid = (await client.run(os.getpid, workers=[a]))[a]
     with frozen([pid]):  # a sends nothing: its drain stays in progress
-        first = await daskrpc.retire_workers(cluster.address, [a], timeout=1, memops_drain=False)
+        first = await dask_direct.retire_workers(cluster.address, [a], timeout=1, memops_drain=False)
         assert first.timed_out and first.not_retired == (a,)
         if not room:
             await client.run(pause, workers=others)
@@ -216,7 +217,7 @@ async def test_retire_again_waits_for_the_retirement_in_progress(cluster: Cluste
             await polling.poll(first_gave_up, timeout=15, what="first_gave_up")  # at the next AMM run, within 2 s
         assert (await statuses(cluster.address))[a] == "closing_gracefully"
         asked = identity_calls(cluster)
-        second = asyncio.create_task(daskrpc.retire_workers(cluster.address, [a], timeout=20))
+        second = asyncio.create_task(dask_direct.retire_workers(cluster.address, [a], timeout=20))
 
         async def second_has_asked() -> bool:  # while a is frozen, so it was told closing_gracefully
             return identity_calls(cluster) > asked
@@ -247,11 +248,11 @@ async def test_unreachable_scheduler_is_reported_quickly() -> None:
     address = f"tcp://127.0.0.1:{port}"
     started = time.monotonic()
     with pytest.raises(daskrpc.SchedulerUnreachable, match=rf"cannot reach the Dask scheduler at {address}"):
-        await daskrpc.fetch_snapshot(address, timeout=1)
+        await dask_direct.fetch_snapshot(address, timeout=1)
     with pytest.raises(daskrpc.SchedulerUnreachable):  # Dask retries a refused connection until the timeout
-        await daskrpc.retire_workers(address, ["tcp://127.0.0.1:10"], timeout=1)
+        await dask_direct.retire_workers(address, ["tcp://127.0.0.1:10"], timeout=1)
     with pytest.raises(daskrpc.SchedulerUnreachable):
-        await daskrpc.ping(address, timeout=1)
+        await dask_direct.ping(address, timeout=1)
     assert time.monotonic() - started < 5
 
 
@@ -273,17 +274,17 @@ async def test_tls_scheduler_with_certificates_from_pem_and_from_a_secret() -> N
     ) as local:
         assert local.scheduler_address.startswith("tls://")
         from_secret = daskrpc.security_from_secret(secret)
-        snapshot = await daskrpc.fetch_snapshot(local.scheduler_address, security=from_secret)
+        snapshot = await dask_direct.fetch_snapshot(local.scheduler_address, security=from_secret)
         assert len(snapshot.workers) == 2
         address = snapshot.workers[0].address
         from_pem = daskrpc.security_from_pem(security.tls_ca_file, security.tls_client_cert, security.tls_client_key)
-        outcome = await daskrpc.retire_workers(local.scheduler_address, [address], security=from_pem, timeout=30)
+        outcome = await dask_direct.retire_workers(local.scheduler_address, [address], security=from_pem, timeout=30)
         assert outcome.retired == (address,)
         with pytest.raises(daskrpc.SchedulerUnreachable, match="needs client certificates"):
-            await daskrpc.fetch_snapshot(local.scheduler_address, timeout=2)
+            await dask_direct.fetch_snapshot(local.scheduler_address, timeout=2)
         stranger = Security.temporary()  # certificates from another CA: the handshake fails
         with pytest.raises(daskrpc.SchedulerUnreachable):
-            await daskrpc.fetch_snapshot(
+            await dask_direct.fetch_snapshot(
                 local.scheduler_address,
                 security=daskrpc.security_from_pem(
                     stranger.tls_ca_file, stranger.tls_client_cert, stranger.tls_client_key
@@ -304,11 +305,11 @@ async def test_the_agent_comes_back_after_a_restart_and_replaces_another_version
     a = sorted(cluster.scheduler.workers)[0]
     data = await scatter(client, a, 2)
     handlers = cluster.scheduler.handlers
-    assert (await daskrpc.fetch_snapshot(cluster.address)).by_address(a).unique_keys == 2  # type: ignore[union-attr]
+    assert (await dask_direct.fetch_snapshot(cluster.address)).by_address(a).unique_keys == 2  # type: ignore[union-attr]
     assert agent.NAME in handlers and "memops-pressure-relief" not in handlers
     for lost in (lambda: handlers.pop(agent.NAME), lambda: handlers.update({agent.NAME: lambda **_: {"agent": 0}})):
         lost()
-        snapshot = await daskrpc.fetch_snapshot(cluster.address)
+        snapshot = await dask_direct.fetch_snapshot(cluster.address)
         assert snapshot.by_address(a).unique_keys == 2  # type: ignore[union-attr]
         assert handlers[agent.NAME](operation="hello") == {"agent": agent.VERSION, "result": {"version": agent.VERSION}}
     assert len(data) == 2  # referenced until here, so the scheduler keeps them

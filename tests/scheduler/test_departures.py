@@ -15,8 +15,8 @@ from typing import Any
 import distributed
 import distributed.diagnostics.plugin
 import pytest
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from memops.decisions import snapshots
 from memops.scheduler import departures
 from tests import polling
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.dask_cluster(workers=0, spawn=("victim", "survivor"))
 
 
 async def snapshot(cluster: Cluster, **options: Any) -> snapshots.SchedulerSnapshot:
-    return await daskrpc.fetch_snapshot(cluster.address, drains=True, **options)
+    return await dask_direct.fetch_snapshot(cluster.address, drains=True, **options)
 
 
 async def departed(cluster: Cluster) -> list[dict[str, Any]]:
@@ -86,7 +86,7 @@ async def test_a_worker_that_dies_while_memops_drains_it_is_marked_as_that_drain
     await snapshot(cluster, keys=False)
     victim = (await cluster.addresses())["victim"]
     held = await client.scatter([os.urandom(CHUNK) for _ in range(2)], workers=[victim])
-    async with daskrpc.connect(cluster.address) as scheduler:
+    async with dask_direct.connect(cluster.address) as scheduler:
         state = await scheduler.start_drain([victim], deadline=120, restore=False)
     assert state[victim]["state"] == "draining"
 

@@ -16,8 +16,8 @@ import dask
 import distributed
 import pytest
 from distributed import Client, LocalCluster
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from memops.scheduler import drain
 from tests import polling
 
@@ -187,7 +187,7 @@ async def received(client: Client) -> dict[str, collections.Counter[str]]:
 
 async def until_finished(address: str, worker: str, bound: float = 60) -> dict[str, Any]:
     async def finished() -> dict[str, Any] | None:
-        state = (await daskrpc.drain_status(address, [worker]))[worker]
+        state = (await dask_direct.drain_status(address, [worker]))[worker]
         return dict(state) if state["state"] != drain.State.DRAINING else None
 
     return await polling.poll(finished, timeout=bound, what=f"the drain of {worker} to end", interval=0.05)
@@ -200,7 +200,7 @@ async def test_each_key_moves_once_to_recipients_off_the_dying_node(cluster: tup
     dying, neighbour, far1, far2 = sorted(local.scheduler.workers)
     nodes = {dying: "n1", neighbour: "n1", far1: "n2", far2: "n3"}
     data = await client.scatter({f"k{i}": b"x" * (256 * 1024) for i in range(400)}, workers=[dying], hash=False)
-    await daskrpc.start_drain(local.scheduler_address, [dying], deadline=60, nodes=nodes)
+    await dask_direct.start_drain(local.scheduler_address, [dying], deadline=60, nodes=nodes)
     state = await until_finished(local.scheduler_address, dying)
     assert state["state"] == drain.State.DONE and state["keysMoved"] == 400 and state["asked"] == 400
     counts = await received(client)
@@ -234,7 +234,7 @@ async def test_a_short_deadline_moves_the_keys_that_cannot_be_recomputed_first(
     ws = local.scheduler.workers[dying]
     alone = sum(1 for ts in ws.has_what if ts.who_has == {ws})
     assert alone == 155, alone
-    await daskrpc.start_drain(local.scheduler_address, [dying], deadline=1.0, restore=True, window=1)
+    await dask_direct.start_drain(local.scheduler_address, [dying], deadline=1.0, restore=True, window=1)
     state = await until_finished(local.scheduler_address, dying)
     assert state["state"] == drain.State.DEADLINE
     assert 0.9 < state["seconds"] < 2.0, "stopped at its deadline"
@@ -258,12 +258,12 @@ async def test_a_short_deadline_moves_the_keys_that_cannot_be_recomputed_first(
 
 
 async def test_retire_workers_drains_with_memops_where_the_agent_runs(cluster: tuple[LocalCluster, Client]) -> None:
-    """daskrpc.retire_workers, as the RetirementRequest controller calls it: memops' drain, the
+    """dask_direct.retire_workers, as the RetirementRequest controller calls it: memops' drain, the
     worker retired, its keys received once each, all intact."""
     local, client = cluster
     a, *_ = sorted(local.scheduler.workers)
     data = await client.scatter({f"r{i}": b"r" * (128 * 1024) for i in range(200)}, workers=[a], hash=False)
-    outcome = await daskrpc.retire_workers(local.scheduler_address, [a], timeout=60)
+    outcome = await dask_direct.retire_workers(local.scheduler_address, [a], timeout=60)
     assert outcome.by_memops and outcome.retired == (a,) and not outcome.timed_out and not outcome.lost_at_deadline
     total = sum((await received(client)).values(), collections.Counter())
     assert set(total) == set(data) and set(total.values()) == {1}
@@ -301,11 +301,13 @@ async def test_a_hook_keeps_keys_off_its_nodes_other_workers_where_the_operator_
     dying, neighbour, far1, far2 = sorted(local.scheduler.workers)
     gone = "tcp://192.0.2.1:1"  # a worker the operator's pods still show, the scheduler no longer
     located = {dying: "n1", neighbour: "n1", far1: "n2", far2: "n3", gone: "n4"}
-    await daskrpc.fetch_snapshot(local.scheduler_address, keys=False, drains=True, nodes=lambda: located)
+    await dask_direct.fetch_snapshot(local.scheduler_address, keys=False, drains=True, nodes=lambda: located)
     assert local.scheduler.plugins[drain.NAME].nodes == {a: n for a, n in located.items() if a != gone}
     name = str(local.scheduler.workers[dying].name)
     data = await client.scatter({f"h{i}": b"h" * (256 * 1024) for i in range(120)}, workers=[dying], hash=False)
-    await daskrpc.start_drain(local.scheduler_address, names=[name], deadline=60, nodes={name: "n1"}, origin="preStop")
+    await dask_direct.start_drain(
+        local.scheduler_address, names=[name], deadline=60, nodes={name: "n1"}, origin="preStop"
+    )
     state = await until_finished(local.scheduler_address, dying)
     assert state["state"] == drain.State.DONE and state["keysMoved"] == 120
     counts = await received(client)
@@ -330,7 +332,7 @@ async def test_a_node_said_dying_by_any_caller_stays_dying(cluster: tuple[LocalC
     await pause_all(local, client, others)
     address = local.scheduler_address
     for nodes_dying in (False, True, False):
-        await daskrpc.start_drain(address, [dying], deadline=60, nodes=nodes, nodes_dying=nodes_dying)
+        await dask_direct.start_drain(address, [dying], deadline=60, nodes=nodes, nodes_dying=nodes_dying)
     # All three become recipients in the same pass of the drain (which runs on this event loop):
     # resumed one by one, the first would take every key alone. The scheduler hears it as from the
     # workers themselves; they fetch what they are asked once their own monitors resume them.
@@ -359,9 +361,9 @@ async def test_a_retirement_waits_for_a_paused_recipient_before_it_gives_up(
     first, *others = sorted(local.scheduler.workers)
     data = await client.scatter({f"p{i}": b"p" * (256 * 1024) for i in range(40)}, workers=[first], hash=False)
     await pause_all(local, client, others)
-    await daskrpc.start_drain(address, [first], deadline=60, restore=True, nodes_dying=False)
+    await dask_direct.start_drain(address, [first], deadline=60, restore=True, nodes_dying=False)
     await asyncio.sleep(1.0)
-    assert (await daskrpc.drain_status(address, [first]))[first]["state"] == drain.State.DRAINING, "it waits"
+    assert (await dask_direct.drain_status(address, [first]))[first]["state"] == drain.State.DRAINING, "it waits"
     await client.run(resume, workers=others)
     state = await until_finished(address, first)
     assert state["state"] == drain.State.DONE and state["keysMoved"] == 40
@@ -370,7 +372,7 @@ async def test_a_retirement_waits_for_a_paused_recipient_before_it_gives_up(
     second, *paused = others
     kept = await client.scatter({f"q{i}": b"q" * (256 * 1024) for i in range(10)}, workers=[second], hash=False)
     await pause_all(local, client, paused)
-    await daskrpc.start_drain(address, [second], deadline=60, restore=True, nodes_dying=False)
+    await dask_direct.start_drain(address, [second], deadline=60, restore=True, nodes_dying=False)
     state = await until_finished(address, second)
     assert state["state"] == drain.State.NO_RECIPIENTS and state["keysMoved"] == 0
     assert state["seconds"] >= drain.NO_RECIPIENT_SECONDS - 0.1
@@ -389,10 +391,10 @@ async def test_the_shorter_deadline_of_two_callers_stops_the_drain(cluster: tupl
     data = await client.scatter({f"t{i}": b"t" * MiB for i in range(5)}, workers=[dying], hash=False)
     await pause_all(local, client, others)
     address = local.scheduler_address
-    await daskrpc.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
+    await dask_direct.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
     begun = time.monotonic()
-    hook = await daskrpc.start_drain(address, [dying], deadline=2, origin="preStop")
-    later = await daskrpc.start_drain(address, [dying], deadline=30, nodes_dying=False)
+    hook = await dask_direct.start_drain(address, [dying], deadline=2, origin="preStop")
+    later = await dask_direct.start_drain(address, [dying], deadline=30, nodes_dying=False)
     assert hook[dying]["deadlineIn"] <= 2 and later[dying]["deadlineIn"] <= 2, "the earlier deadline, reported"
     state = await until_finished(address, dying, bound=20)
     assert state["state"] == drain.State.DEADLINE and time.monotonic() - begun < 5
@@ -419,13 +421,13 @@ async def test_a_copy_dropped_from_a_recipient_that_began_draining_too_is_asked_
     data = await client.scatter({f"r{i}": b"r" * (256 * 1024) for i in range(30)}, workers=[first], hash=False)
     address = local.scheduler_address
     # One key on its way at a time, so that the second drain begins while the first is under way.
-    await daskrpc.start_drain(address, [first], deadline=60, window=1)
+    await dask_direct.start_drain(address, [first], deadline=60, window=1)
     seconds = local.scheduler.workers[second]
     plugin = local.scheduler.plugins[drain.NAME]
     await polling.poll(
         lambda: plugin.workers[first].keys_moved >= 3, timeout=20, what="keys copied to the second", interval=0.01
     )
-    await daskrpc.start_drain(address, [second], deadline=60)
+    await dask_direct.start_drain(address, [second], deadline=60)
     await polling.poll(lambda: not plugin.copies, timeout=20, what="no copy on its way", interval=0.05)
     moved = [k for k in data if seconds in local.scheduler.tasks[k].who_has]
     assert len(moved) >= 3  # and one more may have landed after its drain gave it up (its target left running)
@@ -463,9 +465,9 @@ async def test_a_drain_whose_keys_all_left_while_nothing_could_take_them_ends_do
     data = await client.scatter({f"r{i}": b"r" * MiB for i in range(5)}, workers=[dying], hash=False)
     await pause_all(local, client, others)
     address = local.scheduler_address
-    await daskrpc.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
+    await dask_direct.start_drain(address, [dying], deadline=60, nodes_dying=False, restore=False)
     await asyncio.sleep(1.0)
-    assert (await daskrpc.drain_status(address, [dying]))[dying]["state"] == drain.State.DRAINING, "nowhere to go"
+    assert (await dask_direct.drain_status(address, [dying]))[dying]["state"] == drain.State.DRAINING, "nowhere to go"
     await client.cancel(list(data.values()))
     del data
     begun = time.monotonic()

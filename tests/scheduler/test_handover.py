@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from distributed import Client, LocalCluster
 from distributed.protocol.serialize import to_serialize
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from memops.scheduler import drain
 from memops.worker import accounting, handover
 from tests import polling
@@ -276,10 +276,10 @@ async def test_a_drain_of_spilled_data_moves_no_byte_over_the_network(cluster: t
     dying = sorted(scheduler.workers)[0]
     data = await client.scatter({f"s{i}": value(i) for i in range(40)}, workers=[dying], hash=False)
     before = await network(client)
-    await daskrpc.start_drain(local.scheduler_address, [dying], deadline=60)
+    await dask_direct.start_drain(local.scheduler_address, [dying], deadline=60)
 
     async def ended() -> dict[str, Any] | None:
-        state = (await daskrpc.drain_status(local.scheduler_address, [dying]))[dying]
+        state = (await dask_direct.drain_status(local.scheduler_address, [dying]))[dying]
         return dict(state) if state["state"] != "draining" else None
 
     state = await polling.poll(ended, timeout=60, what="the drain to end", interval=0.05)
@@ -366,12 +366,13 @@ def test_assign_prefers_the_spill_filesystem(
 
 
 async def test_a_retirement_hands_spilled_keys_over(cluster: tuple[LocalCluster, Client]) -> None:
-    """``daskrpc.retire_workers``, as the RetirementRequest controller (and so scale-downs and
-    recycling) calls it: the worker retired, its spilled keys linked, none received over the network."""
+    """``Scheduler.retire_workers`` (here through ``dask_direct``), as the RetirementRequest controller
+    (and so scale-downs and recycling) calls it: the worker retired, its spilled keys linked, none
+    received over the network."""
     local, client = cluster
     retiring = sorted(local.scheduler.workers)[0]
     data = await client.scatter({f"r{i}": value(i) for i in range(12)}, workers=[retiring], hash=False)
-    outcome = await daskrpc.retire_workers(local.scheduler_address, [retiring], timeout=60)
+    outcome = await dask_direct.retire_workers(local.scheduler_address, [retiring], timeout=60)
     assert outcome.by_memops and outcome.retired == (retiring,) and not outcome.lost_at_deadline
     assert sum(n for _, n in (await network(client)).values()) == 0, "no key received over the network"
     assert await client.gather(list(data.values())) == [value(i) for i in range(12)]
@@ -388,7 +389,7 @@ async def test_a_retirement_on_a_node_that_stays_links_to_its_neighbour(
     retiring, neighbour, far = sorted(local.scheduler.workers)
     nodes = {retiring: "n1", neighbour: "n1", far: "n2"}
     data = await client.scatter({f"n{i}": value(i) for i in range(12)}, workers=[retiring], hash=False)
-    outcome = await daskrpc.retire_workers(
+    outcome = await dask_direct.retire_workers(
         local.scheduler_address, [retiring], timeout=60, nodes=nodes, nodes_dying=nodes_dying
     )
     assert outcome.by_memops and outcome.retired == (retiring,)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from memops_sandbox import dask_direct
 
 from memops.clients import daskrpc, prestop_hook
 from tests.scheduler import hostile
@@ -33,10 +34,10 @@ async def test_the_operator_runs_nothing_and_allocates_nothing(route: str, tmp_p
     marker = tmp_path / "pwned"
     async with hostile.serving(route, marker) as address:
         for call in (
-            lambda: daskrpc.fetch_snapshot(address, timeout=5),
-            lambda: daskrpc.ping(address, timeout=5),
-            lambda: daskrpc.retire_workers(address, ["tcp://127.0.0.1:1"], timeout=5),
-            lambda: daskrpc.configure_replication(address, rules={}, places={}, owner="default/p", timeout=5),
+            lambda: dask_direct.fetch_snapshot(address, timeout=5),
+            lambda: dask_direct.ping(address, timeout=5),
+            lambda: dask_direct.retire_workers(address, ["tcp://127.0.0.1:1"], timeout=5),
+            lambda: dask_direct.configure_replication(address, rules={}, places={}, owner="default/p", timeout=5),
         ):
             before = rss()
             with pytest.raises(daskrpc.SchedulerMisbehaved, match="memops refuses") as raised:
@@ -53,7 +54,7 @@ async def test_an_error_reply_says_only_that_it_was_one(tmp_path: Path) -> None:
         with pytest.raises(
             daskrpc.SchedulerMisbehaved, match="an error from a handler that every Dask scheduler serves"
         ):
-            await daskrpc.ping(address, timeout=5)
+            await dask_direct.ping(address, timeout=5)
 
 
 HOOK_WRAPPER = """

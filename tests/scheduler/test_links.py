@@ -21,8 +21,8 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, Nanny
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from memops.worker import accounting, links, maps
 from tests import polling
 from tests.scheduler import peers, processes, spilling
@@ -458,7 +458,7 @@ async def test_the_operator_installs_the_plugin_and_reads_the_shares(cluster: tu
     worker active, and after a fetch by link the shares of the two holders add up to the one file."""
     local, client = cluster
     await client.wait_for_workers(2)
-    async with daskrpc.connect(local.scheduler_address) as scheduler:
+    async with dask_direct.connect(local.scheduler_address) as scheduler:
         found = await scheduler.install_links()
         assert {s["status"] for s in found.values()} == {links.ACTIVE}, found
         sender, receiver = sorted(local.scheduler.workers)

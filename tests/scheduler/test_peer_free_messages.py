@@ -14,15 +14,16 @@ import re
 from collections.abc import Awaitable, Callable
 
 import pytest
+from memops_sandbox import dask_direct
 
 from memops.clients import daskrpc
 from memops.controllers import retirement
 from tests.scheduler import hostile
 
 CALLS: dict[str, Callable[[str], Awaitable[object]]] = {
-    "ping": lambda a: daskrpc.ping(a, timeout=1),
-    "fetch_snapshot": lambda a: daskrpc.fetch_snapshot(a, timeout=1),
-    "retire_workers": lambda a: daskrpc.retire_workers(a, ["tcp://127.0.0.1:2"], timeout=1),
+    "ping": lambda a: dask_direct.ping(a, timeout=1),
+    "fetch_snapshot": lambda a: dask_direct.fetch_snapshot(a, timeout=1),
+    "retire_workers": lambda a: dask_direct.retire_workers(a, ["tcp://127.0.0.1:2"], timeout=1),
 }
 
 
@@ -51,7 +52,7 @@ async def test_an_error_text_goes_to_the_log_not_to_the_status(caplog: pytest.Lo
     async with hostile.raising(banner) as address:
         with caplog.at_level(logging.INFO, logger="memops.clients.daskrpc"):
             with pytest.raises(daskrpc.SchedulerMisbehaved) as raised:
-                await daskrpc.fetch_snapshot(address, timeout=5)
+                await dask_direct.fetch_snapshot(address, timeout=5)
     message = retirement._explain(raised.value)[1]
     # Without the peer's own address, whose port may hold those digits too.
     assert "nginx" not in message and "4242" not in message.replace(address, ""), message
@@ -64,6 +65,6 @@ async def test_a_size_that_the_peer_declared_is_never_quoted(size: int) -> None:
     """After the handshake a reply over the limit is refused naming the limit, not what it declared."""
     async with hostile.bombing("identity", "maps", size) as address:
         with pytest.raises(daskrpc.SchedulerMisbehaved) as raised:
-            await daskrpc.ping(address, timeout=5)
+            await dask_direct.ping(address, timeout=5)
     assert str(size) not in str(raised.value), raised.value
     assert "over this call's limit" in str(raised.value)

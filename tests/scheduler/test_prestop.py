@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from distributed import Client, LocalCluster
 from distributed.security import Security
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc, prestop_hook
+from memops.clients import prestop_hook
 from tests import polling
 
 
@@ -96,10 +97,10 @@ async def test_the_hook_drains_with_memops_where_the_agent_runs() -> None:
             leaving, *_ = sorted(info["workers"])
             name = str(info["workers"][leaving]["name"])
             futures = await client.scatter({f"k{i}": os.urandom(4096) for i in range(100)}, workers=[leaving])
-            assert await daskrpc.drain_status(local.scheduler_address) == {}  # installs the agent
+            assert await dask_direct.drain_status(local.scheduler_address) == {}  # installs the agent
             env = {"MEMOPS_NODE_NAME": "node-a", "MEMOPS_DRAIN_DEADLINE": "25"}
             assert await run_hook(local.scheduler_address, name, env) == 0
-            state = (await daskrpc.drain_status(local.scheduler_address))[leaving]
+            state = (await dask_direct.drain_status(local.scheduler_address))[leaving]
             assert state["state"] == "done" and state["node"] == "node-a" and state["keysMoved"] == 100
             # Told from the operator's drains: the policy's status records what a hook's drain loses.
             assert state["origin"] == "preStop" and state["name"] == name
@@ -127,12 +128,12 @@ async def test_the_hook_gives_its_deadline_and_node_to_the_operators_running_dra
             os.kill(pid, signal.SIGSTOP)
             try:
                 address = local.scheduler_address
-                await daskrpc.start_drain(address, [leaving], deadline=60, nodes_dying=False, restore=True)
+                await dask_direct.start_drain(address, [leaving], deadline=60, nodes_dying=False, restore=True)
                 begun = time.monotonic()
                 env = {"MEMOPS_NODE_NAME": "node-a", "MEMOPS_DRAIN_DEADLINE": "3"}
                 assert await run_hook(address, name, env) == 0
                 assert time.monotonic() - begun < 6, "the hook's deadline, not the operator's"
-                state = (await daskrpc.drain_status(address))[leaving]
+                state = (await dask_direct.drain_status(address))[leaving]
                 assert state["state"] == "deadline" and state["node"] == "node-a"
                 assert state["lostAtDeadline"]["keys"] == 20 and state["origin"] == "", "the operator's drain"
                 assert local.scheduler.workers[leaving].status.name == "closing_gracefully", "not set back"
@@ -196,14 +197,14 @@ async def test_the_hook_drains_every_worker_on_its_pods_ip_named_or_not(agent: b
                 values = {f"{worker}-{i}": os.urandom(4096) for i in range(20)}
                 futures.update(await client.scatter(values, workers=[worker], hash=False))
             if agent:
-                assert await daskrpc.drain_status(address) == {}  # installs the agent
+                assert await dask_direct.drain_status(address) == {}  # installs the agent
             env = {"MEMOPS_POD_NAME": "dask-worker-7d4b9-x2x9z", "MEMOPS_POD_IPS": POD_IP, "MEMOPS_NODE_NAME": "node-a"}
             assert await run_hook(address, "dask-worker-7d4b9-x2x9z", env) == 0
             assert set((await client.scheduler.identity())["workers"]) == {staying}
             who_has = await client.who_has(list(futures.values()))
             assert all(holders == (staying,) for holders in who_has.values()), who_has
             if agent:
-                states = await daskrpc.drain_status(address)
+                states = await dask_direct.drain_status(address)
                 assert sorted(states) == leaving and all(s["origin"] == "preStop" for s in states.values())
                 assert sum(s["keysMoved"] for s in states.values()) == 40
 
@@ -224,11 +225,11 @@ async def test_the_hook_fails_when_no_worker_of_its_pod_is_connected() -> None:
             dask_workers(address, OTHER_IP),
         ):
             workers = await wait_for_workers(client, 2)
-            assert await daskrpc.drain_status(address) == {}  # installs the agent
+            assert await dask_direct.drain_status(address) == {}  # installs the agent
             env = {"MEMOPS_POD_IPS": POD_IP, "DASK_WORKER_NAME": "dask-worker-7d4b9-x2x9z"}
             assert await run_hook(address, "dask-worker-7d4b9-x2x9z", env) == 1
             assert set((await client.scheduler.identity())["workers"]) == set(workers), "no worker retired"
-            assert await daskrpc.drain_status(address) == {}, "no worker drained"
+            assert await dask_direct.drain_status(address) == {}, "no worker drained"
 
 
 async def test_the_hook_of_a_pod_that_memops_already_drained_succeeds() -> None:
@@ -243,7 +244,7 @@ async def test_the_hook_of_a_pod_that_memops_already_drained_succeeds() -> None:
         async with dask_workers(address, POD_IP, "--nworkers", "2"), dask_workers(address, OTHER_IP):
             workers = await wait_for_workers(client, 3)
             leaving = sorted(a for a in workers if host_of(a) == POD_IP)
-            await daskrpc.start_drain(address, leaving, deadline=30, nodes_dying=False)
+            await dask_direct.start_drain(address, leaving, deadline=30, nodes_dying=False)
 
             async def drained() -> bool:
                 return not set((await client.scheduler.identity())["workers"]) & set(leaving)

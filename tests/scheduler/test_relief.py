@@ -16,8 +16,8 @@ from typing import Any
 import distributed.scheduler
 import pytest
 from distributed import Client
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from memops.scheduler import relief
 from tests import polling
 from tests.scheduler import processes
@@ -69,7 +69,7 @@ async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: 
     hot, *peers = sorted(await process_memory(client))
     digests: dict[str, str] = {}
     futures = await load(client, hot, ABOVE + 0.08, digests)
-    assert await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER) is not None
+    assert await dask_direct.configure_relief(address, above=ABOVE, to=TO, owner=OWNER) is not None
     peaks = dict.fromkeys(peers, 0)
 
     async def relieved() -> bool:
@@ -91,7 +91,7 @@ async def test_keys_move_off_a_hot_worker_until_it_is_under_relieve_to(cluster: 
     moved = [k for k, holders in who_has.items() if hot not in holders]
 
     async def done() -> dict[str, Any] | None:
-        state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
+        state = await dask_direct.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
         return state if state is not None and not state["hot"] else None
 
     state = await polling.poll(done, timeout=15, what="relief to see the worker relieved", interval=0.2)
@@ -117,21 +117,21 @@ async def test_starved_when_no_peer_has_room_and_removal_stops_relief(cluster: p
         futures.update(loaded)
 
     async def starved() -> list[str] | None:
-        state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
+        state = await dask_direct.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
         return state["starved"] if state and state["starved"] else None
 
     assert sorted(await polling.poll(starved, timeout=20, what="relief to report starvation", interval=0.2)) == workers
-    state = await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
+    state = await dask_direct.configure_relief(address, above=ABOVE, to=TO, owner=OWNER)
     assert state is not None and state["keysMoved"] == 0
     # Another policy on the same scheduler neither retunes nor removes it; it learns whose it is.
     for above, to in ((0.9, 0.8), (None, None)):
-        other = await daskrpc.configure_relief(address, above=above, to=to, owner="default/other")
+        other = await dask_direct.configure_relief(address, above=above, to=to, owner="default/other")
         assert other is not None and other["owner"] == OWNER and (other["above"], other["to"]) == (ABOVE, TO)
     # Removal: the plugin goes, and configuring again starts from zero.
-    assert await daskrpc.configure_relief(address, above=None, to=None, owner=OWNER) is None
+    assert await dask_direct.configure_relief(address, above=None, to=None, owner=OWNER) is None
     plugins = await client.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.plugins))
     assert "memops-pressure-relief" not in plugins
-    assert await daskrpc.configure_relief(address, above=None, to=None, owner=OWNER) is None
+    assert await dask_direct.configure_relief(address, above=None, to=None, owner=OWNER) is None
 
 
 async def test_a_copy_counts_in_full_on_its_recipient_until_a_heartbeat_shows_it(
@@ -155,7 +155,7 @@ async def test_a_copy_counts_in_full_on_its_recipient_until_a_heartbeat_shows_it
     monkeypatch.setattr(distributed.scheduler, "heartbeat_interval", lambda n: 60.0)
     await asyncio.sleep(1.2)  # each worker's next heartbeat sets its interval to a minute
     seen = await process_memory(client)
-    assert await daskrpc.configure_relief(address, above=ABOVE, to=TO, owner=OWNER) is not None
+    assert await dask_direct.configure_relief(address, above=ABOVE, to=TO, owner=OWNER) is not None
 
     async def landed() -> dict[str, int]:
         who_has = await client.scheduler.who_has(keys=[f.key for f in futures.values()])

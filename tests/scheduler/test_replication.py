@@ -16,8 +16,8 @@ from typing import Any
 
 import distributed
 import pytest
+from memops_sandbox import dask_direct
 
-from memops.clients import daskrpc
 from tests import polling
 from tests.scheduler import processes
 from tests.scheduler.processes import Cluster
@@ -49,7 +49,7 @@ async def placement(cluster: Cluster) -> dict[str, tuple[str, str]]:
 
 
 async def configure(cluster: Cluster, rules: dict[str, Any] | None) -> dict[str, Any] | None:
-    return await daskrpc.configure_replication(
+    return await dask_direct.configure_replication(
         cluster.address, rules=rules, places=await placement(cluster), owner=OWNER
     )
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
+from memops_sandbox import dask_direct
 
 from memops.clients import daskcomm, daskrpc
 from tests.scheduler import hostile
@@ -42,25 +43,27 @@ class Call:
 
 
 CALLS = {
-    "ping": Call("identity", daskcomm.SMALL, lambda a: daskrpc.ping(a, timeout=SECONDS)),
-    "fetch_snapshot": Call("identity", daskcomm.WORKERS, lambda a: daskrpc.fetch_snapshot(a, timeout=SECONDS)),
+    "ping": Call("identity", daskcomm.WORKERS, lambda a: dask_direct.ping(a, timeout=SECONDS)),
+    "events": Call("events", daskcomm.SMALL, lambda a: dask_direct.fetch_snapshot(a, timeout=SECONDS)),
+    "fetch_snapshot": Call("identity", daskcomm.WORKERS, lambda a: dask_direct.fetch_snapshot(a, timeout=SECONDS)),
     "retire_workers": Call(
-        "identity", daskcomm.WORKERS, lambda a: daskrpc.retire_workers(a, [WORKER], timeout=SECONDS)
+        "identity", daskcomm.WORKERS, lambda a: dask_direct.retire_workers(a, [WORKER], timeout=SECONDS)
     ),
-    "holdings": Call("memops_agent", daskcomm.KEYS, lambda a: daskrpc.fetch_snapshot(a, timeout=SECONDS)),
+    "holdings": Call("memops_agent", daskcomm.KEYS, lambda a: dask_direct.fetch_snapshot(a, timeout=SECONDS)),
     "start_drain": Call(
         "memops_agent",
         daskcomm.WORKERS,
-        lambda a: daskrpc.start_drain(a, [WORKER], deadline=5, timeout=SECONDS),
+        lambda a: dask_direct.start_drain(a, [WORKER], deadline=5, timeout=SECONDS),
     ),
-    "who_has": Call("who_has", daskcomm.KEYS, lambda a: daskrpc.fetch_snapshot(a, timeout=SECONDS)),
+    "who_has": Call("who_has", daskcomm.KEYS, lambda a: dask_direct.fetch_snapshot(a, timeout=SECONDS)),
 }
-"""Each call of the operator, by the operation whose answer is the bomb: ``holdings`` is the
-agent's (the first agent call of a snapshot), ``who_has`` the fallback of a scheduler without the
-agent that blocks ``run_function``."""
+"""Each call of the operator, by the operation whose answer is the bomb: ``events`` is the read of
+the agent's install marker (the first call of a snapshot's agent path), ``holdings`` the agent's
+(its first agent call), ``who_has`` the fallback of a scheduler without the agent that blocks
+``run_function``."""
 
 
-ONE_A_LIMIT = ["ping", "fetch_snapshot", "start_drain", "holdings"]
+ONE_A_LIMIT = ["events", "fetch_snapshot", "start_drain", "holdings"]
 """A call for each limit, and for the agent's path: where the decoding runs to its budget (slow
 under tracemalloc), one call a limit is enough."""
 

@@ -31,6 +31,7 @@ import distributed
 import pytest
 from distributed import Client, LocalCluster, Scheduler
 from distributed.active_memory_manager import ActiveMemoryManagerPolicy, ReduceReplicas
+from memops_sandbox import dask_direct
 
 from memops.clients import daskcomm, daskrpc
 from memops.scheduler import replication
@@ -128,9 +129,9 @@ async def holdings(local: LocalCluster, client: Client) -> list[distributed.Futu
 
 async def install(address: str, rules: dict[str, Any]) -> None:
     """As a MemoryPolicy's pass does: its read of the holdings, relief, replication."""
-    await daskrpc.fetch_snapshot(address)
-    assert await daskrpc.configure_relief(address, above=0.99, to=0.98, owner=OWNER) is not None
-    assert await daskrpc.configure_replication(address, rules=rules, places={}, owner=OWNER) is not None
+    await dask_direct.fetch_snapshot(address)
+    assert await dask_direct.configure_relief(address, above=0.99, to=0.98, owner=OWNER) is not None
+    assert await dask_direct.configure_replication(address, rules=rules, places={}, owner=OWNER) is not None
 
 
 async def retire(client: Client, worker: str) -> None:
@@ -201,7 +202,7 @@ async def test_memops_with_a_rule_changes_nothing_but_the_ruled_keys(cluster: tu
         await install(scheduler.address, NO_RULE)
         assert amm.policies == stock
         await install(scheduler.address, A_RULE)
-        assert await daskrpc.configure_replication(scheduler.address, rules=None, places={}, owner=OWNER) is None
+        assert await dask_direct.configure_replication(scheduler.address, rules=None, places={}, owner=OWNER) is None
         assert amm.policies == stock
     assert warned == []
     assert len(data) == 4 * 2 + 2
@@ -222,7 +223,7 @@ async def test_a_pass_waiting_on_the_scheduler_ends_within_a_second(how: str) ->
     async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as scheduler:
         scheduler.handlers["events"] = never
         call = asyncio.create_task(
-            daskrpc.configure_replication(scheduler.address, rules=NO_RULE, places={}, owner=OWNER, timeout=60)
+            dask_direct.configure_replication(scheduler.address, rules=NO_RULE, places={}, owner=OWNER, timeout=60)
         )
         await asyncio.wait_for(asked.wait(), 10)  # the call is in the scheduler's hands
         started = time.monotonic()

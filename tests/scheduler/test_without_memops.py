@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from memops_sandbox import dask_direct
 
 from memops.clients import daskrpc
 from tests.scheduler import processes
@@ -52,19 +53,19 @@ def address(unused_tcp_port: int) -> Iterator[str]:
 async def test_the_agent_and_its_plugins_run_where_memops_is_not_installed(address: str) -> None:
     async def count() -> int:
         try:
-            return len((await daskrpc.fetch_snapshot(address, timeout=5)).workers)
+            return len((await dask_direct.fetch_snapshot(address, timeout=5)).workers)
         except daskrpc.SchedulerUnreachable:
             return 0
 
     await processes.wait_for_workers(count, 2)
     rules = {"default": 1, "keys": [{"glob": "ruled-*", "replicas": 2}], "pods": []}
-    replication = await daskrpc.configure_replication(address, rules=rules, places={}, owner="default/stock")
+    replication = await dask_direct.configure_replication(address, rules=rules, places={}, owner="default/stock")
     assert replication is not None, "replication installed, with a glob rule"
-    relief = await daskrpc.configure_relief(address, above=0.9, to=0.8, owner="default/stock")
+    relief = await dask_direct.configure_relief(address, above=0.9, to=0.8, owner="default/stock")
     assert relief is not None, "relief installed"
-    snapshot = await daskrpc.fetch_snapshot(address, timeout=5, drains=True)
+    snapshot = await dask_direct.fetch_snapshot(address, timeout=5, drains=True)
     assert snapshot.drains is not None, "the agent answers the drains' read"
-    async with daskrpc.connect(address) as scheduler:
+    async with dask_direct.connect(address) as scheduler:
         found = await scheduler.install_links()
         assert {s["status"] for s in found.values()} == {"Active"}, found
         assert len(await scheduler.spill_shares()) == 2, "the agent answers the spill's read"

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
+from memops_sandbox import dask_direct
 
 from memops.clients import daskrpc
 from memops.scheduler import agent, worker_limits
@@ -228,13 +229,13 @@ async def test_the_operator_resizes_a_worker_where_memops_is_not_installed(unuse
 
         async def workers() -> list[Any]:
             try:
-                return list((await daskrpc.fetch_snapshot(address, timeout=5)).workers)
+                return list((await dask_direct.fetch_snapshot(address, timeout=5)).workers)
             except daskrpc.SchedulerUnreachable:
                 return []
 
         [before] = await polling.poll(workers, timeout=60, what="the worker", interval=0.2)
         assert before.memory_limit == OLD
-        async with daskrpc.connect(address, timeout=10) as connected:
+        async with dask_direct.connect(address, timeout=10) as connected:
             reply = await connected.resize_worker(before.address, memory_limit=NEW, maximum=NEW, timeout=40)
         assert reply["refused"] is None, reply
         assert list(reply["applied"]) == ["nanny", "worker", "scheduler"]
