@@ -101,10 +101,9 @@ class Read:
 
 @dataclasses.dataclass(frozen=True)
 class Blocked:
-    """A pass that cannot act: the status as written last, as read so far, and why."""
+    """A pass that cannot act: the status as written last, and why."""
 
     old: specs.MemoryPolicyStatus
-    status: specs.MemoryPolicyStatus
     blocker: policy_decisions.NotReady
     generation: int
 
@@ -165,7 +164,7 @@ class Policy:
             read = await self.read(stack)
             if isinstance(read, Blocked):
                 # Not Ready, and the status says why.
-                await self.write(read.old, policy_decisions.not_ready(read.status, read.blocker, read.generation))
+                await self.write(read.old, policy_decisions.not_ready(read.old, read.blocker, read.generation))
                 await self.release_while_blocked()
                 return
             with metrics.deciding("policy"):
@@ -177,12 +176,10 @@ class Policy:
         policy. Reads only: nothing is written, configured, patched or posted here."""
         generation = int(self.body.metadata.get("generation", 1))
         old = specs.MemoryPolicyStatus.model_validate(_own(self.body.get("status")))
-        status = old.model_copy(deep=True, update={"observedGeneration": generation})
-
-        target = await self.read_target(status)
+        target = await self.read_target()
         if isinstance(target, policy_decisions.NotReady):
-            return Blocked(old, status, target, generation)
-        spec, workload = target
+            return Blocked(old, target, generation)
+        spec, workload, selector = target
         disruption_due = time.monotonic() - self.disruption_read >= _DISRUPTION_SECONDS
         hpas = await self.listed("horizontalpodautoscalers", (self.namespace,))
         pressure = await self.read_node_pressure(spec, workload)
@@ -200,12 +197,13 @@ class Policy:
         if snapshot is not None and snapshot.drains is None:
             self.logger.warning("cannot read the preStop drains' losses: the scheduler does not run memops' agent")
         findings = policy_findings.Findings(
+            selector=selector,
             scheduler=seen,
             memory=_memory_status(snapshot) if snapshot is not None else None,
             drains=snapshot.drains if snapshot is not None else None,
             hook_events=await self.failed_hook_events(),
             # The namespace's scheduler: what its workers' departures lost.
-            departures=await self.departures(status.selector, snapshot) if snapshot is not None else None,
+            departures=await self.departures(selector, snapshot) if snapshot is not None else None,
         )
         current = workloads.replicas_of(workload)
         resized, disrupted = await self.read_workers(spec, workload, snapshot, now, disruption_due=disruption_due)
@@ -213,7 +211,7 @@ class Policy:
             owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
             generation=generation,
             spec=spec,
-            status=status,
+            status=old,
             current=current,
             replicas=int(workload.get("status", {}).get("replicas", current)),
             now=now,
@@ -221,7 +219,7 @@ class Policy:
             usage=autoscaling.usage_of(snapshot.workers) if snapshot is not None else None,
             connected=len(snapshot.workers) if snapshot is not None else 0,
             requests=tuple(requests),
-            recycling=await self.read_recycling(spec, workload, snapshot, requests, status, now),
+            recycling=await self.read_recycling(spec, workload, snapshot, requests, old, now),
             template=shared_spill.template_spec(workload) if spec.sharedSpill is not None else None,
             host_roots=self.host_roots,
             resize=resized,
@@ -312,10 +310,8 @@ class Policy:
         margin = specs.parse_quantity(settings.margin)
         return await kubelets.read(self.client, self.kubelets, pods=pods, margin=margin, logger=self.logger)
 
-    async def read_target(
-        self, status: specs.MemoryPolicyStatus
-    ) -> tuple[specs.MemoryPolicySpec, dict[str, Any]] | policy_decisions.NotReady:
-        """The spec and the workload it names (its selector into ``status``), or what blocks the policy."""
+    async def read_target(self) -> tuple[specs.MemoryPolicySpec, dict[str, Any], str] | policy_decisions.NotReady:
+        """The spec, the workload it names and its pods' selector, or what blocks the policy."""
         NotReady = policy_decisions.NotReady
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
@@ -338,7 +334,7 @@ class Policy:
             message = f"spec.workload.name: {spec.workload.kind} {spec.workload.name!r} not found in {self.namespace}"
             return NotReady("WorkloadNotFound", message)
         try:
-            status.selector = workloads.selector(workload)
+            selector = workloads.selector(workload)
         except selectors.InvalidSelector as exc:
             return NotReady("InvalidSelector", f"spec.workload: {spec.workload.kind} {spec.workload.name!r}: {exc}")
         older = scaling.competing_policies(dict(self.body), await self.listed("memorypolicies", (self.namespace,)))
@@ -348,7 +344,7 @@ class Policy:
                 f" {spec.workload.name!r}; this policy does nothing while it exists"
             )
             return NotReady("Conflict", message, True)
-        return spec, workload
+        return spec, workload, selector
 
     async def apply(self, read: Read, decision: policy_decisions.Decision) -> None:
         """Do what the pass decided, each effect once: the scheduler's relief and replication, what

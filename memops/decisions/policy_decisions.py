@@ -85,7 +85,8 @@ def not_ready(status: specs.MemoryPolicyStatus, blocker: NotReady, generation: i
         found, "Ready", False, reason=blocker.reason, message=blocker.message, generation=generation
     )
     # A policy that cannot act holds nothing back: what its last pass held is no longer being decided.
-    return status.model_copy(update={"message": blocker.message, "conditions": found, "heldBack": []})
+    update = {"observedGeneration": generation, "message": blocker.message, "conditions": found, "heldBack": []}
+    return status.model_copy(update=update)
 
 
 _DEFAULT_PROTECTION = disruption.DEFAULTS.max_seconds  # named here: Inputs' field ``disruption`` hides the module
@@ -98,7 +99,7 @@ class Inputs:
     owner: objects.Owner
     generation: int
     spec: specs.MemoryPolicySpec
-    status: specs.MemoryPolicyStatus  # as written last, with the workload's selector and observedGeneration
+    status: specs.MemoryPolicyStatus  # as written last
     current: int  # the replicas the workload is asked for
     replicas: int  # the replicas the workload reports
     now: float  # unix seconds

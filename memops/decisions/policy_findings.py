@@ -51,6 +51,7 @@ class Departures:
 class Findings:
     """What the read found beyond the status as written last; a None field was not read this pass."""
 
+    selector: str | None = None  # the workload's pods' label selector (status.selector, for the scale subresource)
     scheduler: SchedulerSeen | None = None  # None: the pass did not try to reach it
     memory: specs.MemoryStatus | None = None  # the workers' memory, when the scheduler was reached
     # The agent's drain_status (hostile input), when the scheduler was reached and runs memops' agent.
@@ -77,9 +78,12 @@ def observe(
     generation: int,
     now: float,
 ) -> Observed:
-    """``status`` (not changed) with what the pass found: ``SchedulerReachable``, ``memory`` (none
-    kept from a scheduler that is not the namespace's), ``safetyNet`` and ``workerLosses``."""
-    status = status.model_copy(deep=True)
+    """``status`` (not changed) with what the pass of ``generation`` found: ``selector``,
+    ``SchedulerReachable``, ``memory`` (none kept from a scheduler that is not the namespace's),
+    ``safetyNet`` and ``workerLosses``."""
+    status = status.model_copy(deep=True, update={"observedGeneration": generation})
+    if findings.selector is not None:
+        status.selector = findings.selector
     seen = findings.scheduler
     if seen is not None:
         status.conditions = scheduler_reachable(status.conditions, seen, generation)

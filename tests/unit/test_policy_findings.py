@@ -100,3 +100,10 @@ def test_the_pass_decides_from_its_findings() -> None:
     assert found["SchedulerReachable"] == ("False", "SchedulerUnreachable")
     assert found["Ready"][0] == "False", "without the scheduler no scale-down can drain"
     assert ("Warning", "FailedPreStopHook") in [(e.type, e.reason) for e in decision.events]
+
+
+def test_the_selector_and_the_generation_observed() -> None:
+    old = specs.MemoryPolicyStatus(selector="app=old", observedGeneration=1)
+    assert (observe(policy_findings.Findings(selector="app=w"), old).status.selector) == "app=w"
+    kept = observe(policy_findings.Findings(), old).status
+    assert (kept.selector, kept.observedGeneration) == ("app=old", 2)
