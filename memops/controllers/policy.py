@@ -348,8 +348,10 @@ class Policy:
 
     async def apply(self, read: Read, decision: policy_decisions.Decision) -> None:
         """Do what the pass decided, each effect once: the scheduler's relief and replication, what
-        the read found to show, marks, requests, the scale-up, events; the status last but one, so
-        that a finished drain is annotated as recorded only once the status holds it."""
+        the read found to show, marks, requests, the scale-up; then the status, then the events,
+        the workers' departures marked as decided and the finished drains annotated as recorded,
+        each only once the status holds what it says: a pass whose write fails has them found
+        and said again by the next, never lost nor said twice."""
         inputs = read.inputs
         status = await self.configure_scheduler(read, decision.status)
         status = await self.apply_resizes(read, decision, status)
@@ -363,11 +365,11 @@ class Policy:
             await self.create(request)
         if decision.scale_up_to is not None:
             await workloads.scale_to(self.client, self.namespace, inputs.spec.workload, decision.scale_up_to, up=True)
-        if decision.losses_settled is not None:
-            self.losses_settled = decision.losses_settled
+        await self.write(read.old, status)
         for event in decision.events:
             kopf.event(self.body, type=event.type, reason=event.reason, message=event.message)
-        await self.write(read.old, status)
+        if decision.losses_settled is not None:
+            self.losses_settled = decision.losses_settled
         memory = status.memory
         metrics.policy_observed(
             self.namespace,

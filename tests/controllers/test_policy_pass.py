@@ -113,14 +113,17 @@ async def test_a_pass_reads_the_workers_and_the_prestop_losses_over_one_connecti
         assert len(data) == 3  # kept referenced: the keys stay on the worker, held nowhere else
 
 
+@pytest.mark.parametrize("write_fails", [False, True], ids=["written", "first-write-fails"])
 async def test_a_worker_that_left_on_its_own_is_recorded_once_with_its_pods_reason(
-    client: tuple[kube.Kube, str], monkeypatch: pytest.MonkeyPatch
+    client: tuple[kube.Kube, str], monkeypatch: pytest.MonkeyPatch, write_fails: bool
 ) -> None:
     """The worker of the policy's pod left the scheduler with scattered keys held nowhere else, and
     its container was OOM-killed and restarted (the pod's status says so, as a kubelet writes it),
     its new worker back in the scheduler. The pass records it in ``status.workerLosses`` with the
     pod's reason and the keys' figures, posts one ``WorkerLost`` Warning and counts it once in the
-    metrics, over two passes and a restarted operator (a new :class:`Policy`)."""
+    metrics, over two passes and a restarted operator (a new :class:`Policy`). ``first-write-fails``:
+    the first pass that finds the loss cannot write its status (the API server answers 500 once);
+    the next pass finds the loss again, and it is still recorded, said and counted once."""
     kube_client, namespace = client
     events: list[dict[str, Any]] = []
     monkeypatch.setattr(kopf, "event", lambda body, **event: events.append(event))
@@ -129,6 +132,7 @@ async def test_a_worker_that_left_on_its_own_is_recorded_once_with_its_pods_reas
     pods = kube.resource_path("", "v1", "pods", namespace)
     counted = metrics.WORKER_LOSSES.labels(namespace, "p", "OOMKilled")
     lost_bytes = metrics.WORKER_LOST_BYTES.labels(namespace, "p", "OOMKilled")
+    counted_before, lost_bytes_before = counted._value.get(), lost_bytes._value.get()
     async with Scheduler(host="127.0.0.1", dashboard_address=":0") as scheduler:
         spec["scheduler"]["address"] = scheduler.address
         body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": spec}
@@ -162,6 +166,10 @@ async def test_a_worker_that_left_on_its_own_is_recorded_once_with_its_pods_reas
             }
             await kube_client.merge_patch(f"{pods}/{POD}/status", {"status": {"containerStatuses": [container]}})
             async with Worker(scheduler.address, name=POD, nthreads=1):  # the restarted container's
+                if write_fails:
+                    await _fail_once(monkeypatch, kube_client, f"{path}/p/status", reconcile(operator))
+                    assert not (await kube_client.get(f"{path}/p"))["status"].get("workerLosses")
+                    assert events == [], "nothing said of what the status does not hold"
                 recorded = []
                 for _ in range(2):
                     operator = await reconcile(operator)
@@ -176,4 +184,22 @@ async def test_a_worker_that_left_on_its_own_is_recorded_once_with_its_pods_reas
     assert (
         events[0]["type"] == "Warning" and f"pod {POD}" in events[0]["message"] and "OOMKilled" in events[0]["message"]
     )
-    assert (counted._value.get(), lost_bytes._value.get()) == (1, held)
+    assert (counted._value.get() - counted_before, lost_bytes._value.get() - lost_bytes_before) == (1, held)
+
+
+async def _fail_once(monkeypatch: pytest.MonkeyPatch, client: kube.Kube, path: str, work: Any) -> None:
+    """Run ``work`` while the API server answers the first write of ``path`` with a 500."""
+    patch = client.merge_patch
+    failed: list[str] = []
+
+    async def failing(target: str, body: Any) -> Any:
+        if target == path and not failed:
+            failed.append(target)
+            raise kube.ApiError(500, "InternalError", "injected: the status write failed")
+        return await patch(target, body)
+
+    monkeypatch.setattr(client, "merge_patch", failing)
+    with pytest.raises(kube.ApiError, match="injected"):
+        await work
+    monkeypatch.setattr(client, "merge_patch", patch)
+    assert failed == [path], "the pass wrote its status"
