@@ -39,6 +39,10 @@ CHUNK = 32 * MiB
 # between its threshold and the pods' cgroup limit (the kernel's OOM kill) there must be room for
 # what arrives in 20 s.
 PACE = 1.0
+# Unpaced while the Node is surely further than this from its threshold: what was sent since the
+# statistics could have been taken (STATS_LAG before they were read) counts as already there.
+FAST_UNTIL = 768 * MiB
+STATS_LAG = 25.0
 APP = "pressed"
 
 
@@ -124,13 +128,22 @@ def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node:
     Node's pods are past the kubelet's threshold by a margin it cannot miss between two of its
     looks, or a worker of it was evicted, or ``budget`` bytes were sent. While one of the two is
     away (drained, its container restarting) the workload waits for it, rather than pour
-    everything into the other one up to its own limit."""
+    everything into the other one up to its own limit. Chunks go at ``PACE`` from :data:`FAST_UNTIL`
+    before the threshold, as near as the kubelet's stale statistics can tell, and at once before."""
     sent, step, deadline = 0, 0, time.monotonic() + 300
+    sends: list[float] = []  # when each chunk went
+    room, read_at = 0, 0.0
+    workers: list[tuple[str, str]] = []
     while sent < budget and time.monotonic() < deadline:
-        if step % 4 == 0 and (headroom(sandbox, node) < -128 * MiB or evicted(sandbox)):
-            return
+        if step % 4 == 0:
+            room, read_at = headroom(sandbox, node), time.monotonic()
+            if room < -128 * MiB or evicted(sandbox):
+                return
+        unseen = CHUNK * sum(1 for at in sends if at >= read_at - STATS_LAG)
+        fast = room - unseen > FAST_UNTIL
+        if not fast or step % 4 == 0 or len(workers) < 2:  # far from the threshold nobody leaves
+            workers = sorted(workers_on(client, sandbox, node).items())
         step += 1
-        workers = sorted(workers_on(client, sandbox, node).items())
         if len(workers) < 2:
             time.sleep(PACE)
             continue
@@ -140,10 +153,12 @@ def fill(client: distributed.Client, sandbox: Sandbox, holdings: Holdings, node:
         try:
             scattered = client.scatter({key: value}, workers=[address], hash=False, broadcast=False, timeout=10)
         except (OSError, TimeoutError, KeyError):
+            workers = []
             continue  # the worker left (drained, or evicted) as the chunk went
         holdings.futures[key], holdings.values[key], holdings.owner[key] = scattered[key], value, pod
         sent += CHUNK
-        time.sleep(PACE)
+        sends.append(time.monotonic())
+        time.sleep(0.0 if fast else PACE)
 
 
 def evicted(sandbox: Sandbox) -> list[str]:
@@ -157,10 +172,13 @@ def scenario(sandbox: Sandbox, client: distributed.Client) -> tuple[Holdings, st
     client.wait_for_workers(5, timeout=120)
     node = the_full_node(sandbox)
     holdings = Holdings(client)
-    before = headroom(sandbox, node)
+    before, began = headroom(sandbox, node), time.monotonic()
     # What takes the Node past its threshold: its headroom, and the statistics' lag.
     fill(client, sandbox, holdings, node, before + 384 * MiB)
-    print(f"{node}: {before // MiB} MiB to the threshold before the fill, {headroom(sandbox, node) // MiB} after")
+    print(
+        f"{node}: {before // MiB} MiB to the threshold before the fill, {headroom(sandbox, node) // MiB} after"
+        f" ({len(holdings.values)} chunks in {time.monotonic() - began:.0f} s)"
+    )
     return holdings, node
 
 
