@@ -112,7 +112,7 @@ async def configure_relief(
     above: float | None,
     to: float | None,
     owner: str,
-    timeout: float = 5,
+    timeout: float = 10,
 ) -> dict[str, Any] | None:
     """:meth:`memops.clients.daskrpc.Scheduler.configure_relief` over one connection of :func:`connect`."""
     async with connect(address, security=security, timeout=timeout) as scheduler:
@@ -126,14 +126,14 @@ async def configure_replication(
     rules: Mapping[str, Any] | None,
     places: Mapping[str, tuple[str, str]],
     owner: str,
-    timeout: float = 5,
+    timeout: float = 10,
 ) -> dict[str, Any] | None:
     """:meth:`memops.clients.daskrpc.Scheduler.configure_replication` over one connection of :func:`connect`."""
     async with connect(address, security=security, timeout=timeout) as scheduler:
         return await scheduler.configure_replication(rules=rules, places=places, owner=owner)
 
 
-async def ping(address: str, *, security: Security | None = None, timeout: float = 5) -> int:
+async def ping(address: str, *, security: Security | None = None, timeout: float = 10) -> int:
     """The number of workers the scheduler has; cheap, whatever the number of keys.
 
     Read from the ``identity`` that the connection's vouch judged (every worker's, within

@@ -66,10 +66,13 @@ def worker_info(client: distributed.Client, name: str) -> dict[str, Any] | None:
 
 def fill(client: distributed.Client, holdings: Holdings, pod: str, until: float, ceiling: int) -> None:
     """Scatter ``CHUNK``-sized unique keys onto ``pod``'s worker until Dask sees its process memory
-    over ``until`` of its limit, or ``ceiling`` bytes of keys are there."""
+    over ``until`` of its limit, or ``ceiling`` bytes of keys are there, or the worker is gone (killed
+    before the fill got there: the caller's assertions on its keys say whether that was allowed)."""
     while sum(len(holdings.values[k]) for k in holdings.keys_of(pod)) < ceiling:
         info = worker_info(client, pod)
-        assert info is not None, f"{pod}'s worker is gone"
+        if info is None:
+            print(f"{pod}'s worker left during the fill, with {len(holdings.keys_of(pod))} chunks sent")
+            return
         if info["metrics"]["memory"] > until * info["memory_limit"]:
             return
         key = f"{pod}-{len(holdings.keys_of(pod))}"

@@ -278,7 +278,10 @@ async def test_a_real_scheduler_with_50_workers_agrees_with_a_full_scan_through_
             scattered = await client.scatter([bytes(500)] * 200, hash=False)
             await distributed.wait(ruled + other)
             rules: dict[str, Any] = {"keys": [{"prefix": "load-parquet", "replicas": 2}], "maxReplicatedFraction": 0.5}
-            assert await dask_direct.configure_replication(address, rules=rules, places={}, owner="test") is not None
+            assert (
+                await dask_direct.configure_replication(address, rules=rules, places={}, owner="test", timeout=30)
+                is not None
+            )
 
             async def settled() -> bool:
                 who_has = await client.scheduler.who_has(keys=[str(f.key) for f in ruled])
@@ -308,7 +311,7 @@ async def test_a_real_scheduler_with_50_workers_agrees_with_a_full_scan_through_
                         "pods": [{"workers": rng.sample(workers, 5), "replicas": 2}] if rng.random() < 0.5 else [],
                         "maxReplicatedFraction": 0.5,
                     }
-                    await dask_direct.configure_replication(address, rules=rules, places={}, owner="test")
+                    await dask_direct.configure_replication(address, rules=rules, places={}, owner="test", timeout=30)
                 print(
                     what, len(scheduler.workers), len(scheduler.tasks), agrees(scheduler)
                 )  # at once, whatever the passes do
