@@ -79,7 +79,14 @@ def located(client: distributed.Client) -> dict[str, str]:
 def preempt(sandbox: Sandbox, client: distributed.Client, pods: list[str]) -> tuple[float, list[str]]:
     """Unique data on ``pods``, then ``kubectl delete --grace-period=25`` of each, ``STAGGER``
     seconds apart: the seconds until their workers left the scheduler, and the keys lost."""
-    addresses = {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+    def connected() -> dict[str, str] | None:
+        found = {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        return found if set(pods) <= found.keys() else None
+
+    # A worker may be between two connections (CI's load once had one miss its heartbeats just after
+    # the roll-out settled): the data goes once each pod's worker is there.
+    addresses: dict[str, str] = sandbox.wait_for(connected, 60, "the pods' workers in the scheduler")
     futures: list[distributed.Future] = []
     for pod in pods:
         values = {f"{pod}-{i}": os.urandom(KEY) for i in range(SIZE // KEY)}

@@ -15,6 +15,18 @@ from tests.e2e.test_policy import condition, memory_policy
 from tests.e2e.test_real_nodes import cgroup_limit
 from tests.scheduler import hostile
 
+KOPF_STREAM_CANCEL = "in request_cancel_callback"
+"""Kopf's watch stream cancels its request from a done-callback of its stopper that asserts it runs
+in a task; a callback never does, so a stream stopped before its first answer (a watched namespace
+of an earlier test going away) logs that assertion's traceback. It is Kopf's, in its own watch, and
+changes nothing memops does."""
+
+
+def memops_tracebacks(log: str) -> list[str]:
+    """The tracebacks in the operator's ``log``, but for Kopf's :data:`KOPF_STREAM_CANCEL`."""
+    blocks = log.split("Traceback (most recent call last):")[1:]
+    return [block[:3000] for block in blocks if KOPF_STREAM_CANCEL not in block[:3000]]
+
 
 def test_workers_are_containers_whose_limit_dask_reads_from_the_cgroup(sandbox: Sandbox) -> None:
     """Every worker pod runs in a container under a real kubelet (a containerd container ID), its
@@ -139,7 +151,7 @@ def test_hostile_specs_are_refused_or_end_in_a_status(sandbox: Sandbox) -> None:
     kopf_annotation = done["metadata"]["annotations"]["memops.dev/last-handled-configuration"]
     assert len(kopf_annotation) < 1000, len(kopf_annotation)
     assert sandbox.pods() != pods and sandbox.replicas() == 3
-    assert "Traceback" not in sandbox.operator_log()
+    assert memops_tracebacks(sandbox.operator_log()) == []
 
 
 def test_invalid_specs_are_refused_and_the_operator_keeps_serving(sandbox: Sandbox) -> None:
