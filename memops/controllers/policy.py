@@ -721,7 +721,8 @@ class Policy:
         pending = worker_loss_decisions.pending(worker_loss_decisions.parse(snapshot.departures), since=since)
         path = kube.resource_path("", "v1", "pods", self.namespace)
         pods = await self.client.list(path, label_selector=selector) if pending and selector else []
-        return policy_findings.Departures(tuple(pending), tuple(pods), since, dict(self.known))
+        # self.known as it is: only the tenancy check of this pass' read changes it, before this.
+        return policy_findings.Departures(tuple(pending), tuple(pods), since, self.known)
 
     async def create(self, request: dict[str, Any]) -> None:
         """Create one of the policy's RetirementRequests; one that exists already (a repeated pass) stays."""
