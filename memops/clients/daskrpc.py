@@ -84,6 +84,7 @@ from memops.scheduler import (
     departures,
     drain,
     holdings,
+    placement,
     relief,
     replication,
     replication_index,
@@ -103,6 +104,7 @@ _BY_VALUE = (
     drain,
     handover,
     holdings,
+    placement,
     relief,
     replication,
     replication_index,
@@ -513,6 +515,41 @@ class Scheduler:
             return None  # {}: removed, or never installed
         # The agent's answer comes through msgpack, which turns lists into tuples.
         return {str(key): list(value) if isinstance(value, tuple) else value for key, value in state.items()}
+
+    async def configure_placement(
+        self, *, enabled: bool, max_tasks: int, owner: str, timeout: float | None = None
+    ) -> dict[str, Any] | None:
+        """Install, retune or (``enabled`` false) remove graph-aware placement in the scheduler
+        (:mod:`memops.scheduler.placement`); its figures, as plain numbers (None when none is
+        installed). Placement that another ``owner`` installed is left alone; the figures then say
+        whose it is. Raises :class:`SchedulerRefused` when the scheduler does not run the agent."""
+        address = self.address
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            figures = await _agent(
+                comm, "placement", install=enabled, enabled=enabled, max_tasks=int(max_tasks), owner=owner
+            )
+        if not figures:
+            return None
+        if not isinstance(figures, Mapping):
+            raise SchedulerMisbehaved(
+                address, f"the agent's placement figures are a {type(figures).__name__}, not a map"
+            )
+        try:
+            left = figures.get("graphs_left") or {}
+            plain: dict[str, Any] = {
+                "graphsPlaced": int(figures["graphs_placed"]),
+                # Reasons are the agent's own few words; a peer's map is cut to a few short entries.
+                "graphsLeft": {str(k)[:40]: int(v) for k, v in list(dict(left).items())[:8]},
+                "groups": int(figures["groups"]),
+                "tasksPlaced": int(figures["tasks_placed"]),
+                "rehomed": int(figures["rehomed"]),
+                "seconds": float(figures["seconds"]),
+                "longest": float(figures["longest"]),
+                "owner": str(figures.get("owner", ""))[:256],
+            }
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SchedulerMisbehaved(address, f"the agent's placement figures are malformed: {exc}") from exc
+        return plain
 
     async def configure_replication(
         self,

@@ -41,6 +41,8 @@ Operations (``operation``, its arguments, what ``result`` holds):
   its ``reason``), else ``{}``;
 - ``spill``: :func:`memops.worker.links.spill`: each worker's spilled bytes with each inode counted once,
   and its share of its node's spill (an inode that k workers link counts 1/k to each);
+- ``placement`` (``enabled``, ``max_tasks``, ``owner``): :func:`memops.scheduler.placement.configure`:
+  installs, retunes or removes graph-aware placement; its figures, or ``{}`` once removed;
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
@@ -58,15 +60,16 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
 from memops.rulesyntax import bounds
-from memops.scheduler import departures, drain, holdings, relief, replication, worker_limits
+from memops.scheduler import departures, drain, holdings, placement, relief, replication, worker_limits
 from memops.worker import links
 
 NAME = "memops_agent"
-VERSION = 12
+VERSION = 13
 """Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
 (7: no rule in force leaves the AMM as Dask made it; 8: replication follows an index of the ruled
-keys instead of scanning keys; 10: ``resize``; 11: ``departures``; 12: ``links``, ``spill``), so that an
-older agent is replaced."""
+keys instead of scanning keys; 10: ``resize``; 11: ``departures``; 12: ``links``, ``spill``; 13:
+``placement``, and a drain moves the drained workers' placed groups first), so that an older agent
+is replaced."""
 EVENTS = "memops-agent"
 """The scheduler's event topic where :func:`install` logs ``{"action": "installed", "agent":
 VERSION}``. The operator reads it (the stock ``events`` handler, read-only) to learn whether the
@@ -112,7 +115,7 @@ def _drain(
     handover: bool = True,
     nodes_dying: bool = True,
 ) -> dict[str, Any]:
-    return drain.start(
+    started = drain.start(
         dask_scheduler,
         workers=[str(w) for w in workers],
         names=[str(n) for n in names],
@@ -125,6 +128,11 @@ def _drain(
         handover=bool(handover),
         nodes_dying=bool(nodes_dying),
     )
+    # The drained workers' placed groups go elsewhere now: their next tasks would otherwise make
+    # more data on a worker that is being emptied.
+    by_name = {str(ws.name): ws.address for ws in dask_scheduler.workers.values()}
+    placement.rehome(dask_scheduler, [str(w) for w in workers] + [by_name.get(str(n), "") for n in names])
+    return started
 
 
 def _drain_status(
@@ -162,6 +170,13 @@ async def _spill(dask_scheduler: Any) -> dict[str, Any]:
     return await links.spill(dask_scheduler)
 
 
+def _placement(
+    dask_scheduler: Any, enabled: bool = False, max_tasks: Any = placement.MAX_TASKS, owner: str = ""
+) -> dict[str, Any]:
+    bounded = int(max_tasks) if isinstance(max_tasks, int) and not isinstance(max_tasks, bool) else placement.MAX_TASKS
+    return placement.configure(dask_scheduler, enabled is True, max_tasks=bounded, owner=str(owner)) or {}
+
+
 def _hello(dask_scheduler: Any) -> dict[str, Any]:
     return {"version": VERSION}
 
@@ -176,6 +191,7 @@ OPERATIONS: dict[str, Callable[..., Any]] = {
     "departures": _departures,
     "links": _links,
     "spill": _spill,
+    "placement": _placement,
     "hello": _hello,
 }
 

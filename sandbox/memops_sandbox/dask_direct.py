@@ -133,6 +133,20 @@ async def configure_replication(
         return await scheduler.configure_replication(rules=rules, places=places, owner=owner)
 
 
+async def configure_placement(
+    address: str,
+    *,
+    security: Security | None = None,
+    enabled: bool,
+    max_tasks: int = 50_000,
+    owner: str,
+    timeout: float = 10,
+) -> dict[str, Any] | None:
+    """:meth:`memops.clients.daskrpc.Scheduler.configure_placement` over one connection of :func:`connect`."""
+    async with connect(address, security=security, timeout=timeout) as scheduler:
+        return await scheduler.configure_placement(enabled=enabled, max_tasks=max_tasks, owner=owner)
+
+
 async def ping(address: str, *, security: Security | None = None, timeout: float = 10) -> int:
     """The number of workers the scheduler has; cheap, whatever the number of keys.
 

@@ -24,6 +24,8 @@ from tests import polling
 
 OPTIONS = ("--no-dashboard", "--death-timeout", "30")
 DASK = str(Path(sys.executable).with_name("dask"))
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository, where ``tests`` is imported from."""
 
 
 def spawn(scheduler: str, name: str, memory_limit: str = "256MiB", host: str | None = None) -> subprocess.Popen[bytes]:
@@ -33,6 +35,8 @@ def spawn(scheduler: str, name: str, memory_limit: str = "256MiB", host: str | N
     return subprocess.Popen(
         [*command, *where, *OPTIONS],
         start_new_session=True,
+        # The tests' own functions reach a worker by reference, as LocalCluster's workers import them.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -1,0 +1,385 @@
+"""Graph-aware placement in the Dask scheduler: the tasks of a submitted graph that share roots run
+on one worker, so that a graph of independent subgraphs moves (almost) nothing between workers.
+
+The idea is the AutoRestrictor plugin's (dask/distributed PR #4864, never merged): group tasks by
+the root tasks they depend on and restrict each group to one worker. Where this differs from it:
+
+- **One pass, no partition layer.** The seed finds a "partitioning layer" by walking down from the
+  terminal tasks until there are enough of them for the workers, then computes each task's set of
+  roots (quadratic in the worst case; about 2 s per 100,000 tasks). Here groups grow bottom-up in
+  priority order (``dask.order``'s order is topological) with a union-find of root groups: a task
+  whose dependencies lie in one group joins it; a task that joins groups merges them while the
+  merged group stays within a fair share of the roots (roots / workers), and is otherwise
+  *shared*. The seed's layer and this cap cut the same tree reductions at about the same height.
+- **Shared tasks are Dask's.** The seed restricts a task shared between groups to every worker of
+  its consumers; here it keeps no restriction, and Dask's own objective places it (where most of
+  its input bytes are), which is where its consumers' groups are.
+- **Graphs that do not partition are left alone**: where more than a quarter of the graph's edges
+  would cross groups (a shuffle, an all-to-all), where a task already carries restrictions (P2P
+  shuffles, user ``workers=``), where a task is annotated ``memops_placement=False`` (a user's
+  opt-out), or where the graph is larger than ``max_tasks`` (so that the pass never holds the
+  event loop for long; its cost per task is measured in ``bench/placement.py``).
+- **Strict restrictions, kept on running workers.** A loose restriction (``allow_other_workers``)
+  lets an idle worker steal a group's roots (no dependencies: the cheapest to steal), and their
+  consumers, on the group's worker, then fetch them back: on the seed's sum, 67 to 324 MiB moved
+  with loose restrictions, 38 MiB with strict ones. So a group's tasks may run only on its worker,
+  and the plugin keeps that worker running: when it pauses, starts retiring, or leaves, or when a
+  worker joins a scheduler that had none, each of its groups moves (:func:`rehome`) to the running
+  worker that holds most of the group's bytes (where a drain sent them), or else to the least
+  subscribed one, and the tasks Dask found no worker for go on at once. Removing placement lifts
+  the restrictions it set.
+
+Root tasks restricted to a worker are not queued by the scheduler (it queues only unrestricted
+root-ish tasks); the worker still runs them one per thread in ``dask.order``'s priority, which
+reduces each subgraph before it starts the next.
+
+Like the agent's other modules, this imports nothing from memops beyond its package.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+NAME = "memops-placement"
+"""The scheduler plugin's name."""
+OPT_OUT = "memops_placement"
+"""The annotation with which a computation opts out: ``dask.annotate(memops_placement=False)``."""
+MAX_TASKS = 50_000
+"""The largest graph placed, by default: larger ones are left to Dask (see the module's docstring)."""
+SLICES = 2
+"""Groups per worker, nominally: groups of about a quarter of a worker's share of the roots can be
+dealt out evenly (a worker left idle at the end steals, and a stolen task moves its inputs), and
+consecutive groups on one worker keep most of a reduction's next level local (:func:`assign`)."""
+CROSSING_LIMIT = 0.25
+"""Above this share of a graph's edges between groups, the graph does not partition."""
+
+T = TypeVar("T", bound=Hashable)
+
+
+@dataclass
+class Grouping(Generic[T]):
+    """Which group each task of a graph is in, and which tasks no group holds."""
+
+    groups: list[list[T]]
+    shared: list[T]
+    edges: int = 0
+    crossing: int = 0
+
+    @property
+    def partitions(self) -> bool:
+        """Whether placing the groups saves transfers: at least two groups, few crossing edges."""
+        return len(self.groups) >= 2 and self.crossing <= CROSSING_LIMIT * max(1, self.edges)
+
+
+def group(
+    order: Sequence[T], dependencies: Callable[[T], Iterable[T]], workers: int, slices: int = SLICES
+) -> Grouping[T]:
+    """Group the tasks of one graph, given in a topological order (every task after its
+    dependencies), for ``workers`` workers: a group holds at most ``1 / (workers * slices)`` of the
+    graph's tasks. Dependencies outside ``order`` (keys computed before) are ignored. Linear in
+    tasks and edges, and written for speed (it runs inside the scheduler's ``update_graph``)."""
+    cap = max(1, math.ceil(len(order) / (max(1, workers) * max(1, slices))))
+    parent: list[int] = []
+    size: list[int] = []  # tasks per group, at its representative
+    label: dict[T, int] = {}
+    shared: list[T] = []
+    is_shared: set[T] = set()
+    edges = crossing = 0
+    for task in order:
+        found = -1
+        more: set[int] | None = None
+        inner = 0
+        for dep in dependencies(task):
+            g = label.get(dep)
+            if g is None:
+                if dep in is_shared:
+                    inner += 1
+                continue  # outside the graph: computed before
+            inner += 1
+            while parent[g] != g:
+                parent[g] = g = parent[parent[g]]
+            if found < 0:
+                found = g
+            elif g != found:
+                if more is None:
+                    more = {found}
+                more.add(g)
+        edges += inner
+        if not inner:
+            label[task] = len(parent)
+            parent.append(len(parent))
+            size.append(1)
+        elif found < 0:
+            shared.append(task)
+            is_shared.add(task)
+        elif more is None:
+            label[task] = found
+            size[found] += 1
+        elif sum(size[g] for g in more) < cap:
+            for g in more:
+                if g != found:
+                    parent[g] = found
+                    size[found] += size[g]
+            label[task] = found
+            size[found] += 1
+        else:
+            shared.append(task)
+            is_shared.add(task)
+            crossing += inner
+    return Grouping(groups=_members(label, parent), shared=shared, edges=edges, crossing=crossing)
+
+
+def _members(label: Mapping[T, int], parent: list[int]) -> list[list[T]]:
+    """Each group's tasks, in the order given, from each task's label and the union-find."""
+    members: dict[int, list[T]] = {}
+    for task, g in label.items():
+        while parent[g] != g:
+            g = parent[g]
+        members.setdefault(g, []).append(task)
+    return list(members.values())
+
+
+def assign(sizes: Sequence[int], load: Mapping[str, float], threads: Mapping[str, int]) -> list[str]:
+    """A worker for each group, the groups given in priority order (by their first task) with their
+    number of tasks: consecutive groups fill one worker to its fair share before the next takes
+    over, so that the groups that a reduction combines next are mostly on one worker. The fair share
+    is in proportion to threads, of the graph's tasks and of those the workers hold already
+    (``load``, tasks by address); the least loaded worker fills first, ties by address, so that
+    the assignment is deterministic and a worker that just joined takes the first groups."""
+    if not load:
+        return []
+    total_threads = sum(max(1, threads.get(a, 1)) for a in load)
+    total = sum(sizes) + sum(load.values())
+    order = sorted(load, key=lambda a: (load[a] / max(1, threads.get(a, 1)), a))
+    homes: list[str] = []
+    index = 0
+    filled = load[order[0]]
+    for size in sizes:
+        fair = total * max(1, threads.get(order[index], 1)) / total_threads
+        # On to the next worker when this group would overfill the current one by more than half of it.
+        if index < len(order) - 1 and filled + size / 2 > fair and filled > load[order[index]]:
+            index += 1
+            filled = load[order[index]]
+        homes.append(order[index])
+        filled += size
+    return homes
+
+
+@dataclass
+class Figures:
+    """What placement did, as counters (the agent's ``placement`` operation reports them)."""
+
+    graphs_placed: int = 0
+    graphs_left: dict[str, int] = field(default_factory=dict)
+    groups: int = 0
+    tasks_placed: int = 0
+    rehomed: int = 0
+    seconds: float = 0.0
+    longest: float = 0.0
+
+    def left(self, reason: str) -> None:
+        self.graphs_left[reason] = self.graphs_left.get(reason, 0) + 1
+
+    def plain(self) -> dict[str, Any]:
+        return {
+            "graphs_placed": self.graphs_placed,
+            "graphs_left": dict(self.graphs_left),
+            "groups": self.groups,
+            "tasks_placed": self.tasks_placed,
+            "rehomed": self.rehomed,
+            "seconds": round(self.seconds, 6),
+            "longest": round(self.longest, 6),
+        }
+
+
+WAITING = frozenset({"released", "waiting", "no-worker", "queued"})
+
+
+class PlacementPlugin(SchedulerPlugin):
+    """The scheduler plugin: places each graph as it arrives, and keeps its groups' homes on
+    running workers."""
+
+    name = NAME
+
+    def __init__(self, scheduler: Any, max_tasks: int = MAX_TASKS, owner: str = "") -> None:
+        self.scheduler = scheduler
+        self.max_tasks = max_tasks
+        self.owner = owner
+        self.figures = Figures()
+        # group number -> its tasks, and key -> group number, while the scheduler knows a placed
+        # task: at most what the scheduler itself holds, dropped as it forgets tasks.
+        self.members: dict[int, list[Any]] = {}
+        self.remaining: dict[int, int] = {}
+        self.group_of: dict[Hashable, int] = {}
+        self.home: dict[int, str] = {}
+        self.next_group = 0
+
+    # The scheduler's hooks.
+
+    def update_graph(
+        self, scheduler: Any, *, tasks: Collection[Hashable] = (), annotations: Any = None, **_: Any
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            self._place(scheduler, tasks, annotations or {})
+        finally:
+            took = time.perf_counter() - started
+            self.figures.seconds += took
+            self.figures.longest = max(self.figures.longest, took)
+
+    def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if key not in self.group_of:
+            return
+        # Kept until the scheduler forgets the task, not once it is computed: a result lost with
+        # its worker is computed again, and must then follow its group's home too.
+        if finish == "forgotten":
+            g = self.group_of.pop(key)
+            self.remaining[g] -= 1
+            if self.remaining[g] <= 0:
+                del self.members[g], self.home[g], self.remaining[g]
+
+    def remove_worker(self, scheduler: Any, worker: str, **_: Any) -> None:
+        # Dask has sent the tasks it ran back to waiting, and those of its groups to ``no-worker``.
+        rehome(scheduler, [worker])
+
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        # Groups whose worker left while no other ran wait for this one.
+        rehome(scheduler, [])
+
+    def log_event(self, topic: Any, msg: Any) -> None:
+        # A worker that stops running (paused, retiring: Dask logs the change before it takes the
+        # worker out of ``running``) gives its groups up: their next tasks must not wait for it.
+        if isinstance(msg, dict) and msg.get("action") == "worker-status-change" and msg.get("status") != "running":
+            rehome(self.scheduler, [str(topic)])
+
+    # Placing one graph.
+
+    def _place(self, scheduler: Any, keys: Collection[Hashable], annotations: Mapping[str, Any]) -> None:
+        if len(keys) > self.max_tasks:
+            self.figures.left("larger than maxTasks")
+            return
+        opted_out = annotations.get(OPT_OUT) or {}
+        if any(value is False or value == "off" for value in opted_out.values()):
+            self.figures.left("opted out")
+            return
+        running = list(scheduler.running)
+        if len(running) < 2:
+            self.figures.left("fewer than two workers")
+            return
+        new = [scheduler.tasks[k] for k in keys if k in scheduler.tasks]
+        new = [ts for ts in new if ts.state == "released" and ts.run_spec is not None]
+        if any(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions for ts in new):
+            self.figures.left("restricted already")
+            return
+        new.sort(key=lambda ts: ts.priority)
+        grouping = group(new, lambda ts: ts.dependencies, len(running))
+        if not grouping.partitions:
+            self.figures.left("does not partition")
+            return
+        load = {ws.address: float(len(ws.processing)) for ws in running}
+        threads = {ws.address: ws.nthreads for ws in running}
+        groups = sorted(grouping.groups, key=lambda members: members[0].priority)
+        homes = assign([len(g) for g in groups], load, threads)
+        for members, home in zip(groups, homes, strict=True):
+            number = self.next_group
+            self.next_group += 1
+            self.members[number] = sorted(members, key=lambda ts: ts.priority)
+            self.home[number] = home
+            self.remaining[number] = len(members)
+            for ts in members:
+                ts.worker_restrictions = {home}
+                self.group_of[ts.key] = number
+        self.figures.graphs_placed += 1
+        self.figures.groups += len(grouping.groups)
+        self.figures.tasks_placed += sum(len(g) for g in grouping.groups)
+
+
+def rehome(scheduler: Any, leaving: Iterable[str]) -> int:
+    """Move the groups whose worker is ``leaving`` (left, paused, or being drained) or no longer
+    running to the running worker that holds most of each group's bytes in memory, or else the
+    least subscribed one: the waiting tasks' restriction changes, and those Dask had found no
+    worker for are sent on. Returns how many groups moved (0 without placement, or with no worker
+    running: they move when one joins)."""
+    plugin = scheduler.plugins.get(NAME)
+    if not isinstance(plugin, PlacementPlugin):
+        return 0
+    gone = set(leaving)
+    running = {ws.address: ws for ws in scheduler.running if ws.address not in gone}
+    if not running:
+        return 0
+    load = {a: len(ws.processing) / max(1, ws.nthreads) for a, ws in running.items()}
+    moved = 0
+    unrunnable: list[Any] = []
+    for number, members in plugin.members.items():
+        home = plugin.home[number]
+        if home not in running:
+            held: dict[str, int] = {}
+            for ts in members:
+                if ts.state == "memory":
+                    for ws in ts.who_has or ():
+                        if ws.address in running:
+                            held[ws.address] = held.get(ws.address, 0) + ts.get_nbytes()
+            home = max(held, key=held.__getitem__) if held else min(sorted(load), key=load.__getitem__)
+            plugin.home[number] = home
+            load[home] += len(members) / max(1, running[home].nthreads)
+            moved += 1
+        # Every task that may still run follows its group's home: those that waited, and those
+        # that ran on a worker that left, which Dask sent back with their old restriction.
+        for ts in members:
+            if ts.state in WAITING and ts.worker_restrictions != {home}:
+                ts.worker_restrictions = {home}
+                if ts.state == "no-worker":
+                    unrunnable.append(ts)
+    plugin.figures.rehomed += moved
+    _send_on(scheduler, unrunnable)
+    return moved
+
+
+def _send_on(scheduler: Any, unrunnable: list[Any]) -> None:
+    if unrunnable:
+        # As Dask does for a worker that joins (recommendations are processed last first).
+        unrunnable.sort(key=lambda ts: ts.priority, reverse=True)
+        scheduler.transitions({ts.key: "processing" for ts in unrunnable}, f"memops-placement-{time.time()}")
+
+
+def release(scheduler: Any, plugin: PlacementPlugin) -> None:
+    """Lift every restriction that ``plugin`` set on a task still waiting, so that nothing waits
+    for placement once it is removed."""
+    unrunnable = []
+    for members in plugin.members.values():
+        for ts in members:
+            if ts.state in WAITING:
+                ts.worker_restrictions = set()
+                if ts.state == "no-worker":
+                    unrunnable.append(ts)
+    plugin.members.clear()
+    plugin.home.clear()
+    plugin.remaining.clear()
+    plugin.group_of.clear()
+    _send_on(scheduler, unrunnable)
+
+
+def configure(dask_scheduler: Any, enabled: bool, max_tasks: int = MAX_TASKS, owner: str = "") -> dict[str, Any] | None:
+    """Run on the scheduler (by the agent's ``placement`` operation): install, retune or remove
+    placement. Idempotent; placement that another ``owner`` installed is left as it is. Returns
+    the figures, or None once removed: removing it lifts the restrictions it set."""
+    plugin = dask_scheduler.plugins.get(NAME)
+    if plugin is not None and getattr(plugin, "owner", "") not in ("", owner):
+        return {**plugin.figures.plain(), "owner": plugin.owner}
+    if not enabled:
+        if isinstance(plugin, PlacementPlugin):
+            dask_scheduler.remove_plugin(NAME)
+            release(dask_scheduler, plugin)
+        return None
+    if plugin is None:
+        plugin = PlacementPlugin(dask_scheduler, max_tasks=max_tasks, owner=owner)
+        dask_scheduler.add_plugin(plugin, name=NAME)
+    plugin.max_tasks = max(0, int(max_tasks))
+    plugin.owner = owner
+    return {**plugin.figures.plain(), "owner": owner}
