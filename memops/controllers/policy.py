@@ -29,6 +29,7 @@ from memops.controllers import (
     kubelets,
     loop,
     metrics,
+    placement_install,
     recycle,
     relief_install,
     replication_install,
@@ -404,7 +405,7 @@ class Policy:
         return status.model_copy(update={"resize": status.resize.model_copy(update={"message": message})})
 
     async def configure_scheduler(self, read: Read, status: specs.MemoryPolicyStatus) -> specs.MemoryPolicyStatus:
-        """Relief and replication in the vouched-for scheduler; ``status`` with what they report.
+        """Relief, replication and placement in the vouched-for scheduler; ``status`` with what they report.
         Untouched when the pass could not reach the scheduler."""
         if read.scheduler is None or read.snapshot is None:
             return status
@@ -429,10 +430,24 @@ class Policy:
             workload=read.workload,
             logger=self.logger,
         )
+        placed = await placement_install.reconcile(
+            scheduler=read.scheduler,
+            spec=spec,
+            old=found.placement,
+            namespace=self.namespace,
+            policy=self.name,
+            logger=self.logger,
+        )
         workers = frozenset(w.address for w in read.snapshot.workers)
         found_links = await self.install_links(read.scheduler, spec, workers, status.conditions, read.inputs.generation)
         shared = await self.read_spill(read.scheduler, spec, status.sharedSpill)
-        update = {"pressure": pressure, "replication": replicated, "conditions": found_links, "sharedSpill": shared}
+        update = {
+            "pressure": pressure,
+            "replication": replicated,
+            "placement": placed,
+            "conditions": found_links,
+            "sharedSpill": shared,
+        }
         return status.model_copy(update=update)
 
     async def read_spill(
@@ -635,17 +650,18 @@ class Policy:
         return verdict
 
     async def goodbye(self) -> None:
-        """The policy is gone: its pressure relief and replication leave the scheduler (best effort),
+        """The policy is gone: its pressure relief, replication and placement leave the scheduler (best effort),
         on one connection vouched for by a fresh tenancy check."""
         await self.unprotect()
         status = self.body.get("status") or {}
-        if not (status.get("pressure") or status.get("replication")):
+        if not (status.get("pressure") or status.get("replication") or status.get("placement")):
             return
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
             async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as found:
                 await relief_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
                 await replication_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                await placement_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
         except (
             daskrpc.SchedulerUnreachable,
             daskrpc.Unvouched,
@@ -653,7 +669,7 @@ class Policy:
             kube.ApiError,
             ValueError,
         ) as exc:
-            self.logger.warning("pressure relief and replication left in the scheduler: %s", exc)
+            self.logger.warning("pressure relief, replication and placement left in the scheduler: %s", exc)
 
     async def unprotect(self, *, workload: bool = True) -> None:
         """The policy is gone: the disruption annotations it set leave the pods (best effort); left

@@ -53,9 +53,10 @@ OPT_OUT = "memops_placement"
 MAX_TASKS = 50_000
 """The largest graph placed, by default: larger ones are left to Dask (see the module's docstring)."""
 SLICES = 2
-"""Groups per worker, nominally: groups of about a quarter of a worker's share of the roots can be
-dealt out evenly (a worker left idle at the end steals, and a stolen task moves its inputs), and
-consecutive groups on one worker keep most of a reduction's next level local (:func:`assign`)."""
+"""Groups per worker, at least: a group holds at most half of a worker's share of the graph's tasks,
+so that groups can be dealt out about evenly (a worker idle at the end waits, as it may not steal),
+while consecutive groups on one worker keep most of a reduction's next level local (:func:`assign`).
+On the seed's sum (160 chunks, four workers) that is ten groups of one subtree of 16 chunks each."""
 CROSSING_LIMIT = 0.25
 """Above this share of a graph's edges between groups, the graph does not partition."""
 

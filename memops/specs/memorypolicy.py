@@ -287,6 +287,47 @@ class PressureSpec(Model):
         return self
 
 
+# -- graph-aware placement (spec.placement) ------------------------------------------------------
+
+
+MAX_PLACED_TASKS = 1_000_000
+"""The most that ``placement.maxTasks`` may be: placing a graph holds the scheduler's event loop
+for a time in proportion to its tasks (see docs/performance.md)."""
+
+
+class PlacementSpec(Model):
+    """Place each graph submitted to the scheduler by its structure: the tasks that share root tasks
+    run on one worker, so that independent subgraphs move nothing between workers; shuffles and
+    graphs that do not partition are left to Dask, and a computation can opt out with
+    ``dask.annotate(memops_placement=False)``."""
+
+    maxTasks: int = pydantic.Field(
+        default=50_000,
+        ge=1,
+        le=MAX_PLACED_TASKS,
+        description=(
+            "Graphs with more tasks than this are left to Dask: placing one holds the scheduler's event"
+            " loop, in proportion to its tasks."
+        ),
+    )
+
+
+class PlacementStatus(Model):
+    graphsPlaced: int = pydantic.Field(default=0, description="Graphs placed since placement was installed.")
+    graphsLeft: dict[str, int] = pydantic.Field(
+        default_factory=dict, description="Graphs left to Dask, by reason (does not partition, opted out, ...)."
+    )
+    groups: int = pydantic.Field(default=0, description="Groups of tasks placed, each on one worker.")
+    tasksPlaced: int = pydantic.Field(default=0, description="Tasks placed in those groups.")
+    groupsMoved: int = pydantic.Field(
+        default=0, description="Groups moved off a worker that paused, retired, was drained or left."
+    )
+    longestMilliseconds: float = pydantic.Field(
+        default=0.0, description="The longest that placing one graph held the scheduler's event loop."
+    )
+    message: str = pydantic.Field(default="", description="Why placement is not in force, in one line.")
+
+
 # -- replication targets (spec.replication) -----------------------------------------------------
 
 
@@ -647,6 +688,13 @@ class MemoryPolicySpec(Model):
     replication: ReplicationSpec | None = pydantic.Field(
         default=None, description="Keep N copies of the keys that matter, on other nodes; re-replicate after a loss."
     )
+    placement: PlacementSpec | None = pydantic.Field(
+        default=None,
+        description=(
+            "Graph-aware placement: the tasks that share root tasks run on one worker, and stay on running"
+            " workers while memops drains, retires and adds them. Off when unset: Dask schedules as it does."
+        ),
+    )
     eviction: EvictionSpec = pydantic.Field(
         default_factory=EvictionSpec,
         description="Node drains and evictions: drain the workers first, and never block for ever.",
@@ -938,6 +986,7 @@ class MemoryPolicyStatus(Model):
         default=None, description="What the workers' shared spill holds (medium Node, links not false), each file once."
     )
     replication: ReplicationStatus | None = pydantic.Field(default=None, description="Keys against their targets.")
+    placement: PlacementStatus | None = pydantic.Field(default=None, description="What graph-aware placement did.")
     safetyNet: SafetyNetStatus | None = pydantic.Field(
         default=None, description="Pods that left with a failed safety-net hook (the kubelet's events)."
     )

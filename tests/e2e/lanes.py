@@ -29,16 +29,18 @@ from typing import Any
 import pytest
 
 LANE_B = (
+    "test_placement.py",
     "test_refusals.py",
     "test_tenancy.py",
     "test_walkthrough.py",
 )
-"""The modules whose tests the second worker runs, after the tests that need no sandbox: three whose
-tests read statuses and refusals, not timings. Six or seven modules ran there in trial runs (a
-quarter to a third of the shared tests' time, both lanes ending theirs together): each run had a
-different timing test fail under the doubled load (a nanny's kill, a restarted worker), and on a
-slow day the run was no shorter. xdist's scheduler sees only test ids, so each of these modules has
-shared tests only (:func:`check`)."""
+"""The modules whose tests the second worker runs, after the tests that need no sandbox: four whose
+tests read statuses, refusals and results, not timings (placement's computation runs slow tasks, so
+that the other lane's load only makes it longer while its workers are drained). Six or seven modules
+ran there in trial runs (a quarter to a third of the shared tests' time, both lanes ending theirs
+together): each run had a different timing test fail under the doubled load (a nanny's kill, a
+restarted worker), and on a slow day the run was no shorter. xdist's scheduler sees only test ids,
+so each of these modules has shared tests only (:func:`check`)."""
 
 ONE = "a"
 """The group of every shared test where there is one lane."""
