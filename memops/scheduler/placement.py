@@ -15,10 +15,15 @@ the root tasks they depend on and restrict each group to one worker. Where this 
   its consumers; here it keeps no restriction, and Dask's own objective places it (where most of
   its input bytes are), which is where its consumers' groups are.
 - **Graphs that do not partition are left alone**: where more than a quarter of the graph's edges
-  would cross groups (a shuffle, an all-to-all), where a task already carries restrictions (P2P
-  shuffles, user ``workers=``), where a task is annotated ``memops_placement=False`` (a user's
-  opt-out), or where the graph is larger than ``max_tasks`` (so that the pass never holds the
-  event loop for long; its cost per task is measured in ``bench/placement.py``).
+  would cross groups (a task-based shuffle, an all-to-all), where a task already carries restrictions
+  (user ``workers=``), where the graph holds a P2P barrier (a P2P shuffle or rechunk restricts its
+  own tasks, and restarts them when a worker leaves), where a task is annotated
+  ``memops_placement=False`` (a user's opt-out), or where the graph is larger than ``max_tasks`` (so
+  that the pass never holds the event loop for long; its cost per task is measured in
+  ``bench/placement.py``).
+- **Data already computed stays where it is.** A group that reads keys in memory from before (a
+  persisted array) goes to the running worker that holds them, or, where they are spread over
+  workers, is left to Dask; only the others are dealt out (:func:`_homes`).
 - **Strict restrictions, kept on running workers.** A loose restriction (``allow_other_workers``)
   lets an idle worker steal a group's roots (no dependencies: the cheapest to steal), and their
   consumers, on the group's worker, then fetch them back: on the seed's sum, 67 to 324 MiB moved
@@ -39,24 +44,30 @@ Like the agent's other modules, this imports nothing from memops beyond its pack
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.shuffle._core import P2PBarrierTask
 
 NAME = "memops-placement"
 """The scheduler plugin's name."""
 OPT_OUT = "memops_placement"
 """The annotation with which a computation opts out: ``dask.annotate(memops_placement=False)``."""
-MAX_TASKS = 50_000
-"""The largest graph placed, by default: larger ones are left to Dask (see the module's docstring)."""
+MAX_TASKS = 10_000
+"""The largest graph placed, by default: larger ones are left to Dask. Placing holds the scheduler's
+event loop about 4 us per task (``bench/placement.py``), so that this bound keeps a hold near 40 ms."""
 SLICES = 2
 """Groups per worker, at least: a group holds at most half of a worker's share of the graph's tasks,
 so that groups can be dealt out about evenly (a worker idle at the end waits, as it may not steal),
 while consecutive groups on one worker keep most of a reduction's next level local (:func:`assign`).
 On the seed's sum (160 chunks, four workers) that is ten groups of one subtree of 16 chunks each."""
+LOCATED = 0.9
+"""A group that reads data computed before goes where at least this share of that data is; else
+it is left to Dask."""
 CROSSING_LIMIT = 0.25
 """Above this share of a graph's edges between groups, the graph does not partition."""
 
@@ -273,32 +284,80 @@ class PlacementPlugin(SchedulerPlugin):
         if len(running) < 2:
             self.figures.left("fewer than two workers")
             return
-        new = [scheduler.tasks[k] for k in keys if k in scheduler.tasks]
-        new = [ts for ts in new if ts.state == "released" and ts.run_spec is not None]
-        if any(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions for ts in new):
-            self.figures.left("restricted already")
-            return
-        new.sort(key=lambda ts: ts.priority)
-        grouping = group(new, lambda ts: ts.dependencies, len(running))
+        tasks = scheduler.tasks
+        new = []
+        for key in keys:
+            ts = tasks.get(key)
+            if ts is None or ts.state != "released" or ts.run_spec is None:
+                continue
+            if ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
+                self.figures.left("restricted already")
+                return
+            if isinstance(ts.run_spec, P2PBarrierTask):
+                # A P2P shuffle or rechunk restricts its own tasks at its barrier, and restarts
+                # them when a worker leaves: it is Dask's to place.
+                self.figures.left("a P2P shuffle")
+                return
+            new.append(ts)
+        new.sort(key=_PRIORITY)
+        grouping = group(new, _DEPENDENCIES, len(running))
         if not grouping.partitions:
             self.figures.left("does not partition")
             return
-        load = {ws.address: float(len(ws.processing)) for ws in running}
-        threads = {ws.address: ws.nthreads for ws in running}
-        groups = sorted(grouping.groups, key=lambda members: members[0].priority)
-        homes = assign([len(g) for g in groups], load, threads)
-        for members, home in zip(groups, homes, strict=True):
+        # ``group`` keeps the order of its input: the groups come in the priority order of their
+        # first tasks, and each group's tasks in priority order.
+        homes = _homes(grouping.groups, running)
+        group_of = self.group_of
+        placed = 0
+        for members, home in zip(grouping.groups, homes, strict=True):
+            if home is None:
+                continue
+            placed += len(members)
             number = self.next_group
             self.next_group += 1
-            self.members[number] = sorted(members, key=lambda ts: ts.priority)
+            self.members[number] = members
             self.home[number] = home
             self.remaining[number] = len(members)
             for ts in members:
                 ts.worker_restrictions = {home}
-                self.group_of[ts.key] = number
+            group_of.update(dict.fromkeys([ts.key for ts in members], number))
         self.figures.graphs_placed += 1
-        self.figures.groups += len(grouping.groups)
-        self.figures.tasks_placed += sum(len(g) for g in grouping.groups)
+        self.figures.groups += sum(home is not None for home in homes)
+        self.figures.tasks_placed += placed
+
+
+_PRIORITY = operator.attrgetter("priority")
+_DEPENDENCIES = operator.attrgetter("dependencies")
+
+
+def _homes(groups: Sequence[list[Any]], running: Sequence[Any]) -> list[str | None]:
+    """A worker for each group, or None for a group left to Dask. A group that reads data computed
+    before (a persisted array) goes to the running worker that holds it, so that the data stays
+    where it is; one whose such data is spread over workers is left to Dask, which places each of
+    its tasks by where its inputs are. The other groups are dealt by :func:`assign`, counting what
+    the first took."""
+    load = {ws.address: float(len(ws.processing)) for ws in running}
+    threads = {ws.address: ws.nthreads for ws in running}
+    homes: list[str | None] = [""] * len(groups)
+    for index, members in enumerate(groups):
+        held: dict[str, int] = {}
+        for ts in members:
+            for dts in ts.dependencies:
+                if dts.state == "memory":  # a dependency inside the graph is not computed yet
+                    for ws in dts.who_has or ():
+                        if ws.address in load:
+                            held[ws.address] = held.get(ws.address, 0) + dts.get_nbytes()
+        if held:
+            holder = max(sorted(held), key=held.__getitem__)
+            if held[holder] < LOCATED * sum(held.values()):
+                homes[index] = None
+                continue
+            homes[index] = holder
+            load[holder] += len(members)
+    free = [index for index, home in enumerate(homes) if home == ""]
+    for index, home in zip(free, assign([len(groups[i]) for i in free], load, threads), strict=True):
+        homes[index] = home
+    return homes
 
 
 def rehome(scheduler: Any, leaving: Iterable[str]) -> int:

@@ -302,12 +302,12 @@ class PlacementSpec(Model):
     ``dask.annotate(memops_placement=False)``."""
 
     maxTasks: int = pydantic.Field(
-        default=50_000,
+        default=10_000,
         ge=1,
         le=MAX_PLACED_TASKS,
         description=(
             "Graphs with more tasks than this are left to Dask: placing one holds the scheduler's event"
-            " loop, in proportion to its tasks."
+            " loop, about 4 us per task."
         ),
     )
 

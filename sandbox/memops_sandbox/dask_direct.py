@@ -138,7 +138,7 @@ async def configure_placement(
     *,
     security: Security | None = None,
     enabled: bool,
-    max_tasks: int = 50_000,
+    max_tasks: int = 10_000,
     owner: str,
     timeout: float = 10,
 ) -> dict[str, Any] | None:

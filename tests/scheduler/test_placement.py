@@ -84,11 +84,32 @@ async def test_a_shuffle_and_an_opted_out_graph_are_left_to_dask(cluster: proces
     with dask.annotate(memops_placement=False):
         y = da.ones((1024, 32), chunks=(1024, 1)).sum(axis=1)
         assert (await client.compute(y.sum())) == 1024 * 32
+    # A P2P rechunk restricts its own tasks at its barrier: Dask's to place.
+    z = da.random.random((64, 64), chunks=(64, 1))
+    rechunked = z.rechunk((1, 64), method="p2p")
+    assert np.allclose(await client.compute(rechunked.sum(axis=1)), await client.compute(z.sum(axis=1)))
     figures = await dask_direct.configure_placement(cluster.address, enabled=True, owner=OWNER)
     assert figures is not None
     left = figures["graphsLeft"]
     assert left.get("does not partition", 0) >= 1 and left.get("opted out") == 1, figures
+    assert left.get("a P2P shuffle") == 1, figures
     assert figures["tasksPlaced"] == 0 or figures["graphsPlaced"] >= 1, figures
+
+
+async def test_data_computed_before_stays_where_it_is(cluster: processes.Cluster) -> None:
+    """A computation over a persisted array: each group goes where its chunks are, so nothing but
+    the reduction's partial sums moves, as with stock Dask."""
+    client = cluster.client
+    x = client.persist(da.random.random((16_384, 64), chunks=(16_384, 1)))  # 128 KiB chunks, 8 MiB
+    await x
+    await dask_direct.configure_placement(cluster.address, enabled=True, owner=OWNER)
+    before = await moved(client)
+    total = await client.compute((x * 2).sum())
+    assert np.isclose(total, 2 * await client.compute(x.sum()))
+    placed = await moved(client) - before
+    figures = await dask_direct.configure_placement(cluster.address, enabled=True, owner=OWNER)
+    assert figures is not None and figures["graphsPlaced"] >= 1, figures
+    assert placed <= 0.05 * x.nbytes, f"{placed / MIB:.2f} MiB of {x.nbytes / MIB:.0f} MiB moved"
 
 
 async def test_groups_leave_retiring_workers_and_nothing_waits_for_them(cluster: processes.Cluster) -> None:
