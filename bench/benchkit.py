@@ -1,4 +1,5 @@
-"""What every benchmark needs: a running ``memops sandbox``, ``kubectl`` against it, its workers."""
+"""What every benchmark needs: a running ``memops sandbox``, ``kubectl`` against it, its workers, and
+the median time of a call."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import datetime
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +164,16 @@ def spread_over_nodes(box: Sandbox, **pod_spec: Any) -> None:
     container is merged by its name)."""
     patch = {"spec": {"template": {"spec": {**SPREAD_OVER_NODES, **pod_spec}}}}
     kubectl(box.env, "patch", "deployment/dask-worker", "--type=strategic", "-p", json.dumps(patch))
+
+
+def median_ms(call: Callable[[], object], runs: int = 3) -> float:
+    """The median of ``runs`` timed calls of ``call``, in milliseconds."""
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
 
 
 def workers(client: distributed.Client) -> dict[str, str]:

@@ -42,10 +42,11 @@ import statistics
 import sys
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import benchkit
 from distributed.core import Status
 from distributed.scheduler import TaskGroup, TaskPrefix, TaskState, WorkerState
 
@@ -188,15 +189,6 @@ def recycle_pass(snapshot: snapshots.SchedulerSnapshot, window: recycle_decision
     recycle_decisions.plan_recycle(verdicts, recycling=0, max_unavailable=1)
 
 
-def median_ms(call: Callable[[], object], runs: int = 5) -> float:
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
-
-
 COLUMNS = ("choose_workers", "holdings, in the scheduler", "bytes_moved", "desired_replicas", "recycle pass")
 FALLBACK = "snapshots.holdings (fallback)"
 REPLICATION = "replication pass, all under target (scheduler)"
@@ -211,18 +203,18 @@ def measure(workers: int, keys: int, replicated_every: int = 10) -> dict[str, fl
     history, events = autoscale_inputs(workers, now)
     windows = iter([full_window(snapshot, now) for _ in range(5)])  # one fresh window per timed run
     return {
-        "choose_workers": median_ms(
-            functools.partial(retire_choice.choose_workers, state.pods, snapshot, max(workers // 10, 1))
+        "choose_workers": benchkit.median_ms(
+            functools.partial(retire_choice.choose_workers, state.pods, snapshot, max(workers // 10, 1)), runs=5
         ),
-        "holdings, in the scheduler": median_ms(
-            functools.partial(holdings.holdings, state.scheduler_workers, state.replicated)
+        "holdings, in the scheduler": benchkit.median_ms(
+            functools.partial(holdings.holdings, state.scheduler_workers, state.replicated), runs=5
         ),
-        "bytes_moved": median_ms(
-            functools.partial(snapshots.bytes_moved, drained.who_has, drained.who_has, drained.nbytes, address)
+        "bytes_moved": benchkit.median_ms(
+            functools.partial(snapshots.bytes_moved, drained.who_has, drained.who_has, drained.nbytes, address), runs=5
         ),
-        "desired_replicas": median_ms(functools.partial(desired, snapshot, history, events, now)),
-        "recycle pass": median_ms(lambda: recycle_pass(snapshot, next(windows), now + 20)),
-        FALLBACK: median_ms(functools.partial(snapshots.holdings, snapshot.who_has, snapshot.nbytes)),
+        "desired_replicas": benchkit.median_ms(functools.partial(desired, snapshot, history, events, now), runs=5),
+        "recycle pass": benchkit.median_ms(lambda: recycle_pass(snapshot, next(windows), now + 20), runs=5),
+        FALLBACK: benchkit.median_ms(functools.partial(snapshots.holdings, snapshot.who_has, snapshot.nbytes), runs=5),
         REPLICATION: statistics.median(replication_pass(state) for _ in range(3)),
         REPLICATION_STEADY: statistics.median(replication_pass(state, at_target=True) for _ in range(3)),
     }

@@ -68,6 +68,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import benchkit
 import dask
 import dask.array as da
 import distributed
@@ -308,15 +309,6 @@ def tree(leaves: int, fan_in: int = 16) -> tuple[list[Any], dict[Any, list[Any]]
     return order, deps
 
 
-def median_ms(call: Callable[[], object], runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
-
-
 def grouping_cost(runs: int) -> list[str]:
     lines = []
     for label, (order, deps) in (
@@ -324,7 +316,7 @@ def grouping_cost(runs: int) -> list[str]:
         ("tree reduction, fan-in 16", tree(93_750)),
     ):
         grouping = placement.group(order, deps.__getitem__, WORKERS)
-        ms = median_ms(functools.partial(placement.group, order, deps.__getitem__, WORKERS), runs)
+        ms = benchkit.median_ms(functools.partial(placement.group, order, deps.__getitem__, WORKERS), runs)
         per = ms * 100_000 / len(order)
         lines.append(
             f"- `placement.group`, {label}: {len(order):,} tasks, {len(grouping.groups):,} groups,"

@@ -55,10 +55,11 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import benchkit
 import dask
 from distributed import Scheduler
 from distributed.core import Status
@@ -221,15 +222,6 @@ class _Manager:
         self.scheduler = scheduler
 
 
-def median_ms(call: Callable[[], object], runs: int = 3) -> float:
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
-
-
 def remove_worker(scheduler: Scheduler, ws: WorkerState) -> int:
     """As ``Scheduler.remove_worker`` updates the bookkeeping: its replicas removed, keys left with
     none forgotten; the ruled copies lost."""
@@ -332,11 +324,11 @@ async def measure(workers: int, interval: float) -> Row:
         f["share at rest %"] = f["at target"] / (interval * 1000) * 100
         f["full scan"] = statistics.median(driver.full_pass() for _ in range(3))
         shares = index.shares
-        f["holdings scan"] = median_ms(
+        f["holdings scan"] = benchkit.median_ms(
             lambda: holdings.holdings(scheduler.workers.values(), scheduler.replicated_tasks)
         )
         shares.holdings(scheduler.workers.values())  # what the build noted, read once (as on the first ask)
-        f["holdings"] = median_ms(lambda: shares.holdings(scheduler.workers.values()))
+        f["holdings"] = benchkit.median_ms(lambda: shares.holdings(scheduler.workers.values()))
         # A rule: every ruled key now wants three copies. Its first pass; then back, and settled.
         gc.collect()  # the scans' garbage above, collected first (as before the loss below)
         driver.policy.retune(ruling.parse(MORE), driver.policy.places)
@@ -351,7 +343,7 @@ async def measure(workers: int, interval: float) -> Row:
         # The loss: the worker with the most ruled copies, removed as the scheduler removes it.
         gc.collect()
         row.lost = remove_worker(scheduler, heavy)
-        f["holdings after loss"] = median_ms(lambda: shares.holdings(scheduler.workers.values()), runs=1)
+        f["holdings after loss"] = benchkit.median_ms(lambda: shares.holdings(scheduler.workers.values()), runs=1)
         survivors = [ts for ts in ruled if ts.who_has]
         seconds, passes, stall, f["full scan after loss"] = await restore(driver, survivors, interval, timeout=120)
         f["after loss"] = passes[0]
