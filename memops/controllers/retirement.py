@@ -241,16 +241,14 @@ class Retirement:
             )
         created = timestamps.parse(str(self.body.metadata["creationTimestamp"]))
         deadline = created + specs.parse_duration(spec.timeout)
-        facts = await self.read_start(spec, deadline)
+        facts = await self.read_start(spec)
         now = timestamps.now()
         with metrics.deciding("choose_workers"):
             return retirement_decisions.start(
                 spec, status, facts, name=self.name, generation=generation, deadline=deadline, now=now
             )
 
-    async def read_start(
-        self, spec: specs.RetirementRequestSpec, deadline: datetime.datetime
-    ) -> retirement_decisions.StartFacts:
+    async def read_start(self, spec: specs.RetirementRequestSpec) -> retirement_decisions.StartFacts:
         """The workload, its pods and the vetted scheduler's snapshot; or what blocks the start."""
         Blocker = retirement_decisions.Blocker
         workload = await workloads.get(self.client, self.namespace, spec.workload)
@@ -265,11 +263,13 @@ class Retirement:
         except selectors.InvalidSelector as exc:
             message = f"{spec.workload.kind} {spec.workload.name!r}: {exc}"
             return retirement_decisions.StartFacts(blocker=Blocker("InvalidSelector", message))
-        wait = min(_RPC_SECONDS, max((deadline - timestamps.now()).total_seconds(), 1.0))
+        # A full call's time even at the deadline: the last try's answer names the failure, and a try
+        # cut to what is left of the deadline (a second, under load) would call a slow scheduler, or
+        # one that a tenancy check refused on every earlier try, unreachable.
         judge = vetting.Tenancy(self.client, self.namespace, self.pods_seen)
         try:
             async with vetting.vetted(
-                self.client, self.namespace, spec.scheduler, timeout=wait, vouch=judge, snapshot={}
+                self.client, self.namespace, spec.scheduler, timeout=_RPC_SECONDS, vouch=judge, snapshot={}
             ) as found:
                 snapshot = found.snapshot
                 self.pods_seen = judge.seen

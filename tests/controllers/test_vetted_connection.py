@@ -15,6 +15,7 @@ event posting is switched off (it needs a running operator).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -119,3 +120,33 @@ async def test_a_retirement_acts_only_on_the_scheduler_it_vouched_for(
         assert len(proxy.routed) >= 3
         # A's worker was never retired either: the drain steps met B's scheduler, not A's.
         assert list((await forwarder.on_scheduler(tenants.a, forwarder.workers)).values()) == ["Status.running"]
+
+
+async def test_a_request_at_its_deadline_names_the_refusal_not_a_slow_answer(
+    client: tuple[kube.Kube, str], tenants: forwarder.Tenants
+) -> None:
+    """A RetirementRequest whose address leads to B's scheduler, which answers 1.5 s late (as under
+    CI's load), started after its deadline: it fails as ForeignScheduler, what the scheduler's
+    answer shows, and B's worker is untouched.
+    (Before: a start cut its call to what was left of the deadline, at least a second, and failed
+    the request as SchedulerUnreachable.)"""
+    kube_client, namespace = client
+    async with forwarder.Forwarder([tenants.b], delay=1.5).serving() as proxy:
+        spec = {
+            "scheduler": {"address": proxy.address},
+            "workload": {"kind": "Deployment", "name": "w"},
+            "count": 1,
+            "timeout": "1s",
+        }
+        body = {"apiVersion": specs.API_VERSION, "kind": "RetirementRequest", "metadata": {"name": "r"}, "spec": spec}
+        path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace)
+        await kube_client.request("POST", path, body=body)
+        stored = kopf.Body(await kube_client.get(f"{path}/r"))
+        await asyncio.sleep(1.5)  # past the deadline (creationTimestamp has whole seconds)
+        request = retirement.Retirement(client=kube_client, body=stored, logger=LOGGER)
+        status = await request.step(specs.RetirementRequestStatus())
+        assert status.phase == specs.Phase.FAILED, status.message
+        [failed] = [c for c in status.conditions if c.type == "Failed"]
+        assert failed.reason == "ForeignScheduler", failed
+        assert proxy.routed, "the start asked the scheduler"
+        await forwarder.assert_untouched(tenants)

@@ -34,11 +34,13 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class Forwarder:
-    """Connection ``i`` goes to ``targets[i]``, and every one after the last to the last target."""
+    """Connection ``i`` goes to ``targets[i]``, and every one after the last to the last target;
+    each ``delay`` seconds after it was accepted (a scheduler slow to answer, as under load)."""
 
-    def __init__(self, targets: Sequence[str], host: str = "127.0.0.1"):
+    def __init__(self, targets: Sequence[str], host: str = "127.0.0.1", *, delay: float = 0.0):
         self.targets = [_host_port(t) for t in targets]
         self.host = host  # where it listens
+        self.delay = delay
         self.routed: list[str] = []  # where each connection went, in order ("host:port")
         self.address = ""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -46,6 +48,7 @@ class Forwarder:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = self.targets[min(len(self.routed), len(self.targets) - 1)]
         self.routed.append(f"{host}:{port}")
+        await asyncio.sleep(self.delay)
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(host, port)
         except OSError:
