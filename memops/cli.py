@@ -96,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAMESPACE=QUANTITY",
         help="the same, for the policies of one namespace, instead of --max-resize-limit (repeatable)",
     )
+    run.add_argument(
+        "--kubelet-ca-file",
+        metavar="PATH",
+        help="the CA (PEM) that signs the kubelets' serving certificates, which memops reads directly for"
+        " spec.eviction.nodePressure (get nodes/stats and nodes/configz); default: the API server's CA",
+    )
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on /metrics at this port")
     run.add_argument("--metrics-host", default="0.0.0.0", help="the metrics endpoint's address (default 0.0.0.0)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -259,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 host_roots=host_roots,
                 protection=protection,
                 growth=growth,
+                kubelet_ca=args.kubelet_ca_file,
             )
         )
     except KeyboardInterrupt:

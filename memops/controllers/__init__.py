@@ -115,11 +115,13 @@ def make_registry(
     host_roots: frozenset[str] = frozenset(),
     protection: disruption.Administrator = disruption.DEFAULTS,
     growth: resize_decisions.Administrator = resize_decisions.NOBODY,
+    kubelet_ca: str | None = None,
 ) -> kopf.OperatorRegistry:
     """The administrator's bounds, ``memops run``'s flags: ``host_roots``, the host directories that shared
     spill of medium Node may mount (``--shared-spill-host-root``; none: medium Node is refused);
     ``protection``, the disruption annotations' longest time and the namespaces with none; ``growth``,
-    where in-place growth may act (``--resize-in``; no namespace by default) and how far."""
+    where in-place growth may act (``--resize-in``; no namespace by default) and how far; ``kubelet_ca``,
+    what verifies the kubelets' serving certificates (``--kubelet-ca-file``; None: the API server's CA)."""
     registry = kopf.OperatorRegistry()
     # One source of credentials for Kopf and for memops' own client: when Kopf logs in again (a
     # 401, or the credentials' expiration), memops' client gets the new ones too, and the other way.
@@ -162,7 +164,7 @@ def make_registry(
             await memo.kube.close()
 
     retirement.register(registry)
-    policy.register(registry, host_roots=host_roots, protection=protection, growth=growth)
+    policy.register(registry, host_roots=host_roots, protection=protection, growth=growth, kubelet_ca=kubelet_ca)
     eviction_webhook.register_node_signals(registry)
     if webhook is not None:
         safetynet_webhook.register(registry, host_roots=host_roots)
@@ -180,10 +182,14 @@ async def run(
     host_roots: frozenset[str] = frozenset(),
     protection: disruption.Administrator = disruption.DEFAULTS,
     growth: resize_decisions.Administrator = resize_decisions.NOBODY,
+    kubelet_ca: str | None = None,
 ) -> None:
     """Run the operator until cancelled; cluster-wide unless namespaces are given."""
+    registry = make_registry(
+        kubeconfig, webhook, host_roots=host_roots, protection=protection, growth=growth, kubelet_ca=kubelet_ca
+    )
     await kopf.operator(
-        registry=make_registry(kubeconfig, webhook, host_roots=host_roots, protection=protection, growth=growth),
+        registry=registry,
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=liveness_endpoint,

@@ -2,7 +2,8 @@
 
 Per Node, each pass: the Node (allocatable memory, the ``MemoryPressure`` condition), the
 kubelet's summary statistics and its configuration (``evictionHard``, ``enforceNodeAllocatable``)
-through the API server's node proxy, and the pods bound there (their requests and priorities,
+from the kubelet itself (:mod:`memops.clients.kubelet_api`: ``nodes/stats`` and ``nodes/configz``,
+never the node proxy), and the pods bound there (their requests and priorities,
 which the kubelet ranks by). The configuration changes only when the kubelet restarts: it is
 read once every few minutes. :mod:`memops.decisions.node_pressure` decides from it all.
 
@@ -19,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from memops.clients import kube
+from memops.clients import kube, kubelet_api
 from memops.decisions import node_pressure
 from memops.decisions.objects import Obj
 
@@ -32,11 +34,18 @@ MAX_NODES = 64
 """Nodes read per pass at most: a policy whose workers spread wider reads the first 64 by name."""
 
 
-class Kubelets:
-    """The kubelets' configurations, read through the node proxy, each reused for
-    :data:`CONFIG_SECONDS` (a cache only: a restart reads them again)."""
+Reading = Callable[[kube.Kube], AbstractAsyncContextManager[kubelet_api.Reader]]
+"""One pass' reader of the kubelets, for the operator's client (its credentials)."""
 
-    def __init__(self) -> None:
+
+class Kubelets:
+    """The kubelets' configurations, each reused for :data:`CONFIG_SECONDS` (a cache only: a
+    restart reads them again); ``ca_file``: what verifies the kubelets' serving certificates
+    (``memops run --kubelet-ca-file``; None: the API server's CA); ``reading``, for tests: what
+    answers for the kubelets."""
+
+    def __init__(self, ca_file: str | None = None, reading: Reading | None = None) -> None:
+        self.reading: Reading = reading or (lambda client: kubelet_api.reading(client.credentials, ca_file))
         self.configs: dict[str, tuple[float, Mapping[str, Any]]] = {}
         # When the cluster-wide listing of pods was last refused: a namespaced install is refused
         # every time, and asking anyway would cost a 403 per Node and pass.
@@ -65,14 +74,15 @@ class Kubelets:
             listed += await client.list(kube.resource_path("", "v1", "pods", namespace), field_selector=on_node)
         return listed, namespaces
 
-    async def config(self, client: kube.Kube, node: str) -> Mapping[str, Any]:
-        cached = self.configs.get(node)
+    async def config(self, reader: kubelet_api.Reader, node: Obj) -> Mapping[str, Any]:
+        name = str((node.get("metadata") or {}).get("name", ""))
+        cached = self.configs.get(name)
         if cached is not None and time.monotonic() - cached[0] < CONFIG_SECONDS:
             return cached[1]
-        answer = await client.get(kube.resource_path("", "v1", "nodes", name=node, subresource="proxy") + "/configz")
+        answer = await reader.get(node, "/configz")
         config = answer.get("kubeletconfig")
         found = config if isinstance(config, Mapping) else {}
-        self.configs[node] = (time.monotonic(), found)
+        self.configs[name] = (time.monotonic(), found)
         return found
 
 
@@ -95,9 +105,10 @@ async def read(
             nodes.add(node)
     chosen = sorted(nodes)[:MAX_NODES]
     namespaces = sorted({namespace for namespace, _ in ours})
-    answers = await asyncio.gather(
-        *(_read_node(client, kubelets, node, namespaces) for node in chosen), return_exceptions=True
-    )
+    async with kubelets.reading(client) as reader:
+        answers = await asyncio.gather(
+            *(_read_node(client, reader, kubelets, node, namespaces) for node in chosen), return_exceptions=True
+        )
     predictions, problems, room, unlisted = [], [], {}, {}
     for node, answer in zip(chosen, answers, strict=True):
         if isinstance(answer, kube.ApiError):
@@ -126,13 +137,9 @@ async def read(
 
 
 async def _read_node(
-    client: kube.Kube, kubelets: Kubelets, node: str, namespaces: Sequence[str]
+    client: kube.Kube, reader: kubelet_api.Reader, kubelets: Kubelets, node: str, namespaces: Sequence[str]
 ) -> node_pressure.NodeMemory:
-    proxy = kube.resource_path("", "v1", "nodes", name=node, subresource="proxy")
-    found, summary, config = await asyncio.gather(
-        client.get(kube.resource_path("", "v1", "nodes", name=node)),
-        client.get(proxy + "/stats/summary"),
-        kubelets.config(client, node),
-    )
+    found = await client.get(kube.resource_path("", "v1", "nodes", name=node))
+    summary, config = await asyncio.gather(reader.get(found, "/stats/summary"), kubelets.config(reader, found))
     bound, listed = await kubelets.bound(client, node, namespaces)
     return node_pressure.node_memory(found, summary, config, bound, listed=listed)

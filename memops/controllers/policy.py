@@ -122,6 +122,7 @@ class Policy:
         host_roots: frozenset[str] = frozenset(),
         protection: disruption.Administrator = disruption.DEFAULTS,
         growth: resize_decisions.Administrator = resize_decisions.NOBODY,
+        kubelet_ca: str | None = None,
     ):
         self.client = client
         self.host_roots = host_roots  # memops run --shared-spill-host-root
@@ -150,7 +151,8 @@ class Policy:
         self.nodes: dict[str, str] = {}  # worker address -> its pod's node, from the same check
         self.hooks_read = -_HOOK_EVENTS_SECONDS  # when the FailedPreStopHook events were last read (monotonic)
         self.disruption_read = -_DISRUPTION_SECONDS  # when the disruption annotations were last decided (monotonic)
-        self.kubelets = kubelets.Kubelets()  # the kubelets' configurations (spec.eviction.nodePressure)
+        # The kubelets' configurations (spec.eviction.nodePressure); memops run --kubelet-ca-file.
+        self.kubelets = kubelets.Kubelets(kubelet_ca)
         self.known: dict[str, str] = {}  # worker address -> pod, from every tenancy check (the latest _KNOWN_WORKERS)
         # The scheduler's departures up to this time (its clock) are decided: from the policy's creation
         # on, so that a new policy does not report what happened before it.
@@ -889,12 +891,14 @@ def register(
     host_roots: frozenset[str] = frozenset(),
     protection: disruption.Administrator = disruption.DEFAULTS,
     growth: resize_decisions.Administrator = resize_decisions.NOBODY,
+    kubelet_ca: str | None = None,
 ) -> None:
     """The indexes and the daemon; ``host_roots``: the host directories medium Node may mount;
     ``protection``: the administrator's bounds on the disruption annotations; ``growth``: where
-    in-place growth may act, and how far."""
+    in-place growth may act, and how far; ``kubelet_ca``: what verifies the kubelets' serving
+    certificates (None: the API server's CA)."""
     _register_indexes(registry)
-    _register_daemon(registry, host_roots=host_roots, protection=protection, growth=growth)
+    _register_daemon(registry, host_roots=host_roots, protection=protection, growth=growth, kubelet_ca=kubelet_ca)
 
 
 def _register_indexes(registry: kopf.OperatorRegistry) -> None:
@@ -950,6 +954,7 @@ def _register_daemon(
     host_roots: frozenset[str],
     protection: disruption.Administrator,
     growth: resize_decisions.Administrator,
+    kubelet_ca: str | None,
 ) -> None:
     """One daemon per policy, running its passes (:func:`_loop`)."""
 
@@ -979,6 +984,7 @@ def _register_daemon(
             host_roots=host_roots,
             protection=protection,
             growth=growth,
+            kubelet_ca=kubelet_ca,
         )
         uid = str(body.metadata.uid)
         waker = memo.policy_wakers.setdefault(uid, asyncio.Event())

@@ -29,7 +29,8 @@ FEATURE_GATED: dict[Permission, str] = {
     Permission("kubernetes.dask.org", "daskworkergroups", "patch"): "rbac.daskWorkerGroups=true",
     Permission("apps", "replicasets", "get"): "rbac.daskWorkerGroups=true",
     Permission("", "pods/resize", "patch"): "rbac.podResize=true",
-    Permission("", "nodes/proxy", "get"): "rbac.nodeProxy=true",
+    Permission("", "nodes/stats", "get"): "rbac.kubeletStats=true",
+    Permission("", "nodes/configz", "get"): "rbac.kubeletStats=true",
 }
 """Permission -> the Helm value that grants it (kustomize: the component of the same name)."""
 
@@ -37,7 +38,7 @@ KUSTOMIZE_COMPONENTS = {
     "rbac.schedulerTLS=true": "deploy/kustomize/components/scheduler-tls",
     "rbac.daskWorkerGroups=true": "deploy/kustomize/components/daskworkergroups",
     "rbac.podResize=true": "deploy/kustomize/components/pod-resize",
-    "rbac.nodeProxy=true": "deploy/kustomize/components/node-proxy",
+    "rbac.kubeletStats=true": "deploy/kustomize/components/kubelet-stats",
 }
 
 _PATH = re.compile(
@@ -67,9 +68,18 @@ def explain_forbidden(method: str, path: str, message: str) -> str:
     permission, namespace = found
     where = f" in namespace {namespace!r}" if namespace else " cluster-wide"
     what = f"{permission.resource} {permission.verb}" + (f" ({permission.group})" if permission.group else "")
+    return f"Forbidden: the operator may not {what}{where}: {_remedy(permission)}. The API server said: {message}"
+
+
+def explain_kubelet_forbidden(resource: str, kubelet: str, message: str) -> str:
+    """The message of a kubelet's 403 (``resource``: what it asked the API server about, such as
+    ``nodes/stats``)."""
+    remedy = _remedy(Permission("", resource, "get"))
+    return f"Forbidden: the operator may not get {resource} of the kubelet at {kubelet}: {remedy}. It said: {message}"
+
+
+def _remedy(permission: Permission) -> str:
     value = FEATURE_GATED.get(permission)
     if value is not None:
-        remedy = f"needs {value} (Helm value; kustomize: the component {KUSTOMIZE_COMPONENTS[value]})"
-    else:
-        remedy = "the operator's Role or ClusterRole lacks it"
-    return f"Forbidden: the operator may not {what}{where}: {remedy}. The API server said: {message}"
+        return f"needs {value} (Helm value; kustomize: the component {KUSTOMIZE_COMPONENTS[value]})"
+    return "the operator's Role or ClusterRole lacks it"

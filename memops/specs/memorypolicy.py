@@ -96,8 +96,8 @@ class NodePressureSpec(Model):
             "Act when a Node's available memory is within this of the kubelet's evictionHard memory.available"
             f" threshold (the node's, or its pods' allocatable share), at most {MAX_MARGIN}: its workers that the"
             " kubelet would evict first, by its own ranking, are drained while they still can be. Needs the"
-            " chart's rbac.nodeProxy (get nodes/proxy: the kubelet's summary statistics and configuration,"
-            " through the API server)."
+            " chart's rbac.kubeletStats (get nodes/stats and nodes/configz: the kubelet's summary statistics and"
+            " configuration, read from the kubelet itself)."
         ),
         json_schema_extra=quantity_rule(MAX_MARGIN),
     )

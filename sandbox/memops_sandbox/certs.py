@@ -206,6 +206,19 @@ class ClusterPki:
         )
         return pair.write(self.directory, name)
 
+    def kubelet_serving(self, node: str, address: str) -> tuple[Path, Path]:
+        """Issue and write the serving certificate of ``node``'s kubelet, for its name and
+        ``address``, as the cluster's signer issues one to a kubelet with ``serverTLSBootstrap``."""
+        pair = issue(
+            self.ca,
+            node_user(node),
+            organizations=("system:nodes",),
+            dns_names=(node,),
+            ip_addresses=(ipaddress.IPv4Address(address),),
+            server=True,
+        )
+        return pair.write(self.directory, f"kubelet-{node}-serving")
+
 
 def make_pki(directory: Path, addresses: tuple[str, ...] = ()) -> ClusterPki:
     """The CAs, the API server's serving and proxy-client certificates, the service-account
@@ -221,8 +234,8 @@ def make_pki(directory: Path, addresses: tuple[str, ...] = ()) -> ClusterPki:
     # ``kubernetes`` Service's ClusterIP), on real Nodes.
     ips = (LOOPBACK, *(ipaddress.IPv4Address(address) for address in addresses))
     issue(ca, "kube-apiserver", dns_names=APISERVER_NAMES, ip_addresses=ips, server=True).write(directory, "apiserver")
-    # The API server's client certificate for the kubelet API (logs, exec): our node agents
-    # serve none, but a cluster-admin identity keeps the flag honest.
+    # The API server's client certificate for the kubelet API (logs, exec, port-forward): the
+    # kubelets authorize it with a SubjectAccessReview, which system:masters passes.
     issue(ca, "kube-apiserver-kubelet-client", organizations=("system:masters",), client=True).write(
         directory, "apiserver-kubelet-client"
     )

@@ -216,12 +216,23 @@ def cni_config(node: Node) -> dict[str, Any]:
 
 
 def kubelet_config(
-    node: Node, ca: Path, eviction_hard: dict[str, str] | None = None, *, node_memory: str | None = None
+    node: Node,
+    ca: Path,
+    eviction_hard: dict[str, str] | None = None,
+    *,
+    node_memory: str | None = None,
+    serving: tuple[Path, Path] | None = None,
 ) -> dict[str, Any]:
     """The KubeletConfiguration of ``node``: cgroup v1 with the cgroupfs driver, its own cgroup
-    root, ports, logs and runtime; x509 clients only (the API server's); no image garbage
-    collection (the images exist only here); eviction on memory only unless the caller sets
-    ``eviction_hard``, since the disk is the machine's, shared by every Node.
+    root, ports, logs and runtime; no image garbage collection (the images exist only here);
+    eviction on memory only unless the caller sets ``eviction_hard``, since the disk is the
+    machine's, shared by every Node.
+
+    Its API as a production cluster's: clients by x509 certificate (the API server's) or bearer
+    token (a TokenReview), each request authorized by the API server (a SubjectAccessReview:
+    ``nodes/stats`` for ``/stats``, ``nodes/configz`` for ``/configz``, ``nodes/proxy`` for exec
+    and the rest), no anonymous access. ``serving``: its certificate and key, which the cluster's
+    CA signs (as ``serverTLSBootstrap`` has it), so that clients can verify it.
 
     ``node_memory``: the memory of the Node's pods. Every Node is this one machine, whose memory
     its kubelet sees whole; it reserves the rest for the system (``systemReserved``), so that
@@ -239,10 +250,11 @@ def kubelet_config(
         "readOnlyPort": 0,
         "authentication": {
             "anonymous": {"enabled": False},
-            "webhook": {"enabled": False},
+            "webhook": {"enabled": True},
             "x509": {"clientCAFile": str(ca)},
         },
-        "authorization": {"mode": "AlwaysAllow"},
+        "authorization": {"mode": "Webhook"},
+        **({"tlsCertFile": str(serving[0]), "tlsPrivateKeyFile": str(serving[1])} if serving else {}),
         "cgroupDriver": "cgroupfs",
         "cgroupRoot": node.cgroup_root,
         "cgroupsPerQOS": True,
@@ -820,9 +832,9 @@ async def running(
         proxy_config = plane.client_kubeconfig("kube-proxy", "system:kube-proxy")
         (state_dir / "kube-proxy.yaml").write_text(yaml.safe_dump(kube_proxy_config(proxy_config)))
         for node in nodes:
-            (node.root / "kubelet.yaml").write_text(
-                yaml.safe_dump(kubelet_config(node, plane.pki.path("ca"), eviction_hard, node_memory=node_memory))
-            )
+            serving = plane.pki.kubelet_serving(node.name, node.ip)
+            config = kubelet_config(node, plane.pki.path("ca"), eviction_hard, node_memory=node_memory, serving=serving)
+            (node.root / "kubelet.yaml").write_text(yaml.safe_dump(config))
             kubeconfig = plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
             spawned = time.time()
             kubelet = await controlplane.spawn(

@@ -7,18 +7,19 @@ and RBAC rendered with ``watchNamespaces`` naming the policy's namespace only (a
 ClusterRole of Nodes), and a token of that ServiceAccount. The read of the pre-emption
 (:func:`memops.controllers.kubelets.read`) runs as that identity: the Node, the pod listings and
 the API server's 403 for the cluster-wide one are real. No kubelet runs, so what a kubelet answers
-through the node proxy (its summary statistics and configuration: the pods' usage) is supplied in
-this process (:class:`AsTheOperator`); every other request goes to the API server.
+memops directly (its summary statistics and configuration: the pods' usage) is supplied in this
+process (:func:`kubelets_answering`); every request to the API server goes there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import pytest
@@ -48,18 +49,19 @@ RBAC = {
 }
 
 
-class AsTheOperator(kube.Kube):
-    """The operator's client with its ServiceAccount's token; what the plane has no kubelet to
-    answer through the node proxy (``/api/v1/nodes/<node>/proxy/...``) comes from ``kubelet``."""
+def kubelets_answering(kubelet: Mapping[str, Any]) -> kubelets.Kubelets:
+    """What the plane has no kubelet to answer (``<node><path>`` of a kubelet's own API) comes
+    from ``kubelet``."""
 
-    def __init__(self, info: kopf.ConnectionInfo, kubelet: Mapping[str, Any]):
-        super().__init__(info)
-        self.kubelet = kubelet
+    class Reader:
+        async def get(self, node: dict[str, Any], path: str) -> dict[str, Any]:
+            return dict(kubelet[f"{node['metadata']['name']}{path}"])
 
-    async def get(self, path: str, **params: str) -> dict[str, Any]:
-        if "/proxy/" in path:
-            return dict(self.kubelet[path])
-        return await super().get(path, **params)
+    @contextlib.asynccontextmanager
+    async def reading(_: kube.Kube) -> AsyncIterator[Reader]:
+        yield Reader()
+
+    return kubelets.Kubelets(reading=cast(Any, reading))
 
 
 @pytest.fixture
@@ -81,10 +83,10 @@ async def namespace(admin: kube.Kube, name: str) -> None:
 
 async def operator(admin: kube.Kube, plane: Path, watched: str, release: str) -> kopf.ConnectionInfo:
     """The chart's ServiceAccount and RBAC for ``watchNamespaces: [watched]`` (with
-    ``rbac.nodeProxy``, which node pressure needs) applied to the plane; a token of it."""
+    ``rbac.kubeletStats``, which node pressure needs) applied to the plane; a token of it."""
     await namespace(admin, release)
     values = {
-        "rbac": {"nodeProxy": True},
+        "rbac": {"kubeletStats": True},
         "watchNamespaces": [watched],
         "webhook": {"allowUnauthenticatedSources": True},
     }
@@ -128,8 +130,7 @@ def kubelet_answers(node: str, available: int, usage: Mapping[tuple[str, str], i
         ],
     }
     config = {"kubeletconfig": {"evictionHard": {"memory.available": "100Mi"}, "enforceNodeAllocatable": ["pods"]}}
-    proxy = kube.resource_path("", "v1", "nodes", name=node, subresource="proxy")
-    return {f"{proxy}/stats/summary": summary, f"{proxy}/configz": config}
+    return {f"{node}/stats/summary": summary, f"{node}/configz": config}
 
 
 async def read_as_operator(
@@ -137,11 +138,12 @@ async def read_as_operator(
 ) -> node_pressure.Seen:
     """:func:`kubelets.read` as a namespaced install reads it for a policy in ``policy_ns``: its
     workers listed there by that identity, as the policy's pass lists them."""
-    client = AsTheOperator(await operator(admin, plane, policy_ns, release), kubelet)
+    client = kube.Kube(await operator(admin, plane, policy_ns, release))
     try:
         workers = await client.list(kube.resource_path("", "v1", "pods", policy_ns))
         assert {w["spec"]["nodeName"] for w in workers} == {node}
-        return await kubelets.read(client, kubelets.Kubelets(), pods=workers, margin=MARGIN, logger=LOGGER)
+        answering = kubelets_answering(kubelet)
+        return await kubelets.read(client, answering, pods=workers, margin=MARGIN, logger=LOGGER)
     finally:
         await client.close()
 

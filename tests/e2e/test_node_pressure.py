@@ -8,9 +8,11 @@ the two Nodes. Unique keys fill the two workers of one Node past what the Node c
 
 Stock, the kubelet evicts the worker that is furthest over its request, with no grace period and
 no preStop hook, and its keys are lost. Under a MemoryPolicy with ``spec.eviction.nodePressure``,
-memops reads what the kubelet decides by (its summary statistics and configuration through the
-API server's node proxy, the pods' requests and priorities), predicts that victim while the Node
-is still within the margin, and drains it first: 0 keys lost.
+memops reads what the kubelet decides by (its summary statistics and configuration, from each
+kubelet itself with ``nodes/stats`` and ``nodes/configz`` and never ``nodes/proxy``; the pods'
+requests and priorities), predicts that victim while the Node is still within the margin, and
+drains it first: 0 keys lost. The kubelets authenticate and authorize every caller through the API
+server (``Webhook``), as a production cluster's do: a token without those rights is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import ssl
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,7 +62,7 @@ def pressed(tmp_path: Path) -> Iterator[Callable[[bool], Sandbox]]:
         state_dir = tmp_path / f"pressed{len(started)}"
         args = ["--nodes", "2", "--worker-memory", "512MiB", "--node-memory", NODE_MEMORY]
         args += ["--eviction-threshold", THRESHOLD]
-        args += ["--set", "rbac.nodeProxy=true"] if operator else ["--no-operator"]
+        args += ["--set", "rbac.kubeletStats=true"] if operator else ["--no-operator"]
         sandbox = Sandbox(state_dir, sandbox_cli.launch(state_dir, 1, *args, real_nodes=True))
         started.append(sandbox)
         return sandbox
@@ -197,8 +202,39 @@ def test_without_memops_the_kubelet_evicts_a_worker_and_its_keys_are_lost(
         )
 
 
+def kubelet_get(sandbox: Sandbox, node: str, path: str, token: str) -> int:
+    """The HTTP status of ``path`` on ``node``'s kubelet, asked directly with ``token``, its
+    serving certificate verified against the cluster's CA."""
+    found = sandbox.get("node", node)
+    [address] = [a["address"] for a in found["status"]["addresses"] if a["type"] == "InternalIP"]
+    port = found["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"]
+    context = ssl.create_default_context(cafile=str(sandbox.state_dir / "pki" / "ca.crt"))
+    request = urllib.request.Request(f"https://{address}:{port}{path}", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=30) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def assert_least_privilege(sandbox: Sandbox) -> None:
+    """The operator may read the kubelets' statistics and configuration, and not proxy to them;
+    the kubelets ask the API server: a token of an account without those rights is refused."""
+    operator = "system:serviceaccount:memops-system:memops"
+    for subresource, allowed in (("stats", "yes"), ("configz", "yes"), ("proxy", "no")):
+        asked = ("auth", "can-i", "get", "nodes", f"--subresource={subresource}", f"--as={operator}")
+        said = sandbox.kubectl(*asked, check=False).stdout.strip()
+        assert said == allowed, f"the operator's account: get nodes/{subresource}: {said}"
+    sandbox.kubectl("create", "serviceaccount", "nobody")
+    nobody = sandbox.kubectl("create", "token", "nobody").stdout.strip()
+    node = sandbox.get("nodes")["items"][0]["metadata"]["name"]
+    assert kubelet_get(sandbox, node, "/stats/summary", nobody) == 403, "the kubelet authorizes through the API server"
+    assert kubelet_get(sandbox, node, "/configz", "not-a-token") == 401, "and authenticates through it"
+
+
 def test_memops_drains_the_kubelets_next_victim_before_it_is_evicted(pressed: Callable[[bool], Sandbox]) -> None:
     sandbox = pressed(True)
+    assert_least_privilege(sandbox)
     sandbox.apply(
         {
             "apiVersion": "memops.dev/v1alpha1",

@@ -164,6 +164,9 @@ def test_validation_catches_an_unknown_field() -> None:
             "invalid propertyName 'Team'",
             id="resize-ceiling-in-no-namespace",
         ),
+        # Gone: the kubelets are read directly with rbac.kubeletStats, never through the node proxy.
+        pytest.param({"rbac": {"nodeProxy": True}}, "nodeProxy", id="node-proxy-gone"),
+        pytest.param({"kubeletCA": "Kubelet_CA"}, "/kubeletCA", id="kubelet-ca-not-a-name"),
     ],
 )
 def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None:
@@ -517,6 +520,24 @@ def test_resize_values_become_the_operators_flags(values: dict[str, Any], flags:
     pod = manifests.one(manifests.render_chart(values), "Deployment")["spec"]["template"]["spec"]
     args: list[str] = pod["containers"][0]["args"]
     assert [a for a in args if "resize" in a] == flags
+
+
+def test_the_kubelets_ca_becomes_a_mounted_configmap_and_the_operators_flag() -> None:
+    """``kubeletCA`` names a ConfigMap whose ``ca.crt`` verifies the kubelets' serving certificates;
+    unset, no flag (the API server's CA) and no volume."""
+    for values, flags in (({}, []), ({"kubeletCA": "kubelet-ca"}, ["--kubelet-ca-file=/etc/memops/kubelet-ca/ca.crt"])):
+        pod = manifests.one(manifests.render_chart(values), "Deployment")["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        assert [a for a in container["args"] if a.startswith("--kubelet-ca-file")] == flags
+        mounts = [m for m in container["volumeMounts"] if m["name"] == "kubelet-ca"]
+        volumes = [v for v in pod["volumes"] if v["name"] == "kubelet-ca"]
+        if not flags:
+            assert mounts == [] and volumes == []
+            continue
+        assert mounts == [{"name": "kubelet-ca", "mountPath": "/etc/memops/kubelet-ca", "readOnly": True}]
+        assert volumes == [
+            {"name": "kubelet-ca", "configMap": {"name": "kubelet-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}
+        ]
 
 
 def test_nested_host_roots_fail_the_install() -> None:

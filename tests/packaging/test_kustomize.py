@@ -22,7 +22,7 @@ COMPONENTS = {
     "scheduler-tls": "schedulerTLS",
     "daskworkergroups": "daskWorkerGroups",
     "pod-resize": "podResize",
-    "node-proxy": "nodeProxy",
+    "kubelet-stats": "kubeletStats",
 }
 
 

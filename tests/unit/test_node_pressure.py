@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import pydantic
@@ -371,8 +373,8 @@ def test_status_counts_drains_across_passes() -> None:
 
 
 class Kubelet:
-    """The API server as :mod:`memops.controllers.kubelets` reads it: answers by path, and the
-    paths asked, so that the node proxy's paths are the API server's."""
+    """The API server as :mod:`memops.controllers.kubelets` reads it, and the kubelets (:func:`through`):
+    answers by path, and the paths asked."""
 
     def __init__(self, answers: dict[str, Any], forbidden: frozenset[str] = frozenset()):
         self.answers, self.forbidden, self.asked = answers, forbidden, []
@@ -380,7 +382,7 @@ class Kubelet:
     async def get(self, path: str, **params: str) -> Any:
         self.asked.append(path)
         if path in self.forbidden:
-            raise kube.ApiError(403, "Forbidden", "nodes/proxy")
+            raise kube.ApiError(403, "Forbidden", "nodes/stats")
         return self.answers[path]
 
     async def list(self, path: str, *, field_selector: str | None = None, **_: Any) -> Any:
@@ -390,36 +392,50 @@ class Kubelet:
         return self.answers[f"{path}?{field_selector}"]
 
 
-async def test_the_kubelets_are_read_through_the_node_proxy() -> None:
+def through(api: Kubelet) -> kubelets.Kubelets:
+    """Kubelets whose own API (:mod:`memops.clients.kubelet_api`) ``api`` answers, at
+    ``kubelet:<node><path>``."""
+
+    class Reader:
+        async def get(self, node: dict[str, Any], path: str) -> Any:
+            return await api.get(f"kubelet:{node['metadata']['name']}{path}")
+
+    @contextlib.asynccontextmanager
+    async def reading(_: kube.Kube) -> AsyncIterator[Reader]:
+        yield Reader()
+
+    return kubelets.Kubelets(reading=cast(Any, reading))
+
+
+async def test_the_kubelets_are_read_from_the_kubelets_themselves() -> None:
     stats = summary({("dask", "w-1"): 1900 * MiB}, node_available=2**33, node_working=2**30, pods_working=1900 * MiB)
     api = Kubelet(
         {
             "/api/v1/nodes/n1": NODE,
-            "/api/v1/nodes/n1/proxy/stats/summary": stats,
-            "/api/v1/nodes/n1/proxy/configz": {"kubeletconfig": {"evictionHard": {"memory.available": "100Mi"}}},
+            "kubelet:n1/stats/summary": stats,
+            "kubelet:n1/configz": {"kubeletconfig": {"evictionHard": {"memory.available": "100Mi"}}},
             "/api/v1/pods?spec.nodeName=n1": [kube_pod("w-1", "64Mi")],
         }
     )
     worker = {"metadata": {"namespace": "dask", "name": "w-1"}, "spec": {"nodeName": "n1"}}
     client = cast(kube.Kube, api)
-    seen = await kubelets.read(client, kubelets.Kubelets(), pods=[worker], margin=256 * MiB, logger=logging.getLogger())
+    seen = await kubelets.read(client, through(api), pods=[worker], margin=256 * MiB, logger=logging.getLogger())
     (found,) = seen.predictions
     assert found.ours == ("w-1",) and found.signal == "allocatableMemory.available" and seen.message == ""
     assert seen.room == {"n1": found.headroom - 256 * MiB}
     # The configuration is read once, then reused.
-    cache = kubelets.Kubelets()
+    cache = through(api)
     await kubelets.read(client, cache, pods=[worker], margin=0, logger=logging.getLogger())
     await kubelets.read(client, cache, pods=[worker], margin=0, logger=logging.getLogger())
-    assert api.asked.count("/api/v1/nodes/n1/proxy/configz") == 2
+    assert api.asked.count("kubelet:n1/configz") == 2
+    assert not [path for path in api.asked if "/proxy" in path], "never through the API server's node proxy"
 
 
-async def test_a_forbidden_node_proxy_is_named_in_the_status_message() -> None:
-    api = Kubelet({"/api/v1/nodes/n1": NODE}, forbidden=frozenset({"/api/v1/nodes/n1/proxy/stats/summary"}))
-    api.answers["/api/v1/nodes/n1/proxy/configz"] = {}
+async def test_a_kubelets_refusal_is_named_in_the_status_message() -> None:
+    api = Kubelet({"/api/v1/nodes/n1": NODE}, forbidden=frozenset({"kubelet:n1/stats/summary"}))
+    api.answers["kubelet:n1/configz"] = {}
     worker = {"metadata": {"namespace": "dask", "name": "w-1"}, "spec": {"nodeName": "n1"}}
-    seen = await kubelets.read(
-        cast(kube.Kube, api), kubelets.Kubelets(), pods=[worker], margin=0, logger=logging.getLogger()
-    )
+    seen = await kubelets.read(cast(kube.Kube, api), through(api), pods=[worker], margin=0, logger=logging.getLogger())
     assert seen.predictions == () and seen.message.startswith("node n1: ")
 
 
@@ -446,14 +462,14 @@ async def test_a_refused_cluster_wide_listing_lists_the_policys_namespace_and_is
     api = Kubelet(
         {
             "/api/v1/nodes/n1": NODE,
-            "/api/v1/nodes/n1/proxy/stats/summary": stats,
-            "/api/v1/nodes/n1/proxy/configz": {"kubeletconfig": {}},
+            "kubelet:n1/stats/summary": stats,
+            "kubelet:n1/configz": {"kubeletconfig": {}},
             "/api/v1/namespaces/dask/pods?spec.nodeName=n1": [kube_pod("w-1", "64Mi")],
         },
         forbidden=frozenset({"/api/v1/pods"}),
     )
     worker = {"metadata": {"namespace": "dask", "name": "w-1"}, "spec": {"nodeName": "n1"}}
-    cache = kubelets.Kubelets()
+    cache = through(api)
     for _ in range(2):
         seen = await kubelets.read(
             cast(kube.Kube, api), cache, pods=[worker], margin=256 * MiB, logger=logging.getLogger()
