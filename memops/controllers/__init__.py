@@ -117,11 +117,9 @@ def make_registry(
     growth: resize_decisions.Administrator = resize_decisions.NOBODY,
     kubelet_ca: str | None = None,
 ) -> kopf.OperatorRegistry:
-    """The administrator's bounds, ``memops run``'s flags: ``host_roots``, the host directories that shared
-    spill of medium Node may mount (``--shared-spill-host-root``; none: medium Node is refused);
-    ``protection``, the disruption annotations' longest time and the namespaces with none; ``growth``,
-    where in-place growth may act (``--resize-in``; no namespace by default) and how far; ``kubelet_ca``,
-    what verifies the kubelets' serving certificates (``--kubelet-ca-file``; None: the API server's CA)."""
+    """The administrator's bounds, ``memops run``'s flags: ``host_roots`` (``--shared-spill-host-root``),
+    ``protection`` (the disruption annotations), ``growth`` (``--resize-in``, in-place growth) and
+    ``kubelet_ca`` (``--kubelet-ca-file``; None: the API server's CA verifies the kubelets)."""
     registry = kopf.OperatorRegistry()
     # One source of credentials for Kopf and for memops' own client: when Kopf logs in again (a
     # 401, or the credentials' expiration), memops' client gets the new ones too, and the other way.
