@@ -364,6 +364,27 @@ def _transport(info: kopf.ConnectionInfo) -> tuple[Any, ...]:
     )
 
 
+async def renewing(
+    credentials: Credentials, send: Callable[[kopf.ConnectionInfo], Awaitable[objects.Obj]]
+) -> objects.Obj:
+    """``send`` with the credentials in hand, and once more with renewed ones after a 401."""
+    info = await credentials.get()
+    try:
+        return await send(info)
+    except ApiError as error:
+        if error.code != 401:
+            raise
+        # Unauthenticated, so not done: the token was rotated or revoked, or an exec
+        # plugin's credentials ran out. Load them again and send it once more.
+        try:
+            renewed = await credentials.renew(info)
+        except kopf.LoginError as login_error:
+            raise ApiError(error.code, error.reason, f"{error.message} (and then {login_error})") from error
+        if renewed == info:
+            raise  # nothing new to try: the 401 stands
+        return await send(renewed)
+
+
 class Kube:
     """A small async client. One instance per operator; cheap to create per test.
 
@@ -415,21 +436,10 @@ class Kube:
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> objects.Obj:
-        info = await self.credentials.get()
-        try:
-            return await self._send(info, method, path, body=body, params=params, content_type=content_type)
-        except ApiError as error:
-            if error.code != 401:
-                raise
-            # Unauthenticated, so not done: the token was rotated or revoked, or an exec
-            # plugin's credentials ran out. Load them again and send it once more.
-            try:
-                renewed = await self.credentials.renew(info)
-            except kopf.LoginError as login_error:
-                raise ApiError(error.code, error.reason, f"{error.message} (and then {login_error})") from error
-            if renewed == info:
-                raise  # nothing new to try: the 401 stands
-            return await self._send(renewed, method, path, body=body, params=params, content_type=content_type)
+        return await renewing(
+            self.credentials,
+            lambda info: self._send(info, method, path, body=body, params=params, content_type=content_type),
+        )
 
     async def _send(
         self,

@@ -95,19 +95,7 @@ class Reader:
             url = endpoint(node) + path
         except ValueError as exc:
             raise kube.ApiError(503, "KubeletUnreachable", str(exc)) from None
-        info = await self.credentials.get()
-        try:
-            return await self._send(info, url, path)
-        except kube.ApiError as error:
-            if error.code != 401:
-                raise
-            try:  # a rotated token: once more with the new one
-                renewed = await self.credentials.renew(info)
-            except kopf.LoginError as login_error:
-                raise kube.ApiError(error.code, error.reason, f"{error.message} (and then {login_error})") from error
-            if renewed == info:
-                raise
-            return await self._send(renewed, url, path)
+        return await kube.renewing(self.credentials, lambda info: self._send(info, url, path))
 
     async def _send(self, info: kopf.ConnectionInfo, url: str, path: str) -> objects.Obj:
         try:
