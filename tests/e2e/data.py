@@ -8,6 +8,8 @@ from typing import Any
 
 import distributed
 
+from tests import polling
+
 
 @dataclass
 class Holdings:
@@ -38,13 +40,36 @@ def workers_by_name(client: distributed.Client) -> dict[str, str]:
     return {str(info["name"]): address for address, info in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
+def scatter_onto(client: distributed.Client, pod: str, values: dict[str, bytes]) -> dict[str, distributed.Future]:
+    """Scatter ``values`` onto the worker named ``pod``, one copy each.
+
+    The worker's address is read just before, and read again if the scheduler no longer knows it by
+    the time the data arrives: under CI's load a worker once missed its heartbeats right after a
+    roll-out settled and came back at a new port, and the scatter to its old address failed with
+    the scheduler's KeyError."""
+    for _ in range(3):
+        addresses = polling.wait_for(
+            lambda: (found := workers_by_name(client)) and pod in found and found,
+            timeout=60,
+            what=f"the worker {pod} in the scheduler",
+        )
+        try:
+            futures: dict[str, distributed.Future] = client.scatter(
+                values, workers=[addresses[pod]], hash=False, broadcast=False
+            )
+        except KeyError as gone:
+            left = gone
+            continue
+        return futures
+    raise AssertionError(f"the worker {pod} kept leaving the scheduler while data was scattered onto it: {left}")
+
+
 def scatter_unique(client: distributed.Client, keys_per_pod: dict[str, int], size: int = 256 * 1024) -> Holdings:
     """Scatter ``n`` distinct random values of ``size`` bytes onto each named pod's worker, one copy each."""
     holdings = Holdings(client)
-    addresses = workers_by_name(client)
     for pod, count in keys_per_pod.items():
         values = {f"{pod}-{i}": os.urandom(size) for i in range(count)}
-        futures = client.scatter(values, workers=[addresses[pod]], hash=False, broadcast=False)
+        futures = scatter_onto(client, pod, values)
         holdings.futures.update(futures)
         holdings.values.update(values)
         holdings.owner.update(dict.fromkeys(values, pod))

@@ -29,7 +29,7 @@ from memops_sandbox import dask_direct
 
 from memops.scheduler import drain
 from tests import polling
-from tests.e2e import receipts, windows
+from tests.e2e import data, receipts, windows
 from tests.e2e import test_metrics as metrics
 from tests.e2e.conftest import SPREAD_OVER_NODES, Sandbox
 
@@ -80,17 +80,12 @@ def preempt(sandbox: Sandbox, client: distributed.Client, pods: list[str]) -> tu
     """Unique data on ``pods``, then ``kubectl delete --grace-period=25`` of each, ``STAGGER``
     seconds apart: the seconds until their workers left the scheduler, and the keys lost."""
 
-    def connected() -> dict[str, str] | None:
-        found = {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
-        return found if set(pods) <= found.keys() else None
-
     # A worker may be between two connections (CI's load once had one miss its heartbeats just after
-    # the roll-out settled): the data goes once each pod's worker is there.
-    addresses: dict[str, str] = sandbox.wait_for(connected, 60, "the pods' workers in the scheduler")
+    # the roll-out settled): the data goes once each pod's worker is there, at its address then.
     futures: list[distributed.Future] = []
     for pod in pods:
-        values = {f"{pod}-{i}": os.urandom(KEY) for i in range(SIZE // KEY)}
-        futures += client.scatter(values, workers=[addresses[pod]], hash=False).values()
+        futures += data.scatter_onto(client, pod, {f"{pod}-{i}": os.urandom(KEY) for i in range(SIZE // KEY)}).values()
+    addresses = data.workers_by_name(client)
     dying = {addresses[p] for p in pods}
     began = time.monotonic()
     # One pod, then the next a second later: the node's hooks need not start together (a node's
