@@ -562,6 +562,21 @@ SPREAD_OVER_NODES = {
 """A patch of the worker Deployment: its pods spread evenly over the Nodes (a rollout)."""
 
 
+def spread_rolled_out(sandbox: Sandbox, pods: list[dict[str, Any]]) -> bool:
+    """Whether the rollout of :data:`SPREAD_OVER_NODES` is over and ``pods`` are all of it: the
+    Deployment's controller has seen the patch, every replica is of the new template, and each of
+    ``pods`` carries the constraint. Right after ``kubectl patch`` the old pods are still all there
+    and Running, and may happen to be spread already: taken for the new ones, they were replaced
+    under the test a second later (CI's preemption test once scattered onto such a pod)."""
+    deployment = sandbox.get("deployment", "dask-worker")
+    status = deployment.get("status") or {}
+    return (
+        status.get("observedGeneration", 0) >= deployment["metadata"]["generation"]
+        and status.get("updatedReplicas") == status.get("replicas") == deployment["spec"]["replicas"]
+        and all(p["spec"].get("topologySpreadConstraints") for p in pods)
+    )
+
+
 def retirement_request(name: str, namespace: str | None = None, **spec: Any) -> dict[str, Any]:
     """A RetirementRequest of the workers ``dask-worker``: in ``namespace``, else in the namespace
     that kubectl defaults to (a test's own)."""

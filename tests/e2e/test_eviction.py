@@ -29,7 +29,7 @@ import pytest
 from memops_sandbox import certs
 from memops_sandbox import common as sandbox_cli
 
-from tests.e2e.conftest import BIN, SPREAD_OVER_NODES, Sandbox
+from tests.e2e.conftest import BIN, SPREAD_OVER_NODES, Sandbox, spread_rolled_out
 from tests.e2e.data import Holdings, scatter_unique
 
 WORKERS = 4
@@ -102,7 +102,14 @@ def setup(sandbox: Sandbox, client: distributed.Client) -> tuple[str, list[str],
     if len(set(placed.values())) < 2:  # the scheduler's spreading is a preference: make it a rule
         sandbox.kubectl("patch", "deployment/dask-worker", "--type=merge", "-p", json.dumps(SPREAD_OVER_NODES))
         placed = sandbox.wait_for(
-            lambda: (found := settled()) and len(set(found.values())) == 2 and found, 180, "spread workers"
+            lambda: (
+                (found := settled())
+                and len(set(found.values())) == 2
+                and spread_rolled_out(sandbox, sandbox.get("pods", "-l", "app=dask-worker")["items"])
+                and found
+            ),
+            180,
+            "spread workers",
         )
     node = sorted(set(placed.values()))[0]
     pods = sorted(p for p, n in placed.items() if n == node)

@@ -31,7 +31,7 @@ from memops.scheduler import drain
 from tests import polling
 from tests.e2e import data, receipts, windows
 from tests.e2e import test_metrics as metrics
-from tests.e2e.conftest import SPREAD_OVER_NODES, Sandbox
+from tests.e2e.conftest import SPREAD_OVER_NODES, Sandbox, spread_rolled_out
 
 GRACE = 25
 SIZE = 96 * 2**20  # per dying worker: enough that no hook, or a slow one, shows; small for 2 cores
@@ -49,6 +49,8 @@ def spread(sandbox: Sandbox, client: distributed.Client, hooked: bool) -> dict[s
         if len(items) != 4 or any(p["status"].get("phase") != "Running" for p in items):
             return None
         if any(("preStop" in (p["spec"]["containers"][0].get("lifecycle") or {})) != hooked for p in items):
+            return None
+        if not spread_rolled_out(sandbox, items):
             return None
         placed = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in items}
         names = {str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()}
