@@ -44,9 +44,8 @@ def scatter_onto(client: distributed.Client, pod: str, values: dict[str, bytes])
     """Scatter ``values`` onto the worker named ``pod``, one copy each.
 
     The worker's address is read just before, and read again if the scheduler no longer knows it by
-    the time the data arrives: under CI's load a worker once missed its heartbeats right after a
-    roll-out settled and came back at a new port, and the scatter to its old address failed with
-    the scheduler's KeyError."""
+    the time the data arrives (the scheduler's KeyError): a worker that reconnects comes back at a
+    new port. A worker that does not come back within a minute fails the test, naming it."""
     for _ in range(3):
         addresses = polling.wait_for(
             lambda: (found := workers_by_name(client)) and pod in found and found,
