@@ -284,21 +284,9 @@ class PlacementPlugin(SchedulerPlugin):
         if len(running) < 2:
             self.figures.left("fewer than two workers")
             return
-        tasks = scheduler.tasks
-        new = []
-        for key in keys:
-            ts = tasks.get(key)
-            if ts is None or ts.state != "released" or ts.run_spec is None:
-                continue
-            if ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
-                self.figures.left("restricted already")
-                return
-            if isinstance(ts.run_spec, P2PBarrierTask):
-                # A P2P shuffle or rechunk restricts its own tasks at its barrier, and restarts
-                # them when a worker leaves: it is Dask's to place.
-                self.figures.left("a P2P shuffle")
-                return
-            new.append(ts)
+        new = self._new_tasks(scheduler.tasks, keys)
+        if new is None:
+            return
         new.sort(key=_PRIORITY)
         grouping = group(new, _DEPENDENCIES, len(running))
         if not grouping.partitions:
@@ -318,12 +306,33 @@ class PlacementPlugin(SchedulerPlugin):
             self.members[number] = members
             self.home[number] = home
             self.remaining[number] = len(members)
+            # One set for the group's tasks, not one each: Dask replaces a task's restrictions and
+            # never changes them in place, and rehome and release replace them too.
+            restriction = {home}
             for ts in members:
-                ts.worker_restrictions = {home}
-            group_of.update(dict.fromkeys([ts.key for ts in members], number))
+                ts.worker_restrictions = restriction
+                group_of[ts.key] = number
         self.figures.graphs_placed += 1
         self.figures.groups += sum(home is not None for home in homes)
         self.figures.tasks_placed += placed
+
+    def _new_tasks(self, tasks: Mapping[Hashable, Any], keys: Collection[Hashable]) -> list[Any] | None:
+        """The graph's tasks still to run, or None (and why, in the figures) where it is Dask's to place."""
+        new: list[Any] = []
+        append = new.append
+        for ts in map(tasks.get, keys):
+            if ts is None or ts.run_spec is None or ts.state != "released":
+                continue
+            if ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions:
+                self.figures.left("restricted already")
+                return None
+            if isinstance(ts.run_spec, P2PBarrierTask):
+                # A P2P shuffle or rechunk restricts its own tasks at its barrier, and restarts
+                # them when a worker leaves: it is Dask's to place.
+                self.figures.left("a P2P shuffle")
+                return None
+            append(ts)
+        return new
 
 
 _PRIORITY = operator.attrgetter("priority")
@@ -343,7 +352,7 @@ def _homes(groups: Sequence[list[Any]], running: Sequence[Any]) -> list[str | No
         held: dict[str, int] = {}
         for ts in members:
             for dts in ts.dependencies:
-                if dts.state == "memory":  # a dependency inside the graph is not computed yet
+                if dts.who_has and dts.state == "memory":  # a dependency inside the graph is not computed yet
                     for ws in dts.who_has or ():
                         if ws.address in load:
                             held[ws.address] = held.get(ws.address, 0) + dts.get_nbytes()
