@@ -145,13 +145,22 @@ def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_no
         # would have moved it again), however far apart the two hooks start. A replacement pod
         # may land on the same node here (the node stays; only its pods were deleted), and is a
         # recipient like any other.
+        before = set(pod_of)
         pod_of |= {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         moved = [f"{p}-{i}" for p in pods for i in range(SIZE // KEY)]
         landing = receipts.landing(client, moved, pod_of, leaving=pods)
         print(f"memops: the preempted node's keys: {landing.line()}")
         assert landing.on_leaving == {}, f"keys received by a leaving worker: {landing.line()}"
-        assert landing.unreceived == [] and landing.repeated == {}, landing
-        assert landing.per_key == 1.0
+        assert landing.repeated == {}, landing
+        # A replacement that joins during the drain may take keys that the receipts do not record
+        # (CI once had all of the second pod's keys on its sibling's replacement, none lost, none
+        # recorded): a key that no receipt mentions must be held by such a late worker, and by it
+        # alone, so that none of them stopped on a leaving worker unseen.
+        late = set(pod_of) - before
+        unrecorded = client.sync(client.scheduler.who_has, keys=landing.unreceived) if landing.unreceived else {}
+        print(f"memops: {len(unrecorded)} keys on workers that joined during the drain, unrecorded")
+        assert all(holders and set(holders) <= late for holders in unrecorded.values()), (landing, unrecorded, late)
+        assert landing.receipts == landing.keys - len(unrecorded), landing
         drains = asyncio.run(dask_direct.drain_status(sandbox.scheduler_address))
         hooks = {d["name"]: d for d in drains.values() if d.get("origin") == "preStop"}
         assert set(hooks) == set(pods) and all(d["state"] == "done" for d in hooks.values()), drains
