@@ -353,7 +353,7 @@ def _homes(groups: Sequence[list[Any]], running: Sequence[Any]) -> list[str | No
         for ts in members:
             for dts in ts.dependencies:
                 if dts.who_has and dts.state == "memory":  # a dependency inside the graph is not computed yet
-                    for ws in dts.who_has or ():
+                    for ws in dts.who_has:
                         if ws.address in load:
                             held[ws.address] = held.get(ws.address, 0) + dts.get_nbytes()
         if held:
