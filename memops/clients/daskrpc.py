@@ -80,6 +80,7 @@ from memops.clients import daskcomm
 from memops.decisions import counts, snapshots, tenancy
 from memops.rulesyntax import bounds, globs
 from memops.scheduler import (
+    admission,
     agent,
     departures,
     drain,
@@ -93,12 +94,15 @@ from memops.scheduler import (
     worker_limits,
 )
 from memops.worker import accounting, handover, links, maps
+from memops.worker import admission as worker_admission
 from memops.worker import owner as spill_owner
 
 logger = logging.getLogger(__name__)
 
 # Sent to the scheduler by value, so that it needs only distributed, not memops.
 _BY_VALUE = (
+    admission,
+    worker_admission,
     agent,
     departures,
     drain,
@@ -550,6 +554,29 @@ class Scheduler:
         except (KeyError, TypeError, ValueError) as exc:
             raise SchedulerMisbehaved(address, f"the agent's placement figures are malformed: {exc}") from exc
         return plain
+
+    async def configure_admission(
+        self, *, settings: Mapping[str, Any] | None, owner: str, timeout: float | None = None
+    ) -> dict[str, Any] | None:
+        """Install, retune or (``settings`` None) remove task admission in the scheduler and its
+        workers (:mod:`memops.scheduler.admission`); its figures, bounded and plain (None when none
+        is installed). Admission that another ``owner`` installed is left alone; the figures then
+        say whose it is. Raises :class:`SchedulerRefused` when the scheduler does not run the agent."""
+        address = self.address
+        async with self._using(changes=True) as comm, asyncio.timeout(self.timeout if timeout is None else timeout):
+            figures = await _agent(
+                comm, "admission", install=settings is not None, settings=dict(settings or {}), owner=owner
+            )
+        if not figures:
+            return None
+        if not isinstance(figures, Mapping):
+            raise SchedulerMisbehaved(
+                address, f"the agent's admission figures are a {type(figures).__name__}, not a map"
+            )
+        try:
+            return _plain_admission(figures)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SchedulerMisbehaved(address, f"the agent's admission figures are malformed: {exc}") from exc
 
     async def configure_replication(
         self,
@@ -1100,3 +1127,25 @@ async def _agent(
         if not install:
             return None
         await _install_agent(comm)
+
+
+_ADMISSION_COUNTS = ("tasksAdmitted", "tasksProbed", "preempted", "waiting", "demandTasks", "demandBytes", "profiled")
+
+
+def _plain_admission(figures: Mapping[str, Any]) -> dict[str, Any]:
+    """The agent's admission figures as the status shows them: numbers, and at most
+    :data:`~memops.scheduler.admission.TOP` prefixes of bounded length (a tenant's scheduler is a peer)."""
+    plain: dict[str, Any] = {name: int(figures[name]) for name in _ADMISSION_COUNTS}
+    top = []
+    for entry in list(figures.get("top") or ())[: admission.TOP]:
+        prefix, peak, seen = entry
+        top.append(
+            {
+                "prefix": str(prefix)[: worker_admission.MAX_PREFIX_CHARS],
+                "peakBytes": int(peak),
+                "observations": int(seen),
+            }
+        )
+    plain["top"] = top
+    plain["owner"] = str(figures.get("owner", ""))[:256]
+    return plain

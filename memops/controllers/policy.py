@@ -26,6 +26,7 @@ import pydantic
 from memops import specs
 from memops.clients import daskrpc, kube
 from memops.controllers import (
+    admission_install,
     kubelets,
     loop,
     metrics,
@@ -407,8 +408,8 @@ class Policy:
         return status.model_copy(update={"resize": status.resize.model_copy(update={"message": message})})
 
     async def configure_scheduler(self, read: Read, status: specs.MemoryPolicyStatus) -> specs.MemoryPolicyStatus:
-        """Relief, replication and placement in the vouched-for scheduler; ``status`` with what they report.
-        Untouched when the pass could not reach the scheduler."""
+        """Relief, replication, placement and task admission in the vouched-for scheduler; ``status``
+        with what they report. Untouched when the pass could not reach the scheduler."""
         if read.scheduler is None or read.snapshot is None:
             return status
         spec, found = read.inputs.spec, read.inputs.status
@@ -440,6 +441,14 @@ class Policy:
             policy=self.name,
             logger=self.logger,
         )
+        admitted = await admission_install.reconcile(
+            scheduler=read.scheduler,
+            spec=spec,
+            old=found.tasks,
+            namespace=self.namespace,
+            policy=self.name,
+            logger=self.logger,
+        )
         workers = frozenset(w.address for w in read.snapshot.workers)
         found_links = await self.install_links(read.scheduler, spec, workers, status.conditions, read.inputs.generation)
         shared = await self.read_spill(read.scheduler, spec, status.sharedSpill)
@@ -447,6 +456,7 @@ class Policy:
             "pressure": pressure,
             "replication": replicated,
             "placement": placed,
+            "tasks": admitted,
             "conditions": found_links,
             "sharedSpill": shared,
         }
@@ -652,11 +662,11 @@ class Policy:
         return verdict
 
     async def goodbye(self) -> None:
-        """The policy is gone: its pressure relief, replication and placement leave the scheduler (best effort),
-        on one connection vouched for by a fresh tenancy check."""
+        """The policy is gone: its pressure relief, replication, placement and task admission leave the
+        scheduler (best effort), on one connection vouched for by a fresh tenancy check."""
         await self.unprotect()
         status = self.body.get("status") or {}
-        if not (status.get("pressure") or status.get("replication") or status.get("placement")):
+        if not any(status.get(name) for name in ("pressure", "replication", "placement", "tasks")):
             return
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
@@ -664,6 +674,7 @@ class Policy:
                 await relief_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
                 await replication_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
                 await placement_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                await admission_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
         except (
             daskrpc.SchedulerUnreachable,
             daskrpc.Unvouched,
@@ -671,7 +682,9 @@ class Policy:
             kube.ApiError,
             ValueError,
         ) as exc:
-            self.logger.warning("pressure relief, replication and placement left in the scheduler: %s", exc)
+            self.logger.warning(
+                "pressure relief, replication, placement and task admission left in the scheduler: %s", exc
+            )
 
     async def unprotect(self, *, workload: bool = True) -> None:
         """The policy is gone: the disruption annotations it set leave the pods (best effort); left

@@ -43,6 +43,9 @@ Operations (``operation``, its arguments, what ``result`` holds):
   and its share of its node's spill (an inode that k workers link counts 1/k to each);
 - ``placement`` (``enabled``, ``max_tasks``, ``owner``): :func:`memops.scheduler.placement.configure`:
   installs, retunes or removes graph-aware placement; its figures, or ``{}`` once removed;
+- ``admission`` (``settings``, ``owner``): :func:`memops.scheduler.admission.configure`: installs,
+  retunes or (``settings`` empty) removes memory-aware task admission, in the scheduler and its
+  workers; its figures, or ``{}`` once removed;
 - ``hello``: the agent's version.
 
 Every reply is ``{"agent": VERSION, "result": ...}``, or ``{"agent": VERSION, "error": text}``
@@ -60,15 +63,16 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
 from memops.rulesyntax import bounds
-from memops.scheduler import departures, drain, holdings, placement, relief, replication, worker_limits
+from memops.scheduler import admission, departures, drain, holdings, placement, relief, replication, worker_limits
+from memops.worker import admission as worker_admission
 from memops.worker import links
 
 NAME = "memops_agent"
-VERSION = 13
+VERSION = 14
 """Bumped when an operation's arguments or reply change, or what the agent does in the scheduler
 (7: no rule in force leaves the AMM as Dask made it; 8: replication follows an index of the ruled
 keys instead of scanning keys; 10: ``resize``; 11: ``departures``; 12: ``links``, ``spill``; 13:
-``placement``, and a drain moves the drained workers' placed groups first), so that an older agent
+``placement``, and a drain moves the drained workers' placed groups first; 14: ``admission``), so that an older agent
 is replaced."""
 EVENTS = "memops-agent"
 """The scheduler's event topic where :func:`install` logs ``{"action": "installed", "agent":
@@ -177,6 +181,18 @@ def _placement(
     return placement.configure(dask_scheduler, enabled is True, max_tasks=bounded, owner=str(owner)) or {}
 
 
+async def _admission(dask_scheduler: Any, settings: Any = None, owner: str = "") -> dict[str, Any]:
+    chosen = admission.settings_from(settings) if settings else None
+    figures = await admission.configure(
+        dask_scheduler,
+        enabled=chosen is not None,
+        settings=chosen[0] if chosen else worker_admission.Settings(),
+        probe=chosen[1] if chosen else False,
+        owner=str(owner),
+    )
+    return figures or {}
+
+
 def _hello(dask_scheduler: Any) -> dict[str, Any]:
     return {"version": VERSION}
 
@@ -192,6 +208,7 @@ OPERATIONS: dict[str, Callable[..., Any]] = {
     "links": _links,
     "spill": _spill,
     "placement": _placement,
+    "admission": _admission,
     "hello": _hello,
 }
 

@@ -328,6 +328,84 @@ class PlacementStatus(Model):
     message: str = pydantic.Field(default="", description="Why placement is not in force, in one line.")
 
 
+# -- memory-aware task admission (spec.tasks) ----------------------------------------------------
+
+
+class UnprofiledTasks(enum.StrEnum):
+    PROBE = "Probe"
+    RUN = "Run"
+
+
+class TaskAdmissionSpec(Model):
+    """Profile each task prefix's peak memory on the workers; start a task only where its peak fits
+    under Dask's pause threshold; preempt a preemptible task before the nanny kills its worker."""
+
+    unprofiled: UnprofiledTasks = pydantic.Field(
+        default=UnprofiledTasks.PROBE,
+        description=(
+            "A prefix never profiled: Probe runs its tasks one at a time per worker until one has finished"
+            " (its first wave cannot kill a worker); Run starts them as stock Dask does."
+        ),
+    )
+    small: Quantity = pydantic.Field(
+        default="128Mi",
+        description="Tasks whose profiled peak is under this reserve nothing and run as stock Dask runs them.",
+    )
+    preemptAbove: float | None = pydantic.Field(
+        default=0.9,
+        ge=0.5,
+        le=0.94,
+        description=(
+            "Share of the worker's memory limit above which the newest preemptible task is stopped and"
+            " rescheduled (below the nanny's 0.95); unset: never."
+        ),
+    )
+    preemptible: list[Annotated[str, pydantic.Field(min_length=1, max_length=bounds.MAX_PATTERN_CHARS)]] = (
+        pydantic.Field(
+            default_factory=list,
+            max_length=bounds.MAX_RULES,
+            json_schema_extra={"x-kubernetes-list-type": "set"},
+            description=(
+                "Globs of task prefixes that may be preempted (also: dask.annotate(memops_preemptible=level)"
+                " on a computation); none by default."
+            ),
+        )
+    )
+    maxRetries: int = pydantic.Field(
+        default=3, ge=0, le=10, description="Times one task may be preempted on one worker."
+    )
+
+    @pydantic.field_validator("preemptible")
+    @classmethod
+    def _globs(cls, preemptible: list[str]) -> list[str]:
+        for glob in preemptible:
+            globs.compile_glob(glob, "tasks.preemptible[]")
+        if len(set(preemptible)) != len(preemptible):
+            raise ValueError("tasks.preemptible: a glob is listed twice")
+        return preemptible
+
+
+class TaskPeak(Model):
+    prefix: str = pydantic.Field(description="The task prefix.")
+    peakBytes: int = pydantic.Field(description="The median of its last peaks: what one task adds to its worker.")
+    observations: int = pydantic.Field(description="Peaks kept for it (at most 8).")
+
+
+class TaskAdmissionStatus(Model):
+    profiled: int = pydantic.Field(default=0, description="Task prefixes profiled.")
+    top: list[TaskPeak] = pydantic.Field(default_factory=list, description="The prefixes with the highest peaks.")
+    tasksAdmitted: int = pydantic.Field(default=0, description="Tasks that reserved their profiled peak.")
+    tasksProbed: int = pydantic.Field(default=0, description="Tasks of a prefix not profiled yet, run as probes.")
+    waiting: int = pydantic.Field(default=0, description="Tasks waiting on workers for room.")
+    preempted: int = pydantic.Field(default=0, description="Tasks preempted (stopped and rescheduled).")
+    demandTasks: int = pydantic.Field(default=0, description="Tasks whose peak fits no worker: they wait.")
+    demandBytes: int = pydantic.Field(default=0, description="The largest peak that fits no worker.")
+    demandAction: str = pydantic.Field(
+        default="", description="What serves that demand: Resize, Scale, or None (the policy grows no worker)."
+    )
+    message: str = pydantic.Field(default="", description="Why admission is not in force, in one line.")
+
+
 # -- replication targets (spec.replication) -----------------------------------------------------
 
 
@@ -695,6 +773,13 @@ class MemoryPolicySpec(Model):
             " workers while memops drains, retires and adds them. Off when unset: Dask schedules as it does."
         ),
     )
+    tasks: TaskAdmissionSpec | None = pydantic.Field(
+        default=None,
+        description=(
+            "Memory-aware task admission: profile tasks' peaks, start a task only where its peak fits, preempt"
+            " preemptible tasks before the nanny kills the worker. Off when unset: Dask schedules as it does."
+        ),
+    )
     eviction: EvictionSpec = pydantic.Field(
         default_factory=EvictionSpec,
         description="Node drains and evictions: drain the workers first, and never block for ever.",
@@ -987,6 +1072,7 @@ class MemoryPolicyStatus(Model):
     )
     replication: ReplicationStatus | None = pydantic.Field(default=None, description="Keys against their targets.")
     placement: PlacementStatus | None = pydantic.Field(default=None, description="What graph-aware placement did.")
+    tasks: TaskAdmissionStatus | None = pydantic.Field(default=None, description="What task admission did.")
     safetyNet: SafetyNetStatus | None = pydantic.Field(
         default=None, description="Pods that left with a failed safety-net hook (the kubelet's events)."
     )

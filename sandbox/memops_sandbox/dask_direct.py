@@ -147,6 +147,19 @@ async def configure_placement(
         return await scheduler.configure_placement(enabled=enabled, max_tasks=max_tasks, owner=owner)
 
 
+async def configure_admission(
+    address: str,
+    *,
+    security: Security | None = None,
+    settings: Mapping[str, Any] | None,
+    owner: str,
+    timeout: float = 10,
+) -> dict[str, Any] | None:
+    """:meth:`memops.clients.daskrpc.Scheduler.configure_admission` over one connection of :func:`connect`."""
+    async with connect(address, security=security, timeout=timeout) as scheduler:
+        return await scheduler.configure_admission(settings=settings, owner=owner)
+
+
 async def ping(address: str, *, security: Security | None = None, timeout: float = 10) -> int:
     """The number of workers the scheduler has; cheap, whatever the number of keys.
 

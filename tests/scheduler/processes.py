@@ -81,7 +81,7 @@ async def local_cluster(
             LocalCluster(
                 n_workers=n_workers,
                 processes=True,
-                threads_per_worker=1,
+                threads_per_worker=options.pop("threads_per_worker", 1),
                 dashboard_address=None,
                 asynchronous=True,
                 **options,

@@ -1,0 +1,448 @@
+"""Memory-aware task admission, the worker's side: profile each task's peak, start a task only where
+its peak fits, and preempt a preemptible task before the nanny kills the whole worker.
+
+**Profile.** A thread samples the process' resident memory every :data:`SAMPLE_SECONDS` (one read
+of ``/proc/self/statm`` through psutil, about 10 us: 0.05% of one core at 20 ms). A task's peak is
+the most the process grew by while it ran, from the lowest sample since it started. Tasks that run at once see each
+other's growth, so one observation may overstate a task; a prefix's profile is the median of its
+last :data:`KEPT` observations (:class:`Profiles`), which an occasional overlap does not move.
+
+**Admit.** Dask's own worker resources do the admitting: a task of a profiled prefix whose peak is at
+least ``small`` carries the resource :data:`RESOURCE` (bytes) from the scheduler, and Dask's worker
+starts it only while that much is available. Here the worker's total of it follows its memory: the
+pause threshold's bytes less the process' memory now, less what the running restricted tasks
+reserved (Dask subtracts that); what the process grew by since the first of those started counts
+once, in their reservations, not twice (:func:`room`). A
+task of a prefix this worker has profiled since the scheduler restricted it is retuned here before
+it starts (a task under ``small`` goes to Dask's ready queue and runs as stock Dask runs it).
+
+**Probe.** A task of a prefix never profiled arrives asking for the whole capacity of the smallest
+worker (the scheduler's probe): here, unless this worker has profiled its prefix since, it
+starts only when no other restricted task runs, and takes all the room there is. So the first wave of
+an unseen prefix runs one task at a time per worker, not ``nthreads`` at once, until one finished
+and gave it a profile. (The scheduler sends no sentinel when the policy sets ``unprofiled: Run``.)
+
+**Preempt.** When the process' memory passes ``preempt_above`` of the limit, the newest running task
+that is preemptible (its prefix matches a preemptible glob, or it is annotated
+``memops_preemptible``; a higher level goes first) is stopped: :class:`distributed.Reschedule` is
+raised in its thread. Dask reschedules it as no failure; its observed growth becomes its prefix's
+profile, so that it runs again only where that fits. An exception raised in a thread takes effect
+between two Python bytecodes only: a task inside one C call (a NumPy allocation, a pandas merge,
+``time.sleep``) is stopped when that call returns, which may be too late. A task is preempted at
+most ``max_retries`` times on one worker.
+
+Imports nothing of memops but its siblings (sent by value to a stock Dask image).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fnmatch
+import gc
+import logging
+import statistics
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+logger = logging.getLogger(__name__)
+
+NAME = "memops_admission"
+"""The worker plugin's name."""
+RESOURCE = "memops-memory"
+"""The Dask worker resource, in bytes, that admitted tasks reserve."""
+TOPIC = "memops-admission"
+"""The event topic on which workers report peaks to the scheduler's plugin."""
+OPT_OUT = "memops_admission"
+"""``dask.annotate(memops_admission=False)``: these tasks run as stock Dask runs them."""
+PREEMPTIBLE = "memops_preemptible"
+"""``dask.annotate(memops_preemptible=1)`` (a level, 1 to 9, or True for 1): the task may be preempted."""
+UNLIMITED = float("inf")
+SAMPLE_SECONDS = 0.02
+TICK_SECONDS = 0.05
+REPORT_SECONDS = 0.5
+KEPT = 8
+"""Observations kept per prefix."""
+MAX_PREFIXES = 4096
+"""Prefixes profiled, at most: the least recently observed is forgotten first."""
+MAX_PREFIX_CHARS = 200
+MAX_PEAK = 2**50
+MAX_REPORTED = 64
+"""Peaks in one report, at most (the scheduler reads no more from one)."""
+
+
+def bounded_prefix(value: Any) -> str | None:
+    """A prefix name as a peer may send it: a string of at most :data:`MAX_PREFIX_CHARS`, or None."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_PREFIX_CHARS:
+        return value
+    return None
+
+
+def bounded_peak(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_PEAK:
+        return value
+    return None
+
+
+@dataclass
+class Profiles:
+    """Per prefix, its last :data:`KEPT` peaks (bytes), for at most ``limit`` prefixes."""
+
+    limit: int = MAX_PREFIXES
+    peaks: OrderedDict[str, deque[int]] = field(default_factory=OrderedDict)
+
+    def add(self, prefix: str, peak: int) -> None:
+        kept = self.peaks.pop(prefix, None)
+        if kept is None:
+            kept = deque(maxlen=KEPT)
+        kept.append(peak)
+        self.peaks[prefix] = kept
+        while len(self.peaks) > self.limit:
+            self.peaks.popitem(last=False)
+
+    def peak(self, prefix: str) -> int | None:
+        """The prefix's profile: the median of its kept peaks (the higher middle one), or None."""
+        kept = self.peaks.get(prefix)
+        return int(statistics.median_high(kept)) if kept else None
+
+    def top(self, count: int) -> list[tuple[str, int, int]]:
+        """The ``count`` prefixes with the highest profiles: (prefix, peak, observations)."""
+        ranked = sorted(((p, self.peak(p) or 0, len(k)) for p, k in self.peaks.items()), key=lambda t: (-t[1], t[0]))
+        return ranked[:count]
+
+
+def requirement(peak: int | None, *, small: int, probe: float | None) -> float | None:
+    """What a task of a prefix with this profile reserves: None (no restriction) under ``small``,
+    ``probe`` when unprofiled (None: it runs as stock Dask runs it), else its peak."""
+    if peak is None:
+        return probe
+    return float(peak) if peak >= small else None
+
+
+def room(limit: int, pause: float, process: int, running: Iterable[tuple[float, int]] = ()) -> float:
+    """The bytes a worker may still give its restricted tasks, up to its pause threshold: the
+    threshold less the process' memory, where the memory that the ``running`` restricted tasks
+    (reservation, the process' memory when it started) have grown the process by since the first
+    of them started is not counted, up to their reservations (Dask subtracts those)."""
+    reserved = 0.0
+    first = process
+    for amount, started in running:
+        reserved += amount
+        first = min(first, started)
+    credit = min(reserved, max(0, process - first))
+    return max(0.0, pause * limit - process + credit)
+
+
+def level(prefix: str, annotation: Any, globs: Collection[str]) -> int:
+    """How preemptible a task is: 0 (not), or 1 to 9 (the highest goes first). An annotation wins."""
+    if annotation is True:
+        return 1
+    if isinstance(annotation, int) and not isinstance(annotation, bool):
+        return max(0, min(9, annotation))
+    if annotation is False:
+        return 0
+    return 1 if any(fnmatch.fnmatchcase(prefix, g) for g in globs) else 0
+
+
+def victim(running: Iterable[tuple[Any, float, int]], retries: Mapping[Any, int], max_retries: int) -> Any:
+    """The task to preempt among ``running`` (key, start time, level): the highest level, then the
+    newest, of those preemptible and preempted fewer than ``max_retries`` times; or None."""
+    candidates = [(lvl, started, key) for key, started, lvl in running if lvl > 0 and retries.get(key, 0) < max_retries]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda c: (c[0], c[1]))[2]
+
+
+def raise_in_thread(thread_id: int, exception: type[BaseException]) -> bool:
+    """Raise ``exception`` in the thread ``thread_id`` at its next bytecode; whether it was found."""
+    found = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exception))
+    return bool(found == 1)
+
+
+@dataclass
+class Settings:
+    small: int = 128 * 2**20
+    preempt_above: float = 0.0  # 0: never preempt
+    preemptible: tuple[str, ...] = ()
+    max_retries: int = 3
+
+
+@dataclass
+class Running:
+    key: Any
+    prefix: str
+    started: float
+    rss_start: int
+    rss_low: int
+    level: int
+    reserved: float = 0.0
+    grown: int = 0
+    """The most the process grew by while it ran, from the lowest it had been since it started: a
+    task that starts while another frees its memory is not measured from the higher mark."""
+
+
+class Admission:
+    """One worker's admission: its profiles, its room, its running tasks."""
+
+    def __init__(self, worker: Any, settings: Settings) -> None:
+        import psutil  # type: ignore[import-untyped]
+
+        self.worker = worker
+        self.settings = settings
+        self.profiles = Profiles()
+        self.process = psutil.Process()
+        self.rss = int(self.process.memory_info().rss)
+        self.running: dict[Any, Running] = {}
+        self.retries: OrderedDict[Any, int] = OrderedDict()
+        self.signalled: set[Any] = set()
+        self.unreported: list[tuple[str, int]] = []
+        self.preempted = 0
+        self.collect = False
+        self.reported = 0.0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._sample, name="memops-admission", daemon=True)
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def _sample(self) -> None:
+        while not self.stopped.wait(SAMPLE_SECONDS):
+            try:
+                rss = int(self.process.memory_info().rss)
+            except Exception:  # the process is going away
+                return
+            self.rss = rss
+            for entry in list(self.running.values()):
+                if rss < entry.rss_low:
+                    entry.rss_low = rss
+                elif rss - entry.rss_low > entry.grown:
+                    entry.grown = rss - entry.rss_low
+
+    @property
+    def capacity(self) -> float:
+        """What the scheduler sees of this worker: the pause threshold's bytes."""
+        return self.pause * self.limit
+
+    @property
+    def limit(self) -> int:
+        return int(getattr(self.worker.memory_manager, "memory_limit", 0) or 0)
+
+    @property
+    def pause(self) -> float:
+        fraction = getattr(self.worker.memory_manager, "memory_pause_fraction", False)
+        return float(fraction) if fraction else 0.8
+
+    # -- tasks ----------------------------------------------------------------------------------
+
+    def started(self, key: Any) -> None:
+        ts = self.worker.state.tasks.get(key)
+        if ts is None:
+            return
+        annotations = ts.annotations or {}
+        rss = self.rss
+        self.running[key] = Running(
+            key,
+            ts.prefix,
+            time.monotonic(),
+            rss,
+            rss,
+            level(ts.prefix, annotations.get(PREEMPTIBLE), self.settings.preemptible),
+            float((ts.resource_restrictions or {}).get(RESOURCE, 0.0)),
+        )
+
+    def finished(self, key: Any, finish: str) -> None:
+        entry = self.running.pop(key, None)
+        self.signalled.discard(key)
+        if entry is None or finish not in ("memory", "rescheduled", "error"):
+            return
+        peak = max(entry.grown, self.rss - entry.rss_low)
+        if finish == "rescheduled":
+            # Its frames, and what they hold, live on in a reference cycle of its exception until
+            # the collector runs: the next tick runs it.
+            self.collect = True
+            if self.profiles.peak(entry.prefix) is not None:
+                return  # stopped before its end: an observation of a part of it, among others'
+        self.profiles.add(entry.prefix, peak)
+        self.unreported.append((entry.prefix, peak))
+        self.retune(entry.prefix)
+
+    def retune(self, prefix: str | None = None) -> None:
+        """Give the waiting tasks of ``prefix`` (or of every prefix) the reservation of this worker's
+        profile."""
+        for ts in list(self.worker.state.constrained):
+            if prefix is None or ts.prefix == prefix:
+                self.arrived(ts)
+
+    def arrived(self, ts: Any) -> None:
+        """A task waiting in Dask's constrained queue: memops' reservation is retuned to this worker's
+        profile of its prefix (a probe waits for its turn); a task under ``small`` leaves for Dask's
+        ready queue and runs as stock Dask runs it."""
+        restrictions = ts.resource_restrictions or {}
+        if set(restrictions) != {RESOURCE} or ts.state != "constrained":
+            return  # the user's own resources, or none: not memops'
+        if ts in self.worker.state.executing:
+            # Dask starts a task within the transition that queues it, before plugins hear of it:
+            # it holds its reservation already, and gives back what it took.
+            return
+        peak = self.profiles.peak(ts.prefix)
+        if peak is None:
+            if restrictions[RESOURCE] >= self.capacity:
+                ts.resource_restrictions = {RESOURCE: UNLIMITED}
+            return
+        wanted = requirement(peak, small=self.settings.small, probe=None)
+        ts.resource_restrictions = {RESOURCE: wanted} if wanted is not None else {}
+
+    # -- the loop's tick ------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        state = self.worker.state
+        if RESOURCE not in state.total_resources or not self.limit:
+            return
+        running = [(e.reserved, e.rss_start) for e in list(self.running.values()) if e.reserved]
+        total = room(self.limit, self.pause, self.rss, running)
+        state.available_resources[RESOURCE] += total - state.total_resources[RESOURCE]
+        state.total_resources[RESOURCE] = total
+        if self.collect:
+            self.collect = False
+            gc.collect()
+        self._unblock()
+        self._grant_probe()
+        self._preempt()
+        self._compute()
+        self._report()
+
+    def _unblock(self) -> None:
+        """A task that reserves nothing goes to Dask's ready queue, where it runs as stock Dask runs
+        it, instead of waiting behind a larger one at the head of the constrained queue. Done here,
+        outside Dask's transitions, with Dask's count of tasks per state kept."""
+        state = self.worker.state
+        free = [ts for ts in state.constrained if not ts.resource_restrictions]
+        for ts in free:
+            ts.resource_restrictions = {}
+            state.constrained.discard(ts)
+            ts.state = "ready"
+            state.ready.add(ts)
+        if free:
+            state.task_counter.transitions({ts: "constrained" for ts in free})
+
+    def _grant_probe(self) -> None:
+        """The probe at the head of the constrained queue starts when no restricted task runs and
+        there is room: it takes all of it."""
+        state = self.worker.state
+        if not state.constrained:
+            return
+        head = state.constrained.peek()
+        if (head.resource_restrictions or {}).get(RESOURCE) != UNLIMITED:
+            return
+        if any(RESOURCE in (ts.resource_restrictions or {}) for ts in state.executing):
+            return
+        available = state.available_resources[RESOURCE]
+        if available > 0:
+            head.resource_restrictions = {RESOURCE: available}
+
+    def _preempt(self) -> None:
+        threshold = self.settings.preempt_above * self.limit
+        if not threshold or self.rss <= threshold:
+            return
+        running = [(e.key, e.started, e.level) for e in self.running.values() if e.key not in self.signalled]
+        key = victim(running, self.retries, self.settings.max_retries)
+        if key is None:
+            return
+        thread_id = next((t for t, k in self.worker.active_threads.items() if k == key), None)
+        if thread_id is None:
+            return
+        from distributed import Reschedule
+
+        if raise_in_thread(thread_id, Reschedule):
+            self.signalled.add(key)
+            self.retries[key] = self.retries.pop(key, 0) + 1
+            while len(self.retries) > MAX_PREFIXES:
+                self.retries.popitem(last=False)
+            self.preempted += 1
+            logger.warning("memops preempted %s at %d bytes", key, self.rss)
+
+    def _compute(self) -> None:
+        """Start what the new room admits: Dask re-examines its constrained queue only when a task
+        ends or arrives. The stimulus is Dask's unpause, sent only to a worker that runs (it then
+        changes nothing but that: its handler sets ``running`` and fills the free threads)."""
+        from distributed.worker_state_machine import UnpauseEvent
+
+        state = self.worker.state
+        if state.running and (state.constrained or state.ready) and len(state.executing) < state.nthreads:
+            self.worker.handle_stimulus(UnpauseEvent(stimulus_id=f"memops-admission-{time.time()}"))
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now - self.reported < REPORT_SECONDS:
+            return
+        self.reported = now
+        waiting = sum(1 for ts in self.worker.state.constrained if RESOURCE in (ts.resource_restrictions or {}))
+        peaks, self.unreported = self.unreported[-MAX_REPORTED:], []
+        self.worker.log_event(
+            TOPIC, {"peaks": [list(p) for p in peaks], "preempted": self.preempted, "waiting": waiting}
+        )
+
+
+class AdmissionPlugin(WorkerPlugin):
+    """Registered on every worker by the scheduler's admission (:mod:`memops.scheduler.admission`)."""
+
+    name = NAME
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.admission: Admission | None = None
+        self.callback: Any = None
+
+    async def setup(self, worker: Any) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        admission = Admission(worker, self.settings)
+        limit = admission.limit
+        if not limit:
+            logger.warning("memops admission: %s has no memory limit; its tasks are not admitted", worker.address)
+            return
+        self.admission = admission
+        # What the scheduler sees is the capacity (the pause threshold's bytes): whether a task may
+        # ever run here. What is free now is this worker's to judge, in ``tick``.
+        await worker.set_resources(**{RESOURCE: admission.capacity})
+        worker.log_event(TOPIC, {"peaks": [], "preempted": 0, "waiting": 0})
+        admission.thread.start()
+        self.callback = PeriodicCallback(admission.tick, TICK_SECONDS * 1000)
+        self.callback.start()
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        admission = self.admission
+        if admission is None:
+            return
+        if finish == "executing":
+            admission.started(key)
+        elif start == "executing":
+            admission.finished(key, finish)
+        elif finish == "constrained":
+            ts = admission.worker.state.tasks.get(key)
+            if ts is not None:
+                admission.arrived(ts)
+
+    def teardown(self, worker: Any) -> None:
+        if self.callback is not None:
+            self.callback.stop()
+        admission = self.admission
+        if admission is None:
+            return
+        admission.stopped.set()
+        state = worker.state
+        # Nothing waits for a probe or a profile once memops is gone, and the resource stays at
+        # the worker's capacity, as the scheduler sees it (a task still running gives its
+        # reservation back to it).
+        for ts in list(state.constrained):
+            if set(ts.resource_restrictions or {}) == {RESOURCE} and ts not in state.executing:
+                ts.resource_restrictions = {}
+        if RESOURCE in state.total_resources:
+            state.available_resources[RESOURCE] += admission.capacity - state.total_resources[RESOURCE]
+            state.total_resources[RESOURCE] = admission.capacity
+        admission._unblock()
+        admission._compute()
