@@ -3,41 +3,46 @@ whose results stay in memory as unique keys, then tasks of one prefix that each 
 transient allocation for a second or two (a "spike"), as the memory-hungry steps of real pipelines
 do (a decompression, a join, a model's fit).
 
-The functions are sent by value (a stock Dask image has no memops_sandbox)."""
+The task functions are sent by value (a stock Dask image has no memops_sandbox)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 
 MIB = 2**20
 
 
-def ordinary(i: int, nbytes: int = 8 * MIB) -> np.ndarray:
-    """An ordinary task's result: ``nbytes`` of float64 that only this task made."""
-    return np.full(nbytes // 8, float(i))
+def _tasks() -> tuple[Callable[..., np.ndarray], Callable[..., float], Callable[..., float]]:
+    # Nested: pickle cannot name them, so Dask sends them by value (cloudpickle) to workers that
+    # cannot import this package, as it sends a notebook's functions.
+    def ordinary(i: int, nbytes: int = 8 * MIB) -> np.ndarray:
+        """An ordinary task's result: ``nbytes`` of float64 that only this task made."""
+        return np.full(nbytes // 8, float(i))
+
+    def spike(i: int, dep: np.ndarray, hold: int = 300 * MIB, seconds: float = 1.5) -> float:
+        """Hold ``hold`` bytes (every page touched) for ``seconds``, then free them: one C call that no
+        exception raised in the thread can interrupt until it returns."""
+        block = np.ones(hold // 8) if hold else np.ones(1)
+        time.sleep(seconds)
+        return float(block[0]) + i + float(dep[0])
+
+    def grow(i: int, hold: int = 300 * MIB, steps: int = 30, seconds: float = 1.5) -> float:
+        """Reach ``hold`` bytes in ``steps`` Python steps over ``seconds``: a task that an exception raised
+        in its thread stops between two steps (what preemption can stop)."""
+        chunks = []
+        for _ in range(steps):
+            chunks.append(np.ones(hold // steps // 8))
+            time.sleep(seconds / steps)
+        return float(sum(float(c[0]) for c in chunks)) + i
+
+    return ordinary, spike, grow
 
 
-def spike(i: int, dep: np.ndarray, hold: int = 300 * MIB, seconds: float = 1.5) -> float:
-    """Hold ``hold`` bytes (every page touched) for ``seconds``, then free them: one C call that no
-    exception raised in the thread can interrupt until it returns."""
-    block = np.ones(hold // 8) if hold else np.ones(1)
-    time.sleep(seconds)
-    return float(block[0]) + i + float(dep[0])
-
-
-def grow(i: int, hold: int = 300 * MIB, steps: int = 30, seconds: float = 1.5) -> float:
-    """Reach ``hold`` bytes in ``steps`` Python steps over ``seconds``: a task that an exception raised
-    in its thread stops between two steps (what preemption can stop)."""
-    chunks = []
-    for _ in range(steps):
-        chunks.append(np.ones(hold // steps // 8))
-        time.sleep(seconds / steps)
-    return float(sum(float(c[0]) for c in chunks)) + i
+ordinary, spike, grow = _tasks()
 
 
 def expected(spikes: int, base: int) -> float:
@@ -55,6 +60,3 @@ def submit(
         client.submit(spike, i, base[i % ordinary_tasks], hold=hold, seconds=seconds, pure=False) for i in range(spikes)
     ]
     return base, tops
-
-
-cloudpickle.register_pickle_by_value(__import__(__name__, fromlist=["_"]))

@@ -1,0 +1,114 @@
+"""Memory-aware task admission through a MemoryPolicy (``spec.tasks``) on real Nodes: worker pods with
+a 1 GiB container limit (the kernel's) and 4 threads, the issue's spiky workload (40 ordinary tasks
+whose 8 MiB results stay in memory, 16 tasks that each hold 300 MiB for 1.5 s). Stock Dask first,
+in the same namespace, then the same workload under the policy."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import distributed
+from memops_sandbox import spiky
+
+from tests.e2e.conftest import Sandbox
+from tests.e2e.test_policy import memory_policy
+
+THREADS = 4
+SPIKES = 16
+ORDINARY = 40
+
+
+def four_threads(sandbox: Sandbox) -> None:
+    """Give the workers 4 threads each (a rollout), and wait until every new worker has connected."""
+    args = sandbox.get("deployment", "dask-worker")["spec"]["template"]["spec"]["containers"][0]["args"]
+    index = args.index("--nthreads") + 1
+    patch = [{"op": "replace", "path": f"/spec/template/spec/containers/0/args/{index}", "value": str(THREADS)}]
+    sandbox.kubectl("patch", "deployment", "dask-worker", "--type=json", "-p", json.dumps(patch))
+
+    def rolled_out() -> bool:
+        deployment = sandbox.get("deployment", "dask-worker")
+        status = deployment.get("status") or {}
+        return bool(
+            status.get("observedGeneration", 0) >= deployment["metadata"]["generation"]
+            and status.get("updatedReplicas") == status.get("replicas") == deployment["spec"]["replicas"]
+        )
+
+    sandbox.wait_for(rolled_out, timeout=180, what="the rollout to 4 threads")
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        sandbox.wait_for(
+            lambda: sorted(w["nthreads"] for w in client.scheduler_info()["workers"].values()) == [THREADS] * 4,
+            timeout=180,
+            what="four workers of 4 threads",
+        )
+
+
+def restarts(sandbox: Sandbox) -> dict[str, tuple[str, int]]:
+    """Each worker pod's container ID and restart count."""
+    pods = sandbox.get("pods", "-l", "app=dask-worker")["items"]
+    return {
+        p["metadata"]["name"]: (s["containerID"], s["restartCount"])
+        for p in pods
+        for s in (p.get("status") or {}).get("containerStatuses") or ()
+    }
+
+
+def run(sandbox: Sandbox) -> tuple[str, set[str], set[str]]:
+    """The workload once: its outcome, and the workers before and after (a worker process that the
+    nanny or the kernel killed comes back at another address)."""
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        before = set(client.scheduler_info()["workers"])
+        base, tops = spiky.submit(client, ordinary_tasks=ORDINARY, spikes=SPIKES)
+        try:
+            total = sum(client.gather(tops))
+            outcome = "right" if total == spiky.expected(SPIKES, ORDINARY) else f"wrong: {total}"
+        except distributed.KilledWorker as exc:
+            outcome = f"KilledWorker: {str(exc)[:100]}"
+        lost = [f.key for f in base if f.status != "finished"]
+        after = set(client.scheduler_info()["workers"])
+        del base, tops
+    return (outcome if not lost else f"{outcome}; {len(lost)} ordinary keys lost"), before, after
+
+
+def test_a_spiky_workload_that_kills_stock_workers_finishes_under_admission(sandbox: Sandbox) -> None:
+    # Run on the scheduler; nested, so sent by value (the scheduler cannot import the tests).
+    def suppliers(dask_scheduler: Any) -> list[str]:
+        return sorted(dask_scheduler.resources.get("memops-memory", {}))
+
+    def installed(dask_scheduler: Any) -> bool:
+        return "memops-admission" in dask_scheduler.plugins or "memops_admission" in dask_scheduler.worker_plugins
+
+    four_threads(sandbox)
+    outcome, before, after = run(sandbox)
+    replaced = len(before - after)
+    print(f"stock Dask: {outcome}; {replaced} of 4 worker processes replaced")
+    assert replaced >= 1 or outcome != "right", "stock Dask was meant to lose a worker on this workload"
+
+    sandbox.apply(memory_policy("tasks", sandbox.scheduler_address, tasks={}))
+    sandbox.wait_for(
+        lambda: (s := sandbox.get("mempol", "tasks").get("status", {})).get("tasks") is not None and s,
+        what="status.tasks: admission installed",
+    )
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        sandbox.wait_for(
+            lambda: len(client.run_on_scheduler(suppliers)) == 4, what="every worker supplies memops' resource"
+        )
+    containers = restarts(sandbox)
+    outcome, before, after = run(sandbox)
+    print(f"memops: {outcome}; workers before {len(before)}, after {len(after)}")
+    assert outcome == "right"
+    assert before == after, "no worker process was killed by the nanny or the kernel"
+    assert restarts(sandbox) == containers and all(count == 0 for _, count in containers.values())
+    status: dict[str, Any] = sandbox.wait_for(
+        lambda: (
+            (t := sandbox.get("mempol", "tasks")["status"].get("tasks") or {}).get("top")
+            and t["top"][0]["prefix"] == "spike"
+            and t
+        ),
+        what="status.tasks to show the spike's profile first",
+    )
+    print(f"status.tasks: {status}")
+    assert status["top"][0]["peakBytes"] >= 250 * 2**20, status
+    sandbox.kubectl("delete", "mempol/tasks")
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        sandbox.wait_for(lambda: not client.run_on_scheduler(installed), what="admission to leave with the policy")
