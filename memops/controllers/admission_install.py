@@ -17,7 +17,7 @@ import kopf
 
 from memops import specs
 from memops.clients import daskrpc
-from memops.controllers import relief_install
+from memops.controllers import metrics, relief_install
 from memops.specs.common import parse_quantity
 
 
@@ -71,7 +71,9 @@ async def reconcile(
     figures.pop("owner")
     top = [specs.TaskPeak(**entry) for entry in figures.pop("top")]
     action = demand_action(spec) if figures["demandTasks"] else ""
-    return specs.TaskAdmissionStatus(top=top, demandAction=action, **figures)
+    status = specs.TaskAdmissionStatus(top=top, demandAction=action, **figures)
+    metrics.tasks_observed(namespace, policy, status)
+    return status
 
 
 async def remove(

@@ -105,6 +105,22 @@ RECYCLED = _counter(
     *_POLICY,
     *("reason", "outcome"),
 )
+TASK_PEAK = _gauge(
+    "memops_task_peak_bytes",
+    "Task admission's profile of a task prefix: what one task adds to its worker at its peak (the policy's"
+    " top prefixes only, so that a tenant's prefixes cannot grow the label set).",
+    *_POLICY,
+    "prefix",
+)
+_TASK_STATES = ("probed", "admitted", "waiting", "preempted", "demand")
+TASKS = _gauge(
+    "memops_tasks",
+    "Task admission's counts (state: probed, admitted, waiting for room, preempted, demand: fitting no worker).",
+    *_POLICY,
+    "state",
+)
+_PEAK_PREFIXES: dict[tuple[str, str], set[str]] = {}
+"""The prefixes each policy's peak gauge reports now: the others' series are removed."""
 RELIEF_KEYS = _counter(
     "memops_relief_moved_keys_total", "Keys that pressure relief moved off workers above relieveAbove.", *_POLICY
 )
@@ -208,7 +224,13 @@ def policy_gone(namespace: str, policy: str) -> None:
     for gauge in (DESIRED, REPLICAS, UTILIZATION):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, policy)
-    for labelled, values in ((REPLICATION_KEYS, _REPLICATION_STATES), (REPLICATION_BYTES, _REPLICATION_KINDS)):
+    prefixes = tuple(_PEAK_PREFIXES.pop((namespace, policy), set()))
+    for labelled, values in (
+        (REPLICATION_KEYS, _REPLICATION_STATES),
+        (REPLICATION_BYTES, _REPLICATION_KINDS),
+        (TASKS, _TASK_STATES),
+        (TASK_PEAK, prefixes),
+    ):
         for value in values:
             with contextlib.suppress(KeyError):
                 labelled.remove(namespace, policy, value)
@@ -230,6 +252,19 @@ def replication_observed(namespace: str, policy: str, status: specs.ReplicationS
     for kind, value in zip(_REPLICATION_KINDS, figures, strict=True):
         REPLICATION_BYTES.labels(namespace, policy, kind).set(value)
     REPLICATION_COPIES.labels(namespace, policy).inc(max(copied, 0))
+
+
+def tasks_observed(namespace: str, policy: str, status: specs.TaskAdmissionStatus) -> None:
+    figures = (status.tasksProbed, status.tasksAdmitted, status.waiting, status.preempted, status.demandTasks)
+    for state, value in zip(_TASK_STATES, figures, strict=True):
+        TASKS.labels(namespace, policy, state).set(value)
+    shown = {peak.prefix for peak in status.top}
+    for gone in _PEAK_PREFIXES.get((namespace, policy), set()) - shown:
+        with contextlib.suppress(KeyError):
+            TASK_PEAK.remove(namespace, policy, gone)
+    for peak in status.top:
+        TASK_PEAK.labels(namespace, policy, peak.prefix).set(peak.peakBytes)
+    _PEAK_PREFIXES[(namespace, policy)] = shown
 
 
 def reconcile_error(kind: str, namespace: str) -> None:

@@ -1,0 +1,136 @@
+"""Task admission's pure parts: profiles, reservations, room, who is preempted, the operator's
+settings as the scheduler reads them, and the status' metrics."""
+
+from __future__ import annotations
+
+import prometheus_client
+import pytest
+
+from memops import specs
+from memops.controllers import admission_install, metrics
+from memops.scheduler import admission
+from memops.worker import admission as worker_admission
+
+MIB = 2**20
+
+
+def test_a_profile_is_the_median_of_the_last_peaks_and_the_table_forgets_the_oldest_prefix() -> None:
+    profiles = worker_admission.Profiles(limit=3)
+    for peak in (300, 10, 310, 290, 305):  # one overlap-free outlier does not move it
+        profiles.add("spike", peak * MIB)
+    assert profiles.peak("spike") == 300 * MIB
+    for peak in range(20):
+        profiles.add("many", peak)
+    assert len(profiles.peaks["many"]) == worker_admission.KEPT
+    profiles.add("a", 1)
+    profiles.add("b", 2)  # four prefixes in a table of three: the least recently seen goes
+    assert set(profiles.peaks) == {"many", "a", "b"}
+    assert profiles.peak("spike") is None
+    assert [p for p, _, _ in profiles.top(2)] == ["many", "b"]
+
+
+def test_a_reservation_is_the_peak_above_small_a_probe_when_unprofiled_and_nothing_below() -> None:
+    assert worker_admission.requirement(300 * MIB, small=128 * MIB, probe=None) == 300 * MIB
+    assert worker_admission.requirement(8 * MIB, small=128 * MIB, probe=800.0) is None
+    assert worker_admission.requirement(None, small=128 * MIB, probe=800.0) == 800.0
+    assert worker_admission.requirement(None, small=128 * MIB, probe=None) is None
+
+
+def test_room_counts_what_running_tasks_grew_once_not_twice() -> None:
+    limit, pause = 1000, 0.8
+    assert worker_admission.room(limit, pause, 300) == 500
+    assert worker_admission.room(limit, pause, 900) == 0  # past the pause threshold: none, never negative
+    # A task that reserved 300 and has grown the process from 200 to 500: the growth is in its
+    # reservation (Dask subtracts that), not in the room as well.
+    assert worker_admission.room(limit, pause, 500, [(300.0, 200)]) == 600
+    # Growth beyond the reservations is the process', and counts.
+    assert worker_admission.room(limit, pause, 700, [(300.0, 200)]) == 400
+
+
+def test_the_newest_task_of_the_highest_level_is_preempted_within_its_retries() -> None:
+    running = [("old", 1.0, 1), ("new", 2.0, 1), ("keeper", 3.0, 0), ("urgent", 0.5, 5)]
+    assert worker_admission.victim(running, {}, 3) == "urgent"
+    assert worker_admission.victim(running, {"urgent": 3}, 3) == "new"
+    assert worker_admission.victim([("keeper", 3.0, 0)], {}, 3) is None
+    assert worker_admission.level("fit-model", None, ("fit-*",)) == 1
+    assert worker_admission.level("fit-model", 7, ()) == 7
+    assert worker_admission.level("fit-model", 99, ()) == 9
+    assert worker_admission.level("fit-model", False, ("fit-*",)) == 0
+    assert worker_admission.level("load", None, ("fit-*",)) == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("x" * 201, None), ("", None), (7, None), ("ok", "ok")],
+)
+def test_a_peers_prefix_is_a_bounded_string(value: object, expected: str | None) -> None:
+    assert worker_admission.bounded_prefix(value) == expected
+
+
+@pytest.mark.parametrize(("value", "expected"), [(-1, None), (2**51, None), (True, None), ("9", None), (5, 5)])
+def test_a_peers_peak_is_a_bounded_integer(value: object, expected: int | None) -> None:
+    assert worker_admission.bounded_peak(value) == expected
+
+
+def test_the_scheduler_reads_the_operators_settings_and_defaults_what_is_out_of_range() -> None:
+    spec = specs.TaskAdmissionSpec(preemptible=["fit-*", "score"], small="64Mi", preemptAbove=0.85)
+    plain = admission_install.settings(spec)
+    assert plain == {
+        "small": 64 * MIB,
+        "preemptAbove": 0.85,
+        "preemptible": ["fit-*", "score"],
+        "maxRetries": 3,
+        "probe": True,
+    }
+    chosen = admission.settings_from(plain)
+    assert chosen is not None
+    settings, probe = chosen
+    assert (settings.small, settings.preempt_above, settings.preemptible, probe) == (
+        64 * MIB,
+        0.85,
+        ("fit-*", "score"),
+        True,
+    )
+    hostile = admission.settings_from(
+        {"small": -1, "preemptAbove": 0.99, "preemptible": ["x" * 999, 3], "maxRetries": 10**6, "probe": False}
+    )
+    assert hostile is not None
+    assert hostile[0] == worker_admission.Settings(preemptible=())
+    assert hostile[1] is False
+    assert admission.settings_from("not a map") is None
+
+
+def test_the_spec_refuses_a_repeated_glob_and_a_preemption_threshold_at_the_nannys() -> None:
+    with pytest.raises(ValueError, match="listed twice"):
+        specs.TaskAdmissionSpec(preemptible=["a", "a"])
+    with pytest.raises(ValueError, match="preemptAbove"):
+        specs.TaskAdmissionSpec(preemptAbove=0.95)
+    assert specs.MemoryPolicySpec.model_fields["tasks"].default is None
+
+
+def test_demand_is_served_by_resize_then_scaling_else_nothing() -> None:
+    base = {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deployment", "name": "w"}, "tasks": {}}
+    assert admission_install.demand_action(specs.MemoryPolicySpec.model_validate(base)) == "None"
+    scaled = {**base, "autoscale": {"minReplicas": 1, "maxReplicas": 4, "targetMemoryUtilization": 60}}
+    assert admission_install.demand_action(specs.MemoryPolicySpec.model_validate(scaled)) == "Scale"
+
+
+def test_only_the_top_prefixes_label_the_peak_gauge_and_a_prefix_that_leaves_them_loses_its_series() -> None:
+    def series() -> set[str]:
+        return {
+            s.labels["prefix"]
+            for m in metrics.REGISTRY.collect()
+            if m.name == "memops_task_peak_bytes"
+            for s in m.samples
+            if s.labels.get("policy") == "unit-admission"
+        }
+
+    first = specs.TaskAdmissionStatus(top=[specs.TaskPeak(prefix="spike", peakBytes=300, observations=8)])
+    metrics.tasks_observed("ns", "unit-admission", first)
+    assert series() == {"spike"}
+    second = specs.TaskAdmissionStatus(top=[specs.TaskPeak(prefix="join", peakBytes=500, observations=2)])
+    metrics.tasks_observed("ns", "unit-admission", second)
+    assert series() == {"join"}
+    metrics.policy_gone("ns", "unit-admission")
+    assert series() == set()
+    assert isinstance(metrics.REGISTRY, prometheus_client.CollectorRegistry)
