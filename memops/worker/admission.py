@@ -12,7 +12,8 @@ least ``small`` carries the resource :data:`RESOURCE` (bytes) from the scheduler
 starts it only while that much is available. Here the worker's total of it follows its memory: the
 pause threshold's bytes less the process' memory now, less what the running restricted tasks
 reserved (Dask subtracts that); what the process grew by since the first of those started counts
-once, in their reservations, not twice (:func:`room`). A
+once, in their reservations, not twice, and the keys that Dask would spill to disk past its spill
+threshold count as room (:func:`room`): a task may make Dask spill, never the nanny kill. A
 task of a prefix this worker has profiled since the scheduler restricted it is retuned here before
 it starts (a task under ``small`` goes to Dask's ready queue and runs as stock Dask runs it).
 
@@ -124,18 +125,21 @@ def requirement(peak: int | None, *, small: int, probe: float | None) -> float |
     return float(peak) if peak >= small else None
 
 
-def room(limit: int, pause: float, process: int, running: Iterable[tuple[float, int]] = ()) -> float:
+def room(
+    limit: int, pause: float, process: int, running: Iterable[tuple[float, int]] = (), spillable: int = 0
+) -> float:
     """The bytes a worker may still give its restricted tasks, up to its pause threshold: the
     threshold less the process' memory, where the memory that the ``running`` restricted tasks
     (reservation, the process' memory when it started) have grown the process by since the first
-    of them started is not counted, up to their reservations (Dask subtracts those)."""
+    of them started is not counted, up to their reservations (Dask subtracts those), and neither is
+    what Dask would spill to disk (``spillable``: the keys in memory of a worker that spills)."""
     reserved = 0.0
     first = process
     for amount, started in running:
         reserved += amount
         first = min(first, started)
     credit = min(reserved, max(0, process - first))
-    return max(0.0, pause * limit - process + credit)
+    return max(0.0, pause * limit - process + credit + max(0, min(spillable, process - credit)))
 
 
 def level(prefix: str, annotation: Any, globs: Collection[str]) -> int:
@@ -222,6 +226,14 @@ class Admission:
                 elif rss - entry.rss_low > entry.grown:
                     entry.grown = rss - entry.rss_low
 
+    def spillable(self) -> int:
+        """The bytes of keys in memory that Dask spills to disk past its spill threshold: none when
+        the worker does not spill (``distributed.worker.memory.spill: false``, or no spill buffer)."""
+        fast = getattr(self.worker.data, "fast", None)
+        if fast is None or not getattr(self.worker.memory_manager, "memory_spill_fraction", False):
+            return 0
+        return int(getattr(fast, "total_weight", 0) or 0)
+
     @property
     def capacity(self) -> float:
         """What the scheduler sees of this worker: the pause threshold's bytes."""
@@ -303,7 +315,7 @@ class Admission:
         if RESOURCE not in state.total_resources or not self.limit:
             return
         running = [(e.reserved, e.rss_start) for e in list(self.running.values()) if e.reserved]
-        total = room(self.limit, self.pause, self.rss, running)
+        total = room(self.limit, self.pause, self.rss, running, self.spillable())
         state.available_resources[RESOURCE] += total - state.total_resources[RESOURCE]
         state.total_resources[RESOURCE] = total
         if self.collect:

@@ -45,6 +45,10 @@ def test_room_counts_what_running_tasks_grew_once_not_twice() -> None:
     assert worker_admission.room(limit, pause, 500, [(300.0, 200)]) == 600
     # Growth beyond the reservations is the process', and counts.
     assert worker_admission.room(limit, pause, 700, [(300.0, 200)]) == 400
+    # Keys that Dask would spill to disk are room too, but never more than the process holds
+    # beyond the running tasks' growth.
+    assert worker_admission.room(limit, pause, 300, spillable=160) == 660
+    assert worker_admission.room(limit, pause, 500, [(300.0, 200)], spillable=10**9) == 800
 
 
 def test_the_newest_task_of_the_highest_level_is_preempted_within_its_retries() -> None:
