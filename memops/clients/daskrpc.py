@@ -65,6 +65,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import weakref
@@ -1036,6 +1037,14 @@ class SchedulerRefused(Exception):
     """The scheduler answered, with an error (for example, it does not accept pickled code)."""
 
 
+@functools.cache
+def agent_payload() -> bytes:
+    """memops' agent and the modules it takes, pickled by value: once per process, as they never
+    change while it runs (half a megabyte, and several to make)."""
+    payload: bytes = dumps(agent.install)
+    return payload
+
+
 async def _install_agent(comm: daskcomm.Comm) -> None:
     """Send memops' agent to the scheduler by value (``run_function``) and run its ``install``.
 
@@ -1045,7 +1054,7 @@ async def _install_agent(comm: daskcomm.Comm) -> None:
     installation raised there.
     """
     try:
-        reply = await comm.call("run_function", allow_opaque=True, function=dumps(agent.install))
+        reply = await comm.call("run_function", allow_opaque=True, function=agent_payload())
     except daskcomm.RemoteError as exc:
         raise SchedulerRefused(f"the scheduler refused run_function: {exc}") from exc
     if not isinstance(reply, Mapping):

@@ -278,6 +278,9 @@ class Admission:
             self.collect = True
             if self.profiles.peak(entry.prefix) is not None:
                 return  # stopped before its end: an observation of a part of it, among others'
+            # Tasks that grew together share the growth: a reservation above every worker's
+            # capacity would leave the task waiting for a worker that never comes.
+            peak //= 1 + len(self.running)
         self.profiles.add(entry.prefix, peak)
         self.unreported.append((entry.prefix, peak))
         self.retune(entry.prefix)

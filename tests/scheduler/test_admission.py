@@ -130,7 +130,7 @@ async def test_preemption_stops_a_growing_task_before_the_nanny_and_it_runs_agai
         what="the worker supplies memops' resource",
     )
     futures = [cluster.client.submit(spiky.grow, i, pure=False) for i in range(4)]
-    results = await cluster.client.gather(futures)
+    results = await asyncio.wait_for(cluster.client.gather(futures), 120)
     assert results == [pytest.approx(30.0 + i) for i in range(4)]
     assert departures.left == 0
     figures = await dask_direct.configure_admission(cluster.address, settings=settings, owner=OWNER)

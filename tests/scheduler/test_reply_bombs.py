@@ -101,7 +101,9 @@ async def ticking() -> AsyncIterator[list[float]]:
 
 
 async def peak_of(call: Callable[[], Awaitable[object]]) -> tuple[BaseException, int]:
-    """The exception that ``call`` raised and the most it allocated meanwhile, in bytes."""
+    """The exception that ``call`` raised and the most it allocated meanwhile, in bytes. The agent's
+    code, which a call may send first, is pickled before: what it sends is not the reply."""
+    daskrpc.agent_payload()
     tracemalloc.start()
     try:
         base, _ = tracemalloc.get_traced_memory()
