@@ -119,6 +119,7 @@ def leak(client: distributed.Client, holdings: Holdings, pod: str, nbytes: int) 
         )
 
 
+@pytest.mark.quiet("it waits on the nanny's 100 ms memory check, as the test below races it")
 def test_without_a_policy_the_nanny_kills_the_worker_and_its_keys_are_lost(real_sandbox: Sandbox) -> None:
     sandbox = real_sandbox
     unspilling_workload(sandbox, "stock")
