@@ -79,16 +79,12 @@ class AdmissionPlugin(SchedulerPlugin):
         supplied = self.scheduler.resources.get(RESOURCE) or {}
         return min(supplied.values()) if supplied else None
 
-    def reservation(self, prefix: str) -> float | None:
-        probe = self.capacity() if self.probe else None
-        if probe is None and self.profiles.peak(prefix) is None:
-            return None
-        return requirement(self.profiles.peak(prefix), small=self.settings.small, probe=probe)
-
     def update_graph(
         self, scheduler: Any, *, keys: Any = (), tasks: Any = (), annotations: Any = None, **kwargs: Any
     ) -> None:
         opted_out = (annotations or {}).get(worker_admission.OPT_OUT) or {}
+        probe = self.capacity() if self.probe else None
+        reservations: dict[str, tuple[int | None, float | None]] = {}
         for key in tasks:
             ts = scheduler.tasks.get(key)
             if ts is None or ts.run_spec is None or ts.state != "released" or opted_out.get(key) is False:
@@ -96,11 +92,16 @@ class AdmissionPlugin(SchedulerPlugin):
             if ts.resource_restrictions or ts.worker_restrictions or ts.host_restrictions:
                 continue
             prefix = ts.prefix.name
-            wanted = self.reservation(prefix)
+            found = reservations.get(prefix)
+            if found is None:
+                # Once per prefix and graph: a graph has many tasks of few prefixes.
+                peak = self.profiles.peak(prefix)
+                found = reservations[prefix] = (peak, requirement(peak, small=self.settings.small, probe=probe))
+            peak, wanted = found
             if wanted is None:
                 continue
             ts.resource_restrictions = {RESOURCE: wanted}
-            if self.profiles.peak(prefix) is None:
+            if peak is None:
                 self.figures.tasksProbed += 1
                 if self.pending_count < MAX_PENDING:
                     self.pending.setdefault(prefix, set()).add(key)
