@@ -18,8 +18,8 @@ from typing import Any, cast
 import kopf
 
 from memops.clients import kube
-from memops.controllers import eviction_webhook, policy, retirement, safetynet_webhook
-from memops.decisions import disruption, resize_decisions
+from memops.controllers import eviction_webhook, policy, retirement, safetynet_webhook, standing
+from memops.decisions import disruption, leadership, resize_decisions
 
 PREFIX = "memops.dev"
 
@@ -54,8 +54,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{PREFIX}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
     settings.persistence.diffbase_storage = SpecDiffBaseStorage(prefix=PREFIX, key="last-handled-configuration")
-    settings.peering.name = "memops"
+    settings.peering.name = standing.PEERING
     settings.peering.mandatory = False
+    settings.peering.lifetime = leadership.PEERING_LIFETIME
     # Kopf turns handler logs into Kubernetes events from INFO up; memops posts its own
     # events, so only warnings and errors from the handlers become events.
     settings.posting.level = logging.WARNING
@@ -116,10 +117,13 @@ def make_registry(
     protection: disruption.Administrator = disruption.DEFAULTS,
     growth: resize_decisions.Administrator = resize_decisions.NOBODY,
     kubelet_ca: str | None = None,
+    peer: standing.Standing | None = None,
 ) -> kopf.OperatorRegistry:
     """The administrator's bounds, ``memops run``'s flags: ``host_roots`` (``--shared-spill-host-root``),
     ``protection`` (the disruption annotations), ``growth`` (``--resize-in``, in-place growth) and
-    ``kubelet_ca`` (``--kubelet-ca-file``; None: the API server's CA verifies the kubelets)."""
+    ``kubelet_ca`` (``--kubelet-ca-file``; None: the API server's CA verifies the kubelets).
+    ``peer``: this replica's identity and priority among the operator's replicas; None runs
+    without peers (a standalone operator, and tests)."""
     registry = kopf.OperatorRegistry()
     # One source of credentials for Kopf and for memops' own client: when Kopf logs in again (a
     # 401, or the credentials' expiration), memops' client gets the new ones too, and the other way.
@@ -137,18 +141,11 @@ def make_registry(
         **_: Any,
     ) -> None:
         configure(settings)
+        if peer is not None:
+            settings.peering.priority = peer.priority
+        memo.standing = peer
         if webhook is not None:
-            safetynet_webhook.configure(
-                settings,
-                port=webhook.port,
-                host=webhook.host,
-                insecure=webhook.insecure,
-                certfile=webhook.certfile,
-                pkeyfile=webhook.pkeyfile,
-                managed=webhook.managed,
-                client_ca=webhook.client_ca,
-                client_names=webhook.client_names,
-            )
+            safetynet_webhook.configure(settings, **dataclasses.asdict(webhook))
         memo.kube = kube.Kube(credentials)
         _log_settings(logger, host_roots, protection, growth)
         memo.policy_wakers = {}  # policy uid -> asyncio.Event: see memops.controllers.policy
@@ -183,8 +180,15 @@ async def run(
     kubelet_ca: str | None = None,
 ) -> None:
     """Run the operator until cancelled; cluster-wide unless namespaces are given."""
+    peer = None if standalone else standing.standing(tuple(namespaces))
     registry = make_registry(
-        kubeconfig, webhook, host_roots=host_roots, protection=protection, growth=growth, kubelet_ca=kubelet_ca
+        kubeconfig,
+        webhook,
+        host_roots=host_roots,
+        protection=protection,
+        growth=growth,
+        kubelet_ca=kubelet_ca,
+        peer=peer,
     )
     await kopf.operator(
         registry=registry,
@@ -193,4 +197,5 @@ async def run(
         liveness_endpoint=liveness_endpoint,
         standalone=standalone,
         memo=kopf.Memo(),
+        identity=None if peer is None else cast(Any, peer.identity),
     )

@@ -27,8 +27,8 @@ import pydantic
 
 from memops import specs
 from memops.clients import daskrpc, kube
-from memops.controllers import policy, safetynet_webhook, scheduler_tls, vetting, workloads
-from memops.decisions import eviction_gate, objects, shapes, snapshots, timestamps
+from memops.controllers import leases, policy, safetynet_webhook, scheduler_tls, standing, vetting, workloads
+from memops.decisions import eviction_gate, leadership, objects, shapes, snapshots, timestamps
 
 ASK_SECONDS = 4.0
 """The scheduler's share of the webhook's time (the chart's timeoutSeconds is 10)."""
@@ -168,7 +168,13 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
         logger: logging.Logger | logging.LoggerAdapter[Any],
         **kwargs: Any,
     ) -> None:
-        cache = policy.Cache({index: kwargs[index] for index in policy.INDEX_NAMES.values()})
+        namespace = str(body.metadata.namespace or "")
+        indexes = {index: kwargs[index] for index in policy.INDEX_NAMES.values()}
+        try:
+            cache = await standing.webhook_cache(memo, namespace, indexes)
+        except kube.ApiError as exc:
+            logger.warning("eviction review of %s/%s: cannot read its policies: %s", namespace, body.metadata.name, exc)
+            return  # the API server decides the eviction itself, as when the operator is down
         await answer(body, memo=memo, cache=cache, dryrun=dryrun, userinfo=userinfo, logger=logger)
 
 
@@ -221,6 +227,7 @@ async def answer(
     if found is None or not found[1].eviction.gate:
         return
     policy_name, spec = found
+    peer: standing.Standing | None = getattr(memo, "standing", None)
     held = await unique_bytes(client, namespace, spec, pod)
     user = eviction_gate.requested_by(userinfo)
     decision = await decide_and_drain(
@@ -234,6 +241,7 @@ async def answer(
         dryrun=dryrun,
         user=user,
         logger=logger,
+        holder=None if peer is None else peer.identity,
     )
     if decision.warning and not dryrun:
         try:
@@ -296,42 +304,97 @@ async def decide_and_drain(
     dryrun: bool,
     user: str,
     logger: logging.Logger | logging.LoggerAdapter[Any],
+    holder: str | None = None,
 ) -> eviction_gate.Decision:
     """The gate's decision on ``pod``'s eviction (``held``: its unique bytes, by the scheduler),
     and the drain it starts, under ``guard``: reviews are answered concurrently, and each would
     otherwise read the same index and start its own drain past the bounds of
-    :func:`memops.decisions.eviction_gate.guard_drain`."""
-    namespace, name = str(pod["metadata"]["namespace"]), str(pod["metadata"]["name"])
-    node = str(pod["spec"]["nodeName"])
+    :func:`memops.decisions.eviction_gate.guard_drain`.
+
+    ``holder``: this replica's identity, where the operator runs as several: the decision is
+    then also made under the policy's Lease (:mod:`memops.controllers.leases`), from the policy's
+    requests as the API holds them, so that the bounds hold across replicas. While another
+    replica holds the Lease the eviction is refused (429), to be retried."""
+    context: dict[str, Any] = {
+        "pod": pod,
+        "policy_name": policy_name,
+        "spec": spec,
+        "held": held,
+        "dryrun": dryrun,
+        "user": user,
+        "logger": logger,
+    }
     async with guard.lock:
-        now = timestamps.now()
-        indexed = shapes.well_formed(shapes.REQUEST, cache.of("retirementrequests").get((namespace, policy_name), []))
-        guard.created = eviction_gate.unseen_requests(guard.created, indexed, now)
-        mine = [*indexed, *guard.created]
-        requests = eviction_requests(mine, node)
-        decision = eviction_gate.guard_drain(
-            eviction_gate.decide(
-                pod=name, unique_bytes=held, request=eviction_gate.latest_request(name, requests), dry_run=dryrun
-            ),
-            pod=name,
+        if holder is None:
+            listed = cache.of("retirementrequests").get((pod["metadata"]["namespace"], policy_name), [])
+            return await _decide_and_drain(client, cache, guard, listed, **context)
+        namespace = str(pod["metadata"]["namespace"])
+        owner = _owner_reference(cache, namespace, policy_name)
+        async with leases.held(client, namespace, leadership.lease_name(policy_name), holder, owner=owner) as taken:
+            if not taken:
+                return eviction_gate.Decision(
+                    eviction_gate.Verdict.REFUSE,
+                    f"another replica of memops decides an eviction of policy {policy_name}'s workers: retry the"
+                    " eviction",
+                )
+            path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace)
+            listed = await client.list(path, label_selector=f"{objects.POLICY_LABEL}={policy_name}")
+            return await _decide_and_drain(client, cache, guard, listed, **context)
+
+
+def _owner_reference(cache: policy.Cache, namespace: str, policy_name: str) -> dict[str, Any] | None:
+    """The policy as the owner of its gate's Lease (which then goes with it); None if unknown."""
+    found = _policy_body(cache.of("memorypolicies").get((namespace,), []), policy_name)
+    if found is None:
+        return None
+    uid = str(found["metadata"].get("uid") or "")
+    return {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "name": policy_name, "uid": uid}
+
+
+async def _decide_and_drain(
+    client: kube.Kube,
+    cache: policy.Cache,
+    guard: Guard,
+    listed: Iterable[Mapping[str, Any]],
+    *,
+    pod: Obj,
+    policy_name: str,
+    spec: specs.MemoryPolicySpec,
+    held: int | None,
+    dryrun: bool,
+    user: str,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+) -> eviction_gate.Decision:
+    """:func:`decide_and_drain` under its locks, from the policy's requests ``listed``."""
+    name, node = str(pod["metadata"]["name"]), str(pod["spec"]["nodeName"])
+    now = timestamps.now()
+    indexed = shapes.well_formed(shapes.REQUEST, listed)
+    guard.created = eviction_gate.unseen_requests(guard.created, indexed, now)
+    mine = [*indexed, *guard.created]
+    requests = eviction_requests(mine, node)
+    decision = eviction_gate.guard_drain(
+        eviction_gate.decide(
+            pod=name, unique_bytes=held, request=eviction_gate.latest_request(name, requests), dry_run=dryrun
+        ),
+        pod=name,
+        node=node,
+        running=eviction_gate.in_flight(requests),
+        started=eviction_gate.gate_drains_since(mine, now),
+    )
+    if decision.start_drain and not dryrun:
+        created = await start_drain(
+            client,
+            cache,
+            pod=pod,
+            policy_name=policy_name,
+            spec=spec,
             node=node,
-            running=eviction_gate.in_flight(requests),
-            started=eviction_gate.gate_drains_since(mine, now),
+            user=user,
+            logger=logger,
+            earlier=len(requests),
         )
-        if decision.start_drain and not dryrun:
-            created = await start_drain(
-                client,
-                cache,
-                pod=pod,
-                policy_name=policy_name,
-                spec=spec,
-                node=node,
-                user=user,
-                logger=logger,
-                earlier=len(requests),
-            )
-            if created is not None:
-                guard.created.append(created)
+        if created is not None:
+            guard.created.append(created)
     return decision
 
 

@@ -53,6 +53,7 @@ from memops.decisions import (
     safetynet,
     scaling,
     selectors,
+    shapes,
     shared_spill,
     snapshots,
     tenancy,
@@ -856,7 +857,7 @@ class Cache:
         return self.indexes[INDEX_NAMES[plural]]
 
 
-def _slim(body: kopf.Body) -> dict[str, Any]:
+def _slim(body: Mapping[str, Any]) -> dict[str, Any]:
     """What the passes read of an object; the managed fields would only cost memory."""
     meta = {k: v for k, v in dict(body.get("metadata", {})).items() if k != "managedFields"}
     return {"metadata": meta, "spec": dict(body.get("spec", {})), "status": dict(body.get("status", {}) or {})}
@@ -890,12 +891,70 @@ def _slim_pod_spec(pod_spec: Any) -> dict[str, Any]:
     return slim
 
 
+def _slim_deployment(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Only what a pass reads: the replicas, the selector, the status, and of the pod template
+    what the shared spill's verdict reads (memory, the worker's command line and env)."""
+    spec = body.get("spec", {})
+    slim = _slim(body)
+    slim["spec"] = {
+        "replicas": spec.get("replicas", 1),
+        "selector": spec.get("selector", {}),
+        "template": {"spec": _slim_pod_spec(spec.get("template", {}).get("spec", {}))},
+    }
+    return slim
+
+
 INDEX_NAMES = {
     "deployments": "memops_deployments",
     "memorypolicies": "memops_policies",
     "horizontalpodautoscalers": "memops_hpas",
     "retirementrequests": "memops_policy_requests",
 }
+
+API_POLICIES = 32
+"""The most policies of one namespace whose Deployments :func:`api_cache` reads (oldest first,
+the order in which the webhook chooses): a tenant's thousand policies cost one list, not a
+thousand reads, on each of its pod creations."""
+
+
+async def api_cache(client: kube.Kube, namespace: str) -> Cache:
+    """What the indexes hold of one namespace, read from the API: a webhook's view on a replica
+    whose indexes are paused (:mod:`memops.decisions.leadership`). The policies, their workloads'
+    Deployments and their RetirementRequests, slimmed as the indexes slim them."""
+    policies = [
+        _slim(p) for p in await client.list(kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", namespace))
+    ]
+    names: list[str] = []
+    for body in sorted(shapes.well_formed(shapes.LISTED, policies), key=_age_and_name)[:API_POLICIES]:
+        workload = (body.get("spec") or {}).get("workload")
+        if isinstance(workload, Mapping) and workload.get("kind", "Deployment") == "Deployment":
+            name = workload.get("name")
+            if isinstance(name, str) and name and name not in names:
+                names.append(name)
+    deployments: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for name in names:
+        found = await client.get_or_none(kube.resource_path("apps", "v1", "deployments", namespace, name))
+        if found is not None:
+            deployments[(namespace, name)] = [_slim_deployment(found)]
+    requests: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace)
+    for request in await client.list(path, label_selector=objects.POLICY_LABEL):
+        owner = ((request.get("metadata") or {}).get("labels") or {}).get(objects.POLICY_LABEL)
+        if isinstance(owner, str):
+            requests.setdefault((namespace, owner), []).append(_slim(request))
+    return Cache(
+        {
+            INDEX_NAMES["memorypolicies"]: {(namespace,): policies},
+            INDEX_NAMES["deployments"]: deployments,
+            INDEX_NAMES["horizontalpodautoscalers"]: {},
+            INDEX_NAMES["retirementrequests"]: requests,
+        }
+    )
+
+
+def _age_and_name(body: Mapping[str, Any]) -> tuple[str, str]:
+    meta = body.get("metadata") or {}
+    return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
 
 
 def register(
@@ -932,16 +991,7 @@ def _register_indexes(registry: kopf.OperatorRegistry) -> None:
     def memops_deployments(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, ...], dict[str, Any]]:
-        # Only what a pass reads: the replicas, the selector, the status, and of the pod template
-        # what the shared spill's verdict reads (memory, the worker's command line and env).
-        spec = body.get("spec", {})
-        slim = _slim(body)
-        slim["spec"] = {
-            "replicas": spec.get("replicas", 1),
-            "selector": spec.get("selector", {}),
-            "template": {"spec": _slim_pod_spec(spec.get("template", {}).get("spec", {}))},
-        }
-        return {(namespace or "", name): slim}
+        return {(namespace or "", name): _slim_deployment(body)}
 
     @kopf.index("autoscaling", "v2", "horizontalpodautoscalers", registry=registry, id="memops_hpas")
     def memops_hpas(namespace: str | None, body: kopf.Body, **_: Any) -> dict[tuple[str, ...], dict[str, Any]]:

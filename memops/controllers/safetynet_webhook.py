@@ -7,9 +7,11 @@ The handler finds the policy whose workload selects the new pod and applies
 :func:`memops.decisions.safetynet.plan_injection`. It ignores its own failures (``failurePolicy: Ignore``):
 an operator that is down must never block pod creation.
 
-A pod creation costs no API request: the policies and Deployments come from the Kopf indexes
-that the policy controller keeps anyway (:mod:`memops.controllers.policy`), and a
-DaskWorkerGroup's pods are recognised by labels made of its name alone. Only the pod's own
+On the replica that reconciles, a pod creation costs no API request: the policies and
+Deployments come from the Kopf indexes that the policy controller keeps anyway
+(:mod:`memops.controllers.policy`), and a DaskWorkerGroup's pods are recognised by labels made of
+its name alone. A paused replica's indexes are stale: its webhook reads the pod's namespace's
+policies and their Deployments from the API (:mod:`memops.controllers.standing`). Only the pod's own
 namespace is looked at, so a reply never names another namespace's policy or Secret.
 """
 
@@ -25,7 +27,7 @@ import pydantic
 
 from memops import specs
 from memops.clients import prestop_hook
-from memops.controllers import policy, webhook_server, workloads
+from memops.controllers import policy, standing, webhook_server, workloads
 from memops.decisions import safetynet, selectors, shapes, shared_spill
 from memops.worker import owner
 
@@ -135,12 +137,14 @@ def register(registry: kopf.OperatorRegistry, *, host_roots: frozenset[str] = fr
     async def inject(
         body: kopf.Body,
         patch: kopf.Patch,
+        memo: kopf.Memo,
         logger: logging.Logger | logging.LoggerAdapter[Any],
         **kwargs: Any,
     ) -> None:
         namespace = body.metadata.namespace or "default"
-        cache = policy.Cache({name: kwargs[name] for name in policy.INDEX_NAMES.values()})
         try:
+            indexes = {name: kwargs[name] for name in policy.INDEX_NAMES.values()}
+            cache = await standing.webhook_cache(memo, namespace, indexes)
             planned = plan_for_pod(
                 dict(body),
                 policies=cache.of("memorypolicies").get((namespace,), []),

@@ -30,7 +30,12 @@ VALUE_SETS = {
         "webhook": {"certManager": {"enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}
     },
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
-    "minimal": {"webhook": {"enabled": False}, "metrics": {"enabled": False}, "peering": {"create": False}},
+    "minimal": {
+        "replicas": 1,
+        "webhook": {"enabled": False},
+        "metrics": {"enabled": False},
+        "peering": {"create": False},
+    },
     "features": {
         "rbac": {"schedulerTLS": True, "daskWorkerGroups": True},
         "watchNamespaces": ["dask"],
@@ -85,7 +90,7 @@ def test_validation_catches_an_unknown_field() -> None:
     ("values", "message"),
     [
         pytest.param({"replicas": "1"}, "/replicas", id="replicas-as-string"),
-        pytest.param({"replicas": 2}, "/replicas", id="two-replicas"),
+        pytest.param({"replicas": 6}, "/replicas", id="six-replicas"),
         pytest.param({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", id="unknown-pull-policy"),
         pytest.param({"image": {"digest": "latest"}}, "/image/digest", id="digest-not-sha256"),
         pytest.param({"watchNamespaces": ["Dask_NS"]}, "/watchNamespaces/0", id="bad-namespace-name"),
@@ -210,8 +215,7 @@ def test_chart_crds_are_the_generated_ones() -> None:
 def test_deployment_runs_memops_with_peering_probes_and_a_locked_down_container() -> None:
     objects = manifests.render_chart()
     deployment = manifests.one(objects, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     args = container["args"]
@@ -235,6 +239,50 @@ def test_deployment_runs_memops_with_peering_probes_and_a_locked_down_container(
     assert pod["serviceAccountName"] == manifests.one(objects, "ServiceAccount")["metadata"]["name"]
     peering = manifests.one(objects, "ClusterKopfPeering")
     assert peering["metadata"]["name"] == "memops"  # memops.controllers sets settings.peering.name
+
+
+def test_two_replicas_roll_one_at_a_time_on_different_nodes_under_a_disruption_budget() -> None:
+    """The default: two operator pods, replaced one at a time with the new one Ready first (a
+    webhook always answers), preferring different nodes, and a PodDisruptionBudget that lets a
+    drain take only one of them; both select the operator's pods, not the spill DaemonSet's."""
+    objects = manifests.render_chart({"sharedSpill": {"nodeDaemonSet": {"enabled": True}}})
+    deployment = manifests.one(objects, "Deployment")
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    operator_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    (term,) = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    budget = manifests.one(objects, "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    for selector in (
+        budget["spec"]["selector"]["matchLabels"],
+        term["podAffinityTerm"]["labelSelector"]["matchLabels"],
+    ):
+        assert selector.items() <= operator_labels.items()
+        assert selector["app.kubernetes.io/component"] == "operator"
+    spill = [o for o in objects if o["kind"] == "DaemonSet"]
+    for daemon in spill:
+        labels = daemon["spec"]["template"]["metadata"]["labels"]
+        assert not budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_one_replica_is_recreated_without_a_disruption_budget() -> None:
+    """One replica: the old pod stops before the new one starts (two would overlap for nothing),
+    and no PodDisruptionBudget, which would block every node drain of its node."""
+    objects = manifests.render_chart({"replicas": 1})
+    assert manifests.one(objects, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert manifests.find(objects, "PodDisruptionBudget") == []
+    assert "affinity" not in manifests.one(objects, "Deployment")["spec"]["template"]["spec"]
+
+
+def test_replicas_without_peering_are_refused() -> None:
+    """Two replicas and no peering object would both reconcile: the chart refuses to render."""
+    with pytest.raises(Exception, match=r"replicas > 1 needs peering\.create=true"):
+        manifests.render_chart({"peering": {"create": False}})
 
 
 def test_namespaced_mode_watches_only_its_namespaces() -> None:

@@ -75,6 +75,10 @@ E2E_ONLY = {
     ("", "secrets", "get"): "tests/e2e/test_safety_net.py",
     ("", "pods/resize", "patch"): "tests/e2e/test_resize.py",
     ("", "services", "get"): "tests/e2e/test_walkthrough.py",
+    # The eviction gate's Lease (held while it decides an eviction of a policy's worker).
+    ("coordination.k8s.io", "leases", "get"): "tests/e2e/test_eviction.py",
+    ("coordination.k8s.io", "leases", "create"): "tests/e2e/test_eviction.py",
+    ("coordination.k8s.io", "leases", "update"): "tests/e2e/test_eviction.py",
 }
 
 # Served by the upstream plane only, whose own audit log tests/e2e/test_eviction.py reads to

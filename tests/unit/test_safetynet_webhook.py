@@ -99,5 +99,5 @@ async def test_a_failure_inside_the_webhook_never_blocks_the_pod() -> None:
     body = kopf.Body({"metadata": {"name": "p", "namespace": "a", "labels": {"app": "w"}}, "spec": {"containers": []}})
     patch = kopf.Patch()
     indexes = {name: _Broken() for name in policy.INDEX_NAMES.values()}
-    await handler.fn(body=body, patch=patch, logger=logging.getLogger("test"), **indexes)
+    await handler.fn(body=body, patch=patch, memo=kopf.Memo(), logger=logging.getLogger("test"), **indexes)
     assert not patch

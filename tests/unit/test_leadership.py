@@ -1,0 +1,64 @@
+"""Which replica acts, from Kopf's peering record, and when the gate's Lease is free: pure."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from memops.decisions import leadership
+
+NOW = datetime.datetime(2026, 11, 29, 6, 0, tzinfo=datetime.UTC)
+
+
+def _peer(priority: object, seen: datetime.datetime = NOW, lifetime: object = 15) -> dict[str, object]:
+    return {"priority": priority, "lastseen": leadership.micro_time(seen), "lifetime": lifetime}
+
+
+def test_the_older_replica_has_the_higher_priority() -> None:
+    older = leadership.start_priority(NOW - datetime.timedelta(milliseconds=1))
+    assert older > leadership.start_priority(NOW) > 0
+
+
+def test_a_replica_leads_unless_a_live_peer_is_as_high() -> None:
+    me = leadership.start_priority(NOW)
+    assert leadership.leads(None, "a", me, NOW), "no peer has written"
+    assert leadership.leads({"a": _peer(me)}, "a", me, NOW), "its own record"
+    assert leadership.leads({"a": _peer(me), "b": _peer(me - 1)}, "a", me, NOW)
+    assert not leadership.leads({"b": _peer(me + 1)}, "a", me, NOW), "an older peer acts"
+    assert not leadership.leads({"b": _peer(me)}, "a", me, NOW), "the same priority pauses both (Kopf)"
+    dead = _peer(me + 1, NOW - datetime.timedelta(seconds=16))
+    assert leadership.leads({"b": dead}, "a", me, NOW), "a peer past its lifetime is dead"
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        [],
+        {"b": "live"},
+        {"b": _peer("high")},
+        {"b": _peer(1, lifetime="15")},
+        {"b": {"priority": 1, "lastseen": "yesterday", "lifetime": 15}},
+        {"b": {"priority": 1, "lastseen": "9" * 100, "lifetime": 15}},
+    ],
+)
+def test_a_record_that_cannot_be_read_pauses(status: object) -> None:
+    assert not leadership.leads(status, "a", leadership.start_priority(NOW), NOW)
+
+
+def test_a_lease_is_free_when_unheld_held_by_the_asker_or_expired() -> None:
+    held = leadership.lease_spec("a", NOW, seconds=10)
+    assert leadership.lease_free({}, "b", NOW)
+    assert leadership.lease_free({"holderIdentity": ""}, "b", NOW)
+    assert leadership.lease_free(held, "a", NOW)
+    assert not leadership.lease_free(held, "b", NOW + datetime.timedelta(seconds=9))
+    assert leadership.lease_free(held, "b", NOW + datetime.timedelta(seconds=11))
+    assert not leadership.lease_free({"holderIdentity": "a"}, "b", NOW), "no renewal time: held"
+    assert not leadership.lease_free("held", "b", NOW)
+
+
+def test_a_lease_name_is_a_valid_name_for_any_policy_name() -> None:
+    assert leadership.lease_name("p") == "memops-gate-p"
+    long = "a" * 253
+    assert len(leadership.lease_name(long)) <= 253
+    assert leadership.lease_name(long) != leadership.lease_name("a" * 252 + "b")
