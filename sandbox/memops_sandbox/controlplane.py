@@ -49,8 +49,13 @@ AUDIT_POLICY = {
     "kind": "Policy",
     "omitStages": ["RequestReceived"],
     "rules": [
-        # Leases are renewed every few seconds by every node and controller: no one asks who.
-        {"level": "None", "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}]},
+        # Leases are renewed every few seconds by every node and controller: no one asks who. The
+        # leases of other namespaces (memops' eviction gate's) are logged.
+        {
+            "level": "None",
+            "namespaces": ["kube-node-lease", "kube-system"],
+            "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}],
+        },
         {"level": "Metadata"},
     ],
 }

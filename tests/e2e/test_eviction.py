@@ -161,16 +161,24 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
         holdings.assert_all_correct()
     (request,) = eviction_requests(sandbox)
     assert sorted(request["spec"]["workers"]) == pods, "the node's workers drain together, in one request"
+
     # The node signals list and watch Nodes, allowed by the chart's RBAC (tests/packaging/test_rbac.py
     # leaves these two to this check: only the upstream plane serves Nodes).
-    node_reads = {
-        (e["verb"], e["responseStatus"]["code"])
-        for e in map(json.loads, (sandbox.state_dir / "audit.log").read_text().splitlines())
-        if e.get("user", {}).get("username") == OPERATOR
-        and e.get("objectRef", {}).get("resource") == "nodes"
-        and "responseStatus" in e
-    }
+    def operator_requests(resource: str) -> set[tuple[str, int]]:
+        return {
+            (e["verb"], e["responseStatus"]["code"])
+            for e in map(json.loads, (sandbox.state_dir / "audit.log").read_text().splitlines())
+            if e.get("user", {}).get("username") == OPERATOR
+            and e.get("objectRef", {}).get("resource") == resource
+            and "responseStatus" in e
+        }
+
+    node_reads = operator_requests("nodes")
     assert {("list", 200), ("watch", 200)} <= node_reads, node_reads
+    # The gate decided under the policy's Lease (the lock between the operator's replicas): read,
+    # created, given back; allowed by the chart's RBAC (tests/packaging/test_rbac.py leaves it here).
+    lease_requests = operator_requests("leases")
+    assert {("get", 404), ("create", 201), ("update", 200)} <= lease_requests, lease_requests
     assert request["spec"]["removePods"] is False
     assert request["status"]["phase"] == "Succeeded"
     assert request["metadata"]["ownerReferences"][0]["kind"] == "MemoryPolicy"
