@@ -142,9 +142,21 @@ async def test_the_bound_per_policy_holds_across_replicas(cluster: Cluster) -> N
     replica."""
     nodes = 14
     pods = await cluster.pods([f"n{i}" for i in range(nodes)])
-    for _ in range(4):  # a review that met the other replica's Lease is retried, as clients do
+    bound = eviction_gate.GATE_DRAINS_PER_WINDOW
+    rounds = 0
+    while len(await cluster.requests()) < bound and rounds < 50:
+        # A review that met the other replica's Lease is refused, and retried, as clients do.
         await _evict_all(cluster, pods, ["replica-a", "replica-b"])
-    assert len(await cluster.requests()) == eviction_gate.GATE_DRAINS_PER_WINDOW
+        rounds += 1
+    assert len(await cluster.requests()) == bound, f"after {rounds} rounds"
+    for _ in range(3):  # more rounds at the bound start nothing more
+        decisions = await _evict_all(cluster, pods, ["replica-a", "replica-b"])
+        assert not any(d.start_drain for d in decisions)
+    assert len(await cluster.requests()) == bound
+    # Through one replica alone (no Lease met): the four pods without a drain are held back, and say why.
+    decisions = await _evict_all(cluster, pods, ["replica-a"])
+    held_back = [d for d in decisions if "the most memops starts" in d.message]
+    assert len(held_back) == nodes - bound, [d.message for d in decisions]
 
 
 async def test_a_lease_is_taken_over_only_once_it_expired(cluster: Cluster) -> None:
