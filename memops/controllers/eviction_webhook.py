@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -315,31 +316,45 @@ async def decide_and_drain(
     then also made under the policy's Lease (:mod:`memops.controllers.leases`), from the policy's
     requests as the API holds them, so that the bounds hold across replicas. While another
     replica holds the Lease the eviction is refused (429), to be retried."""
-    context: dict[str, Any] = {
-        "pod": pod,
-        "policy_name": policy_name,
-        "spec": spec,
-        "held": held,
-        "dryrun": dryrun,
-        "user": user,
-        "logger": logger,
-    }
-    async with guard.lock:
-        if holder is None:
-            listed = cache.of("retirementrequests").get((pod["metadata"]["namespace"], policy_name), [])
-            return await _decide_and_drain(client, cache, guard, listed, **context)
-        namespace = str(pod["metadata"]["namespace"])
-        owner = _owner_reference(cache, namespace, policy_name)
-        async with leases.held(client, namespace, leadership.lease_name(policy_name), holder, owner=owner) as taken:
-            if not taken:
-                return eviction_gate.Decision(
-                    eviction_gate.Verdict.REFUSE,
-                    f"another replica of memops decides an eviction of policy {policy_name}'s workers: retry the"
-                    " eviction",
-                )
-            path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace)
-            listed = await client.list(path, label_selector=f"{objects.POLICY_LABEL}={policy_name}")
-            return await _decide_and_drain(client, cache, guard, listed, **context)
+    async with guard.lock, _requests(client, cache, pod, policy_name, holder) as listed:
+        if listed is None:
+            return eviction_gate.Decision(
+                eviction_gate.Verdict.REFUSE,
+                f"another replica of memops decides an eviction of policy {policy_name}'s workers: retry the eviction",
+            )
+        return await _decide(
+            client,
+            cache,
+            guard,
+            listed,
+            pod=pod,
+            policy_name=policy_name,
+            spec=spec,
+            held=held,
+            dryrun=dryrun,
+            user=user,
+            logger=logger,
+        )
+
+
+@contextlib.asynccontextmanager
+async def _requests(
+    client: kube.Kube, cache: policy.Cache, pod: Obj, policy_name: str, holder: str | None
+) -> AsyncIterator[Sequence[Mapping[str, Any]] | None]:
+    """The policy's RetirementRequests the gate decides from: without ``holder``, its index's;
+    with it, the API's, read and decided on under the policy's Lease; None while another
+    replica holds the Lease."""
+    namespace = str(pod["metadata"]["namespace"])
+    if holder is None:
+        yield list(cache.of("retirementrequests").get((namespace, policy_name), []))
+        return
+    owner = _owner_reference(cache, namespace, policy_name)
+    async with leases.held(client, namespace, leadership.lease_name(policy_name), holder, owner=owner) as taken:
+        if not taken:
+            yield None
+            return
+        path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace)
+        yield await client.list(path, label_selector=f"{objects.POLICY_LABEL}={policy_name}")
 
 
 def _owner_reference(cache: policy.Cache, namespace: str, policy_name: str) -> dict[str, Any] | None:
@@ -351,7 +366,7 @@ def _owner_reference(cache: policy.Cache, namespace: str, policy_name: str) -> d
     return {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "name": policy_name, "uid": uid}
 
 
-async def _decide_and_drain(
+async def _decide(
     client: kube.Kube,
     cache: policy.Cache,
     guard: Guard,
