@@ -285,6 +285,12 @@ class SessionCluster:
         """Before a shared test."""
         self.groups.add(lanes.group(item, self.lanes))
         self.next_shares = nextitem is not None and shares_the_cluster(nextitem)
+        if item.get_closest_marker("quiet") and nextitem is not None and nextitem.get_closest_marker("quiet"):
+            # A quiet test's spare starts in its teardown, while it holds the tests' lock
+            # exclusively; the spare waits for that lock shared. A quiet test next could take the
+            # lock first and then wait for that spare for ever (CI's resize test did, until its
+            # timeout): it opens its own namespace instead.
+            self.next_shares = False
 
     def get(self, factory: pytest.TempPathFactory) -> Sandbox:
         if self.sandbox is not None and self.sandbox.process.poll() is not None:
