@@ -100,13 +100,24 @@ def lease_spec(holder: str, now: datetime.datetime, seconds: int = LEASE_SECONDS
 
 def lease_free(spec: Any, holder: str, now: datetime.datetime) -> bool:
     """Whether a Lease of this ``spec`` may be taken by ``holder``: nobody holds it, ``holder``
-    does, or its holder stopped renewing it. A spec that cannot be read is held."""
+    does, or its holder stopped renewing it.
+
+    The spec is hostile: whoever may write Leases in the namespace (a tenant) may forge the one
+    named for a policy, and a hold read from it would refuse every eviction of the policy's
+    workers, a node's drain included, for as long as it says. memops' replicas write only
+    :data:`LEASE_SECONDS` from the moment of writing, so no hold lasts longer than that from its
+    renewal, a renewal later than that from now is forged, and a spec that cannot be read holds
+    nothing. Taking it over still needs the ``resourceVersion`` read, so a live replica's hold is
+    never taken by two at once."""
     if not isinstance(spec, Mapping):
-        return False
+        return True
     current = spec.get("holderIdentity")
     if current in (None, "", holder):
         return True
     renewed, seconds = _moment(spec.get("renewTime")), spec.get("leaseDurationSeconds")
-    if renewed is None or not isinstance(seconds, int):
-        return False
-    return renewed + datetime.timedelta(seconds=seconds) < now
+    if renewed is None or not isinstance(seconds, int) or isinstance(seconds, bool):
+        return True
+    bound = datetime.timedelta(seconds=LEASE_SECONDS)
+    if renewed > now + bound:
+        return True
+    return renewed + min(datetime.timedelta(seconds=max(seconds, 0)), bound) < now

@@ -185,6 +185,22 @@ async def test_a_lease_is_taken_over_only_once_it_expired(cluster: Cluster) -> N
     assert await leases.acquire(cluster.operator, ns, name, "replica-a") is not None, "given back: free"
 
 
+async def test_a_forged_lease_does_not_hold_the_gate(cluster: Cluster) -> None:
+    """A tenant forges the policy's Lease, held for a day by someone else: a replica takes it over
+    (no eviction of the policy's workers waits a day), and the Lease is the replica's."""
+    name, ns = leadership.lease_name(POLICY), cluster.namespace
+    path = kube.resource_path("coordination.k8s.io", "v1", "leases", ns)
+    forged = {"holderIdentity": "tenant", "leaseDurationSeconds": 86400}
+    forged["renewTime"] = forged["acquireTime"] = leadership.micro_time(timestamps.now())
+    await cluster.admin.request("POST", path, body={"metadata": {"name": name}, "spec": forged})
+    assert await leases.acquire(cluster.operator, ns, name, "replica-a") is None, "within LEASE_SECONDS: held"
+    await asyncio.sleep(leadership.LEASE_SECONDS + 0.5)
+    assert await leases.acquire(cluster.operator, ns, name, "replica-a") is not None
+    found = await cluster.admin.get(f"{path}/{name}")
+    assert found["spec"]["holderIdentity"] == "replica-a"
+    assert found["spec"]["leaseDurationSeconds"] == leadership.LEASE_SECONDS
+
+
 async def test_a_paused_replica_reads_the_api_and_the_acting_one_its_indexes(cluster: Cluster) -> None:
     """The KopfPeering as Kopf writes it, with two live replicas: the older one acts, its webhook
     reads its indexes; the younger one is paused, its webhook reads the namespace's policies,

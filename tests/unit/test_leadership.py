@@ -9,6 +9,10 @@ import pytest
 from memops.decisions import leadership
 
 NOW = datetime.datetime(2026, 11, 29, 6, 0, tzinfo=datetime.UTC)
+NOW_TEXT = leadership.micro_time(NOW)
+FUTURE_TEXT = leadership.micro_time(NOW + datetime.timedelta(days=365))
+SKEWED_TEXT = leadership.micro_time(NOW + datetime.timedelta(seconds=3))
+"""A replica whose clock is 3 s ahead: its hold is real."""
 
 
 def _peer(priority: object, seen: datetime.datetime = NOW, lifetime: object = 15) -> dict[str, object]:
@@ -53,8 +57,41 @@ def test_a_lease_is_free_when_unheld_held_by_the_asker_or_expired() -> None:
     assert leadership.lease_free(held, "a", NOW)
     assert not leadership.lease_free(held, "b", NOW + datetime.timedelta(seconds=9))
     assert leadership.lease_free(held, "b", NOW + datetime.timedelta(seconds=11))
-    assert not leadership.lease_free({"holderIdentity": "a"}, "b", NOW), "no renewal time: held"
-    assert not leadership.lease_free("held", "b", NOW)
+
+
+ONE_SECOND = datetime.timedelta(seconds=1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "later", "free"),
+    [
+        pytest.param({"holderIdentity": "t"}, 0, True, id="no-renewal-time"),
+        pytest.param("held", 0, True, id="not-a-map"),
+        pytest.param({"holderIdentity": "t", "renewTime": "soon", "leaseDurationSeconds": 10}, 0, True, id="bad-time"),
+        pytest.param({"holderIdentity": "t", "renewTime": NOW_TEXT, "leaseDurationSeconds": "9"}, 0, True, id="text"),
+        pytest.param({"holderIdentity": "t", "renewTime": NOW_TEXT, "leaseDurationSeconds": True}, 0, True, id="bool"),
+        pytest.param(
+            {"holderIdentity": "t", "renewTime": NOW_TEXT, "leaseDurationSeconds": 10**9}, 9, False, id="long-within"
+        ),
+        pytest.param(
+            {"holderIdentity": "t", "renewTime": NOW_TEXT, "leaseDurationSeconds": 10**9}, 11, True, id="long-capped"
+        ),
+        pytest.param(
+            {"holderIdentity": "t", "renewTime": NOW_TEXT, "leaseDurationSeconds": -5}, 1, True, id="negative"
+        ),
+        pytest.param(
+            {"holderIdentity": "t", "renewTime": FUTURE_TEXT, "leaseDurationSeconds": 10}, 0, True, id="future"
+        ),
+        pytest.param(
+            {"holderIdentity": "t", "renewTime": SKEWED_TEXT, "leaseDurationSeconds": 10}, 0, False, id="skewed"
+        ),
+    ],
+)
+def test_a_forged_lease_holds_nothing_longer_than_memops_writes(spec: object, later: int, free: bool) -> None:
+    """A tenant who may write Leases forges the gate's: it never holds past LEASE_SECONDS from a
+    renewal no later than LEASE_SECONDS from now, and one that cannot be read holds nothing (else
+    every eviction of the policy's workers, a node's drain included, is refused while it says)."""
+    assert leadership.lease_free(spec, "b", NOW + later * ONE_SECOND) is free
 
 
 def test_a_lease_name_is_a_valid_name_for_any_policy_name() -> None:
