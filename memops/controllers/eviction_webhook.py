@@ -36,6 +36,9 @@ ASK_SECONDS = 4.0
 
 Obj = dict[str, Any]
 
+LEASE_ANNOTATION = objects.POLICY_LABEL
+"""On the gate's Lease: ``<namespace>/<policy>``, the policy whose evictions it locks."""
+
 
 def _policy_body(policies: Iterable[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:
     return next((p for p in policies if p["metadata"]["name"] == name), None)
@@ -178,6 +181,14 @@ def register_gate(registry: kopf.OperatorRegistry) -> None:
             return  # the API server decides the eviction itself, as when the operator is down
         await answer(body, memo=memo, cache=cache, dryrun=dryrun, userinfo=userinfo, logger=logger)
 
+    # Optional: no finalizer on policies for it. A Lease left by a deletion the operator missed is
+    # a few hundred bytes, and taken again by a policy of the same name.
+    @kopf.on.delete(specs.GROUP, specs.VERSION, "memorypolicies", registry=registry, id="gate-lease", optional=True)
+    async def forget_lease(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+        peer: standing.Standing | None = getattr(memo, "standing", None)
+        if peer is not None and namespace:
+            await leases.delete(memo.kube, peer.home, leadership.lease_name(namespace, name))
+
 
 async def read_review(client: kube.Kube, body: kopf.Body, dryrun: bool) -> tuple[bool, Obj | None] | None:
     """The review's dry-run flag and the pod it names (None: no such pod); None when the API
@@ -242,7 +253,7 @@ async def answer(
         dryrun=dryrun,
         user=user,
         logger=logger,
-        holder=None if peer is None else peer.identity,
+        holder=None if peer is None else peer.holder,
     )
     if decision.warning and not dryrun:
         try:
@@ -305,15 +316,15 @@ async def decide_and_drain(
     dryrun: bool,
     user: str,
     logger: logging.Logger | logging.LoggerAdapter[Any],
-    holder: str | None = None,
+    holder: leases.Holder | None = None,
 ) -> eviction_gate.Decision:
     """The gate's decision on ``pod``'s eviction (``held``: its unique bytes, by the scheduler),
     and the drain it starts, under ``guard``: reviews are answered concurrently, and each would
     otherwise read the same index and start its own drain past the bounds of
     :func:`memops.decisions.eviction_gate.guard_drain`.
 
-    ``holder``: this replica's identity, where the operator runs as several: the decision is
-    then also made under the policy's Lease (:mod:`memops.controllers.leases`), from the policy's
+    ``holder``: this replica, where the operator runs as several: the decision is then also made
+    under the policy's Lease (:mod:`memops.controllers.leases`, in the operator's namespace), from the policy's
     requests as the API holds them, so that the bounds hold across replicas. While another
     replica holds the Lease the eviction is refused (429), to be retried."""
     async with guard.lock, _requests(client, cache, pod, policy_name, holder) as listed:
@@ -339,7 +350,7 @@ async def decide_and_drain(
 
 @contextlib.asynccontextmanager
 async def _requests(
-    client: kube.Kube, cache: policy.Cache, pod: Obj, policy_name: str, holder: str | None
+    client: kube.Kube, cache: policy.Cache, pod: Obj, policy_name: str, holder: leases.Holder | None
 ) -> AsyncIterator[Sequence[Mapping[str, Any]] | None]:
     """The policy's RetirementRequests the gate decides from: without ``holder``, its index's;
     with it, the API's, read and decided on under the policy's Lease; None while another
@@ -348,22 +359,14 @@ async def _requests(
     if holder is None:
         yield list(cache.of("retirementrequests").get((namespace, policy_name), []))
         return
-    owner = _owner_reference(cache, namespace, policy_name)
-    async with leases.held(client, namespace, leadership.lease_name(policy_name), holder, owner=owner) as taken:
+    name = leadership.lease_name(namespace, policy_name)
+    locks = {LEASE_ANNOTATION: f"{namespace}/{policy_name}"}
+    async with leases.held(client, holder.namespace, name, holder.identity, annotations=locks) as taken:
         if not taken:
             yield None
             return
         path = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace)
         yield await client.list(path, label_selector=f"{objects.POLICY_LABEL}={policy_name}")
-
-
-def _owner_reference(cache: policy.Cache, namespace: str, policy_name: str) -> dict[str, Any] | None:
-    """The policy as the owner of its gate's Lease (which then goes with it); None if unknown."""
-    found = _policy_body(cache.of("memorypolicies").get((namespace,), []), policy_name)
-    if found is None:
-        return None
-    uid = str(found["metadata"].get("uid") or "")
-    return {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "name": policy_name, "uid": uid}
 
 
 async def _decide(

@@ -16,16 +16,19 @@ import secrets
 import socket
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from memops.clients import kube
-from memops.controllers import policy
+from memops.controllers import leases, policy
 from memops.decisions import leadership, timestamps
 
 PEERING = "memops"
 """The name of Kopf's peering object (``settings.peering.name``)."""
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 STANDING_SECONDS = 2.0
 """How long a reading of the peering object is believed: a replica that stops acting has its
@@ -41,6 +44,19 @@ def own_identity() -> str:
     return f"{getpass.getuser()}@{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
 
 
+def own_namespace() -> str:
+    """The operator's own namespace, where the eviction gate's Leases are (tenants write nothing
+    there): ``POD_NAMESPACE`` (the chart sets it from the pod), else the pod's ServiceAccount's,
+    else ``default`` (an operator run outside a pod)."""
+    named = os.environ.get("POD_NAMESPACE")
+    if named:
+        return named
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
 @dataclasses.dataclass
 class Standing:
     """Who this replica is among its peers, and whether it acts (read at most every
@@ -49,8 +65,14 @@ class Standing:
     identity: str
     priority: int
     namespaces: tuple[str, ...] = ()
+    home: str = "default"
+    """The operator's own namespace: the eviction gate's Leases'."""
     checked: float = -STANDING_SECONDS
     acting: bool = False
+
+    @property
+    def holder(self) -> leases.Holder:
+        return leases.Holder(self.identity, self.home)
 
     def paths(self) -> list[str]:
         """The peering objects Kopf pauses this replica by: one per watched namespace, or the
@@ -82,7 +104,7 @@ class Standing:
 
 def standing(namespaces: tuple[str, ...], started: datetime.datetime | None = None) -> Standing:
     """This replica's standing, its priority that of its start (now, unless given)."""
-    return Standing(own_identity(), leadership.start_priority(started or timestamps.now()), namespaces)
+    return Standing(own_identity(), leadership.start_priority(started or timestamps.now()), namespaces, own_namespace())
 
 
 async def webhook_cache(memo: Any, namespace: str, indexes: Mapping[str, Any]) -> policy.Cache:

@@ -10,7 +10,8 @@ the Kopf indexes it would read are kept current here (a paused replica's are not
 peering record that Kopf reads.
 
 The eviction gate's bounds hold across replicas through a Lease per policy (:func:`lease_free`),
-the API server's optimistic concurrency being the lock. Everything here is pure: the records are
+the API server's optimistic concurrency being the lock; the Leases live in the operator's own
+namespace, where tenants write nothing. Everything here is pure: the records are
 hostile input (anyone with write access to them may forge them), and a malformed one never
 makes a replica believe it acts alone.
 """
@@ -76,12 +77,14 @@ def leads(status: Any, identity: str, priority: int, now: datetime.datetime) -> 
     return True
 
 
-def lease_name(policy: str) -> str:
-    """The eviction gate's Lease for a policy of that name (a DNS subdomain of at most 253)."""
-    name = LEASE_PREFIX + policy
+def lease_name(namespace: str, policy: str) -> str:
+    """The eviction gate's Lease for the policy ``policy`` of ``namespace``, in the operator's own
+    namespace (a DNS subdomain of at most 253; a namespace name has no dot, so the two never run
+    together)."""
+    name = f"{LEASE_PREFIX}{namespace}.{policy}"
     if len(name) <= 253:
         return name
-    return LEASE_PREFIX + hashlib.sha256(policy.encode()).hexdigest()[:32]
+    return LEASE_PREFIX + hashlib.sha256(f"{namespace}/{policy}".encode()).hexdigest()[:32]
 
 
 def micro_time(moment: datetime.datetime) -> str:

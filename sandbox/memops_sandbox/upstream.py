@@ -129,7 +129,8 @@ async def _operator(
     # The port the API server presents its webhook client certificate to.
     webhook_port = plane.webhook_port
     metrics_port = common.free_port(webhook_port)
-    env = {**os.environ, "KUBECONFIG": str(state_dir / "operator-kubeconfig")}
+    # The pod's namespace, as the chart's Deployment gives it: the eviction gate's Leases are there.
+    env = {**os.environ, "KUBECONFIG": str(state_dir / "operator-kubeconfig"), "POD_NAMESPACE": install.NAMESPACE}
     client_ca = plane.pki.path("webhook-client-ca")
     process = await controlplane.spawn(
         "operator",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from memops_sandbox import install
 
 from memops import specs
 from memops.clients import kube
@@ -112,7 +113,7 @@ async def _evict_all(cluster: Cluster, pods: list[dict[str, Any]], replicas: lis
                 dryrun=False,
                 user="system:serviceaccount:kube-system:node-drainer",
                 logger=LOGGER,
-                holder=replicas[i % len(replicas)],
+                holder=leases.Holder(replicas[i % len(replicas)], install.NAMESPACE),
             )
             for i, pod in enumerate(pods)
         )
@@ -161,34 +162,34 @@ async def test_the_bound_per_policy_holds_across_replicas(cluster: Cluster) -> N
 
 async def test_a_lease_is_taken_over_only_once_it_expired(cluster: Cluster) -> None:
     """Held, a Lease refuses another holder; expired, it is taken over, and its former holder's
-    release then leaves it with the new one. It is owned by the policy."""
-    name, ns = leadership.lease_name(POLICY), cluster.namespace
-    owner = {
-        "apiVersion": specs.API_VERSION,
-        "kind": "MemoryPolicy",
-        "name": POLICY,
-        "uid": cluster.policy["metadata"]["uid"],
-    }
-    first = await leases.acquire(cluster.operator, ns, name, "replica-a", owner=owner, seconds=1)
+    release then leaves it with the new one. It is in the operator's namespace, and says what it
+    locks."""
+    name, ns = leadership.lease_name(cluster.namespace, POLICY), install.NAMESPACE
+    locks = {gate.LEASE_ANNOTATION: f"{cluster.namespace}/{POLICY}"}
+    first = await leases.acquire(cluster.operator, ns, name, "replica-a", annotations=locks, seconds=1)
     assert first is not None
     assert await leases.acquire(cluster.operator, ns, name, "replica-b") is None, "held: refused"
     await asyncio.sleep(2.2)  # past its duration, not renewed: its holder is gone
-    second = await leases.acquire(cluster.operator, ns, name, "replica-b")
+    second = await leases.acquire(cluster.operator, ns, name, "replica-b", annotations=locks)
     assert second is not None
     await leases.release(cluster.operator, ns, name, first)  # too late: not the holder's any more
     path = kube.resource_path("coordination.k8s.io", "v1", "leases", ns, name)
     found = await cluster.admin.get(path)
     assert found["spec"]["holderIdentity"] == "replica-b"
-    assert found["metadata"]["ownerReferences"][0]["uid"] == cluster.policy["metadata"]["uid"]
+    assert found["metadata"]["annotations"] == locks
     await leases.release(cluster.operator, ns, name, second)
     assert "holderIdentity" not in (await cluster.admin.get(path))["spec"]
     assert await leases.acquire(cluster.operator, ns, name, "replica-a") is not None, "given back: free"
+    await leases.delete(cluster.operator, ns, name)
+    assert await cluster.admin.get_or_none(path) is None
+    await leases.delete(cluster.operator, ns, name)  # already gone: nothing to do
 
 
 async def test_a_forged_lease_does_not_hold_the_gate(cluster: Cluster) -> None:
-    """A tenant forges the policy's Lease, held for a day by someone else: a replica takes it over
-    (no eviction of the policy's workers waits a day), and the Lease is the replica's."""
-    name, ns = leadership.lease_name(POLICY), cluster.namespace
+    """The gate's Lease is out of a tenant's reach, in the operator's namespace; one forged there
+    anyway (by someone who may write it), held for a day by someone else, is taken over after
+    LEASE_SECONDS: no eviction of the policy's workers waits a day."""
+    name, ns = leadership.lease_name(cluster.namespace, POLICY), install.NAMESPACE
     path = kube.resource_path("coordination.k8s.io", "v1", "leases", ns)
     forged = {"holderIdentity": "tenant", "leaseDurationSeconds": 86400}
     forged["renewTime"] = forged["acquireTime"] = leadership.micro_time(timestamps.now())
@@ -199,6 +200,7 @@ async def test_a_forged_lease_does_not_hold_the_gate(cluster: Cluster) -> None:
     found = await cluster.admin.get(f"{path}/{name}")
     assert found["spec"]["holderIdentity"] == "replica-a"
     assert found["spec"]["leaseDurationSeconds"] == leadership.LEASE_SECONDS
+    await leases.delete(cluster.operator, ns, name)
 
 
 async def test_a_paused_replica_reads_the_api_and_the_acting_one_its_indexes(cluster: Cluster) -> None:
@@ -264,3 +266,16 @@ async def test_a_paused_replica_reads_the_api_and_the_acting_one_its_indexes(clu
         "PUT", path, body={**peering, "metadata": {**(await cluster.admin.get(path))["metadata"]}, "status": status}
     )
     assert await young.acts(cluster.admin)
+
+
+def test_the_operators_namespace_is_the_pods(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where the gate's Leases go: POD_NAMESPACE (the chart's downward API), else the pod's
+    ServiceAccount's namespace file, else "default" (a run outside a pod)."""
+    monkeypatch.setattr(standing, "SERVICE_ACCOUNT_NAMESPACE", tmp_path / "namespace")
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    assert standing.own_namespace() == "default"
+    (tmp_path / "namespace").write_text("ops\n")
+    assert standing.own_namespace() == "ops"
+    monkeypatch.setenv("POD_NAMESPACE", "memops")
+    assert standing.own_namespace() == "memops"
+    assert standing.standing(()).holder.namespace == "memops"

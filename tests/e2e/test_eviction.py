@@ -26,7 +26,7 @@ from typing import Any
 
 import distributed
 import pytest
-from memops_sandbox import certs
+from memops_sandbox import certs, install
 from memops_sandbox import common as sandbox_cli
 
 from tests.e2e.conftest import BIN, SPREAD_OVER_NODES, Sandbox, spread_rolled_out
@@ -164,9 +164,9 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
 
     # The node signals list and watch Nodes, allowed by the chart's RBAC (tests/packaging/test_rbac.py
     # leaves these two to this check: only the upstream plane serves Nodes).
-    def operator_requests(resource: str) -> set[tuple[str, int]]:
+    def operator_requests(resource: str) -> set[tuple[str, int, str]]:
         return {
-            (e["verb"], e["responseStatus"]["code"])
+            (e["verb"], e["responseStatus"]["code"], e["objectRef"].get("namespace", ""))
             for e in map(json.loads, (sandbox.state_dir / "audit.log").read_text().splitlines())
             if e.get("user", {}).get("username") == OPERATOR
             and e.get("objectRef", {}).get("resource") == resource
@@ -174,11 +174,14 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
         }
 
     node_reads = operator_requests("nodes")
-    assert {("list", 200), ("watch", 200)} <= node_reads, node_reads
+    assert {("list", 200, ""), ("watch", 200, "")} <= node_reads, node_reads
     # The gate decided under the policy's Lease (the lock between the operator's replicas): read,
-    # created, given back; allowed by the chart's RBAC (tests/packaging/test_rbac.py leaves it here).
+    # created, given back, in the operator's own namespace (out of tenants' reach); allowed by the
+    # chart's RBAC (tests/packaging/test_rbac.py leaves it here).
     lease_requests = operator_requests("leases")
-    assert {("get", 404), ("create", 201), ("update", 200)} <= lease_requests, lease_requests
+    own = install.NAMESPACE
+    assert {("get", 404, own), ("create", 201, own), ("update", 200, own)} <= lease_requests, lease_requests
+    assert {namespace for _, _, namespace in lease_requests} == {own}, lease_requests
     assert request["spec"]["removePods"] is False
     assert request["status"]["phase"] == "Succeeded"
     assert request["metadata"]["ownerReferences"][0]["kind"] == "MemoryPolicy"

@@ -290,7 +290,8 @@ def test_namespaced_mode_watches_only_its_namespaces() -> None:
     args = manifests.one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" not in args
     assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=dask", "--namespace=ml"]
-    assert sorted(r["metadata"]["namespace"] for r in manifests.find(objects, "Role")) == ["dask", "ml"]
+    # And the release's own namespace: the eviction gate's Leases.
+    assert sorted(r["metadata"]["namespace"] for r in manifests.find(objects, "Role")) == ["dask", "memops", "ml"]
     assert sorted(p["metadata"]["namespace"] for p in manifests.find(objects, "KopfPeering")) == ["dask", "ml"]
     assert manifests.find(objects, "ClusterKopfPeering") == []
     cluster_wide = set(manifests.expand(manifests.one(objects, "ClusterRole")["rules"]))
@@ -301,7 +302,7 @@ def test_namespaced_mode_watches_only_its_namespaces() -> None:
     }
     # Each namespace gets exactly what the cluster-wide mode grants everywhere, with the
     # namespaced peering in place of the cluster one.
-    everywhere = manifests.granted(manifests.render_chart())
+    everywhere = manifests.granted(manifests.render_chart(), namespace="dask")
     swap = {
         ("kopf.dev", "clusterkopfpeerings", v): ("kopf.dev", "kopfpeerings", v)
         for v in ("get", "list", "watch", "patch")
@@ -309,6 +310,11 @@ def test_namespaced_mode_watches_only_its_namespaces() -> None:
     expected = {swap.get(t, t) for t in everywhere}
     for namespace in ("dask", "ml"):
         assert manifests.granted(objects, namespace=namespace) == expected
+    # The release's namespace, in either mode: the gate's Leases, and nothing else there.
+    leases = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update", "delete")}
+    for chart in (objects, manifests.render_chart()):
+        assert manifests.granted(chart, namespace="memops") - manifests.granted(chart, namespace="other") == leases
+    assert not leases & manifests.granted(objects, namespace="dask"), "no tenant namespace grants Leases"
     hook = manifests.one(objects, "MutatingWebhookConfiguration")["webhooks"][0]
     assert hook["namespaceSelector"]["matchExpressions"] == [
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["dask", "ml"]}

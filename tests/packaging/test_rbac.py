@@ -45,6 +45,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from memops_sandbox import common as sandbox_cli
+from memops_sandbox import install
 
 from memops.clients import kube
 from memops.controllers import workloads
@@ -75,6 +76,8 @@ E2E_ONLY = {
     ("", "secrets", "get"): "tests/e2e/test_safety_net.py",
     ("", "pods/resize", "patch"): "tests/e2e/test_resize.py",
     ("", "services", "get"): "tests/e2e/test_walkthrough.py",
+    # A policy's deletion deletes the gate's Lease in the operator's namespace (404: never made).
+    ("coordination.k8s.io", "leases", "delete"): "tests/e2e/test_pressure.py",
 }
 
 # Served by the upstream plane only, whose own audit log tests/e2e/test_eviction.py reads to
@@ -82,10 +85,15 @@ E2E_ONLY = {
 UPSTREAM_ONLY = {("", "nodes", "list"), ("", "nodes", "watch")} | {
     # The eviction gate's Lease, held while the gate decides an eviction: only the eviction tests
     # make evictions of a policy's workers, on sandboxes of their own, after this module has run;
-    # tests/e2e/test_eviction.py checks in its own audit log that the operator used these, allowed.
+    # tests/e2e/test_eviction.py checks in its own audit log that the operator used these, allowed
+    # in its own namespace.
     ("coordination.k8s.io", "leases", verb)
     for verb in ("get", "create", "update")
 }
+
+RELEASE_NAMESPACE = "memops"
+"""Where the chart and the kustomize base, rendered here, put the operator's namespaced objects: the
+sandboxes install it in ``memops_sandbox.install.NAMESPACE``, whose requests are checked as this."""
 
 # Asked of the kubelets, not of the API server: each kubelet names them in a SubjectAccessReview of
 # its own, whose body the audit log's Metadata level does not hold. tests/e2e/test_node_pressure.py
@@ -246,7 +254,7 @@ def chart_scenario(tmp_path_factory: pytest.TempPathFactory, audit_log: Path) ->
             [str(Path(sys.executable).parent / "memops"), "run", *args],
             stdout=log,
             stderr=log,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig), "POD_ID": "memops-0"},
+            env={**os.environ, "KUBECONFIG": str(kubeconfig), "POD_ID": "memops-0", "POD_NAMESPACE": install.NAMESPACE},
             start_new_session=True,
         )
 
@@ -319,12 +327,17 @@ def test_chart_mode_operator_peers_serves_the_webhook_and_drains(chart_scenario:
     assert argocd.health(chart_scenario["policy"])["status"] == "Healthy"
 
 
+def _as_rendered(requests: list[Request]) -> set[Request]:
+    """The requests in the operator's own namespace as made in :data:`RELEASE_NAMESPACE`."""
+    return {(*r[:3], RELEASE_NAMESPACE if r[3] == install.NAMESPACE else r[3]) for r in requests}
+
+
 def _used(
     scenario: dict[str, Any], audit_log: Path, request: pytest.FixtureRequest
 ) -> tuple[set[Request], set[manifests.Triple]]:
     """The operator's requests in this session, and the E2E_ONLY permissions left unchecked."""
-    chart_mode = set(audit.requests(scenario["audit_log"], scenario["user"]))
-    e2e = set(audit.requests(audit_log, scenario["user"]))
+    chart_mode = _as_rendered(audit.requests(scenario["audit_log"], scenario["user"]))
+    e2e = _as_rendered(audit.requests(audit_log, scenario["user"]))
     assert chart_mode, "the chart-mode scenario made no requests"
     assert not {r[:3] for r in chart_mode} & SANDBOX_ONLY.keys(), (
         "with --webhook-unmanaged Kopf must not touch webhook configurations"
@@ -370,6 +383,14 @@ def test_rbac_grants_what_the_operator_uses(
     print("operator requests, as RBAC sees them:", json.dumps(sorted(used)))
 
 
+def _watched(resource: str, namespace: str, cluster_scoped: set[str]) -> str:
+    """Where a request would be made watching only "default": there, unless cluster-scoped or in
+    the operator's own namespace (the gate's Leases)."""
+    if resource in cluster_scoped:
+        return ""
+    return namespace if namespace == RELEASE_NAMESPACE else "default"
+
+
 def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
     chart_scenario: dict[str, Any], audit_log: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -380,8 +401,8 @@ def test_namespaced_mode_grants_it_in_the_watched_namespace_only(
     objects = manifests.render_chart({"rbac": FEATURES, "watchNamespaces": ["default"], **OPEN})
     cluster_scoped = CLUSTER_SCOPED - set(PEERING_SWAP)
     as_namespaced = {
-        (group, PEERING_SWAP.get(resource, resource), verb, "" if resource in cluster_scoped else "default")
-        for group, resource, verb, _namespace in used
+        (group, PEERING_SWAP.get(resource, resource), verb, _watched(resource, namespace, cluster_scoped))
+        for group, resource, verb, namespace in used
     }
     missing = _not_granted(objects, as_namespaced)
     assert not missing, f"watchNamespaces=[default] does not grant, where it is needed: {missing}"

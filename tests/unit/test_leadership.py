@@ -94,8 +94,9 @@ def test_a_forged_lease_holds_nothing_longer_than_memops_writes(spec: object, la
     assert leadership.lease_free(spec, "b", NOW + later * ONE_SECOND) is free
 
 
-def test_a_lease_name_is_a_valid_name_for_any_policy_name() -> None:
-    assert leadership.lease_name("p") == "memops-gate-p"
+def test_a_lease_name_is_a_valid_name_for_any_namespace_and_policy() -> None:
+    assert leadership.lease_name("ns", "p") == "memops-gate-ns.p"
     long = "a" * 253
-    assert len(leadership.lease_name(long)) <= 253
-    assert leadership.lease_name(long) != leadership.lease_name("a" * 252 + "b")
+    assert len(leadership.lease_name("n" * 63, long)) <= 253
+    assert leadership.lease_name("ns", long) != leadership.lease_name("ns", "a" * 252 + "b")
+    assert leadership.lease_name("ns", long) != leadership.lease_name("other", long)

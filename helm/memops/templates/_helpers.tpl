@@ -97,11 +97,6 @@ tests/packaging/test_rbac.py checks it against the requests the operator really 
 - apiGroups: [""]
   resources: [events]
   verbs: [create, list]
-# The eviction gate's Lease per policy (memops-gate-<policy>): the lock through which the
-# operator's replicas keep its bounds (one drain per node, ten per ten minutes) between them.
-- apiGroups: [coordination.k8s.io]
-  resources: [leases]
-  verbs: [get, create, update]
 {{- if .Values.rbac.daskWorkerGroups }}
 # rbac.daskWorkerGroups: dask-kubernetes' worker groups read, spec.worker.replicas lowered after a
 # drain, and the drained workers' own Deployments deleted; each found from its pod through the
