@@ -392,7 +392,11 @@ async def _decide(
     requests = eviction_requests(mine, node)
     decision = eviction_gate.guard_drain(
         eviction_gate.decide(
-            pod=name, unique_bytes=held, request=eviction_gate.latest_request(name, requests), dry_run=dryrun
+            pod=name,
+            unique_bytes=held,
+            request=eviction_gate.latest_request(name, requests),
+            dry_run=dryrun,
+            now=now,
         ),
         pod=name,
         node=node,

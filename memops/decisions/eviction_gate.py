@@ -73,6 +73,7 @@ class RequestView:
     bytes_lost: int = 0
     message: str = ""
     on_timeout: specs.OnTimeout = specs.OnTimeout.ABORT
+    completed: datetime.datetime | None = None  # its status.completionTime (None: absent or unreadable)
 
     @property
     def finished(self) -> bool:
@@ -106,14 +107,22 @@ def dry_run(eviction: Mapping[str, Any], admission_dry_run: bool) -> bool:
     return admission_dry_run or (isinstance(flags, list) and "All" in flags)
 
 
-def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None, dry_run: bool = False) -> Decision:
+def decide(
+    *,
+    pod: str,
+    unique_bytes: int | None,
+    request: RequestView | None,
+    dry_run: bool = False,
+    now: datetime.datetime | None = None,
+) -> Decision:
     """Admit or refuse one eviction of a policy's worker pod.
 
     ``unique_bytes``: what the pod's workers hold that no other worker holds, by the scheduler;
     0 also when no worker of the pod is connected (a drained worker has left the scheduler);
     None when the scheduler could not be asked in time. ``request``: the pod's latest Eviction
     RetirementRequest, if any. A refusal always says why and what happens next. ``dry_run``:
-    answer as for a real eviction, but start nothing.
+    answer as for a real eviction, but start nothing. ``now``: with it, a drain that kept the
+    pod's data for want of room is tried again :data:`KEPT_RETRY_SECONDS` after it ended.
     """
     if request is not None and not request.finished:
         if unique_bytes == 0:
@@ -131,11 +140,14 @@ def decide(*, pod: str, unique_bytes: int | None, request: RequestView | None, d
             f" {request.bytes_lost} bytes lost (RetirementRequest {request.name})",
         )
     if request is not None and request.state == specs.WorkerState.KEPT and unique_bytes != 0:
+        if unique_bytes is not None and _retry_due(request, now):
+            return _drain_again(pod, request, dry_run)
         return Decision(
             Verdict.REFUSE,
             f"pod {pod} still holds data that exists nowhere else and its drain ended without moving it"
             f" (RetirementRequest {request.name}: {request.message}); the policy's drain.onTimeout is Abort,"
-            " so memops keeps refusing: make room for the data, or set drain.onTimeout: Force",
+            f" so memops keeps refusing, and drains it again {KEPT_RETRY_SECONDS:.0f} s after that drain ended:"
+            " make room for the data, or set drain.onTimeout: Force",
             warning=True,
             episode=request.name,
         )
@@ -481,7 +493,42 @@ def latest_request(pod: str, requests: Sequence[Mapping[str, Any]]) -> RequestVi
         deadline=str(status.get("deadline", "")),
         bytes_lost=int((entry or {}).get("bytesLost", 0) or 0),
         message=str((entry or {}).get("message", "") or status.get("message", "")),
+        completed=_moment(status.get("completionTime")),
     )
+
+
+def _moment(text: Any) -> datetime.datetime | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return timestamps.parse(text)
+    except ValueError:
+        return None
+
+
+KEPT_RETRY_SECONDS = 30.0
+"""How long after a drain that kept a pod's data (nowhere to put it) an eviction of that pod
+starts another: room may have been made since (a new worker, one on another Node, a scale-up),
+and the client that evicts retries, as ``kubectl drain`` does every five seconds. Bounded as
+every drain the gate starts is (:func:`guard_drain`)."""
+
+
+def _retry_due(request: RequestView, now: datetime.datetime | None) -> bool:
+    if now is None:
+        return False
+    if request.completed is None:
+        return True  # no time to wait from: what the request says is not to be trusted for ever
+    return (now - request.completed).total_seconds() >= KEPT_RETRY_SECONDS
+
+
+def _drain_again(pod: str, request: RequestView, dry_run: bool) -> Decision:
+    why = (
+        f"pod {pod} holds data that exists nowhere else, and its last drain found nowhere to put it"
+        f" (RetirementRequest {request.name}: {request.message})"
+    )
+    if dry_run:
+        return Decision(Verdict.REFUSE, f"{why}; a real eviction would drain it again (dry run)")
+    return Decision(Verdict.REFUSE, f"{why}; memops started draining it again: retry the eviction", start_drain=True)
 
 
 def pods_to_drain(pods: Sequence[Mapping[str, Any]], node: str, busy: Collection[str]) -> list[str]:

@@ -216,15 +216,18 @@ def test_cordon_starts_the_drain_before_the_eviction(upstream: Any) -> None:
 
 @pytest.mark.parametrize("on_timeout", ["Abort", "Force"])
 def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout: str) -> None:
-    """One worker: its data has nowhere to go. Abort keeps refusing (an event on the pod says so);
-    Force lets the eviction through and the request records the bytes lost."""
+    """One worker: its data has nowhere to go. Abort keeps refusing (an event on the pod says so),
+    and once there is room (a second worker, on the other Node) the same drain goes through, a
+    new drain having moved the data; Force lets the eviction through and the request records the
+    bytes lost."""
     sandbox = upstream(workers=1)
     policy(sandbox, drain={"timeout": "12s", "onTimeout": on_timeout})
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         sandbox.wait_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 1, 120, "the worker")
         ((pod, node),) = nodes_of(sandbox).items()
         holdings = scatter_unique(client, {pod: 3})
-        result, _ = drain(sandbox, node, timeout=30)
+        # Abort: kubectl gives up before the gate would drain again (KEPT_RETRY_SECONDS after).
+        result, _ = drain(sandbox, node, timeout=20 if on_timeout == "Abort" else 30)
         (request,) = eviction_requests(sandbox)
         (worker,) = request["status"]["workers"]
         if on_timeout == "Abort":
@@ -237,6 +240,17 @@ def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout
             assert len(refused) == 1, refused
             assert "will retry after" in result.stderr
             assert holdings.lost() == []
+            # Room is made (the node is still cordoned: the new worker starts on the other one);
+            # the drain run again goes through, the data moved by a second drain.
+            sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=2")
+            sandbox.wait_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 2, 120, "a second worker")
+            again, seconds = drain(sandbox, node, timeout=120)
+            print(f"kubectl drain again, with room: {seconds:.1f} s")
+            assert again.returncode == 0, again.stdout + again.stderr
+            assert holdings.lost() == []
+            holdings.assert_all_correct()
+            phases = sorted(r["status"]["phase"] for r in eviction_requests(sandbox))
+            assert phases == ["Failed", "Succeeded"], phases
         else:
             assert result.returncode == 0, result.stderr
             assert worker["state"] == "Forced" and worker["bytesLost"] == 3 * 256 * 1024

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -383,3 +384,47 @@ def test_the_requests_the_index_does_not_show_yet(
     created: list[dict[str, Any]], indexed: list[dict[str, Any]], unseen: list[str]
 ) -> None:
     assert [r["metadata"]["name"] for r in eviction_gate.unseen_requests(created, indexed, NOW)] == unseen
+
+
+KEPT_AT = datetime.datetime(2026, 11, 29, 9, 0, tzinfo=datetime.UTC)
+
+
+@pytest.mark.parametrize(
+    ("unique", "completed", "later", "dry", "start"),
+    [
+        pytest.param(5, KEPT_AT, 10, False, False, id="too-soon-refused"),
+        pytest.param(5, KEPT_AT, 30, False, True, id="room-may-be-made-drains-again"),
+        pytest.param(5, KEPT_AT, 30, True, False, id="dry-run-says-so-starts-nothing"),
+        pytest.param(None, KEPT_AT, 600, False, False, id="scheduler-gone-refused"),
+        pytest.param(5, None, 0, False, True, id="no-completion-time-drains-again"),
+    ],
+)
+def test_a_drain_that_kept_the_data_is_tried_again(
+    unique: int | None, completed: datetime.datetime | None, later: int, dry: bool, start: bool
+) -> None:
+    """Abort kept the pod's data (nowhere to put it); an eviction KEPT_RETRY_SECONDS after that
+    drain ended starts another (a new worker may have room now), still refused: nothing is lost."""
+    kept = dataclasses.replace(view(Phase.FAILED, State.KEPT), completed=completed)
+    now = KEPT_AT + datetime.timedelta(seconds=later)
+    decision = eviction_gate.decide(pod="w-1", unique_bytes=unique, request=kept, dry_run=dry, now=now)
+    assert not decision.allowed
+    assert decision.start_drain is start
+    if start or dry:
+        assert "drain" in decision.message and "again" in decision.message and "evict-n1-abc" in decision.message
+
+
+def test_latest_request_reads_when_it_ended() -> None:
+    request = {
+        "metadata": {"name": "evict-n1-abc", "creationTimestamp": "2026-11-29T08:59:00Z"},
+        "spec": {"workers": ["w-1"]},
+        "status": {
+            "phase": "Failed",
+            "completionTime": "2026-11-29T09:00:00Z",
+            "workers": [{"pod": "w-1", "state": "Kept"}],
+        },
+    }
+    found = eviction_gate.latest_request("w-1", [request])
+    assert found is not None and found.completed == KEPT_AT and found.state == State.KEPT
+    request["status"]["completionTime"] = "yesterday"
+    found = eviction_gate.latest_request("w-1", [request])
+    assert found is not None and found.completed is None
