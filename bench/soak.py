@@ -1,0 +1,359 @@
+"""A seeded fault soak on real Nodes: faults as they come, and what memops promises checked after each.
+
+A workload keeps unique, unrecomputable data on every worker (scattered keys, topped up after
+every step), keys of one prefix under a replication target (``rep``, two copies), and a
+computation, under a MemoryPolicy with the eviction gate, pressure relief and a drain timeout;
+the operator runs as the chart's two replicas. A schedule drawn from the seed injects, one per
+step:
+
+- ``scale``: ``spec.replicas`` of the policy changed (a GitOps edit; up or down by one);
+- ``retire``: a RetirementRequest of one worker, with a deadline;
+- ``operator-kill``: a scale-down, and the reconciling operator replica's container SIGKILLed
+  while its drain runs (the other replica takes over and resumes it);
+- ``node-drain``: ``kubectl drain`` of the Node with the most workers (their evictions go through
+  the gate), then ``kubectl uncordon``;
+- ``worker-kill``: a worker's container SIGKILLed (abrupt: its unique keys may be lost);
+- ``short-grace``: a worker pod deleted with a one-second grace period (abrupt, the same).
+
+After each step, once the workload has settled, it checks: no key lost except on a worker killed
+abruptly in that step; the policy's ``status.workerLosses`` records every such loss with its count
+of irreplaceable keys; every RetirementRequest ends by its deadline; every worker pod carries the
+safety net's preStop hook (the webhooks answered while a replica was down); the operator's memory.
+The table at the end has a row per fault; the exit status is 1 if any check failed.
+
+    python bench/soak.py --seed 1 --minutes 2      # the seed CI runs
+    python bench/soak.py --seed 7 --minutes 30     # the table in docs/performance.md
+
+Not injected yet (say so in the table's notes): the kernel's OOM kill and the nanny's, the API
+server's restart, and cutting the operator off from the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import benchkit
+import distributed
+import psutil
+from memops_sandbox import install
+from memops_sandbox import nodes as real_nodes
+
+WORKERS = 4
+KEYS_PER_WORKER = 2
+SIZE = 64 * 1024
+POLICY = "soak"
+ABRUPT = ("worker-kill", "short-grace")
+FAULTS = ("scale", "retire", "operator-kill", "node-drain", *ABRUPT)
+SETTLE_SECONDS = 240.0
+RETIRE_TIMEOUT = 90
+
+
+@dataclasses.dataclass
+class Row:
+    """One fault's figures over the run."""
+
+    injected: int = 0
+    keys_lost: int = 0
+    lost_unexplained: int = 0
+    losses_recorded: int = 0
+    losses_unrecorded: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class Soak:
+    box: benchkit.Sandbox
+    client: distributed.Client
+    rng: random.Random
+    replicas: int = WORKERS
+    keys: dict[str, tuple[str, distributed.Future]] = dataclasses.field(default_factory=dict)
+    """Unique key -> (the pod it was put on, its future)."""
+    replicated: dict[str, distributed.Future] = dataclasses.field(default_factory=dict)
+    rows: dict[str, Row] = dataclasses.field(default_factory=lambda: collections.defaultdict(Row))
+    failures: list[str] = dataclasses.field(default_factory=list)
+    lost_by_pod: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    requests: dict[str, float] = dataclasses.field(default_factory=dict)
+    """RetirementRequest -> its deadline (epoch seconds)."""
+    rss: list[int] = dataclasses.field(default_factory=list)
+    computation: list[distributed.Future] = dataclasses.field(default_factory=list)
+    step: int = 0
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        return benchkit.kubectl(self.box.env, *args, stdin=stdin)
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def worker_pods(self) -> list[dict[str, Any]]:
+        items = self.get("pods", "-l", "app=dask-worker")["items"]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    def top_up(self) -> None:
+        """Unique keys on every worker, replicated keys anywhere, and a computation running."""
+        for pod, address in benchkit.workers(self.client).items():
+            for i in range(KEYS_PER_WORKER):
+                key = f"u-{self.step}-{pod}-{i}"
+                future = self.client.scatter({key: os.urandom(SIZE)}, workers=[address], hash=False)[key]
+                self.keys[key] = (pod, future)
+        for i in range(2):
+            key = f"rep-{self.step}-{i}"
+            self.replicated[key] = self.client.scatter({key: os.urandom(SIZE)}, hash=False)[key]
+        self.computation = self.client.map(_work, range(200), pure=False)
+
+    def policy(self) -> dict[str, Any]:
+        return dict(self.get("mempol", POLICY))
+
+    def operator_pods(self) -> list[dict[str, Any]]:
+        items = self.get("pods", "-n", install.NAMESPACE, "-l", benchkit.OPERATOR)["items"]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    def leader(self) -> dict[str, Any] | None:
+        """The operator replica that reconciles: the live peer of the highest priority."""
+        peers = (self.get("clusterkopfpeering", "memops").get("status") or {}).items()
+        names = {p["metadata"]["name"]: p for p in self.operator_pods()}
+        ranked = sorted(((r.get("priority", 0), name) for name, r in peers if name in names), reverse=True)
+        return names[ranked[0][1]] if ranked else None
+
+    def sigkill(self, pod: dict[str, Any]) -> None:
+        """SIGKILL the pod's container (its process group): the kubelet restarts it."""
+        [status, *_] = pod["status"]["containerStatuses"]
+        os.killpg(real_nodes.container_pid(status["containerID"]), signal.SIGKILL)
+
+    def scale(self, replicas: int) -> None:
+        self.replicas = replicas
+        patch = json.dumps({"spec": {"replicas": replicas}})
+        self.kubectl("patch", f"mempol/{POLICY}", "--type=merge", "-p", patch)
+
+    def inject(self, fault: str) -> set[str]:
+        """Inject ``fault``; the pods killed abruptly (whose unique keys may be lost)."""
+        pods = self.worker_pods()
+        victim = self.rng.choice(pods)
+        name = victim["metadata"]["name"]
+        if fault == "scale":
+            up = self.replicas <= 2 or (self.replicas < WORKERS + 1 and self.rng.random() < 0.5)
+            self.scale(self.replicas + (1 if up else -1))
+        elif fault == "retire":
+            request = f"r-{self.step}"
+            self.kubectl("apply", "-f", "-", stdin=json.dumps(retirement(request, self.box.address, name)))
+            self.requests[request] = time.time() + RETIRE_TIMEOUT + 30
+        elif fault == "operator-kill":
+            self.scale(max(2, self.replicas - 1) if self.replicas > 2 else self.replicas + 1)
+            time.sleep(self.rng.uniform(0.5, 2.0))  # the drain has started (or is about to)
+            leader = self.leader()
+            if leader is not None:
+                self.sigkill(leader)
+        elif fault == "node-drain":
+            self.drain_busiest(pods)
+        elif fault == "worker-kill":
+            self.sigkill(victim)
+            return {name}
+        elif fault == "short-grace":
+            self.kubectl("delete", "pod", name, "--grace-period=1", "--wait=false")
+            return {name}
+        return set()
+
+    def drain_busiest(self, pods: list[dict[str, Any]]) -> None:
+        """``kubectl drain`` of the Node with the most workers, as an administrator drains one:
+        cordoned first, and where every worker is on it, one more worker first (on another Node),
+        so that its workers' data has somewhere to go (else the gate keeps them, rightly, and the
+        drain waits: tests/e2e/test_eviction.py has that case)."""
+        node = collections.Counter(p["spec"].get("nodeName") for p in pods).most_common(1)[0][0]
+        self.kubectl("cordon", node)
+        try:
+            if all(p["spec"].get("nodeName") == node for p in pods):
+                self.scale(self.replicas + 1)
+                self.settle()
+            self.kubectl("drain", node, "--pod-selector=app=dask-worker", "--ignore-daemonsets", "--timeout=240s")
+        except subprocess.CalledProcessError as error:
+            self.failures.append(f"step {self.step}: kubectl drain {node} failed: {error.stderr.strip()[-300:]}")
+        finally:
+            self.kubectl("uncordon", node)
+
+    def settle(self) -> None:
+        """Until the policy's count of workers runs, each connected, and no drain is in flight."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < deadline:
+            pods = self.worker_pods()
+            requests = self.get("retire")["items"]
+            busy = [r for r in requests if (r.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+            connected = benchkit.workers(self.client)
+            names = {p["metadata"]["name"] for p in pods}
+            if len(pods) == self.replicas and names <= set(connected) and not busy:
+                return
+            time.sleep(0.5)
+        self.failures.append(f"step {self.step}: not settled within {SETTLE_SECONDS:.0f} s")
+
+    def check_keys(self, fault: str, abrupt: set[str]) -> None:
+        """Keys lost in this step: allowed only on a pod killed abruptly in it."""
+        held = self.held({key: future for key, (_, future) in self.keys.items()})
+        row = self.rows[fault]
+        for key in [k for k in self.keys if k not in held]:
+            pod, _ = self.keys.pop(key)
+            row.keys_lost += 1
+            self.lost_by_pod[pod] += 1
+            if pod not in abrupt:
+                row.lost_unexplained += 1
+                self.failures.append(f"step {self.step} ({fault}): {key} lost from {pod}, not killed abruptly")
+        replicated = self.held(self.replicated)
+        for key in [k for k in self.replicated if k not in replicated]:
+            del self.replicated[key]
+            self.failures.append(f"step {self.step} ({fault}): {key} lost, with a replication target of two copies")
+
+    def held(self, futures: dict[str, distributed.Future]) -> set[str]:
+        """The keys some worker holds. A future whose key was lost is cancelled (the scheduler
+        forgot it); the others are asked about as futures (for keys given as strings the
+        scheduler answers nothing)."""
+        alive = [f for f in futures.values() if f.status == "finished"]
+        who_has = self.client.who_has(alive) if alive else {}
+        return {key for key in futures if who_has.get(key)}
+
+    def check_losses(self, fault: str, abrupt: set[str]) -> None:
+        """Each abrupt kill that lost keys is in status.workerLosses with at least those keys."""
+        row = self.rows[fault]
+        deadline = time.monotonic() + 60
+        for pod in abrupt:
+            if not self.lost_by_pod[pod]:
+                continue
+            while True:
+                losses = (self.policy().get("status") or {}).get("workerLosses") or []
+                recorded = sum(int(e.get("irreplaceableKeys", 0)) for e in losses if e.get("pod") == pod)
+                if recorded >= self.lost_by_pod[pod] or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            if recorded >= self.lost_by_pod[pod]:
+                row.losses_recorded += 1
+            else:
+                row.losses_unrecorded += 1
+                self.failures.append(
+                    f"step {self.step} ({fault}): {pod} lost {self.lost_by_pod[pod]} keys, status.workerLosses"
+                    f" records {recorded}"
+                )
+
+    def check_requests(self) -> None:
+        for request, deadline in list(self.requests.items()):
+            status = self.get("retire", request).get("status") or {}
+            if status.get("phase") in ("Succeeded", "Failed"):
+                del self.requests[request]
+            elif time.time() > deadline:
+                del self.requests[request]
+                self.failures.append(f"{request} not ended by its deadline: {status.get('phase')}")
+
+    def check_safety_net(self) -> None:
+        for pod in self.worker_pods():
+            [container, *_] = pod["spec"]["containers"]
+            if not (container.get("lifecycle") or {}).get("preStop"):
+                self.failures.append(f"step {self.step}: {pod['metadata']['name']} has no preStop hook")
+
+    def sample_memory(self) -> None:
+        for pod in self.operator_pods():
+            statuses = pod["status"].get("containerStatuses") or []
+            if statuses and statuses[0].get("containerID") and statuses[0].get("ready"):
+                process = psutil.Process(real_nodes.container_pid(statuses[0]["containerID"]))
+                self.rss.append(sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]))
+
+
+def retirement(name: str, address: str, pod: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "memops.dev/v1alpha1",
+        "kind": "RetirementRequest",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "scheduler": {"address": address},
+            "workload": {"kind": "Deployment", "name": "dask-worker"},
+            "workers": [pod],
+            "timeout": f"{RETIRE_TIMEOUT}s",
+        },
+    }
+
+
+def _work(i: int) -> int:
+    time.sleep(0.02)
+    return i
+
+
+def run_steps(soak: Soak, minutes: float) -> None:
+    end = time.monotonic() + minutes * 60
+    while time.monotonic() < end:
+        soak.step += 1
+        soak.top_up()
+        soak.sample_memory()
+        fault = soak.rng.choice(FAULTS)
+        started = time.monotonic()
+        print(f"step {soak.step}: {fault}", flush=True)
+        abrupt = soak.inject(fault)
+        soak.settle()
+        soak.rows[fault].injected += 1
+        soak.rows[fault].seconds += time.monotonic() - started
+        lost = soak.rows[fault].keys_lost
+        soak.check_keys(fault, abrupt)
+        print(f"  {soak.rows[fault].keys_lost - lost} keys lost; abrupt: {sorted(abrupt)}", flush=True)
+        soak.check_losses(fault, abrupt)
+        soak.check_requests()
+        soak.check_safety_net()
+    soak.sample_memory()
+
+
+def table(soak: Soak, seed: int, minutes: float) -> str:
+    lines = [
+        f"Fault soak, seed {seed}, {minutes:g} minutes, {soak.step} steps ({WORKERS} workers, 2 operator replicas)",
+        "",
+        "| fault | injected | keys lost | lost, unexplained | losses recorded | losses unrecorded | mean s to settle |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for fault in FAULTS:
+        row = soak.rows.get(fault) or Row()
+        mean = row.seconds / row.injected if row.injected else 0.0
+        lines.append(
+            f"| {fault} | {row.injected} | {row.keys_lost} | {row.lost_unexplained} | {row.losses_recorded}"
+            f" | {row.losses_unrecorded} | {mean:.1f} |"
+        )
+    if soak.rss:
+        lines.append(
+            f"\n- operator memory (RSS of its container): first {soak.rss[0] / 2**20:.0f} MiB,"
+            f" largest {max(soak.rss) / 2**20:.0f} MiB, last {soak.rss[-1] / 2**20:.0f} MiB"
+        )
+    lines.append(f"- checks failed: {len(soak.failures)}")
+    lines += [f"  - {failure}" for failure in soak.failures]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--minutes", type=float, default=2.0)
+    options = parser.parse_args()
+    with benchkit.running_sandbox(WORKERS) as box:
+        benchkit.kubectl(box.env, "scale", "-n", install.NAMESPACE, "deployment/memops", "--replicas=2")
+        benchkit.apply_policy(
+            box,
+            POLICY,
+            replicas=WORKERS,
+            drain={"timeout": "60s"},
+            eviction={"gate": True},
+            pressure={"relieveAbove": "80%", "relieveTo": "65%"},
+            replication={"rules": [{"keys": {"prefix": "rep"}, "replicas": 2}], "maxReplicatedFraction": 0.5},
+        )
+        # The workers' pods again, now that the policy is there: the safety net's hook is in them.
+        benchkit.kubectl(box.env, "rollout", "restart", "deployment/dask-worker")
+        benchkit.kubectl(box.env, "rollout", "status", "deployment/dask-worker", "--timeout=300s")
+        benchkit.kubectl(box.env, "rollout", "status", "-n", install.NAMESPACE, "deployment/memops", "--timeout=300s")
+        with distributed.Client(box.address, timeout=30) as client:
+            soak = Soak(box, client, random.Random(options.seed))
+            soak.settle()
+            run_steps(soak, options.minutes)
+            print(table(soak, options.seed, options.minutes))
+            return 1 if soak.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
