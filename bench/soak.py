@@ -125,9 +125,21 @@ class Soak:
         return names[ranked[0][1]] if ranked else None
 
     def sigkill(self, pod: dict[str, Any]) -> None:
-        """SIGKILL the pod's container (its process group): the kubelet restarts it."""
-        [status, *_] = pod["status"]["containerStatuses"]
-        os.killpg(real_nodes.container_pid(status["containerID"]), signal.SIGKILL)
+        """SIGKILL the pod's container (its process group): the kubelet restarts it. The pod's
+        status may still name a container killed a moment ago: read again until it names the
+        running one."""
+        name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        for _ in range(60):
+            statuses = pod["status"].get("containerStatuses") or []
+            if statuses and statuses[0].get("containerID"):
+                try:
+                    os.killpg(real_nodes.container_pid(statuses[0]["containerID"]), signal.SIGKILL)
+                    return
+                except LookupError:
+                    pass
+            time.sleep(1)
+            pod = self.get("pod", "-n", namespace, name)
+        raise RuntimeError(f"{namespace}/{name} has no running container to kill")
 
     def scale(self, replicas: int) -> None:
         self.replicas = replicas
@@ -258,8 +270,11 @@ class Soak:
         for pod in self.operator_pods():
             statuses = pod["status"].get("containerStatuses") or []
             if statuses and statuses[0].get("containerID") and statuses[0].get("ready"):
-                process = psutil.Process(real_nodes.container_pid(statuses[0]["containerID"]))
-                self.rss.append(sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]))
+                try:  # a container restarted a moment ago: no sample this time
+                    process = psutil.Process(real_nodes.container_pid(statuses[0]["containerID"]))
+                    self.rss.append(sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]))
+                except (LookupError, psutil.NoSuchProcess):
+                    continue
 
 
 def retirement(name: str, address: str, pod: str) -> dict[str, Any]:
@@ -283,6 +298,7 @@ def _work(i: int) -> int:
 
 def run_steps(soak: Soak, minutes: float) -> None:
     end = time.monotonic() + minutes * 60
+    reported = 0
     while time.monotonic() < end:
         soak.step += 1
         soak.top_up()
@@ -300,6 +316,9 @@ def run_steps(soak: Soak, minutes: float) -> None:
         soak.check_losses(fault, abrupt)
         soak.check_requests()
         soak.check_safety_net()
+        for failure in soak.failures[reported:]:
+            print(f"  check failed: {failure}", flush=True)
+        reported = len(soak.failures)
     soak.sample_memory()
 
 
