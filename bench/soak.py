@@ -67,6 +67,7 @@ class Row:
     lost_unexplained: int = 0
     losses_recorded: int = 0
     losses_unrecorded: int = 0
+    replicated_lost_before_copied: int = 0
     seconds: float = 0.0
 
 
@@ -205,29 +206,43 @@ class Soak:
             time.sleep(0.5)
         self.failures.append(f"step {self.step}: not settled within {SETTLE_SECONDS:.0f} s")
 
-    def check_keys(self, fault: str, abrupt: set[str]) -> None:
-        """Keys lost in this step: allowed only on a pod killed abruptly in it."""
-        held = self.held({key: future for key, (_, future) in self.keys.items()})
+    def check_keys(self, fault: str, abrupt: set[str], before: dict[str, set[str]]) -> None:
+        """Keys lost in this step: allowed only where every worker that held the key before the
+        fault (``before``: key -> pods) was killed abruptly in it (keys move: a drain, relief)."""
+        held = self.holders({key: future for key, (_, future) in self.keys.items()})
         row = self.rows[fault]
-        for key in [k for k in self.keys if k not in held]:
-            pod, _ = self.keys.pop(key)
+        for key in [k for k in self.keys if not held.get(k)]:
+            del self.keys[key]
             row.keys_lost += 1
-            self.lost_by_pod[pod] += 1
-            if pod not in abrupt:
+            where = before.get(key, set())
+            for pod in where:
+                self.lost_by_pod[pod] += 1
+            if not where or not where <= abrupt:
                 row.lost_unexplained += 1
-                self.failures.append(f"step {self.step} ({fault}): {key} lost from {pod}, not killed abruptly")
-        replicated = self.held(self.replicated)
-        for key in [k for k in self.replicated if k not in replicated]:
+                self.failures.append(
+                    f"step {self.step} ({fault}): {key} lost, held before by {sorted(where)}, not killed abruptly"
+                )
+        replicated = self.holders(self.replicated)
+        for key in [k for k in self.replicated if not replicated.get(k)]:
             del self.replicated[key]
-            self.failures.append(f"step {self.step} ({fault}): {key} lost, with a replication target of two copies")
+            where = before.get(key, set())
+            if where <= abrupt:
+                row.replicated_lost_before_copied += 1  # killed before the second copy was made
+            else:
+                self.failures.append(f"step {self.step} ({fault}): {key} lost, held before by {sorted(where)}")
 
-    def held(self, futures: dict[str, distributed.Future]) -> set[str]:
-        """The keys some worker holds. A future whose key was lost is cancelled (the scheduler
-        forgot it); the others are asked about as futures (for keys given as strings the
-        scheduler answers nothing)."""
+    def holders(self, futures: dict[str, distributed.Future]) -> dict[str, set[str]]:
+        """Key -> the pods whose workers hold it. A future whose key was lost is cancelled (the
+        scheduler forgot it); the others are asked about as futures (for keys given as strings
+        the scheduler answers nothing)."""
         alive = [f for f in futures.values() if f.status == "finished"]
         who_has = self.client.who_has(alive) if alive else {}
-        return {key for key in futures if who_has.get(key)}
+        pods = {address: pod for pod, address in benchkit.workers(self.client).items()}
+        return {key: {pods.get(a, a) for a in who_has.get(key) or ()} for key in futures}
+
+    def snapshot(self) -> dict[str, set[str]]:
+        """Where every tracked key is, before a fault."""
+        return {**self.holders({k: f for k, (_, f) in self.keys.items()}), **self.holders(self.replicated)}
 
     def check_losses(self, fault: str, abrupt: set[str]) -> None:
         """Each abrupt kill that lost keys is in status.workerLosses with at least those keys."""
@@ -306,12 +321,13 @@ def run_steps(soak: Soak, minutes: float) -> None:
         fault = soak.rng.choice(FAULTS)
         started = time.monotonic()
         print(f"step {soak.step}: {fault}", flush=True)
+        before = soak.snapshot()
         abrupt = soak.inject(fault)
         soak.settle()
         soak.rows[fault].injected += 1
         soak.rows[fault].seconds += time.monotonic() - started
         lost = soak.rows[fault].keys_lost
-        soak.check_keys(fault, abrupt)
+        soak.check_keys(fault, abrupt, before)
         print(f"  {soak.rows[fault].keys_lost - lost} keys lost; abrupt: {sorted(abrupt)}", flush=True)
         soak.check_losses(fault, abrupt)
         soak.check_requests()
@@ -326,15 +342,16 @@ def table(soak: Soak, seed: int, minutes: float) -> str:
     lines = [
         f"Fault soak, seed {seed}, {minutes:g} minutes, {soak.step} steps ({WORKERS} workers, 2 operator replicas)",
         "",
-        "| fault | injected | keys lost | lost, unexplained | losses recorded | losses unrecorded | mean s to settle |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| fault | injected | keys lost | lost, unexplained | losses recorded | losses unrecorded"
+        " | replicated keys lost before their second copy | mean s to settle |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for fault in FAULTS:
         row = soak.rows.get(fault) or Row()
         mean = row.seconds / row.injected if row.injected else 0.0
         lines.append(
             f"| {fault} | {row.injected} | {row.keys_lost} | {row.lost_unexplained} | {row.losses_recorded}"
-            f" | {row.losses_unrecorded} | {mean:.1f} |"
+            f" | {row.losses_unrecorded} | {row.replicated_lost_before_copied} | {mean:.1f} |"
         )
     if soak.rss:
         lines.append(
