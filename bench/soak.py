@@ -8,8 +8,8 @@ step:
 
 - ``scale``: ``spec.replicas`` of the policy changed (a GitOps edit; up or down by one);
 - ``retire``: a RetirementRequest of one worker, with a deadline;
-- ``operator-kill``: a scale-down, and the reconciling operator replica's container SIGKILLed
-  while its drain runs (the other replica takes over and resumes it);
+- ``operator-kill``: a scale-down, and the reconciling operator replica's pod deleted at once
+  while its drain runs (its container SIGKILLed; the other replica takes over and resumes it);
 - ``node-drain``: ``kubectl drain`` of the Node with the most workers (their evictions go through
   the gate), then ``kubectl uncordon``;
 - ``worker-kill``: a worker's container SIGKILLed (abrupt: its unique keys may be lost);
@@ -142,6 +142,24 @@ class Soak:
             pod = self.get("pod", "-n", namespace, name)
         raise RuntimeError(f"{namespace}/{name} has no running container to kill")
 
+    def kill_operator_pod(self, pod: dict[str, Any]) -> None:
+        """A crashed replica: its pod deleted at once (the kubelet SIGKILLs its container), and
+        the Deployment starts another. Not its container killed in place: the kubelet would
+        restart that one with a back-off that doubles on every kill, and a soak that kills the
+        leader every minute or two has both replicas in CrashLoopBackOff within ten minutes
+        (seen: every webhook then goes unanswered, a pod created meanwhile gets no preStop hook),
+        which is an outage of the operator, not a crash of one replica."""
+        self.kubectl(
+            "delete",
+            "pod",
+            "-n",
+            install.NAMESPACE,
+            pod["metadata"]["name"],
+            "--grace-period=0",
+            "--force",
+            "--wait=false",
+        )
+
     def scale(self, replicas: int) -> None:
         self.replicas = replicas
         patch = json.dumps({"spec": {"replicas": replicas}})
@@ -164,7 +182,7 @@ class Soak:
             time.sleep(self.rng.uniform(0.5, 2.0))  # the drain has started (or is about to)
             leader = self.leader()
             if leader is not None:
-                self.sigkill(leader)
+                self.kill_operator_pod(leader)
         elif fault == "node-drain":
             self.drain_busiest(pods)
         elif fault == "worker-kill":
@@ -193,7 +211,8 @@ class Soak:
             self.kubectl("uncordon", node)
 
     def settle(self) -> None:
-        """Until the policy's count of workers runs, each connected, and no drain is in flight."""
+        """Until the policy's count of workers runs, each connected, no drain is in flight, and
+        both operator replicas are Ready (each fault meets a whole operator)."""
         deadline = time.monotonic() + SETTLE_SECONDS
         while time.monotonic() < deadline:
             pods = self.worker_pods()
@@ -201,7 +220,8 @@ class Soak:
             busy = [r for r in requests if (r.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
             connected = benchkit.workers(self.client)
             names = {p["metadata"]["name"] for p in pods}
-            if len(pods) == self.replicas and names <= set(connected) and not busy:
+            ready = [p for p in self.operator_pods() if _ready(p)]
+            if len(pods) == self.replicas and names <= set(connected) and not busy and len(ready) == 2:
                 return
             time.sleep(0.5)
         self.failures.append(f"step {self.step}: not settled within {SETTLE_SECONDS:.0f} s")
@@ -244,13 +264,13 @@ class Soak:
         """Where every tracked key is, before a fault."""
         return {**self.holders({k: f for k, (_, f) in self.keys.items()}), **self.holders(self.replicated)}
 
-    def check_losses(self, fault: str, abrupt: set[str]) -> None:
+    def check_losses(self, fault: str, abrupt: set[str], lost_before: dict[str, int]) -> None:
         """Each abrupt kill that lost keys is in status.workerLosses with at least those keys."""
         row = self.rows[fault]
         deadline = time.monotonic() + 60
         for pod in abrupt:
-            if not self.lost_by_pod[pod]:
-                continue
+            if self.lost_by_pod[pod] == lost_before.get(pod, 0):
+                continue  # nothing lost in this step (a loss of an earlier kill is not counted again)
             while True:
                 losses = (self.policy().get("status") or {}).get("workerLosses") or []
                 recorded = sum(int(e.get("irreplaceableKeys", 0)) for e in losses if e.get("pod") == pod)
@@ -292,6 +312,11 @@ class Soak:
                     continue
 
 
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 def retirement(name: str, address: str, pod: str) -> dict[str, Any]:
     return {
         "apiVersion": "memops.dev/v1alpha1",
@@ -326,10 +351,10 @@ def run_steps(soak: Soak, minutes: float) -> None:
         soak.settle()
         soak.rows[fault].injected += 1
         soak.rows[fault].seconds += time.monotonic() - started
-        lost = soak.rows[fault].keys_lost
+        lost, lost_before = soak.rows[fault].keys_lost, dict(soak.lost_by_pod)
         soak.check_keys(fault, abrupt, before)
         print(f"  {soak.rows[fault].keys_lost - lost} keys lost; abrupt: {sorted(abrupt)}", flush=True)
-        soak.check_losses(fault, abrupt)
+        soak.check_losses(fault, abrupt, lost_before)
         soak.check_requests()
         soak.check_safety_net()
         for failure in soak.failures[reported:]:
