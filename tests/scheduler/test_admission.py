@@ -70,15 +70,17 @@ async def test_stock_dask_kills_the_workers_on_the_spiky_workload(cluster: proce
 
 async def test_admission_finishes_the_spiky_workload_with_no_worker_killed(cluster: processes.Cluster) -> None:
     """Under admission the first spike of a worker runs alone (a probe), the next ones where their
-    profiled peak fits: the right answer, no worker killed, every ordinary key still where it was."""
+    profiled peak fits: the right answer, no worker killed, every ordinary key still in memory."""
     departures = watch(cluster)
     await install(cluster)
     base, tops = spiky.submit(cluster.client)
     await cluster.client.gather(base)
-    holders_before = {f.key: set(cluster.scheduler.tasks[f.key].who_has or ()) for f in base}
     assert sum(await cluster.client.gather(tops)) == spiky.expected(16, 40)
     assert departures.left == 0
-    assert {f.key: set(cluster.scheduler.tasks[f.key].who_has or ()) for f in base} == holders_before
+    # Not "where it was": a spike that read an ordinary key on the other worker made a copy there,
+    # and Dask's own Active Memory Manager (ReduceReplicas) may keep that copy instead of the first.
+    states = {f.key: cluster.scheduler.tasks[f.key] for f in base}
+    assert all(ts.state == "memory" and ts.who_has for ts in states.values()), states
     figures = await install(cluster)
     assert figures is not None
     top = {entry["prefix"]: entry["peakBytes"] for entry in figures["top"]}
