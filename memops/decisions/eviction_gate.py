@@ -257,12 +257,8 @@ def gate_drains_since(
         if not created:
             count += 1  # just made, not read back yet: it counts
             continue
-        try:
-            age = (now - timestamps.parse(str(created))).total_seconds()
-        except ValueError:
-            count += 1
-            continue
-        if age < window:
+        moment = timestamps.parse_or_none(created)
+        if moment is None or (now - moment).total_seconds() < window:
             count += 1
     return count
 
@@ -287,10 +283,8 @@ def unseen_requests(
         meta = request.get("metadata") or {}
         if str(meta.get("name")) in shown:
             continue
-        try:
-            age = (now - timestamps.parse(str(meta.get("creationTimestamp") or ""))).total_seconds()
-        except ValueError:
-            age = 0.0  # no time of the API's: it was just made
+        moment = timestamps.parse_or_none(meta.get("creationTimestamp"))
+        age = 0.0 if moment is None else (now - moment).total_seconds()  # no time of the API's: just made
         if age < window:
             unseen.append(request)
     return unseen
@@ -493,17 +487,8 @@ def latest_request(pod: str, requests: Sequence[Mapping[str, Any]]) -> RequestVi
         deadline=str(status.get("deadline", "")),
         bytes_lost=int((entry or {}).get("bytesLost", 0) or 0),
         message=str((entry or {}).get("message", "") or status.get("message", "")),
-        completed=_moment(status.get("completionTime")),
+        completed=timestamps.parse_or_none(status.get("completionTime")),
     )
-
-
-def _moment(text: Any) -> datetime.datetime | None:
-    if not isinstance(text, str):
-        return None
-    try:
-        return timestamps.parse(text)
-    except ValueError:
-        return None
 
 
 KEPT_RETRY_SECONDS = 30.0

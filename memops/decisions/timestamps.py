@@ -15,6 +15,16 @@ def parse(text: str) -> datetime.datetime:
     return datetime.datetime.strptime(text, FORMAT).replace(tzinfo=datetime.UTC)
 
 
+def parse_or_none(text: object) -> datetime.datetime | None:
+    """``text`` parsed, or None when it is not such a timestamp (what an object says is hostile)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return parse(text)
+    except ValueError:
+        return None
+
+
 def render(moment: datetime.datetime) -> str:
     return moment.strftime(FORMAT)
 

@@ -159,10 +159,8 @@ def pod_of(
 
 
 def _parse_time(text: Any) -> float | None:
-    try:
-        return timestamps.parse(str(text)).timestamp()
-    except ValueError:
-        return None
+    moment = timestamps.parse_or_none(text)
+    return None if moment is None else moment.timestamp()
 
 
 def _termination(pod: Mapping[str, Any], departed: float) -> Mapping[str, Any] | None:
