@@ -77,8 +77,8 @@ class Soak:
     client: distributed.Client
     rng: random.Random
     replicas: int = WORKERS
-    keys: dict[str, tuple[str, distributed.Future]] = dataclasses.field(default_factory=dict)
-    """Unique key -> (the pod it was put on, its future)."""
+    keys: dict[str, distributed.Future] = dataclasses.field(default_factory=dict)
+    """Unique key -> its future (where it is, the scheduler says: keys move)."""
     replicated: dict[str, distributed.Future] = dataclasses.field(default_factory=dict)
     rows: dict[str, Row] = dataclasses.field(default_factory=lambda: collections.defaultdict(Row))
     failures: list[str] = dataclasses.field(default_factory=list)
@@ -105,7 +105,7 @@ class Soak:
             for i in range(KEYS_PER_WORKER):
                 key = f"u-{self.step}-{pod}-{i}"
                 future = self.client.scatter({key: os.urandom(SIZE)}, workers=[address], hash=False)[key]
-                self.keys[key] = (pod, future)
+                self.keys[key] = future
         for i in range(2):
             key = f"rep-{self.step}-{i}"
             self.replicated[key] = self.client.scatter({key: os.urandom(SIZE)}, hash=False)[key]
@@ -229,7 +229,7 @@ class Soak:
     def check_keys(self, fault: str, abrupt: set[str], before: dict[str, set[str]]) -> None:
         """Keys lost in this step: allowed only where every worker that held the key before the
         fault (``before``: key -> pods) was killed abruptly in it (keys move: a drain, relief)."""
-        held = self.holders({key: future for key, (_, future) in self.keys.items()})
+        held = self.holders(self.keys)
         row = self.rows[fault]
         for key in [k for k in self.keys if not held.get(k)]:
             del self.keys[key]
@@ -262,7 +262,7 @@ class Soak:
 
     def snapshot(self) -> dict[str, set[str]]:
         """Where every tracked key is, before a fault."""
-        return {**self.holders({k: f for k, (_, f) in self.keys.items()}), **self.holders(self.replicated)}
+        return {**self.holders(self.keys), **self.holders(self.replicated)}
 
     def check_losses(self, fault: str, abrupt: set[str], lost_before: dict[str, int]) -> None:
         """Each abrupt kill that lost keys is in status.workerLosses with at least those keys."""
