@@ -5,13 +5,14 @@ Sets ``$MEMOPS_AUDIT_LOG`` (unless it is already set) for the whole session, bef
 sandbox starts; the sandboxes inherit it. ``tests/packaging/test_rbac.py``, which runs after
 ``tests/e2e``, reads the operator's requests from it and checks the shipped RBAC against them.
 
-Two lanes (pytest-xdist, two workers; :class:`SandboxLane`): the first runs most of the tests in
-a namespace of the session's sandbox, then those that start real Nodes of their own (one at a time:
-real Nodes are one set per machine) and ``tests/packaging/test_rbac.py`` (it reads what
-``tests/e2e`` wrote); the second runs the folders that start no control plane (:data:`NO_SANDBOX`,
-while CI builds the sandbox's binaries on a cold machine), then the rest of the shared tests
-(:data:`tests.e2e.lanes.LANE_B`) in the same sandbox, then those that start a control plane but no
-real Node (:data:`PLANE_ONLY`). Without xdist (``-n 0``) the same order in one process.
+Two lanes (pytest-xdist, two workers; :class:`SandboxLane`): the first runs the tests that start
+real Nodes of their own (one at a time: real Nodes are one set per machine), then most of the tests
+in a namespace of the session's sandbox, which starts once those are done, then
+``tests/packaging/test_rbac.py`` (it reads what ``tests/e2e`` wrote); the second runs the folders
+that start no control plane (:data:`NO_SANDBOX`, while CI builds the sandbox's binaries on a cold
+machine), then those that start a control plane but no real Node (:data:`PLANE_ONLY`), then the
+rest of the shared tests (:data:`tests.e2e.lanes.LANE_B`) in the same sandbox. Without xdist
+(``-n 0``) the same order in one process.
 
 ``plane``: an upstream control plane (kube-apiserver, etcd, the controller manager; no node),
 one per test module that asks for it; its state directory is yielded. Nothing is mocked.
@@ -80,34 +81,44 @@ def _kind(path: Path) -> int:
     return 1 if any(inside.is_relative_to(plane) for plane in PLANE_ONLY) else 2
 
 
+def _owns(item: pytest.Item) -> bool:
+    """An end-to-end test that starts real Nodes of its own (``owns_cluster``)."""
+    path = Path(str(item.fspath)).resolve()
+    return _kind(path) == 2 and path.is_relative_to(TESTS / "e2e") and not e2e.shares_the_cluster(item)
+
+
 def _order(item: pytest.Item, lanes: int) -> int:
     kind = _kind(Path(str(item.fspath)))
     if kind == 0:
         return 0
+    if _owns(item):
+        # The first lane's first: while the second runs the tests that need no real Node, and
+        # before the session's sandbox starts (real Nodes are one set per machine).
+        return 1
     if kind == 1:
-        # With two lanes, after the second lane's shared tests: they may run beside real Nodes.
+        # The second lane's, after the tests that start no control plane: beside the first lane's
+        # real Nodes, while the second lane's shared tests could not start yet.
         return 2
     if not e2e.shares_the_cluster(item):
-        return 4  # a sandbox of its own, once the session's has stopped
-    # The second lane's shared tests, after the tests that start no control plane; the first
-    # lane's from the start.
-    return 1 if e2e_lanes.in_lane_b(str(item.fspath), lanes) else 3
+        return 5  # what reads the session's audit log (test_rbac.py), once the sandbox has stopped
+    return 3 if e2e_lanes.in_lane_b(str(item.fspath), lanes) else 4
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Stable: each group keeps its order (packaging after e2e).
+    # Stable: each group keeps its order.
     count = e2e_lanes.lanes(config)
     items.sort(key=lambda item: _order(item, count))
-    e2e.CLUSTER.plan(config, config._tmp_path_factory, items)  # type: ignore[attr-defined]
+    owners = any(_owns(item) for item in items)
+    e2e.CLUSTER.plan(config, config._tmp_path_factory, items, owners=owners)  # type: ignore[attr-defined]
 
 
 class SandboxLane(LoadScopeScheduling):
-    """xdist's scope scheduling with two scopes where there are two workers: the first lane's (the
-    shared tests not in :data:`tests.e2e.lanes.LANE_B`, then every test that starts real Nodes of
-    its own), and the second's (the tests that start no sandbox, :data:`tests.e2e.lanes.LANE_B`'s,
-    then those that start a control plane only). Each worker takes one; both use the session's
-    sandbox meanwhile. With one worker, as before: the sandbox's tests in one scope, every other
-    test a scope of its own."""
+    """xdist's scope scheduling with two scopes where there are two workers: the first lane's (every
+    test that starts real Nodes of its own, then the shared tests not in
+    :data:`tests.e2e.lanes.LANE_B`, then ``test_rbac.py``), and the second's (the tests that start no
+    sandbox, those that start a control plane only, then :data:`tests.e2e.lanes.LANE_B`'s). Each
+    worker takes one; both use the session's sandbox meanwhile. With one worker, as before: the
+    sandbox's tests in one scope, every other test a scope of its own."""
 
     def _split_scope(self, nodeid: str) -> str:
         module = nodeid.split("::", 1)[0]
@@ -138,12 +149,16 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     left to the fixtures, which skip or fail with its reason."""
     kind = _kind(Path(str(item.fspath)))
     shared = kind == 2 and e2e.shares_the_cluster(item)
+    if _owns(item):
+        e2e.CLUSTER.own()
+    else:
+        e2e.CLUSTER.owners_done()  # a no-op unless this lane ran tests that own the cluster
     if shared:
         e2e.CLUSTER.enter(item, nextitem)
-    else:
+    elif not _owns(item):
         e2e.CLUSTER.leave()  # this lane's shared tests are done (a no-op until it ran one)
         if kind == 2:
-            e2e.CLUSTER.release()  # real Nodes are one set per machine: the other lane's are done too
+            e2e.CLUSTER.release()  # the session's sandbox has stopped: every lane's shared tests are done
     if kind > item.session.stash.get(_BUILT, 0):
         item.session.stash[_BUILT] = kind
         sandbox.built(real_nodes=kind == 2)

@@ -13,9 +13,10 @@ if anything of it outlives that.
 
 A test that must own the cluster (it drains or fills a Node, restarts or replaces the operator,
 changes its flags or credentials, or kills the control plane) is marked
-``owns_cluster(reason)``: its ``sandbox_factory`` starts sandboxes of its own, after the session's
-is stopped (real Nodes are one set per machine). Nothing is mocked: tests act as a user would
-(``kubectl apply``, ``kubectl get``) and check the data with a real ``distributed.Client``.
+``owns_cluster(reason)``: its ``sandbox_factory`` starts sandboxes of its own. Those tests run
+first, and the session's sandbox starts once they are done (real Nodes are one set per machine).
+Nothing is mocked: tests act as a user would (``kubectl apply``, ``kubectl get``) and check the
+data with a real ``distributed.Client``.
 """
 
 from __future__ import annotations
@@ -248,8 +249,8 @@ def start_sandbox(state_dir: Path, workers: int, *, operator: bool = True, real_
 
 class SessionCluster:
     """The session's one sandbox on real Nodes, started by the first test that needs it (in either
-    lane: :mod:`tests.e2e.lanes`) and stopped when every lane's shared tests are done, before a test
-    that must own the cluster, or at the session's end: its audit log joins the session's then,
+    lane: :mod:`tests.e2e.lanes`) once the tests that own the cluster are done, and stopped when every
+    lane's shared tests are done, or at the session's end: its audit log joins the session's then,
     which ``tests/packaging/test_rbac.py`` reads.
 
     While a test runs, the next test's namespace of :data:`SPARE_WORKERS` workers starts (Dask's
@@ -271,13 +272,18 @@ class SessionCluster:
         """The groups this worker has said are done."""
         self.next_shares = True
         """Whether the test after this one runs in the session's sandbox (a spare is worth starting)."""
+        self.owning = False
+        """Whether this worker runs tests that own the cluster and has not yet said they are done."""
 
-    def plan(self, config: pytest.Config, factory: pytest.TempPathFactory, items: list[pytest.Item]) -> None:
-        """The run's groups of shared tests, from the collection (every worker collects it all)."""
+    def plan(
+        self, config: pytest.Config, factory: pytest.TempPathFactory, items: list[pytest.Item], *, owners: bool
+    ) -> None:
+        """The run's groups of shared tests, from the collection (every worker collects it all), and
+        whether it has tests that own the cluster (the sandbox waits for them)."""
         self.lanes = lanes.lanes(config)
         lanes.check(items, shares_the_cluster)
         groups = {lanes.group(item, self.lanes) for item in items if shares_the_cluster(item)}
-        self.session = lanes.Session(lanes.shared_directory(factory), groups)
+        self.session = lanes.Session(lanes.shared_directory(factory), groups, owners=owners)
         worker = os.environ.get("PYTEST_XDIST_WORKER")
         self.prefix = f"e2e-{worker}" if worker else "e2e"
 
@@ -363,11 +369,25 @@ class SessionCluster:
         lanes.stop_process(process)
 
     def release(self) -> None:
-        """Before a test that owns the cluster: once every lane's shared tests are done, and the
-        sandbox stopped."""
+        """Before a test that reads what the session's sandbox wrote: once every lane's shared tests
+        are done, and the sandbox stopped."""
         self.leave()
         if self.session is not None:
             self.session.wait_stopped()
+
+    def own(self) -> None:
+        """Before a test that owns the cluster. They run first, before the session's sandbox starts
+        (:meth:`lanes.Session.attach` waits for them); one this worker started anyway (a run in
+        another order) stops first."""
+        self.owning = True
+        if self.sandbox is not None:
+            self.release()
+
+    def owners_done(self) -> None:
+        """After this worker's tests that own the cluster: the session's sandbox may start."""
+        if self.owning and self.session is not None:
+            self.session.owners_done()
+        self.owning = False
 
 
 SPARE_WORKERS = 4
@@ -484,6 +504,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    CLUSTER.owners_done()
     CLUSTER.leave(finished=True)
 
 
@@ -516,7 +537,7 @@ def sandbox_factory(
         else:
             real = agent is None if real_nodes is None else real_nodes
             if real:
-                CLUSTER.release()  # real Nodes are one set per machine
+                CLUSTER.own()  # real Nodes are one set per machine
             sandbox = start_sandbox(tmp_path / f"sandbox{len(started)}", workers, operator=operator, real_nodes=real)
         started.append(sandbox)
         return sandbox

@@ -2,10 +2,12 @@
 
 The tests that run in a namespace of the session's sandbox are split in two groups by module
 (:data:`LANE_B`): each worker runs one group, both in the one sandbox, which the first to need it
-starts and the other attaches to (its state directory and pid in ``session.json``). Each worker
-says when its group is done; the one that says it last stops the sandbox; a test that owns the
-cluster waits until then (real Nodes are one set per machine). Without xdist, or with one worker,
-there is one group.
+starts and the other attaches to (its state directory and pid in ``session.json``), once the
+tests that own the cluster are done: they run first, in the first lane, while the second runs the
+tests that need no real Node (real Nodes are one set per machine). Each worker says when its group
+is done; the one that says it last stops the sandbox; the tests that read what the sandbox wrote
+(``tests/packaging/test_rbac.py``) wait until then. Without xdist, or with one worker, there is
+one group.
 
 A test marked ``quiet`` has the sandbox to itself: every test of the session's sandbox holds
 ``tests.lock`` shared for its setup, call and teardown (and a spare namespace for its start), a
@@ -29,25 +31,35 @@ from typing import Any
 import pytest
 
 LANE_B = (
+    "test_hpa.py",
+    "test_metrics.py",
     "test_placement.py",
+    "test_pods.py",
     "test_refusals.py",
+    "test_replication.py",
+    "test_safety_net.py",
+    "test_shared_spill_tenants.py",
     "test_tenancy.py",
+    "test_upstream_controllers.py",
     "test_walkthrough.py",
 )
-"""The modules whose tests the second worker runs, after the tests that need no sandbox: four whose
-tests read statuses, refusals and results, not timings (placement's computation runs slow tasks, so
-that the other lane's load only makes it longer while its workers are drained). Six or seven modules
-ran there in trial runs (a quarter to a third of the shared tests' time, both lanes ending theirs
-together): each run had a different timing test fail under the doubled load (a nanny's kill, a
-restarted worker), and on a slow day the run was no shorter. xdist's scheduler sees only test ids,
-so each of these modules has shared tests only (:func:`check`)."""
+"""The modules whose tests the second worker runs, after the tests that need no sandbox and those
+that need a control plane only, beside the first lane's shared tests: modules whose tests read
+statuses, refusals, results and losses with generous deadlines, not timings; none races the
+nanny's memory check, the kernel's OOM kill or a Node's eviction threshold (placement's computation
+runs slow tasks, so that the other lane's load only makes it longer while its workers are drained).
+They are about a third of the shared tests' time, so that both lanes end theirs together: the
+first lane begins its shared tests after the tests that own the cluster (about 10 minutes), the
+second after its own (about 17). xdist's scheduler sees only test ids, so each of these modules has
+shared tests only (:func:`check`)."""
 
 ONE = "a"
 """The group of every shared test where there is one lane."""
 
 WAIT_SECONDS = 45 * 60
-"""How long a test that owns the cluster waits for the other lane's shared tests: their longest
-plausible run, past which that lane is taken to have died."""
+"""How long one lane waits for the other's tests on real Nodes (the shared tests' sandbox waits for
+the tests that own the cluster; the last tests wait for the shared ones): their longest plausible
+run, past which that lane is taken to have died."""
 
 
 def in_lane_b(path: str | Path, lanes: int) -> bool:
@@ -116,12 +128,15 @@ class Session:
     """The record that the workers share: the sandbox (state directory and pid) while it runs, the
     groups of this run, and those done."""
 
-    def __init__(self, directory: Path, groups: set[str]):
+    def __init__(self, directory: Path, groups: set[str], *, owners: bool = False):
         self.file = directory / "session.json"
         self.lock = directory / "session.lock"
         self.tests = directory / "tests.lock"
         self.turnstile = directory / "turnstile.lock"
         self.groups = groups
+        self.owners = owners
+        """Whether the run has tests that own the cluster: they run first, and the sandbox starts
+        once they are done."""
 
     def _read(self) -> dict[str, Any]:
         return json.loads(self.file.read_text()) if self.file.exists() else {"done": []}
@@ -131,8 +146,27 @@ class Session:
         temporary.write_text(json.dumps(record))
         temporary.replace(self.file)
 
+    def owners_done(self) -> None:
+        """The tests that own the cluster are done (or their lane ended): real Nodes are free."""
+        with flocked(self.lock, fcntl.LOCK_EX):
+            self._write({**self._read(), "owners_done": True})
+
+    def wait_owners(self) -> None:
+        """Until the tests that own the cluster are done, where the run has any."""
+        deadline = time.monotonic() + WAIT_SECONDS
+        while self.owners:
+            with flocked(self.lock, fcntl.LOCK_SH):
+                record = self._read()
+            if record.get("owners_done"):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the tests that own the cluster did not end within {WAIT_SECONDS} s: {record}")
+            time.sleep(1)
+
     def attach(self, start: Callable[[], tuple[Path, int]]) -> tuple[Path, int, bool]:
-        """The running sandbox's state directory and pid, and whether this call started it."""
+        """The running sandbox's state directory and pid, and whether this call started it: once
+        the tests that own the cluster are done."""
+        self.wait_owners()
         with flocked(self.lock, fcntl.LOCK_EX):
             record = self._read()
             if record.get("pid") and not record.get("stopped"):
