@@ -282,7 +282,6 @@ class Policy:
     ) -> policy_decisions.DisruptionSeen:
         """The workload's pods, those that carry the policy's label but left the workload (a new
         ``spec.workload``), and each worker's unique bytes (None: the scheduler was not reached)."""
-        self.disruption_read = time.monotonic()
         unique = None
         if snapshot is not None:
             # Asked for with the snapshot when the annotations can be on (reach_scheduler).
@@ -360,7 +359,11 @@ class Policy:
         inputs = read.inputs
         status = await self.configure_scheduler(read, decision.status)
         status = await self.apply_resizes(read, decision, status)
-        await workloads.patch_metadata(self.client, self.namespace, decision.annotations, self.logger)
+        written = await workloads.patch_metadata(self.client, self.namespace, decision.annotations, self.logger)
+        if inputs.disruption is not None and written == len(decision.annotations):
+            # Decided and written: the next decision in _DISRUPTION_SECONDS. A write that failed
+            # (or a pass that failed before it) has the next pass decide again.
+            self.disruption_read = time.monotonic()
         if inputs.recycling is not None:
             await recycle.apply_seen(self.client, body=self.body, seen=inputs.recycling, logger=self.logger)
         for mark in decision.marks:

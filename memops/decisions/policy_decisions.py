@@ -248,6 +248,7 @@ def decide(inputs: Inputs) -> Decision:
         status.nodePressure = None
     events += resize.events
     acting = decision.action in (scaling.Action.SCALE_UP, scaling.Action.SCALE_DOWN)
+    moment = round(now, 3)  # as a scale-down request's annotation says it
     if decision.action == scaling.Action.SCALE_DOWN:
         create.append(
             objects.policy_request(
@@ -257,11 +258,15 @@ def decide(inputs: Inputs) -> Decision:
                 # restart gets 409 for the request it already made, instead of making a second.
                 name=f"{inputs.owner.name}-g{generation}-{len(inputs.requests)}",
                 count=decision.replicas,
-                annotations={objects.GENERATION_ANNOTATION: str(generation)},
+                annotations={
+                    objects.GENERATION_ANNOTATION: str(generation),
+                    objects.SCALE_EVENT_ANNOTATION: f"{moment}",
+                },
             )
         )
+    events += _record_late_scale_downs(status, inputs.requests, now)
     if acting:
-        event = specs.ScaleEvent(time=now, change=desired - inputs.current)
+        event = specs.ScaleEvent(time=moment, change=desired - inputs.current)
         status.scaleEvents = _recent_events([*status.scaleEvents, event], now, spec)
         status.lastScaleTime = _render(now)
         status.lastScaleReason = decision.reason
@@ -754,6 +759,34 @@ def _remember(
     window = max(spec.behavior.scaleUp.stabilizationWindowSeconds, spec.behavior.scaleDown.stabilizationWindowSeconds)
     kept = [r for r in history if r.replicas != replicas and r.time > now - window]
     return [*kept, specs.Recommendation(time=now, replicas=replicas)]
+
+
+def _record_late_scale_downs(
+    status: specs.MemoryPolicyStatus, requests: Sequence[objects.Obj], now: float
+) -> list[Event]:
+    """The scale-downs whose requests exist but whose events the status does not hold (the pass that
+    made them could not write its status): into ``status`` now, and said. Recorded are the events up
+    to the latest in ``scaleEvents``, or to the second after ``lastScaleTime`` (which is written to
+    the second) once they have aged out of the list. A time that no pass could have written (not a
+    number, in the future) is not memops' and records nothing."""
+    last = timestamps.parse_or_none(status.lastScaleTime)
+    seen = [e.time for e in status.scaleEvents] + ([last.timestamp() + 1] if last is not None else [])
+    recorded = max(seen, default=0.0)
+    late = []
+    for request in requests:
+        said = (request.get("metadata", {}).get("annotations") or {}).get(objects.SCALE_EVENT_ANNOTATION)
+        try:
+            moment = float(said) if isinstance(said, str) else 0.0
+        except ValueError:
+            continue
+        if recorded < moment <= now:  # also false for nan
+            late.append((moment, int(request.get("spec", {}).get("count") or 1), str(request["metadata"]["name"])))
+    events = []
+    for moment, count, name in sorted(late):
+        status.scaleEvents = [*status.scaleEvents, specs.ScaleEvent(time=moment, change=-count)]
+        status.lastScaleTime, status.lastScaleReason = _render(moment), "ScaleDown"
+        events.append(Event("Normal", "ScaleDown", f"scaling down: draining {count} workers ({name})"))
+    return events
 
 
 def _recent_events(events: list[specs.ScaleEvent], now: float, spec: specs.MemoryPolicySpec) -> list[specs.ScaleEvent]:

@@ -203,3 +203,67 @@ async def _fail_once(monkeypatch: pytest.MonkeyPatch, client: kube.Kube, path: s
         await work
     monkeypatch.setattr(client, "merge_patch", patch)
     assert failed == [path], "the pass wrote its status"
+
+
+@pytest.mark.parametrize("failing", ["pod", "request", "status"])
+async def test_a_write_that_fails_once_is_done_by_the_next_pass_and_nothing_twice(
+    client: tuple[kube.Kube, str], monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """A policy scales its one worker, which holds data nowhere else, down to none. Its pass marks
+    the worker's pod against node autoscalers (the disruption annotations), creates the drain's
+    RetirementRequest and writes its status. The API server answers one of those writes with a 500,
+    once: the next pass of the same daemon, at once, does what was not done, and nothing twice: the
+    pod marked, one request, one scale-down in the status and in the events."""
+    kube_client, namespace = client
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "event", lambda body, **event: events.append(event))
+    path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", namespace)
+    requests = kube.resource_path(specs.GROUP, specs.VERSION, "retirementrequests", namespace)
+    pod = kube.resource_path("", "v1", "pods", namespace, POD)
+    writes = {"pod": ("PATCH", pod), "request": ("POST", requests), "status": ("PATCH", f"{path}/p/status")}
+    async with (
+        Scheduler(host="127.0.0.1", dashboard_address=":0") as scheduler,
+        Worker(scheduler.address, name=POD, nthreads=1) as worker,
+        Client(scheduler.address, asynchronous=True) as dask_client,
+    ):
+        data = await dask_client.scatter({f"u{i}": b"u" * 1024 for i in range(3)}, workers=[worker.address])
+        spec = {
+            "scheduler": {"address": scheduler.address},
+            "workload": {"kind": "Deployment", "name": "w"},
+            "replicas": 0,
+        }
+        body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": spec}
+        await kube_client.request("POST", path, body=body)
+        operator = policy.Policy(client=kube_client, body=kopf.Body(await kube_client.get(f"{path}/p")), logger=LOGGER)
+        failed = _fail_request_once(monkeypatch, kube_client, *writes[failing])
+        try:
+            await operator.reconcile()
+        except kube.ApiError as error:
+            assert "injected" in str(error)
+        assert failed == [writes[failing]], "the pass made that write"
+        operator.body = kopf.Body(await kube_client.get(f"{path}/p"))  # as Kopf hands the daemon its body
+        await operator.reconcile()
+        status = (await kube_client.get(f"{path}/p"))["status"]
+        made = (await kube_client.get(requests))["items"]
+        annotations = (await kube_client.get(pod))["metadata"].get("annotations") or {}
+        assert len(data) == 3  # kept referenced: the keys stay on the worker, held nowhere else
+    assert annotations.get("cluster-autoscaler.kubernetes.io/safe-to-evict") == "false", annotations
+    assert [r["spec"].get("count") for r in made] == [1], "one drain of the one worker"
+    assert status["lastScaleReason"] == "ScaleDown" and len(status["scaleEvents"]) == 1, status
+    assert [e["reason"] for e in events if e["reason"] == "ScaleDown"] == ["ScaleDown"], events
+
+
+def _fail_request_once(monkeypatch: pytest.MonkeyPatch, client: kube.Kube, method: str, path: str) -> list[Any]:
+    """The API server answers the first ``method`` request to ``path`` with a 500; the list returned
+    gets that request once it has."""
+    request = client.request
+    failed: list[Any] = []
+
+    async def failing(verb: str, target: str, **kwargs: Any) -> Any:
+        if (verb, target) == (method, path) and not failed:
+            failed.append((verb, target))
+            raise kube.ApiError(500, "InternalError", "injected: the write failed")
+        return await request(verb, target, **kwargs)
+
+    monkeypatch.setattr(client, "request", failing)
+    return failed

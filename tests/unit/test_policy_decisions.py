@@ -8,7 +8,7 @@ import pytest
 
 from memops import specs
 from memops.decisions import autoscaling, conditions, objects, policy_decisions, policy_findings, scaling
-from tests.unit.policy_inputs import GIB, ago, pass_inputs, policy_spec, reachable
+from tests.unit.policy_inputs import GIB, NOW, ago, pass_inputs, policy_spec, reachable
 
 
 def _request(name: str, phase: str | None, *, generation: int = 3, count: int = 1, **labels: str) -> objects.Obj:
@@ -149,7 +149,11 @@ def test_a_scale_down_request_is_owned_named_and_labelled_by_the_policy() -> Non
     [request] = decision.create
     assert request["metadata"]["name"] == "p-g3-1"  # generation 3, the policy's second request
     assert request["metadata"]["labels"] == {objects.POLICY_LABEL: "p"}
-    assert request["metadata"]["annotations"] == {objects.GENERATION_ANNOTATION: "3"}
+    assert request["metadata"]["annotations"] == {
+        objects.GENERATION_ANNOTATION: "3",
+        objects.SCALE_EVENT_ANNOTATION: str(round(NOW, 3)),  # the scale event it is
+    }
+    assert decision.status.scaleEvents == [specs.ScaleEvent(time=round(NOW, 3), change=-2)]
     [owner] = request["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("MemoryPolicy", "p", "u-1", True)
     assert request["spec"] == {
@@ -159,6 +163,44 @@ def test_a_scale_down_request_is_owned_named_and_labelled_by_the_policy() -> Non
         "timeout": "5m",
         "onTimeout": "Force",
     }
+
+
+def _made(moment: str, *, count: int = 2, phase: str | None = None) -> objects.Obj:
+    """A scale-down request of the policy, as a pass made it at ``moment``."""
+    request = _request("p-g3-0", phase, count=count)
+    request["metadata"]["annotations"][objects.SCALE_EVENT_ANNOTATION] = moment
+    return request
+
+
+def test_a_scale_down_whose_status_was_not_written_is_recorded_by_the_next_pass_once() -> None:
+    """The pass that made the request could not write its status: the next records the scale event
+    and says it; the one after finds it recorded (its time in scaleEvents, or, once it has aged out
+    of them, lastScaleTime)."""
+    spec = policy_spec(replicas=2)
+    made = _made(str(NOW - 3))
+    first = policy_decisions.decide(pass_inputs(spec, current=4, requests=(made,)))
+    assert first.status.scaleEvents == [specs.ScaleEvent(time=NOW - 3, change=-2)]
+    assert first.status.lastScaleReason == "ScaleDown"
+    assert [(e.reason, e.message) for e in first.events if e.reason == "ScaleDown"] == [
+        ("ScaleDown", "scaling down: draining 2 workers (p-g3-0)")
+    ]
+    assert first.create == (), "the drain is under way: no second request"
+    again = policy_decisions.decide(pass_inputs(spec, current=4, requests=(made,), status=first.status))
+    assert again.status.scaleEvents == first.status.scaleEvents
+    assert [e for e in again.events if e.reason == "ScaleDown"] == []
+    aged = first.status.model_copy(update={"scaleEvents": []})
+    later = policy_decisions.decide(
+        pass_inputs(spec, current=2, requests=(_made(str(NOW - 3), phase="Succeeded"),), status=aged)
+    )
+    assert later.status.scaleEvents == [] and [e for e in later.events if e.reason == "ScaleDown"] == []
+
+
+@pytest.mark.parametrize("moment", ["nan", "inf", "-inf", str(NOW + 60), "soon", "", "1e400"])
+def test_a_scale_event_time_no_pass_wrote_records_nothing(moment: str) -> None:
+    """The annotation is on an object that a tenant may write: a time that is not a number, or is
+    in the future, records nothing and fails nothing."""
+    decision = policy_decisions.decide(pass_inputs(policy_spec(replicas=2), current=4, requests=(_made(moment),)))
+    assert decision.status.scaleEvents == [] and decision.status.lastScaleReason == ""
 
 
 def test_an_autoscaler_on_the_workload_is_a_conflict() -> None:
