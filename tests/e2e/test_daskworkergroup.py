@@ -1,7 +1,8 @@
 """MemoryPolicy on a dask-kubernetes DaskWorkerGroup, with dask-kubernetes' real controller.
 
 dask-kubernetes' operator (its own Kopf controller, with kr8s as its client) runs as a process
-against the sandbox's API server (with the admin's credentials), as it would against a cluster.
+against the sandbox's API server (with the admin's credentials), as it would against a cluster,
+watching the test's namespace of the session's sandbox (its CRDs are the cluster's, applied once).
 It creates the DaskCluster's scheduler, its Service and one one-replica Deployment per worker; the
 real ReplicaSet controller makes their pods and the sandbox's real Nodes run them in containers of
 Dask's image. memops scales the group through the policy, whose address is the Service's name
@@ -28,9 +29,11 @@ from tests.e2e.conftest import BIN, Sandbox
 from tests.e2e.data import scatter_unique
 
 GROUP = "dk-default"
-SERVICE_IP = "10.96.200.86"
+SERVICE_IP = "10.96.0.86"
 """The scheduler Service's cluster IP, set in the DaskCluster: the sandbox has no cluster DNS, so the
-workers are given the Service by its IP rather than by dask-kubernetes' DNS name for it."""
+workers are given the Service by its IP rather than by dask-kubernetes' DNS name for it. It is in
+the lowest 256 addresses of the service range, which the API server keeps for addresses set by
+hand and gives out last (KEP-3070): no other namespace's Service of the session takes it."""
 ADDRESS = f"tcp://{SERVICE_IP}:8786"
 
 
@@ -88,12 +91,6 @@ def dask_cluster(workers: int) -> dict[str, Any]:
     }
 
 
-pytestmark = pytest.mark.owns_cluster(
-    "it installs dask-kubernetes' CRDs and runs its controller cluster-wide, and its scheduler's Service"
-    " takes a fixed cluster IP"
-)
-
-
 def answers_as_dask(address: str) -> bool:
     """Whether a Dask scheduler answers at ``address``: CI once met an HTTP server behind the Service's
     cluster IP, a moment after dask-kubernetes made it (the reply's first bytes read as a frame
@@ -104,6 +101,9 @@ def answers_as_dask(address: str) -> bool:
     except Exception as error:  # any failure of the handshake: not yet a Dask scheduler
         print(f"not yet a Dask scheduler at {address}: {error!r}"[:300])
         return False
+
+
+DASK_KUBERNETES = "dask_kubernetes.operator.controller"
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
     sandbox.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
     log = (sandbox.state_dir / "dask-kubernetes.log").open("ab")
     controller = subprocess.Popen(
-        [str(BIN / "kopf"), "run", "--standalone", "--all-namespaces", "-m", "dask_kubernetes.operator.controller"],
+        [str(BIN / "kopf"), "run", "--standalone", f"--namespace={sandbox.namespace}", "-m", DASK_KUBERNETES],
         stdout=log,
         stderr=log,
         env=sandbox.env,

@@ -38,7 +38,7 @@ WORKERS_ONLY = ("--ignore-daemonsets", "--pod-selector=app=dask-worker")
 OPERATOR = "system:serviceaccount:memops-system:memops"
 
 
-pytestmark = pytest.mark.owns_cluster("it drains and cordons the Nodes")
+DRAINS = pytest.mark.owns_cluster("it drains and cordons the Nodes")
 
 
 @pytest.fixture
@@ -134,6 +134,7 @@ def eviction_requests(sandbox: Sandbox) -> list[dict[str, Any]]:
     return items
 
 
+@DRAINS
 def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> None:
     sandbox = upstream()
     policy(sandbox)
@@ -187,6 +188,7 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
     assert request["metadata"]["ownerReferences"][0]["kind"] == "MemoryPolicy"
 
 
+@DRAINS
 def test_stock_kubectl_drain_loses_the_nodes_keys(upstream: Any) -> None:
     sandbox = upstream(operator=False)
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
@@ -197,6 +199,7 @@ def test_stock_kubectl_drain_loses_the_nodes_keys(upstream: Any) -> None:
         assert sorted(lost) == sorted(k for pod in pods for k in holdings.keys_of(pod))
 
 
+@DRAINS
 def test_cordon_starts_the_drain_before_the_eviction(upstream: Any) -> None:
     sandbox = upstream()
     policy(sandbox)
@@ -214,6 +217,7 @@ def test_cordon_starts_the_drain_before_the_eviction(upstream: Any) -> None:
     assert names == [request["metadata"]["name"]], "the eviction found the cordon's drain under way"
 
 
+@DRAINS
 @pytest.mark.parametrize("on_timeout", ["Abort", "Force"])
 def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout: str) -> None:
     """One worker: its data has nowhere to go. Abort keeps refusing (an event on the pod says so),
@@ -294,7 +298,7 @@ def post_review(url: str, review: dict[str, Any], context: ssl.SSLContext) -> An
 def evict(sandbox: Sandbox, pod: str) -> subprocess.CompletedProcess[str]:
     """One eviction through the API (``pods/<pod>/eviction``), as the sandbox's admin."""
     body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod}}
-    path = f"/api/v1/namespaces/default/pods/{pod}/eviction"
+    path = f"/api/v1/namespaces/{sandbox.namespace}/pods/{pod}/eviction"
     return sandbox.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(body), check=False)
 
 
@@ -320,12 +324,12 @@ def gate(sandbox: Sandbox) -> tuple[str, Callable[[], ssl.SSLContext]]:
     return f"https://{address}:{service.get('port', 443)}{service.get('path', '')}", context
 
 
-def test_only_the_api_servers_review_starts_a_drain(upstream: Any) -> None:
+def test_only_the_api_servers_review_starts_a_drain(sandbox: Sandbox) -> None:
     """The webhook requires the API server's client certificate: a review posted without it (no
     certificate, or one of the cluster CA that every admin and kubelet holds) fails the TLS
-    handshake and starts nothing, while a real eviction through the API still drains first,
-    and its request records who evicted."""
-    sandbox = upstream()
+    handshake and starts nothing, while a real eviction through the API still drains first, the
+    workers of this tenant's policy on the pod's Node (other tenants' workers there are theirs),
+    and its request records who evicted. One eviction, no cordon: a namespace of the session's."""
     policy(sandbox)
     pki = sandbox.state_dir / "pki"
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
@@ -380,6 +384,7 @@ def unverifying_operator(sandbox: Sandbox) -> Iterator[str]:
         sandbox.kill_operator()
 
 
+@pytest.mark.owns_cluster("it runs an operator of its own, whose webhook verifies no client")
 def test_a_forged_review_acts_only_as_the_api_bears_it_out_once_per_node(upstream: Any) -> None:
     """Where the webhook cannot tell the API server from anyone else, a forged review starts
     nothing for a pod that does not exist, for one whose uid is not the review's, nor in a
