@@ -12,8 +12,17 @@ step:
   while its drain runs (its container SIGKILLed; the other replica takes over and resumes it);
 - ``node-drain``: ``kubectl drain`` of the Node with the most workers (their evictions go through
   the gate), then ``kubectl uncordon``;
+- ``scheduler-cut``: the operator cut off from the scheduler for 10 to 30 s (its replicas'
+  packets to the scheduler's pod dropped on the Node, as a network partition drops them), with a
+  scale-down under way: memops waits for the scheduler, and its drain carries on after;
+- ``apiserver-restart``: the API server SIGKILLed while a scale-down drains (the sandbox starts
+  it again, as a kubelet keeps a static pod; the operators' watches and writes fail meanwhile);
 - ``worker-kill``: a worker's container SIGKILLed (abrupt: its unique keys may be lost);
-- ``short-grace``: a worker pod deleted with a one-second grace period (abrupt, the same).
+- ``short-grace``: a worker pod deleted with a one-second grace period (abrupt, the same);
+- ``oom-kill``: a task that takes more than the worker's container may hold at once: the kernel's
+  OOM killer kills the worker process, and its nanny starts another (abrupt);
+- ``nanny-kill``: a task whose memory grows as a leak does, until the nanny kills its worker at
+  95% of the memory limit, before the kernel would (abrupt).
 
 After each step, once the workload has settled, it checks: no key lost except on a worker killed
 abruptly in that step; the policy's ``status.workerLosses`` records every such loss with its count
@@ -21,11 +30,9 @@ of irreplaceable keys; every RetirementRequest ends by its deadline; every worke
 safety net's preStop hook (the webhooks answered while a replica was down); the operator's memory.
 The table at the end has a row per fault; the exit status is 1 if any check failed.
 
-    python bench/soak.py --seed 1 --minutes 2      # the seed CI runs
+    python bench/soak.py --seed 36 --minutes 2     # the seed CI runs (tests/e2e/test_soak.py)
     python bench/soak.py --seed 7 --minutes 30     # the table in docs/performance.md
 
-Not injected yet (say so in the table's notes): the kernel's OOM kill and the nanny's, the API
-server's restart, and cutting the operator off from the scheduler.
 """
 
 from __future__ import annotations
@@ -47,13 +54,18 @@ import distributed
 import psutil
 from memops_sandbox import install
 from memops_sandbox import nodes as real_nodes
+from memops_sandbox.common import SCHEDULER
 
 WORKERS = 4
 KEYS_PER_WORKER = 2
 SIZE = 64 * 1024
 POLICY = "soak"
-ABRUPT = ("worker-kill", "short-grace")
-FAULTS = ("scale", "retire", "operator-kill", "node-drain", *ABRUPT)
+ABRUPT = ("worker-kill", "short-grace", "oom-kill", "nanny-kill")
+FAULTS = ("scale", "retire", "operator-kill", "node-drain", "scheduler-cut", "apiserver-restart", *ABRUPT)
+CUT_SECONDS = (10.0, 30.0)
+MiB = 2**20
+WORKER_LIMIT = 1024 * MiB
+"""The sandbox's worker containers' memory limit, which is also Dask's (``--memory-limit 1.0``)."""
 SETTLE_SECONDS = 240.0
 RETIRE_TIMEOUT = 90
 
@@ -191,7 +203,71 @@ class Soak:
         elif fault == "short-grace":
             self.kubectl("delete", "pod", name, "--grace-period=1", "--wait=false")
             return {name}
+        elif fault in ("oom-kill", "nanny-kill"):
+            self.exhaust(name, at_once=fault == "oom-kill")
+            return {name}
+        elif fault == "scheduler-cut":
+            self.cut_scheduler()
+        elif fault == "apiserver-restart":
+            self.restart_api_server()
         return set()
+
+    def restart_api_server(self) -> None:
+        """A scale-down of one worker, and 0.5 to 2 s later the API server SIGKILLed; until it
+        answers again (the sandbox starts it again at once)."""
+        self.scale(self.replicas - 1 if self.replicas > 2 else self.replicas + 1)
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        pid = int((self.box.state / "logs" / "kube-apiserver.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if self.kubectl("get", "--raw", "/readyz") == "ok":
+                    return
+            except subprocess.CalledProcessError:
+                pass
+            time.sleep(1)
+        self.failures.append(f"step {self.step}: the API server did not answer again within 120 s")
+
+    def exhaust(self, pod: str, *, at_once: bool) -> None:
+        """A task on ``pod``'s worker that takes more memory than it may hold: at once (the
+        kernel's OOM kill) or as a leak grows (the nanny's). It takes memory in that worker
+        process only (its pid): if the worker that its nanny starts after the kill runs it again,
+        it returns at once."""
+        address = benchkit.workers(self.client)[pod]
+        pid = self.pid(address)
+        task = _allocate if at_once else _grow
+        future = self.client.submit(task, pid, workers=[address], allow_other_workers=False, pure=False, priority=100)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.pid(address) == pid:
+            time.sleep(0.5)
+        self.client.cancel(future)
+        if self.pid(address) == pid:
+            self.failures.append(f"step {self.step}: {pod}'s worker was not killed within 60 s: no fault")
+
+    def pid(self, address: str) -> int | None:
+        """The pid of the worker process at ``address``; None once it is gone."""
+        try:
+            answer = self.client.run(os.getpid, workers=[address], on_error="return").get(address)
+        except (OSError, KeyError, distributed.TimeoutError):
+            return None
+        return answer if isinstance(answer, int) else None
+
+    def cut_scheduler(self) -> None:
+        """The operator's replicas cannot reach the scheduler's pod for 10 to 30 s (their packets
+        dropped on the Node: pod-to-pod traffic, bridged or routed, passes the host's FORWARD
+        chain), while a scale-down of one worker is under way."""
+        [scheduler] = self.get("pods", "-l", f"app={SCHEDULER}")["items"]
+        operators = [p["status"]["podIP"] for p in self.operator_pods() if p["status"].get("podIP")]
+        rules = [["FORWARD", "-s", ip, "-d", scheduler["status"]["podIP"], "-j", "DROP"] for ip in operators]
+        for rule in rules:
+            subprocess.run(["iptables", "-w", "-I", *rule], check=True)
+        try:
+            self.scale(self.replicas - 1 if self.replicas > 2 else self.replicas + 1)
+            time.sleep(self.rng.uniform(*CUT_SECONDS))
+        finally:
+            for rule in rules:
+                subprocess.run(["iptables", "-w", "-D", *rule], check=False)
 
     def drain_busiest(self, pods: list[dict[str, Any]]) -> None:
         """``kubectl drain`` of the Node with the most workers, as an administrator drains one:
@@ -334,6 +410,26 @@ def retirement(name: str, address: str, pod: str) -> dict[str, Any]:
 def _work(i: int) -> int:
     time.sleep(0.02)
     return i
+
+
+def _allocate(pid: int) -> int:
+    """In the worker process ``pid`` only: 1.5 times its container's limit at once (a bytearray is
+    written as it is made), faster than the nanny looks (every 100 ms)."""
+    if os.getpid() != pid:
+        return 0
+    return len(bytearray(WORKER_LIMIT * 3 // 2))
+
+
+def _grow(pid: int) -> int:
+    """In the worker process ``pid`` only: 16 MiB more every 0.2 s, as a leak grows, until the
+    nanny kills the process at 95% of its memory limit (or, unkilled, 30 s have passed)."""
+    if os.getpid() != pid:
+        return 0
+    held, end = [], time.monotonic() + 30
+    while time.monotonic() < end:
+        held.append(bytearray(16 * MiB))
+        time.sleep(0.2)
+    return len(held)
 
 
 def run_steps(soak: Soak, minutes: float) -> None:

@@ -472,9 +472,8 @@ async def running(
     logs = plane.logs
     try:
         processes["etcd"] = await spawn("etcd", etcd_argv(binaries, state_dir / "etcd", etcd_port, peer_port), logs)
-        processes["kube-apiserver"] = await spawn(
-            "kube-apiserver", apiserver_argv(binaries, pki, state_dir, etcd_port, api_port, advertise), logs
-        )
+        apiserver = apiserver_argv(binaries, pki, state_dir, etcd_port, api_port, advertise)
+        processes["kube-apiserver"] = await spawn("kube-apiserver", apiserver, logs)
         plane.client_kubeconfig("controller-manager", "system:kube-controller-manager")
         plane.client_kubeconfig("scheduler", "system:kube-scheduler")
         admin = plane.client_kubeconfig("admin", "kubernetes-admin", ("system:masters",))
@@ -503,6 +502,25 @@ async def running(
             await asyncio.gather(controllers(), *([meanwhile(plane, api)] if meanwhile else []))
         # Written last, when it works: whoever waits for the file can use it at once.
         admin.replace(plane.kubeconfig)
-        yield plane
+        keeper = asyncio.create_task(restarting(processes, "kube-apiserver", apiserver, logs))
+        try:
+            yield plane
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
     finally:
         await stop_all(processes)
+
+
+async def restarting(
+    processes: dict[str, asyncio.subprocess.Process], name: str, argv: Sequence[str], logs: Path
+) -> None:
+    """As a kubelet keeps a static pod: the component started again, with its arguments, each time
+    it exits (a second later: a component that cannot start does not spin), until cancelled. The API
+    server restarted is one of the faults that ``bench/soak.py`` injects (its pid is in
+    ``logs/kube-apiserver.pid``)."""
+    while True:
+        code = await processes[name].wait()
+        logger.warning("%s exited with %s: starting it again", name, code)
+        await asyncio.sleep(1)
+        processes[name] = await spawn(name, argv, logs)

@@ -253,6 +253,27 @@ def test_a_rendered_selector_selects_on_the_api_server_what_memops_matches(plane
         assert {c["metadata"]["name"] for c in found} == expected, rendered
 
 
+def test_a_killed_api_server_is_started_again_with_what_it_stored(tmp_path: Path) -> None:
+    """As a kubelet keeps a static pod: SIGKILLed, the API server is started again with its
+    arguments, on the same port and etcd, and answers with what was stored before."""
+    running = start(tmp_path / "state")
+    try:
+        running.kubectl("create", "namespace", "kept")
+        before = running.pids()["kube-apiserver"]
+        os.kill(before, signal.SIGKILL)
+
+        def again() -> bool:
+            after = running.pids()["kube-apiserver"]
+            answer = running.kubectl("get", "--raw", "/readyz", check=False)
+            return after != before and answer.returncode == 0 and answer.stdout == "ok"
+
+        poll(again, timeout=60, what="the API server started again and ready")
+        assert running.get("namespace", "kept")["metadata"]["name"] == "kept"
+        assert running.process is not None and running.process.poll() is None, "the plane runs on"
+    finally:
+        running.stop()
+
+
 def test_sigterm_stops_every_component(tmp_path: Path) -> None:
     running = start(tmp_path / "state")
     pids = running.pids()
