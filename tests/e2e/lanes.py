@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 LANE_B = (
+    "test_churn.py",
     "test_daskworkergroup.py",
     "test_hpa.py",
     "test_metrics.py",
@@ -51,11 +52,12 @@ statuses, refusals, results and losses with generous deadlines, not timings; non
 nanny's memory check, the kernel's OOM kill or a Node's eviction threshold (placement's computation
 runs slow tasks, so that the other lane's load only makes it longer while its workers are drained).
 They are about a third of the shared tests' time, so that both lanes end theirs together: the
-first lane begins its shared tests after the tests that own the cluster (about 11 minutes), the
-second after its own (about 15). Modules that change what is one per machine or per Node (the
-shared spill's two label a Node and mount a tmpfs at the one host path the operator allows) are in
-one lane together, so that their tests never overlap. xdist's scheduler sees only test ids, so
-each of these modules has shared tests only (:func:`check`)."""
+first lane begins its shared tests after the tests that own the cluster (about 14 minutes, the
+fault soak's two minutes included), the second after its own (about 15). Modules that change what
+is one per machine or per Node (the shared spill's two label a Node and mount a tmpfs at the one
+host path the operator allows) are in one lane together, so that their tests never overlap.
+xdist's scheduler sees only test ids, so each of these modules has shared tests only
+(:func:`check`)."""
 
 ONE = "a"
 """The group of every shared test where there is one lane."""
