@@ -265,6 +265,7 @@ def decide(inputs: Inputs) -> Decision:
             )
         )
     events += _record_late_scale_downs(status, inputs.requests, now)
+    events += _record_late_scale_up(inputs, status, desired)
     if acting:
         event = specs.ScaleEvent(time=moment, change=desired - inputs.current)
         status.scaleEvents = _recent_events([*status.scaleEvents, event], now, spec)
@@ -787,6 +788,21 @@ def _record_late_scale_downs(
         status.lastScaleTime, status.lastScaleReason = _render(moment), "ScaleDown"
         events.append(Event("Normal", "ScaleDown", f"scaling down: draining {count} workers ({name})"))
     return events
+
+
+def _record_late_scale_up(inputs: Inputs, status: specs.MemoryPolicyStatus, desired: int) -> list[Event]:
+    """A scale-up that the status does not hold (the pass that raised the replicas could not write
+    its status): the workload has more workers than the status last desired, and no more than this
+    pass desires. Only where memops decides the count (``spec.replicas`` or ``spec.autoscale``):
+    an adopted count follows the workload's, and a count over the desired one is scaled back down.
+    Recorded now, the moment the pass finds it."""
+    spec, before, current = inputs.spec, inputs.status.desiredReplicas, inputs.current
+    if (spec.replicas is None and spec.autoscale is None) or not 0 < before < current <= desired:
+        return []
+    event = specs.ScaleEvent(time=round(inputs.now, 3), change=current - before)
+    status.scaleEvents = _recent_events([*status.scaleEvents, event], inputs.now, spec)
+    status.lastScaleTime, status.lastScaleReason = _render(inputs.now), "ScaleUp"
+    return [Event("Normal", "ScaleUp", f"scaled up from {before} to {current} (the status did not hold it yet)")]
 
 
 def _recent_events(events: list[specs.ScaleEvent], now: float, spec: specs.MemoryPolicySpec) -> list[specs.ScaleEvent]:

@@ -253,6 +253,47 @@ async def test_a_write_that_fails_once_is_done_by_the_next_pass_and_nothing_twic
     assert [e["reason"] for e in events if e["reason"] == "ScaleDown"] == ["ScaleDown"], events
 
 
+@pytest.mark.parametrize("failing", ["scale", "status"])
+async def test_a_scale_up_whose_write_fails_once_is_done_and_recorded_once(
+    client: tuple[kube.Kube, str], monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """A policy raises its Deployment from one worker to two: its pass patches the Deployment's
+    ``/scale``, then writes its status. The API server answers one of the two with a 500, once: the
+    next pass of the same daemon scales (if it had not) and records the scale-up, once each."""
+    kube_client, namespace = client
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "event", lambda body, **event: events.append(event))
+    path = kube.resource_path(specs.GROUP, specs.VERSION, "memorypolicies", namespace)
+    deployment = kube.resource_path("apps", "v1", "deployments", namespace, "w")
+    writes = {"scale": ("PATCH", f"{deployment}/scale"), "status": ("PATCH", f"{path}/p/status")}
+    async with (
+        Scheduler(host="127.0.0.1", dashboard_address=":0") as scheduler,
+        Worker(scheduler.address, name=POD, nthreads=1),
+    ):
+        spec = {
+            "scheduler": {"address": scheduler.address},
+            "workload": {"kind": "Deployment", "name": "w"},
+            "replicas": 1,
+        }
+        body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": spec}
+        await kube_client.request("POST", path, body=body)
+        operator = policy.Policy(client=kube_client, body=kopf.Body(await kube_client.get(f"{path}/p")), logger=LOGGER)
+        await operator.reconcile()  # at rest at one worker: its status says so
+        await kube_client.merge_patch(f"{path}/p", {"spec": {"replicas": 2}})
+        operator.body = kopf.Body(await kube_client.get(f"{path}/p"))
+        failed = _fail_request_once(monkeypatch, kube_client, *writes[failing])
+        with pytest.raises(kube.ApiError, match="injected"):
+            await operator.reconcile()
+        assert failed == [writes[failing]], "the pass made that write"
+        operator.body = kopf.Body(await kube_client.get(f"{path}/p"))
+        await operator.reconcile()
+        status = (await kube_client.get(f"{path}/p"))["status"]
+        replicas = (await kube_client.get(deployment))["spec"]["replicas"]
+    assert replicas == 2
+    assert status["lastScaleReason"] == "ScaleUp" and [e["change"] for e in status["scaleEvents"]] == [1], status
+    assert [e["reason"] for e in events if e["reason"] == "ScaleUp"] == ["ScaleUp"], events
+
+
 def _fail_request_once(monkeypatch: pytest.MonkeyPatch, client: kube.Kube, method: str, path: str) -> list[Any]:
     """The API server answers the first ``method`` request to ``path`` with a 500; the list returned
     gets that request once it has."""

@@ -195,6 +195,43 @@ def test_a_scale_down_whose_status_was_not_written_is_recorded_by_the_next_pass_
     assert later.status.scaleEvents == [] and [e for e in later.events if e.reason == "ScaleDown"] == []
 
 
+def _desired_before(replicas: int) -> specs.MemoryPolicyStatus:
+    return reachable(True).model_copy(update={"desiredReplicas": replicas})
+
+
+def test_a_scale_up_whose_status_was_not_written_is_recorded_by_the_next_pass_once() -> None:
+    """The pass that raised the replicas from 4 to 5 could not write its status: the next finds 5
+    workers where the status last desired 4, records the scale-up and says it; the one after finds
+    it recorded."""
+    spec = policy_spec(replicas=5)
+    first = policy_decisions.decide(pass_inputs(spec, current=5, status=_desired_before(4)))
+    assert first.action == scaling.Action.NONE and first.scale_up_to is None
+    assert first.status.scaleEvents == [specs.ScaleEvent(time=round(NOW, 3), change=1)]
+    assert first.status.lastScaleReason == "ScaleUp" and first.status.desiredReplicas == 5
+    assert [e.message for e in first.events if e.reason == "ScaleUp"] == [
+        "scaled up from 4 to 5 (the status did not hold it yet)"
+    ]
+    again = policy_decisions.decide(pass_inputs(spec, current=5, status=first.status))
+    assert again.status.scaleEvents == first.status.scaleEvents
+    assert [e for e in again.events if e.reason == "ScaleUp"] == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "current", "before"),
+    [
+        pytest.param(policy_spec(), 6, 4, id="an-adopted-count-follows-the-workload"),
+        pytest.param(policy_spec(replicas=4), 4, 0, id="the-first-pass"),
+        pytest.param(policy_spec(replicas=4), 6, 4, id="more-than-desired-is-scaled-down"),
+    ],
+)
+def test_more_workers_than_the_status_desired_is_no_scale_up_of_memops_here(
+    spec: specs.MemoryPolicySpec, current: int, before: int
+) -> None:
+    decision = policy_decisions.decide(pass_inputs(spec, current=current, status=_desired_before(before)))
+    assert [e for e in decision.events if e.reason == "ScaleUp"] == []
+    assert decision.status.lastScaleReason != "ScaleUp"
+
+
 @pytest.mark.parametrize("moment", ["nan", "inf", "-inf", str(NOW + 60), "soon", "", "1e400"])
 def test_a_scale_event_time_no_pass_wrote_records_nothing(moment: str) -> None:
     """The annotation is on an object that a tenant may write: a time that is not a number, or is
