@@ -33,12 +33,9 @@ def settings(spec: specs.TaskAdmissionSpec) -> dict[str, Any]:
 
 
 def demand_action(spec: specs.MemoryPolicySpec) -> str:
-    """What serves tasks whose peak fits no worker: a worker grown in place, more workers, or nothing."""
-    if spec.resize is not None:
-        return "Resize"
-    if spec.autoscale is not None:
-        return "Scale"
-    return "None"
+    """What serves tasks whose peak fits no worker: one more worker (``spec.autoscale``, within
+    maxReplicas: :func:`memops.decisions.autoscaling.with_task_demand`), or nothing."""
+    return "Scale" if spec.autoscale is not None else "None"
 
 
 async def reconcile(

@@ -181,6 +181,36 @@ def desired_replicas(
     return Recommendation(desired, reason, raw, tuple(limits))
 
 
+PAUSE = 0.8
+"""Dask's default pause threshold (``distributed.worker.memory.pause``): a new worker admits a task
+whose profiled peak is under this share of its memory limit, less its own process' memory."""
+
+
+def with_task_demand(
+    desired: int,
+    connected: int,
+    tasks: specs.TaskAdmissionStatus | None,
+    usage: Usage | None,
+    spec: specs.AutoscaleSpec | None,
+) -> tuple[int, str]:
+    """Task admission found tasks whose profiled peak fits no worker (they wait, ``demandTasks``):
+    ask for one more worker, within maxReplicas, where a new worker could start the largest of
+    them (its peak under the pause threshold of a worker's memory limit). Returns the desired
+    count and, if raised, why.
+
+    Counted from the workers connected, as :func:`with_relief`: while the worker asked for starts,
+    the same demand asks for no more; once it has joined, the tasks it admits leave the demand."""
+    if spec is None or tasks is None or not tasks.demandTasks or usage is None or not usage.workers:
+        return desired, ""
+    room = PAUSE * usage.limit / usage.workers
+    if tasks.demandBytes > room:
+        return desired, ""  # no new worker of this size could start it: more workers would not help
+    wanted = min(max(desired, connected + 1), spec.maxReplicas)
+    if wanted <= desired:
+        return desired, ""
+    return wanted, f"raised to {wanted}: {tasks.demandTasks} tasks wait for room that no worker has"
+
+
 def with_relief(desired: int, connected: int, starved: int, spec: specs.AutoscaleSpec | None) -> tuple[int, str]:
     """Pressure relief found ``starved`` hot workers with no peer that has room: ask for one more
     worker each, within maxReplicas. Returns the desired count and, if raised, why.

@@ -579,7 +579,11 @@ def _aim(inputs: Inputs, status: specs.MemoryPolicyStatus) -> tuple[int, str, au
     limited = recommended.reason if recommended.limits else ""
     starved = len(status.pressure.starved) if status.pressure is not None else 0
     desired, relief_reason = autoscaling.with_relief(recommended.replicas, inputs.connected, starved, spec.autoscale)
-    return desired, relief_reason or limited, recommended
+    tasks = status.tasks if spec.tasks is not None else None  # as the last pass read them from the scheduler
+    desired, demand_reason = autoscaling.with_task_demand(
+        desired, inputs.connected, tasks, inputs.usage, spec.autoscale
+    )
+    return desired, demand_reason or relief_reason or limited, recommended
 
 
 def _recycle(inputs: Inputs, running: Sequence[objects.Obj], desired: int) -> _Recycle:

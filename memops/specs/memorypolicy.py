@@ -401,7 +401,9 @@ class TaskAdmissionStatus(Model):
     demandTasks: int = pydantic.Field(default=0, description="Tasks whose peak fits no worker: they wait.")
     demandBytes: int = pydantic.Field(default=0, description="The largest peak that fits no worker.")
     demandAction: str = pydantic.Field(
-        default="", description="What serves that demand: Resize, Scale, or None (the policy grows no worker)."
+        default="",
+        description="What serves that demand: Scale (one more worker, within spec.autoscale.maxReplicas, where a"
+        " new worker could start it), or None (the policy adds no worker for it; in-place growth does not serve it).",
     )
     message: str = pydantic.Field(default="", description="Why admission is not in force, in one line.")
 

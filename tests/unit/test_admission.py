@@ -112,7 +112,7 @@ def test_the_spec_refuses_a_repeated_glob_and_a_preemption_threshold_at_the_nann
     assert specs.MemoryPolicySpec.model_fields["tasks"].default is None
 
 
-def test_demand_is_served_by_resize_then_scaling_else_nothing() -> None:
+def test_demand_is_served_by_scaling_else_nothing() -> None:
     base = {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deployment", "name": "w"}, "tasks": {}}
     assert admission_install.demand_action(specs.MemoryPolicySpec.model_validate(base)) == "None"
     scaled = {**base, "autoscale": {"minReplicas": 1, "maxReplicas": 4, "targetMemoryUtilization": 60}}

@@ -6,6 +6,7 @@ from memops import specs
 from memops.decisions import autoscaling
 
 GiB = 2**30
+MiB = 2**20
 
 
 def usage(percent: float, workers: int = 4, spilled: float = 0) -> autoscaling.Usage:
@@ -158,3 +159,21 @@ def test_starvation_asks_again_only_once_the_new_workers_have_joined() -> None:
     assert autoscaling.with_relief(4, 3, 1, spec)[0] == 4
     # It joined and the worker is starved still: one more.
     assert autoscaling.with_relief(4, 4, 1, spec)[0] == 5
+
+
+def test_tasks_that_wait_for_room_ask_for_one_more_worker_where_a_new_one_could_start_them() -> None:
+    spec = specs.AutoscaleSpec(minReplicas=1, maxReplicas=5, targetMemoryUtilization=60)
+    usage = autoscaling.Usage(workers=3, held=1 * GiB, limit=3 * GiB)  # 1 GiB per worker
+    waiting = specs.TaskAdmissionStatus(demandTasks=4, demandBytes=300 * MiB)
+    desired, reason = autoscaling.with_task_demand(3, 3, waiting, usage, spec)
+    assert (desired, reason) == (4, "raised to 4: 4 tasks wait for room that no worker has")
+    # The worker asked for is starting (3 connected of 4): the same demand asks for no more.
+    assert autoscaling.with_task_demand(4, 3, waiting, usage, spec) == (4, "")
+    assert autoscaling.with_task_demand(5, 5, waiting, usage, spec) == (5, "")  # at maxReplicas
+    # A peak over a new worker's room (80% of its 1 GiB limit): another worker would not start it.
+    too_big = waiting.model_copy(update={"demandBytes": 900 * MiB})
+    assert autoscaling.with_task_demand(3, 3, too_big, usage, spec) == (3, "")
+    nothing = specs.TaskAdmissionStatus()
+    assert autoscaling.with_task_demand(3, 3, nothing, usage, spec) == (3, "")
+    assert autoscaling.with_task_demand(3, 3, waiting, usage, None) == (3, "")  # no autoscaler
+    assert autoscaling.with_task_demand(3, 3, waiting, None, spec) == (3, "")  # the scheduler not read

@@ -378,3 +378,25 @@ def test_a_blocked_policy_is_not_ready_and_stalled(
 def test_the_scheduler_reachable_condition(seen: policy_findings.SchedulerSeen, expected: tuple[str, str, str]) -> None:
     [condition] = policy_findings.scheduler_reachable([], seen, 2)
     assert (condition.type, condition.status, condition.reason, condition.message) == ("SchedulerReachable", *expected)
+
+
+def test_tasks_that_wait_for_room_scale_an_autoscaled_policy_up_by_one() -> None:
+    """Task admission reported, on the last pass, tasks whose peak fits no worker: an autoscaled
+    policy asks for one more worker, says why, and asks for no more while it starts."""
+    autoscale = {"minReplicas": 1, "maxReplicas": 4, "targetMemoryUtilization": 50}
+    waiting = specs.TaskAdmissionStatus(demandTasks=3, demandBytes=300 * 2**20, demandAction="Scale")
+    status = reachable(True).model_copy(update={"tasks": waiting})
+    spec = policy_spec(autoscale=autoscale, tasks={})
+    decision = policy_decisions.decide(pass_inputs(spec, current=2, status=status))
+    assert (decision.action, decision.desired, decision.scale_up_to) == (scaling.Action.SCALE_UP, 3, 3)
+    assert "3 tasks wait for room that no worker has" in _limited_message(decision)
+    starting = policy_decisions.decide(pass_inputs(spec, current=3, connected=2, status=status))
+    assert starting.desired == 3 and starting.scale_up_to is None
+    # Without spec.tasks (admission off, its figures left over) nothing is raised.
+    plain = policy_decisions.decide(pass_inputs(policy_spec(autoscale=autoscale), current=2, status=status))
+    assert plain.desired == 2
+
+
+def _limited_message(decision: policy_decisions.Decision) -> str:
+    found = conditions.get_condition(decision.status.conditions, "ScalingLimited")
+    return found.message if found is not None else ""
