@@ -26,7 +26,9 @@ step:
 
 After each step, once the workload has settled, it checks: no key lost except on a worker killed
 abruptly in that step; the policy's ``status.workerLosses`` records every such loss with its count
-of irreplaceable keys; every RetirementRequest ends by its deadline; every worker pod carries the
+of irreplaceable keys; every RetirementRequest ends by its deadline; a step's change of
+``spec.replicas`` makes one scale-down request at most (a replica that took over resumed the drain
+rather than starting a second); every worker pod carries the
 safety net's preStop hook (the webhooks answered while a replica was down); the operator's memory.
 The table at the end has a row per fault; the exit status is 1 if any check failed.
 
@@ -55,6 +57,8 @@ import psutil
 from memops_sandbox import install
 from memops_sandbox import nodes as real_nodes
 from memops_sandbox.common import SCHEDULER
+
+from memops.decisions import objects
 
 WORKERS = 4
 KEYS_PER_WORKER = 2
@@ -362,6 +366,19 @@ class Soak:
                     f" records {recorded}"
                 )
 
+    def scale_downs(self) -> set[str]:
+        """The policy's scale-down requests (each carries the time of its scale event)."""
+        items = self.get("retire", "-l", f"{objects.POLICY_LABEL}={POLICY}")["items"]
+        marked = [r for r in items if objects.SCALE_EVENT_ANNOTATION in (r["metadata"].get("annotations") or {})]
+        return {r["metadata"]["name"] for r in marked}
+
+    def check_one_drain(self, fault: str, before: set[str]) -> None:
+        """A step changes ``spec.replicas`` by one at most: one scale-down request at most, however
+        many replicas of the operator or API servers came and went meanwhile."""
+        made = sorted(self.scale_downs() - before)
+        if len(made) > 1:
+            self.failures.append(f"step {self.step} ({fault}): {len(made)} scale-downs for one: {made}")
+
     def check_requests(self) -> None:
         for request, deadline in list(self.requests.items()):
             status = self.get("retire", request).get("status") or {}
@@ -442,7 +459,7 @@ def run_steps(soak: Soak, minutes: float) -> None:
         fault = soak.rng.choice(FAULTS)
         started = time.monotonic()
         print(f"step {soak.step}: {fault}", flush=True)
-        before = soak.snapshot()
+        before, drains = soak.snapshot(), soak.scale_downs()
         abrupt = soak.inject(fault)
         soak.settle()
         soak.rows[fault].injected += 1
@@ -452,6 +469,7 @@ def run_steps(soak: Soak, minutes: float) -> None:
         print(f"  {soak.rows[fault].keys_lost - lost} keys lost; abrupt: {sorted(abrupt)}", flush=True)
         soak.check_losses(fault, abrupt, lost_before)
         soak.check_requests()
+        soak.check_one_drain(fault, drains)
         soak.check_safety_net()
         for failure in soak.failures[reported:]:
             print(f"  check failed: {failure}", flush=True)
