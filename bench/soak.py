@@ -32,7 +32,7 @@ rather than starting a second); every worker pod carries the
 safety net's preStop hook (the webhooks answered while a replica was down); the operator's memory.
 The table at the end has a row per fault; the exit status is 1 if any check failed.
 
-    python bench/soak.py --seed 36 --minutes 2     # the seed CI runs (tests/e2e/test_soak.py)
+    python bench/soak.py --seed 36 --minutes 2     # the seed CI runs (.ci/run, after the tests)
     python bench/soak.py --seed 7 --minutes 30     # the table in docs/performance.md
 
 """

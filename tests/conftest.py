@@ -81,12 +81,6 @@ def _kind(path: Path) -> int:
     return 1 if any(inside.is_relative_to(plane) for plane in PLANE_ONLY) else 2
 
 
-LAST_OWNERS = ("test_soak.py",)
-"""Tests that own the cluster and load the whole machine for minutes (the fault soak: OOM kills, the
-API server restarted): last among those, when the other lane has moved on from the tests that time
-the event loop or race a nanny (``tests/scheduler``) to those that start a control plane only."""
-
-
 def _owns(item: pytest.Item) -> bool:
     """An end-to-end test that starts real Nodes of its own (``owns_cluster``)."""
     path = Path(str(item.fspath)).resolve()
@@ -100,14 +94,14 @@ def _order(item: pytest.Item, lanes: int) -> int:
     if _owns(item):
         # The first lane's first: while the second runs the tests that need no real Node, and
         # before the session's sandbox starts (real Nodes are one set per machine).
-        return 2 if Path(str(item.fspath)).name in LAST_OWNERS else 1
+        return 1
     if kind == 1:
         # The second lane's, after the tests that start no control plane: beside the first lane's
         # real Nodes, while the second lane's shared tests could not start yet.
-        return 3
+        return 2
     if not e2e.shares_the_cluster(item):
-        return 6  # what reads the session's audit log (test_rbac.py), once the sandbox has stopped
-    return 4 if e2e_lanes.in_lane_b(str(item.fspath), lanes) else 5
+        return 5  # what reads the session's audit log (test_rbac.py), once the sandbox has stopped
+    return 3 if e2e_lanes.in_lane_b(str(item.fspath), lanes) else 4
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

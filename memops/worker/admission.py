@@ -67,6 +67,12 @@ UNLIMITED = float("inf")
 SAMPLE_SECONDS = 0.02
 TICK_SECONDS = 0.05
 REPORT_SECONDS = 0.5
+STALL_SECONDS = 10.0
+"""How long the head of the constrained queue waits, with no restricted task running, for room that
+memory no task holds keeps taken (the process' own, unmanaged): the collector and ``malloc_trim`` run
+at once, and past this it starts anyway, with the room there is, alone (preemption stands guard).
+Without it a worker's process that does not give freed memory back to the system (glibc keeps it)
+would keep its queued tasks waiting for ever."""
 KEPT = 8
 """Observations kept per prefix."""
 MAX_PREFIXES = 4096
@@ -162,6 +168,16 @@ def victim(running: Iterable[tuple[Any, float, int]], retries: Mapping[Any, int]
     return max(candidates, key=lambda c: (c[0], c[1]))[2]
 
 
+def _give_back() -> None:
+    """Memory that no object holds, back to the system: the collector's cycles (a preempted task's
+    frames), then glibc's free pages (``malloc_trim``; elsewhere, nothing more)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def raise_in_thread(thread_id: int, exception: type[BaseException]) -> bool:
     """Raise ``exception`` in the thread ``thread_id`` at its next bytecode; whether it was found."""
     found = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exception))
@@ -207,6 +223,8 @@ class Admission:
         self.unreported: list[tuple[str, int]] = []
         self.preempted = 0
         self.collect = False
+        self.stalled: float | None = None
+        """Since when the constrained queue's head waits with no restricted task running (monotonic)."""
         self.reported = 0.0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._sample, name="memops-admission", daemon=True)
@@ -346,18 +364,36 @@ class Admission:
 
     def _grant_probe(self) -> None:
         """The probe at the head of the constrained queue starts when no restricted task runs and
-        there is room: it takes all of it."""
+        there is room: it takes all of it. So does a profiled task there whose reservation the room
+        has not held for :data:`STALL_SECONDS` with no restricted task running: what fills the room
+        is then memory that no task holds, which the collector and ``malloc_trim`` are asked to give
+        back first."""
         state = self.worker.state
-        if not state.constrained:
+        head = state.constrained.peek() if state.constrained else None
+        wanted = (head.resource_restrictions or {}).get(RESOURCE) if head is not None else None
+        if wanted is None or any(RESOURCE in (ts.resource_restrictions or {}) for ts in state.executing):
+            self.stalled = None
             return
-        head = state.constrained.peek()
-        if (head.resource_restrictions or {}).get(RESOURCE) != UNLIMITED:
-            return
-        if any(RESOURCE in (ts.resource_restrictions or {}) for ts in state.executing):
-            return
+        assert head is not None
         available = state.available_resources[RESOURCE]
-        if available > 0:
+        if wanted <= available or available <= 0:
+            self.stalled = None  # Dask starts it; or the process is past the pause threshold
+            return
+        now = time.monotonic()
+        if wanted != UNLIMITED and self.stalled is None:
+            self.stalled = now
+            _give_back()
+            return
+        if wanted == UNLIMITED or now - (self.stalled or now) >= STALL_SECONDS:
+            if wanted != UNLIMITED:
+                logger.warning(
+                    "memops admits %s with %d bytes of room for its %d: no task holds the rest",
+                    head.key,
+                    available,
+                    wanted,
+                )
             head.resource_restrictions = {RESOURCE: available}
+            self.stalled = None
 
     def _preempt(self) -> None:
         threshold = self.settings.preempt_above * self.limit

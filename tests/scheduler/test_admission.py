@@ -141,6 +141,51 @@ async def test_preemption_stops_a_growing_task_before_the_nanny_and_it_runs_agai
     assert figures["preempted"] >= 1
 
 
+HELD: list[bytearray] = []
+"""In the worker process: memory that no task holds (a leak, or what the process keeps)."""
+
+
+def _hold_all_but(room: int) -> int:
+    """Hold what leaves ``room`` bytes under the pause threshold (80% of 1 GiB); the process' memory."""
+    import psutil  # type: ignore[import-untyped]
+
+    rss = int(psutil.Process().memory_info().rss)
+    HELD.append(bytearray(max(0, int(0.8 * 2**30) - rss - room)))
+    return int(psutil.Process().memory_info().rss)
+
+
+@pytest.mark.dask_cluster(workers=1)
+async def test_memory_that_no_task_holds_delays_a_task_but_not_for_ever(cluster: processes.Cluster) -> None:
+    """The worker's process holds memory that no task does, up to 100 MiB under its pause threshold
+    (80% of 1 GiB): the room no longer holds a profiled task of 200 MiB. With nothing
+    restricted running, the task waits, the worker gives freed memory back, and past
+    ``STALL_SECONDS`` the task starts with the room there is (before: it waited for ever); the
+    worker lives."""
+    departures = watch(cluster)
+    settings = {**SETTINGS, "probe": False, "preemptAbove": None}
+    await dask_direct.configure_admission(cluster.address, settings=settings, owner=OWNER)
+    await polling.poll(
+        lambda: len(cluster.scheduler.resources.get(worker_admission.RESOURCE, {})) == 1,
+        timeout=30,
+        what="the worker supplies memops' resource",
+    )
+    assert await cluster.client.submit(spiky.grow, 0, hold=200 * MIB, pure=False) == pytest.approx(30.0)
+    await polling.poll(
+        lambda: admission_plugin(cluster).profiles.peak(spiky.grow.__name__) is not None,
+        timeout=30,
+        what="the prefix's profile",
+    )
+    held = await cluster.client.run(_hold_all_but, 100 * MIB)
+    print(f"the worker's process: {max(held.values()) / MIB:.0f} MiB")
+    started = asyncio.get_running_loop().time()
+    result = await asyncio.wait_for(cluster.client.submit(spiky.grow, 1, hold=200 * MIB, pure=False), 120)
+    waited = asyncio.get_running_loop().time() - started
+    print(f"the task ran after {waited:.1f} s")
+    assert result == pytest.approx(31.0)
+    assert waited >= worker_admission.STALL_SECONDS, "it waited for the room first"
+    assert departures.left == 0
+
+
 def admission_plugin(cluster: processes.Cluster) -> admission.AdmissionPlugin:
     plugin = cluster.scheduler.plugins[admission.NAME]
     assert isinstance(plugin, admission.AdmissionPlugin)
