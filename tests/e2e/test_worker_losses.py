@@ -96,7 +96,16 @@ def test_a_worker_oom_killed_under_a_policy_is_reported_once(real_sandbox: Sandb
     assert loss["pod"] == name and loss["reason"] == "OOMKilled", loss
     assert (loss["keys"], loss["irreplaceableKeys"]) == (KEYS, KEYS), loss  # scattered: none can be recomputed
     assert loss["bytes"] >= KEYS * MiB, loss
-    events = sandbox.get("events", "--field-selector", "reason=WorkerLost,involvedObject.name=tight")["items"]
+
+    def said() -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = sandbox.get(
+            "events", "--field-selector", "reason=WorkerLost,involvedObject.name=tight"
+        )["items"]
+        return found
+
+    # Kopf posts an event from a queue of its own, a moment after the status write that holds the
+    # loss (CI once read the events before it had).
+    events = sandbox.wait_for(said, timeout=30, what="the WorkerLost event")
     assert len(events) == 1 and name in events[0]["message"] and "OOMKilled" in events[0]["message"], events
     after = scrape(sandbox)
     labels = {"namespace": sandbox.namespace, "policy": "tight", "reason": "OOMKilled"}
