@@ -188,21 +188,13 @@ async def test_a_worker_that_left_on_its_own_is_recorded_once_with_its_pods_reas
 
 
 async def _fail_once(monkeypatch: pytest.MonkeyPatch, client: kube.Kube, path: str, work: Any) -> None:
-    """Run ``work`` while the API server answers the first write of ``path`` with a 500."""
-    patch = client.merge_patch
-    failed: list[str] = []
-
-    async def failing(target: str, body: Any) -> Any:
-        if target == path and not failed:
-            failed.append(target)
-            raise kube.ApiError(500, "InternalError", "injected: the status write failed")
-        return await patch(target, body)
-
-    monkeypatch.setattr(client, "merge_patch", failing)
+    """Run ``work`` while the API server answers the first write (a PATCH) of ``path`` with a 500."""
+    request = client.request
+    failed = _fail_request_once(monkeypatch, client, "PATCH", path)
     with pytest.raises(kube.ApiError, match="injected"):
         await work
-    monkeypatch.setattr(client, "merge_patch", patch)
-    assert failed == [path], "the pass wrote its status"
+    monkeypatch.setattr(client, "request", request)
+    assert failed == [("PATCH", path)], "the pass wrote its status"
 
 
 @pytest.mark.parametrize("failing", ["pod", "request", "status"])
@@ -227,14 +219,7 @@ async def test_a_write_that_fails_once_is_done_by_the_next_pass_and_nothing_twic
         Client(scheduler.address, asynchronous=True) as dask_client,
     ):
         data = await dask_client.scatter({f"u{i}": b"u" * 1024 for i in range(3)}, workers=[worker.address])
-        spec = {
-            "scheduler": {"address": scheduler.address},
-            "workload": {"kind": "Deployment", "name": "w"},
-            "replicas": 0,
-        }
-        body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": spec}
-        await kube_client.request("POST", path, body=body)
-        operator = policy.Policy(client=kube_client, body=kopf.Body(await kube_client.get(f"{path}/p")), logger=LOGGER)
+        operator = await _replicas_policy(kube_client, path, scheduler.address, 0)
         failed = _fail_request_once(monkeypatch, kube_client, *writes[failing])
         try:
             await operator.reconcile()
@@ -270,14 +255,7 @@ async def test_a_scale_up_whose_write_fails_once_is_done_and_recorded_once(
         Scheduler(host="127.0.0.1", dashboard_address=":0") as scheduler,
         Worker(scheduler.address, name=POD, nthreads=1),
     ):
-        spec = {
-            "scheduler": {"address": scheduler.address},
-            "workload": {"kind": "Deployment", "name": "w"},
-            "replicas": 1,
-        }
-        body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": spec}
-        await kube_client.request("POST", path, body=body)
-        operator = policy.Policy(client=kube_client, body=kopf.Body(await kube_client.get(f"{path}/p")), logger=LOGGER)
+        operator = await _replicas_policy(kube_client, path, scheduler.address, 1)
         await operator.reconcile()  # at rest at one worker: its status says so
         await kube_client.merge_patch(f"{path}/p", {"spec": {"replicas": 2}})
         operator.body = kopf.Body(await kube_client.get(f"{path}/p"))
@@ -292,6 +270,14 @@ async def test_a_scale_up_whose_write_fails_once_is_done_and_recorded_once(
     assert replicas == 2
     assert status["lastScaleReason"] == "ScaleUp" and [e["change"] for e in status["scaleEvents"]] == [1], status
     assert [e["reason"] for e in events if e["reason"] == "ScaleUp"] == ["ScaleUp"], events
+
+
+async def _replicas_policy(client: kube.Kube, path: str, address: str, replicas: int) -> policy.Policy:
+    """MemoryPolicy ``p`` of Deployment ``w`` at ``replicas`` workers, and its daemon's pass."""
+    spec = {"scheduler": {"address": address}, "workload": {"kind": "Deployment", "name": "w"}, "replicas": replicas}
+    body = {"apiVersion": specs.API_VERSION, "kind": "MemoryPolicy", "metadata": {"name": "p"}, "spec": spec}
+    await client.request("POST", path, body=body)
+    return policy.Policy(client=client, body=kopf.Body(await client.get(f"{path}/p")), logger=LOGGER)
 
 
 def _fail_request_once(monkeypatch: pytest.MonkeyPatch, client: kube.Kube, method: str, path: str) -> list[Any]:
