@@ -32,9 +32,13 @@ def settings(spec: specs.TaskAdmissionSpec) -> dict[str, Any]:
     }
 
 
-def demand_action(spec: specs.MemoryPolicySpec) -> str:
-    """What serves tasks whose peak fits no worker: one more worker (``spec.autoscale``, within
-    maxReplicas: :func:`memops.decisions.autoscaling.with_task_demand`), or nothing."""
+def demand_action(spec: specs.MemoryPolicySpec, resizing: bool = False) -> str:
+    """What serves tasks whose peak fits no worker: a worker grown in place (``spec.resize``:
+    :func:`memops.decisions.resize_decisions.for_demand`, under way: ``resizing``), else one more
+    worker (``spec.autoscale``, within maxReplicas: :func:`memops.decisions.autoscaling.with_task_demand`),
+    or nothing."""
+    if resizing:
+        return "Resize"
     return "Scale" if spec.autoscale is not None else "None"
 
 
@@ -43,6 +47,7 @@ async def reconcile(
     scheduler: daskrpc.Scheduler,
     spec: specs.MemoryPolicySpec,
     old: specs.TaskAdmissionStatus | None,
+    resizing: bool = False,
     namespace: str,
     policy: str,
     logger: logging.Logger | logging.LoggerAdapter[Any],
@@ -67,7 +72,7 @@ async def reconcile(
         )
     figures.pop("owner")
     top = [specs.TaskPeak(**entry) for entry in figures.pop("top")]
-    action = demand_action(spec) if figures["demandTasks"] else ""
+    action = demand_action(spec, resizing) if figures["demandTasks"] else ""
     status = specs.TaskAdmissionStatus(top=top, demandAction=action, **figures)
     metrics.tasks_observed(namespace, policy, status)
     return status

@@ -211,7 +211,7 @@ class Policy:
             departures=await self.departures(selector, snapshot) if snapshot is not None else None,
         )
         current = workloads.replicas_of(workload)
-        resized, disrupted = await self.read_workers(spec, workload, snapshot, now, disruption_due=disruption_due)
+        resized, disrupted = await self.read_workers(spec, old, workload, snapshot, now, disruption_due=disruption_due)
         inputs = policy_decisions.Inputs(
             owner=objects.Owner(name=self.name, namespace=self.namespace, uid=str(self.body.metadata.uid)),
             generation=generation,
@@ -239,6 +239,7 @@ class Policy:
     async def read_workers(
         self,
         spec: specs.MemoryPolicySpec,
+        old: specs.MemoryPolicyStatus,
         workload: dict[str, Any],
         snapshot: snapshots.SchedulerSnapshot | None,
         now: float,
@@ -272,6 +273,7 @@ class Policy:
                 now=now,
                 linked=self.spill_linked if fresh else None,
                 ceiling=ceiling,
+                demand=policy_decisions.task_demand(spec, old),
             )
         if not disruption_due:
             return resized, None
@@ -449,6 +451,7 @@ class Policy:
             scheduler=read.scheduler,
             spec=spec,
             old=found.tasks,
+            resizing=policy_decisions.serves_demand(status.resize, read.inputs.now),
             namespace=self.namespace,
             policy=self.name,
             logger=self.logger,

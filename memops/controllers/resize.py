@@ -73,9 +73,12 @@ async def observe(
     now: float,
     linked: Mapping[str, int] | None = None,
     ceiling: int | None = None,
+    demand: int = 0,
 ) -> tuple[resize_decisions.WorkerSeen, ...]:
     """Each connected worker's inputs to the decision (``snapshot``'s workers are named by their
-    pods). Its node's room is read only for a worker over ``growAbove``: the others do not grow.
+    pods). Its node's room is read only for a worker over ``growAbove``, or for every worker while
+    tasks wait for a capacity that no worker has (``demand``, bytes: one may grow for them): the
+    others do not grow.
 
     ``linked``: worker address -> bytes of its spill that it links from other writers, as the
     workers last reported them (:func:`memops.decisions.shared_spill.linked_bytes`); read only with
@@ -101,7 +104,7 @@ async def observe(
         if seen is None:
             continue
         node = str((pod.get("spec") or {}).get("nodeName") or "")
-        if node and ceiling is not None and resize_decisions.is_pressed(seen, settings):
+        if node and ceiling is not None and (demand > 0 or resize_decisions.is_pressed(seen, settings)):
             if node not in rooms:
                 rooms[node] = await node_room(client, node, default=settings.max_limit)
             seen = dataclasses.replace(seen, inputs=dataclasses.replace(seen.inputs, node_room=rooms[node]))

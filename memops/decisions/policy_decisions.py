@@ -203,11 +203,11 @@ def decide(inputs: Inputs) -> Decision:
     status = observed.status
     running = [r for r in inputs.requests if not objects.is_finished(r)]
 
-    desired, limited, recommended = _aim(inputs, status)
+    resize = _resize(inputs)
+    desired, limited, recommended = _aim(inputs, status, demand_served=serves_demand(resize.record, inputs.now))
     recycle = _recycle(inputs, running, desired) if inputs.recycling is not None else None
     if recycle is not None:
         status.recycle = recycle.record
-    resize = _resize(inputs)
     status.resize = resize.record
     desired += resize.extra
     failed = _latest_failure(inputs.requests)
@@ -409,14 +409,16 @@ def _resize(inputs: Inputs) -> _Resize:
         return _Resize(record=old)
     settings = resize_decisions.within(spec.settings(), inputs.resize_ceiling)
     before = {w.pod: w for w in (old.workers if old is not None else [])}
+    demand = task_demand(inputs.spec, inputs.status)
+    decisions = [_decide_one(seen, before.get(seen.pod), settings, inputs.now, demand) for seen in inputs.resize]
+    if not any(_telling(w, inputs.now) for w in before.values()):
+        # (Dask told a new limit lately: the demand in the status may have been read before that.)
+        grown = resize_decisions.for_demand(inputs.resize, decisions, demand, settings)
+        if grown is not None:
+            decisions[grown[0]] = grown[1]
     entries, orders, events, fallbacks, extra = [], [], [], [], 0
-    for seen in inputs.resize:
+    for seen, decision in zip(inputs.resize, decisions, strict=True):
         held = before.get(seen.pod)
-        decision = resize_decisions.decide(seen.inputs, settings)
-        if _refused_lately(decision, held, seen.inputs, settings, inputs.now):
-            assert held is not None
-            reason = _TAKEN_BACK[held.reason]
-            decision = resize_decisions.refused_lately(seen.inputs, settings, held.message, reason)
         order = _order(seen, decision)
         if order is not None:
             orders.append(order)
@@ -441,6 +443,55 @@ def _resize(inputs: Inputs) -> _Resize:
         message="; ".join(fallbacks),
     )
     return _Resize(extra=extra, orders=tuple(orders), record=record, events=tuple(events))
+
+
+def task_demand(spec: specs.MemoryPolicySpec, status: specs.MemoryPolicyStatus) -> int:
+    """The largest profiled peak of the tasks that wait because it fits no worker (``spec.tasks``),
+    as the last pass read it from the scheduler (``status``); 0: none."""
+    tasks = status.tasks if spec.tasks is not None else None
+    return tasks.demandBytes if tasks is not None and tasks.demandTasks else 0
+
+
+def _decide_one(
+    seen: resize_decisions.WorkerSeen,
+    held: specs.ResizedWorker | None,
+    settings: specs.ResizeSettings,
+    now: float,
+    demand: int,
+) -> resize_decisions.Decision:
+    """One worker's decision, with what its status line remembers: a growth refused lately is not
+    asked again yet, a growth for demand carries its reason until Dask has the limit, and a worker
+    keeps the capacity that waiting tasks need."""
+    Action, Reason = resize_decisions.Action, resize_decisions.Reason
+    decision = resize_decisions.decide(seen.inputs, settings)
+    if _refused_lately(decision, held, seen.inputs, settings, now):
+        assert held is not None
+        decision = resize_decisions.refused_lately(seen.inputs, settings, held.message, _TAKEN_BACK[held.reason])
+    demanded = held is not None and held.reason == Reason.TASK_DEMAND.value
+    if demanded and decision.action in (Action.WAIT, Action.TELL_DASK):
+        decision = dataclasses.replace(decision, reason=Reason.TASK_DEMAND)
+    return resize_decisions.keeps_for_demand(seen, decision, demand)
+
+
+def _telling(line: specs.ResizedWorker, now: float) -> bool:
+    """Whether the worker's line says that Dask was told its new limit less than
+    :data:`memops.decisions.resize_decisions.DEMAND_SETTLE_SECONDS` ago (a grown worker at rest
+    keeps that line for as long as it stays grown)."""
+    if line.action != resize_decisions.Action.TELL_DASK.value:
+        return False
+    age = _line_age(line.time, now)
+    return age is not None and age < resize_decisions.DEMAND_SETTLE_SECONDS
+
+
+def serves_demand(record: specs.ResizeStatus | None, now: float) -> bool:
+    """Whether a growth in place for task admission's demand is under way (asked, applying, or Dask
+    told lately): then no worker is added for that demand, and ``status.tasks`` says Resize."""
+    Action = resize_decisions.Action
+    return record is not None and any(
+        w.reason == resize_decisions.Reason.TASK_DEMAND.value
+        and (w.action in (Action.GROW.value, Action.WAIT.value) or _telling(w, now))
+        for w in record.workers
+    )
 
 
 def _not_allowed(namespace: str, old: specs.ResizeStatus | None) -> _Resize:
@@ -560,9 +611,12 @@ def _resize_events(entry: specs.ResizedWorker, fallback: str) -> list[Event]:
     return []
 
 
-def _aim(inputs: Inputs, status: specs.MemoryPolicyStatus) -> tuple[int, str, autoscaling.Recommendation | None]:
+def _aim(
+    inputs: Inputs, status: specs.MemoryPolicyStatus, *, demand_served: bool = False
+) -> tuple[int, str, autoscaling.Recommendation | None]:
     """The count to steer towards, what limited it ("" if nothing did), and autoscaling's
-    recommendation (None without it). Updates the autoscaler's recommendation history in ``status``."""
+    recommendation (None without it). Updates the autoscaler's recommendation history in ``status``.
+    ``demand_served``: a worker grows in place for task admission's demand, so none is added for it."""
     spec = inputs.spec
     desired = spec.replicas if spec.replicas is not None else inputs.current
     if spec.autoscale is None or inputs.usage is None:
@@ -579,7 +633,8 @@ def _aim(inputs: Inputs, status: specs.MemoryPolicyStatus) -> tuple[int, str, au
     limited = recommended.reason if recommended.limits else ""
     starved = len(status.pressure.starved) if status.pressure is not None else 0
     desired, relief_reason = autoscaling.with_relief(recommended.replicas, inputs.connected, starved, spec.autoscale)
-    tasks = status.tasks if spec.tasks is not None else None  # as the last pass read them from the scheduler
+    # As the last pass read them from the scheduler.
+    tasks = status.tasks if spec.tasks is not None and not demand_served else None
     desired, demand_reason = autoscaling.with_task_demand(
         desired, inputs.connected, tasks, inputs.usage, spec.autoscale
     )

@@ -317,6 +317,7 @@ class Reason(enum.StrEnum):
     RESIZE_FAILED = "ResizeFailed"
     CONTAINER_RESIZED = "ContainerResized"  # Dask's limit differs from the container's
     PRESSURE_GONE = "PressureGone"
+    TASK_DEMAND = "TaskDemand"  # grown: a waiting task's profiled peak fits no worker (spec.tasks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,6 +480,71 @@ def decide(inputs: Inputs, settings: ResizeSettings) -> Decision:
                 Action.SHRINK, Reason.PRESSURE_GONE, limit=limit, request=_request_for(inputs, limit, applied)
             )
     return Decision(Action.NONE, Reason.NO_PRESSURE)
+
+
+# -- growth for task admission's demand ---------------------------------------------------------
+
+DEMAND_SETTLE_SECONDS = 30.0
+"""After any resize of the policy's workers, the least time before a growth for demand: the grown
+worker tells the scheduler its new capacity within a second, and the demand that the policy's
+status holds was read before that, so that growing again at once would grow a second worker for
+the same task."""
+_CHANGES = frozenset({Action.GROW, Action.WAIT, Action.TELL_DASK, Action.SHRINK, Action.REVERT})
+
+
+def capacity(inputs: Inputs, limit: int) -> float:
+    """What task admission sees of a worker of ``limit`` bytes: its pause threshold's bytes."""
+    return (inputs.worker.pause or 0.8) * limit
+
+
+def for_demand(
+    workers: Sequence[WorkerSeen], decisions: Sequence[Decision], demand: int, settings: ResizeSettings
+) -> tuple[int, Decision] | None:
+    """Task admission's demand: tasks wait whose profiled peak, up to ``demand`` bytes, fits no
+    worker's capacity (:func:`capacity`). The one worker to grow in place so that it fits, as the
+    index into ``workers`` and its decision, or None: no demand, a change of the workers' memory
+    already under way (``decisions``, each worker's own from :func:`decide`), a resize less than
+    :data:`DEMAND_SETTLE_SECONDS` ago, or no worker at rest that its node and the policy's maximum
+    let grow far enough. The worker chosen needs the least growth: the limit at which its pause
+    threshold holds its memory now and the task's peak, in whole steps."""
+    if demand <= 0 or any(d.action in _CHANGES for d in decisions):
+        return None
+    if any(
+        w.inputs.seconds_since_resize is not None and w.inputs.seconds_since_resize < DEMAND_SETTLE_SECONDS
+        for w in workers
+    ):
+        return None
+    best: tuple[int, str, int] | None = None  # limit, pod, index
+    for index, (seen, decision) in enumerate(zip(workers, decisions, strict=True)):
+        inputs = seen.inputs
+        applied = inputs.container.applied_limit
+        at_rest = inputs.resize.state is PodResize.NONE and inputs.container.limit == applied == inputs.worker.limit
+        if decision.action is not Action.NONE or not at_rest or applied is None or capacity(inputs, applied) >= demand:
+            continue
+        limit = round_up(math.ceil((used_bytes(inputs) + demand) / (inputs.worker.pause or 0.8)), settings.step)
+        cap = round_down(min(settings.max_limit, applied + inputs.node_room), settings.step)
+        if limit <= cap and (best is None or (limit, seen.pod) < best[:2]):
+            best = (limit, seen.pod, index)
+    if best is None:
+        return None
+    limit, _, index = best
+    inputs = workers[index].inputs
+    applied = inputs.container.applied_limit
+    assert applied is not None
+    message = f"tasks wait whose profiled peak, up to {demand / 2**20:.0f} MiB, fits no worker"
+    return index, Decision(
+        Action.GROW, Reason.TASK_DEMAND, limit=limit, request=_request_for(inputs, limit, applied), message=message
+    )
+
+
+def keeps_for_demand(seen: WorkerSeen, decision: Decision, demand: int) -> Decision:
+    """A decrease that would take from a worker the capacity that waiting tasks need: not now."""
+    applied = seen.inputs.container.applied_limit
+    if decision.action is not Action.SHRINK or demand <= 0 or applied is None or decision.limit is None:
+        return decision
+    if capacity(seen.inputs, decision.limit) < demand <= capacity(seen.inputs, applied):
+        return Decision(Action.NONE, Reason.TASK_DEMAND, message="kept for tasks that wait for its capacity")
+    return decision
 
 
 # -- what the policy pass gathers ----------------------------------------------------------------

@@ -402,8 +402,9 @@ class TaskAdmissionStatus(Model):
     demandBytes: int = pydantic.Field(default=0, description="The largest peak that fits no worker.")
     demandAction: str = pydantic.Field(
         default="",
-        description="What serves that demand: Scale (one more worker, within spec.autoscale.maxReplicas, where a"
-        " new worker could start it), or None (the policy adds no worker for it; in-place growth does not serve it).",
+        description="What serves that demand: Resize (a worker grown in place, spec.resize), Scale (one more"
+        " worker, within spec.autoscale.maxReplicas, where a new worker could start it and no worker can grow"
+        " for it), or None.",
     )
     message: str = pydantic.Field(default="", description="Why admission is not in force, in one line.")
 

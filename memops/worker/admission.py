@@ -37,6 +37,7 @@ Imports nothing of memops but its siblings (sent by value to a stock Dask image)
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import fnmatch
 import gc
@@ -226,6 +227,9 @@ class Admission:
         self.stalled: float | None = None
         """Since when the constrained queue's head waits with no restricted task running (monotonic)."""
         self.reported = 0.0
+        self.told = 0.0
+        """The capacity the scheduler was last told (:meth:`tell_capacity`)."""
+        self.telling: Any = None
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._sample, name="memops-admission", daemon=True)
 
@@ -331,10 +335,21 @@ class Admission:
 
     # -- the loop's tick ------------------------------------------------------------------------
 
+    async def tell_capacity(self) -> None:
+        """Tell the scheduler this worker's capacity (the pause threshold's bytes) again, after its
+        memory limit changed (memops grew or shrank the worker in place), so that a task whose peak
+        fitted no worker before may now be sent here. The worker's own count of the resource stays
+        the room that :meth:`tick` sets (``Worker.set_resources`` would set it to the capacity)."""
+        self.told = self.capacity
+        resources = {**self.worker.state.total_resources, RESOURCE: self.told}
+        await self.worker.scheduler.set_resources(resources=resources, worker=self.worker.contact_address)
+
     def tick(self) -> None:
         state = self.worker.state
         if RESOURCE not in state.total_resources or not self.limit:
             return
+        if self.capacity != self.told and (self.telling is None or self.telling.done()):
+            self.telling = asyncio.ensure_future(self.tell_capacity())
         running = [(e.reserved, e.rss_start) for e in list(self.running.values()) if e.reserved]
         total = room(self.limit, self.pause, self.rss, running, self.spillable())
         state.available_resources[RESOURCE] += total - state.total_resources[RESOURCE]
@@ -460,6 +475,7 @@ class AdmissionPlugin(WorkerPlugin):
         # What the scheduler sees is the capacity (the pause threshold's bytes): whether a task may
         # ever run here. What is free now is this worker's to judge, in ``tick``.
         await worker.set_resources(**{RESOURCE: admission.capacity})
+        admission.told = admission.capacity
         worker.log_event(TOPIC, {"peaks": [], "preempted": 0, "waiting": 0})
         admission.thread.start()
         self.callback = PeriodicCallback(admission.tick, TICK_SECONDS * 1000)

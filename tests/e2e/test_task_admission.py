@@ -6,12 +6,16 @@ in the same namespace, then the same workload under the policy."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import distributed
+from memops_sandbox import common as sandbox_cli
 from memops_sandbox import spiky
 
+from memops.specs.common import parse_quantity
 from tests.e2e.conftest import Sandbox
+from tests.e2e.data import scatter_unique
 from tests.e2e.test_policy import memory_policy
 
 THREADS = 4
@@ -112,3 +116,86 @@ def test_a_spiky_workload_that_kills_stock_workers_finishes_under_admission(sand
     sandbox.kubectl("delete", "mempol/tasks")
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         sandbox.wait_for(lambda: not client.run_on_scheduler(installed), what="admission to leave with the policy")
+
+
+GIB = 2**30
+PEAK = 900 * 2**20
+"""More than the capacity task admission sees of a 1 GiB worker: its pause threshold, 819 MiB."""
+
+
+def worker_pool(sandbox: Sandbox, name: str, memory: str) -> None:
+    """One worker pod of one thread, ``memory`` of container limit, in a Deployment ``name``."""
+    body = sandbox_cli.worker_deployment(
+        sandbox.scheduler_address, 1, memory, image=sandbox_cli.DASK_IMAGE, namespace=None
+    )
+    body["metadata"]["name"] = name
+    body["metadata"]["labels"] = body["spec"]["selector"]["matchLabels"] = {"app": name}
+    body["spec"]["template"]["metadata"]["labels"] = {"app": name}
+    sandbox.apply(body)
+
+
+def test_a_task_that_fits_no_worker_grows_one_in_place(sandbox_factory: Callable[..., Sandbox]) -> None:
+    """A prefix profiled at 900 MiB on a pool of 2 GiB workers that then scaled to zero: its next
+    task fits no worker left (1 GiB: a capacity of 819 MiB), and waits. Under a policy with
+    ``spec.tasks`` and ``spec.resize``, memops grows that worker's pod in place, tells Dask, and
+    the task runs there: the right result, the same container (restartCount 0), no key lost, and
+    the status says that growth served the demand."""
+    sandbox = sandbox_factory(0)
+
+    # Run on the scheduler; nested, so sent by value (the scheduler cannot import the tests).
+    def suppliers(dask_scheduler: Any) -> list[str]:
+        return sorted(dask_scheduler.resources.get("memops-memory", {}))
+
+    def worker_of(client: distributed.Client, pool: str) -> str | None:
+        found = [
+            a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if str(w["name"]).startswith(pool)
+        ]
+        return found[0] if len(found) == 1 else None
+
+    worker_pool(sandbox, "big", "2GiB")
+    worker_pool(sandbox, "small", "1GiB")
+    sandbox.apply(memory_policy("demand", sandbox.scheduler_address, "small", tasks={}, resize={"maxLimit": "2Gi"}))
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        big = sandbox.wait_for(lambda: worker_of(client, "big"), timeout=180, what="the big pool's worker")
+        small = sandbox.wait_for(lambda: worker_of(client, "small"), timeout=180, what="the small pool's worker")
+        sandbox.wait_for(
+            lambda: len(client.run_on_scheduler(suppliers)) == 2, what="both workers supply memops' resource"
+        )
+        [pod] = sandbox.get("pods", "-l", "app=small")["items"]
+        name = pod["metadata"]["name"]
+        holdings = scatter_unique(client, {name: 16}, size=4 * 2**20)
+        assert client.submit(spiky.grow, 0, hold=PEAK, workers=[big], pure=False).result(timeout=120) == 30.0
+        sandbox.wait_for(
+            lambda: any(
+                p["prefix"] == "grow" and p["peakBytes"] >= 850 * 2**20
+                for p in (sandbox.get("mempol", "demand").get("status", {}).get("tasks") or {}).get("top", [])
+            ),
+            timeout=120,
+            what="the prefix profiled on the big pool",
+        )
+        sandbox.kubectl("scale", "deployment", "big", "--replicas=0")
+        sandbox.wait_for(lambda: worker_of(client, "big") is None, timeout=120, what="the big pool gone")
+        [before] = sandbox.get("pod", name)["status"]["containerStatuses"]
+
+        task = client.submit(spiky.grow, 1, hold=PEAK, pure=False)
+        said = sandbox.wait_for(
+            lambda: (
+                (t := sandbox.get("mempol", "demand").get("status", {}).get("tasks") or {}).get("demandAction")
+                == "Resize"
+                and t
+            ),
+            timeout=120,
+            what="status.tasks to say that a worker grows for the demand",
+        )
+        print(f"status.tasks: {said}")
+        assert said["demandTasks"] == 1 and said["demandBytes"] >= 850 * 2**20, said
+        assert task.result(timeout=240) == 31.0
+        assert worker_of(client, "small") == small, "the same worker process ran it"
+        holdings.assert_all_correct()
+    pod = sandbox.get("pod", name)
+    [after] = pod["status"]["containerStatuses"]
+    assert (after["containerID"], after["restartCount"]) == (before["containerID"], 0), after
+    limit = parse_quantity(pod["spec"]["containers"][0]["resources"]["limits"]["memory"])
+    assert limit >= (PEAK + 100 * 2**20) / 0.8, limit
+    lines = sandbox.get("mempol", "demand")["status"]["resize"]["workers"]
+    assert [(w["pod"], w["reason"]) for w in lines] == [(name, "TaskDemand")], lines

@@ -13,7 +13,7 @@ from distributed import KilledWorker
 from distributed.diagnostics.plugin import SchedulerPlugin
 from memops_sandbox import dask_direct, spiky
 
-from memops.scheduler import admission
+from memops.scheduler import admission, agent
 from memops.worker import admission as worker_admission
 from tests import polling
 from tests.scheduler import processes
@@ -184,6 +184,42 @@ async def test_memory_that_no_task_holds_delays_a_task_but_not_for_ever(cluster:
     assert result == pytest.approx(31.0)
     assert waited >= worker_admission.STALL_SECONDS, "it waited for the room first"
     assert departures.left == 0
+
+
+@pytest.mark.dask_cluster(workers=1)
+async def test_a_worker_grown_in_place_takes_a_task_that_fitted_no_worker(cluster: processes.Cluster) -> None:
+    """A prefix profiled at 900 MiB fits no worker of 1 GiB (its capacity is the pause threshold's
+    819 MiB): its task waits, counted as demand. Once the worker's limit is grown in place to
+    1.5 GiB (the agent's ``resize``, as memops does after the kubelet applied the pod's), the
+    worker tells the scheduler its new capacity and the task runs there (before, the scheduler kept
+    the capacity of the worker's start, and the task waited for ever)."""
+    settings = {**SETTINGS, "probe": False, "preemptAbove": None}
+    await dask_direct.configure_admission(cluster.address, settings=settings, owner=OWNER)
+    [address] = cluster.scheduler.workers
+    supplied = cluster.scheduler.resources
+    await polling.poll(
+        lambda: address in supplied.get(worker_admission.RESOURCE, {}), timeout=30, what="the worker's resource"
+    )
+    assert supplied[worker_admission.RESOURCE][address] == pytest.approx(0.8 * 2**30)
+    admission_plugin(cluster).profiles.add(spiky.grow.__name__, 900 * MIB)
+    future = cluster.client.submit(spiky.grow, 0, hold=100 * MIB, pure=False)
+    await polling.poll(
+        lambda: admission_plugin(cluster).plain()["demandTasks"] == 1, timeout=30, what="the task counted as demand"
+    )
+    assert admission_plugin(cluster).plain()["demandBytes"] == 900 * MIB
+    await asyncio.sleep(1)
+    assert cluster.scheduler.tasks[future.key].state == "no-worker"
+
+    agent.install(cluster.scheduler)
+    grown = 3 * 2**29
+    reply = await cluster.scheduler.handlers[agent.NAME](
+        operation="resize", worker=address, memory_limit=grown, maximum=grown
+    )
+    assert reply["result"]["refused"] is None, reply
+
+    assert await asyncio.wait_for(future, 60) == pytest.approx(30.0)
+    assert supplied[worker_admission.RESOURCE][address] == pytest.approx(0.8 * grown)
+    assert admission_plugin(cluster).plain()["demandTasks"] == 0
 
 
 def admission_plugin(cluster: processes.Cluster) -> admission.AdmissionPlugin:

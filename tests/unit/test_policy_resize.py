@@ -9,6 +9,7 @@ namespace where the administrator allows growth up to 64Gi; each case changes wh
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import pytest
@@ -66,6 +67,7 @@ def _inputs(
     current: int = 4,
     old: specs.ResizeStatus | None = None,
     now: float = NOW,
+    tasks: specs.TaskAdmissionStatus | None = None,
     **fields: Any,
 ) -> policy_decisions.Inputs:
     reachable = conditions.set_condition([], "SchedulerReachable", True, reason="Connected", generation=3)
@@ -76,7 +78,7 @@ def _inputs(
         owner=OWNER,
         generation=3,
         spec=spec or _spec(),
-        status=specs.MemoryPolicyStatus(conditions=reachable, resize=old),
+        status=specs.MemoryPolicyStatus(conditions=reachable, resize=old, tasks=tasks),
         current=current,
         replicas=current,
         now=now,
@@ -475,3 +477,135 @@ def test_a_growth_deferred_past_the_bound_is_taken_back_and_not_asked_again_at_o
         _inputs(_worker(900 * Mi, since=610), current=5, old=third.status.resize, now=NOW + 610)
     )
     assert _orders(again) == [(Action.GROW, 1536 * Mi, 1536 * Mi)]
+
+
+# -- growth for task admission's demand ----------------------------------------------------------
+
+DEMAND = specs.TaskAdmissionStatus(demandTasks=2, demandBytes=900 * Mi, demandAction="None")
+"""On the last pass: two tasks wait whose profiled peak (900Mi) fits no worker of 1Gi (its pause
+threshold, 80%, is 819.2Mi)."""
+FOR_DEMAND = 1536 * Mi  # (300Mi held + 900Mi) / 80% = 1500Mi, up to a multiple of 64Mi
+
+
+def _named(seen: rd.WorkerSeen, pod: str, **inputs: Any) -> rd.WorkerSeen:
+    return rd.WorkerSeen(pod, f"tcp://{pod}:1234", seen.container, dataclasses.replace(seen.inputs, **inputs))
+
+
+def test_tasks_that_fit_no_worker_grow_one_worker_in_place() -> None:
+    """The worker that needs the least growth grows, to where its pause threshold holds its memory
+    and the peak; the status and an event say why; no other worker grows on the same pass."""
+    workers = (_named(_worker(300 * Mi), "w-1"), _named(_worker(500 * Mi), "w-0"))
+    decision = policy_decisions.decide(_inputs(*workers, spec=_spec(tasks={}), tasks=DEMAND))
+    assert [(o.pod, o.action, o.limit) for o in decision.resizes] == [("w-1", Action.GROW, FOR_DEMAND)]
+    assert decision.status.resize is not None
+    assert [(w.pod, w.action, w.reason, w.limit) for w in decision.status.resize.workers] == [
+        ("w-1", "Grow", "TaskDemand", "1536Mi")
+    ]
+    assert ("Normal", "Grow", "w-1 grows to 1536Mi (TaskDemand)") in [
+        (e.type, e.reason, e.message) for e in decision.events
+    ]
+    assert policy_decisions.serves_demand(decision.status.resize, NOW)
+
+
+@pytest.mark.parametrize(
+    ("spec", "tasks", "worker", "fields"),
+    [
+        pytest.param(_spec(), DEMAND, _worker(), {}, id="admission-off"),
+        pytest.param(_spec(tasks={}), None, _worker(), {}, id="no-demand"),
+        pytest.param(_spec(tasks={}), DEMAND.model_copy(update={"demandTasks": 0}), _worker(), {}, id="none-waiting"),
+        pytest.param(_spec(tasks={}, resize={"maxLimit": "1280Mi"}), DEMAND, _worker(), {}, id="over-max-limit"),
+        pytest.param(_spec(tasks={}), DEMAND, _worker(since=10), {}, id="resized-lately"),
+        pytest.param(_spec(tasks={}), DEMAND, _worker(state=rd.PodResize.IN_PROGRESS), {}, id="resizing"),
+        pytest.param(_spec(tasks={}), DEMAND, _worker(), {"resize_ceiling": Gi}, id="administrators-ceiling"),
+    ],
+)
+def test_no_growth_for_demand(
+    spec: specs.MemoryPolicySpec, tasks: specs.TaskAdmissionStatus | None, worker: rd.WorkerSeen, fields: Any
+) -> None:
+    decision = policy_decisions.decide(_inputs(worker, spec=spec, tasks=tasks, **fields))
+    assert [o for o in decision.resizes if o.action is Action.GROW] == []
+
+
+def test_a_node_without_room_for_the_growth_grows_another_worker() -> None:
+    full = _named(_worker(100 * Mi), "w-0", node_room=128 * Mi)  # it would need 1280Mi
+    roomy = _named(_worker(300 * Mi), "w-1")
+    decision = policy_decisions.decide(_inputs(full, roomy, spec=_spec(tasks={}), tasks=DEMAND))
+    assert [(o.pod, o.limit) for o in decision.resizes] == [("w-1", FOR_DEMAND)]
+
+
+def test_the_growth_for_demand_keeps_its_reason_until_dask_has_the_limit_then_settles() -> None:
+    """Applying, then Dask told: the line says TaskDemand throughout, and no worker grows again
+    for the same demand (its figure in the status was read before the worker's new capacity
+    reached the scheduler) until the line has settled."""
+    spec = _spec(tasks={})
+    asked = specs.ResizedWorker(
+        pod="w-1", action="Grow", reason="TaskDemand", limit="1536Mi", time="2027-01-15T08:00:00Z"
+    )
+    applying = _named(_worker(asked=FOR_DEMAND, state=rd.PodResize.IN_PROGRESS, since=5), "w-1")
+    other = _named(_worker(), "w-2")
+    waiting = policy_decisions.decide(
+        _inputs(applying, other, spec=spec, tasks=DEMAND, old=specs.ResizeStatus(workers=[asked]))
+    )
+    assert waiting.resizes == ()
+    assert waiting.status.resize is not None
+    assert [(w.pod, w.action, w.reason) for w in waiting.status.resize.workers] == [("w-1", "Wait", "TaskDemand")]
+    assert policy_decisions.serves_demand(waiting.status.resize, NOW)
+
+    applied = _named(_worker(limit=FOR_DEMAND, dask_limit=Gi, since=40), "w-1")
+    told = policy_decisions.decide(_inputs(applied, other, spec=spec, tasks=DEMAND, old=waiting.status.resize))
+    assert [(o.pod, o.action, o.limit) for o in told.resizes] == [("w-1", Action.TELL_DASK, FOR_DEMAND)]
+    assert told.status.resize is not None
+
+    grown = _named(_worker(limit=FOR_DEMAND, since=45), "w-1")
+    later = NOW + 5
+    after = policy_decisions.decide(_inputs(grown, other, spec=spec, tasks=DEMAND, old=told.status.resize, now=later))
+    assert after.resizes == (), "the demand read before Dask had the limit grows no second worker"
+    assert policy_decisions.serves_demand(after.status.resize, later)
+    settled = NOW + rd.DEMAND_SETTLE_SECONDS + 1
+    assert not policy_decisions.serves_demand(after.status.resize, settled)
+
+
+def test_growth_serves_the_demand_before_a_new_worker_does() -> None:
+    """With both growth and autoscaling: a worker grows in place and none is added for the demand;
+    where none can grow far enough, one more worker is."""
+    autoscale = {"minReplicas": 1, "maxReplicas": 8, "targetMemoryUtilization": 50}
+    # At the target (4 recommended), and a new worker's limit (1.25Gi a worker, on average) holds the peak.
+    usage = autoscaling.Usage(workers=4, held=5 * Gi // 2, limit=5 * Gi)
+    grows = policy_decisions.decide(
+        _inputs(_worker(), spec=_spec(tasks={}, autoscale=autoscale, replicas=None), tasks=DEMAND, usage=usage)
+    )
+    assert [o.action for o in grows.resizes] == [Action.GROW]
+    assert grows.desired == 4
+    capped = _spec(tasks={}, autoscale=autoscale, replicas=None, resize={"maxLimit": "1Gi"})
+    scales = policy_decisions.decide(_inputs(_worker(), spec=capped, tasks=DEMAND, usage=usage))
+    assert scales.resizes == ()
+    assert scales.desired == 5
+
+
+def test_a_grown_worker_keeps_the_capacity_that_waiting_tasks_need() -> None:
+    """At rest past its cooldown, a worker grown to 1536Mi would shrink back to 1Gi; while tasks
+    wait whose peak only its capacity holds, it does not. With no such tasks, it does."""
+    grown = _worker(300 * Mi, limit=FOR_DEMAND, since=3600)
+    line = specs.ResizedWorker(pod="w-1", action="TellDask", reason="TaskDemand", limit="1536Mi", time="t")
+    waiting = specs.TaskAdmissionStatus(demandTasks=1, demandBytes=1000 * Mi)
+    kept = policy_decisions.decide(
+        _inputs(grown, spec=_spec(tasks={}), tasks=waiting, old=specs.ResizeStatus(workers=[line]))
+    )
+    assert kept.resizes == ()
+    shrinks = policy_decisions.decide(_inputs(grown, spec=_spec(tasks={}), old=specs.ResizeStatus(workers=[line])))
+    assert [(o.action, o.limit) for o in shrinks.resizes] == [(Action.SHRINK, Gi)]
+
+
+@pytest.mark.parametrize(
+    ("resizing", "autoscale", "expected"),
+    [
+        (True, None, "Resize"),
+        (False, {"minReplicas": 1, "maxReplicas": 4, "targetMemoryUtilization": 50}, "Scale"),
+        (False, None, "None"),
+    ],
+)
+def test_the_demand_action_says_what_serves_it(resizing: bool, autoscale: Any, expected: str) -> None:
+    from memops.controllers import admission_install
+
+    spec = _spec(tasks={}, autoscale=autoscale, replicas=None if autoscale else 4)
+    assert admission_install.demand_action(spec, resizing) == expected
