@@ -460,6 +460,9 @@ def run_steps(soak: Soak, minutes: float) -> None:
         started = time.monotonic()
         print(f"step {soak.step}: {fault}", flush=True)
         before, drains = soak.snapshot(), soak.scale_downs()
+        single = sum(1 for k in soak.replicated if len(before.get(k, ())) < 2 and not k.startswith(f"rep-{soak.step}-"))
+        if single:  # older than this step's top-up, yet not copied twice: the target is behind
+            print(f"  {single} of the earlier replicated keys have one copy", flush=True)
         abrupt = soak.inject(fault)
         soak.settle()
         soak.rows[fault].injected += 1
