@@ -49,13 +49,24 @@ tasks (the default ``maxTasks``) cancelled once placed (with the time spent in a
 collection of the scheduler's process within the longest hold, which a pass that allocates may
 trigger). Goals: under 200 ms per 100,000 tasks, no hold of the event loop over 50 ms.
 
-    python bench/placement.py           # the full pass: about 4.5 minutes on 2 cores
-    python bench/placement.py --small   # the quick pass: under 90 s
+With ``--real-nodes``, the workloads run on the sandbox's real Nodes instead: one scheduler pod and
+four worker pods of one thread, with a 2 GiB container limit each (the Dask Helm chart's
+Deployment, spread over both Nodes, so that transfers cross the CNI's network), the same workers
+for every row, their processes restarted by their nannies before each (``client.restart``); the
+mode is set on the running scheduler (its ``WORKER_SATURATION``, and placement installed or
+removed, as the agent does); peak memory is the largest sum of the worker containers' memory
+cgroups (their processes' anonymous pages, the kernel's count), sampled every 0.1 s.
+
+    python bench/placement.py                 # the full pass: about 4.5 minutes on 2 cores
+    python bench/placement.py --small         # the quick pass: under 90 s
+    python bench/placement.py --real-nodes    # one run on real Nodes: about 10 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
 import gc
 import operator
@@ -64,11 +75,13 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import benchkit
+import cloudpickle
 import dask
 import dask.array as da
 import distributed
@@ -76,6 +89,7 @@ import numpy as np
 import pandas as pd
 import psutil
 from dask.delayed import Delayed
+from memops_sandbox import nodes as real_nodes
 
 from memops.scheduler import placement
 
@@ -84,6 +98,8 @@ WORKERS = 4
 MODES: dict[str, float | str] = {"stock": 1.1, "stock-inf": "inf", "memops": 1.1}
 """Each mode's ``distributed.scheduler.worker-saturation``; memops adds placement to the default."""
 SAMPLE_SECONDS = 0.1
+NODE_WORKER_MEMORY = "2GiB"
+LOG_LENGTH = 100_000
 GROUPING_GOAL_MS = 200.0  # per 100,000 tasks
 HOLD_GOAL_MS = 50.0
 
@@ -108,6 +124,21 @@ def _fetched(dask_worker: Any = None) -> int:
 def _install(dask_scheduler: Any = None) -> dict[str, Any] | None:
     """Install placement (idempotent): returns its figures."""
     return placement.configure(dask_scheduler, True)
+
+
+def _remove(dask_scheduler: Any = None) -> None:
+    placement.configure(dask_scheduler, False)
+
+
+def _saturation(value: float, dask_scheduler: Any = None) -> None:
+    """The mode's ``worker-saturation`` on a running scheduler, between computations (what its
+    ``__init__`` sets from the configuration)."""
+    dask_scheduler.WORKER_SATURATION = float(value)
+
+
+def _long_logs(dask_worker: Any = None) -> None:
+    """Every transfer stays in this worker's log (1,000 entries by default)."""
+    dask_worker.transfer_incoming_log = collections.deque(dask_worker.transfer_incoming_log, maxlen=LOG_LENGTH)
 
 
 # The workloads.
@@ -227,6 +258,46 @@ class PeakRss:
         self.peak = max(self.peak, self.sample())
 
 
+class PeakCgroups(PeakRss):
+    """The largest sum of some memory cgroups' anonymous pages (containers on real Nodes)."""
+
+    def __init__(self, cgroups: Sequence[Path], interval: float = SAMPLE_SECONDS) -> None:
+        self.cgroups = cgroups
+        super().__init__((), interval)
+
+    def sample(self) -> int:
+        return sum(real_nodes.memory_stat(cgroup)["anon"] for cgroup in self.cgroups)
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The workers on real Nodes: a client of their scheduler, and their containers' cgroups."""
+
+    client: distributed.Client
+    cgroups: list[Path]
+
+
+@contextlib.contextmanager
+def real_node_workers() -> Iterator[Nodes]:
+    cloudpickle.register_pickle_by_value(placement)  # the scheduler's image has no memops
+    with (
+        benchkit.running_sandbox(WORKERS, "--worker-memory", NODE_WORKER_MEMORY, "--no-operator") as box,
+        distributed.Client(box.address, timeout=60) as client,
+    ):
+        client.wait_for_workers(WORKERS, timeout=300)
+        pods = benchkit.kubectl(
+            box.env,
+            "get",
+            "pods",
+            "-l",
+            "app=dask-worker",
+            "-o",
+            "jsonpath={.items[*].status.containerStatuses[0].containerID}",
+        )
+        cgroups = [real_nodes.memory_cgroup(real_nodes.container_pid(c)) for c in pods.split()]
+        yield Nodes(client, cgroups)
+
+
 @dataclass
 class Row:
     workload: str
@@ -246,7 +317,7 @@ def cluster(saturation: float | str, logs: bool = True) -> distributed.LocalClus
     config: dict[str, Any] = {"distributed.scheduler.worker-saturation": saturation}
     if logs:
         # Every transfer stays in the workers' logs (1,000 entries by default).
-        config["distributed.admin.low-level-log-length"] = 100_000
+        config["distributed.admin.low-level-log-length"] = LOG_LENGTH
     with dask.config.set(config):
         return distributed.LocalCluster(
             n_workers=WORKERS,
@@ -257,14 +328,22 @@ def cluster(saturation: float | str, logs: bool = True) -> distributed.LocalClus
         )
 
 
-def run(workload: str, mode: str, small: bool, number: int = 0) -> Row:
-    with cluster(MODES[mode]) as local, distributed.Client(local) as client:
-        pids = list(client.run(_warm).values())
-        if mode == "memops":
-            client.run_on_scheduler(_install)
+def run(workload: str, mode: str, small: bool, number: int = 0, nodes: Nodes | None = None) -> Row:
+    with contextlib.ExitStack() as stack:
+        if nodes is None:
+            client = stack.enter_context(distributed.Client(stack.enter_context(cluster(MODES[mode]))))
+            memory = PeakRss(list(client.run(_warm).values()))
+        else:
+            client = nodes.client
+            client.restart()  # fresh worker processes: nothing held over from the last row
+            client.run(_warm)
+            client.run(_long_logs)
+            client.run_on_scheduler(_saturation, float(MODES[mode]))
+            memory = PeakCgroups(nodes.cgroups)
+        client.run_on_scheduler(_install if mode == "memops" else _remove)
         collection, expected = WORKLOADS[workload](small)
         before = sum(client.run(_fetched).values())
-        with PeakRss(pids) as memory:
+        with memory:
             started = time.perf_counter()
             result = client.compute(collection).result()
             seconds = time.perf_counter() - started
@@ -550,30 +629,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, help="runs of every workload and mode (default: 3, or 1 with --small)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--skip-cost", action="store_true", help="the workloads only, not placement's own cost")
+    parser.add_argument("--real-nodes", action="store_true", help="the workloads on the sandbox's real Nodes")
     args = parser.parse_args(argv)
-    runs = args.runs or (1 if args.small else 3)
+    runs = args.runs or (1 if args.small or args.real_nodes else 3)
     started = time.perf_counter()
     rows = []
-    for number in range(runs):
-        for workload in args.workloads:
-            # The modes' order turns from run to run, so that none always runs first.
-            modes = list(MODES)[number % len(MODES) :] + list(MODES)[: number % len(MODES)]
-            for mode in modes:
-                row = run(workload, mode, args.small, number)
-                rows.append(row)
-                print(
-                    f"run {number} {workload} {mode}: {row.seconds:.2f} s, {row.moved / MIB:.1f} MiB moved,"
-                    f" peak {row.peak / MIB:.0f} MiB",
-                    flush=True,
-                )
+    with real_node_workers() if args.real_nodes else contextlib.nullcontext() as nodes:
+        for number in range(runs):
+            for workload in args.workloads:
+                # The modes' order turns from run to run, so that none always runs first.
+                modes = list(MODES)[number % len(MODES) :] + list(MODES)[: number % len(MODES)]
+                for mode in modes:
+                    row = run(workload, mode, args.small, number, nodes)
+                    rows.append(row)
+                    print(
+                        f"run {number} {workload} {mode}: {row.seconds:.2f} s, {row.moved / MIB:.1f} MiB moved,"
+                        f" peak {row.peak / MIB:.0f} MiB",
+                        flush=True,
+                    )
     agree(rows)
     idle = [r.idle / MIB for r in rows]
+    where = (
+        f"four worker pods of one thread on two real Nodes, {NODE_WORKER_MEMORY} container limit each, their processes"
+        " restarted before each workload and mode"
+        if args.real_nodes
+        else "four workers of one thread, 2 GiB each, a fresh LocalCluster per workload, mode and run"
+    )
+    memory = "the worker containers' memory cgroups (anonymous pages)" if args.real_nodes else "the workers' RSS"
     print(
-        f"\n{'--small: ' if args.small else ''}four workers of one thread, 2 GiB each, a fresh LocalCluster per"
-        f" workload, mode and run; {f'median of {runs} runs' if runs > 1 else 'one run'}, ratios to stock within"
-        " each run"
+        f"\n{'--small: ' if args.small else ''}{where}; {f'median of {runs} runs' if runs > 1 else 'one run'}, ratios"
+        " to stock within each run"
         f"{' (range in brackets)' if runs > 1 else ''}; no ratio where stock moved less than 1 MiB. Peak: the largest"
-        f" sum of the workers' RSS, sampled every {SAMPLE_SECONDS} s, from {min(idle):.0f}-{max(idle):.0f} MiB before"
+        f" sum of {memory}, sampled every {SAMPLE_SECONDS} s, from {min(idle):.0f}-{max(idle):.0f} MiB before"
         " the compute (a persisted input included). Placement ms: the time the plugin held the scheduler's event"
         " loop, and what it did with the graph.\n"
     )
