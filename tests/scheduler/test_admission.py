@@ -154,6 +154,15 @@ def _hold_all_but(room: int) -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def _room(dask_worker: Any) -> float:
+    return float(dask_worker.state.available_resources.get(worker_admission.RESOURCE, 0.0))
+
+
+async def _short_of(cluster: processes.Cluster, nbytes: int) -> bool:
+    rooms = await cluster.client.run(_room)
+    return bool(rooms) and all(room < nbytes for room in rooms.values())
+
+
 @pytest.mark.dask_cluster(workers=1)
 async def test_memory_that_no_task_holds_delays_a_task_but_not_for_ever(cluster: processes.Cluster) -> None:
     """The worker's process holds memory that no task does, up to 100 MiB under its pause threshold
@@ -177,6 +186,11 @@ async def test_memory_that_no_task_holds_delays_a_task_but_not_for_ever(cluster:
     )
     held = await cluster.client.run(_hold_all_but, 100 * MIB)
     print(f"the worker's process: {max(held.values()) / MIB:.0f} MiB")
+    # The room the worker's tick last counted, from its memory sampled every 20 ms: until it counts
+    # what was just held, a task that arrives finds the room of before (CI once saw it start at once).
+    await polling.poll(
+        lambda: _short_of(cluster, 200 * MIB), timeout=10, what="the worker's room to count the memory held"
+    )
     started = asyncio.get_running_loop().time()
     result = await asyncio.wait_for(cluster.client.submit(spiky.grow, 1, hold=200 * MIB, pure=False), 120)
     waited = asyncio.get_running_loop().time() - started
