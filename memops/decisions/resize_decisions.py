@@ -320,6 +320,10 @@ class Reason(enum.StrEnum):
     TASK_DEMAND = "TaskDemand"  # grown: a waiting task's profiled peak fits no worker (spec.tasks)
 
 
+DASK_PAUSE = 0.8
+"""Dask's default pause fraction (``distributed.worker.memory.pause``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerMemory:
     """Dask's view of a worker (the scheduler's ``WorkerState.memory`` and ``memory_limit``), bytes."""
@@ -330,7 +334,7 @@ class WorkerMemory:
     spilled: int
     limit: int  # Dask's memory limit
     target: float | None = 0.6  # Dask's fractions (None: off)
-    pause: float | None = 0.8
+    pause: float | None = DASK_PAUSE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,9 +496,14 @@ the same task."""
 _CHANGES = frozenset({Action.GROW, Action.WAIT, Action.TELL_DASK, Action.SHRINK, Action.REVERT})
 
 
+def _pause(inputs: Inputs) -> float:
+    """The worker's pause fraction; where pausing is off, Dask's default, as task admission takes it."""
+    return inputs.worker.pause or DASK_PAUSE
+
+
 def capacity(inputs: Inputs, limit: int) -> float:
     """What task admission sees of a worker of ``limit`` bytes: its pause threshold's bytes."""
-    return (inputs.worker.pause or 0.8) * limit
+    return _pause(inputs) * limit
 
 
 def for_demand(
@@ -521,7 +530,7 @@ def for_demand(
         at_rest = inputs.resize.state is PodResize.NONE and inputs.container.limit == applied == inputs.worker.limit
         if decision.action is not Action.NONE or not at_rest or applied is None or capacity(inputs, applied) >= demand:
             continue
-        limit = round_up(math.ceil((used_bytes(inputs) + demand) / (inputs.worker.pause or 0.8)), settings.step)
+        limit = round_up(math.ceil((used_bytes(inputs) + demand) / _pause(inputs)), settings.step)
         cap = round_down(min(settings.max_limit, applied + inputs.node_room), settings.step)
         if limit <= cap and (best is None or (limit, seen.pod) < best[:2]):
             best = (limit, seen.pod, index)
