@@ -339,10 +339,16 @@ class Admission:
         """Tell the scheduler this worker's capacity (the pause threshold's bytes) again, after its
         memory limit changed (memops grew or shrank the worker in place), so that a task whose peak
         fitted no worker before may now be sent here. The worker's own count of the resource stays
-        the room that :meth:`tick` sets (``Worker.set_resources`` would set it to the capacity)."""
-        self.told = self.capacity
-        resources = {**self.worker.state.total_resources, RESOURCE: self.told}
-        await self.worker.scheduler.set_resources(resources=resources, worker=self.worker.contact_address)
+        the room that :meth:`tick` sets (``Worker.set_resources`` would set it to the capacity). A
+        tell that fails (the scheduler out of reach) is made again on a later tick."""
+        capacity = self.capacity
+        resources = {**self.worker.state.total_resources, RESOURCE: capacity}
+        try:
+            await self.worker.scheduler.set_resources(resources=resources, worker=self.worker.contact_address)
+        except OSError as exc:  # distributed's CommClosedError among them
+            logger.debug("memops admission: the scheduler was not told the capacity: %s", exc)
+            return
+        self.told = capacity
 
     def tick(self) -> None:
         state = self.worker.state
