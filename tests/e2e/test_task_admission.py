@@ -57,6 +57,15 @@ def restarts(sandbox: Sandbox) -> dict[str, tuple[str, int]]:
     }
 
 
+def suppliers(client: distributed.Client) -> list[str]:
+    """The workers that supply memops' resource: those whose admission plugin is set up."""
+
+    def supplying(dask_scheduler: Any) -> list[str]:  # nested: sent by value, as tests/ is not importable there
+        return sorted(dask_scheduler.resources.get("memops-memory", {}))
+
+    return list(client.run_on_scheduler(supplying))
+
+
 def run(sandbox: Sandbox) -> tuple[str, set[str], set[str]]:
     """The workload once: its outcome, and the workers before and after (a worker process that the
     nanny or the kernel killed comes back at another address)."""
@@ -76,9 +85,6 @@ def run(sandbox: Sandbox) -> tuple[str, set[str], set[str]]:
 
 def test_a_spiky_workload_that_kills_stock_workers_finishes_under_admission(sandbox: Sandbox) -> None:
     # Run on the scheduler; nested, so sent by value (the scheduler cannot import the tests).
-    def suppliers(dask_scheduler: Any) -> list[str]:
-        return sorted(dask_scheduler.resources.get("memops-memory", {}))
-
     def installed(dask_scheduler: Any) -> bool:
         return "memops-admission" in dask_scheduler.plugins or "memops_admission" in dask_scheduler.worker_plugins
 
@@ -94,9 +100,7 @@ def test_a_spiky_workload_that_kills_stock_workers_finishes_under_admission(sand
         what="status.tasks: admission installed",
     )
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
-        sandbox.wait_for(
-            lambda: len(client.run_on_scheduler(suppliers)) == 4, what="every worker supplies memops' resource"
-        )
+        sandbox.wait_for(lambda: len(suppliers(client)) == 4, what="every worker supplies memops' resource")
     containers = restarts(sandbox)
     outcome, before, after = run(sandbox)
     print(f"memops: {outcome}; workers before {len(before)}, after {len(after)}")
@@ -142,10 +146,6 @@ def test_a_task_that_fits_no_worker_grows_one_in_place(sandbox_factory: Callable
     the status says that growth served the demand."""
     sandbox = sandbox_factory(0)
 
-    # Run on the scheduler; nested, so sent by value (the scheduler cannot import the tests).
-    def suppliers(dask_scheduler: Any) -> list[str]:
-        return sorted(dask_scheduler.resources.get("memops-memory", {}))
-
     def worker_of(client: distributed.Client, pool: str) -> str | None:
         found = [
             a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if str(w["name"]).startswith(pool)
@@ -158,9 +158,7 @@ def test_a_task_that_fits_no_worker_grows_one_in_place(sandbox_factory: Callable
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         big = sandbox.wait_for(lambda: worker_of(client, "big"), timeout=180, what="the big pool's worker")
         small = sandbox.wait_for(lambda: worker_of(client, "small"), timeout=180, what="the small pool's worker")
-        sandbox.wait_for(
-            lambda: len(client.run_on_scheduler(suppliers)) == 2, what="both workers supply memops' resource"
-        )
+        sandbox.wait_for(lambda: len(suppliers(client)) == 2, what="both workers supply memops' resource")
         [pod] = sandbox.get("pods", "-l", "app=small")["items"]
         name = pod["metadata"]["name"]
         holdings = scatter_unique(client, {name: 16}, size=4 * 2**20)
