@@ -17,6 +17,14 @@ threshold count as room (:func:`room`): a task may make Dask spill, never the na
 task of a prefix this worker has profiled since the scheduler restricted it is retuned here before
 it starts (a task under ``small`` goes to Dask's ready queue and runs as stock Dask runs it).
 
+**One container, several processes.** ``dask worker --nworkers 2`` (the Dask Helm chart's
+``worker.extraArgs``) gives each process the whole ``--memory-limit`` (Dask caps it at the
+container's cgroup limit only), while the kernel holds the container's processes together to that
+limit. Here a process' limit is its share of the container, the cgroup limit over the worker
+processes that share it (:func:`pod_share`: siblings under one ``dask worker``, counted every
+:data:`SIBLINGS_SECONDS`), when that is lower: the processes' rooms then add up to the container's,
+and they admit no more between them than it holds.
+
 **Probe.** A task of a prefix never profiled arrives asking for the whole capacity of the smallest
 worker (the scheduler's probe): here, unless this worker has profiled its prefix since, it
 starts only when no other restricted task runs, and takes all the room there is. So the first wave of
@@ -38,10 +46,12 @@ Imports nothing of memops but its siblings (sent by value to a stock Dask image)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import fnmatch
 import gc
 import logging
+import re
 import statistics
 import threading
 import time
@@ -80,6 +90,8 @@ MAX_PREFIXES = 4096
 """Prefixes profiled, at most: the least recently observed is forgotten first."""
 MAX_PREFIX_CHARS = 200
 MAX_PEAK = 2**50
+SIBLINGS_SECONDS = 5.0
+"""How often the worker processes that share this one's container are counted again."""
 MAX_REPORTED = 64
 """Peaks in one report, at most (the scheduler reads no more from one)."""
 
@@ -149,6 +161,37 @@ def room(
     return max(0.0, pause * limit - process + credit + max(0, min(spillable, process - credit)))
 
 
+def pod_share(own: int, container: int, processes: int) -> int:
+    """A worker process' memory limit for admission: its own (``--memory-limit``), or its share of
+    the container's limit among the ``processes`` that share the container, whichever is lower."""
+    if processes <= 1 or container <= 0 or own <= 0:
+        return own
+    return min(own, container // processes)
+
+
+def siblings(process: Any) -> int:
+    """The Dask worker processes in this one's container: those its parent (``dask worker``, whose
+    nannies start them) started as it started this one (the same command line, numbers aside: the
+    pipes that multiprocessing passes). At least 1."""
+    import psutil  # type: ignore[import-untyped]
+
+    def shape(p: Any) -> str:
+        return re.sub(r"\d+", "#", "\0".join(p.cmdline()))
+
+    try:
+        parent = process.parent()
+        mine = shape(process)
+        if parent is None:
+            return 1
+        found = 0
+        for child in parent.children():
+            with contextlib.suppress(psutil.Error):
+                found += shape(child) == mine
+        return max(1, found)
+    except psutil.Error:
+        return 1
+
+
 def level(prefix: str, annotation: Any, globs: Collection[str]) -> int:
     """How preemptible a task is: 0 (not), or 1 to 9 (the highest goes first). An annotation wins."""
     if annotation is True:
@@ -211,13 +254,15 @@ class Admission:
     """One worker's admission: its profiles, its room, its running tasks."""
 
     def __init__(self, worker: Any, settings: Settings) -> None:
-        import psutil  # type: ignore[import-untyped]
+        import psutil
 
         self.worker = worker
         self.settings = settings
         self.profiles = Profiles()
         self.process = psutil.Process()
         self.rss = int(self.process.memory_info().rss)
+        self.sharing = siblings(self.process)
+        self.counted = time.monotonic()
         self.running: dict[Any, Running] = {}
         self.retries: OrderedDict[Any, int] = OrderedDict()
         self.signalled: set[Any] = set()
@@ -263,7 +308,17 @@ class Admission:
 
     @property
     def limit(self) -> int:
-        return int(getattr(self.worker.memory_manager, "memory_limit", 0) or 0)
+        """This process' memory limit for admission (:func:`pod_share`)."""
+        from distributed.system import MEMORY_LIMIT
+
+        own = int(getattr(self.worker.memory_manager, "memory_limit", 0) or 0)
+        return pod_share(own, MEMORY_LIMIT, self.sharing)
+
+    def count_siblings(self) -> None:
+        now = time.monotonic()
+        if now - self.counted >= SIBLINGS_SECONDS:
+            self.counted = now
+            self.sharing = siblings(self.process)
 
     @property
     def pause(self) -> float:
@@ -352,6 +407,7 @@ class Admission:
 
     def tick(self) -> None:
         state = self.worker.state
+        self.count_siblings()
         if RESOURCE not in state.total_resources or not self.limit:
             return
         if self.capacity != self.told and (self.telling is None or self.telling.done()):

@@ -47,9 +47,9 @@ def four_threads(sandbox: Sandbox) -> None:
         )
 
 
-def restarts(sandbox: Sandbox) -> dict[str, tuple[str, int]]:
+def restarts(sandbox: Sandbox, app: str = "dask-worker") -> dict[str, tuple[str, int]]:
     """Each worker pod's container ID and restart count."""
-    pods = sandbox.get("pods", "-l", "app=dask-worker")["items"]
+    pods = sandbox.get("pods", "-l", f"app={app}")["items"]
     return {
         p["metadata"]["name"]: (s["containerID"], s["restartCount"])
         for p in pods
@@ -120,6 +120,61 @@ def test_a_spiky_workload_that_kills_stock_workers_finishes_under_admission(sand
     sandbox.kubectl("delete", "mempol/tasks")
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         sandbox.wait_for(lambda: not client.run_on_scheduler(installed), what="admission to leave with the policy")
+
+
+def chart_pods(sandbox: Sandbox, name: str) -> None:
+    """Two worker pods as the Dask Helm chart writes them, with ``worker.extraArgs: [--nworkers, 2]``:
+    no ``--name`` or ``--host``, ``--memory-limit`` the container's limit (2 GiB), so each of the
+    pod's two worker processes of 4 threads is told the whole container."""
+    body = sandbox_cli.worker_deployment(
+        sandbox.scheduler_address, 2, "2GiB", image=sandbox_cli.DASK_IMAGE, namespace=None
+    )
+    body["metadata"] = {"name": name, "labels": {"app": name}}
+    body["spec"]["selector"] = {"matchLabels": {"app": name}}
+    body["spec"]["template"]["metadata"] = {"labels": {"app": name}}
+    [container] = body["spec"]["template"]["spec"]["containers"]
+    container["args"] = ["$(DASK_SCHEDULER_ADDRESS)", "--nthreads", str(THREADS), "--memory-limit", "2GiB"]
+    container["args"] += ["--no-dashboard", "--nworkers", "2"]
+    sandbox.apply(body)
+
+
+def test_two_worker_processes_of_a_chart_pod_share_its_limit_under_admission(
+    sandbox_factory: Callable[..., Sandbox],
+) -> None:
+    """The spiky workload on two pods of two worker processes each (the chart's arguments with
+    ``--nworkers 2``). Stock Dask: each process thinks it has the pod's 2 GiB, 8 spikes land on a
+    pod at once, and the kernel kills worker processes at the container's limit (no nanny acts: no
+    process reaches 95% of its own 2 GiB). Under memops each process admits against its share of
+    the container (1 GiB): the right result, no process replaced, no container restarted."""
+    sandbox = sandbox_factory(0)
+    chart_pods(sandbox, "chart")
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        client.wait_for_workers(4, timeout=180)
+    outcome, before, after = run(sandbox)
+    replaced = len(before - after)
+    print(f"stock Dask: {outcome}; {replaced} of 4 worker processes replaced")
+    assert replaced >= 1 or outcome != "right", "stock Dask was meant to lose a worker process on this workload"
+
+    sandbox.apply(memory_policy("tasks", sandbox.scheduler_address, "chart", tasks={}))
+    with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
+        client.wait_for_workers(4, timeout=180)
+        sandbox.wait_for(lambda: len(suppliers(client)) == 4, what="every worker process supplies memops' resource")
+
+        def capacities(dask_scheduler: Any) -> list[float]:  # nested: sent by value
+            return sorted(dask_scheduler.resources.get("memops-memory", {}).values())
+
+        # Counted again every few seconds: a sibling may have started after a process' plugin did.
+        told = sandbox.wait_for(
+            lambda: (t := client.run_on_scheduler(capacities)) and len(t) == 4 and all(c <= 0.8 * GIB for c in t) and t,
+            what="each process to admit against its half of the pod's 2 GiB (a capacity of at most 819 MiB)",
+        )
+    print(f"capacities told: {[round(c / 2**20) for c in told]} MiB")
+    containers = restarts(sandbox, "chart")
+    outcome, before, after = run(sandbox)
+    print(f"memops: {outcome}; workers before {len(before)}, after {len(after)}")
+    assert outcome == "right"
+    assert before == after, "no worker process was killed by the nanny or the kernel"
+    assert restarts(sandbox, "chart") == containers
 
 
 GIB = 2**30

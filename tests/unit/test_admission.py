@@ -51,6 +51,47 @@ def test_room_counts_what_running_tasks_grew_once_not_twice() -> None:
     assert worker_admission.room(limit, pause, 500, [(300.0, 200)], spillable=10**9) == 800
 
 
+def test_processes_that_share_a_container_share_its_limit_when_their_own_add_up_past_it() -> None:
+    gib = 2**30
+    # `dask worker --nworkers 2 --memory-limit 2GiB` in a 2 GiB container: each process told 2 GiB.
+    assert worker_admission.pod_share(2 * gib, 2 * gib, 2) == gib
+    assert worker_admission.pod_share(gib, 2 * gib, 2) == gib, "limits that fit the container stay"
+    assert worker_admission.pod_share(gib, 24 * gib, 3) == gib, "a LocalCluster on a large machine"
+    assert worker_admission.pod_share(2 * gib, 2 * gib, 1) == 2 * gib
+    assert worker_admission.pod_share(0, 2 * gib, 2) == 0, "no limit: nothing to admit against"
+
+
+class _Process:
+    def __init__(self, *cmdline: str, children: tuple[_Process, ...] = (), parent: _Process | None = None):
+        self.line = list(cmdline)
+        self.kids = children
+        self.up = parent
+
+    def cmdline(self) -> list[str]:
+        return self.line
+
+    def parent(self) -> _Process | None:
+        return self.up
+
+    def children(self) -> tuple[_Process, ...]:
+        return self.kids
+
+
+def test_the_siblings_are_the_processes_started_as_this_one_pipes_aside() -> None:
+    spawned = (
+        "python",
+        "-c",
+        "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd={}, pipe_handle={})",
+    )
+    me, other = (_Process(*(part.format(n, n + 2) for part in spawned)) for n in (5, 9))
+    tracker = _Process("python", "-c", "from multiprocessing.resource_tracker import main;main(5)")
+    me.up = _Process("dask", "worker", "--nworkers", "2", children=(me, other, tracker))
+    assert worker_admission.siblings(me) == 2
+    me.up = _Process("dask", "worker", children=(me, tracker))
+    assert worker_admission.siblings(me) == 1
+    assert worker_admission.siblings(_Process("dask", "worker", "--no-nanny")) == 1, "no parent: alone"
+
+
 def test_the_newest_task_of_the_highest_level_is_preempted_within_its_retries() -> None:
     running = [("old", 1.0, 1), ("new", 2.0, 1), ("keeper", 3.0, 0), ("urgent", 0.5, 5)]
     assert worker_admission.victim(running, {}, 3) == "urgent"
