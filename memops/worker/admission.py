@@ -3,9 +3,14 @@ its peak fits, and preempt a preemptible task before the nanny kills the whole w
 
 **Profile.** A thread samples the process' resident memory every :data:`SAMPLE_SECONDS` (one read
 of ``/proc/self/statm`` through psutil, about 10 us: 0.05% of one core at 20 ms). A task's peak is
-the most the process grew by while it ran, from the lowest sample since it started. Tasks that run at once see each
-other's growth, so one observation may overstate a task; a prefix's profile is the median of its
-last :data:`KEPT` observations (:class:`Profiles`), which an occasional overlap does not move.
+the most it grew the process by while it ran. Where tasks run at once, the growth between two samples
+is shared among them by the pages each one's thread touched for the first time meanwhile (its minor
+page faults, read from ``/proc/self/task/<tid>/stat``; faults of other threads are shared evenly,
+and memory given back is taken from each in proportion to what it holds: :func:`attribute`). A
+task's share is never more than the process grew by since it started, the measure where that file
+cannot be read. Without the faults, two tasks that ran together would each be seen holding both
+tasks' memory: a profile double the truth, and half the tasks admitted. A prefix's profile is the
+median of its last :data:`KEPT` observations (:class:`Profiles`).
 
 **Admit.** Dask's own worker resources do the admitting: a task of a profiled prefix whose peak is at
 least ``small`` carries the resource :data:`RESOURCE` (bytes) from the scheduler, and Dask's worker
@@ -192,6 +197,61 @@ def siblings(process: Any) -> int:
         return 1
 
 
+def attribute(
+    held: Mapping[Any, float],
+    caps: Mapping[Any, float],
+    delta: float,
+    faults: Mapping[Any, int],
+    other: int,
+    fresh: Collection[Any] = (),
+    busy: Collection[Any] = (),
+) -> dict[Any, float]:
+    """What each running task holds after the process' memory changed by ``delta`` bytes: growth is
+    shared by the new pages each task's thread touched (``faults``) and those touched elsewhere
+    (``other``: shared evenly among the ``fresh`` tasks, whose threads were not counted yet, where
+    there are some, else among all), or evenly where no page was touched; memory given back is taken
+    from each in proportion to what it ``held``, among the ``busy`` tasks (whose threads ran
+    meanwhile: a task asleep frees nothing) where they hold some. Each is kept within 0 and its
+    ``caps`` (what the process grew by since that task started)."""
+    if not held:
+        return {}
+    if delta >= 0:
+        takers = [key for key in held if key in fresh] or list(held)
+        weights = {key: faults.get(key, 0) + (other / len(takers) if key in takers else 0) for key in held}
+    else:
+        freeing = [key for key in held if key in busy and held[key] > 0] or list(held)
+        weights = {key: (held[key] if key in freeing else 0.0) for key in held}
+    result = dict(held)
+    left, open_ = float(delta), set(held)
+    # What one task's cap refuses goes to the others (a task's growth is not lost: that would
+    # understate a peak), until every one is at its cap or all is given.
+    while open_ and abs(left) > 0.5:
+        total, amount, capped = sum(weights[key] for key in open_), left, False
+        for key in list(open_):
+            share = weights[key] / total if total > 0 else 1 / len(open_)
+            value = result[key] + amount * share
+            bounded = min(max(0.0, value), max(0.0, caps[key]))
+            left -= bounded - result[key]
+            result[key] = bounded
+            if bounded != value:
+                open_.discard(key)
+                capped = True
+        if not capped:
+            break
+    return result
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    """The minor page faults and the CPU ticks (user and system) in a ``/proc`` ``stat`` file (its
+    10th, 14th and 15th fields), or None where it cannot be read."""
+    try:
+        with open(path, "rb") as file:
+            fields = file.read().rsplit(b")", 1)[1].split()
+        return int(fields[7]), int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def level(prefix: str, annotation: Any, globs: Collection[str]) -> int:
     """How preemptible a task is: 0 (not), or 1 to 9 (the highest goes first). An annotation wins."""
     if annotation is True:
@@ -246,8 +306,13 @@ class Running:
     level: int
     reserved: float = 0.0
     grown: int = 0
-    """The most the process grew by while it ran, from the lowest it had been since it started: a
-    task that starts while another frees its memory is not measured from the higher mark."""
+    """The most it held at once: its peak (:func:`attribute`)."""
+    held: float = 0.0
+    """What it holds now, of the process' growth since it started (:func:`attribute`)."""
+    tid: int | None = None
+    """Its thread's native ID, once Dask's executor thread has it."""
+    faults: tuple[int, int] | None = None
+    """Its thread's minor page faults and CPU ticks at the last sample."""
 
 
 class Admission:
@@ -261,6 +326,12 @@ class Admission:
         self.profiles = Profiles()
         self.process = psutil.Process()
         self.rss = int(self.process.memory_info().rss)
+        self.faults: int | None = None
+        """The process' minor page faults at the last sample while tasks ran."""
+        self.paged = _stat("/proc/self/stat") is not None
+        self.departed: list[float] = []
+        """What the tasks that ended since the last sample held (appended on the event loop)."""
+        """Whether page faults can be read (Linux): else each task is measured by the process' growth."""
         self.sharing = siblings(self.process)
         self.counted = time.monotonic()
         self.running: dict[Any, Running] = {}
@@ -286,12 +357,67 @@ class Admission:
                 rss = int(self.process.memory_info().rss)
             except Exception:  # the process is going away
                 return
-            self.rss = rss
-            for entry in list(self.running.values()):
-                if rss < entry.rss_low:
-                    entry.rss_low = rss
-                elif rss - entry.rss_low > entry.grown:
-                    entry.grown = rss - entry.rss_low
+            delta, self.rss = rss - self.rss, rss
+            entries = list(self.running.values())
+            for entry in entries:
+                entry.rss_low = min(entry.rss_low, rss)
+            self._attribute(entries, rss, delta)
+
+    def _attribute(self, entries: list[Running], rss: int, delta: int) -> None:
+        """Share the change between two samples among the running tasks (:func:`attribute`)."""
+        # What the tasks that ended since the last sample held left with them (their results, as
+        # Dask's managed memory, stay: over-counted, it is given to the running tasks, not taken).
+        departed, self.departed = self.departed, []
+        if not entries:
+            self.faults = None  # read nothing while no task runs
+            return
+        total = _stat("/proc/self/stat") if self.paged else None
+        if total is None:  # no /proc: each task is measured by the process' growth since it started
+            for entry in entries:
+                entry.grown = max(entry.grown, rss - entry.rss_low)
+            return
+        self._find_threads(entries)
+        counts: dict[Any, int] = {}
+        fresh, busy = [], []
+        for entry in entries:
+            now = _stat(f"/proc/self/task/{entry.tid}/stat") if entry.tid else None
+            if now is None or entry.faults is None:
+                fresh.append(entry.key)  # what its thread touched before it was counted is among the others'
+                busy.append(entry.key)
+            else:
+                counts[entry.key] = max(0, now[0] - entry.faults[0])
+                if now[1] > entry.faults[1]:
+                    busy.append(entry.key)
+            entry.faults = now
+        other = max(0, total[0] - self.faults - sum(counts.values())) if self.faults is not None else 0
+        self.faults = total[0]
+        held = attribute(
+            {e.key: e.held for e in entries},
+            {e.key: rss - e.rss_low for e in entries},
+            delta + sum(departed),
+            counts,
+            other,
+            fresh,
+            busy,
+        )
+        for entry in entries:
+            entry.held = held[entry.key]
+            entry.grown = max(entry.grown, int(entry.held))
+
+    def _find_threads(self, entries: list[Running]) -> None:
+        """The native thread IDs of the running tasks' threads, from Dask's executor bookkeeping."""
+        missing = {e.key: e for e in entries if e.tid is None}
+        if not missing:
+            return
+        try:
+            active = dict(self.worker.active_threads)  # thread ident -> key, kept by the executing threads
+        except RuntimeError:  # changed while copied: the next sample
+            return
+        for ident, key in active.items():
+            entry = missing.get(key)
+            thread = threading._active.get(ident)  # type: ignore[attr-defined]
+            if entry is not None and thread is not None:
+                entry.tid = thread.native_id
 
     def spillable(self) -> int:
         """The bytes of keys in memory that Dask spills to disk past its spill threshold: none when
@@ -346,18 +472,22 @@ class Admission:
     def finished(self, key: Any, finish: str) -> None:
         entry = self.running.pop(key, None)
         self.signalled.discard(key)
+        if entry is not None and entry.held:
+            self.departed.append(entry.held)
         if entry is None or finish not in ("memory", "rescheduled", "error"):
             return
-        peak = max(entry.grown, self.rss - entry.rss_low)
+        peak = entry.grown
         if finish == "rescheduled":
             # Its frames, and what they hold, live on in a reference cycle of its exception until
             # the collector runs: the next tick runs it.
             self.collect = True
             if self.profiles.peak(entry.prefix) is not None:
                 return  # stopped before its end: an observation of a part of it, among others'
-            # Tasks that grew together share the growth: a reservation above every worker's
-            # capacity would leave the task waiting for a worker that never comes.
-            peak //= 1 + len(self.running)
+            if not self.paged:
+                # Measured without page faults, tasks that grew together each hold all the growth:
+                # shared here, lest a reservation above every worker's capacity leave the task
+                # waiting for a worker that never comes.
+                peak //= 1 + len(self.running)
         self.profiles.add(entry.prefix, peak)
         self.unreported.append((entry.prefix, peak))
         self.retune(entry.prefix)

@@ -92,6 +92,33 @@ def test_the_siblings_are_the_processes_started_as_this_one_pipes_aside() -> Non
     assert worker_admission.siblings(_Process("dask", "worker", "--no-nanny")) == 1, "no parent: alone"
 
 
+def test_growth_is_shared_by_the_pages_each_tasks_thread_touched() -> None:
+    share = worker_admission.attribute
+    big = {"a": 10**12, "b": 10**12}
+    # a holds 300 MiB; b then grows by 300 MiB alone: a's share does not move.
+    assert share({"a": 300 * MIB, "b": 0}, big, 300 * MIB, {"b": 76_800}, 0) == {"a": 300 * MIB, "b": 300 * MIB}
+    # Both start together and each touches as many pages: half each, not all of it to both.
+    assert share({"a": 0, "b": 0}, big, 600 * MIB, {"a": 100, "b": 100}, 0) == {"a": 300 * MIB, "b": 300 * MIB}
+    # Pages touched by a thread that runs no task (the event loop) are shared evenly.
+    assert share({"a": 0, "b": 0}, big, 100 * MIB, {}, 50) == {"a": 50 * MIB, "b": 50 * MIB}
+    # A task whose thread was not counted yet (it just started) takes the pages touched elsewhere.
+    assert share({"a": 300 * MIB, "b": 0}, big, 100 * MIB, {"a": 0}, 40, fresh={"b"}) == {
+        "a": 300 * MIB,
+        "b": 100 * MIB,
+    }
+    # Memory given back leaves each in proportion to what it holds, among those whose threads ran.
+    assert share({"a": 300 * MIB, "b": 100 * MIB}, big, -200 * MIB, {}, 0) == {"a": 150 * MIB, "b": 50 * MIB}
+    assert share({"a": 300 * MIB, "b": 100 * MIB}, big, -50 * MIB, {}, 0, busy={"b"}) == {"a": 300 * MIB, "b": 50 * MIB}
+
+
+def test_a_tasks_share_is_never_more_than_the_process_grew_since_it_started_nor_below_zero() -> None:
+    # a's thread touched most pages, but the process grew by only 50 MiB since a started.
+    held = worker_admission.attribute({"a": 0, "b": 0}, {"a": 50 * MIB, "b": 10**12}, 400 * MIB, {"a": 9, "b": 1}, 0)
+    assert held == {"a": 50 * MIB, "b": 350 * MIB}, "what a's cap refuses is b's: no growth is lost"
+    assert worker_admission.attribute({"a": 10 * MIB}, {"a": 10**12}, -50 * MIB, {}, 0) == {"a": 0}
+    assert worker_admission.attribute({}, {}, 100, {}, 5) == {}
+
+
 def test_the_newest_task_of_the_highest_level_is_preempted_within_its_retries() -> None:
     running = [("old", 1.0, 1), ("new", 2.0, 1), ("keeper", 3.0, 0), ("urgent", 0.5, 5)]
     assert worker_admission.victim(running, {}, 3) == "urgent"
