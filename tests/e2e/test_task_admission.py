@@ -66,6 +66,14 @@ def suppliers(client: distributed.Client) -> list[str]:
     return list(client.run_on_scheduler(supplying))
 
 
+def why_replaced(sandbox: Sandbox, app: str = "dask-worker") -> str:
+    """What the worker pods' nannies and memops' plugin said of memory and restarts: for a failure's
+    message (the nanny says whether it killed a worker past 95%, or found it killed by a signal)."""
+    said = sandbox.kubectl("logs", "-l", f"app={app}", "--tail=400", "--prefix", check=False).stdout
+    words = ("memory", "restart", "killed", "signal", "memops")
+    return "\n".join(line for line in said.splitlines() if any(w in line.lower() for w in words))[-4000:]
+
+
 def run(sandbox: Sandbox) -> tuple[str, set[str], set[str]]:
     """The workload once: its outcome, and the workers before and after (a worker process that the
     nanny or the kernel killed comes back at another address)."""
@@ -105,7 +113,7 @@ def test_a_spiky_workload_that_kills_stock_workers_finishes_under_admission(sand
     outcome, before, after = run(sandbox)
     print(f"memops: {outcome}; workers before {len(before)}, after {len(after)}")
     assert outcome == "right"
-    assert before == after, "no worker process was killed by the nanny or the kernel"
+    assert before == after, f"no worker process was killed by the nanny or the kernel:\n{why_replaced(sandbox)}"
     assert restarts(sandbox) == containers and all(count == 0 for _, count in containers.values())
     status: dict[str, Any] = sandbox.wait_for(
         lambda: (
@@ -173,7 +181,9 @@ def test_two_worker_processes_of_a_chart_pod_share_its_limit_under_admission(
     outcome, before, after = run(sandbox)
     print(f"memops: {outcome}; workers before {len(before)}, after {len(after)}")
     assert outcome == "right"
-    assert before == after, "no worker process was killed by the nanny or the kernel"
+    assert before == after, (
+        f"no worker process was killed by the nanny or the kernel:\n{why_replaced(sandbox, 'chart')}"
+    )
     assert restarts(sandbox, "chart") == containers
 
 
