@@ -18,6 +18,7 @@ import kopf
 from memops import specs
 from memops.clients import daskrpc
 from memops.controllers import metrics, relief_install
+from memops.decisions import autoscaling
 from memops.specs.common import parse_quantity
 
 
@@ -32,14 +33,16 @@ def settings(spec: specs.TaskAdmissionSpec) -> dict[str, Any]:
     }
 
 
-def demand_action(spec: specs.MemoryPolicySpec, resizing: bool = False) -> str:
-    """What serves tasks whose peak fits no worker: a worker grown in place (``spec.resize``:
-    :func:`memops.decisions.resize_decisions.for_demand`, under way: ``resizing``), else one more
-    worker (``spec.autoscale``, within maxReplicas: :func:`memops.decisions.autoscaling.with_task_demand`),
-    or nothing."""
+def demand_action(
+    spec: specs.MemoryPolicySpec, resizing: bool = False, peak: int = 0, usage: autoscaling.Usage | None = None
+) -> str:
+    """What serves tasks whose peak (the largest waiting, ``peak``) fits no worker: a worker grown in
+    place (``spec.resize``: :func:`memops.decisions.resize_decisions.for_demand`, under way:
+    ``resizing``), else one more worker (``spec.autoscale``, where a new worker could start it:
+    :func:`memops.decisions.autoscaling.with_task_demand`), or nothing."""
     if resizing:
         return "Resize"
-    return "Scale" if spec.autoscale is not None else "None"
+    return "Scale" if spec.autoscale is not None and autoscaling.new_worker_fits(peak, usage) else "None"
 
 
 async def reconcile(
@@ -48,6 +51,7 @@ async def reconcile(
     spec: specs.MemoryPolicySpec,
     old: specs.TaskAdmissionStatus | None,
     resizing: bool = False,
+    usage: autoscaling.Usage | None = None,
     namespace: str,
     policy: str,
     logger: logging.Logger | logging.LoggerAdapter[Any],
@@ -72,7 +76,7 @@ async def reconcile(
         )
     figures.pop("owner")
     top = [specs.TaskPeak(**entry) for entry in figures.pop("top")]
-    action = demand_action(spec, resizing) if figures["demandTasks"] else ""
+    action = demand_action(spec, resizing, int(figures["demandBytes"]), usage) if figures["demandTasks"] else ""
     status = specs.TaskAdmissionStatus(top=top, demandAction=action, **figures)
     metrics.tasks_observed(namespace, policy, status)
     return status

@@ -455,6 +455,7 @@ class Policy:
             spec=spec,
             old=found.tasks,
             resizing=policy_decisions.serves_demand(status.resize, read.inputs.now),
+            usage=read.inputs.usage,
             namespace=self.namespace,
             policy=self.name,
             logger=self.logger,

@@ -200,15 +200,20 @@ def with_task_demand(
 
     Counted from the workers connected, as :func:`with_relief`: while the worker asked for starts,
     the same demand asks for no more; once it has joined, the tasks it admits leave the demand."""
-    if spec is None or tasks is None or not tasks.demandTasks or usage is None or not usage.workers:
+    if spec is None or tasks is None or not tasks.demandTasks:
         return desired, ""
-    room = PAUSE * usage.limit / usage.workers
-    if tasks.demandBytes > room:
+    if not new_worker_fits(tasks.demandBytes, usage):
         return desired, ""  # no new worker of this size could start it: more workers would not help
     wanted = min(max(desired, connected + 1), spec.maxReplicas)
     if wanted <= desired:
         return desired, ""
     return wanted, f"raised to {wanted}: {tasks.demandTasks} tasks wait for room that no worker has"
+
+
+def new_worker_fits(peak: int, usage: Usage | None) -> bool:
+    """Whether a new worker, of the connected workers' mean memory limit, could start a task of this
+    profiled peak (under its pause threshold)."""
+    return usage is not None and usage.workers > 0 and peak <= PAUSE * usage.limit / usage.workers
 
 
 def with_relief(desired: int, connected: int, starved: int, spec: specs.AutoscaleSpec | None) -> tuple[int, str]:

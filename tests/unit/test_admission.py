@@ -8,6 +8,7 @@ import pytest
 
 from memops import specs
 from memops.controllers import admission_install, metrics
+from memops.decisions import autoscaling
 from memops.scheduler import admission
 from memops.worker import admission as worker_admission
 
@@ -183,8 +184,15 @@ def test_the_spec_refuses_a_repeated_glob_and_a_preemption_threshold_at_the_nann
 def test_demand_is_served_by_scaling_else_nothing() -> None:
     base = {"scheduler": {"address": "tcp://s:8786"}, "workload": {"kind": "Deployment", "name": "w"}, "tasks": {}}
     assert admission_install.demand_action(specs.MemoryPolicySpec.model_validate(base)) == "None"
-    scaled = {**base, "autoscale": {"minReplicas": 1, "maxReplicas": 4, "targetMemoryUtilization": 60}}
-    assert admission_install.demand_action(specs.MemoryPolicySpec.model_validate(scaled)) == "Scale"
+    scaled = specs.MemoryPolicySpec.model_validate(
+        {**base, "autoscale": {"minReplicas": 1, "maxReplicas": 4, "targetMemoryUtilization": 60}}
+    )
+    two_of_1gib = autoscaling.Usage(workers=2, held=0, limit=2 * 2**30)
+    assert admission_install.demand_action(scaled, peak=700 * MIB, usage=two_of_1gib) == "Scale"
+    # A new worker of 1 GiB pauses at 819 MiB: it could not start a task of 900 MiB.
+    assert admission_install.demand_action(scaled, peak=900 * MIB, usage=two_of_1gib) == "None"
+    assert admission_install.demand_action(scaled, peak=700 * MIB, usage=None) == "None", "no worker to size one by"
+    assert admission_install.demand_action(scaled, resizing=True, peak=900 * MIB, usage=two_of_1gib) == "Resize"
 
 
 def test_only_the_top_prefixes_label_the_peak_gauge_and_a_prefix_that_leaves_them_loses_its_series() -> None:
