@@ -606,6 +606,8 @@ def test_a_grown_worker_keeps_the_capacity_that_waiting_tasks_need() -> None:
 )
 def test_the_demand_action_says_what_serves_it(resizing: bool, autoscale: Any, expected: str) -> None:
     from memops.controllers import admission_install
+    from memops.decisions import autoscaling
 
     spec = _spec(tasks={}, autoscale=autoscale, replicas=None if autoscale else 4)
-    assert admission_install.demand_action(spec, resizing) == expected
+    two_of_1gib = autoscaling.Usage(workers=2, held=0, limit=2 * Gi)
+    assert admission_install.demand_action(spec, resizing, 500 * Mi, two_of_1gib) == expected
