@@ -32,6 +32,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from memops.scheduler.placement import HELD
 from memops.worker import admission as worker_admission
 from memops.worker.admission import RESOURCE, Profiles, Settings, bounded_peak, bounded_prefix, requirement
 
@@ -182,8 +183,8 @@ class AdmissionPlugin(SchedulerPlugin):
         demand = [
             ts.resource_restrictions[RESOURCE]
             for ts in self.scheduler.unrunnable
-            if RESOURCE in (ts.resource_restrictions or {})
-        ]
+            if RESOURCE in (ts.resource_restrictions or {}) and HELD not in (ts.worker_restrictions or ())
+        ]  # a root that placement holds back waits for its turn, not for room
         self.figures.demandTasks = len(demand)
         self.figures.demandBytes = int(max(demand, default=0))
         self.figures.preempted = sum(self.preempted.values())

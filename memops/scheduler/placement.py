@@ -34,9 +34,16 @@ the root tasks they depend on and restrict each group to one worker. Where this 
   subscribed one, and the tasks Dask found no worker for go on at once. Removing placement lifts
   the restrictions it set.
 
-Root tasks restricted to a worker are not queued by the scheduler (it queues only unrestricted
-root-ish tasks); the worker still runs them one per thread in ``dask.order``'s priority, which
-reduces each subgraph before it starts the next.
+**Roots are paced as queuing paces them.** Dask queues only unrestricted root-ish tasks: a group's
+roots, restricted to its worker, would all be sent at once, and the worker, never idle, would
+compute the next root before the scheduler had sent the reduction of the last ones (one round trip
+later): partial results pile up, the more so the slower the network. So the plugin holds back a
+group's roots (no dependencies), restricted to :data:`HELD`, which no worker is: Dask parks them
+in ``no-worker``. It sends them on, in priority order and the groups in theirs, while their worker
+has fewer tasks processing than Dask's own queuing allows (``worker-saturation`` times its threads,
+at least one), plus :data:`AHEAD` per thread, after each task leaves ``processing``
+(:meth:`PlacementPlugin.refill`). A group whose roots turn out small (:data:`UNPACED_BYTES`) is sent
+on at once. Under ``worker-saturation: inf``, which turns Dask's queuing off, nothing is held.
 
 Like the agent's other modules, this imports nothing from memops beyond its package.
 """
@@ -46,6 +53,7 @@ from __future__ import annotations
 import math
 import operator
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -70,6 +78,16 @@ LOCATED = 0.9
 it is left to Dask."""
 CROSSING_LIMIT = 0.25
 """Above this share of a graph's edges between groups, the graph does not partition."""
+HELD = "memops-placement-held"
+"""The restriction of a root held back (no worker has this address): Dask keeps it in ``no-worker``."""
+_HELD = frozenset({HELD})
+AHEAD = 1
+"""Roots per thread that a worker is sent beyond what Dask's queuing would send it: one keeps each
+thread busy through the round trip in which the scheduler sends the next."""
+UNPACED_BYTES = 64 * 2**20
+"""A group whose roots, each the size of its largest root computed so far, add up to no more than
+this is sent on at once: pacing would save less memory than its round trips cost in time (roots
+that are their chunks' partial reductions already)."""
 
 T = TypeVar("T", bound=Hashable)
 
@@ -231,6 +249,12 @@ class PlacementPlugin(SchedulerPlugin):
         self.group_of: dict[Hashable, int] = {}
         self.home: dict[int, str] = {}
         self.next_group = 0
+        # group number -> its roots held back, in priority order (:meth:`refill`), and the largest
+        # output of its roots computed so far.
+        self.held: dict[int, deque[Any]] = {}
+        self.root_bytes: dict[int, int] = {}
+        self.roots: dict[int, int] = {}
+        self.refilling = False
 
     # The scheduler's hooks.
 
@@ -240,14 +264,28 @@ class PlacementPlugin(SchedulerPlugin):
         started = time.perf_counter()
         try:
             self._place(scheduler, tasks, annotations or {})
+            if self.held and not self.refilling:
+                # The first roots go once Dask has parked them, after this graph's transitions.
+                self.refilling = True
+                scheduler.loop.add_callback(self.refill)
         finally:
             took = time.perf_counter() - started
             self.figures.seconds += took
             self.figures.longest = max(self.figures.longest, took)
 
     def transition(self, key: Hashable, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if start == "processing" and self.held and not self.refilling:
+            # A slot may have opened: sent on once this stimulus' transitions are done (a hook may
+            # not start transitions of its own).
+            self.refilling = True
+            self.scheduler.loop.add_callback(self.refill)
         if key not in self.group_of:
             return
+        if start == "processing" and finish == "memory" and self.group_of[key] in self.held:
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and not ts.dependencies:
+                g = self.group_of[key]
+                self.root_bytes[g] = max(self.root_bytes.get(g, 0), ts.get_nbytes())
         # Kept until the scheduler forgets the task, not once it is computed: a result lost with
         # its worker is computed again, and must then follow its group's home too.
         if finish == "forgotten":
@@ -255,14 +293,52 @@ class PlacementPlugin(SchedulerPlugin):
             self.remaining[g] -= 1
             if self.remaining[g] <= 0:
                 del self.members[g], self.home[g], self.remaining[g]
+                self.held.pop(g, None)
+                self.root_bytes.pop(g, None)
+                self.roots.pop(g, None)
 
     def remove_worker(self, scheduler: Any, worker: str, **_: Any) -> None:
         # Dask has sent the tasks it ran back to waiting, and those of its groups to ``no-worker``.
         rehome(scheduler, [worker])
+        self.refill()
 
     def add_worker(self, scheduler: Any, worker: str) -> None:
         # Groups whose worker left while no other ran wait for this one.
         rehome(scheduler, [])
+        self.refill()
+
+    def refill(self) -> None:
+        """Send on held roots, the first groups' first, while their worker has a free slot."""
+        self.refilling = False
+        saturation = float(getattr(self.scheduler, "WORKER_SATURATION", 1.1))
+        slots: dict[str, int] = {}
+        sent: list[Any] = []
+        for number in sorted(self.held):
+            home = self.home.get(number, "")
+            ws = self.scheduler.workers.get(home)
+            if ws is None or ws not in self.scheduler.running:
+                continue  # rehome moves the group first
+            if home not in slots:
+                slots[home] = _slots(ws, saturation)
+            queue = self.held[number]
+            seen = self.root_bytes.get(number)
+            unpaced = seen is not None and seen * self.roots.get(number, 0) <= UNPACED_BYTES
+            while queue and (slots[home] > 0 or unpaced):
+                ts = queue[0]
+                if ts.worker_restrictions != _HELD or ts.state not in WAITING:
+                    queue.popleft()  # forgotten, or no longer placement's to hold
+                    continue
+                if ts.state != "no-worker":
+                    break  # not parked yet: Dask has not run this graph's transitions
+                queue.popleft()
+                ts.worker_restrictions = {home}
+                sent.append(ts)
+                slots[home] -= 1
+            if not queue:
+                del self.held[number]
+                self.root_bytes.pop(number, None)
+                self.roots.pop(number, None)
+        _send_on(self.scheduler, sent)
 
     def log_event(self, topic: Any, msg: Any) -> None:
         # A worker that stops running (paused, retiring: Dask logs the change before it takes the
@@ -297,6 +373,8 @@ class PlacementPlugin(SchedulerPlugin):
         homes = _homes(grouping.groups, running)
         group_of = self.group_of
         placed = 0
+        pace = not math.isinf(float(getattr(scheduler, "WORKER_SATURATION", 1.1)))
+        parked = set(_HELD)  # one set for every held root, as ``restriction`` below
         for members, home in zip(grouping.groups, homes, strict=True):
             if home is None:
                 continue
@@ -309,9 +387,18 @@ class PlacementPlugin(SchedulerPlugin):
             # One set for the group's tasks, not one each: Dask replaces a task's restrictions and
             # never changes them in place, and rehome and release replace them too.
             restriction = {home}
+            held = self.held.setdefault(number, deque()) if pace else None
             for ts in members:
-                ts.worker_restrictions = restriction
+                if held is not None and not ts.dependencies:
+                    ts.worker_restrictions = parked
+                    held.append(ts)
+                else:
+                    ts.worker_restrictions = restriction
                 group_of[ts.key] = number
+            if held is not None:
+                self.roots[number] = len(held)
+                if not held:
+                    del self.held[number]
         self.figures.graphs_placed += 1
         self.figures.groups += sum(home is not None for home in homes)
         self.figures.tasks_placed += placed
@@ -401,13 +488,21 @@ def rehome(scheduler: Any, leaving: Iterable[str]) -> int:
         # Every task that may still run follows its group's home: those that waited, and those
         # that ran on a worker that left, which Dask sent back with their old restriction.
         for ts in members:
-            if ts.state in WAITING and ts.worker_restrictions != {home}:
+            if ts.state in WAITING and ts.worker_restrictions != {home} and ts.worker_restrictions != _HELD:
                 ts.worker_restrictions = {home}
                 if ts.state == "no-worker":
                     unrunnable.append(ts)
     plugin.figures.rehomed += moved
     _send_on(scheduler, unrunnable)
     return moved
+
+
+def _slots(ws: Any, saturation: float) -> int:
+    """A worker's free slots as Dask's queuing counts them: its threads times ``worker-saturation``
+    (at least one), less the tasks it is processing (long-running ones aside)."""
+    return int(
+        max(math.ceil(saturation * ws.nthreads), 1) + AHEAD * ws.nthreads - (len(ws.processing) - len(ws.long_running))
+    )
 
 
 def _send_on(scheduler: Any, unrunnable: list[Any]) -> None:
@@ -431,6 +526,9 @@ def release(scheduler: Any, plugin: PlacementPlugin) -> None:
     plugin.home.clear()
     plugin.remaining.clear()
     plugin.group_of.clear()
+    plugin.held.clear()
+    plugin.root_bytes.clear()
+    plugin.roots.clear()
     _send_on(scheduler, unrunnable)
 
 

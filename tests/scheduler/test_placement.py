@@ -12,6 +12,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from distributed import Client
+from distributed.diagnostics.plugin import SchedulerPlugin
 from memops_sandbox import dask_direct
 
 from memops.scheduler import placement
@@ -71,6 +72,66 @@ async def test_the_seeds_sum_moves_almost_nothing_and_placement_off_is_stock(clu
     assert len(keys) == 160
     assert all(not cluster.scheduler.tasks[k].worker_restrictions for k in keys)
     del persisted
+
+
+class RootsProcessing(SchedulerPlugin):
+    """The most root tasks (no dependencies) that one worker was processing at once."""
+
+    name = "test-roots-processing"
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.on: dict[Any, str] = {}
+        self.most = 0
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if start == "processing":
+            self.on.pop(key, None)
+        ts = self.scheduler.tasks.get(key)
+        if finish == "processing" and ts is not None and not ts.dependencies and ts.processing_on is not None:
+            self.on[key] = ts.processing_on.address
+            self.most = max(self.most, sum(1 for w in self.on.values() if w == self.on[key]))
+
+
+async def most_roots_processing(cluster: processes.Cluster, graph: Any) -> tuple[int, Any]:
+    recorder = RootsProcessing(cluster.scheduler)
+    cluster.scheduler.add_plugin(recorder)
+    try:
+        result = await cluster.client.compute(graph)
+    finally:
+        cluster.scheduler.remove_plugin(RootsProcessing.name)
+    return recorder.most, result
+
+
+async def test_a_groups_roots_are_sent_as_dasks_queuing_sends_roots(cluster: processes.Cluster) -> None:
+    """Restricted to its worker, a group's roots are not queued by Dask: sent at once, the worker
+    would compute root after root while each reduction is a round trip away, and partial results
+    pile up. Placement holds them back: no worker processes more roots at once than queuing would
+    send it (``worker-saturation`` 1.1 times one thread: 2) and one more per thread. Under
+    ``worker-saturation: inf`` (queuing off, as co-assignment runs) none is held; nor are the roots
+    of a group whose roots turn out small (their sum under ``UNPACED_BYTES``)."""
+    await dask_direct.configure_placement(cluster.address, enabled=True, owner=OWNER)
+    bound = 2 + placement.AHEAD
+    x = da.ones((1_048_576, 160), chunks=(1_048_576, 1))  # 8 MiB per chunk: 20 roots a group, 160 MiB
+    most, total = await most_roots_processing(cluster, x.sum(axis=1).sum())
+    assert total == x.size
+    assert most <= bound, f"{most} roots processing at once on one worker"
+    saturation = cluster.scheduler.WORKER_SATURATION
+    cluster.scheduler.WORKER_SATURATION = float("inf")
+    try:
+        most_inf, total = await most_roots_processing(cluster, (x + 1).sum(axis=1).sum())
+    finally:
+        cluster.scheduler.WORKER_SATURATION = saturation
+    assert total == 2 * x.size
+    assert most_inf > bound, f"queuing off: {most_inf} roots at most at once on one worker"
+    small = da.ones((16_384, 160), chunks=(16_384, 1))  # 128 KiB per chunk
+    most_small, total = await most_roots_processing(cluster, small.sum(axis=1).sum())
+    assert total == small.size
+    assert most_small > bound, f"small roots: {most_small} at most at once on one worker"
+    print(f"roots at once on one worker: {most} paced, {most_inf} with worker-saturation inf, {most_small} small")
+    figures = await dask_direct.configure_placement(cluster.address, enabled=True, owner=OWNER)
+    assert figures is not None and figures["graphsPlaced"] >= 3, figures
+    assert not plugin_of(cluster).held, "nothing is left held back once the graphs are done"
 
 
 async def test_a_shuffle_and_an_opted_out_graph_are_left_to_dask(cluster: processes.Cluster) -> None:
