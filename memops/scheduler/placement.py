@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
@@ -59,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.scheduler import _task_slots_available
 from distributed.shuffle._core import P2PBarrierTask
 
 NAME = "memops-placement"
@@ -498,11 +500,11 @@ def rehome(scheduler: Any, leaving: Iterable[str]) -> int:
 
 
 def _slots(ws: Any, saturation: float) -> int:
-    """A worker's free slots as Dask's queuing counts them: its threads times ``worker-saturation``
-    (at least one), less the tasks it is processing (long-running ones aside)."""
-    return int(
-        max(math.ceil(saturation * ws.nthreads), 1) + AHEAD * ws.nthreads - (len(ws.processing) - len(ws.long_running))
-    )
+    """A worker's free slots as Dask's queuing counts them (its own ``_task_slots_available``), plus
+    :data:`AHEAD` per thread; unbounded under ``worker-saturation: inf`` (set while roots were held)."""
+    if math.isinf(saturation):
+        return sys.maxsize
+    return int(_task_slots_available(ws, saturation)) + AHEAD * int(ws.nthreads)
 
 
 def _send_on(scheduler: Any, unrunnable: list[Any]) -> None:
