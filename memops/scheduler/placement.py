@@ -69,7 +69,7 @@ OPT_OUT = "memops_placement"
 """The annotation with which a computation opts out: ``dask.annotate(memops_placement=False)``."""
 MAX_TASKS = 10_000
 """The largest graph placed, by default: larger ones are left to Dask. Placing holds the scheduler's
-event loop about 4 us per task (``bench/placement.py``), so that this bound keeps a hold near 40 ms."""
+event loop about 2 us per task (``bench/placement.py``), so that this bound keeps a hold near 20 ms."""
 SLICES = 2
 """Groups per worker, at least: a group holds at most half of a worker's share of the graph's tasks,
 so that groups can be dealt out about evenly (a worker idle at the end waits, as it may not steal),
@@ -102,6 +102,8 @@ class Grouping(Generic[T]):
     shared: list[T]
     edges: int = 0
     crossing: int = 0
+    outside: frozenset[int] = frozenset()
+    """The groups (by index) with a task that depends on a task outside the graph (computed before)."""
 
     @property
     def partitions(self) -> bool:
@@ -110,29 +112,36 @@ class Grouping(Generic[T]):
 
 
 def group(
-    order: Sequence[T], dependencies: Callable[[T], Iterable[T]], workers: int, slices: int = SLICES
+    order: Sequence[T],
+    dependencies: Callable[[T], Iterable[T]],
+    workers: int,
+    slices: int = SLICES,
+    identity: Callable[[T], Hashable] = lambda task: task,
 ) -> Grouping[T]:
     """Group the tasks of one graph, given in a topological order (every task after its
     dependencies), for ``workers`` workers: a group holds at most ``1 / (workers * slices)`` of the
-    graph's tasks. Dependencies outside ``order`` (keys computed before) are ignored. Linear in
-    tasks and edges, and written for speed (it runs inside the scheduler's ``update_graph``)."""
+    graph's tasks. Dependencies outside ``order`` (keys computed before) are ignored. Tasks are told
+    apart by ``identity``: the scheduler passes ``id``, which spares hashing its task states in
+    Python. Linear in tasks and edges, and written for speed (it runs in ``update_graph``)."""
     cap = max(1, math.ceil(len(order) / (max(1, workers) * max(1, slices))))
     parent: list[int] = []
     size: list[int] = []  # tasks per group, at its representative
-    label: dict[T, int] = {}
-    shared: list[T] = []
-    is_shared: set[T] = set()
+    label: dict[Hashable, int] = {}
+    is_shared: set[Hashable] = set()
+    reads: list[T] = []  # tasks that depend on a task outside the graph
     edges = crossing = 0
     for task in order:
         found = -1
         more: set[int] | None = None
         inner = 0
         for dep in dependencies(task):
-            g = label.get(dep)
+            g = label.get(identity(dep))
             if g is None:
-                if dep in is_shared:
+                if identity(dep) in is_shared:
                     inner += 1
-                continue  # outside the graph: computed before
+                else:
+                    reads.append(task)  # outside the graph: computed before
+                continue
             inner += 1
             while parent[g] != g:
                 parent[g] = g = parent[parent[g]]
@@ -144,37 +153,56 @@ def group(
                 more.add(g)
         edges += inner
         if not inner:
-            label[task] = len(parent)
-            parent.append(len(parent))
-            size.append(1)
-        elif found < 0:
-            shared.append(task)
-            is_shared.add(task)
-        elif more is None:
-            label[task] = found
-            size[found] += 1
-        elif sum(size[g] for g in more) < cap:
-            for g in more:
-                if g != found:
-                    parent[g] = found
-                    size[found] += size[g]
-            label[task] = found
-            size[found] += 1
+            found = len(parent)
+            parent.append(found)
+            size.append(0)
+        elif more is not None:
+            if sum(size[g] for g in more) >= cap:
+                found = -1
+                crossing += inner
+            else:
+                for g in more:
+                    if g != found:
+                        parent[g] = found
+                        size[found] += size[g]
+        if found < 0:
+            is_shared.add(identity(task))
         else:
-            shared.append(task)
-            is_shared.add(task)
-            crossing += inner
-    return Grouping(groups=_members(label, parent), shared=shared, edges=edges, crossing=crossing)
+            label[identity(task)] = found
+            size[found] += 1
+    return _grouping(order, label, parent, reads, identity, Grouping([], [], edges, crossing))
 
 
-def _members(label: Mapping[T, int], parent: list[int]) -> list[list[T]]:
-    """Each group's tasks, in the order given, from each task's label and the union-find."""
+def _grouping(
+    order: Sequence[T],
+    label: Mapping[Hashable, int],
+    parent: list[int],
+    reads: Iterable[T],
+    identity: Callable[[T], Hashable],
+    grouping: Grouping[T],
+) -> Grouping[T]:
+    """``grouping`` with each group's tasks, in the order given, from each task's label and the
+    union-find, the tasks in no group (shared), and the groups that read data computed before."""
     members: dict[int, list[T]] = {}
-    for task, g in label.items():
+    for task in order:
+        g = label.get(identity(task))
+        if g is None:
+            grouping.shared.append(task)
+            continue
         while parent[g] != g:
             g = parent[g]
         members.setdefault(g, []).append(task)
-    return list(members.values())
+    index = {g: i for i, g in enumerate(members)}
+    outside = set()
+    for task in reads:
+        g = label.get(identity(task))
+        if g is not None:
+            while parent[g] != g:
+                g = parent[g]
+            outside.add(index[g])
+    grouping.groups = list(members.values())
+    grouping.outside = frozenset(outside)
+    return grouping
 
 
 def assign(sizes: Sequence[int], load: Mapping[str, float], threads: Mapping[str, int]) -> list[str]:
@@ -365,14 +393,14 @@ class PlacementPlugin(SchedulerPlugin):
         new = self._new_tasks(scheduler.tasks, keys)
         if new is None:
             return
-        new.sort(key=_PRIORITY)
-        grouping = group(new, _DEPENDENCIES, len(running))
+        new.sort(key=_order_key(new, annotations))
+        grouping = group(new, _DEPENDENCIES, len(running), identity=id)
         if not grouping.partitions:
             self.figures.left("does not partition")
             return
         # ``group`` keeps the order of its input: the groups come in the priority order of their
         # first tasks, and each group's tasks in priority order.
-        homes = _homes(grouping.groups, running)
+        homes = _homes(grouping.groups, running, grouping.outside)
         group_of = self.group_of
         placed = 0
         pace = not math.isinf(float(getattr(scheduler, "WORKER_SATURATION", 1.1)))
@@ -389,18 +417,22 @@ class PlacementPlugin(SchedulerPlugin):
             # One set for the group's tasks, not one each: Dask replaces a task's restrictions and
             # never changes them in place, and rehome and release replace them too.
             restriction = {home}
-            held = self.held.setdefault(number, deque()) if pace else None
+            if not pace:
+                for ts in members:
+                    ts.worker_restrictions = restriction
+                    group_of[ts.key] = number
+                continue
+            held: deque[Any] = deque()
             for ts in members:
-                if held is not None and not ts.dependencies:
+                if ts.dependencies:
+                    ts.worker_restrictions = restriction
+                else:
                     ts.worker_restrictions = parked
                     held.append(ts)
-                else:
-                    ts.worker_restrictions = restriction
                 group_of[ts.key] = number
-            if held is not None:
+            if held:
+                self.held[number] = held
                 self.roots[number] = len(held)
-                if not held:
-                    del self.held[number]
         self.figures.graphs_placed += 1
         self.figures.groups += sum(home is not None for home in homes)
         self.figures.tasks_placed += placed
@@ -425,19 +457,37 @@ class PlacementPlugin(SchedulerPlugin):
 
 
 _PRIORITY = operator.attrgetter("priority")
+_GENERATION = operator.itemgetter(1)
+
+
+def _internal(ts: Any) -> int:
+    return ts.priority[2]  # type: ignore[no-any-return]
+
+
+def _order_key(new: Sequence[Any], annotations: Mapping[str, Any]) -> Callable[[Any], Any]:
+    """How to put a graph's tasks in priority order. Dask's priority is (-user priority, the graph's
+    generation, ``dask.order``'s place); where the first two are the same for every task (no task
+    annotated with a priority of its own, none left from an earlier graph), the place alone gives the
+    same order, and integers sort in a third of the time of tuples (``bench/placement.py``)."""
+    if "priority" in annotations or len(set(map(_GENERATION, map(_PRIORITY, new)))) > 1:
+        return _PRIORITY
+    return _internal
+
+
 _DEPENDENCIES = operator.attrgetter("dependencies")
 
 
-def _homes(groups: Sequence[list[Any]], running: Sequence[Any]) -> list[str | None]:
+def _homes(groups: Sequence[list[Any]], running: Sequence[Any], outside: Collection[int]) -> list[str | None]:
     """A worker for each group, or None for a group left to Dask. A group that reads data computed
     before (a persisted array) goes to the running worker that holds it, so that the data stays
     where it is; one whose such data is spread over workers is left to Dask, which places each of
     its tasks by where its inputs are. The other groups are dealt by :func:`assign`, counting what
-    the first took."""
+    the first took. Only the groups ``outside`` (by index) read data computed before."""
     load = {ws.address: float(len(ws.processing)) for ws in running}
     threads = {ws.address: ws.nthreads for ws in running}
     homes: list[str | None] = [""] * len(groups)
-    for index, members in enumerate(groups):
+    for index in sorted(outside):
+        members = groups[index]
         held: dict[str, int] = {}
         for ts in members:
             for dts in ts.dependencies:

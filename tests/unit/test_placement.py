@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 
 import dask.array as da
 from dask.core import get_dependencies
@@ -61,6 +62,17 @@ def test_keys_computed_before_are_not_part_of_the_graph() -> None:
     grouping = groups_of(list(deps), deps, 4)
     assert sorted(map(sorted, grouping.groups)) == [[f"map-{i}", f"next-{i}"] for i in range(8)]
     assert grouping.edges == 8 and grouping.shared == []
+    assert grouping.outside == frozenset(range(8))
+
+
+def test_only_the_groups_that_read_keys_computed_before_are_marked_so() -> None:
+    """Placement looks for where earlier data is held only for the groups that read some."""
+    deps: dict[object, set[object]] = {f"root-{i}": set() for i in range(6)}
+    deps.update({f"next-{i}": {f"root-{i}"} for i in range(6)})
+    deps["next-4"] = {"root-4", "persisted"}
+    grouping = groups_of(list(deps), deps, 2)
+    marked = [grouping.groups[i] for i in grouping.outside]
+    assert marked == [["root-4", "next-4"]]
 
 
 def test_a_group_never_grows_past_its_share_of_the_graph() -> None:
@@ -109,3 +121,15 @@ def test_every_task_is_in_one_group_or_shared_and_a_grouped_task_is_with_its_gro
     assert grouping.edges == sum(len(d) for d in deps.values())
     homes = placement.assign([len(g) for g in grouping.groups], {"a": 0.0, "b": 0.0}, {"a": 1, "b": 1})
     assert len(homes) == len(grouping.groups) and set(homes) <= {"a", "b"}
+
+
+def test_a_graph_sorts_by_dasks_order_alone_only_where_that_gives_dasks_priority_order() -> None:
+    """One generation and no priority annotation: the place in ``dask.order`` orders as the whole
+    priority does. Otherwise the whole priority is the key."""
+    same = [SimpleNamespace(priority=(0, 7, i)) for i in (5, 1, 4, 2, 3)]
+    key = placement._order_key(same, {})
+    assert sorted(same, key=key) == sorted(same, key=lambda ts: ts.priority)
+    assert key is not placement._PRIORITY
+    earlier = [*same, SimpleNamespace(priority=(0, 6, 9))]  # left from an earlier graph: first
+    assert placement._order_key(earlier, {}) is placement._PRIORITY
+    assert placement._order_key(same, {"priority": {"x": 1}}) is placement._PRIORITY
