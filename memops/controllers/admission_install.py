@@ -84,16 +84,13 @@ async def reconcile(
 
 async def remove(
     body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
-) -> bool:
-    """The policy is gone: so is its admission in the (vouched for) scheduler (best effort): whether
-    it is gone (or was never there); a failure is logged."""
+) -> None:
+    """The policy is gone: so is its admission in the (vouched for) scheduler (best effort)."""
     if not (body.get("status") or {}).get("tasks"):
-        return True
+        return
     try:
         await scheduler.configure_admission(
             settings=None, owner=relief_install.owner_of(str(body.metadata.namespace), str(body.metadata.name))
         )
-        return True
     except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
         logger.warning("task admission left in the scheduler: %s", exc)
-        return False

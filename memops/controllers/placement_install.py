@@ -64,15 +64,12 @@ async def reconcile(
 
 async def remove(
     body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
-) -> bool:
-    """The policy is gone: so is its placement in the (vouched for) scheduler (best effort): whether
-    it is gone (or was never there); a failure is logged."""
+) -> None:
+    """The policy is gone: so is its placement in the (vouched for) scheduler (best effort)."""
     if not (body.get("status") or {}).get("placement"):
-        return True
+        return
     try:
         owner = relief_install.owner_of(str(body.metadata.namespace), str(body.metadata.name))
         await scheduler.configure_placement(enabled=False, max_tasks=1, owner=owner)
-        return True
     except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
         logger.warning("placement left in the scheduler: %s", exc)
-        return False

@@ -64,9 +64,6 @@ from memops.worker import links
 
 _IDLE_SECONDS = 2.0
 _STEADY_SECONDS = 10.0
-_GOODBYE_ATTEMPTS = 3
-_GOODBYE_PAUSE_SECONDS = 2.0
-"""A deleted policy's goodbye waits this long, then twice as long, between its attempts."""
 _MEMORY_REFRESH_SECONDS = 15.0
 """A status change of the memory figures alone is written at most this often (the HPA's sync period)."""
 _HOOK_EVENTS_SECONDS = 15.0
@@ -674,62 +671,28 @@ class Policy:
 
     async def goodbye(self) -> None:
         """The policy is gone: its pressure relief, replication, placement and task admission leave the
-        scheduler, each on a connection vouched for by a fresh tenancy check. Best effort, but tried
-        :data:`_GOODBYE_ATTEMPTS` times: a scheduler briefly out of reach (its worker pods churning)
-        would otherwise keep a deleted policy's plugins for as long as it runs. Not again where the
-        namespace is being deleted: its scheduler goes with it."""
+        scheduler (best effort), on one connection vouched for by a fresh tenancy check."""
         await self.unprotect()
         status = self.body.get("status") or {}
-        removals = {
-            "pressure": relief_install.remove,
-            "replication": replication_install.remove,
-            "placement": placement_install.remove,
-            "tasks": admission_install.remove,
-        }
-        left = [remove for feature, remove in removals.items() if status.get(feature)]
-        if not left:
+        if not any(status.get(name) for name in ("pressure", "replication", "placement", "tasks")):
             return
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
-        except ValueError as exc:
+            async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as found:
+                await relief_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                await replication_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                await placement_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                await admission_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+        except (
+            daskrpc.SchedulerUnreachable,
+            daskrpc.Unvouched,
+            scheduler_tls.SecretUnusable,
+            kube.ApiError,
+            ValueError,
+        ) as exc:
             self.logger.warning(
                 "pressure relief, replication, placement and task admission left in the scheduler: %s", exc
             )
-            return
-        for attempt in range(_GOODBYE_ATTEMPTS):
-            if attempt:
-                await asyncio.sleep(_GOODBYE_PAUSE_SECONDS * attempt)
-            try:
-                async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as found:
-                    left = [r for r in left if not await r(self.body, scheduler=found.scheduler, logger=self.logger)]
-            except (
-                daskrpc.SchedulerUnreachable,
-                daskrpc.Unvouched,
-                scheduler_tls.SecretUnusable,
-                kube.ApiError,
-            ) as exc:
-                self.logger.warning("the scheduler's plugins not removed yet (attempt %d): %s", attempt + 1, exc)
-            if not left:
-                return
-            if attempt + 1 < _GOODBYE_ATTEMPTS and not await self.scheduler_may_return():
-                self.logger.warning(
-                    "%d of the policy's plugins left in the scheduler: every pod of the namespace is done or"
-                    " being deleted",
-                    len(left),
-                )
-                return
-        self.logger.warning(
-            "%d of the policy's plugins left in the scheduler after %d attempts", len(left), _GOODBYE_ATTEMPTS
-        )
-
-    async def scheduler_may_return(self) -> bool:
-        """Whether a scheduler out of reach is worth asking again: not when the namespace is being
-        deleted (every pod done or on its way out), which takes the scheduler with it."""
-        try:
-            pods, _ = await workloads.namespace_pods(self.client, self.namespace)
-        except kube.ApiError:
-            return False
-        return snapshots.staying(pods)
 
     async def unprotect(self, *, workload: bool = True) -> None:
         """The policy is gone: the disruption annotations it set leave the pods (best effort); left
@@ -1065,16 +1028,14 @@ def _register_daemon(
 ) -> None:
     """One daemon per policy, running its passes (:func:`_loop`)."""
 
-    # The backoff lets a deleted policy's daemon finish its pass and its goodbye (three attempts, each
-    # a tenancy check of at most 5 s) before it is cancelled; the finalizer holds the policy meanwhile,
-    # so a policy created again under its name cannot have its plugins removed by the old goodbye.
+    # The backoff lets a deleted policy's daemon finish removing its relief before it is cancelled.
     @kopf.daemon(
         specs.GROUP,
         specs.VERSION,
         "memorypolicies",
         registry=registry,
         id="policy",
-        cancellation_backoff=30.0,
+        cancellation_backoff=5.0,
         cancellation_timeout=5.0,
     )
     async def policy(

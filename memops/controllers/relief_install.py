@@ -81,15 +81,12 @@ def _starved_message(starved: list[str], spec: specs.MemoryPolicySpec) -> str:
 
 async def remove(
     body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
-) -> bool:
-    """The policy is gone: so is its pressure relief in the (vouched for) scheduler (best effort): whether
-    it is gone (or was never there); a failure is logged."""
+) -> None:
+    """The policy is gone: so is its pressure relief in the (vouched for) scheduler (best effort)."""
     if not (body.get("status") or {}).get("pressure"):
-        return True
+        return
     try:
         owner = owner_of(str(body.metadata.namespace), str(body.metadata.name))
         await scheduler.configure_relief(above=None, to=None, owner=owner)
-        return True
     except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
         logger.warning("pressure relief left in the scheduler: %s", exc)
-        return False

@@ -110,15 +110,12 @@ async def annotate(
 
 async def remove(
     body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
-) -> bool:
-    """The policy is gone: so is its replication in the (vouched for) scheduler (best effort): whether
-    it is gone (or was never there); a failure is logged."""
+) -> None:
+    """The policy is gone: so is its replication in the (vouched for) scheduler (best effort)."""
     if not (body.get("status") or {}).get("replication"):
-        return True
+        return
     try:
         owner = relief_install.owner_of(str(body.metadata.namespace), str(body.metadata.name))
         await scheduler.configure_replication(rules=None, places={}, owner=owner)
-        return True
     except (daskrpc.SchedulerUnreachable, daskrpc.SchedulerRefused, KeyError) as exc:
         logger.warning("replication left in the scheduler: %s", exc)
-        return False

@@ -112,7 +112,6 @@ def pod_info(pod: objects.Obj) -> snapshots.PodInfo:
         node=str(spec.get("nodeName") or ""),
         host_network=bool(spec.get("hostNetwork")),
         host_ips=tuple(dict.fromkeys(host_ips)),
-        deleting=bool(pod["metadata"].get("deletionTimestamp")),
     )
 
 

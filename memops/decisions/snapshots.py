@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import itertools
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -114,7 +114,6 @@ class PodInfo:
     node: str = ""  # spec.nodeName: where it runs, once scheduled
     host_network: bool = False  # spec.hostNetwork: its IP is its node's
     host_ips: tuple[str, ...] = ()  # status.hostIP and status.hostIPs
-    deleting: bool = False  # metadata.deletionTimestamp: on its way out
 
     @property
     def terminated(self) -> bool:
@@ -128,12 +127,6 @@ class PodInfo:
         hosts = {canonical_ip(ip) for ip in self.host_ips}
         on_host = self.host_network or any(canonical_ip(ip) in hosts for ip in self.ips)
         return not self.terminated and not on_host
-
-
-def staying(pods: Iterable[PodInfo]) -> bool:
-    """Whether any of ``pods`` is neither done nor being deleted: where none is (the namespace is
-    being deleted, with its scheduler), a scheduler out of reach will not come back."""
-    return any(not pod.terminated and not pod.deleting for pod in pods)
 
 
 def address_host(address: str) -> str:

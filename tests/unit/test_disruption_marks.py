@@ -23,7 +23,7 @@ import kopf
 import pytest
 
 from memops import cli
-from memops.clients import daskrpc, kube
+from memops.clients import kube
 from memops.controllers import policy
 from memops.decisions import disruption, objects, policy_findings, snapshots, timestamps
 
@@ -231,76 +231,3 @@ def test_the_operators_flags_refuse_what_would_protect_nothing_as_asked(capsys: 
     assert "'forever' is not a duration" in capsys.readouterr().err
     assert cli.main(["run", "--no-disruption-protection-in", "team,ml"]) == 2
     assert "'team,ml' is not a namespace name" in capsys.readouterr().err
-
-
-class _Replication:
-    """A vouched-for scheduler as the goodbye's removals use it: records each removal."""
-
-    def __init__(self) -> None:
-        self.removed: list[dict[str, Any]] = []
-
-    async def configure_replication(self, **kwargs: Any) -> None:
-        self.removed.append(kwargs)
-
-
-def _flaky_vetting(scheduler: _Replication, failures: int) -> tuple[list[int], Any]:
-    """``vetting.vetted`` whose first ``failures`` tenancy checks find the scheduler out of reach."""
-    calls: list[int] = []
-
-    @contextlib.asynccontextmanager
-    async def vetted(*_: Any, **__: Any) -> AsyncIterator[Any]:
-        calls.append(len(calls))
-        if len(calls) <= failures:
-            raise daskrpc.SchedulerUnreachable("tcp://dask-scheduler:8786", "no answer")
-        yield type("Found", (), {"scheduler": scheduler})()
-
-    return calls, vetted
-
-
-@pytest.mark.parametrize("failures", [0, 1, 2])
-async def test_a_deleted_policys_replication_leaves_the_scheduler_after_a_moment_out_of_reach(
-    monkeypatch: pytest.MonkeyPatch, failures: int
-) -> None:
-    """The goodbye tries again: a tenancy check that fails (the scheduler out of reach while a
-    worker pod comes back) is not the end of it, and what is removed once is not removed again."""
-    api = Api(["w"], [_pod("w-1", "w")])
-    api.status = {"replication": {"targets": 1}}
-    scheduler = _Replication()
-    calls, vetted = _flaky_vetting(scheduler, failures)
-    monkeypatch.setattr(policy.vetting, "vetted", vetted)
-    monkeypatch.setattr(policy, "_GOODBYE_PAUSE_SECONDS", 0.0)
-    await _reconciler(api, "w").goodbye()
-    assert len(calls) == failures + 1
-    assert [r["rules"] for r in scheduler.removed] == [None], "removed once, on the first check that passed"
-
-
-async def test_a_scheduler_out_of_reach_for_good_ends_the_goodbye_after_its_attempts(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    api = Api(["w"], [_pod("w-1", "w")])
-    api.status = {"replication": {"targets": 1}}
-    scheduler = _Replication()
-    calls, vetted = _flaky_vetting(scheduler, failures=10)
-    monkeypatch.setattr(policy.vetting, "vetted", vetted)
-    monkeypatch.setattr(policy, "_GOODBYE_PAUSE_SECONDS", 0.0)
-    with caplog.at_level(logging.WARNING, logger="test"):
-        await _reconciler(api, "w").goodbye()
-    assert len(calls) == policy._GOODBYE_ATTEMPTS
-    assert scheduler.removed == []
-    assert "1 of the policy's plugins left in the scheduler after 3 attempts" in caplog.text
-
-
-async def test_a_namespace_being_deleted_ends_the_goodbye_after_one_attempt(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Its scheduler goes with its pods: the goodbye does not spend its pauses asking again."""
-    pod = _pod("w-1", "w")
-    pod["metadata"]["deletionTimestamp"] = "2026-11-29T21:00:00Z"
-    api = Api(["w"], [pod])
-    api.status = {"replication": {"targets": 1}}
-    calls, vetted = _flaky_vetting(_Replication(), failures=10)
-    monkeypatch.setattr(policy.vetting, "vetted", vetted)
-    with caplog.at_level(logging.WARNING, logger="test"):
-        await _reconciler(api, "w").goodbye()
-    assert len(calls) == 1
-    assert "every pod of the namespace is done or being deleted" in caplog.text
