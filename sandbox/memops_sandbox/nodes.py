@@ -11,8 +11,10 @@ pulled from a registry.
 
 Everything the sandbox makes on the machine carries its name (:data:`PREFIX`): the bridges
 ``memops<i>``, the cgroups under ``/memops-sandbox``, the sockets under ``/run/memops-sandbox``,
-the mounts under the state directory. :func:`clean` removes exactly those, on stop and before
-the next start (a crash leaves shims, mounts, cgroups and bridges behind), and nothing else.
+the mounts under the state directory, and the two bind mounts that give each Node a mount
+namespace of its own (:mod:`memops_sandbox.node_mounts`). :func:`clean` removes exactly those, on
+stop and before the next start (a crash leaves shims, mounts, cgroups and bridges behind), and
+nothing else.
 One sandbox with real Nodes runs on a machine at a time: they would share bridge and cgroup
 names and kube-proxy's rules (:func:`exclusive`).
 
@@ -44,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from memops_sandbox import build, common, images
+from memops_sandbox import build, common, images, node_mounts
 from memops_sandbox.build import NodeBinaries
 
 logger = logging.getLogger(__name__)
@@ -547,6 +549,7 @@ def clean(state_dir: Path, count: int = 16) -> None:
     for root in (state_dir / "nodes", RUN_ROOT, DISK_ROOT):
         for point in _mounts_under(root):
             subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    node_mounts.unshare_all(DISK_ROOT)
     for hierarchy in made_hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             _remove_cgroup_tree(hierarchy / CGROUP_PARENT)
@@ -626,18 +629,20 @@ async def _start_runtime(
     aliases: Mapping[str, str],
     logs: Path,
 ) -> asyncio.subprocess.Process:
-    """The Node's containerd, its images in place: a copy of ``store`` (:func:`image_store`), or
-    imported now when there is none."""
+    """The Node's containerd, in a mount namespace of its own, its images in place: a copy of
+    ``store`` (:func:`image_store`, copied already by :func:`runtimes`), or imported now when there
+    is none."""
     from memops_sandbox import controlplane
 
-    if store is not None:
-        await asyncio.to_thread(_copy_store, store, containerd_root(node))
     containerd = await controlplane.spawn(
         f"containerd-{node.name}",
-        [str(binaries.containerd), f"--config={node.root / 'containerd.toml'}", "--log-level=warn"],
+        node_mounts.own_namespace(
+            [str(binaries.containerd), f"--config={node.root / 'containerd.toml'}", "--log-level=warn"]
+        ),
         logs,
         env=_runtime_env(binaries),
     )
+    (node.run / node_mounts.PID_FILE).write_text(f"{containerd.pid}\n")
     await _wait_for_socket(node.socket, containerd, 30)
     if store is None:
         await import_images(node, binaries, archives, aliases)
@@ -799,6 +804,10 @@ async def runtimes(
             make_cgroups(node)
             write_configs(node, binaries)
         store = await image_store(binaries, archives, aliases or {}, logs)
+        if store is not None:
+            # Hard links, so before the disk root becomes a mount of its own (no link crosses mounts).
+            await asyncio.gather(*(asyncio.to_thread(_copy_store, store, containerd_root(node)) for node in nodes))
+        node_mounts.share(DISK_ROOT)
         containerds = await asyncio.gather(
             *(_start_runtime(node, binaries, store, archives, aliases or {}, logs) for node in nodes)
         )
@@ -837,9 +846,10 @@ async def running(
             (node.root / "kubelet.yaml").write_text(yaml.safe_dump(config))
             kubeconfig = plane.client_kubeconfig(f"kubelet-{node.name}", certs.node_user(node.name), ("system:nodes",))
             spawned = time.time()
-            kubelet = await controlplane.spawn(
-                f"kubelet-{node.name}", kubelet_argv(node, binaries, kubeconfig), plane.logs, env=_runtime_env(binaries)
-            )
+            # In its containerd's mount namespace: the Node's own mounts (:mod:`memops_sandbox.node_mounts`).
+            namespace = node_mounts.node_pid(RUN_ROOT, node.name)
+            argv = node_mounts.joining(namespace, kubelet_argv(node, binaries, kubeconfig))
+            kubelet = await controlplane.spawn(f"kubelet-{node.name}", argv, plane.logs, env=_runtime_env(binaries))
             processes[f"kubelet-{node.name}"] = kubelet
             await _device_plugin_socket_bound(spawned, kubelet)
         processes["kube-proxy"] = await controlplane.spawn(

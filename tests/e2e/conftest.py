@@ -237,7 +237,11 @@ EVERY_FEATURE = [arg for value in sorted(set(permissions.FEATURE_GATED.values())
 SPILL_ROOT = "/var/lib/memops/spill"
 """The host directory that the scenarios' shared spill of medium Node uses, allowed as an
 administrator allows it (the chart's sharedSpill.hostRoots)."""
-EVERY_FEATURE += ["--set", f"sharedSpill.hostRoots=[{SPILL_ROOT}]"]
+NODE_SPILL_ROOT = "/var/lib/memops/node-spill"
+"""Another, for the test that mounts a tmpfs of its own there on each Node (in the Node's mount
+namespace), apart from what the others mount at :data:`SPILL_ROOT` on the machine."""
+SPILL_ROOTS = sorted([SPILL_ROOT, NODE_SPILL_ROOT])
+EVERY_FEATURE += ["--set", f"sharedSpill.hostRoots=[{', '.join(SPILL_ROOTS)}]"]
 # In-place growth, which the administrator allows per namespace: here in every one (each test's own).
 EVERY_FEATURE += ["--set", 'resize.namespaces=["*"]']
 

@@ -14,6 +14,7 @@ from typing import Any
 import distributed
 import pytest
 from memops_sandbox import common as sandbox_cli
+from memops_sandbox import node_mounts
 from memops_sandbox import nodes as real_nodes
 from memops_sandbox.nodes import memory_cgroup
 
@@ -153,7 +154,11 @@ def leftovers(before: frozenset[str] = frozenset()) -> dict[str, Any]:
         "bridges": [line.split()[0] for line in bridges.splitlines() if line.startswith(real_nodes.PREFIX)],
         "cgroups": [str(h) for h in real_nodes.made_hierarchies() if (h / real_nodes.CGROUP_PARENT).exists()],
         "directories": [str(d) for d in (real_nodes.RUN_ROOT, real_nodes.DISK_ROOT) if d.exists()],
-        "mounts": [line for line in mounts.splitlines() if "memops-sandbox" in line],
+        "mounts": [
+            line
+            for line in mounts.splitlines()
+            if "memops-sandbox" in line or line.split()[4] == str(node_mounts.HOST_MOUNTS)
+        ],
         "services": [line for line in nat.splitlines() if line.startswith("-N KUBE-SERVICES")],
         "pod networks": sorted(pod_networks() - before),
     }

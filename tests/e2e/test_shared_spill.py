@@ -24,7 +24,7 @@ from memops_sandbox import dask_direct
 from memops_sandbox import nodes as real_nodes
 
 from memops.decisions import shared_spill
-from tests.e2e.conftest import SPILL_ROOT, Sandbox
+from tests.e2e.conftest import SPILL_ROOT, SPILL_ROOTS, Sandbox
 from tests.e2e.test_policy import condition, memory_policy
 from tests.e2e.test_real_nodes import cgroup_limit, memory_stat, mount_type
 
@@ -358,7 +358,7 @@ def _node_medium(sandbox: Sandbox, swap_node: str, host_dir: Path) -> None:
     refusal = ready(sandbox, "elsewhere", shared_spill.READY, "False")
     assert refusal["reason"] == "HostPathNotAllowed", refusal
     assert refusal["message"].startswith("spec.sharedSpill.hostPath: "), refusal["message"]
-    assert f"must be one of {HOST_PATH};" in refusal["message"], refusal["message"]
+    assert f"must be one of {', '.join(SPILL_ROOTS)};" in refusal["message"], refusal["message"]
     sandbox.kubectl("scale", "deployment/elsewhere", "--replicas=1")
     (pod,) = running_pods(sandbox, "elsewhere", 1)
     assert pod["metadata"]["annotations"][shared_spill.ANNOTATION] == "Refused: HostPathNotAllowed"

@@ -1,90 +1,106 @@
-"""The shared spill and the zero-copy hand-over together, on the multi-node upstream sandbox.
+"""The shared spill and the zero-copy hand-over together, on the sandbox's real Nodes.
 
 A MemoryPolicy gives a worker Deployment the ``Node`` medium of ``sharedSpill``; its workers run
-on both nodes of the sandbox, two on one node, whose tmpfs directories stand for the nodes' own
-tmpfs. One worker spills most of its data and an ordinary RetirementRequest drains it: every key
-survives, its spilled keys go to the worker on its own node by hardlink (the same inode in the
+on both Nodes, two on one. Each Node has a mount namespace of its own, and each its own tmpfs at
+the host path (mounted in that Node's namespace, as the chart's node DaemonSet mounts one on each
+node). One worker spills most of its data and an ordinary RetirementRequest drains it: every key
+survives, its spilled keys go to the worker on its own Node by hardlink (the same inode in the
 recipient's spill directory, no byte in any worker's transfer log), and the keys it held in memory
-go by the normal transfer, some of them to the worker on the other node. Then the neighbour,
-spilled too, retires with the only recipient on the other node: every key by transfer.
+go by the normal transfer, some of them to the worker on the other Node. Then the neighbour,
+spilled too, retires with the only recipient on the other Node: every key by transfer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import distributed
-import pytest
-from memops_sandbox import dask_direct
+from memops_sandbox import dask_direct, node_mounts
+from memops_sandbox import nodes as real_nodes
 
 from memops.decisions import shared_spill
-from tests.e2e.conftest import Sandbox, retirement_request
+from tests.e2e.conftest import NODE_SPILL_ROOT, Sandbox, retirement_request
 from tests.e2e.test_policy import memory_policy
-from tests.e2e.test_shared_spill import HOST_PATH, MIB, fill, node_tmpfs, ready, running_pods, worker_of, workers
+from tests.e2e.test_shared_spill import MIB, container_pid, fill, ready, running_pods, worker_of, workers
 
-pytestmark = pytest.mark.node_agent(
-    "the sandbox's real Nodes are kubelets of one machine, which share its mounts: a hostPath tmpfs is one "
-    "filesystem for all of them, so a worker on another Node that gets the keys by transfer cannot be shown there"
-)
-
-PLACEMENT = "e2e.memops.dev/placement"
 PIECES = 28  # of 20 MiB: 560 MiB on a worker whose Dask memory limit is 512 MiB (target 268 MiB)
 
 
-def place(sandbox: Sandbox, app: str, count: int, node: str, others: list[str]) -> list[dict[str, Any]]:
-    """Scale ``app`` to ``count`` with every node but ``node`` tainted, so the new pods land
-    there (a scale changes no template: the pods already running stay where they are). A taint
-    of its own, not a cordon: a cordon announces the node's end, and memops drains its workers."""
-    for other in others:
-        sandbox.kubectl("taint", "node", other, f"{PLACEMENT}=elsewhere:NoSchedule")
-    try:
-        sandbox.kubectl("scale", f"deployment/{app}", f"--replicas={count}")
-        pods = running_pods(sandbox, app, count)
-    finally:
-        for other in others:
-            sandbox.kubectl("taint", "node", other, f"{PLACEMENT}-")
-    assert sum(p["spec"]["nodeName"] == node for p in pods) >= 1
-    return pods
+@contextmanager
+def nodes_tmpfs(names: list[str]) -> Iterator[dict[str, Path]]:
+    """A tmpfs of its own at :data:`NODE_SPILL_ROOT` on each Node (its mount namespace): where the
+    machine sees each."""
+    with ExitStack() as stack:
+        options = "size=2g,mode=2770,nosuid,nodev,noexec"
+        yield {
+            node: stack.enter_context(node_mounts.node_tmpfs(real_nodes.RUN_ROOT, node, NODE_SPILL_ROOT, options))
+            for node in names
+        }
 
 
-def inodes(directory: Path, pattern: str = "*") -> dict[int, int]:
-    """inode -> size of the files in a worker's spill directory (``pattern``: in a tree)."""
-    found: dict[int, int] = {}
+def spread(deployment: dict[str, Any]) -> dict[str, Any]:
+    """The Deployment with its pods spread over the Nodes, at most one apart: three pods are two on
+    one Node and one on the other, in the test's own namespace whatever else runs."""
+    app = deployment["metadata"]["name"]
+    deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": {"app": app}},
+        }
+    ]
+    return deployment
+
+
+def inodes(directory: Path, pattern: str = "*") -> dict[tuple[int, int], int]:
+    """(device, inode) -> size of the files in a worker's spill directory (``pattern``: in a tree).
+    The device too: each Node's tmpfs numbers its inodes from the start."""
+    found: dict[tuple[int, int], int] = {}
     for path in directory.glob(pattern):
         try:
             st = path.stat()
         except FileNotFoundError:  # unspilled meanwhile
             continue
-        found[st.st_ino] = st.st_size
+        found[st.st_dev, st.st_ino] = st.st_size
     return found
 
 
 def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_rest(sandbox_factory: Any) -> None:
     sandbox: Sandbox = sandbox_factory(1)
     sandbox.kubectl("scale", "deployment/dask-worker", "--replicas=0")  # no recipient but the policy's
-    near, far = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])[:2]
-    host_dirs = {}
-    for node in (near, far):  # what the node DaemonSet does: the tmpfs at the host path
-        host_dirs[node] = node_tmpfs(sandbox, node) / "host" / HOST_PATH.lstrip("/")
-        host_dirs[node].mkdir(parents=True)
+    names = sorted(n["metadata"]["name"] for n in sandbox.get("nodes")["items"])[:2]
+    with nodes_tmpfs(names) as node_dirs:
+        handover(sandbox, node_dirs)
 
-    spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": HOST_PATH}
-    sandbox.apply(workers(sandbox.scheduler_address, "shared"))
+
+def handover(sandbox: Sandbox, node_dirs: dict[str, Path]) -> None:
+    spill = {"medium": "Node", "sizeLimit": "600Mi", "hostPath": NODE_SPILL_ROOT}
+    sandbox.apply(spread(workers(sandbox.scheduler_address, "shared")))
     sandbox.apply(memory_policy("shared", sandbox.scheduler_address, workload="shared", sharedSpill=spill))
     ready(sandbox, "shared", shared_spill.READY, "True")
-    place(sandbox, "shared", 2, near, [far])
-    pods = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in place(sandbox, "shared", 3, far, [near])}
+    sandbox.kubectl("scale", "deployment/shared", "--replicas=3")
+    placed = running_pods(sandbox, "shared", 3)
+    pods = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in placed}
+    (near,) = [n for n in node_dirs if sum(node == n for node in pods.values()) == 2]
+    (far,) = [n for n in node_dirs if n != near]
     drained, neighbour = sorted(p for p, n in pods.items() if n == near)
     (remote,) = [p for p, n in pods.items() if n == far]
+    # A worker's spill directory as the machine sees it: through its container's root.
+    roots = {p["metadata"]["name"]: Path(f"/proc/{container_pid(p)}/root") for p in placed}
+    devices = {node: directory.stat().st_dev for node, directory in node_dirs.items()}
+    assert devices[near] != devices[far], "each Node its own tmpfs"
 
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         found = {p: sandbox.wait_for(lambda p=p: _connected(client, p), what=f"worker {p}") for p in pods}
         address = {p: a for p, (a, _) in found.items()}
-        spill_dir = Path(found[drained][1]["local_directory"]) / "storage"
-        assert spill_dir.is_relative_to(host_dirs[near]), spill_dir
+        spill_dir = roots[drained] / Path(found[drained][1]["local_directory"]).relative_to("/") / "storage"
+        assert spill_dir.stat().st_dev == devices[near], "the worker spills into its Node's tmpfs"
         futures = fill(client, address[drained], pieces=PIECES)
         sandbox.wait_for(lambda: len(inodes(spill_dir)) >= PIECES // 2, what="spill")
         # The worker goes on spilling until its memory is under its target: the files it holds when
@@ -118,10 +134,11 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
         # A linked key is the same file: the drained worker's inode, now in
         # the neighbour's spill directory (read before anything reads the keys back, which would
         # unspill them), and none of them on the other node's tmpfs.
-        neighbour_dir = Path(found[neighbour][1]["local_directory"]) / "storage"
+        neighbour_dir = roots[neighbour] / Path(found[neighbour][1]["local_directory"]).relative_to("/") / "storage"
         shared = set(inodes(neighbour_dir)) & set(before)
         assert len(shared) == keys_linked, (len(shared), state)
-        assert not set(inodes(host_dirs[far], "**/*")) & set(before)
+        assert inodes(node_dirs[far], "**/*"), "the other Node's worker has its directory on that Node's tmpfs"
+        assert not set(inodes(node_dirs[far], "**/*")) & set(before)
         # The neighbour linked those files, it wrote none of them: the kernel charged their pages to
         # the drained worker's cgroup, and the neighbour reports none of them as its own.
         figures = asyncio.run(spill_shares(sandbox.scheduler_address))[address[neighbour]]
@@ -196,7 +213,7 @@ def test_a_retirement_links_spilled_keys_to_the_node_neighbour_and_sends_the_res
         del futures
 
 
-def steady(directory: Path) -> dict[int, int] | None:
+def steady(directory: Path) -> dict[tuple[int, int], int] | None:
     """:func:`inodes` of ``directory`` when a second look, a second later, finds the same files."""
     first = inodes(directory)
     time.sleep(1)
