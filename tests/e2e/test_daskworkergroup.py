@@ -106,6 +106,17 @@ def answers_as_dask(address: str) -> bool:
 DASK_KUBERNETES = "dask_kubernetes.operator.controller"
 
 
+def all_established(sandbox: Sandbox) -> bool:
+    crds = sandbox.get("crd")["items"]
+    return all(
+        any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in (crd.get("status") or {}).get("conditions") or []
+        )
+        for crd in crds
+    )
+
+
 @pytest.fixture
 def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
     """A sandbox with dask-kubernetes' CRDs and controller, and a DaskCluster of 3 workers."""
@@ -114,7 +125,9 @@ def dask_kubernetes(sandbox_factory: Any) -> Iterator[tuple[Sandbox, str]]:
     sandbox.kubectl("apply", "-f", str(charts))
     # A Kopf operator started before a CRD is Established may never serve it ("Unresolved resources
     # cannot be served"): on the real API server establishing takes a moment after the create.
-    sandbox.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    # Polled, not ``kubectl wait``: on the session's shared cluster another test may have just
+    # created a CRD with no conditions yet, on which ``kubectl wait crd --all`` fails at once.
+    sandbox.wait_for(lambda: all_established(sandbox), 60, "every CRD Established")
     log = (sandbox.state_dir / "dask-kubernetes.log").open("ab")
     controller = subprocess.Popen(
         [str(BIN / "kopf"), "run", "--standalone", f"--namespace={sandbox.namespace}", "-m", DASK_KUBERNETES],
