@@ -13,8 +13,9 @@ the machine, so that what tests and people read on it stays where it was:
   under it is every Node's (as a DaemonSet's mount on each node would be), and one mounted in a
   Node's namespace (:func:`node_tmpfs`) is that Node's alone.
 
-:func:`share` makes both shared on the machine before the first Node starts; :func:`unshare_all`
-takes them back (a bind mount each), and is part of the sandbox's clean-up.
+:func:`share` makes both shared on the machine before the first Node starts (a bind mount each);
+the sandbox's clean-up takes them back: the disk root's with the mounts under it, and
+:func:`unshare_host_mounts` the other.
 """
 
 from __future__ import annotations
@@ -57,14 +58,14 @@ def share(disk_root: Path) -> None:
         _mount("--make-shared", str(root))
 
 
-def unshare_all(disk_root: Path) -> None:
-    """The bind mounts of :func:`share` gone (lazily: what is mounted under them goes too), and
-    :data:`HOST_MOUNTS` removed when it is empty. A filesystem mounted at :data:`HOST_MOUNTS` (its
-    root ``/``: someone else's, not a bind mount of the directory) stays."""
-    for root in (disk_root, HOST_MOUNTS):
-        mounted = _mount_root(root) if root.exists() else None
-        if mounted is not None and mounted != "/":
-            subprocess.run(["umount", "-l", str(root)], capture_output=True, check=False)
+def unshare_host_mounts() -> None:
+    """The bind mount that :func:`share` made at :data:`HOST_MOUNTS` gone (lazily: what is mounted
+    under it goes too), and the directory removed when it is empty. A filesystem mounted there (its
+    root ``/``: someone else's, not a bind mount of the directory) stays. The disk root's bind mount
+    is one of the mounts under the disk root, which the sandbox's clean-up removes already."""
+    mounted = _mount_root(HOST_MOUNTS) if HOST_MOUNTS.exists() else None
+    if mounted is not None and mounted != "/":
+        subprocess.run(["umount", "-l", str(HOST_MOUNTS)], capture_output=True, check=False)
     with contextlib.suppress(OSError):
         HOST_MOUNTS.rmdir()
 

@@ -549,7 +549,7 @@ def clean(state_dir: Path, count: int = 16) -> None:
     for root in (state_dir / "nodes", RUN_ROOT, DISK_ROOT):
         for point in _mounts_under(root):
             subprocess.run(["umount", "-l", point], capture_output=True, check=False)
-    node_mounts.unshare_all(DISK_ROOT)
+    node_mounts.unshare_host_mounts()  # after the loop above, which takes the disk root's own
     for hierarchy in made_hierarchies():
         if (hierarchy / CGROUP_PARENT).exists():
             _remove_cgroup_tree(hierarchy / CGROUP_PARENT)
