@@ -57,7 +57,6 @@ PLANE_ONLY = (
     "sandbox/test_nodeagent.py",
     "sandbox/test_upstream_sandbox.py",
     "e2e/test_node_agent.py",
-    "e2e/test_shared_spill_handover.py",
 )
 """The test folders and files that start a control plane but no real Node (the ``plane`` fixture:
 etcd, kube-apiserver and the controller manager on free ports of the loopback, a state directory of

@@ -190,7 +190,8 @@ def test_memops_loses_nothing_within_the_window_and_records_what_a_hook_could_no
 
         (loss,) = sandbox.wait_for(recorded, 60, "the hook's loss in the policy's status")
         assert loss["pod"] == survivor and loss["cause"] == "deadline"
-        assert 0 < loss["keys"] < 400 and loss["bytes"] >= loss["keys"] * LATE
+        # Under load the deadline may pass before the first key moves: all 400 are then the loss.
+        assert 0 < loss["keys"] <= 400 and loss["bytes"] >= loss["keys"] * LATE
         labels = {"namespace": sandbox.namespace, "policy": "spot", "cause": "deadline"}
         assert scrape(sandbox, "memops_safety_net_lost_keys_total", **labels) == loss["keys"]
         assert scrape(sandbox, "memops_safety_net_lost_bytes_total", **labels) == loss["bytes"]
