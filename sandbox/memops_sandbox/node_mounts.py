@@ -25,6 +25,8 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from memops_sandbox import mountinfo
+
 HOST_MOUNTS = Path("/var/lib/memops")
 """Mounts made on the machine under here reach every Node; those made in a Node stay there."""
 PID_FILE = "mounts.pid"
@@ -38,13 +40,8 @@ def _mount(*args: str) -> None:
 def _mount_root(path: Path) -> str | None:
     """The root (within its filesystem) of the mount at ``path``, or None where nothing is mounted
     there: a bind mount of a directory onto itself has that directory's path, a filesystem ``/``."""
-    resolved = str(path.resolve())
-    found = None
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if fields[4].encode().decode("unicode_escape") == resolved:
-            found = fields[3].encode().decode("unicode_escape")  # the last one mounted there is on top
-    return found
+    found = mountinfo.at(path)
+    return found.root if found is not None else None
 
 
 def share(disk_root: Path) -> None:

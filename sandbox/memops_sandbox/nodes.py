@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from memops_sandbox import build, common, images, node_mounts
+from memops_sandbox import build, common, images, mountinfo, node_mounts
 from memops_sandbox.build import NodeBinaries
 
 logger = logging.getLogger(__name__)
@@ -479,17 +479,6 @@ def _remove_cgroup_tree(top: Path) -> None:
                 time.sleep(0.1)
 
 
-def _mounts_under(root: Path) -> list[str]:
-    resolved = str(root.resolve())
-    points = []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            point = line.split()[4].encode().decode("unicode_escape")
-            if point == resolved or point.startswith(resolved + "/"):
-                points.append(point)
-    return sorted(points, key=lambda p: -len(p))
-
-
 def _processes_mentioning(text: str) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
@@ -547,7 +536,7 @@ def clean(state_dir: Path, count: int = 16) -> None:
             _kill_cgroup_tree(hierarchy / CGROUP_PARENT)
     swap_off()
     for root in (state_dir / "nodes", RUN_ROOT, DISK_ROOT):
-        for point in _mounts_under(root):
+        for point in mountinfo.under(root):
             subprocess.run(["umount", "-l", point], capture_output=True, check=False)
     node_mounts.unshare_host_mounts()  # after the loop above, which takes the disk root's own
     for hierarchy in made_hierarchies():
@@ -712,7 +701,7 @@ def _remove_stores_but(kept: Path) -> None:
     left (its builder's snapshot mounts first)."""
     for old in IMAGE_STORES.iterdir():
         if old != kept:
-            for point in _mounts_under(old):
+            for point in mountinfo.under(old):
                 subprocess.run(["umount", "-l", point], capture_output=True, check=False)
             shutil.rmtree(old, ignore_errors=True)
 

@@ -14,7 +14,7 @@ from typing import Any
 import distributed
 import pytest
 from memops_sandbox import common as sandbox_cli
-from memops_sandbox import node_mounts
+from memops_sandbox import mountinfo, node_mounts
 from memops_sandbox import nodes as real_nodes
 from memops_sandbox.nodes import memory_cgroup
 
@@ -39,11 +39,8 @@ def memory_stat(pid: int) -> dict[str, int]:
 
 def mount_type(point: Path) -> str | None:
     """The filesystem type mounted at ``point`` on this machine, or None."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if fields[4].encode().decode("unicode_escape") == str(point):
-            return fields[fields.index("-") + 1]
-    return None
+    found = mountinfo.at(point)
+    return found.fstype if found is not None else None
 
 
 def hog_pod(name: str, limit: str, size: int) -> dict[str, Any]:
@@ -147,7 +144,6 @@ def leftovers(before: frozenset[str] = frozenset()) -> dict[str, Any]:
         pid for pid in real_nodes._processes_mentioning(str(real_nodes.RUN_ROOT)) if Path(f"/proc/{pid}").exists()
     ]
     bridges = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, check=True).stdout
-    mounts = Path("/proc/self/mountinfo").read_text()
     nat = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True, check=True).stdout
     found = {
         "processes": processes,
@@ -155,9 +151,7 @@ def leftovers(before: frozenset[str] = frozenset()) -> dict[str, Any]:
         "cgroups": [str(h) for h in real_nodes.made_hierarchies() if (h / real_nodes.CGROUP_PARENT).exists()],
         "directories": [str(d) for d in (real_nodes.RUN_ROOT, real_nodes.DISK_ROOT) if d.exists()],
         "mounts": [
-            line
-            for line in mounts.splitlines()
-            if "memops-sandbox" in line or line.split()[4] == str(node_mounts.HOST_MOUNTS)
+            m.line for m in mountinfo.mounts() if "memops-sandbox" in m.line or m.point == str(node_mounts.HOST_MOUNTS)
         ],
         "services": [line for line in nat.splitlines() if line.startswith("-N KUBE-SERVICES")],
         "pod networks": sorted(pod_networks() - before),

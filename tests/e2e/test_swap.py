@@ -24,6 +24,7 @@ from typing import Any
 import distributed
 import pytest
 from memops_sandbox import common as sandbox_cli
+from memops_sandbox import mountinfo
 from memops_sandbox import nodes as real_nodes
 from memops_sandbox.nodes import memory_cgroup
 
@@ -72,12 +73,10 @@ def swapped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
 
 def mount_options(point: Path) -> set[str]:
     """The mount options of the filesystem at ``point``, per-mount and per-superblock together."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if fields[4].encode().decode("unicode_escape") == str(point):
-            after = fields[fields.index("-") + 1 :]
-            return set(fields[5].split(",")) | set(after[2].split(","))
-    raise LookupError(f"nothing mounted at {point}")
+    found = mountinfo.at(point)
+    if found is None:
+        raise LookupError(f"nothing mounted at {point}")
+    return set(found.options)
 
 
 def spilling_worker(sandbox: Sandbox) -> dict[str, Any]:
