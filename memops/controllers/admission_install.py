@@ -86,8 +86,6 @@ async def remove(
     body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
 ) -> None:
     """The policy is gone: so is its admission in the (vouched for) scheduler (best effort)."""
-    if not (body.get("status") or {}).get("tasks"):
-        return
     try:
         await scheduler.configure_admission(
             settings=None, owner=relief_install.owner_of(str(body.metadata.namespace), str(body.metadata.name))

@@ -66,8 +66,6 @@ async def remove(
     body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
 ) -> None:
     """The policy is gone: so is its placement in the (vouched for) scheduler (best effort)."""
-    if not (body.get("status") or {}).get("placement"):
-        return
     try:
         owner = relief_install.owner_of(str(body.metadata.namespace), str(body.metadata.name))
         await scheduler.configure_placement(enabled=False, max_tasks=1, owner=owner)

@@ -85,6 +85,9 @@ _DISRUPTION_SECONDS = 15.0
 workers' unique bytes (the agent's holdings) and a list of the workload's pods. A node
 autoscaler waits minutes before it removes a node (cluster-autoscaler's scale-down-unneeded-time,
 10 min by default), so 15 s of delay leaves it nothing to remove in between."""
+_SCHEDULER_PARTS = ("pressure", "replication", "placement", "tasks")
+"""What a policy may set up in its scheduler, by the names of its spec's and its status' fields:
+pressure relief, replication targets, placement and task admission."""
 _KNOWN_WORKERS = 4096
 """Worker addresses whose pods the tenancy checks found, kept after the workers leave (the latest
 this many): a departed worker's pod may be gone by the time its loss is read."""
@@ -156,6 +159,10 @@ class Policy:
         # The kubelets' configurations (spec.eviction.nodePressure); memops run --kubelet-ca-file.
         self.kubelets = kubelets.Kubelets(kubelet_ca)
         self.known: dict[str, str] = {}  # worker address -> pod, from every tenancy check (the latest _KNOWN_WORKERS)
+        # What a pass of this daemon may have set up in the scheduler (status names), kept for the
+        # goodbye: a policy deleted while a pass runs refuses that pass' status patch, so that its
+        # status never says what the pass installed.
+        self.installed: set[str] = set()
         # The scheduler's departures up to this time (its clock) are decided: from the policy's creation
         # on, so that a new policy does not report what happened before it.
         self.losses_settled = _created(body)
@@ -419,6 +426,8 @@ class Policy:
         if read.scheduler is None or read.snapshot is None:
             return status
         spec, found = read.inputs.spec, read.inputs.status
+        parts = (spec.pressure, spec.replication, spec.placement, spec.tasks)
+        self.installed |= {name for name, part in zip(_SCHEDULER_PARTS, parts, strict=True) if part is not None}
         pressure = await relief_install.reconcile(
             scheduler=read.scheduler,
             spec=spec,
@@ -674,15 +683,21 @@ class Policy:
         scheduler (best effort), on one connection vouched for by a fresh tenancy check."""
         await self.unprotect()
         status = self.body.get("status") or {}
-        if not any(status.get(name) for name in ("pressure", "replication", "placement", "tasks")):
+        left = {name for name in _SCHEDULER_PARTS if status.get(name)} | self.installed
+        if not left:
             return
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
             async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as found:
-                await relief_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
-                await replication_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
-                await placement_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
-                await admission_install.remove(self.body, scheduler=found.scheduler, logger=self.logger)
+                removals = (
+                    ("pressure", relief_install.remove),
+                    ("replication", replication_install.remove),
+                    ("placement", placement_install.remove),
+                    ("tasks", admission_install.remove),
+                )
+                for name, remove in removals:
+                    if name in left:
+                        await remove(self.body, scheduler=found.scheduler, logger=self.logger)
         except (
             daskrpc.SchedulerUnreachable,
             daskrpc.Unvouched,

@@ -83,8 +83,6 @@ async def remove(
     body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
 ) -> None:
     """The policy is gone: so is its pressure relief in the (vouched for) scheduler (best effort)."""
-    if not (body.get("status") or {}).get("pressure"):
-        return
     try:
         owner = owner_of(str(body.metadata.namespace), str(body.metadata.name))
         await scheduler.configure_relief(above=None, to=None, owner=owner)

@@ -112,8 +112,6 @@ async def remove(
     body: kopf.Body, *, scheduler: daskrpc.Scheduler, logger: logging.Logger | logging.LoggerAdapter[Any]
 ) -> None:
     """The policy is gone: so is its replication in the (vouched for) scheduler (best effort)."""
-    if not (body.get("status") or {}).get("replication"):
-        return
     try:
         owner = relief_install.owner_of(str(body.metadata.namespace), str(body.metadata.name))
         await scheduler.configure_replication(rules=None, places={}, owner=owner)

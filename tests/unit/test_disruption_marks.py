@@ -17,6 +17,7 @@ import copy
 import datetime
 import logging
 from collections.abc import AsyncIterator, Mapping
+from types import SimpleNamespace
 from typing import Any, cast
 
 import kopf
@@ -231,3 +232,61 @@ def test_the_operators_flags_refuse_what_would_protect_nothing_as_asked(capsys: 
     assert "'forever' is not a duration" in capsys.readouterr().err
     assert cli.main(["run", "--no-disruption-protection-in", "team,ml"]) == 2
     assert "'team,ml' is not a namespace name" in capsys.readouterr().err
+
+
+class _Configured:
+    """A scheduler as the goodbye reaches it: what it is asked to remove."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
+    async def configure_relief(self, **_: Any) -> None:
+        self.removed.append("pressure")
+
+    async def configure_replication(self, **_: Any) -> None:
+        self.removed.append("replication")
+
+    async def configure_placement(self, **_: Any) -> None:
+        self.removed.append("placement")
+
+    async def configure_admission(self, **_: Any) -> None:
+        self.removed.append("tasks")
+
+
+def _reachable(monkeypatch: pytest.MonkeyPatch) -> tuple[_Configured, list[int]]:
+    scheduler, reached = _Configured(), []
+
+    @contextlib.asynccontextmanager
+    async def vetted(*_: Any, **__: Any) -> AsyncIterator[Any]:
+        reached.append(1)
+        yield SimpleNamespace(scheduler=scheduler)
+
+    monkeypatch.setattr(policy.vetting, "vetted", vetted)
+    return scheduler, reached
+
+
+async def test_the_goodbye_removes_what_a_pass_installed_though_its_status_never_said_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The policy was deleted while a pass installed replication and placement: that pass' status
+    patch was refused, so the status does not name them, and the goodbye removes them all the same."""
+    scheduler, _ = _reachable(monkeypatch)
+    api = Api(["w"], [_pod("w-1", "w")])
+    reconciler = _reconciler(api, "w")
+    reconciler.installed |= {"replication", "placement"}
+    await reconciler.goodbye()
+    assert scheduler.removed == ["replication", "placement"]
+
+
+async def test_the_goodbye_of_a_policy_that_installed_nothing_reaches_no_scheduler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing in the status, nothing installed by a pass: no connection (the namespace may be going)."""
+    _, reached = _reachable(monkeypatch)
+    await _reconciler(Api(["w"], [_pod("w-1", "w")]), "w").goodbye()
+    assert reached == []
+    api = Api(["w"], [_pod("w-1", "w")])
+    api.status = {"pressure": {"relieved": 1}}
+    scheduler, reached = _reachable(monkeypatch)
+    await _reconciler(api, "w").goodbye()
+    assert reached == [1] and scheduler.removed == ["pressure"], "what the status names is removed"
