@@ -153,6 +153,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     else:
         e2e.CLUSTER.owners_done()  # a no-op unless this lane ran tests that own the cluster
     if shared:
+        assert e2e.CLUSTER.session is not None
+        # The other lane's tests that own the cluster may still run (on a cold machine they start
+        # after the build): waited for here, not in the test's time.
+        e2e.CLUSTER.session.wait_owners()
         e2e.CLUSTER.enter(item, nextitem)
     elif not _owns(item):
         e2e.CLUSTER.leave()  # this lane's shared tests are done (a no-op until it ran one)
