@@ -85,9 +85,14 @@ _DISRUPTION_SECONDS = 15.0
 workers' unique bytes (the agent's holdings) and a list of the workload's pods. A node
 autoscaler waits minutes before it removes a node (cluster-autoscaler's scale-down-unneeded-time,
 10 min by default), so 15 s of delay leaves it nothing to remove in between."""
-_SCHEDULER_PARTS = ("pressure", "replication", "placement", "tasks")
-"""What a policy may set up in its scheduler, by the names of its spec's and its status' fields:
-pressure relief, replication targets, placement and task admission."""
+_REMOVALS = {
+    "pressure": relief_install.remove,
+    "replication": replication_install.remove,
+    "placement": placement_install.remove,
+    "tasks": admission_install.remove,
+}
+"""What a policy may set up in its scheduler, by the names of its spec's and its status' fields
+(pressure relief, replication targets, placement and task admission), and what removes each."""
 _KNOWN_WORKERS = 4096
 """Worker addresses whose pods the tenancy checks found, kept after the workers leave (the latest
 this many): a departed worker's pod may be gone by the time its loss is read."""
@@ -426,8 +431,7 @@ class Policy:
         if read.scheduler is None or read.snapshot is None:
             return status
         spec, found = read.inputs.spec, read.inputs.status
-        parts = (spec.pressure, spec.replication, spec.placement, spec.tasks)
-        self.installed |= {name for name, part in zip(_SCHEDULER_PARTS, parts, strict=True) if part is not None}
+        self.installed |= {name for name in _REMOVALS if getattr(spec, name) is not None}
         pressure = await relief_install.reconcile(
             scheduler=read.scheduler,
             spec=spec,
@@ -683,19 +687,13 @@ class Policy:
         scheduler (best effort), on one connection vouched for by a fresh tenancy check."""
         await self.unprotect()
         status = self.body.get("status") or {}
-        left = {name for name in _SCHEDULER_PARTS if status.get(name)} | self.installed
+        left = {name for name in _REMOVALS if status.get(name)} | self.installed
         if not left:
             return
         try:
             spec = specs.MemoryPolicySpec.model_validate(dict(self.body.spec))
             async with vetting.vetted(self.client, self.namespace, spec.scheduler, timeout=5) as found:
-                removals = (
-                    ("pressure", relief_install.remove),
-                    ("replication", replication_install.remove),
-                    ("placement", placement_install.remove),
-                    ("tasks", admission_install.remove),
-                )
-                for name, remove in removals:
+                for name, remove in _REMOVALS.items():
                     if name in left:
                         await remove(self.body, scheduler=found.scheduler, logger=self.logger)
         except (
