@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -41,7 +40,7 @@ from memops_sandbox import upstream
 
 from memops.decisions import permissions
 from tests import polling
-from tests.e2e import lanes
+from tests.e2e import lanes, reads
 
 BIN = Path(sys.executable).parent
 
@@ -92,7 +91,8 @@ class Sandbox:
         return self.kubectl("apply", "-f", "-", input=text, check=check)
 
     def get(self, *what: str) -> Any:
-        return json.loads(self.kubectl("get", *what, "-o", "json").stdout)
+        """``kubectl get WHAT -o json``'s object; read in this process where :mod:`reads` can."""
+        return reads.get(self.kubeconfig, what, lambda: self.kubectl("get", *what, "-o", "json").stdout)
 
     def pods(self) -> list[str]:
         items = self.get("pods", "-l", "app=dask-worker")["items"]

@@ -24,6 +24,7 @@ from memops_sandbox import build, upstream
 
 from memops.decisions import selectors
 from tests import polling
+from tests.e2e import reads
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 OPERATOR = "system:serviceaccount:memops-system:memops"
@@ -288,3 +289,49 @@ def test_sigterm_stops_every_component(tmp_path: Path) -> None:
 def _zombie(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split(")")[-1].split()[0] == "Z"
+
+
+READS = [
+    ("namespaces",),
+    ("ns", "kube-system"),
+    ("serviceaccounts", "-A"),
+    ("configmaps,serviceaccounts", "-n", "kube-system"),
+    ("clusterroles", "-l", "kubernetes.io/bootstrapping=rbac-defaults"),
+    ("ns", "--field-selector=metadata.name=default"),
+    ("retire", "read-back"),
+    ("retirementrequests.memops.dev", "--selector", "app=reads", "--namespace", "default"),
+    ("mempol",),
+]
+
+
+def test_the_tests_reads_print_what_kubectl_get_prints(plane: RunningPlane) -> None:
+    """The end-to-end tests read objects back in their own process (``tests/e2e/reads.py``): for
+    each form they use, the same JSON as ``kubectl get -o json``, the same refusal, and kubectl
+    itself for any other form. Nothing of these objects changes between the two reads."""
+    request = {
+        "apiVersion": "memops.dev/v1alpha1",
+        "kind": "RetirementRequest",
+        "metadata": {"name": "read-back", "namespace": "default", "labels": {"app": "reads"}},
+        "spec": {
+            "scheduler": {"address": "tcp://127.0.0.1:8786"},
+            "workload": {"kind": "Deployment", "name": "dask-worker"},
+            "count": 1,
+        },
+    }
+    plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(request))
+    reader = reads.reader(plane.state_dir / "kubeconfig")
+    assert reader is not None, "the admin kubeconfig's client certificate is static"
+    for args in READS:
+        query = reads.parse(args)
+        assert query is not None, args
+        ours = reader.get(query)
+        assert ours == plane.get(*args), args
+    listed = reader.get(reads.Query(("namespaces",)))
+    assert {item["kind"] for item in listed["items"]} == {"Namespace"}, "a list's items name their kind"
+    refused = plane.kubectl("get", "pod", "nope", "-n", "default", "-o", "json", check=False)
+    with pytest.raises(AssertionError) as raised:
+        reader.get(reads.Query(("pod",), "nope", namespace="default"))
+    assert refused.returncode != 0 and refused.stderr.strip() in str(raised.value)
+    for other in [("pods", "-o", "wide"), ("pod/web",), ("--raw", "/healthz"), ("pods", "a", "b"), ("pods", "-n")]:
+        assert reads.parse(other) is None, f"kubectl reads {other}"
+    assert reader.get(reads.Query(("nosuchthings",))) is None, "an unknown resource is kubectl's to report"

@@ -30,6 +30,7 @@ from memops_sandbox import nodeagent_env as envs
 from memops_sandbox import nodeagent_status as statuses
 
 from tests import polling
+from tests.e2e import reads
 
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"
 NODES = ["node-a", "node-b"]
@@ -250,7 +251,7 @@ class Plane:
         )
 
     def get(self, *what: str) -> Any:
-        return json.loads(self.kubectl("get", *what, "-o", "json").stdout)
+        return reads.get(self.admin, what, lambda: self.kubectl("get", *what, "-o", "json").stdout)
 
     def apply(self, manifest: dict[str, Any]) -> None:
         done = subprocess.run(
