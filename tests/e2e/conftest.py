@@ -436,13 +436,18 @@ def open_namespace(cluster: Sandbox, name: str, workers: int, directory: Path) -
     # connection hangs in SYN retries rather than failing, and its start takes half a minute.
     allowance = sandbox_cli.start_allowance(workers)
     asyncio.run(sandbox_cli.wait_for_workers(address, 0, allowance))
-    cluster.apply(sandbox_cli.worker_deployment(address, workers, namespace=name, image=sandbox_cli.DASK_IMAGE))
+    deployment = sandbox_cli.worker_deployment(address, workers, namespace=name, image=sandbox_cli.DASK_IMAGE)
+    deployment["spec"]["template"]["metadata"]["labels"][NAMESPACE_LABEL] = name
+    cluster.apply(deployment)
     asyncio.run(sandbox_cli.wait_for_workers(address, workers, allowance))
     return Sandbox(cluster.state_dir, cluster.process, namespace=name, kubeconfig=kubeconfig, scheduler_address=address)
 
 
 E2E_LABEL = "memops.dev/e2e"
 """On each test's namespace: what the session's sandbox holds for tests."""
+NAMESPACE_LABEL = "memops.dev/e2e-namespace"
+"""On each test's worker pods, their namespace: what selects them across namespaces (``kubectl
+drain --pod-selector`` has no namespace of its own)."""
 KINDS = "retirementrequests,memorypolicies"
 
 
@@ -557,8 +562,18 @@ def sandbox_factory(
         else:
             sandbox.stop()
     if shared:
+        leaked += uncordon(CLUSTER.get(tmp_path_factory))
         CLUSTER.start_spare()  # after a quiet test, or one whose spare it did not take
     assert not leaked, "the test left objects behind: " + "; ".join(leaked)
+
+
+def uncordon(cluster: Sandbox) -> list[str]:
+    """The session's Nodes schedulable again where a test (a drain's) left one cordoned: a
+    sentence for each, since the test should have done it."""
+    cordoned = [n["metadata"]["name"] for n in cluster.get("nodes")["items"] if n["spec"].get("unschedulable")]
+    for node in cordoned:
+        cluster.kubectl("uncordon", node, check=False)
+    return [f"Node {node} cordoned" for node in cordoned]
 
 
 @pytest.fixture

@@ -5,10 +5,12 @@ scattered data on every worker. ``kubectl drain`` evicts through ``pods/<name>/e
 API server calls memops' validating webhook over TLS, whose 429 ``kubectl drain`` retries on
 its own. Without memops the same drain loses the node's keys.
 
-The drain takes the node's Dask workers (``--pod-selector``): the Dask scheduler and memops'
-operator are pods of these two Nodes too, where a cluster runs them on nodes of their own (or
-keeps them with a PodDisruptionBudget of their own); evicting the scheduler would lose every key
-whatever any operator did.
+The drain takes the node's Dask workers of the test's namespace (``--pod-selector``): the Dask
+scheduler and memops' operator are pods of these two Nodes too, where a cluster runs them on nodes
+of their own (or keeps them with a PodDisruptionBudget of their own); evicting the scheduler would
+lose every key whatever any operator did. The drains run in the session's sandbox as ``quiet``
+tests (no other test runs meanwhile: a cordoned Node takes no new pod), and uncordon its Nodes when
+they end.
 """
 
 from __future__ import annotations
@@ -29,16 +31,38 @@ import pytest
 from memops_sandbox import certs, install
 from memops_sandbox import common as sandbox_cli
 
-from tests.e2e.conftest import BIN, SPREAD_OVER_NODES, Sandbox, spread_rolled_out
+from tests.e2e import audit
+from tests.e2e.conftest import BIN, NAMESPACE_LABEL, SPREAD_OVER_NODES, Sandbox, spread_rolled_out
 from tests.e2e.data import Holdings, scatter_unique
 
 WORKERS = 4
-WORKERS_ONLY = ("--ignore-daemonsets", "--pod-selector=app=dask-worker")
-"""What of a node ``kubectl drain`` evicts here: its Dask workers (see above)."""
 OPERATOR = "system:serviceaccount:memops-system:memops"
 
 
-DRAINS = pytest.mark.owns_cluster("it drains and cordons the Nodes")
+DRAINS = pytest.mark.quiet("it cordons and drains a Node of the session's sandbox: no other test runs meanwhile")
+
+
+def workers_only(sandbox: Sandbox) -> tuple[str, ...]:
+    """What of a node ``kubectl drain`` evicts here: this test's Dask workers (see above), not
+    those of another namespace (a spare one, waiting for the next test)."""
+    return ("--ignore-daemonsets", f"--pod-selector=app=dask-worker,{NAMESPACE_LABEL}={sandbox.namespace}")
+
+
+@pytest.fixture
+def drains(sandbox_factory: Callable[..., Sandbox]) -> Iterator[Callable[..., Sandbox]]:
+    """A namespace of the session's sandbox (``sandbox_factory``); its Nodes uncordoned at the
+    end, as an administrator does once a drained Node is back, before the next test."""
+    made: list[Sandbox] = []
+
+    def make(workers: int = WORKERS) -> Sandbox:
+        made.append(sandbox_factory(workers))
+        return made[-1]
+
+    yield make
+    for sandbox in made[:1]:
+        for node in sandbox.get("nodes")["items"]:
+            if node["spec"].get("unschedulable"):
+                sandbox.kubectl("uncordon", node["metadata"]["name"])
 
 
 @pytest.fixture
@@ -120,7 +144,7 @@ def drain(sandbox: Sandbox, node: str, timeout: int = 170) -> tuple[subprocess.C
     """``kubectl drain`` as an operator of the cluster runs it, with its own retry loop."""
     began = time.monotonic()
     result = subprocess.run(
-        [str(BIN / "kubectl"), "drain", node, *WORKERS_ONLY, f"--timeout={timeout}s"],
+        [str(BIN / "kubectl"), "drain", node, *workers_only(sandbox), f"--timeout={timeout}s"],
         capture_output=True,
         text=True,
         env=sandbox.env,
@@ -135,15 +159,16 @@ def eviction_requests(sandbox: Sandbox) -> list[dict[str, Any]]:
 
 
 @DRAINS
-def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> None:
-    sandbox = upstream()
+def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(drains: Callable[..., Sandbox]) -> None:
+    sandbox = drains()
+    since = len(audit.lines(sandbox.audit_log))
     policy(sandbox)
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         node, pods, holdings = setup(sandbox, client)
         # A server-side dry run: the API server calls the gate with dryRun (its sideEffects are
         # NoneOnDryRun), which answers as it would (429, as a PDB would) and starts nothing.
         dry = subprocess.run(
-            [str(BIN / "kubectl"), "drain", node, *WORKERS_ONLY, "--dry-run=server", "--timeout=8s"],
+            [str(BIN / "kubectl"), "drain", node, *workers_only(sandbox), "--dry-run=server", "--timeout=8s"],
             capture_output=True,
             text=True,
             env=sandbox.env,
@@ -168,11 +193,13 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
     assert sorted(request["spec"]["workers"]) == pods, "the node's workers drain together, in one request"
 
     # The node signals list and watch Nodes, allowed by the chart's RBAC (tests/packaging/test_rbac.py
-    # leaves these two to this check: only the upstream plane serves Nodes).
-    def operator_requests(resource: str) -> set[tuple[str, int, str]]:
+    # leaves these two to this check: only the upstream plane serves Nodes). The operator started
+    # with the session's sandbox: its reads of Nodes are in the audit log from then, the Lease of
+    # this test's policy since the test began.
+    def operator_requests(resource: str, since: int = 0) -> set[tuple[str, int, str]]:
         return {
             (e["verb"], e["responseStatus"]["code"], e["objectRef"].get("namespace", ""))
-            for e in map(json.loads, (sandbox.state_dir / "audit.log").read_text().splitlines())
+            for e in map(json.loads, (line for line in audit.lines(sandbox.audit_log)[since:] if OPERATOR in line))
             if e.get("user", {}).get("username") == OPERATOR
             and e.get("objectRef", {}).get("resource") == resource
             and "responseStatus" in e
@@ -183,7 +210,7 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
     # The gate decided under the policy's Lease (the lock between the operator's replicas): read,
     # created, given back, in the operator's own namespace (out of tenants' reach); allowed by the
     # chart's RBAC (tests/packaging/test_rbac.py leaves it here).
-    lease_requests = operator_requests("leases")
+    lease_requests = operator_requests("leases", since)
     own = install.NAMESPACE
     assert {("get", 404, own), ("create", 201, own), ("update", 200, own)} <= lease_requests, lease_requests
     assert {namespace for _, _, namespace in lease_requests} == {own}, lease_requests
@@ -193,8 +220,10 @@ def test_kubectl_drain_waits_for_the_drain_and_loses_nothing(upstream: Any) -> N
 
 
 @DRAINS
-def test_stock_kubectl_drain_loses_the_nodes_keys(upstream: Any) -> None:
-    sandbox = upstream(operator=False)
+def test_stock_kubectl_drain_loses_the_nodes_keys(drains: Callable[..., Sandbox]) -> None:
+    """No MemoryPolicy for this namespace's workers (memops runs, for other tenants): the drain is
+    stock, and the node's keys are lost."""
+    sandbox = drains()
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         node, pods, holdings = setup(sandbox, client)
         result, _ = drain(sandbox, node)
@@ -204,8 +233,8 @@ def test_stock_kubectl_drain_loses_the_nodes_keys(upstream: Any) -> None:
 
 
 @DRAINS
-def test_cordon_starts_the_drain_before_the_eviction(upstream: Any) -> None:
-    sandbox = upstream()
+def test_cordon_starts_the_drain_before_the_eviction(drains: Callable[..., Sandbox]) -> None:
+    sandbox = drains()
     policy(sandbox)
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         node, pods, holdings = setup(sandbox, client)
@@ -223,12 +252,12 @@ def test_cordon_starts_the_drain_before_the_eviction(upstream: Any) -> None:
 
 @DRAINS
 @pytest.mark.parametrize("on_timeout", ["Abort", "Force"])
-def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(upstream: Any, on_timeout: str) -> None:
+def test_a_drain_with_nowhere_to_go_ends_in_on_timeout(drains: Callable[..., Sandbox], on_timeout: str) -> None:
     """One worker: its data has nowhere to go. Abort keeps refusing (an event on the pod says so),
     and once there is room (a second worker, on the other Node) the same drain goes through, a
     new drain having moved the data; Force lets the eviction through and the request records the
     bytes lost."""
-    sandbox = upstream(workers=1)
+    sandbox = drains(1)
     policy(sandbox, drain={"timeout": "12s", "onTimeout": on_timeout})
     with distributed.Client(sandbox.scheduler_address, timeout=30) as client:
         sandbox.wait_for(lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == 1, 120, "the worker")
