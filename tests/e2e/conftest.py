@@ -39,8 +39,8 @@ from memops_sandbox import nodes as real_nodes
 from memops_sandbox import upstream
 
 from memops.decisions import permissions
-from tests import polling
-from tests.e2e import lanes, reads
+from tests import polling, reads
+from tests.e2e import lanes
 
 BIN = Path(sys.executable).parent
 

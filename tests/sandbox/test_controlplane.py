@@ -23,8 +23,7 @@ import yaml
 from memops_sandbox import build, upstream
 
 from memops.decisions import selectors
-from tests import polling
-from tests.e2e import reads
+from tests import polling, reads
 
 KUBECTL = Path(sys.executable).parent / "kubectl"
 OPERATOR = "system:serviceaccount:memops-system:memops"
@@ -305,7 +304,7 @@ READS = [
 
 
 def test_the_tests_reads_print_what_kubectl_get_prints(plane: RunningPlane) -> None:
-    """The end-to-end tests read objects back in their own process (``tests/e2e/reads.py``): for
+    """The end-to-end tests read objects back in their own process (``tests/reads.py``): for
     each form they use, the same JSON as ``kubectl get -o json``, the same refusal, and kubectl
     itself for any other form. Nothing of these objects changes between the two reads."""
     request = {

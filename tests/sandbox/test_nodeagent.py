@@ -29,8 +29,7 @@ from memops_sandbox import build, controlplane
 from memops_sandbox import nodeagent_env as envs
 from memops_sandbox import nodeagent_status as statuses
 
-from tests import polling
-from tests.e2e import reads
+from tests import polling, reads
 
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"
 NODES = ["node-a", "node-b"]

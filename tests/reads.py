@@ -96,12 +96,8 @@ class Reader:
     connection per thread, kept alive; the API's resources discovered on first use, and again
     when a name is not among them (a CRD installed since)."""
 
-    def __init__(self, kubeconfig: Path):
-        config = yaml.safe_load(kubeconfig.read_text())
-        context = next(c["context"] for c in config["contexts"] if c["name"] == config["current-context"])
-        cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
-        user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
-        self.namespace = str(context.get("namespace") or "default")
+    def __init__(self, cluster: dict[str, Any], user: dict[str, str], namespace: str):
+        self.namespace = namespace
         server = urllib.parse.urlsplit(cluster["server"])
         self.host, self.port = str(server.hostname), int(server.port or 443)
         ca = base64.b64decode(cluster["certificate-authority-data"]).decode()
@@ -120,13 +116,17 @@ class Reader:
         self.lock = threading.Lock()
         self.resources: dict[str, Resource] = {}
 
-    @staticmethod
-    def usable(kubeconfig: Path) -> bool:
-        """Whether the kubeconfig's user has static credentials (else kubectl reads them)."""
+    @classmethod
+    def of(cls, kubeconfig: Path) -> Reader | None:
+        """A reader with the kubeconfig's current context; None where its user's credentials are
+        not static (an exec plugin, a token file: kubectl reads those)."""
         config = yaml.safe_load(kubeconfig.read_text())
         context = next((c["context"] for c in config["contexts"] if c["name"] == config["current-context"]), {})
         users = [u["user"] for u in config.get("users", []) if u["name"] == context.get("user")]
-        return bool(users) and ("token" in users[0] or "client-certificate-data" in users[0])
+        if not users or not ("token" in users[0] or "client-certificate-data" in users[0]):
+            return None
+        cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
+        return cls(cluster, users[0], str(context.get("namespace") or "default"))
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -238,5 +238,5 @@ def reader(kubeconfig: Path) -> Reader | None:
     key = (kubeconfig, found.st_mtime_ns, found.st_size)
     with _READERS_LOCK:
         if key not in _READERS:
-            _READERS[key] = Reader(kubeconfig) if Reader.usable(kubeconfig) else None
+            _READERS[key] = Reader.of(kubeconfig)
         return _READERS[key]
